@@ -1,0 +1,126 @@
+// rankscope agent: the whole public C++ API of the in-process agent.
+//
+// One Agent per rank. The training thread calls Record() once per reported optimizer step; a
+// background thread streams the reports to the collector over one gRPC bidirectional stream
+// (Ingest.Stream) and keeps every report until the collector acknowledges that it is stored.
+//
+//   auto agent = rankscope::Agent::Create({.collector_address = "127.0.0.1:50051",
+//                                          .job = "exp-42", .rank = 3, .world_size = 8});
+//   ...
+//   (*agent)->Record(report);          // O(1), never blocks, never allocates in steady state
+//   (*agent)->Close(absl::Seconds(5)); // flushes what it can, then stops
+//
+// Delivery: at least once. Record() copies the report into a bounded ring of preallocated slots;
+// when the ring is full the oldest report is dropped and counted. The background thread moves
+// reports from the ring to the stream and keeps them in an unacked buffer (bounded by
+// max_unacked; overflow drops the oldest, counted) until acked; after a reconnect it resends
+// every unacked report first, in order. The count of dropped reports rides on every report.
+//
+// Connection: jittered exponential backoff from initial_backoff to max_backoff, reset when the
+// first message of a stream is received. A collector that is down never slows Record().
+//
+// Thread safety: Record() may be called from one thread at a time (the training thread);
+// Flush(), Close(), stats() and control() are thread-safe.
+#ifndef RANKSCOPE_AGENT_H_
+#define RANKSCOPE_AGENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "rankscope/sketch.h"
+
+namespace rankscope {
+
+inline constexpr char kAgentVersion[] = "0.1.0";
+
+struct AgentOptions {
+  std::string collector_address = "127.0.0.1:50051";
+  std::string job;                 // required, [A-Za-z0-9_.:-]{1,128}
+  uint32_t rank = 0;               // required, < world_size
+  uint32_t world_size = 1;         // required, >= 1
+  uint32_t sketch_dim = kDefaultSketchDim;
+  uint64_t sketch_seed = kDefaultSketchSeed;
+  uint32_t attempt = 0;            // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
+  std::string host;                // default: gethostname()
+  std::string framework_version;   // e.g. "torch 1.13.1"
+  std::string auth_token;          // sent in the hello when non-empty
+  size_t queue_capacity = 1024;    // ring slots between Record() and the sender
+  size_t max_unacked = 8192;       // reports kept for resending
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(10);
+};
+
+// One rank's view of one step. `sketch` must have exactly sketch_dim values.
+struct StepReport {
+  uint64_t step = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  absl::Span<const float> sketch;
+  std::optional<uint64_t> reduced_grad_fingerprint;
+  std::optional<uint64_t> param_fingerprint;
+  std::optional<double> reduced_grad_norm;
+  std::optional<double> step_time_seconds;
+  uint32_t local_batch_size = 0;
+};
+
+struct AgentStats {
+  uint64_t recorded = 0;   // Record() calls accepted
+  uint64_t sent = 0;       // reports written to a stream (resends included)
+  uint64_t acked = 0;      // reports the collector acknowledged as stored
+  uint64_t rejected = 0;   // reports the collector refused (never resent)
+  uint64_t dropped = 0;    // reports dropped (ring full or unacked buffer full)
+  uint64_t invalid = 0;    // Record() calls refused locally (e.g. wrong sketch length)
+  uint64_t reconnects = 0; // streams opened after the first
+  bool connected = false;  // a stream is open and its hello was sent
+  size_t queued = 0;       // in the ring
+  size_t unacked = 0;      // sent or waiting to be sent, not yet acked
+};
+
+// A control message pushed by the collector (rankscope ctl), to apply at `apply_at_step`.
+struct AgentControl {
+  uint64_t generation = 0;
+  uint64_t apply_at_step = 0;
+  bool enabled = true;
+  uint32_t every = 1;
+  uint32_t sketch_dim = 0;  // 0 = unchanged
+};
+
+class Agent {
+ public:
+  // Validates the options and starts the background thread. Does not wait for a connection.
+  // Errors: InvalidArgument naming the bad option.
+  static absl::StatusOr<std::unique_ptr<Agent>> Create(AgentOptions options);
+
+  virtual ~Agent() = default;  // Closes with a zero timeout if Close() was not called.
+
+  // Hands one report to the background thread. O(1); never blocks on I/O and never allocates
+  // once the ring is warm. Returns InvalidArgument (and counts it) if the sketch length is wrong,
+  // FailedPrecondition after Close().
+  virtual absl::Status Record(const StepReport& report) = 0;
+
+  // Waits until every report recorded so far is acked, or the timeout passes
+  // (DeadlineExceeded, with the number still unacked).
+  virtual absl::Status Flush(absl::Duration timeout) = 0;
+
+  // Flushes for at most `timeout`, then stops the background thread. Idempotent. Returns the
+  // Flush result; reports still unacked are lost (and counted as dropped).
+  virtual absl::Status Close(absl::Duration timeout) = 0;
+
+  virtual AgentStats stats() const = 0;
+
+  // The newest control message received, if any.
+  virtual std::optional<AgentControl> control() const = 0;
+
+  virtual const AgentOptions& options() const = 0;
+};
+
+}  // namespace rankscope
+
+#endif  // RANKSCOPE_AGENT_H_

@@ -1,0 +1,54 @@
+// Statistics of one joined step (DESIGN.md "The three metrics"). Pure functions, no state.
+//
+// Conventions (the brute-force reference in tests/collector/step_stats_test.cc uses the same):
+//  - std is the population standard deviation; range is max - min.
+//  - grad_norm_cv = std / mean, and 0 when std == 0 (all norms equal, including all zero).
+//  - The cosine of a zero vector with anything is 0. grad_cosine_mean is the mean over all
+//    W(W-1)/2 unordered pairs, computed in O(W k) as (|sum u_r|^2 - W_nz) / (W (W - 1)) where
+//    u_r = v_r / |v_r| for nonzero v_r, u_r = 0 otherwise, and W_nz counts nonzero sketches.
+//    It is NaN for W < 2 (no pairs).
+//  - consensus_cosine of rank r = cos(v_r, sum_{j != r} v_j); NaN for W < 2.
+//  - z-scores are (x - mean) / std, and 0 when std == 0.
+//  - Non-finite inputs propagate (NaN in, NaN out for the affected statistics); nothing crashes.
+#ifndef RANKSCOPE_COLLECTOR_STEP_STATS_H_
+#define RANKSCOPE_COLLECTOR_STEP_STATS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace rankscope::collector {
+
+struct RankSample {
+  uint32_t rank = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  absl::Span<const float> sketch;  // every sample of a step has the same length
+};
+
+struct RankStatistics {
+  uint32_t rank = 0;
+  double consensus_cosine = 0.0;
+  double loss_z = 0.0;
+  double grad_norm_z = 0.0;
+};
+
+struct StepStatistics {
+  uint32_t ranks = 0;
+  double loss_mean = 0.0;
+  double loss_std = 0.0;
+  double loss_range = 0.0;
+  double grad_norm_mean = 0.0;
+  double grad_norm_std = 0.0;
+  double grad_norm_cv = 0.0;
+  double grad_cosine_mean = 0.0;
+  std::vector<RankStatistics> per_rank;  // same order as the input samples
+};
+
+// Computes every statistic of one step in O(W k). `samples` may be empty (all fields zero/NaN).
+StepStatistics ComputeStepStatistics(absl::Span<const RankSample> samples);
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_STEP_STATS_H_
