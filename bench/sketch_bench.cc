@@ -1,1 +1,217 @@
-int main() { return 0; }  // placeholder
+// Count-sketch throughput beside the memory-bandwidth limit, on one thread, in one run.
+//
+// For each dtype, a buffer much larger than the last-level cache is filled once; the bench then
+// alternates, `reps` times, a plain streaming read of the whole buffer (a vectorized sum of its
+// 64-bit words: the most a kernel that reads every byte once can hope for) with one
+// CountSketch::Add over the same bytes, through each kernel path the CPU supports. It prints
+// input GB/s (1 GB = 1e9 bytes), best and median over the reps, and the ratio sketch / stream of
+// the best times. Results and the command line go to docs/PERFORMANCE.md "## Sketch kernel".
+//
+// Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000] [--isa=all|auto|scalar|avx2|avx512]
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "rankscope/sketch.h"
+
+namespace {
+
+using rankscope::CountSketch;
+using rankscope::ScalarType;
+using rankscope::sketch_internal::KernelIsa;
+
+struct Options {
+  size_t mib = 1024;
+  int reps = 5;
+  std::vector<uint32_t> dims = {1024, 1000};
+  std::string isa = "all";
+};
+
+bool ParseArgs(int argc, char** argv, Options* o) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const char* name, std::string* out) {
+      const std::string prefix = std::string("--") + name + "=";
+      if (!absl::StartsWith(arg, prefix)) return false;
+      *out = arg.substr(prefix.size());
+      return true;
+    };
+    std::string v;
+    if (value("mib", &v)) {
+      if (!absl::SimpleAtoi(v, &o->mib) || o->mib == 0) return false;
+    } else if (value("reps", &v)) {
+      if (!absl::SimpleAtoi(v, &o->reps) || o->reps <= 0) return false;
+    } else if (value("dims", &v)) {
+      o->dims.clear();
+      for (absl::string_view d : absl::StrSplit(v, ',')) {
+        uint32_t dim;
+        if (!absl::SimpleAtoi(d, &dim) || dim == 0 || dim > rankscope::kMaxSketchDim) return false;
+        o->dims.push_back(dim);
+      }
+    } else if (value("isa", &v)) {
+      o->isa = v;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The memory-bandwidth reference: reads every byte once, vectorized for the best ISA at hand.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+__attribute__((noinline)) uint64_t
+StreamSum(const uint64_t* words, size_t n) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) sum += words[i];
+  return sum;
+}
+
+volatile uint64_t g_sink;
+
+double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+template <class F>
+double TimeOnce(F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  return Seconds(std::chrono::steady_clock::now() - start);
+}
+
+struct Stats {
+  double best;
+  double median;
+};
+
+Stats Summarize(std::vector<double> seconds) {
+  std::sort(seconds.begin(), seconds.end());
+  return {seconds.front(), seconds[seconds.size() / 2]};
+}
+
+// Fills the buffer with values of `type` uniform in [-1, 1) (normal numbers, no NaN).
+void Fill(unsigned char* buf, size_t bytes, ScalarType type) {
+  uint64_t state = 12345;
+  auto next = [&state]() {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<float>(static_cast<int32_t>(state >> 32)) * 0x1p-31f;
+  };
+  if (type == ScalarType::kFloat32) {
+    for (size_t i = 0; i + 4 <= bytes; i += 4) {
+      const float f = next();
+      std::memcpy(buf + i, &f, 4);
+    }
+    return;
+  }
+  for (size_t i = 0; i + 2 <= bytes; i += 2) {
+    const float f = next();
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint16_t h;
+    if (type == ScalarType::kBFloat16) {
+      h = static_cast<uint16_t>(u >> 16);  // truncation: a bfloat16 of about f
+    } else {
+      // |f| < 1: a float16 with the same sign, a 10-bit mantissa and exponent clamped to normal.
+      const int exponent = std::max(static_cast<int>((u >> 23) & 0xff) - 127 + 15, 1);
+      h = static_cast<uint16_t>(((u >> 16) & 0x8000) | (exponent << 10) | ((u >> 13) & 0x3ff));
+    }
+    std::memcpy(buf + i, &h, 2);
+  }
+}
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "model name")) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+const char* TypeName(ScalarType t) {
+  switch (t) {
+    case ScalarType::kFloat32:
+      return "float32";
+    case ScalarType::kBFloat16:
+      return "bfloat16";
+    case ScalarType::kFloat16:
+      return "float16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  if (!ParseArgs(argc, argv, &opt)) {
+    std::fprintf(stderr,
+                 "usage: %s [--mib=1024] [--reps=5] [--dims=1024,1000] "
+                 "[--isa=all|auto|scalar|avx2|avx512]\n",
+                 argv[0]);
+    return 2;
+  }
+  std::vector<KernelIsa> isas;
+  for (KernelIsa isa : {KernelIsa::kAvx512, KernelIsa::kAvx2, KernelIsa::kScalar}) {
+    if (!rankscope::sketch_internal::KernelIsaSupported(isa)) continue;
+    const std::string name = rankscope::sketch_internal::KernelIsaName(isa);
+    if (opt.isa == "all" || opt.isa == name ||
+        (opt.isa == "auto" && isa == rankscope::sketch_internal::BestKernelIsa())) {
+      isas.push_back(isa);
+    }
+  }
+  if (isas.empty()) {
+    std::fprintf(stderr, "no supported kernel path matches --isa=%s\n", opt.isa.c_str());
+    return 2;
+  }
+
+  const size_t bytes = opt.mib << 20;
+  std::unique_ptr<uint64_t[]> storage(new uint64_t[bytes / 8]);
+  auto* buf = reinterpret_cast<unsigned char*>(storage.get());
+
+  std::printf("sketch_bench: %zu MiB buffer, %d reps (best, median in parentheses), one thread\n",
+              opt.mib, opt.reps);
+  std::printf("cpu: %s; Add uses the %s path\n", CpuModel().c_str(),
+              rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()));
+  std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
+              "sketch GB/s", "ratio", "Gcoord/s");
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    Fill(buf, bytes, type);
+    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
+    const size_t n = bytes / element;
+    for (uint32_t dim : opt.dims) {
+      for (KernelIsa isa : isas) {
+        CountSketch sketch(dim, rankscope::kDefaultSketchSeed);
+        std::vector<double> stream_s, sketch_s;
+        for (int r = 0; r < opt.reps; ++r) {
+          stream_s.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
+          sketch.Reset();
+          sketch_s.push_back(TimeOnce([&] {
+            rankscope::sketch_internal::AddWithIsa(sketch, isa, buf, type, n, 0);
+          }));
+          g_sink = static_cast<uint64_t>(sketch.bins()[0] != 0.0);
+        }
+        const Stats st = Summarize(stream_s);
+        const Stats sk = Summarize(sketch_s);
+        const double gb = bytes / 1e9;
+        std::printf("%-9s %5u %-7s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type), dim,
+                    rankscope::sketch_internal::KernelIsaName(isa), gb / st.best, gb / st.median,
+                    gb / sk.best, gb / sk.median, 100.0 * st.best / sk.best, n / sk.best / 1e9);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}

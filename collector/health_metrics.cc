@@ -1,1 +1,100 @@
-// placeholder
+#include "collector/health_metrics.h"
+
+#include <string>
+#include <vector>
+
+#include "prometheus/family.h"
+
+namespace rankscope::collector {
+namespace {
+
+prometheus::Counter* NewCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help) {
+  return &prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::Gauge* NewGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help) {
+  return &prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::Histogram* NewHistogram(prometheus::Registry& registry, const std::string& name,
+                                    const std::string& help) {
+  return &prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(
+      {}, HealthMetrics::LatencyBuckets());
+}
+
+}  // namespace
+
+const std::vector<double>& HealthMetrics::LatencyBuckets() {
+  static const std::vector<double>* const kBuckets =
+      new std::vector<double>{100e-6, 250e-6, 500e-6, 1e-3,   2.5e-3, 5e-3, 10e-3, 25e-3,
+                              50e-3,  100e-3, 250e-3, 500e-3, 1.0,    2.5,  5.0,   10.0};
+  return *kBuckets;
+}
+
+// The names below are constants that prometheus-cpp accepts, so nothing here throws.
+HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  reports_received_ = NewCounter(r, "rankscope_reports_received_total",
+                                 "Rank reports received from agents, before validation.");
+  auto& rejected = prometheus::BuildCounter()
+                       .Name("rankscope_reports_rejected_total")
+                       .Help("Reports, hellos and streams rejected, by reason.")
+                       .Register(r);
+  for (size_t i = 0; i < kRejectReasons.size(); ++i) {
+    rejected_[i] = &rejected.Add({{"reason", std::string(kRejectReasons[i])}});
+  }
+  reports_late_ = NewCounter(r, "rankscope_reports_late_total",
+                             "Reports received for a step that was already closed.");
+  reports_duplicate_ = NewCounter(r, "rankscope_reports_duplicate_total",
+                                  "Reports received again for a (job, rank, step) already held.");
+  steps_evicted_ = NewCounter(r, "rankscope_steps_evicted_total",
+                              "Open steps evicted by the per-job cap before they completed.");
+  ingest_latency_ =
+      NewHistogram(r, "rankscope_ingest_latency_seconds",
+                   "Time from a step's last report received to its statistics exported.");
+  store_commit_ = NewHistogram(r, "rankscope_store_commit_seconds",
+                               "Duration of one SQLite commit of a batch.");
+  store_errors_ = NewCounter(r, "rankscope_store_errors_total", "Failed SQLite operations.");
+  store_queue_depth_ =
+      NewGauge(r, "rankscope_store_queue_depth", "Items waiting for the SQLite writer thread.");
+  streams_open_ = NewGauge(r, "rankscope_streams_open", "Agent streams currently open.");
+}
+
+void HealthMetrics::ReportsReceived(uint64_t count) {
+  reports_received_->Increment(static_cast<double>(count));
+}
+
+void HealthMetrics::Rejected(absl::string_view reason) {
+  for (size_t i = 0; i < kRejectReasons.size(); ++i) {
+    if (kRejectReasons[i] == reason) {
+      rejected_[i]->Increment();
+      return;
+    }
+  }
+  rejected_[kRejectReasons.size() - 1]->Increment();  // kRejectInvalidReport
+}
+
+void HealthMetrics::ReportLate() { reports_late_->Increment(); }
+void HealthMetrics::ReportDuplicate() { reports_duplicate_->Increment(); }
+void HealthMetrics::StepEvicted() { steps_evicted_->Increment(); }
+
+void HealthMetrics::ObserveIngestLatency(absl::Duration latency) {
+  ingest_latency_->Observe(absl::ToDoubleSeconds(latency));
+}
+
+void HealthMetrics::ObserveStoreCommit(absl::Duration duration) {
+  store_commit_->Observe(absl::ToDoubleSeconds(duration));
+}
+
+void HealthMetrics::StoreError() { store_errors_->Increment(); }
+
+void HealthMetrics::SetStoreQueueDepth(size_t depth) {
+  store_queue_depth_->Set(static_cast<double>(depth));
+}
+
+void HealthMetrics::StreamOpened() { streams_open_->Increment(); }
+void HealthMetrics::StreamClosed() { streams_open_->Decrement(); }
+
+}  // namespace rankscope::collector

@@ -1,1 +1,106 @@
-// placeholder
+// The collector's own health metrics (DESIGN.md "Prometheus metrics"), registered in a
+// prometheus::Registry that the HTTP exposer serves beside JobMetrics.
+//
+// Every metric is created in the constructor from constant names, so no method throws and none
+// allocates a new series at runtime: rankscope_reports_rejected_total has one series per reason
+// in kRejectReasons, each exported from 0.
+//
+// Exported:
+//   counters: rankscope_reports_received_total, rankscope_reports_rejected_total{reason},
+//     rankscope_reports_late_total, rankscope_reports_duplicate_total,
+//     rankscope_steps_evicted_total, rankscope_store_errors_total;
+//   histograms (seconds, buckets 100 µs .. 10 s): rankscope_ingest_latency_seconds,
+//     rankscope_store_commit_seconds;
+//   gauges: rankscope_store_queue_depth, rankscope_streams_open.
+//
+// Thread safety: thread-safe; every method may be called from any thread.
+#ifndef RANKSCOPE_COLLECTOR_HEALTH_METRICS_H_
+#define RANKSCOPE_COLLECTOR_HEALTH_METRICS_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace rankscope::collector {
+
+// Values of the `reason` label of rankscope_reports_rejected_total.
+inline constexpr absl::string_view kRejectBeforeHello = "before_hello";
+inline constexpr absl::string_view kRejectBadHello = "bad_hello";
+inline constexpr absl::string_view kRejectRankOutOfRange = "rank_out_of_range";
+inline constexpr absl::string_view kRejectWorldSizeChanged = "world_size_changed";
+inline constexpr absl::string_view kRejectSketchMismatch = "sketch_mismatch";
+inline constexpr absl::string_view kRejectSketchLength = "sketch_length";
+inline constexpr absl::string_view kRejectMessageTooLarge = "message_too_large";
+inline constexpr absl::string_view kRejectUnauthenticated = "unauthenticated";
+inline constexpr absl::string_view kRejectTooManyStreams = "too_many_streams";
+inline constexpr absl::string_view kRejectTooManyJobs = "too_many_jobs";
+inline constexpr absl::string_view kRejectInvalidReport = "invalid_report";
+
+// Every reason; kRejectInvalidReport stays last (Rejected() counts unknown reasons there).
+inline constexpr std::array<absl::string_view, 11> kRejectReasons = {
+    kRejectBeforeHello,    kRejectBadHello,     kRejectRankOutOfRange,  kRejectWorldSizeChanged,
+    kRejectSketchMismatch, kRejectSketchLength, kRejectMessageTooLarge, kRejectUnauthenticated,
+    kRejectTooManyStreams, kRejectTooManyJobs,  kRejectInvalidReport,
+};
+
+class HealthMetrics {
+ public:
+  HealthMetrics();
+  HealthMetrics(const HealthMetrics&) = delete;
+  HealthMetrics& operator=(const HealthMetrics&) = delete;
+
+  // The registry holding these metrics; register it with the exposer.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // `count` reports were received (before validation).
+  void ReportsReceived(uint64_t count = 1);
+  // A report, hello or stream was rejected for `reason`, one of kRejectReasons. A reason not in
+  // the set is counted as kRejectInvalidReport (the label set stays fixed).
+  void Rejected(absl::string_view reason);
+  // A report arrived for a step already closed (late) or already received (duplicate).
+  void ReportLate();
+  void ReportDuplicate();
+  // An open step was evicted by the joiner's per-job cap before it completed.
+  void StepEvicted();
+
+  // From a step's last report received to its statistics exported.
+  void ObserveIngestLatency(absl::Duration latency);
+  // One SQLite commit (a batch), and a failed store operation.
+  void ObserveStoreCommit(absl::Duration duration);
+  void StoreError();
+  // Reports (or batches) waiting for the SQLite writer thread.
+  void SetStoreQueueDepth(size_t depth);
+
+  // Agent streams currently open.
+  void StreamOpened();
+  void StreamClosed();
+
+  // The histograms' bucket upper bounds, in seconds: 100 µs .. 10 s, 1-2.5-5 per decade.
+  static const std::vector<double>& LatencyBuckets();
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Counter* reports_received_;
+  std::array<prometheus::Counter*, kRejectReasons.size()> rejected_;
+  prometheus::Counter* reports_late_;
+  prometheus::Counter* reports_duplicate_;
+  prometheus::Counter* steps_evicted_;
+  prometheus::Histogram* ingest_latency_;
+  prometheus::Histogram* store_commit_;
+  prometheus::Counter* store_errors_;
+  prometheus::Gauge* store_queue_depth_;
+  prometheus::Gauge* streams_open_;
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_HEALTH_METRICS_H_

@@ -1,1 +1,213 @@
-// placeholder
+#include "collector/ingest_service.h"
+
+#include <deque>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace rankscope::collector {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+}  // namespace
+
+class StreamReactor;
+
+// The AgentStream handed to the pipeline: forwards to the reactor while the stream lives.
+class StreamHandle final : public AgentStream {
+ public:
+  explicit StreamHandle(StreamReactor* reactor) : reactor_(reactor) {}
+  void Ack(absl::Span<const uint64_t> seqs) override;
+  void SendControl(const v1::Control& control) override;
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  StreamReactor* reactor_ ABSL_GUARDED_BY(mu_);
+};
+
+class StreamReactor final
+    : public grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
+ public:
+  StreamReactor(IngestService* service, bool over_limit)
+      : service_(service), handle_(std::make_shared<StreamHandle>(this)) {
+    ++service_->open_streams_;
+    service_->health_->StreamOpened();
+    if (over_limit) {
+      service_->health_->Rejected("too_many_streams");
+      RequestFinish(grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("collector has ", service_->max_streams_,
+                       " agent streams open (--max_streams); retry later")));
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the agent half-closed or the call was cancelled
+      RequestFinish(grpc::Status::OK);
+      return;
+    }
+    service_->health_->ReportsReceived();
+    if (!have_hello_) {
+      if (in_.kind_case() != v1::AgentMessage::kHello) {
+        service_->health_->Rejected("before_hello");
+        RequestFinish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                   "the first message of a stream must be a Hello"));
+        return;
+      }
+      hello_ = in_.hello();
+      Rejection r = service_->pipeline_->AcceptHello(hello_, handle_);
+      if (!r.status.ok()) {
+        service_->health_->Rejected(r.reason);
+        RequestFinish(ToGrpc(r.status));
+        return;
+      }
+      have_hello_ = true;
+    } else if (in_.kind_case() == v1::AgentMessage::kReport) {
+      const v1::StepReport& report = in_.report();
+      Rejection r = service_->pipeline_->OnReport(hello_, report, AckHandle{handle_, report.seq()});
+      if (!r.status.ok()) {
+        service_->health_->Rejected(r.reason);
+        v1::CollectorMessage msg;
+        v1::Rejection* rej = msg.mutable_rejection();
+        rej->set_seq(report.seq());
+        rej->set_step(report.step());
+        rej->set_code(static_cast<int32_t>(r.status.code()));
+        rej->set_message(std::string(r.status.message()));
+        Send(std::move(msg));
+      }
+    } else {
+      service_->health_->Rejected("invalid_report");
+      RequestFinish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 in_.kind_case() == v1::AgentMessage::kHello
+                                     ? "a stream sends exactly one Hello"
+                                     : "empty AgentMessage"));
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      // The peer is gone; nothing more can be written.
+      out_.clear();
+      pending_acks_.clear();
+      if (!finish_requested_) {
+        finish_requested_ = true;
+        finish_status_ = grpc::Status::OK;
+      }
+    }
+    StartNextWriteLocked();
+  }
+
+  void OnDone() override {
+    handle_->Detach();
+    if (have_hello_) service_->pipeline_->StreamClosed(hello_, handle_);
+    --service_->open_streams_;
+    service_->health_->StreamClosed();
+    delete this;
+  }
+
+  // Called through StreamHandle from any thread.
+  void QueueAcks(absl::Span<const uint64_t> seqs) {
+    absl::MutexLock lock(&mu_);
+    if (finish_requested_) return;
+    pending_acks_.insert(pending_acks_.end(), seqs.begin(), seqs.end());
+    StartNextWriteLocked();
+  }
+
+  void Send(v1::CollectorMessage msg) {
+    absl::MutexLock lock(&mu_);
+    if (finish_requested_) return;
+    out_.push_back(std::move(msg));
+    StartNextWriteLocked();
+  }
+
+ private:
+  void RequestFinish(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (finish_requested_) return;
+    finish_requested_ = true;
+    finish_status_ = std::move(status);
+    // Undelivered acks are dropped: the agent resends those reports on its next stream.
+    StartNextWriteLocked();
+  }
+
+  // Starts the next write, or Finish once nothing is left and a finish was requested.
+  void StartNextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || finished_) return;
+    if (!finish_requested_) {
+      if (!pending_acks_.empty()) {
+        current_.Clear();
+        current_.mutable_ack()->mutable_seqs()->Add(pending_acks_.begin(), pending_acks_.end());
+        pending_acks_.clear();
+        writing_ = true;
+        StartWrite(&current_);
+        return;
+      }
+      if (!out_.empty()) {
+        current_ = std::move(out_.front());
+        out_.pop_front();
+        writing_ = true;
+        StartWrite(&current_);
+        return;
+      }
+      return;
+    }
+    finished_ = true;
+    Finish(finish_status_);
+  }
+
+  IngestService* const service_;
+  const std::shared_ptr<StreamHandle> handle_;
+  v1::AgentMessage in_;          // reactor callbacks only
+  v1::Hello hello_;              // set once, before have_hello_
+  bool have_hello_ = false;
+
+  absl::Mutex mu_;
+  std::deque<v1::CollectorMessage> out_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
+  v1::CollectorMessage current_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+void StreamHandle::Ack(absl::Span<const uint64_t> seqs) {
+  absl::MutexLock lock(&mu_);
+  if (reactor_ != nullptr) reactor_->QueueAcks(seqs);
+}
+
+void StreamHandle::SendControl(const v1::Control& control) {
+  absl::MutexLock lock(&mu_);
+  if (reactor_ == nullptr) return;
+  v1::CollectorMessage msg;
+  *msg.mutable_control() = control;
+  reactor_->Send(std::move(msg));
+}
+
+IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams)
+    : pipeline_(pipeline), health_(health), max_streams_(max_streams) {}
+
+grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage>* IngestService::Stream(
+    grpc::CallbackServerContext* context) {
+  const bool over_limit = open_streams_.load() >= max_streams_;
+  return new StreamReactor(this, over_limit);
+}
+
+}  // namespace rankscope::collector

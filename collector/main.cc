@@ -1,1 +1,115 @@
-int main() { return 0; }  // placeholder
+// rankscope-collector: joins the ranks' reports per step, stores them in SQLite and exports
+// Prometheus metrics. See README.md and docs/ARCHITECTURE.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "collector/collector.h"
+
+ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
+          "Address for agents (Ingest) and the CLI (Query). Loopback by default; binding "
+          "elsewhere is your explicit choice.");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
+          "Address of the Prometheus /metrics endpoint; empty disables it.");
+ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created if missing).");
+ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
+          "A step closes this long after its first report even if ranks are missing; the "
+          "missing ranks are named.");
+ABSL_FLAG(int, max_open_steps, 256, "Open (incomplete) steps kept per job; beyond, the oldest "
+          "is closed early.");
+ABSL_FLAG(int, per_rank_series_limit, 32,
+          "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
+ABSL_FLAG(absl::Duration, spike_window, absl::Seconds(60),
+          "Window of the *_window metrics (worst value over the steps of this window).");
+ABSL_FLAG(int, max_streams, 10000, "Concurrent agent streams accepted.");
+ABSL_FLAG(int, max_jobs, 10000, "Jobs tracked at once.");
+ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
+ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "If set, every agent must present the shared token stored in this file.");
+
+namespace {
+
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read --auth_token_file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(ss.str()));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
+  return token;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "rankscope-collector: watches data-parallel training ranks for silent inconsistency.\n"
+      "Agents stream per-rank loss, gradient norm and gradient sketch; the collector joins\n"
+      "each step, stores it in SQLite (--db_path) and serves Prometheus metrics\n"
+      "(--metrics_address). Stop with SIGTERM or SIGINT: open steps are closed and stored.");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals in every thread; main waits for them with sigwait.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  rankscope::collector::CollectorOptions options;
+  options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.db_path = absl::GetFlag(FLAGS_db_path);
+  options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
+  options.pipeline.joiner.max_open_steps_per_job =
+      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
+  options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
+  options.pipeline.limits.max_world_size =
+      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
+  options.export_options.per_rank_series_limit =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
+  options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
+  options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
+  options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
+    if (!token.ok()) {
+      std::fprintf(stderr, "rankscope-collector: %s\n", token.status().ToString().c_str());
+      return 2;
+    }
+    options.pipeline.auth_token = *token;
+  }
+
+  auto collector = rankscope::collector::Collector::Start(options);
+  if (!collector.ok()) {
+    std::fprintf(stderr, "rankscope-collector: %s\n", collector.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s), metrics on :%d/metrics, "
+               "db %s\n",
+               (*collector)->grpc_port(), options.grpc_address.c_str(),
+               (*collector)->metrics_port(), options.db_path.c_str());
+  std::fflush(stderr);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n", sig);
+  absl::Status st = (*collector)->Shutdown(absl::Seconds(10));
+  if (!st.ok()) {
+    std::fprintf(stderr, "rankscope-collector: shutdown: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "rankscope-collector: stopped cleanly\n");
+  return 0;
+}

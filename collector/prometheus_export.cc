@@ -1,1 +1,413 @@
-// placeholder
+#include "collector/prometheus_export.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_type.h"
+
+namespace rankscope::collector {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+// The spike window is kept as buckets of spike_window / kWindowBuckets each.
+constexpr int64_t kWindowBuckets = 60;
+// Expired jobs are looked for at most this often (Collect() filters exactly regardless).
+constexpr absl::Duration kPruneInterval = absl::Minutes(1);
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Every family Collect() may emit, in output order.
+enum Family : size_t {
+  kStep,
+  kWorldSize,
+  kRanksReporting,
+  kConnectedAgents,
+  kLossMean,
+  kLossStd,
+  kLossRange,
+  kGradNormMean,
+  kGradNormStd,
+  kGradNormCv,
+  kGradCosineMean,
+  kLossStdMaxWindow,
+  kLossRangeMaxWindow,
+  kGradNormCvMaxWindow,
+  kGradCosineMeanMinWindow,
+  kStepsTotal,
+  kStepsTimedOutTotal,
+  kStepsNonfiniteTotal,
+  kAgentDroppedReportsTotal,
+  kRankGradCosine,
+  kRankLossZ,
+  kRankGradNormZ,
+  kRankMissing,
+  kFamilyCount,
+};
+
+struct FamilySpec {
+  const char* name;
+  const char* help;
+  MetricType type;
+};
+
+constexpr FamilySpec kFamilies[kFamilyCount] = {
+    {"rankscope_step", "Step number of the training job's latest joined step.", MetricType::Gauge},
+    {"rankscope_world_size", "Number of ranks of the training job.", MetricType::Gauge},
+    {"rankscope_ranks_reporting", "Ranks that reported the latest joined step.", MetricType::Gauge},
+    {"rankscope_connected_agents", "Agents of the training job with an open stream.",
+     MetricType::Gauge},
+    {"rankscope_loss_mean", "Mean of the ranks' local losses at the latest step.",
+     MetricType::Gauge},
+    {"rankscope_loss_std",
+     "Population standard deviation of the ranks' local losses at the "
+     "latest step.",
+     MetricType::Gauge},
+    {"rankscope_loss_range", "Max minus min of the ranks' local losses at the latest step.",
+     MetricType::Gauge},
+    {"rankscope_grad_norm_mean", "Mean of the ranks' local gradient L2 norms at the latest step.",
+     MetricType::Gauge},
+    {"rankscope_grad_norm_std",
+     "Population standard deviation of the ranks' local gradient L2 "
+     "norms at the latest step.",
+     MetricType::Gauge},
+    {"rankscope_grad_norm_cv",
+     "Coefficient of variation (std/mean) of the ranks' local gradient "
+     "L2 norms at the latest step.",
+     MetricType::Gauge},
+    {"rankscope_grad_cosine_mean",
+     "Mean pairwise cosine of the ranks' gradient sketches at the "
+     "latest step (NaN with fewer than two ranks).",
+     MetricType::Gauge},
+    {"rankscope_loss_std_max_window",
+     "Max of rankscope_loss_std over the latest step and the "
+     "steps completed in the spike window.",
+     MetricType::Gauge},
+    {"rankscope_loss_range_max_window",
+     "Max of rankscope_loss_range over the latest step and the "
+     "steps completed in the spike window.",
+     MetricType::Gauge},
+    {"rankscope_grad_norm_cv_max_window",
+     "Max of rankscope_grad_norm_cv over the latest step and "
+     "the steps completed in the spike window.",
+     MetricType::Gauge},
+    {"rankscope_grad_cosine_mean_min_window",
+     "Min of rankscope_grad_cosine_mean over the latest "
+     "step and the steps completed in the spike window.",
+     MetricType::Gauge},
+    {"rankscope_steps_total", "Steps of the training job joined and exported.",
+     MetricType::Counter},
+    {"rankscope_steps_timed_out_total", "Steps closed by the join timeout with ranks missing.",
+     MetricType::Counter},
+    {"rankscope_steps_nonfinite_total",
+     "Steps with a NaN or Inf loss, gradient-norm or cosine "
+     "statistic.",
+     MetricType::Counter},
+    {"rankscope_agent_dropped_reports_total",
+     "Reports dropped by the training job's agents "
+     "because their queue was full.",
+     MetricType::Counter},
+    {"rankscope_rank_grad_cosine",
+     "Consensus cosine of the rank's gradient sketch with the sum "
+     "of the other ranks' at the latest step (most deviating ranks only).",
+     MetricType::Gauge},
+    {"rankscope_rank_loss_z",
+     "Z-score of the rank's local loss at the latest step (most "
+     "deviating ranks only).",
+     MetricType::Gauge},
+    {"rankscope_rank_grad_norm_z",
+     "Z-score of the rank's local gradient L2 norm at the latest "
+     "step (most deviating ranks only).",
+     MetricType::Gauge},
+    {"rankscope_rank_missing",
+     "1 for each rank missing from the latest step (capped; "
+     "world_size - ranks_reporting is the full count).",
+     MetricType::Gauge},
+};
+
+void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, double value) {
+  ClientMetric metric;
+  metric.label = std::move(labels);
+  if (family.type == MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  family.metric.push_back(std::move(metric));
+}
+
+// Max/min that ignore NaN unless both are NaN (PromQL's max_over_time semantics).
+double MaxIgnoringNaN(double a, double b) { return std::fmax(a, b); }
+double MinIgnoringNaN(double a, double b) { return std::fmin(a, b); }
+
+bool IsNonfinite(const StepStatistics& s) {
+  if (s.ranks == 0) return false;  // nothing reported: the statistics are empty, not bad
+  for (double v :
+       {s.loss_mean, s.loss_std, s.loss_range, s.grad_norm_mean, s.grad_norm_std, s.grad_norm_cv}) {
+    if (!std::isfinite(v)) return true;
+  }
+  return s.ranks >= 2 && !std::isfinite(s.grad_cosine_mean);
+}
+
+// Deviation keys: larger is more deviating; NaN is the most deviating.
+double CosineDeviation(const RankStatistics& r) {
+  return std::isnan(r.consensus_cosine) ? std::numeric_limits<double>::infinity()
+                                        : -r.consensus_cosine;
+}
+double AbsZ(double z) {
+  return std::isnan(z) ? std::numeric_limits<double>::infinity() : std::fabs(z);
+}
+
+// Indices into `ranks` of the (at most) `limit` most deviating by `key`, most deviating first.
+template <typename Key>
+std::vector<uint32_t> TopByDeviation(const std::vector<RankStatistics>& ranks, size_t limit,
+                                     Key key) {
+  std::vector<uint32_t> order(ranks.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  const size_t n = std::min(limit, order.size());
+  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](uint32_t a, uint32_t b) {
+    const double ka = key(ranks[a]);
+    const double kb = key(ranks[b]);
+    if (ka != kb) return ka > kb;
+    return ranks[a].rank < ranks[b].rank;
+  });
+  order.resize(n);
+  return order;
+}
+
+// The ranks exported per rank: round-robin over the three rankings, without duplicates.
+std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ranks, size_t limit) {
+  const size_t n = std::min(limit, ranks.size());
+  if (n == 0) return {};
+  if (n == ranks.size()) {
+    // Everything fits: order by the primary ranking only.
+    return TopByDeviation(ranks, n, CosineDeviation);
+  }
+  const std::vector<uint32_t> rankings[3] = {
+      TopByDeviation(ranks, n, CosineDeviation),
+      TopByDeviation(ranks, n, [](const RankStatistics& r) { return AbsZ(r.loss_z); }),
+      TopByDeviation(ranks, n, [](const RankStatistics& r) { return AbsZ(r.grad_norm_z); }),
+  };
+  std::vector<uint32_t> chosen;
+  chosen.reserve(n);
+  std::vector<bool> taken(ranks.size(), false);
+  // Each ranking holds n distinct indices, so this ends with n chosen.
+  for (size_t depth = 0; chosen.size() < n; ++depth) {
+    for (const auto& ranking : rankings) {
+      if (chosen.size() == n) break;
+      const uint32_t index = ranking[depth];
+      if (!taken[index]) {
+        taken[index] = true;
+        chosen.push_back(index);
+      }
+    }
+  }
+  return chosen;
+}
+
+}  // namespace
+
+JobMetrics::JobMetrics(ExportOptions options) : options_(std::move(options)) {
+  if (!options_.clock) options_.clock = [] { return absl::Now(); };
+}
+
+bool JobMetrics::Expired(const JobState& state, absl::Time now) const {
+  return state.connected == 0 && now - state.last_update > options_.job_expiry;
+}
+
+JobMetrics::JobState& JobMetrics::TouchLocked(const std::string& job, absl::Time now) {
+  if (now >= next_prune_) {
+    next_prune_ = now + kPruneInterval;
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      // erase(it++) is the flat_hash_map idiom for erasing while iterating.
+      if (it->first != job && Expired(it->second, now)) {
+        jobs_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  JobState& state = jobs_[job];
+  state.last_update = now;
+  return state;
+}
+
+void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size) {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  JobState& state = TouchLocked(job, now);
+  ++state.connected;
+  if (world_size > 0) state.world_size = world_size;
+}
+
+void JobMetrics::OnAgentDisconnected(const std::string& job) {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  // Freed, or more disconnects than connects: nothing to count down (and no update to record).
+  if (it == jobs_.end() || it->second.connected == 0) return;
+  --TouchLocked(job, now).connected;
+}
+
+void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total) {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  JobState& state = TouchLocked(job, now);
+  uint64_t& last = state.dropped_by_rank[rank];
+  // A smaller count means the agent restarted and counts from zero again.
+  state.dropped_total += dropped_total >= last ? dropped_total - last : dropped_total;
+  last = dropped_total;
+}
+
+void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
+  const absl::Time now = options_.clock();
+
+  StepStatistics latest;
+  std::vector<RankPoint> top_ranks;
+  if (step.stats != nullptr) {
+    const StepStatistics& s = *step.stats;
+    latest.ranks = s.ranks;
+    latest.loss_mean = s.loss_mean;
+    latest.loss_std = s.loss_std;
+    latest.loss_range = s.loss_range;
+    latest.grad_norm_mean = s.grad_norm_mean;
+    latest.grad_norm_std = s.grad_norm_std;
+    latest.grad_norm_cv = s.grad_norm_cv;
+    latest.grad_cosine_mean = s.grad_cosine_mean;
+    for (uint32_t index : SelectDeviatingRanks(s.per_rank, options_.per_rank_series_limit)) {
+      const RankStatistics& r = s.per_rank[index];
+      top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z});
+    }
+  } else {
+    // No statistics: as ComputeStepStatistics({}) gives (ranks 0, cosine NaN, the rest 0).
+    latest.grad_cosine_mean = kNaN;
+  }
+  std::vector<uint32_t> missing(step.missing_ranks.begin(), step.missing_ranks.end());
+  const size_t missing_kept = std::min(missing.size(), options_.per_rank_series_limit);
+  std::partial_sort(missing.begin(), missing.begin() + missing_kept, missing.end());
+  missing.resize(missing_kept);
+
+  absl::MutexLock lock(&mu_);
+  JobState& state = TouchLocked(job, now);
+  if (step.world_size > 0) state.world_size = step.world_size;
+  state.has_step = true;
+  state.step = step.step;
+  state.ranks_reporting = latest.ranks;
+  ++state.steps_total;
+  if (step.timed_out) ++state.steps_timed_out_total;
+  if (IsNonfinite(latest)) ++state.steps_nonfinite_total;
+  state.latest = latest;
+  state.top_ranks = std::move(top_ranks);
+  state.missing = std::move(missing);
+
+  const absl::Duration window = options_.spike_window;
+  if (window <= absl::ZeroDuration()) return;  // the window metrics equal the latest step
+  const absl::Duration granularity = window / kWindowBuckets;
+  const WindowPoint point{absl::UnixEpoch() + absl::Floor(now - absl::UnixEpoch(), granularity),
+                          latest.loss_std, latest.loss_range, latest.grad_norm_cv,
+                          latest.grad_cosine_mean};
+  std::deque<WindowPoint>& points = state.window;
+  if (!points.empty() && points.back().at >= point.at) {
+    // Same bucket (or the clock went back): merge, keeping the deque ordered.
+    WindowPoint& back = points.back();
+    back.loss_std = MaxIgnoringNaN(back.loss_std, point.loss_std);
+    back.loss_range = MaxIgnoringNaN(back.loss_range, point.loss_range);
+    back.grad_norm_cv = MaxIgnoringNaN(back.grad_norm_cv, point.grad_norm_cv);
+    back.grad_cosine_mean = MinIgnoringNaN(back.grad_cosine_mean, point.grad_cosine_mean);
+  } else {
+    points.push_back(point);
+  }
+  while (!points.empty() && points.front().at + granularity <= now - window) points.pop_front();
+  while (points.size() > static_cast<size_t>(kWindowBuckets) + 2) points.pop_front();
+}
+
+std::vector<MetricFamily> JobMetrics::Collect() const {
+  const absl::Time now = options_.clock();
+  const absl::Duration window = options_.spike_window;
+  const absl::Duration granularity =
+      window > absl::ZeroDuration() ? window / kWindowBuckets : absl::ZeroDuration();
+
+  std::vector<MetricFamily> families(kFamilyCount);
+  for (size_t i = 0; i < kFamilyCount; ++i) {
+    families[i].name = kFamilies[i].name;
+    families[i].help = kFamilies[i].help;
+    families[i].type = kFamilies[i].type;
+  }
+
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<const std::pair<const std::string, JobState>*> live;
+    live.reserve(jobs_.size());
+    for (const auto& entry : jobs_) {
+      if (!Expired(entry.second, now)) live.push_back(&entry);
+    }
+    std::sort(live.begin(), live.end(),
+              [](const auto* a, const auto* b) { return a->first < b->first; });
+
+    for (const auto* entry : live) {
+      const std::string& job = entry->first;
+      const JobState& state = entry->second;
+      const std::vector<ClientMetric::Label> job_labels = {{"train_job", job}};
+      auto add = [&](Family f, double value) { AddSample(families[f], job_labels, value); };
+
+      if (state.world_size > 0) add(kWorldSize, state.world_size);
+      add(kConnectedAgents, state.connected);
+      add(kStepsTotal, static_cast<double>(state.steps_total));
+      add(kStepsTimedOutTotal, static_cast<double>(state.steps_timed_out_total));
+      add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
+      add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
+      if (!state.has_step) continue;
+
+      const StepStatistics& s = state.latest;
+      add(kStep, static_cast<double>(state.step));
+      add(kRanksReporting, state.ranks_reporting);
+      add(kLossMean, s.loss_mean);
+      add(kLossStd, s.loss_std);
+      add(kLossRange, s.loss_range);
+      add(kGradNormMean, s.grad_norm_mean);
+      add(kGradNormStd, s.grad_norm_std);
+      add(kGradNormCv, s.grad_norm_cv);
+      add(kGradCosineMean, s.grad_cosine_mean);
+
+      WindowPoint worst{now, s.loss_std, s.loss_range, s.grad_norm_cv, s.grad_cosine_mean};
+      for (const WindowPoint& p : state.window) {
+        if (p.at + granularity <= now - window) continue;  // bucket entirely before the window
+        worst.loss_std = MaxIgnoringNaN(worst.loss_std, p.loss_std);
+        worst.loss_range = MaxIgnoringNaN(worst.loss_range, p.loss_range);
+        worst.grad_norm_cv = MaxIgnoringNaN(worst.grad_norm_cv, p.grad_norm_cv);
+        worst.grad_cosine_mean = MinIgnoringNaN(worst.grad_cosine_mean, p.grad_cosine_mean);
+      }
+      add(kLossStdMaxWindow, worst.loss_std);
+      add(kLossRangeMaxWindow, worst.loss_range);
+      add(kGradNormCvMaxWindow, worst.grad_norm_cv);
+      add(kGradCosineMeanMinWindow, worst.grad_cosine_mean);
+
+      for (const RankPoint& r : state.top_ranks) {
+        std::vector<ClientMetric::Label> labels = {{"train_job", job},
+                                                   {"rank", absl::StrCat(r.rank)}};
+        AddSample(families[kRankGradCosine], labels, r.grad_cosine);
+        AddSample(families[kRankLossZ], labels, r.loss_z);
+        AddSample(families[kRankGradNormZ], std::move(labels), r.grad_norm_z);
+      }
+      for (uint32_t rank : state.missing) {
+        AddSample(families[kRankMissing], {{"train_job", job}, {"rank", absl::StrCat(rank)}}, 1);
+      }
+    }
+  }
+
+  // A family with no sample would be HELP and TYPE alone: leave it out.
+  families.erase(std::remove_if(families.begin(), families.end(),
+                                [](const MetricFamily& f) { return f.metric.empty(); }),
+                 families.end());
+  return families;
+}
+
+}  // namespace rankscope::collector

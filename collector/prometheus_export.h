@@ -11,14 +11,33 @@
 // completed in the last `spike_window` (default 60 s, four scrape intervals):
 //   rankscope_loss_std_max_window, rankscope_loss_range_max_window,
 //   rankscope_grad_norm_cv_max_window, rankscope_grad_cosine_mean_min_window.
-// Alerts use the window metrics, so a one-step spike is never missed.
+// Alerts use the window metrics, so a one-step spike is never missed. Precisely:
+//  - The window is kept as at most ~60 time buckets of spike_window/60 each (bounded memory
+//    whatever the step rate). A step counts for at least `spike_window` after it completed and
+//    at most spike_window + spike_window/60.
+//  - The latest step always counts, so a stalled job keeps exporting its last step's value and
+//    max_window >= the latest gauge (min_window <= it) holds whenever the latest is not NaN.
+//  - NaN is ignored as PromQL's max_over_time ignores it: a window metric is NaN only if every
+//    step it covers was NaN. rankscope_steps_nonfinite_total counts steps with a NaN/Inf
+//    statistic, so a non-finite step between scrapes is not missed either.
 //
 // Per-rank series (rankscope_rank_grad_cosine, rankscope_rank_loss_z, rankscope_rank_grad_norm_z)
-// are exported for at most `per_rank_series_limit` ranks per job: the ranks of the latest step
-// with the lowest consensus cosine, then the largest |z|.
+// are exported for at most `per_rank_series_limit` ranks per job, the same ranks in all three
+// metrics, picked from the latest step round-robin from three rankings: lowest consensus cosine,
+// largest |loss_z|, largest |grad_norm_z| (in that priority), so the worst rank by each criterion
+// is always present. NaN counts as the most deviating; ties go to the lower rank number. (Under
+// step_stats.h a non-finite input makes that statistic NaN for every rank, and with fewer than
+// two ranks every cosine is NaN: the other rankings then decide.)
+// rankscope_rank_missing is exported for at most `per_rank_series_limit` missing ranks, the
+// lowest rank numbers; world_size - ranks_reporting gives the full count.
 //
-// Thread safety: thread-safe. OnJob/OnStep/OnAgentStatus are called by the collector's threads;
-// Collect() by the HTTP exposer's threads.
+// Jobs: `last_update` is the time of the job's latest OnStep/OnAgent* call. A job with no
+// connected agent and not updated for `job_expiry` is no longer exported, and its state is freed
+// at a later update of any job (checked at most once a minute). A job with a connected agent is
+// never expired: a hung job keeps exporting its last step, so "step not advancing" alerts hold.
+//
+// Thread safety: thread-safe. OnAgent*/OnStep are called by the collector's threads (the clock
+// is called without the lock held); Collect() by the HTTP exposer's threads.
 #ifndef RANKSCOPE_COLLECTOR_PROMETHEUS_EXPORT_H_
 #define RANKSCOPE_COLLECTOR_PROMETHEUS_EXPORT_H_
 
@@ -52,7 +71,7 @@ struct ExportedStep {
   uint64_t step = 0;
   uint32_t world_size = 0;
   bool timed_out = false;
-  const StepStatistics* stats = nullptr;   // per_rank carries each rank's number
+  const StepStatistics* stats = nullptr;  // per_rank carries each rank's number
   absl::Span<const uint32_t> missing_ranks;
 };
 
@@ -74,13 +93,16 @@ class JobMetrics : public prometheus::Collectable {
   //     rankscope_grad_norm_std, rankscope_grad_norm_cv, rankscope_grad_cosine_mean,
   //     rankscope_connected_agents, and the four *_window metrics above;
   //   counters {train_job}: rankscope_steps_total, rankscope_steps_timed_out_total,
-  //     rankscope_agent_dropped_reports_total;
+  //     rankscope_steps_nonfinite_total, rankscope_agent_dropped_reports_total (monotonic: the
+  //     sum of each rank's increases; an agent restart that resets its count adds the new count);
   //   gauges {train_job,rank}: rankscope_rank_grad_cosine, rankscope_rank_loss_z,
   //     rankscope_rank_grad_norm_z (capped), rankscope_rank_missing (1 for each rank missing from
   //     the latest step, capped).
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
+  // One bucket of the spike window: the worst values of the steps completed in
+  // [at, at + spike_window / 60).
   struct WindowPoint {
     absl::Time at;
     double loss_std, loss_range, grad_norm_cv, grad_cosine_mean;
@@ -95,19 +117,26 @@ class JobMetrics : public prometheus::Collectable {
     bool has_step = false;
     uint64_t step = 0;
     uint32_t ranks_reporting = 0;
-    StepStatistics latest;           // per_rank cleared; see top_ranks
+    StepStatistics latest;             // per_rank cleared; see top_ranks
     std::vector<RankPoint> top_ranks;  // already capped and ordered
     std::vector<uint32_t> missing;     // capped
     uint64_t steps_total = 0;
     uint64_t steps_timed_out_total = 0;
-    absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;
+    uint64_t steps_nonfinite_total = 0;
+    uint64_t dropped_total = 0;                               // monotonic, see above
+    absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank
     std::deque<WindowPoint> window;
     absl::Time last_update = absl::UnixEpoch();
   };
 
+  // Returns the state of `job`, created if absent, with last_update = now; may free expired jobs.
+  JobState& TouchLocked(const std::string& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Expired(const JobState& state, absl::Time now) const;
+
   ExportOptions options_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, JobState> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_prune_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace rankscope::collector

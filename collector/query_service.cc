@@ -1,1 +1,116 @@
-// placeholder
+#include "collector/query_service.h"
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "collector/validation.h"
+
+namespace rankscope::collector {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc::Status& s) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(s);
+  return reactor;
+}
+
+}  // namespace
+
+QueryService::QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader)
+    : pipeline_(pipeline), reader_(std::move(reader)) {}
+
+grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* context,
+                                                 const v1::ListJobsRequest* request,
+                                                 v1::ListJobsResponse* response) {
+  absl::flat_hash_map<std::string, v1::JobInfo> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    auto stored = reader_->ListJobs();
+    if (!stored.ok()) return Done(context, ToGrpc(stored.status()));
+    for (const JobRow& row : *stored) {
+      v1::JobInfo& info = jobs[row.job];
+      info.set_job(row.job);
+      info.set_world_size(row.world_size);
+      info.set_sketch_dim(row.sketch_dim);
+      info.set_sketch_seed(row.sketch_seed);
+      info.set_first_seen_unix_nanos(absl::ToUnixNanos(row.first_seen));
+      info.set_last_seen_unix_nanos(absl::ToUnixNanos(row.last_seen));
+      info.set_last_step(row.last_step);
+      info.set_state("idle");
+    }
+  }
+  for (const JobSummary& s : pipeline_->ListJobs()) {
+    v1::JobInfo& info = jobs[s.job];
+    info.set_job(s.job);
+    info.set_world_size(s.identity.world_size);
+    info.set_sketch_dim(s.identity.sketch_dim);
+    info.set_sketch_seed(s.identity.sketch_seed);
+    if (info.first_seen_unix_nanos() == 0) {
+      info.set_first_seen_unix_nanos(absl::ToUnixNanos(s.first_seen));
+    }
+    info.set_last_seen_unix_nanos(
+        std::max(info.last_seen_unix_nanos(), absl::ToUnixNanos(s.last_seen)));
+    info.set_last_step(std::max(info.last_step(), s.newest_step));
+    info.set_connected_ranks(s.connected);
+    info.set_state(s.connected > 0 ? "active" : "idle");
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, info] : jobs) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) *response->add_jobs() = std::move(jobs[name]);
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext* context,
+                                                    const v1::RecentStepsRequest* request,
+                                                    v1::RecentStepsResponse* response) {
+  if (!IsValidJobName(request->job(), 128)) {
+    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  }
+  int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
+  absl::MutexLock lock(&mu_);
+  auto rows = reader_->RecentSteps(request->job(), limit);
+  if (!rows.ok()) return Done(context, ToGrpc(rows.status()));
+  for (const StepRow& row : *rows) {
+    v1::StepStats* s = response->add_steps();
+    s->set_step(row.step);
+    s->set_ranks(row.ranks);
+    s->set_loss_mean(row.loss_mean);
+    s->set_loss_std(row.loss_std);
+    s->set_loss_range(row.loss_range);
+    s->set_grad_norm_mean(row.grad_norm_mean);
+    s->set_grad_norm_std(row.grad_norm_std);
+    s->set_grad_norm_cv(row.grad_norm_cv);
+    s->set_grad_cosine_mean(row.grad_cosine_mean);
+    s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  }
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::SetControl(grpc::CallbackServerContext* context,
+                                                   const v1::ControlRequest* request,
+                                                   v1::ControlResponse* response) {
+  std::optional<bool> enabled;
+  std::optional<uint32_t> every, sketch_dim;
+  if (request->has_enabled()) enabled = request->enabled();
+  if (request->has_every()) every = request->every();
+  if (request->has_sketch_dim()) sketch_dim = request->sketch_dim();
+  const uint32_t lead = request->lead_steps() == 0 ? 5 : request->lead_steps();
+  auto result = pipeline_->SetControl(request->job(), enabled, every, sketch_dim, lead);
+  if (!result.ok()) return Done(context, ToGrpc(result.status()));
+  *response->mutable_control() = result->first;
+  response->set_ranks_notified(result->second);
+  return Done(context, grpc::Status::OK);
+}
+
+}  // namespace rankscope::collector

@@ -1,1 +1,738 @@
-// placeholder
+#include "collector/sqlite_store.h"
+
+#include <sqlite3.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace rankscope::collector {
+namespace {
+
+// Constant DDL, run once in Open. Every statement that carries a value is prepared and bound.
+constexpr char kCreateSchema[] = R"sql(
+CREATE TABLE IF NOT EXISTS jobs(
+  job TEXT NOT NULL PRIMARY KEY,
+  world_size INTEGER NOT NULL,
+  sketch_dim INTEGER NOT NULL,
+  sketch_seed INTEGER NOT NULL,  -- uint64 bit pattern
+  first_seen REAL NOT NULL,
+  last_seen REAL NOT NULL,
+  last_step INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS rank_steps(
+  job TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  rank INTEGER NOT NULL,
+  attempt INTEGER NOT NULL,
+  join_size INTEGER NOT NULL,
+  loss REAL,
+  grad_norm REAL,
+  grad_cosine REAL,
+  loss_z REAL,
+  grad_norm_z REAL,
+  nonfinite INTEGER NOT NULL DEFAULT 0,
+  reduced_grad_fingerprint INTEGER,  -- uint64 bit pattern
+  param_fingerprint INTEGER,         -- uint64 bit pattern
+  step_time_seconds REAL,
+  received_at REAL NOT NULL,
+  PRIMARY KEY(job, step, rank)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS step_stats(
+  job TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  attempt INTEGER NOT NULL,
+  ranks INTEGER NOT NULL,
+  world_size INTEGER NOT NULL,
+  loss_mean REAL,
+  loss_std REAL,
+  loss_range REAL,
+  grad_norm_mean REAL,
+  grad_norm_std REAL,
+  grad_norm_cv REAL,
+  grad_cosine_mean REAL,
+  missing_ranks TEXT NOT NULL DEFAULT '',
+  timed_out INTEGER NOT NULL DEFAULT 0,
+  completed_at REAL NOT NULL,
+  PRIMARY KEY(job, step)) WITHOUT ROWID;
+)sql";
+
+constexpr char kUpsertJob[] = R"sql(
+INSERT INTO jobs(job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)
+ON CONFLICT(job) DO UPDATE SET
+  world_size = excluded.world_size,
+  sketch_dim = excluded.sketch_dim,
+  sketch_seed = excluded.sketch_seed,
+  first_seen = min(jobs.first_seen, excluded.first_seen),
+  last_seen = max(jobs.last_seen, excluded.last_seen),
+  last_step = max(jobs.last_step, excluded.last_step)
+)sql";
+
+constexpr char kUpsertRank[] = R"sql(
+INSERT INTO rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine,
+                       loss_z, grad_norm_z, nonfinite, reduced_grad_fingerprint,
+                       param_fingerprint, step_time_seconds, received_at)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+ON CONFLICT(job, step, rank) DO UPDATE SET
+  attempt = excluded.attempt,
+  join_size = excluded.join_size,
+  loss = excluded.loss,
+  grad_norm = excluded.grad_norm,
+  grad_cosine = excluded.grad_cosine,
+  loss_z = excluded.loss_z,
+  grad_norm_z = excluded.grad_norm_z,
+  nonfinite = excluded.nonfinite,
+  reduced_grad_fingerprint = excluded.reduced_grad_fingerprint,
+  param_fingerprint = excluded.param_fingerprint,
+  step_time_seconds = excluded.step_time_seconds,
+  received_at = excluded.received_at
+WHERE excluded.attempt > rank_steps.attempt
+   OR (excluded.attempt = rank_steps.attempt AND excluded.join_size >= rank_steps.join_size)
+)sql";
+
+constexpr char kUpsertStep[] = R"sql(
+INSERT INTO step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
+                       grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean,
+                       missing_ranks, timed_out, completed_at)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+ON CONFLICT(job, step) DO UPDATE SET
+  attempt = excluded.attempt,
+  ranks = excluded.ranks,
+  world_size = excluded.world_size,
+  loss_mean = excluded.loss_mean,
+  loss_std = excluded.loss_std,
+  loss_range = excluded.loss_range,
+  grad_norm_mean = excluded.grad_norm_mean,
+  grad_norm_std = excluded.grad_norm_std,
+  grad_norm_cv = excluded.grad_norm_cv,
+  grad_cosine_mean = excluded.grad_cosine_mean,
+  missing_ranks = excluded.missing_ranks,
+  timed_out = excluded.timed_out,
+  completed_at = excluded.completed_at
+WHERE excluded.attempt > step_stats.attempt
+   OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
+)sql";
+
+#define RANKSCOPE_STEP_COLUMNS                                                          \
+  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, " \
+  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at"
+
+constexpr char kListJobs[] =
+    "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step "
+    "FROM jobs ORDER BY job";
+constexpr char kRecentSteps[] =
+    "SELECT " RANKSCOPE_STEP_COLUMNS " FROM step_stats WHERE job = ?1 ORDER BY step DESC LIMIT ?2";
+constexpr char kGetStep[] =
+    "SELECT " RANKSCOPE_STEP_COLUMNS " FROM step_stats WHERE job = ?1 AND step = ?2";
+constexpr char kRankRows[] =
+    "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
+    "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at "
+    "FROM rank_steps WHERE job = ?1 AND step = ?2 ORDER BY rank";
+constexpr char kCountRankRows[] = "SELECT count(*) FROM rank_steps WHERE job = ?1";
+
+#undef RANKSCOPE_STEP_COLUMNS
+
+constexpr int64_t kMaxStep = std::numeric_limits<int64_t>::max();
+
+struct StmtDeleter {
+  void operator()(sqlite3_stmt* stmt) const { sqlite3_finalize(stmt); }
+};
+using Stmt = std::unique_ptr<sqlite3_stmt, StmtDeleter>;
+
+// Resets a statement and clears its bindings when a use of it ends, however it ends, so the
+// next use starts clean and no read transaction is left open by an unfinished SELECT.
+class ScopedReset {
+ public:
+  explicit ScopedReset(sqlite3_stmt* stmt) : stmt_(stmt) {}
+  ~ScopedReset() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+  }
+  ScopedReset(const ScopedReset&) = delete;
+  ScopedReset& operator=(const ScopedReset&) = delete;
+
+ private:
+  sqlite3_stmt* stmt_;
+};
+
+absl::StatusCode CodeFor(int rc) {
+  switch (rc & 0xff) {
+    case SQLITE_FULL:
+    case SQLITE_NOMEM:
+      return absl::StatusCode::kResourceExhausted;
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_IOERR:
+    case SQLITE_CANTOPEN:
+    case SQLITE_PROTOCOL:
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_READONLY:
+    case SQLITE_PERM:
+    case SQLITE_AUTH:
+      return absl::StatusCode::kPermissionDenied;
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+      return absl::StatusCode::kDataLoss;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// Job names come from the network: quote them escaped in messages.
+std::string Quote(absl::string_view job) { return absl::StrCat("'", absl::CHexEscape(job), "'"); }
+
+// Unix seconds with microsecond precision: at today's ~1.7e9 s a double's ulp is ~0.24 us, so
+// rounding back to whole microseconds recovers the value exactly.
+double ToUnixSecondsReal(absl::Time t) {
+  if (t == absl::InfiniteFuture()) return std::numeric_limits<double>::infinity();
+  if (t == absl::InfinitePast()) return -std::numeric_limits<double>::infinity();
+  return static_cast<double>(absl::ToUnixMicros(t)) / 1e6;
+}
+
+absl::Time FromUnixSecondsReal(double seconds) {
+  if (std::isnan(seconds)) return absl::UnixEpoch();
+  const double micros = std::round(seconds * 1e6);
+  constexpr double kTwoTo63 = 9223372036854775808.0;  // the first value an int64 cannot hold
+  if (micros >= kTwoTo63) return absl::InfiniteFuture();
+  if (micros <= -kTwoTo63) return absl::InfinitePast();
+  return absl::FromUnixMicros(static_cast<int64_t>(micros));
+}
+
+// Binds parameters ?1, ?2, ... in order and keeps the first error. Text is bound without a
+// copy (SQLITE_STATIC): it must outlive the statement's step.
+class Binder {
+ public:
+  explicit Binder(sqlite3_stmt* stmt) : stmt_(stmt) {}
+
+  Binder& Text(absl::string_view text) {
+    // A null data() would bind SQL NULL; an empty string_view is the empty string.
+    return Check(sqlite3_bind_text(stmt_, index_, text.data() != nullptr ? text.data() : "",
+                                   static_cast<int>(text.size()), SQLITE_STATIC));
+  }
+  Binder& Int(int64_t value) { return Check(sqlite3_bind_int64(stmt_, index_, value)); }
+  // A uint64 is stored as the int64 with the same bits.
+  Binder& Bits(uint64_t value) { return Int(static_cast<int64_t>(value)); }
+  Binder& Bits(const std::optional<uint64_t>& value) {
+    return value.has_value() ? Bits(*value) : Null();
+  }
+  // NaN becomes NULL; +/-Inf is stored as REAL +/-Inf.
+  Binder& Double(double value) {
+    return std::isnan(value) ? Null() : Check(sqlite3_bind_double(stmt_, index_, value));
+  }
+  Binder& Double(const std::optional<double>& value) {
+    return value.has_value() ? Double(*value) : Null();
+  }
+  Binder& Time(absl::Time t) {
+    return Check(sqlite3_bind_double(stmt_, index_, ToUnixSecondsReal(t)));
+  }
+  Binder& Null() { return Check(sqlite3_bind_null(stmt_, index_)); }
+
+  // SQLITE_OK, or the first binding's error (SQLITE_TOOBIG for a huge string).
+  int rc() const { return rc_; }
+
+ private:
+  Binder& Check(int rc) {
+    if (rc_ == SQLITE_OK) rc_ = rc;
+    ++index_;
+    return *this;
+  }
+  sqlite3_stmt* stmt_;
+  int index_ = 1;
+  int rc_ = SQLITE_OK;
+};
+
+// --- Reading columns. Indexes are 0-based, as in sqlite3_column_*. ---------------------------
+
+std::string ColumnText(sqlite3_stmt* stmt, int col) {
+  const auto* text = reinterpret_cast<const char*>(sqlite3_column_text(stmt, col));
+  if (text == nullptr) return std::string();
+  return std::string(text, static_cast<size_t>(sqlite3_column_bytes(stmt, col)));
+}
+
+bool IsNull(sqlite3_stmt* stmt, int col) { return sqlite3_column_type(stmt, col) == SQLITE_NULL; }
+
+int64_t ColumnInt(sqlite3_stmt* stmt, int col) { return sqlite3_column_int64(stmt, col); }
+
+uint32_t ColumnU32(sqlite3_stmt* stmt, int col) {
+  return static_cast<uint32_t>(sqlite3_column_int64(stmt, col));
+}
+
+uint64_t ColumnBits(sqlite3_stmt* stmt, int col) {
+  return static_cast<uint64_t>(sqlite3_column_int64(stmt, col));
+}
+
+std::optional<uint64_t> ColumnOptionalBits(sqlite3_stmt* stmt, int col) {
+  if (IsNull(stmt, col)) return std::nullopt;
+  return ColumnBits(stmt, col);
+}
+
+double ColumnDouble(sqlite3_stmt* stmt, int col) {
+  if (IsNull(stmt, col)) return std::numeric_limits<double>::quiet_NaN();
+  return sqlite3_column_double(stmt, col);
+}
+
+std::optional<double> ColumnOptionalDouble(sqlite3_stmt* stmt, int col) {
+  if (IsNull(stmt, col)) return std::nullopt;
+  return sqlite3_column_double(stmt, col);
+}
+
+absl::Time ColumnTime(sqlite3_stmt* stmt, int col) {
+  return FromUnixSecondsReal(sqlite3_column_double(stmt, col));
+}
+
+std::string JoinRanks(const std::vector<uint32_t>& ranks) { return absl::StrJoin(ranks, ","); }
+
+bool ParseRanks(absl::string_view text, std::vector<uint32_t>* ranks) {
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    uint32_t rank = 0;
+    if (!absl::SimpleAtoi(part, &rank)) return false;
+    ranks->push_back(rank);
+  }
+  return true;
+}
+
+// Columns as in RANKSCOPE_STEP_COLUMNS.
+bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
+  row->step = static_cast<uint64_t>(ColumnInt(stmt, 0));
+  row->attempt = ColumnU32(stmt, 1);
+  row->ranks = ColumnU32(stmt, 2);
+  row->world_size = ColumnU32(stmt, 3);
+  row->loss_mean = ColumnDouble(stmt, 4);
+  row->loss_std = ColumnDouble(stmt, 5);
+  row->loss_range = ColumnDouble(stmt, 6);
+  row->grad_norm_mean = ColumnDouble(stmt, 7);
+  row->grad_norm_std = ColumnDouble(stmt, 8);
+  row->grad_norm_cv = ColumnDouble(stmt, 9);
+  row->grad_cosine_mean = ColumnDouble(stmt, 10);
+  row->timed_out = ColumnInt(stmt, 12) != 0;
+  row->completed_at = ColumnTime(stmt, 13);
+  return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks);
+}
+
+}  // namespace
+
+struct SqliteStore::Statements {
+  Stmt begin;
+  Stmt commit;
+  Stmt rollback;
+  Stmt upsert_job;
+  Stmt upsert_rank;
+  Stmt upsert_step;
+  Stmt list_jobs;
+  Stmt recent_steps;
+  Stmt get_step;
+  Stmt rank_rows;
+  Stmt count_rank_rows;
+};
+
+namespace {
+
+// Sets the connection's pragmas and creates (or checks) the schema. Errors name `path`; the
+// caller closes `db` on failure.
+absl::Status Configure(const std::string& path, const StoreOptions& options, sqlite3* db) {
+  const auto fail = [&](int rc, absl::string_view what) {
+    return absl::Status(CodeFor(rc), absl::StrFormat("sqlite_store %s: %s: %s [sqlite code %d]",
+                                                     path, what, sqlite3_errmsg(db), rc));
+  };
+  const auto exec = [&](const std::string& sql, absl::string_view what = {}) -> absl::Status {
+    int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr);
+    if (rc != SQLITE_OK) return fail(rc, what.empty() ? absl::string_view(sql) : what);
+    return absl::OkStatus();
+  };
+  // Runs a statement that returns one row and returns its first column as text.
+  const auto query = [&](const char* sql, std::string* result) -> absl::Status {
+    sqlite3_stmt* raw = nullptr;
+    int rc = sqlite3_prepare_v2(db, sql, -1, &raw, nullptr);
+    Stmt stmt(raw);
+    if (rc != SQLITE_OK) return fail(rc, sql);
+    rc = sqlite3_step(stmt.get());
+    if (rc != SQLITE_ROW) return fail(rc, sql);
+    *result = ColumnText(stmt.get(), 0);
+    return absl::OkStatus();
+  };
+
+  sqlite3_extended_result_codes(db, 1);
+  const int64_t busy_ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(options.busy_timeout), 0,
+                                              std::numeric_limits<int>::max());
+  sqlite3_busy_timeout(db, static_cast<int>(busy_ms));  // 0: fail at once with SQLITE_BUSY
+
+  if (options.read_only) {
+    std::string version;
+    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
+    if (version == "0") {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sqlite_store %s: no rankscope schema (open it read-write once first)", path));
+    }
+    int v = 0;
+    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
+                          version, SqliteStore::kSchemaVersion));
+    }
+    return absl::OkStatus();
+  }
+
+  // journal_mode=WAL is persistent in the file; readers do not block the writer.
+  std::string mode;
+  if (absl::Status s = query("PRAGMA journal_mode=WAL", &mode); !s.ok()) return s;
+  if (mode != "wal" && mode != "memory") {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sqlite_store %s: could not enable WAL (journal_mode is '%s')", path, mode));
+  }
+  // NORMAL in WAL mode: a commit survives a process crash; only power loss or an OS crash can
+  // lose the newest commits (never corrupting the file). FULL fsyncs every commit.
+  if (absl::Status s =
+          exec(options.synchronous_full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+      !s.ok()) {
+    return s;
+  }
+  if (options.max_size_bytes > 0) {
+    std::string page_size;
+    if (absl::Status s = query("PRAGMA page_size", &page_size); !s.ok()) return s;
+    int64_t bytes_per_page = 4096;
+    if (!absl::SimpleAtoi(page_size, &bytes_per_page) || bytes_per_page <= 0) {
+      bytes_per_page = 4096;
+    }
+    const int64_t pages = std::max<int64_t>(1, options.max_size_bytes / bytes_per_page);
+    if (absl::Status s = exec(absl::StrCat("PRAGMA max_page_count=", pages)); !s.ok()) return s;
+  }
+
+  // Schema creation and the version check in one write transaction, so two processes opening a
+  // new file at once do not race.
+  if (absl::Status s = exec("BEGIN IMMEDIATE"); !s.ok()) return s;
+  absl::Status status = [&]() -> absl::Status {
+    std::string version;
+    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
+    int v = 0;
+    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
+                          version, SqliteStore::kSchemaVersion));
+    }
+    if (absl::Status s = exec(kCreateSchema, "create schema"); !s.ok()) return s;
+    // Migrations from older versions go here, one step at a time.
+    if (v < SqliteStore::kSchemaVersion) {
+      if (absl::Status s = exec(absl::StrCat("PRAGMA user_version=", SqliteStore::kSchemaVersion));
+          !s.ok()) {
+        return s;
+      }
+    }
+    return exec("COMMIT");
+  }();
+  if (!status.ok() && sqlite3_get_autocommit(db) == 0) {
+    sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  return status;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string& path) {
+  return Open(path, StoreOptions());
+}
+
+absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string& path,
+                                                               const StoreOptions& options) {
+  sqlite3* db = nullptr;
+  // NOMUTEX: a SqliteStore is thread-compatible, its owner serializes calls.
+  const int flags =
+      (options.read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE) |
+      SQLITE_OPEN_NOMUTEX;
+  int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
+  if (rc != SQLITE_OK) {
+    absl::Status status(CodeFor(rc),
+                        absl::StrFormat("sqlite_store %s: open: %s [sqlite code %d]", path,
+                                        db ? sqlite3_errmsg(db) : sqlite3_errstr(rc), rc));
+    sqlite3_close(db);
+    return status;
+  }
+  if (absl::Status s = Configure(path, options, db); !s.ok()) {
+    sqlite3_close(db);
+    return s;
+  }
+  // From here the store owns `db` and closes it on every path.
+  std::unique_ptr<SqliteStore> store(new SqliteStore(path, db));
+  const struct {
+    Stmt* stmt;
+    const char* sql;
+  } kStatements[] = {
+      {&store->stmts_->begin, "BEGIN IMMEDIATE"},
+      {&store->stmts_->commit, "COMMIT"},
+      {&store->stmts_->rollback, "ROLLBACK"},
+      {&store->stmts_->upsert_job, kUpsertJob},
+      {&store->stmts_->upsert_rank, kUpsertRank},
+      {&store->stmts_->upsert_step, kUpsertStep},
+      {&store->stmts_->list_jobs, kListJobs},
+      {&store->stmts_->recent_steps, kRecentSteps},
+      {&store->stmts_->get_step, kGetStep},
+      {&store->stmts_->rank_rows, kRankRows},
+      {&store->stmts_->count_rank_rows, kCountRankRows},
+  };
+  for (const auto& s : kStatements) {
+    sqlite3_stmt* raw = nullptr;
+    rc = sqlite3_prepare_v3(db, s.sql, -1, SQLITE_PREPARE_PERSISTENT, &raw, nullptr);
+    s.stmt->reset(raw);
+    if (rc != SQLITE_OK) return store->SqlError(rc, absl::StrCat("prepare ", s.sql));
+  }
+  return store;
+}
+
+SqliteStore::SqliteStore(std::string path, sqlite3* db)
+    : path_(std::move(path)), db_(db), stmts_(std::make_unique<Statements>()) {}
+
+SqliteStore::~SqliteStore() {
+  stmts_.reset();  // statements are finalized before their connection is closed
+  sqlite3_close(db_);
+}
+
+absl::Status SqliteStore::SqlError(int rc, absl::string_view what) const {
+  return absl::Status(CodeFor(rc), absl::StrFormat("sqlite_store %s: %s: %s [sqlite code %d]",
+                                                   path_, what, sqlite3_errmsg(db_), rc));
+}
+
+namespace {
+
+// Steps `stmt` (bound, no result rows) to completion. Returns SQLITE_DONE or the error code;
+// the caller builds the Status before anything else touches the connection's error message.
+int StepToDone(sqlite3_stmt* stmt) {
+  int rc = sqlite3_step(stmt);
+  while (rc == SQLITE_ROW) rc = sqlite3_step(stmt);
+  return rc;
+}
+
+absl::Status ValidateBatch(const StoreBatch& batch) {
+  for (const JobRow& job : batch.jobs) {
+    if (job.last_step > static_cast<uint64_t>(kMaxStep)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "job %s: last_step %d > INT64_MAX cannot be stored", Quote(job.job), job.last_step));
+    }
+  }
+  for (const StepWrite& write : batch.steps) {
+    if (write.step > static_cast<uint64_t>(kMaxStep)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "job %s: step %d > INT64_MAX cannot be stored", Quote(write.job), write.step));
+    }
+    if (write.stats.has_value() && write.stats->step != write.step) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("job %s: StepRow::step %d != StepWrite::step %d", Quote(write.job),
+                          write.stats->step, write.step));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SqliteStore::Write(const StoreBatch& batch) {
+  if (batch.empty()) return absl::OkStatus();
+  if (absl::Status s = ValidateBatch(batch); !s.ok()) return s;
+
+  {
+    ScopedReset reset(stmts_->begin.get());
+    int rc = StepToDone(stmts_->begin.get());
+    if (rc != SQLITE_DONE) return SqlError(rc, "BEGIN IMMEDIATE");
+  }
+  absl::Status status = WriteRows(batch);
+  if (status.ok()) {
+    ScopedReset reset(stmts_->commit.get());
+    int rc = StepToDone(stmts_->commit.get());
+    if (rc != SQLITE_DONE) status = SqlError(rc, "COMMIT");
+  }
+  // SQLite may already have rolled the transaction back itself (e.g. on SQLITE_FULL).
+  if (!status.ok() && sqlite3_get_autocommit(db_) == 0) {
+    ScopedReset reset(stmts_->rollback.get());
+    StepToDone(stmts_->rollback.get());
+  }
+  return status;
+}
+
+absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
+  for (const JobRow& job : batch.jobs) {
+    sqlite3_stmt* stmt = stmts_->upsert_job.get();
+    ScopedReset reset(stmt);
+    int rc = Binder(stmt)
+                 .Text(job.job)
+                 .Int(job.world_size)
+                 .Int(job.sketch_dim)
+                 .Bits(job.sketch_seed)
+                 .Time(job.first_seen)
+                 .Time(job.last_seen)
+                 .Int(static_cast<int64_t>(job.last_step))
+                 .rc();
+    if (rc == SQLITE_OK) rc = StepToDone(stmt);
+    if (rc != SQLITE_DONE) return SqlError(rc, absl::StrCat("upsert jobs ", Quote(job.job)));
+  }
+  for (const StepWrite& write : batch.steps) {
+    const auto step = static_cast<int64_t>(write.step);
+    if (write.stats.has_value()) {
+      const StepRow& row = *write.stats;
+      sqlite3_stmt* stmt = stmts_->upsert_step.get();
+      ScopedReset reset(stmt);
+      const std::string missing = JoinRanks(row.missing_ranks);
+      int rc = Binder(stmt)
+                   .Text(write.job)
+                   .Int(step)
+                   .Int(row.attempt)
+                   .Int(row.ranks)
+                   .Int(row.world_size)
+                   .Double(row.loss_mean)
+                   .Double(row.loss_std)
+                   .Double(row.loss_range)
+                   .Double(row.grad_norm_mean)
+                   .Double(row.grad_norm_std)
+                   .Double(row.grad_norm_cv)
+                   .Double(row.grad_cosine_mean)
+                   .Text(missing)
+                   .Int(row.timed_out ? 1 : 0)
+                   .Time(row.completed_at)
+                   .rc();
+      if (rc == SQLITE_OK) rc = StepToDone(stmt);
+      if (rc != SQLITE_DONE) {
+        return SqlError(
+            rc, absl::StrFormat("upsert step_stats job %s step %d", Quote(write.job), write.step));
+      }
+    }
+    for (const RankRow& row : write.ranks) {
+      sqlite3_stmt* stmt = stmts_->upsert_rank.get();
+      ScopedReset reset(stmt);
+      const bool nonfinite = !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
+      int rc = Binder(stmt)
+                   .Text(write.job)
+                   .Int(step)
+                   .Int(row.rank)
+                   .Int(row.attempt)
+                   .Int(row.join_size)
+                   .Double(row.loss)
+                   .Double(row.grad_norm)
+                   .Double(row.grad_cosine)
+                   .Double(row.loss_z)
+                   .Double(row.grad_norm_z)
+                   .Int(nonfinite ? 1 : 0)
+                   .Bits(row.reduced_grad_fingerprint)
+                   .Bits(row.param_fingerprint)
+                   .Double(row.step_time_seconds)
+                   .Time(row.received_at)
+                   .rc();
+      if (rc == SQLITE_OK) rc = StepToDone(stmt);
+      if (rc != SQLITE_DONE) {
+        return SqlError(rc, absl::StrFormat("upsert rank_steps job %s step %d rank %d",
+                                            Quote(write.job), write.step, row.rank));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<JobRow>> SqliteStore::ListJobs() {
+  sqlite3_stmt* stmt = stmts_->list_jobs.get();
+  ScopedReset reset(stmt);
+  std::vector<JobRow> jobs;
+  int rc;
+  while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+    JobRow& row = jobs.emplace_back();
+    row.job = ColumnText(stmt, 0);
+    row.world_size = ColumnU32(stmt, 1);
+    row.sketch_dim = ColumnU32(stmt, 2);
+    row.sketch_seed = ColumnBits(stmt, 3);
+    row.first_seen = ColumnTime(stmt, 4);
+    row.last_seen = ColumnTime(stmt, 5);
+    row.last_step = static_cast<uint64_t>(ColumnInt(stmt, 6));
+  }
+  if (rc != SQLITE_DONE) return SqlError(rc, "list jobs");
+  return jobs;
+}
+
+absl::StatusOr<std::vector<StepRow>> SqliteStore::RecentSteps(absl::string_view job, int limit) {
+  if (limit < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("RecentSteps: limit %d < 0", limit));
+  }
+  sqlite3_stmt* stmt = stmts_->recent_steps.get();
+  ScopedReset reset(stmt);
+  std::vector<StepRow> steps;
+  int rc = Binder(stmt).Text(job).Int(limit).rc();
+  if (rc == SQLITE_OK) {
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      StepRow& row = steps.emplace_back();
+      if (!ReadStepRow(stmt, &row)) return BadMissingRanks(job, row.step);
+    }
+  }
+  if (rc != SQLITE_DONE) return SqlError(rc, absl::StrCat("recent steps of job ", Quote(job)));
+  return steps;
+}
+
+absl::StatusOr<std::optional<StepRow>> SqliteStore::GetStep(absl::string_view job, uint64_t step) {
+  if (step > static_cast<uint64_t>(kMaxStep)) return std::optional<StepRow>();
+  sqlite3_stmt* stmt = stmts_->get_step.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt).Text(job).Int(static_cast<int64_t>(step)).rc();
+  if (rc == SQLITE_OK) rc = sqlite3_step(stmt);
+  if (rc == SQLITE_DONE) return std::optional<StepRow>();
+  if (rc != SQLITE_ROW) {
+    return SqlError(rc, absl::StrFormat("get step %d of job %s", step, Quote(job)));
+  }
+  StepRow row;
+  if (!ReadStepRow(stmt, &row)) return BadMissingRanks(job, step);
+  return std::optional<StepRow>(std::move(row));
+}
+
+absl::StatusOr<std::vector<RankRow>> SqliteStore::RankRows(absl::string_view job, uint64_t step) {
+  std::vector<RankRow> ranks;
+  if (step > static_cast<uint64_t>(kMaxStep)) return ranks;
+  sqlite3_stmt* stmt = stmts_->rank_rows.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt).Text(job).Int(static_cast<int64_t>(step)).rc();
+  if (rc == SQLITE_OK) {
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      RankRow& row = ranks.emplace_back();
+      row.rank = ColumnU32(stmt, 0);
+      row.attempt = ColumnU32(stmt, 1);
+      row.join_size = ColumnU32(stmt, 2);
+      row.loss = ColumnDouble(stmt, 3);
+      row.grad_norm = ColumnDouble(stmt, 4);
+      row.grad_cosine = ColumnOptionalDouble(stmt, 5);
+      row.loss_z = ColumnOptionalDouble(stmt, 6);
+      row.grad_norm_z = ColumnOptionalDouble(stmt, 7);
+      row.reduced_grad_fingerprint = ColumnOptionalBits(stmt, 8);
+      row.param_fingerprint = ColumnOptionalBits(stmt, 9);
+      row.step_time_seconds = ColumnOptionalDouble(stmt, 10);
+      row.received_at = ColumnTime(stmt, 11);
+    }
+  }
+  if (rc != SQLITE_DONE) {
+    return SqlError(rc, absl::StrFormat("rank rows of job %s step %d", Quote(job), step));
+  }
+  return ranks;
+}
+
+absl::StatusOr<int64_t> SqliteStore::CountRankRows(absl::string_view job) {
+  sqlite3_stmt* stmt = stmts_->count_rank_rows.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt).Text(job).rc();
+  if (rc == SQLITE_OK) rc = sqlite3_step(stmt);
+  if (rc != SQLITE_ROW) return SqlError(rc, absl::StrCat("count rank rows of job ", Quote(job)));
+  return ColumnInt(stmt, 0);
+}
+
+absl::Status SqliteStore::BadMissingRanks(absl::string_view job, uint64_t step) const {
+  return absl::DataLossError(
+      absl::StrFormat("sqlite_store %s: job %s step %d: missing_ranks is not a list of ranks",
+                      path_, Quote(job), step));
+}
+
+}  // namespace rankscope::collector

@@ -9,9 +9,23 @@
 //   step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
 //        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks,
 //        timed_out, completed_at, PRIMARY KEY(job, step))
-// Times are Unix seconds as REAL. NaN is stored as NULL (SQLite's own rule) and flagged by
-// `nonfinite` (1 when the rank's loss or grad_norm was NaN/Inf). missing_ranks is a
-// comma-separated list ("3,7"), empty when none.
+// Times are Unix seconds as REAL, with microsecond precision (InfiniteFuture/InfinitePast are
+// stored as +/-Inf). NaN is stored as NULL (SQLite's own rule) and flagged by `nonfinite` (1 when
+// the rank's loss or grad_norm was NaN/Inf); +/-Inf is stored as REAL +/-Inf. On reads a NULL
+// required double comes back as NaN and a NULL optional one as nullopt (so an optional that held
+// NaN reads back as nullopt). uint64 values (sketch_seed, the fingerprints) are stored as the
+// INTEGER with the same 64-bit pattern (static_cast<int64_t>): a value with the high bit set reads
+// as negative in the sqlite3 shell; cast back to uint64 to compare. Steps are INTEGER and must be
+// <= INT64_MAX (Write rejects larger ones). missing_ranks is a comma-separated list ("3,7"), empty
+// when none. rank_steps and step_stats are WITHOUT ROWID tables clustered on their primary keys,
+// which also serve RecentSteps and RankRows; no other index is needed. The schema version is
+// PRAGMA user_version (kSchemaVersion); Open refuses a file written by a newer schema.
+//
+// Durability: WAL with synchronous=NORMAL by default. A commit survives a crash or SIGKILL of the
+// process (it is in the WAL, which the OS holds), so "ack after commit" holds against collector
+// crashes. A power loss or OS crash may lose the last transactions committed since the last WAL
+// sync (the file stays consistent, never half a batch); set StoreOptions::synchronous_full for
+// an fsync on every commit if acks must survive power loss too.
 //
 // Idempotency ("newest report wins", duplicates change nothing): a row replaces the stored row
 // with the same key only if its attempt is higher, or the attempt is equal and its join_size
@@ -19,8 +33,8 @@
 // may be joined with fewer ranks than the original, never degrades what was stored.
 //
 // Thread safety: a SqliteStore owns one connection and is thread-compatible: use one per thread
-// (the StoreWriter thread owns one; queries open their own). WAL lets readers run beside the
-// writer.
+// (the StoreWriter thread owns one; queries open their own, e.g. with StoreOptions::read_only).
+// WAL lets readers run beside the writer; several processes may open the same file.
 #ifndef RANKSCOPE_COLLECTOR_SQLITE_STORE_H_
 #define RANKSCOPE_COLLECTOR_SQLITE_STORE_H_
 
@@ -96,22 +110,59 @@ struct StoreBatch {
   bool empty() const { return jobs.empty() && steps.empty(); }
 };
 
+struct StoreOptions {
+  // Opens an existing database read-only (a query connection beside the writer): no schema is
+  // created and Write fails with PermissionDenied. Open fails with FailedPrecondition when the
+  // file has no rankscope schema yet.
+  bool read_only = false;
+  // synchronous=FULL instead of NORMAL: every commit is fsynced, so it also survives power loss.
+  bool synchronous_full = false;
+  // How long a statement waits for another connection's lock before failing with Unavailable.
+  absl::Duration busy_timeout = absl::Seconds(5);
+  // A cap on the database's size (PRAGMA max_page_count, rounded down to whole pages); 0 means
+  // none. A Write that would grow the file beyond it fails with ResourceExhausted, like a full
+  // disk.
+  int64_t max_size_bytes = 0;
+};
+
 class SqliteStore {
  public:
+  // The schema this build writes (PRAGMA user_version).
+  static constexpr int kSchemaVersion = 1;
+
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
-  // Errors: Unavailable / PermissionDenied / Internal with the path and SQLite's message.
+  // Errors carry the path and SQLite's message:
+  //   Unavailable: the file could not be opened (missing directory, out of file descriptors) or
+  //     is locked; transient, retry with backoff.
+  //   PermissionDenied: the file or its directory is not writable; needs an operator.
+  //   DataLoss: the file is not a SQLite database or is corrupt; do not retry.
+  //   FailedPrecondition: written by a newer schema, or (read_only) no schema yet.
+  //   Internal: anything else (a bug).
   static absl::StatusOr<std::unique_ptr<SqliteStore>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<SqliteStore>> Open(const std::string& path,
+                                                           const StoreOptions& options);
   ~SqliteStore();
   SqliteStore(const SqliteStore&) = delete;
   SqliteStore& operator=(const SqliteStore&) = delete;
 
-  // Writes the whole batch in one transaction: all of it is stored or none of it.
-  // On error (disk full, read-only file) the transaction is rolled back; the caller may retry.
+  // Writes the whole batch in one transaction (BEGIN IMMEDIATE ... COMMIT): all of it is stored
+  // or none of it. An empty batch is a no-op. The key of step_stats is StepWrite::step;
+  // StepRow::step must equal it. On error the transaction is rolled back and nothing of the
+  // batch is stored; the message names the path and SQLite's error. What the caller should do:
+  //   ResourceExhausted: the disk (or max_size_bytes) is full. Retry with backoff; it succeeds
+  //     once space is freed. Keep the batch un-acked.
+  //   Unavailable: transient (a lock held past busy_timeout, an I/O error). Retry with backoff.
+  //   PermissionDenied: the file, its directory or the connection is read-only. Retrying does
+  //     not help until an operator fixes it (a slow retry is harmless).
+  //   InvalidArgument: the batch itself is bad (a step > INT64_MAX, StepRow::step != the
+  //     StepWrite's step). Never retry it: the same batch fails again.
+  //   DataLoss: the file is corrupt. Do not retry. Internal: a bug. Do not retry.
   absl::Status Write(const StoreBatch& batch);
 
   // Queries (read-only).
   absl::StatusOr<std::vector<JobRow>> ListJobs();
-  // The newest `limit` steps of a job, newest first.
+  // The newest `limit` steps of a job (step_stats rows), newest first. InvalidArgument when
+  // limit < 0.
   absl::StatusOr<std::vector<StepRow>> RecentSteps(absl::string_view job, int limit);
   absl::StatusOr<std::optional<StepRow>> GetStep(absl::string_view job, uint64_t step);
   // Rank rows of one step, ordered by rank.
@@ -123,6 +174,11 @@ class SqliteStore {
  private:
   SqliteStore(std::string path, sqlite3* db);
   struct Statements;
+  // A Status for SQLite result code `rc` (mapped as documented on Write) naming path_, `what`
+  // and SQLite's message.
+  absl::Status SqlError(int rc, absl::string_view what) const;
+  absl::Status WriteRows(const StoreBatch& batch);
+  absl::Status BadMissingRanks(absl::string_view job, uint64_t step) const;
   std::string path_;
   sqlite3* db_;
   std::unique_ptr<Statements> stmts_;

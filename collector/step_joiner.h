@@ -15,6 +15,15 @@
 //    newest attempt wins. An open step of the older attempt is closed as kSuperseded and a new
 //    one opened; a closed step is joined again from scratch;
 //  - a report with a lower attempt than the step's: kStale (ack, drop).
+// A late report is remembered as part of its closed step, so a resend of it is kDuplicate.
+// A report for a step closed so long ago that it was forgotten opens that step again.
+//
+// Cost: Add is O(1) expected plus O(log open steps) when it opens or closes a step, plus
+// O(W log W) when it closes one (sorting the reports); merging a duplicate into an open step scans
+// that step's reports (O(W), rare). Expire is O(log n) per step it closes; NextDeadline is O(1).
+// Memory per job: at most max_open_steps_per_job open steps, and at most
+// completed_steps_remembered closed steps, each taking min(4 * ranks present, 4 * ranks missing,
+// world_size / 8) bytes for its set of ranks (so a complete step costs a few dozen bytes).
 //
 // Time is injected: every call takes `now`; nothing here reads a clock.
 //
@@ -25,7 +34,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -38,7 +51,7 @@ namespace rankscope::collector {
 
 struct JoinerOptions {
   absl::Duration step_timeout = absl::Seconds(30);
-  size_t max_open_steps_per_job = 256;
+  size_t max_open_steps_per_job = 256;  // 0 is treated as 1
   size_t completed_steps_remembered = 4096;
 };
 
@@ -54,55 +67,96 @@ struct JoinedStep {
   std::vector<uint32_t> missing_ranks;       // sorted
 };
 
-enum class AddOutcome { kAccepted, kDuplicate, kLate, kStale };
+enum class AddOutcome {
+  kAccepted,
+  kDuplicate,
+  kLate,
+  kStale,
+  // The caller broke Add's precondition: the job was never registered (kUnknownJob), or
+  // rank >= the job's world_size (kRankOutOfRange). Nothing changed and `report` was not moved
+  // from. A programming error in the caller, which validates both before calling Add; treat it
+  // as an internal error (do not store, do not ack: the agent's resend will meet a fixed caller).
+  kUnknownJob,
+  kRankOutOfRange,
+};
 
 class StepJoiner {
  public:
   explicit StepJoiner(JoinerOptions options = {});
 
   // Declares a job's world size, or checks it against the one declared before. Returns
-  // FailedPrecondition if it differs ("world_size 16 != 8 for job exp-42").
+  // FailedPrecondition if it differs ("world_size 16 != 8 for job exp-42"), InvalidArgument if
+  // world_size is 0. A job stays registered for the joiner's lifetime.
   absl::Status RegisterJob(absl::string_view job, uint32_t world_size);
 
-  // Adds a report of a registered job (rank < world_size is the caller's check). Steps that
+  // Adds a report of a registered job (rank < world_size is the caller's check; see kUnknownJob
+  // and kRankOutOfRange for what happens if either is broken). Steps that
   // become complete, or are closed early by the open-step cap or a newer attempt, are appended
   // to *closed. `report` is moved from only when the outcome is kAccepted; for kDuplicate its
   // acks were taken into the held report or must be acked by the caller (see above).
   AddOutcome Add(absl::string_view job, RankReport& report, absl::Time now,
                  std::vector<JoinedStep>* closed);
 
-  // Closes every open step whose deadline (opened_at + step_timeout) is <= now.
+  // Closes every open step whose deadline (opened_at + step_timeout) is <= now, in deadline
+  // order (ties: by job name, then step).
   void Expire(absl::Time now, std::vector<JoinedStep>* closed);
 
-  // The earliest deadline among all open steps, or absl::InfiniteFuture().
+  // The earliest deadline among all open steps, or absl::InfiniteFuture(). O(1).
   absl::Time NextDeadline() const;
 
+  // Open steps of `job` (0 for an unknown job), and of all jobs together.
   size_t open_steps(absl::string_view job) const;
   size_t open_steps_total() const;
+  // Closed steps of `job` remembered for recognising resends (<= completed_steps_remembered).
+  size_t remembered_steps(absl::string_view job) const;
 
  private:
   struct OpenStep {
     uint32_t attempt = 0;
     absl::Time opened_at;
-    std::vector<RankReport> reports;  // unsorted while open
+    std::vector<RankReport> reports;  // arrival order while open
+    std::vector<uint64_t> present;    // bitset over ranks [0, world_size)
+  };
+  // The set of ranks a closed step included, in whichever form is smallest: the sorted ranks
+  // present, the sorted ranks missing, or a bitset over world_size ranks.
+  struct RankSet {
+    enum class Form : uint8_t { kPresent, kMissing, kBitset };
+    Form form = Form::kMissing;
+    std::vector<uint32_t> ranks;  // sorted; kPresent or kMissing
+    std::vector<uint64_t> bits;   // kBitset
+    bool Contains(uint32_t rank) const;
+    void Insert(uint32_t rank);
   };
   struct ClosedStep {
     uint32_t attempt = 0;
-    std::vector<uint32_t> ranks;  // sorted
+    uint64_t close_seq = 0;  // identifies the closed_order entry that owns this record
+    RankSet ranks;
   };
   struct Job {
     uint32_t world_size = 0;
-    absl::flat_hash_map<uint64_t, OpenStep> open;       // by step
-    absl::flat_hash_map<uint64_t, ClosedStep> closed;   // by step, bounded
-    std::vector<uint64_t> closed_order;                 // FIFO of closed steps for eviction
-    size_t closed_order_head = 0;
+    absl::flat_hash_map<uint64_t, OpenStep> open;  // by step
+    // (opened_at, step) of every open step: the open-step cap evicts begin().
+    std::set<std::pair<absl::Time, uint64_t>> open_by_age;
+    absl::flat_hash_map<uint64_t, ClosedStep> closed;  // by step, bounded
+    // (step, close_seq) in closing order, oldest first. A step closed again (a newer attempt)
+    // leaves its older entry behind; such stale entries are skipped and periodically dropped.
+    std::deque<std::pair<uint64_t, uint64_t>> closed_order;
+    uint64_t next_close_seq = 0;
   };
+  // (opened_at, job, step) of every open step of every job. Every step has the same timeout, so
+  // begin() is the earliest deadline: NextDeadline is O(1) and Expire pops from the front, where a
+  // scan of the open steps would cost O(jobs x 256) on every Add.
+  using DeadlineKey = std::tuple<absl::Time, std::string, uint64_t>;
 
+  void Open(const std::string& job_name, Job& job, RankReport& report, absl::Time now,
+            std::vector<JoinedStep>* closed);
   JoinedStep Close(const std::string& job_name, Job& job, uint64_t step,
                    JoinedStep::Reason reason);
+  void Remember(Job& job, uint64_t step, uint32_t attempt, RankSet ranks);
 
   JoinerOptions options_;
   absl::flat_hash_map<std::string, Job> jobs_;
+  std::set<DeadlineKey> deadlines_;
 };
 
 }  // namespace rankscope::collector

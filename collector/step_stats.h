@@ -9,7 +9,14 @@
 //    It is NaN for W < 2 (no pairs).
 //  - consensus_cosine of rank r = cos(v_r, sum_{j != r} v_j); NaN for W < 2.
 //  - z-scores are (x - mean) / std, and 0 when std == 0.
+//  - When all values of a quantity are equal and finite, its mean is exactly that value and its
+//    std and range are exactly 0 (so its z-scores and cv are 0, not rounding noise).
 //  - Non-finite inputs propagate (NaN in, NaN out for the affected statistics); nothing crashes.
+//    A NaN loss makes loss_mean/std/range and every loss_z NaN and touches nothing else (likewise
+//    grad_norm). An Inf makes the mean +-Inf and std NaN. A sketch holding NaN or Inf makes
+//    grad_cosine_mean and every consensus_cosine NaN (each involves every other rank's sketch).
+//  - Sketches of different lengths (a caller bug) make every cosine statistic NaN.
+//  - No samples: ranks = 0, grad_cosine_mean NaN, every other field 0.
 #ifndef RANKSCOPE_COLLECTOR_STEP_STATS_H_
 #define RANKSCOPE_COLLECTOR_STEP_STATS_H_
 

@@ -1,1 +1,149 @@
-// placeholder
+#include "collector/store_writer.h"
+
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace rankscope::collector {
+namespace {
+
+void Append(StoreBatch& into, StoreBatch&& from) {
+  std::move(from.jobs.begin(), from.jobs.end(), std::back_inserter(into.jobs));
+  std::move(from.steps.begin(), from.steps.end(), std::back_inserter(into.steps));
+}
+
+// Sends the acks of committed items, one Ack call per sink.
+void SendAcks(std::vector<WriteItem>& items) {
+  absl::flat_hash_map<AckSink*, std::pair<std::shared_ptr<AckSink>, std::vector<uint64_t>>> by;
+  for (WriteItem& item : items) {
+    for (AckHandle& h : item.acks) {
+      if (h.sink == nullptr) continue;
+      auto& entry = by[h.sink.get()];
+      if (entry.first == nullptr) entry.first = h.sink;
+      entry.second.push_back(h.seq);
+    }
+  }
+  for (auto& [raw, entry] : by) entry.first->Ack(entry.second);
+}
+
+}  // namespace
+
+StoreWriter::StoreWriter(std::unique_ptr<SqliteStore> store, StoreWriterOptions options,
+                         StoreWriterHooks hooks)
+    : options_(options), hooks_(std::move(hooks)), store_(std::move(store)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+StoreWriter::~StoreWriter() { Stop(absl::Seconds(5)).IgnoreError(); }
+
+void StoreWriter::Enqueue(WriteItem item) {
+  size_t dropped = 0;
+  size_t depth;
+  {
+    absl::MutexLock lock(&mu_);
+    pending_.push_back(std::move(item));
+    ++enqueued_;
+    while (pending_.size() > std::max<size_t>(options_.max_pending_items, 1)) {
+      pending_.pop_front();
+      ++finished_;
+      ++dropped;
+    }
+    depth = pending_.size();
+  }
+  if (dropped > 0 && hooks_.on_overflow) hooks_.on_overflow(dropped);
+  if (hooks_.on_queue_depth) hooks_.on_queue_depth(depth);
+}
+
+bool StoreWriter::Flush(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t target = enqueued_;
+  auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return finished_ >= target || stopped_;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+  return finished_ >= target;
+}
+
+absl::Status StoreWriter::Stop(absl::Duration timeout) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      stopping_ = true;
+      stop_deadline_ = absl::Now() + timeout;
+    }
+  }
+  if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&mu_);
+  if (!pending_.empty()) {
+    return absl::DataLossError(
+        absl::StrCat(pending_.size(), " store items were not committed at shutdown: ",
+                     health_.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StoreWriter::health() const {
+  absl::MutexLock lock(&mu_);
+  return health_;
+}
+
+void StoreWriter::Run() {
+  std::vector<WriteItem> items;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !pending_.empty() || stopping_;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (pending_.empty() || (stopping_ && absl::Now() >= stop_deadline_)) {
+        stopped_ = true;
+        return;
+      }
+      const size_t n = std::min(pending_.size(), std::max<size_t>(options_.max_batch_items, 1));
+      items.clear();
+      for (size_t i = 0; i < n; ++i) {
+        items.push_back(std::move(pending_.front()));
+        pending_.pop_front();
+      }
+    }
+    StoreBatch batch;
+    for (WriteItem& item : items) Append(batch, std::move(item.batch));
+    const absl::Time start = absl::Now();
+    absl::Status status = batch.empty() ? absl::OkStatus() : store_->Write(batch);
+    if (status.ok()) {
+      SendAcks(items);
+      if (hooks_.on_commit) hooks_.on_commit(absl::Now() - start, items.size());
+      absl::MutexLock lock(&mu_);
+      finished_ += items.size();
+      health_ = absl::OkStatus();
+      if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
+      continue;
+    }
+    // Not stored: nothing is acked. Put the items back in front (their rows were moved into
+    // `batch`, so rebuild one item holding the whole batch and all acks) and retry later.
+    if (hooks_.on_error) hooks_.on_error(status);
+    WriteItem retry;
+    retry.batch = std::move(batch);
+    for (WriteItem& item : items) {
+      std::move(item.acks.begin(), item.acks.end(), std::back_inserter(retry.acks));
+    }
+    absl::MutexLock lock(&mu_);
+    health_ = status;
+    // The merged item stands for items.size() enqueued items.
+    finished_ += items.size() - 1;
+    pending_.push_front(std::move(retry));
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stop), options_.retry_backoff);
+    if (stopping_ && absl::Now() >= stop_deadline_) {
+      stopped_ = true;
+      return;
+    }
+  }
+}
+
+}  // namespace rankscope::collector

@@ -1,1 +1,82 @@
-// placeholder
+#include "collector/validation.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace rankscope::collector {
+namespace {
+
+Rejection Reject(absl::Status status, std::string reason) {
+  return Rejection{std::move(status), std::move(reason)};
+}
+
+}  // namespace
+
+bool IsValidJobName(absl::string_view job, size_t max_length) {
+  if (job.empty() || job.size() > max_length) return false;
+  for (char c : job) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == ':' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
+  if (!IsValidJobName(hello.job(), limits.max_job_name_length)) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "job name must be 1-", limits.max_job_name_length,
+                      " characters of [A-Za-z0-9_.:-], got ", hello.job().size(), " characters")),
+                  "bad_hello");
+  }
+  if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "world_size ", hello.world_size(), " must be in [1, ",
+                      limits.max_world_size, "] for job ", hello.job())),
+                  "bad_hello");
+  }
+  if (hello.rank() >= hello.world_size()) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat("rank ", hello.rank(), " >= world_size ",
+                                                          hello.world_size(), " for job ",
+                                                          hello.job())),
+                  "rank_out_of_range");
+  }
+  if (hello.sketch_dim() == 0 || hello.sketch_dim() > limits.max_sketch_dim) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "sketch_dim ", hello.sketch_dim(), " must be in [1, ",
+                      limits.max_sketch_dim, "] for job ", hello.job())),
+                  "bad_hello");
+  }
+  return {};
+}
+
+Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) {
+  if (hello.world_size() != identity.world_size) {
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+                      "world_size ", hello.world_size(), " != ", identity.world_size,
+                      " for job ", hello.job(),
+                      ": a job's world size is fixed; use a new job name for a resized run")),
+                  "world_size_changed");
+  }
+  if (hello.sketch_dim() != identity.sketch_dim || hello.sketch_seed() != identity.sketch_seed) {
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+                      "sketch (dim ", hello.sketch_dim(), ", seed ", hello.sketch_seed(),
+                      ") differs from job ", hello.job(), "'s (dim ", identity.sketch_dim,
+                      ", seed ", identity.sketch_seed,
+                      "): every rank must use the same sketch or cosines mean nothing")),
+                  "sketch_mismatch");
+  }
+  return {};
+}
+
+Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
+                         uint32_t sketch_dim) {
+  if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "sketch of step ", report.step(), " has ", report.sketch_size(),
+                      " values, job ", hello.job(), " uses sketch_dim ", sketch_dim)),
+                  "sketch_length");
+  }
+  return {};
+}
+
+}  // namespace rankscope::collector

@@ -1,1 +1,194 @@
-// placeholder
+// The agent against a real collector on loopback (and against no collector at all).
+#include "rankscope/agent.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collector/collector.h"
+#include "gtest/gtest.h"
+#include "rankscope/agent_c.h"
+#include "tests/testing/test_util.h"
+
+namespace rankscope {
+namespace {
+
+using collector::Collector;
+using collector::CollectorOptions;
+
+AgentOptions Options(int port, uint32_t rank = 0, uint32_t world = 1) {
+  AgentOptions o;
+  o.collector_address = absl::StrCat("127.0.0.1:", port);
+  o.job = "agent-test";
+  o.rank = rank;
+  o.world_size = world;
+  o.sketch_dim = 16;
+  o.queue_capacity = 32;
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(100);
+  return o;
+}
+
+CollectorOptions CollectorAt(const std::string& dir, int port) {
+  CollectorOptions o;
+  o.grpc_address = absl::StrCat("127.0.0.1:", port);
+  o.metrics_address = "";
+  o.db_path = dir + "/agent.db";
+  o.pipeline.joiner.step_timeout = absl::Seconds(1);
+  return o;
+}
+
+StepReport Report(uint64_t step, const std::vector<float>& sketch) {
+  StepReport r;
+  r.step = step;
+  r.loss = 1.0 + step;
+  r.grad_norm = 2.0;
+  r.sketch = sketch;
+  return r;
+}
+
+TEST(AgentTest, CreateRejectsBadOptions) {
+  AgentOptions o = Options(1);
+  o.job = "";
+  EXPECT_EQ(Agent::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options(1);
+  o.job = "bad job name";
+  EXPECT_EQ(Agent::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options(1, 4, 4);
+  EXPECT_EQ(Agent::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options(1);
+  o.sketch_dim = 0;
+  EXPECT_EQ(Agent::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AgentTest, RecordRejectsWrongSketchLengthAndRecordAfterClose) {
+  auto agent = Agent::Create(Options(testing::PickFreePort()));
+  ASSERT_TRUE(agent.ok());
+  std::vector<float> short_sketch(3, 1.0f);
+  EXPECT_EQ((*agent)->Record(Report(1, short_sketch)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*agent)->stats().invalid, 1u);
+  EXPECT_EQ((*agent)->stats().recorded, 0u);
+  (*agent)->Close(absl::ZeroDuration()).IgnoreError();
+  std::vector<float> sketch(16, 1.0f);
+  EXPECT_EQ((*agent)->Record(Report(2, sketch)).code(), absl::StatusCode::kFailedPrecondition);
+  // Close is idempotent.
+  (*agent)->Close(absl::ZeroDuration()).IgnoreError();
+}
+
+TEST(AgentTest, CollectorDownRingDropsOldestThenDeliversTheRestWhenItComesUp) {
+  const std::string dir = testing::MakeTempDir();
+  const int port = testing::PickFreePort();
+  auto agent = Agent::Create(Options(port));
+  ASSERT_TRUE(agent.ok());
+  std::vector<float> sketch(16, 0.5f);
+  // 100 reports into a 32-slot ring with nobody to send to: the 68 oldest are dropped.
+  for (uint64_t step = 1; step <= 100; ++step) {
+    ASSERT_TRUE((*agent)->Record(Report(step, sketch)).ok());
+  }
+  EXPECT_EQ((*agent)->stats().recorded, 100u);
+  EXPECT_EQ((*agent)->stats().dropped, 68u);
+  EXPECT_EQ((*agent)->Flush(absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+
+  auto collector = Collector::Start(CollectorAt(dir, port));
+  ASSERT_TRUE(collector.ok()) << collector.status();
+  ASSERT_TRUE((*agent)->Flush(absl::Seconds(60)).ok());
+  EXPECT_EQ((*agent)->stats().acked, 32u);
+  ASSERT_TRUE((*collector)->Flush(absl::Seconds(10)));
+  auto store = collector::SqliteStore::Open(dir + "/agent.db");
+  ASSERT_TRUE(store.ok());
+  // The newest 32 steps survived.
+  for (uint64_t step = 69; step <= 100; ++step) {
+    auto rows = (*store)->RankRows("agent-test", step);
+    ASSERT_TRUE(rows.ok());
+    EXPECT_EQ(rows->size(), 1u) << "step " << step;
+  }
+  auto rows = (*store)->RankRows("agent-test", 68);
+  ASSERT_TRUE(rows.ok());
+  EXPECT_TRUE(rows->empty());
+  EXPECT_TRUE((*agent)->Close(absl::Seconds(5)).ok());
+}
+
+TEST(AgentTest, ReceivesControlPushedThroughTheCollector) {
+  const std::string dir = testing::MakeTempDir();
+  auto collector = Collector::Start(CollectorAt(dir, 0));
+  ASSERT_TRUE(collector.ok());
+  auto agent = Agent::Create(Options((*collector)->grpc_port()));
+  ASSERT_TRUE(agent.ok());
+  std::vector<float> sketch(16, 0.25f);
+  ASSERT_TRUE((*agent)->Record(Report(7, sketch)).ok());
+  ASSERT_TRUE((*agent)->Flush(absl::Seconds(30)).ok());
+  auto result = (*collector)->pipeline().SetControl("agent-test", false, 4u, std::nullopt, 3);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->second, 1u);
+  ASSERT_TRUE(testing::WaitFor([&] { return (*agent)->control().has_value(); }));
+  const AgentControl c = *(*agent)->control();
+  EXPECT_FALSE(c.enabled);
+  EXPECT_EQ(c.every, 4u);
+  EXPECT_EQ(c.apply_at_step, 10u);
+  EXPECT_EQ(c.generation, 1u);
+  EXPECT_EQ((*collector)->pipeline().SetControl("no-such-job", true, {}, {}, 1).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE((*agent)->Close(absl::Seconds(5)).ok());
+}
+
+TEST(AgentTest, HelloRejectedForMismatchedSketchIsNotAcked) {
+  const std::string dir = testing::MakeTempDir();
+  auto collector = Collector::Start(CollectorAt(dir, 0));
+  ASSERT_TRUE(collector.ok());
+  AgentOptions a = Options((*collector)->grpc_port(), 0, 2);
+  AgentOptions b = Options((*collector)->grpc_port(), 1, 2);
+  b.sketch_seed = 99;  // differs from rank 0's: cosines would mean nothing
+  auto first = Agent::Create(a);
+  ASSERT_TRUE(first.ok());
+  std::vector<float> sketch(16, 1.0f);
+  ASSERT_TRUE((*first)->Record(Report(1, sketch)).ok());
+  ASSERT_TRUE(testing::WaitFor([&] { return (*first)->stats().connected; }));
+  auto second = Agent::Create(b);
+  ASSERT_TRUE(second.ok());
+  ASSERT_TRUE((*second)->Record(Report(1, sketch)).ok());
+  EXPECT_EQ((*second)->Flush(absl::Milliseconds(300)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*second)->stats().acked, 0u);
+  (*second)->Close(absl::ZeroDuration()).IgnoreError();
+  (*first)->Close(absl::ZeroDuration()).IgnoreError();
+}
+
+TEST(AgentCApiTest, SketchAndAgentRoundTrip) {
+  rankscope_sketch* s = rankscope_sketch_create(8, 1);
+  ASSERT_NE(s, nullptr);
+  const float x[4] = {1, 2, 3, 4};
+  EXPECT_EQ(rankscope_sketch_add(s, x, RANKSCOPE_DTYPE_FLOAT32, 4, 0), 0);
+  EXPECT_NE(rankscope_sketch_add(s, x, 7, 4, 0), 0);
+  EXPECT_DOUBLE_EQ(rankscope_sketch_sum_squares(s), 30.0);
+  float out[8];
+  rankscope_sketch_values(s, out);
+  double total = 0;
+  for (float v : out) total += std::abs(v);
+  EXPECT_GT(total, 0.0);
+  rankscope_sketch_destroy(s);
+
+  rankscope_agent_options o;
+  rankscope_agent_options_init(&o);
+  o.job = "c-api";
+  o.rank = 5;
+  o.world_size = 2;
+  rankscope_agent* agent = nullptr;
+  char err[256];
+  EXPECT_EQ(rankscope_agent_create(&o, &agent, err, sizeof(err)),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(std::string(err).find("rank 5 >= world_size 2"), std::string::npos) << err;
+  o.rank = 1;
+  ASSERT_EQ(rankscope_agent_create(&o, &agent, err, sizeof(err)), 0) << err;
+  std::vector<float> sketch(1024, 1.0f);
+  EXPECT_EQ(rankscope_agent_record(agent, 1, 0.5, 1.0, sketch.data(), sketch.size()), 0);
+  rankscope_agent_stats st;
+  rankscope_agent_stats_get(agent, &st);
+  EXPECT_EQ(st.recorded, 1u);
+  rankscope_agent_destroy(agent);
+}
+
+}  // namespace
+}  // namespace rankscope

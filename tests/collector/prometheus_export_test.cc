@@ -1,1 +1,888 @@
-// placeholder
+// Tests of the Prometheus sink: JobMetrics (per-job statistics) and HealthMetrics (the
+// collector's own health). Time is injected through ExportOptions::clock; the serialized text is
+// checked by the real `promtool check metrics`.
+#include "collector/prometheus_export.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "collector/health_metrics.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace rankscope::collector {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::UnorderedElementsAreArray;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+const absl::Time kStart = absl::FromUnixSeconds(1'700'000'000);
+
+// A clock the test moves by hand.
+class FakeClock {
+ public:
+  absl::Time Now() const { return now_; }
+  void Advance(absl::Duration d) { now_ += d; }
+  std::function<absl::Time()> AsFunction() {
+    return [this] { return now_; };
+  }
+
+ private:
+  absl::Time now_ = kStart;
+};
+
+ExportOptions OptionsWith(FakeClock& clock, size_t per_rank_limit = 32) {
+  ExportOptions options;
+  options.per_rank_series_limit = per_rank_limit;
+  options.spike_window = absl::Seconds(60);
+  options.job_expiry = absl::Hours(1);
+  options.clock = clock.AsFunction();
+  return options;
+}
+
+// Statistics of a healthy step of `world` ranks with the given loss std (other fields fixed).
+StepStatistics HealthyStats(uint32_t world, double loss_std = 0.1) {
+  StepStatistics s;
+  s.ranks = world;
+  s.loss_mean = 2.0;
+  s.loss_std = loss_std;
+  s.loss_range = 4 * loss_std;
+  s.grad_norm_mean = 1.5;
+  s.grad_norm_std = 0.15;
+  s.grad_norm_cv = 0.1;
+  s.grad_cosine_mean = 0.8;
+  for (uint32_t r = 0; r < world; ++r) {
+    // Mild, distinct deviations so no ties decide the per-rank order by accident.
+    const double jitter = static_cast<double>((r * 7919) % 1000) / 1000.0;  // [0, 1)
+    s.per_rank.push_back({r, 0.9 - 0.05 * jitter, 0.5 * jitter, -0.5 * jitter});
+  }
+  return s;
+}
+
+ExportedStep Step(uint64_t number, const StepStatistics& stats, uint32_t world,
+                  absl::Span<const uint32_t> missing = {}, bool timed_out = false) {
+  ExportedStep step;
+  step.step = number;
+  step.world_size = world;
+  step.timed_out = timed_out;
+  step.stats = &stats;
+  step.missing_ranks = missing;
+  return step;
+}
+
+const MetricFamily* FindFamily(const std::vector<MetricFamily>& families, const std::string& name) {
+  for (const MetricFamily& f : families) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+std::vector<ClientMetric::Label> Labels(const std::string& job,
+                                        std::optional<uint32_t> rank = std::nullopt) {
+  std::vector<ClientMetric::Label> labels = {{"train_job", job}};
+  if (rank) labels.push_back({"rank", absl::StrCat(*rank)});
+  return labels;
+}
+
+// The value of the series `name{labels}`, or nullopt if it is not exported.
+std::optional<double> Value(const std::vector<MetricFamily>& families, const std::string& name,
+                            std::vector<ClientMetric::Label> labels) {
+  const MetricFamily* f = FindFamily(families, name);
+  if (f == nullptr) return std::nullopt;
+  std::sort(labels.begin(), labels.end());
+  for (const ClientMetric& m : f->metric) {
+    std::vector<ClientMetric::Label> have = m.label;
+    std::sort(have.begin(), have.end());
+    if (have != labels) continue;
+    switch (f->type) {
+      case MetricType::Counter:
+        return m.counter.value;
+      case MetricType::Gauge:
+        return m.gauge.value;
+      default:
+        ADD_FAILURE() << name << " is neither a counter nor a gauge";
+        return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+// The `rank` label values of family `name` for `job`.
+std::set<uint32_t> RanksOf(const std::vector<MetricFamily>& families, const std::string& name,
+                           const std::string& job) {
+  std::set<uint32_t> ranks;
+  const MetricFamily* f = FindFamily(families, name);
+  if (f == nullptr) return ranks;
+  for (const ClientMetric& m : f->metric) {
+    std::string train_job, rank;
+    for (const auto& l : m.label) {
+      if (l.name == "train_job") train_job = l.value;
+      if (l.name == "rank") rank = l.value;
+    }
+    if (train_job == job) ranks.insert(static_cast<uint32_t>(std::stoul(rank)));
+  }
+  return ranks;
+}
+
+std::string Serialize(const std::vector<MetricFamily>& families) {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
+}
+
+// promtool is a hard dependency of these tests (Debian package `prometheus`).
+std::string PromtoolPath() {
+  if (const char* env = std::getenv("PROMTOOL"); env != nullptr && *env != '\0') return env;
+  if (access("/usr/bin/promtool", X_OK) == 0) return "/usr/bin/promtool";
+  return "";
+}
+
+struct PromtoolResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr: the problems found
+};
+
+// Runs `promtool check metrics` on `text` (stdin from a temp file).
+PromtoolResult RunPromtoolCheckMetrics(const std::string& text) {
+  PromtoolResult result;
+  const std::string promtool = PromtoolPath();
+  if (promtool.empty()) {
+    ADD_FAILURE() << "promtool not found (looked at $PROMTOOL and /usr/bin/promtool): install "
+                     "the Debian package `prometheus`; `promtool check metrics` is how these "
+                     "tests verify the exposition format";
+    return result;
+  }
+  static std::atomic<int> counter{0};
+  const std::string path = absl::StrCat(::testing::TempDir(), "/rankscope_metrics_", getpid(), "_",
+                                        counter.fetch_add(1), ".prom");
+  {
+    std::ofstream file(path, std::ios::binary);
+    file << text;
+    if (!file) {
+      ADD_FAILURE() << "cannot write " << path;
+      return result;
+    }
+  }
+  const std::string command = absl::StrCat("'", promtool, "' check metrics < '", path, "' 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    ADD_FAILURE() << "popen failed: " << command;
+    std::remove(path.c_str());
+    return result;
+  }
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::remove(path.c_str());
+  return result;
+}
+
+void ExpectPromtoolClean(const std::string& text) {
+  const PromtoolResult r = RunPromtoolCheckMetrics(text);
+  EXPECT_EQ(r.exit_code, 0) << "promtool check metrics failed:\n" << r.output << "\non:\n" << text;
+  EXPECT_THAT(r.output, IsEmpty()) << "on:\n" << text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// JobMetrics: latest step, counters, labels.
+
+TEST(JobMetricsTest, NothingExportedBeforeAnyEvent) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  EXPECT_THAT(metrics.Collect(), IsEmpty());
+}
+
+TEST(JobMetricsTest, ExportsLatestStepGaugesLabelledByTrainJob) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics first = HealthyStats(8, 0.1);
+  StepStatistics second = HealthyStats(8, 0.2);
+  second.loss_mean = 1.75;
+  second.grad_cosine_mean = 0.5;
+  metrics.OnStep("exp-42", Step(10, first, 8));
+  clock.Advance(absl::Seconds(1));
+  metrics.OnStep("exp-42", Step(11, second, 8));
+
+  const auto families = metrics.Collect();
+  const auto job = Labels("exp-42");
+  EXPECT_EQ(Value(families, "rankscope_step", job), 11);
+  EXPECT_EQ(Value(families, "rankscope_world_size", job), 8);
+  EXPECT_EQ(Value(families, "rankscope_ranks_reporting", job), 8);
+  EXPECT_EQ(Value(families, "rankscope_loss_mean", job), 1.75);
+  EXPECT_EQ(Value(families, "rankscope_loss_std", job), 0.2);
+  EXPECT_EQ(Value(families, "rankscope_loss_range", job), 0.8);
+  EXPECT_EQ(Value(families, "rankscope_grad_norm_mean", job), 1.5);
+  EXPECT_EQ(Value(families, "rankscope_grad_norm_std", job), 0.15);
+  EXPECT_EQ(Value(families, "rankscope_grad_norm_cv", job), 0.1);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean", job), 0.5);
+  EXPECT_EQ(Value(families, "rankscope_steps_total", job), 2);
+
+  for (const MetricFamily& f : families) {
+    EXPECT_FALSE(f.help.empty()) << f.name;
+    EXPECT_FALSE(f.metric.empty()) << f.name;
+    EXPECT_EQ(f.name.rfind("rankscope_", 0), 0u) << f.name;
+    EXPECT_EQ(f.type == MetricType::Counter,
+              f.name.size() > 6 && f.name.compare(f.name.size() - 6, 6, "_total") == 0)
+        << f.name;
+    for (const ClientMetric& m : f.metric) {
+      ASSERT_FALSE(m.label.empty()) << f.name;
+      EXPECT_EQ(m.label[0].name, "train_job") << f.name;
+      EXPECT_EQ(m.label[0].value, "exp-42") << f.name;
+    }
+  }
+
+  const std::string text = Serialize(families);
+  EXPECT_THAT(text, HasSubstr("# HELP rankscope_loss_std "));
+  EXPECT_THAT(text, HasSubstr("# TYPE rankscope_loss_std gauge"));
+  EXPECT_THAT(text, HasSubstr("# TYPE rankscope_steps_total counter"));
+  EXPECT_THAT(text, HasSubstr("rankscope_step{train_job=\"exp-42\"} 11"));
+}
+
+TEST(JobMetricsTest, JobsAreSeparateSeries) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics a = HealthyStats(4, 0.1);
+  const StepStatistics b = HealthyStats(2, 0.3);
+  metrics.OnStep("a", Step(1, a, 4));
+  metrics.OnStep("b", Step(7, b, 2));
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("a")), 1);
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("b")), 7);
+  EXPECT_EQ(Value(families, "rankscope_loss_std", Labels("b")), 0.3);
+  EXPECT_EQ(Value(families, "rankscope_world_size", Labels("b")), 2);
+}
+
+TEST(JobMetricsTest, CountsStepsTimedOutAndNonfinite) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics ok = HealthyStats(4);
+  StepStatistics nan_loss = HealthyStats(4);
+  nan_loss.loss_mean = nan_loss.loss_std = nan_loss.loss_range = kNaN;
+  StepStatistics single = HealthyStats(1);
+  single.grad_cosine_mean = kNaN;  // one rank: no pairs, which is not a non-finite input
+  const std::vector<uint32_t> missing = {3};
+
+  metrics.OnStep("j", Step(1, ok, 4));
+  metrics.OnStep("j", Step(2, ok, 4, missing, /*timed_out=*/true));
+  metrics.OnStep("j", Step(3, nan_loss, 4));
+  metrics.OnStep("j", Step(4, single, 4, {}, true));
+  metrics.OnStep("j", Step(5, ok, 4));
+
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_steps_total", Labels("j")), 5);
+  EXPECT_EQ(Value(families, "rankscope_steps_timed_out_total", Labels("j")), 2);
+  EXPECT_EQ(Value(families, "rankscope_steps_nonfinite_total", Labels("j")), 1);
+}
+
+TEST(JobMetricsTest, NaNIsExportedAsNaN) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  StepStatistics s = HealthyStats(4);
+  s.loss_mean = s.loss_std = s.loss_range = kNaN;
+  s.per_rank[2].loss_z = kNaN;
+  metrics.OnStep("j", Step(1, s, 4));
+  const auto families = metrics.Collect();
+  const auto loss_std = Value(families, "rankscope_loss_std", Labels("j"));
+  ASSERT_TRUE(loss_std.has_value());
+  EXPECT_TRUE(std::isnan(*loss_std));
+  // The only step is NaN, so the window is NaN too.
+  const auto window = Value(families, "rankscope_loss_std_max_window", Labels("j"));
+  ASSERT_TRUE(window.has_value());
+  EXPECT_TRUE(std::isnan(*window));
+  const auto z = Value(families, "rankscope_rank_loss_z", Labels("j", 2));
+  ASSERT_TRUE(z.has_value());
+  EXPECT_TRUE(std::isnan(*z));
+  ExpectPromtoolClean(Serialize(families));
+}
+
+TEST(JobMetricsTest, ConnectedAgentsAndWorldSizeBeforeAnyStep) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  metrics.OnAgentConnected("j", 16);
+  metrics.OnAgentConnected("j", 16);
+  metrics.OnAgentConnected("j", 16);
+  metrics.OnAgentDisconnected("j");
+  metrics.OnAgentDisconnected("unknown-job");  // creates nothing
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_connected_agents", Labels("j")), 2);
+  EXPECT_EQ(Value(families, "rankscope_world_size", Labels("j")), 16);
+  EXPECT_EQ(Value(families, "rankscope_steps_total", Labels("j")), 0);
+  EXPECT_FALSE(Value(families, "rankscope_step", Labels("j")).has_value());
+  EXPECT_FALSE(Value(families, "rankscope_connected_agents", Labels("unknown-job")).has_value());
+  ExpectPromtoolClean(Serialize(families));
+}
+
+TEST(JobMetricsTest, DroppedReportsCounterSumsRanksAndSurvivesAgentRestart) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  metrics.OnAgentDropped("j", 0, 5);
+  metrics.OnAgentDropped("j", 1, 3);
+  metrics.OnAgentDropped("j", 0, 7);  // +2
+  metrics.OnAgentDropped("j", 0, 7);  // repeated cumulative count: +0
+  metrics.OnAgentDropped("j", 1, 1);  // rank 1's agent restarted: +1
+  metrics.OnAgentDropped("j", 1, 4);  // +3
+  EXPECT_EQ(Value(metrics.Collect(), "rankscope_agent_dropped_reports_total", Labels("j")),
+            5 + 3 + 2 + 1 + 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The spike window.
+
+TEST(JobMetricsTest, OneStepSpikeIsSeenUntilTheWindowPasses) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));  // window 60 s
+  const StepStatistics calm = HealthyStats(8, 0.1);
+  StepStatistics spike = HealthyStats(8, 5.0);
+  spike.grad_norm_cv = 2.0;
+  spike.grad_cosine_mean = -0.3;
+
+  uint64_t step = 0;
+  metrics.OnStep("j", Step(++step, calm, 8));
+  clock.Advance(absl::Milliseconds(250));
+  metrics.OnStep("j", Step(++step, spike, 8));
+  const absl::Time spike_at = clock.Now();
+  // One step every 250 ms afterwards, all calm; scrape at various times.
+  auto run_until = [&](absl::Time until) {
+    while (clock.Now() + absl::Milliseconds(250) <= until) {
+      clock.Advance(absl::Milliseconds(250));
+      metrics.OnStep("j", Step(++step, calm, 8));
+    }
+    clock.Advance(until - clock.Now());
+  };
+  const auto job = Labels("j");
+
+  run_until(spike_at + absl::Seconds(15));
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_loss_std", job), 0.1);  // the latest step is calm
+  EXPECT_EQ(Value(families, "rankscope_loss_std_max_window", job), 5.0);
+  EXPECT_EQ(Value(families, "rankscope_loss_range_max_window", job), 20.0);
+  EXPECT_EQ(Value(families, "rankscope_grad_norm_cv_max_window", job), 2.0);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean_min_window", job), -0.3);
+
+  // Still seen exactly one window after the spike.
+  run_until(spike_at + absl::Seconds(60));
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_loss_std_max_window", job), 5.0);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean_min_window", job), -0.3);
+
+  // Gone once the window and one bucket (window / 60) have passed.
+  run_until(spike_at + absl::Seconds(61));
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_loss_std_max_window", job), 0.1);
+  EXPECT_EQ(Value(families, "rankscope_loss_range_max_window", job), 0.4);
+  EXPECT_EQ(Value(families, "rankscope_grad_norm_cv_max_window", job), 0.1);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean_min_window", job), 0.8);
+}
+
+TEST(JobMetricsTest, WindowAlwaysIncludesTheLatestStep) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics spike = HealthyStats(8, 3.0);
+  metrics.OnStep("j", Step(1, spike, 8));
+  // The job stalls: no step for ten minutes. The last step is still the window's worst.
+  clock.Advance(absl::Minutes(10));
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_loss_std_max_window", Labels("j")), 3.0);
+  EXPECT_EQ(Value(families, "rankscope_loss_std", Labels("j")), 3.0);
+}
+
+TEST(JobMetricsTest, WindowIgnoresNaNLikeMaxOverTime) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics high = HealthyStats(8, 2.0);
+  StepStatistics nan = HealthyStats(8);
+  nan.loss_std = nan.loss_range = nan.grad_norm_cv = nan.grad_cosine_mean = kNaN;
+  metrics.OnStep("j", Step(1, high, 8));
+  clock.Advance(absl::Seconds(1));
+  metrics.OnStep("j", Step(2, nan, 8));
+  const auto families = metrics.Collect();
+  EXPECT_TRUE(std::isnan(*Value(families, "rankscope_loss_std", Labels("j"))));
+  EXPECT_EQ(Value(families, "rankscope_loss_std_max_window", Labels("j")), 2.0);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean_min_window", Labels("j")), 0.8);
+  EXPECT_EQ(Value(families, "rankscope_steps_nonfinite_total", Labels("j")), 1);
+}
+
+// Many fast steps: the bucketed window agrees with a brute-force max over the last window.
+TEST(JobMetricsTest, WindowMatchesBruteForceOverManySteps) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  std::vector<std::pair<absl::Time, double>> history;
+  const auto job = Labels("j");
+  for (int i = 0; i < 20'000; ++i) {
+    clock.Advance(absl::Milliseconds(7));
+    // A deterministic, irregular sequence of loss std values.
+    const double loss_std = static_cast<double>((i * 2654435761u) % 100'003) / 1000.0;
+    const StepStatistics s = HealthyStats(2, loss_std);
+    metrics.OnStep("j", Step(i, s, 2));
+    history.emplace_back(clock.Now(), loss_std);
+    if (i % 997 != 0) continue;
+    double lower = history.back().second;  // every step within the window counts for sure
+    double upper = lower;                  // and nothing older than window + window/60
+    for (const auto& [at, v] : history) {
+      if (clock.Now() - at <= absl::Seconds(60)) lower = std::max(lower, v);
+      if (clock.Now() - at < absl::Seconds(61)) upper = std::max(upper, v);
+    }
+    const auto got = Value(metrics.Collect(), "rankscope_loss_std_max_window", job);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_GE(*got, lower) << "step " << i;
+    EXPECT_LE(*got, upper) << "step " << i;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-rank series.
+
+TEST(JobMetricsTest, SmallJobExportsEveryRank) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  StepStatistics s = HealthyStats(8);
+  s.per_rank[5].consensus_cosine = -0.25;
+  s.per_rank[5].loss_z = 2.5;
+  s.per_rank[5].grad_norm_z = -1.5;
+  metrics.OnStep("exp-42", Step(3, s, 8));
+  const auto families = metrics.Collect();
+  const std::set<uint32_t> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (const char* name :
+       {"rankscope_rank_grad_cosine", "rankscope_rank_loss_z", "rankscope_rank_grad_norm_z"}) {
+    EXPECT_EQ(RanksOf(families, name, "exp-42"), all) << name;
+  }
+  EXPECT_EQ(Value(families, "rankscope_rank_grad_cosine", Labels("exp-42", 5)), -0.25);
+  EXPECT_EQ(Value(families, "rankscope_rank_loss_z", Labels("exp-42", 5)), 2.5);
+  EXPECT_EQ(Value(families, "rankscope_rank_grad_norm_z", Labels("exp-42", 5)), -1.5);
+  EXPECT_THAT(Serialize(families),
+              HasSubstr("rankscope_rank_grad_cosine{train_job=\"exp-42\",rank=\"5\"} -0.25"));
+}
+
+TEST(JobMetricsTest, TenThousandRanksAreCappedToTheMostDeviating) {
+  constexpr uint32_t kWorld = 10'000;
+  constexpr size_t kLimit = 32;
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, kLimit));
+  StepStatistics s = HealthyStats(kWorld);
+  // Planted culprits, each deviating by one criterion only.
+  s.per_rank[7777].consensus_cosine = -0.9;  // lowest cosine
+  s.per_rank[4242].consensus_cosine = 0.1;   // second lowest cosine
+  s.per_rank[9999].consensus_cosine = kNaN;  // non-finite sketch: most deviating
+  s.per_rank[1234].loss_z = 40.0;            // largest |loss_z|
+  s.per_rank[2345].loss_z = -12.0;           // second largest |loss_z|
+  s.per_rank[4321].grad_norm_z = -35.0;      // largest |grad_norm_z|
+  s.per_rank[10].grad_norm_z = kNaN;         // non-finite norm
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 9000; r > 3000; r -= 2) missing.push_back(r);  // 3000 missing, unordered
+
+  metrics.OnStep("big", Step(1, s, kWorld, missing, /*timed_out=*/true));
+  const auto families = metrics.Collect();
+
+  const std::set<uint32_t> cosine = RanksOf(families, "rankscope_rank_grad_cosine", "big");
+  EXPECT_EQ(cosine.size(), kLimit);
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_loss_z", "big"), cosine);
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_grad_norm_z", "big"), cosine);
+  for (uint32_t culprit : {7777u, 4242u, 9999u, 1234u, 2345u, 4321u, 10u}) {
+    EXPECT_EQ(cosine.count(culprit), 1u) << "rank " << culprit << " not exported";
+  }
+  EXPECT_EQ(Value(families, "rankscope_rank_grad_cosine", Labels("big", 7777)), -0.9);
+  EXPECT_EQ(Value(families, "rankscope_rank_loss_z", Labels("big", 1234)), 40.0);
+  EXPECT_EQ(Value(families, "rankscope_rank_grad_norm_z", Labels("big", 4321)), -35.0);
+  EXPECT_TRUE(std::isnan(*Value(families, "rankscope_rank_grad_cosine", Labels("big", 9999))));
+
+  // Missing ranks: capped too, the lowest rank numbers.
+  const std::set<uint32_t> missing_exported = RanksOf(families, "rankscope_rank_missing", "big");
+  std::set<uint32_t> lowest_missing;
+  for (uint32_t r = 3002; lowest_missing.size() < kLimit; r += 2) lowest_missing.insert(r);
+  EXPECT_EQ(missing_exported, lowest_missing);
+  EXPECT_EQ(Value(families, "rankscope_rank_missing", Labels("big", 3002)), 1);
+
+  for (const MetricFamily& f : families) EXPECT_LE(f.metric.size(), kLimit) << f.name;
+  ExpectPromtoolClean(Serialize(families));
+}
+
+// With statistics computed by the real ComputeStepStatistics: the culprits are the ones exported.
+TEST(JobMetricsTest, RealStatisticsNameTheCulpritRanks) {
+  constexpr uint32_t kWorld = 64;
+  constexpr size_t kDim = 128;
+  uint64_t lcg = 42;
+  auto uniform = [&lcg] {  // deterministic, in [-1, 1)
+    lcg = lcg * 6364136223846793005u + 1442695040888963407u;
+    return static_cast<double>(lcg >> 11) / static_cast<double>(1ull << 52) - 1.0;
+  };
+  std::vector<float> shared(kDim);
+  for (float& x : shared) x = static_cast<float>(uniform());
+  std::vector<std::vector<float>> sketches(kWorld, std::vector<float>(kDim));
+  std::vector<RankSample> samples;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    for (size_t i = 0; i < kDim; ++i) {
+      const float sign = r == 13 ? -1.0f : 1.0f;  // rank 13's gradient points the other way
+      sketches[r][i] = sign * shared[i] + 0.1f * static_cast<float>(uniform());
+    }
+    const double loss = r == 40 ? 9.0 : 2.0 + 0.01 * uniform();   // rank 40's loss is off
+    const double norm = r == 51 ? 30.0 : 1.0 + 0.01 * uniform();  // rank 51's norm is off
+    samples.push_back({r, loss, norm, sketches[r]});
+  }
+  const StepStatistics stats = ComputeStepStatistics(samples);
+  ASSERT_EQ(stats.per_rank.size(), kWorld);
+
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/3));
+  metrics.OnStep("exp-42", Step(1, stats, kWorld));
+  const auto families = metrics.Collect();
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_grad_cosine", "exp-42"),
+            (std::set<uint32_t>{13, 40, 51}));
+  EXPECT_LT(*Value(families, "rankscope_rank_grad_cosine", Labels("exp-42", 13)), 0);
+  EXPECT_GT(*Value(families, "rankscope_rank_loss_z", Labels("exp-42", 40)), 5);
+  EXPECT_GT(*Value(families, "rankscope_rank_grad_norm_z", Labels("exp-42", 51)), 5);
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean", Labels("exp-42")),
+            stats.grad_cosine_mean);
+  ExpectPromtoolClean(Serialize(families));
+}
+
+TEST(JobMetricsTest, PerRankSeriesFollowTheLatestStep) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
+  StepStatistics first = HealthyStats(100);
+  first.per_rank[17].consensus_cosine = -0.5;
+  StepStatistics second = HealthyStats(100);
+  second.per_rank[83].consensus_cosine = -0.5;
+  const std::vector<uint32_t> missing_first = {3, 4};
+  metrics.OnStep("j", Step(1, first, 100, missing_first));
+  metrics.OnStep("j", Step(2, second, 100));
+  const auto families = metrics.Collect();
+  const auto ranks = RanksOf(families, "rankscope_rank_grad_cosine", "j");
+  EXPECT_EQ(ranks.size(), 2u);
+  EXPECT_EQ(ranks.count(83), 1u);
+  EXPECT_EQ(ranks.count(17), 0u);
+  EXPECT_EQ(FindFamily(families, "rankscope_rank_missing"), nullptr);  // none missing now
+}
+
+TEST(JobMetricsTest, ZeroLimitExportsNoPerRankSeries) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/0));
+  const StepStatistics s = HealthyStats(8);
+  const std::vector<uint32_t> missing = {1};
+  metrics.OnStep("j", Step(1, s, 9, missing));
+  const auto families = metrics.Collect();
+  EXPECT_EQ(FindFamily(families, "rankscope_rank_grad_cosine"), nullptr);
+  EXPECT_EQ(FindFamily(families, "rankscope_rank_missing"), nullptr);
+  EXPECT_EQ(Value(families, "rankscope_loss_std", Labels("j")), 0.1);
+}
+
+TEST(JobMetricsTest, StepWithoutStatisticsDoesNotCrash) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  ExportedStep step;
+  step.step = 4;
+  step.world_size = 2;
+  step.timed_out = true;
+  const std::vector<uint32_t> missing = {0, 1};
+  step.missing_ranks = missing;
+  metrics.OnStep("j", step);
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_ranks_reporting", Labels("j")), 0);
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_missing", "j"), (std::set<uint32_t>{0, 1}));
+  EXPECT_EQ(Value(families, "rankscope_steps_nonfinite_total", Labels("j")), 0);
+  ExpectPromtoolClean(Serialize(families));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Job expiry.
+
+TEST(JobMetricsTest, JobWithoutUpdateForJobExpiryIsDropped) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));  // expiry 1 h
+  const StepStatistics s = HealthyStats(4);
+  metrics.OnStep("old", Step(1, s, 4));
+  metrics.OnAgentDropped("old", 0, 3);
+  clock.Advance(absl::Minutes(50));
+  metrics.OnStep("new", Step(1, s, 4));
+
+  clock.Advance(absl::Minutes(10));  // "old" last updated exactly one expiry ago: kept
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("old")), 1);
+
+  clock.Advance(absl::Seconds(1));
+  families = metrics.Collect();
+  EXPECT_FALSE(Value(families, "rankscope_step", Labels("old")).has_value());
+  EXPECT_FALSE(Value(families, "rankscope_steps_total", Labels("old")).has_value());
+  EXPECT_FALSE(Value(families, "rankscope_agent_dropped_reports_total", Labels("old")).has_value());
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("new")), 1);
+  for (const MetricFamily& f : families) {
+    for (const ClientMetric& m : f.metric) EXPECT_NE(m.label[0].value, "old") << f.name;
+  }
+
+  // An update of another job frees the expired state: "old" comes back from zero.
+  metrics.OnStep("new", Step(2, s, 4));
+  metrics.OnStep("old", Step(9, s, 4));
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_steps_total", Labels("old")), 1);
+  EXPECT_EQ(Value(families, "rankscope_agent_dropped_reports_total", Labels("old")), 0);
+  EXPECT_EQ(Value(families, "rankscope_steps_total", Labels("new")), 2);
+}
+
+TEST(JobMetricsTest, JobWithConnectedAgentIsNeverExpired) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics s = HealthyStats(4);
+  metrics.OnAgentConnected("hung", 4);
+  metrics.OnStep("hung", Step(5, s, 4));
+  clock.Advance(absl::Hours(5));
+  metrics.OnStep("other", Step(1, s, 4));  // would free "hung" if it were expired
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("hung")), 5);
+  EXPECT_EQ(Value(families, "rankscope_connected_agents", Labels("hung")), 1);
+
+  metrics.OnAgentDisconnected("hung");
+  clock.Advance(absl::Hours(1) + absl::Seconds(1));
+  families = metrics.Collect();
+  EXPECT_FALSE(Value(families, "rankscope_step", Labels("hung")).has_value());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exposition format checked by promtool.
+
+TEST(JobMetricsTest, PromtoolAcceptsEveryFamilyWithAwkwardJobNames) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, 4));
+  StepStatistics s = HealthyStats(10);
+  s.grad_cosine_mean = kNaN;
+  s.per_rank[0].loss_z = std::numeric_limits<double>::infinity();
+  const std::vector<uint32_t> missing = {10, 11};
+  for (const std::string job : {"exp-42", "quote\"back\\slash", "new\nline", "ünïcødé job"}) {
+    metrics.OnAgentConnected(job, 12);
+    metrics.OnAgentDropped(job, 3, 17);
+    metrics.OnStep(job, Step(100, s, 12, missing, /*timed_out=*/true));
+  }
+  const auto families = metrics.Collect();
+  // Every family of the header's contract is present.
+  for (const char* name : {"rankscope_step",
+                           "rankscope_world_size",
+                           "rankscope_ranks_reporting",
+                           "rankscope_connected_agents",
+                           "rankscope_loss_mean",
+                           "rankscope_loss_std",
+                           "rankscope_loss_range",
+                           "rankscope_grad_norm_mean",
+                           "rankscope_grad_norm_std",
+                           "rankscope_grad_norm_cv",
+                           "rankscope_grad_cosine_mean",
+                           "rankscope_loss_std_max_window",
+                           "rankscope_loss_range_max_window",
+                           "rankscope_grad_norm_cv_max_window",
+                           "rankscope_grad_cosine_mean_min_window",
+                           "rankscope_steps_total",
+                           "rankscope_steps_timed_out_total",
+                           "rankscope_steps_nonfinite_total",
+                           "rankscope_agent_dropped_reports_total",
+                           "rankscope_rank_grad_cosine",
+                           "rankscope_rank_loss_z",
+                           "rankscope_rank_grad_norm_z",
+                           "rankscope_rank_missing"}) {
+    const MetricFamily* f = FindFamily(families, name);
+    ASSERT_NE(f, nullptr) << name;
+    EXPECT_EQ(f->metric.size() % 4, 0u) << name;
+  }
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("quote\"back\\slash")), 100);
+  ExpectPromtoolClean(Serialize(families));
+}
+
+// The promtool harness itself: it must fail on a real problem, or the clean checks mean nothing.
+TEST(PromtoolTest, RejectsBadExposition) {
+  const PromtoolResult no_total = RunPromtoolCheckMetrics(
+      "# HELP bad_counter A counter.\n# TYPE bad_counter counter\n"
+      "bad_counter 1\n");
+  EXPECT_NE(no_total.exit_code, 0) << no_total.output;
+  EXPECT_THAT(no_total.output, HasSubstr("_total"));
+
+  const PromtoolResult no_help =
+      RunPromtoolCheckMetrics("# TYPE thing_total counter\nthing_total 1\n");
+  EXPECT_NE(no_help.exit_code, 0) << no_help.output;
+  EXPECT_THAT(no_help.output, HasSubstr("no help text"));
+
+  const PromtoolResult unparsable = RunPromtoolCheckMetrics("this is not metrics\n");
+  EXPECT_NE(unparsable.exit_code, 0) << unparsable.output;
+}
+
+// ---------------------------------------------------------------------------------------------
+// HealthMetrics.
+
+TEST(HealthMetricsTest, EveryRejectReasonIsExportedFromZero) {
+  HealthMetrics health;
+  const auto families = health.registry()->Collect();
+  const MetricFamily* rejected = FindFamily(families, "rankscope_reports_rejected_total");
+  ASSERT_NE(rejected, nullptr);
+  EXPECT_EQ(rejected->type, MetricType::Counter);
+  std::vector<std::string> reasons;
+  for (const ClientMetric& m : rejected->metric) {
+    ASSERT_EQ(m.label.size(), 1u);
+    EXPECT_EQ(m.label[0].name, "reason");
+    EXPECT_EQ(m.counter.value, 0);
+    reasons.push_back(m.label[0].value);
+  }
+  EXPECT_THAT(reasons,
+              UnorderedElementsAreArray({"before_hello", "bad_hello", "rank_out_of_range",
+                                         "world_size_changed", "sketch_mismatch", "sketch_length",
+                                         "message_too_large", "unauthenticated", "too_many_streams",
+                                         "too_many_jobs", "invalid_report"}));
+}
+
+double Scalar(const std::vector<MetricFamily>& families, const std::string& name,
+              std::vector<ClientMetric::Label> labels = {}) {
+  const auto v = Value(families, name, std::move(labels));
+  EXPECT_TRUE(v.has_value()) << name;
+  return v.value_or(kNaN);
+}
+
+TEST(HealthMetricsTest, MethodsUpdateTheirMetrics) {
+  HealthMetrics health;
+  health.ReportsReceived();
+  health.ReportsReceived(9);
+  health.Rejected(kRejectRankOutOfRange);
+  health.Rejected("rank_out_of_range");
+  health.Rejected(kRejectSketchLength);
+  health.Rejected("no such reason");  // counted as invalid_report, no new label value
+  health.ReportLate();
+  health.ReportDuplicate();
+  health.ReportDuplicate();
+  health.StepEvicted();
+  health.StoreError();
+  health.SetStoreQueueDepth(12);
+  health.StreamOpened();
+  health.StreamOpened();
+  health.StreamOpened();
+  health.StreamClosed();
+
+  const auto families = health.registry()->Collect();
+  EXPECT_EQ(Scalar(families, "rankscope_reports_received_total"), 10);
+  EXPECT_EQ(Scalar(families, "rankscope_reports_rejected_total", {{"reason", "rank_out_of_range"}}),
+            2);
+  EXPECT_EQ(Scalar(families, "rankscope_reports_rejected_total", {{"reason", "sketch_length"}}), 1);
+  EXPECT_EQ(Scalar(families, "rankscope_reports_rejected_total", {{"reason", "invalid_report"}}),
+            1);
+  EXPECT_EQ(Scalar(families, "rankscope_reports_rejected_total", {{"reason", "bad_hello"}}), 0);
+  EXPECT_EQ(FindFamily(families, "rankscope_reports_rejected_total")->metric.size(),
+            kRejectReasons.size());
+  EXPECT_EQ(Scalar(families, "rankscope_reports_late_total"), 1);
+  EXPECT_EQ(Scalar(families, "rankscope_reports_duplicate_total"), 2);
+  EXPECT_EQ(Scalar(families, "rankscope_steps_evicted_total"), 1);
+  EXPECT_EQ(Scalar(families, "rankscope_store_errors_total"), 1);
+  EXPECT_EQ(Scalar(families, "rankscope_store_queue_depth"), 12);
+  EXPECT_EQ(Scalar(families, "rankscope_streams_open"), 2);
+}
+
+TEST(HealthMetricsTest, LatencyHistogramsSpan100MicrosecondsTo10Seconds) {
+  HealthMetrics health;
+  health.ObserveIngestLatency(absl::Microseconds(50));  // first bucket
+  health.ObserveIngestLatency(absl::Milliseconds(3));   // le=0.005
+  health.ObserveIngestLatency(absl::Seconds(30));       // only +Inf
+  health.ObserveStoreCommit(absl::Milliseconds(20));
+
+  const auto families = health.registry()->Collect();
+  for (const char* name : {"rankscope_ingest_latency_seconds", "rankscope_store_commit_seconds"}) {
+    const MetricFamily* f = FindFamily(families, name);
+    ASSERT_NE(f, nullptr) << name;
+    EXPECT_EQ(f->type, MetricType::Histogram);
+    ASSERT_EQ(f->metric.size(), 1u);
+    const auto& buckets = f->metric[0].histogram.bucket;
+    ASSERT_GE(buckets.size(), 2u);
+    EXPECT_DOUBLE_EQ(buckets.front().upper_bound, 100e-6) << name;
+    EXPECT_DOUBLE_EQ(buckets[buckets.size() - 2].upper_bound, 10.0) << name;
+    EXPECT_TRUE(std::isinf(buckets.back().upper_bound)) << name;
+  }
+  const auto& ingest =
+      FindFamily(families, "rankscope_ingest_latency_seconds")->metric[0].histogram;
+  EXPECT_EQ(ingest.sample_count, 3u);
+  EXPECT_NEAR(ingest.sample_sum, 30.00305, 1e-9);
+  EXPECT_EQ(ingest.bucket.front().cumulative_count, 1u);
+  for (const auto& b : ingest.bucket) {
+    if (b.upper_bound == 0.005 || b.upper_bound == 10.0) {
+      EXPECT_EQ(b.cumulative_count, 2u) << "le=" << b.upper_bound;
+    }
+  }
+  EXPECT_EQ(ingest.bucket.back().cumulative_count, 3u);
+}
+
+TEST(HealthMetricsTest, PromtoolAcceptsHealthAndTheCombinedScrape) {
+  HealthMetrics health;
+  health.ReportsReceived(3);
+  health.Rejected(kRejectBeforeHello);
+  health.ObserveIngestLatency(absl::Milliseconds(2));
+  health.ObserveStoreCommit(absl::Milliseconds(8));
+  const std::string health_text = Serialize(health.registry()->Collect());
+  EXPECT_THAT(health_text, HasSubstr("# TYPE rankscope_ingest_latency_seconds histogram"));
+  EXPECT_THAT(health_text,
+              HasSubstr("rankscope_reports_rejected_total{reason=\"before_hello\"} 1"));
+  ExpectPromtoolClean(health_text);
+
+  // What the exposer serves: both collectables in one scrape, with no family name twice.
+  FakeClock clock;
+  JobMetrics jobs(OptionsWith(clock));
+  const StepStatistics s = HealthyStats(4);
+  jobs.OnAgentConnected("exp-42", 4);
+  jobs.OnStep("exp-42", Step(1, s, 4));
+  std::vector<MetricFamily> combined = health.registry()->Collect();
+  for (auto& f : jobs.Collect()) combined.push_back(std::move(f));
+  std::set<std::string> names;
+  for (const MetricFamily& f : combined) EXPECT_TRUE(names.insert(f.name).second) << f.name;
+  ExpectPromtoolClean(Serialize(combined));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency: collector threads update while the exposer scrapes (run under TSAN in CI).
+
+TEST(JobMetricsTest, ConcurrentUpdatesAndScrapes) {
+  JobMetrics metrics;  // the real clock: only consistency is checked
+  HealthMetrics health;
+  const StepStatistics s = HealthyStats(64);
+  std::atomic<bool> done{false};
+  std::vector<std::thread> writers;
+  for (int t = 0; t < 3; ++t) {
+    writers.emplace_back([&, t] {
+      const std::string job = absl::StrCat("job-", t);
+      for (uint64_t step = 1; step <= 2000; ++step) {
+        metrics.OnStep(job, Step(step, s, 64));
+        metrics.OnAgentDropped(job, static_cast<uint32_t>(step % 64), step);
+        health.ReportsReceived();
+        health.ObserveIngestLatency(absl::Microseconds(step));
+      }
+    });
+  }
+  std::thread scraper([&] {
+    while (!done.load()) {
+      (void)Serialize(metrics.Collect());
+      (void)Serialize(health.registry()->Collect());
+    }
+  });
+  for (auto& w : writers) w.join();
+  done.store(true);
+  scraper.join();
+  const auto families = metrics.Collect();
+  for (int t = 0; t < 3; ++t) {
+    EXPECT_EQ(Value(families, "rankscope_steps_total", Labels(absl::StrCat("job-", t))), 2000);
+  }
+  EXPECT_EQ(Value(health.registry()->Collect(), "rankscope_reports_received_total", {}), 6000);
+}
+
+}  // namespace
+}  // namespace rankscope::collector

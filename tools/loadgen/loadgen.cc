@@ -1,1 +1,228 @@
-int main() { return 0; }  // placeholder
+// rankscope-loadgen: simulated ranks of one training job, each a real rankscope::Agent, sending
+// reports with controllable dispersion to a collector. For tests, benchmarks and the demo.
+//
+// Model of a step t (all ranks share the step's "true" gradient direction c_t):
+//   sketch_r = sqrt(cosine) * c_t + sqrt(1 - cosine) * n_{r,t}   (pairwise cosine ~= --cosine)
+//   loss_r   = 2 + exp(-t / 200) + loss_std * z                 (z ~ N(0, 1))
+//   norm_r   = (1 + 0.5 exp(-t / 100)) * (1 + grad_norm_cv * z')
+// The outlier rank (from --outlier_from_step) has loss + outlier_loss_shift, norm *
+// outlier_norm_scale and a sketch of pure noise (consensus cosine ~= 0). The silent rank stops
+// reporting at --silent_from_step. Vectors come from a precomputed pool so generation is cheap.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/random/random.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "rankscope/agent.h"
+
+ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
+ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
+ABSL_FLAG(int, ranks, 8, "Simulated ranks (world size).");
+ABSL_FLAG(int, steps, 100, "Steps per rank (ignored when --duration is set).");
+ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(), "Run for this long instead of --steps.");
+ABSL_FLAG(int, start_step, 1, "First step number.");
+ABSL_FLAG(absl::Duration, step_interval, absl::Milliseconds(20), "Time between steps; 0 = as "
+          "fast as the collector acknowledges (see --max_inflight).");
+ABSL_FLAG(int, sketch_dim, 1024, "Sketch dimension k.");
+ABSL_FLAG(uint64_t, sketch_seed, rankscope::kDefaultSketchSeed, "Sketch seed.");
+ABSL_FLAG(double, loss_std, 0.01, "Std of per-rank loss around the step's loss.");
+ABSL_FLAG(double, grad_norm_cv, 0.02, "Coefficient of variation of per-rank gradient norms.");
+ABSL_FLAG(double, cosine, 0.95, "Target pairwise cosine of the ranks' gradients (0..1).");
+ABSL_FLAG(int, outlier_rank, -1, "Rank that deviates (-1: none).");
+ABSL_FLAG(int, outlier_from_step, 0, "Step from which the outlier rank deviates.");
+ABSL_FLAG(double, outlier_loss_shift, 1.0, "Added to the outlier rank's loss.");
+ABSL_FLAG(double, outlier_norm_scale, 3.0, "Multiplies the outlier rank's gradient norm.");
+ABSL_FLAG(int, silent_rank, -1, "Rank that stops reporting (-1: none).");
+ABSL_FLAG(int, silent_from_step, 0, "Step from which the silent rank stops reporting.");
+ABSL_FLAG(int, attempt, 0, "Job attempt (restart count).");
+ABSL_FLAG(int, threads, 0, "Driver threads (0: min(ranks, 4)).");
+ABSL_FLAG(int, max_inflight, 256, "Per rank: wait while more reports than this are unacked "
+          "(keeps a fast run from overflowing the agent's ring).");
+ABSL_FLAG(int, queue_capacity, 1024, "Agent ring capacity.");
+ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60), "How long to wait for acks at the end.");
+ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
+ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
+
+namespace {
+
+constexpr int kPoolSize = 64;
+
+struct Shared {
+  int ranks, sketch_dim;
+  double cosine;
+  std::vector<std::vector<float>> pool;  // unit-variance Gaussian vectors
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "rankscope-loadgen: simulated ranks of one job streaming to a rankscope collector\n"
+      "through the real agent library. Prints a final line:\n"
+      "  loadgen: job=J ranks=W recorded=N acked=N dropped=N rejected=N elapsed=S rate=R/s");
+  absl::ParseCommandLine(argc, argv);
+  const int ranks = absl::GetFlag(FLAGS_ranks);
+  const int dim = absl::GetFlag(FLAGS_sketch_dim);
+  if (ranks < 1 || dim < 1) {
+    std::fprintf(stderr, "loadgen: --ranks and --sketch_dim must be >= 1\n");
+    return 2;
+  }
+  const double cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
+
+  Shared shared{ranks, dim, cosine, {}};
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  shared.pool.assign(kPoolSize, std::vector<float>(dim));
+  for (auto& v : shared.pool) {
+    for (float& x : v) x = normal(rng);
+  }
+
+  std::vector<std::unique_ptr<rankscope::Agent>> agents;
+  for (int r = 0; r < ranks; ++r) {
+    rankscope::AgentOptions o;
+    o.collector_address = absl::GetFlag(FLAGS_collector);
+    o.job = absl::GetFlag(FLAGS_job);
+    o.rank = r;
+    o.world_size = ranks;
+    o.sketch_dim = dim;
+    o.sketch_seed = absl::GetFlag(FLAGS_sketch_seed);
+    o.attempt = absl::GetFlag(FLAGS_attempt);
+    o.framework_version = "rankscope-loadgen";
+    o.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+    auto agent = rankscope::Agent::Create(o);
+    if (!agent.ok()) {
+      std::fprintf(stderr, "loadgen: %s\n", agent.status().ToString().c_str());
+      return 2;
+    }
+    agents.push_back(std::move(*agent));
+  }
+
+  const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
+                                                        : std::min(ranks, 4);
+  const absl::Duration interval = absl::GetFlag(FLAGS_step_interval);
+  const absl::Duration duration = absl::GetFlag(FLAGS_duration);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int start_step = absl::GetFlag(FLAGS_start_step);
+  const int max_inflight = std::max(1, absl::GetFlag(FLAGS_max_inflight));
+  const absl::Time start = absl::Now();
+  const absl::Time end = duration > absl::ZeroDuration() ? start + duration : absl::InfiniteFuture();
+  std::atomic<bool> done{false};
+  std::atomic<uint64_t> record_errors{0};
+  std::atomic<int64_t> max_step_done{0};
+
+  auto drive = [&](int tid) {
+    std::mt19937_64 trng(absl::GetFlag(FLAGS_seed) * 7919 + tid);
+    std::normal_distribution<double> z(0.0, 1.0);
+    std::uniform_int_distribution<int> pick(0, kPoolSize - 1);
+    std::vector<float> sketch(dim);
+    const float a = static_cast<float>(std::sqrt(cosine));
+    const float b = static_cast<float>(std::sqrt(1.0 - cosine));
+    for (int i = 0;; ++i) {
+      const int64_t step = start_step + i;
+      if (duration > absl::ZeroDuration() ? absl::Now() >= end : i >= steps) break;
+      const absl::Time tick = start + interval * i;
+      if (interval > absl::ZeroDuration()) absl::SleepFor(tick - absl::Now());
+      const std::vector<float>& common = shared.pool[static_cast<size_t>(step) % kPoolSize];
+      const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
+      const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
+      for (int r = tid; r < ranks; r += threads) {
+        if (r == absl::GetFlag(FLAGS_silent_rank) && step >= absl::GetFlag(FLAGS_silent_from_step)) {
+          continue;
+        }
+        rankscope::Agent& agent = *agents[r];
+        while (agent.stats().unacked + agent.stats().queued >= static_cast<size_t>(max_inflight) &&
+               interval == absl::ZeroDuration()) {
+          absl::SleepFor(absl::Microseconds(200));  // flow control for as-fast-as-possible runs
+        }
+        const bool outlier =
+            r == absl::GetFlag(FLAGS_outlier_rank) && step >= absl::GetFlag(FLAGS_outlier_from_step);
+        const std::vector<float>& noise = shared.pool[pick(trng)];
+        // Rotate the noise by a random offset so ranks sharing a pool vector still differ.
+        const int shift = pick(trng) * 131 % dim;
+        for (int j = 0; j < dim; ++j) {
+          const float n = noise[(j + shift) % dim];
+          sketch[j] = outlier ? n : a * common[j] + b * n;
+        }
+        double loss = base_loss + absl::GetFlag(FLAGS_loss_std) * z(trng);
+        double norm = base_norm * (1.0 + absl::GetFlag(FLAGS_grad_norm_cv) * z(trng));
+        if (outlier) {
+          loss += absl::GetFlag(FLAGS_outlier_loss_shift);
+          norm *= absl::GetFlag(FLAGS_outlier_norm_scale);
+        }
+        rankscope::StepReport report;
+        report.step = static_cast<uint64_t>(step);
+        report.loss = loss;
+        report.grad_norm = std::abs(norm);
+        report.sketch = sketch;
+        if (!agent.Record(report).ok()) ++record_errors;
+      }
+      if (tid == 0) max_step_done = step;
+    }
+  };
+
+  std::thread progress;
+  if (absl::GetFlag(FLAGS_progress)) {
+    progress = std::thread([&] {
+      while (!done.load()) {
+        absl::SleepFor(absl::Seconds(1));
+        uint64_t acked = 0;
+        for (auto& a : agents) acked += a->stats().acked;
+        std::fprintf(stderr, "loadgen: step %lld, %llu reports acked\n",
+                     static_cast<long long>(max_step_done.load()),
+                     static_cast<unsigned long long>(acked));
+      }
+    });
+  }
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) workers.emplace_back(drive, t);
+  for (auto& w : workers) w.join();
+  const absl::Time recorded_at = absl::Now();
+
+  const absl::Time flush_deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
+  bool flushed = true;
+  for (auto& a : agents) {
+    if (!a->Flush(std::max(absl::ZeroDuration(), flush_deadline - absl::Now())).ok()) {
+      flushed = false;
+    }
+  }
+  const absl::Time acked_at = absl::Now();
+  rankscope::AgentStats total;
+  for (auto& a : agents) {
+    const rankscope::AgentStats s = a->stats();
+    total.recorded += s.recorded;
+    total.acked += s.acked;
+    total.dropped += s.dropped;
+    total.rejected += s.rejected;
+    total.sent += s.sent;
+  }
+  for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
+  done = true;
+  if (progress.joinable()) progress.join();
+  const double elapsed = absl::ToDoubleSeconds(acked_at - start);
+  std::printf(
+      "loadgen: job=%s ranks=%d recorded=%llu acked=%llu dropped=%llu rejected=%llu "
+      "sent=%llu elapsed=%.3f record_elapsed=%.3f rate=%.0f/s\n",
+      absl::GetFlag(FLAGS_job).c_str(), ranks, static_cast<unsigned long long>(total.recorded),
+      static_cast<unsigned long long>(total.acked), static_cast<unsigned long long>(total.dropped),
+      static_cast<unsigned long long>(total.rejected), static_cast<unsigned long long>(total.sent),
+      elapsed, absl::ToDoubleSeconds(recorded_at - start),
+      elapsed > 0 ? static_cast<double>(total.acked) / elapsed : 0.0);
+  std::fflush(stdout);
+  if (!flushed) {
+    std::fprintf(stderr, "loadgen: not every report was acknowledged within --flush_timeout\n");
+    return 1;
+  }
+  return record_errors.load() == 0 ? 0 : 1;
+}

@@ -34,12 +34,52 @@ struct SketchSlot {
 
 // The 64-bit mix of (index, seed) from which bin and sign are taken. Pure; identical on every
 // platform. The bin is taken from the high bits (mix >> 32) mod dim, the sign from the lowest bit.
+//
+// The mix is output number `index` (counting from 0) of the SplitMix64 generator seeded with
+// `seed` (Vigna, prng.di.unimi.it/splitmix64.c). All arithmetic is on uint64 modulo 2^64, and
+// every >> is a LOGICAL shift:
+//
+//   z = seed + (index + 1) * 0x9E3779B97F4A7C15
+//   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+//   z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+//   mix = z ^ (z >> 31)
+//   bin  = (mix >> 32) % dim                  (an exact remainder, also for dims not a power of 2)
+//   sign = (mix & 1) == 0 ? +1.0f : -1.0f
+//
+// A port to signed int64 (e.g. torch tensors on a GPU) gets the same bits: + and * wrap the same
+// way in two's complement, but >> on int64 is arithmetic there, so write the logical shift as
+// (z >> s) & ((1 << (64 - s)) - 1); (mix >> 32) then lies in [0, 2^32) and % dim is unchanged.
+// Test vectors: SketchMix(0, 0) == 0xE220A8397B1DCDAF;
+//   SketchMix(0, kDefaultSketchSeed) == 0x9609B8E9179AF10C (bin 233 of 1024, sign +1);
+//   SketchMix(12345, kDefaultSketchSeed) == 0x5FA110022D614E1B (bin 2 of 1024, 914 of 1000, -1).
 uint64_t SketchMix(uint64_t index, uint64_t seed);
 SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim);
 
-// Converts one bfloat16 / IEEE float16 value (given as raw bits) to float, exactly.
+// Converts one bfloat16 / IEEE float16 value (given as raw bits) to float, exactly: subnormals,
+// signed zeros and infinities included. A bfloat16 NaN keeps all its bits (bits << 16); a float16
+// NaN keeps its sign and payload and comes out quiet, as x86 F16C's vcvtph2ps gives it.
 float BFloat16ToFloat(uint16_t bits);
 float Float16ToFloat(uint16_t bits);
+
+class CountSketch;
+
+namespace sketch_internal {
+
+// The instruction sets CountSketch::Add has code paths for. All paths give bit-identical bins
+// and sums of squares; Add picks the best one the CPU supports. Tests and benchmarks pin a path
+// with AddWithIsa to prove and to measure that.
+enum class KernelIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// True iff this build and this CPU can run `isa` (kScalar always can).
+bool KernelIsaSupported(KernelIsa isa);
+// The path CountSketch::Add uses on this CPU.
+KernelIsa BestKernelIsa();
+const char* KernelIsaName(KernelIsa isa);
+// CountSketch::Add through the given path; `isa` must be supported.
+void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType type, size_t n,
+                uint64_t offset);
+
+}  // namespace sketch_internal
 
 class CountSketch {
  public:
@@ -53,6 +93,8 @@ class CountSketch {
   void Reset();
 
   // Adds coordinates [offset, offset + n) of the flat vector, read from `data` as `type`.
+  // `data` needs no alignment. Chunks fed in ascending order of offset give bit-for-bit the bins
+  // and sum of squares of one whole Add; in any other order they differ only by rounding.
   void Add(const void* data, ScalarType type, size_t n, uint64_t offset);
   void AddFloat32(const float* data, size_t n, uint64_t offset) {
     Add(data, ScalarType::kFloat32, n, offset);
@@ -69,13 +111,20 @@ class CountSketch {
   double sum_squares() const { return sum_squares_; }
 
  private:
+  friend void sketch_internal::AddWithIsa(CountSketch&, sketch_internal::KernelIsa, const void*,
+                                          ScalarType, size_t, uint64_t);
+  // The number of partial sums of squares: coordinate i adds into sum_squares_lanes_[i % 8], so
+  // the result does not depend on how the vector was cut into chunks (only on their order).
+  static constexpr int kSumSquaresLanes = 8;
+
   uint64_t seed_;
   std::vector<double> bins_;
-  double sum_squares_ = 0.0;
+  double sum_squares_ = 0.0;  // the lanes summed in a fixed order after every Add
+  double sum_squares_lanes_[kSumSquaresLanes] = {};
 };
 
 // Inner product and cosine of two sketches (double accumulation). Cosine is 0 when either vector
-// is zero, NaN when either holds a non-finite value.
+// is zero, NaN when either holds a non-finite value. Both return NaN when the sizes differ.
 double SketchDot(absl::Span<const float> a, absl::Span<const float> b);
 double SketchCosine(absl::Span<const float> a, absl::Span<const float> b);
 

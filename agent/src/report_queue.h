@@ -1,0 +1,57 @@
+// ReportRing: the bounded, preallocated queue between Agent::Record() and the sender thread.
+//
+// Push copies a report into the next slot; when all slots are full it overwrites the oldest
+// report and says so (the caller counts the drop). Pop swaps the oldest slot's buffers with the
+// caller's, so neither side allocates once every slot's sketch buffer has reached its size.
+//
+// Thread safety: thread-compatible; the Agent guards its ring with its own mutex.
+#ifndef RANKSCOPE_AGENT_SRC_REPORT_QUEUE_H_
+#define RANKSCOPE_AGENT_SRC_REPORT_QUEUE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "rankscope/agent.h"
+
+namespace rankscope::internal {
+
+// An owned copy of a StepReport, plus when it was recorded.
+struct QueuedReport {
+  uint64_t step = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  std::vector<float> sketch;
+  std::optional<uint64_t> reduced_grad_fingerprint;
+  std::optional<uint64_t> param_fingerprint;
+  std::optional<double> reduced_grad_norm;
+  std::optional<double> step_time_seconds;
+  uint32_t local_batch_size = 0;
+  int64_t recorded_unix_nanos = 0;
+};
+
+class ReportRing {
+ public:
+  // Requires capacity >= 1. Each slot's sketch buffer is reserved for `sketch_dim` floats.
+  ReportRing(size_t capacity, uint32_t sketch_dim);
+
+  // Copies `report` into the ring. Returns true if the oldest report was dropped to make room.
+  bool Push(const StepReport& report, int64_t recorded_unix_nanos);
+
+  // Moves the oldest report into *out (swapping buffers). Returns false when empty.
+  bool Pop(QueuedReport* out);
+
+  size_t size() const { return size_; }
+  size_t capacity() const { return slots_.size(); }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  std::vector<QueuedReport> slots_;
+  size_t head_ = 0;  // oldest
+  size_t size_ = 0;
+};
+
+}  // namespace rankscope::internal
+
+#endif  // RANKSCOPE_AGENT_SRC_REPORT_QUEUE_H_

@@ -1,0 +1,86 @@
+// Collector: the daemon's parts wired together, with its servers.
+//
+//   gRPC server (Ingest + Query + grpc.health.v1) ─► StepPipeline ─► StoreWriter ─► SQLite
+//   HTTP /metrics (prometheus-cpp Exposer) ◄─ JobMetrics + HealthMetrics registry
+//
+// Start() binds everything (port 0 picks free ports, see grpc_port()/metrics_port()) and
+// returns once it serves. Shutdown() stops accepting, ends the streams, closes the open steps
+// and commits what it has.
+//
+// Thread safety: Shutdown and the accessors are thread-safe.
+#ifndef RANKSCOPE_COLLECTOR_COLLECTOR_H_
+#define RANKSCOPE_COLLECTOR_COLLECTOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "collector/health_metrics.h"
+#include "collector/ingest_service.h"
+#include "collector/pipeline.h"
+#include "collector/prometheus_export.h"
+#include "collector/query_service.h"
+#include "grpcpp/grpcpp.h"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace rankscope::collector {
+
+struct CollectorOptions {
+  std::string grpc_address = "127.0.0.1:50051";
+  std::string metrics_address = "127.0.0.1:9464";  // empty: no HTTP endpoint
+  std::string db_path = "rankscope.db";
+  PipelineOptions pipeline;
+  ExportOptions export_options;
+  size_t max_streams = 10'000;
+  int max_message_bytes = 8 << 20;
+};
+
+class Collector {
+ public:
+  // Errors: Unavailable when an address cannot be bound; the store's errors when the database
+  // cannot be opened.
+  static absl::StatusOr<std::unique_ptr<Collector>> Start(CollectorOptions options);
+  ~Collector();
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_port_; }
+  std::string grpc_target() const { return "127.0.0.1:" + std::to_string(grpc_port_); }
+
+  // Waits until everything ingested so far is joined-and-stored or still open (tests).
+  bool Flush(absl::Duration timeout) { return pipeline_->Flush(timeout); }
+
+  // Stops the gRPC server (streams are cancelled after `timeout`/2), then closes every open
+  // step and commits. Idempotent.
+  absl::Status Shutdown(absl::Duration timeout);
+
+  StepPipeline& pipeline() { return *pipeline_; }
+  HealthMetrics& health() { return *health_; }
+  std::shared_ptr<JobMetrics> job_metrics() { return metrics_; }
+
+ private:
+  Collector() = default;
+
+  CollectorOptions options_;
+  std::unique_ptr<HealthMetrics> health_;
+  std::shared_ptr<JobMetrics> metrics_;
+  std::unique_ptr<StepPipeline> pipeline_;
+  std::unique_ptr<IngestService> ingest_;
+  std::unique_ptr<QueryService> query_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  absl::Status shutdown_status_ ABSL_GUARDED_BY(shutdown_mu_);
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_COLLECTOR_H_

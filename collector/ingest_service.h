@@ -1,0 +1,46 @@
+// IngestService: the gRPC edge for agents (rankscope.v1.Ingest/Stream), callback API.
+//
+// One StreamReactor per stream. The first message must be a Hello (else FAILED_PRECONDITION);
+// a rejected hello finishes the stream with the rejection's status. Reports are validated and
+// handed to the StepPipeline; a refused report is answered with a Rejection message and the
+// stream goes on. Outbound messages (acks from the store writer thread, controls from the
+// query service) are queued and written one at a time (at most one write in flight), with acks
+// coalesced into one Ack message per write.
+//
+// Limits: at most `max_streams` streams open at once (RESOURCE_EXHAUSTED beyond); message size is
+// limited by the server builder (see Collector).
+//
+// Thread safety: reactions run on gRPC's callback threads; the reactor's outbound queue is
+// guarded by its own mutex; AgentStream handles may be called from any thread.
+#ifndef RANKSCOPE_COLLECTOR_INGEST_SERVICE_H_
+#define RANKSCOPE_COLLECTOR_INGEST_SERVICE_H_
+
+#include <atomic>
+#include <cstddef>
+
+#include "collector/health_metrics.h"
+#include "collector/pipeline.h"
+#include "rankscope/v1/rankscope.grpc.pb.h"
+
+namespace rankscope::collector {
+
+class IngestService final : public v1::Ingest::CallbackService {
+ public:
+  IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams);
+
+  grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage>* Stream(
+      grpc::CallbackServerContext* context) override;
+
+  size_t open_streams() const { return open_streams_.load(); }
+
+ private:
+  friend class StreamReactor;
+  StepPipeline* const pipeline_;
+  HealthMetrics* const health_;
+  const size_t max_streams_;
+  std::atomic<size_t> open_streams_{0};
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_INGEST_SERVICE_H_

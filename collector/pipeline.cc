@@ -1,0 +1,450 @@
+#include "collector/pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "collector/step_stats.h"
+
+namespace rankscope::collector {
+namespace {
+
+RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt,
+                        absl::Time received_at, AckHandle ack) {
+  RankReport out;
+  out.rank = rank;
+  out.step = r.step();
+  out.attempt = attempt;
+  out.loss = r.loss();
+  out.grad_norm = r.grad_norm();
+  out.sketch.assign(r.sketch().begin(), r.sketch().end());
+  out.received_at = received_at;
+  if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
+  if (r.has_param_fingerprint()) out.param_fingerprint = r.param_fingerprint();
+  if (r.has_reduced_grad_norm()) out.reduced_grad_norm = r.reduced_grad_norm();
+  if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();
+  out.local_batch_size = r.local_batch_size();
+  out.acks.push_back(std::move(ack));
+  return out;
+}
+
+RankRow ToRankRow(const RankReport& r, uint32_t join_size) {
+  RankRow row;
+  row.rank = r.rank;
+  row.attempt = r.attempt;
+  row.join_size = join_size;
+  row.loss = r.loss;
+  row.grad_norm = r.grad_norm;
+  row.reduced_grad_fingerprint = r.reduced_grad_fingerprint;
+  row.param_fingerprint = r.param_fingerprint;
+  row.step_time_seconds = r.step_time_seconds;
+  row.received_at = r.received_at;
+  return row;
+}
+
+}  // namespace
+
+StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore> store,
+                           const std::vector<JobRow>& known_jobs, JobMetrics* metrics,
+                           HealthMetrics* health)
+    : options_(std::move(options)),
+      metrics_(metrics),
+      health_(health),
+      writer_(std::move(store), options_.writer,
+              StoreWriterHooks{
+                  .on_commit =
+                      [health](absl::Duration d, size_t) {
+                        health->ObserveStoreCommit(d);
+                      },
+                  .on_error =
+                      [health](const absl::Status& error) {
+                        health->StoreError();
+                        std::fprintf(stderr, "rankscope-collector: SQLite write failed: %s\n",
+                                     error.ToString().c_str());
+                      },
+                  .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
+                  .on_overflow =
+                      [](size_t n) {
+                        std::fprintf(stderr,
+                                     "rankscope-collector: store queue full, dropped %zu unacked "
+                                     "items (agents will resend)\n",
+                                     n);
+                      },
+              }),
+      joiner_(options_.joiner) {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  for (const JobRow& row : known_jobs) {
+    if (now - row.last_seen > options_.identity_ttl) continue;
+    Job& job = jobs_[row.job];
+    job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed};
+    job.first_seen = row.first_seen;
+    job.last_seen = row.last_seen;
+    job.newest_step = row.last_step;
+    job.has_step = true;
+    joiner_.RegisterJob(row.job, row.world_size).IgnoreError();
+  }
+  step_thread_ = std::thread([this] { StepThread(); });
+}
+
+StepPipeline::~StepPipeline() { Stop(absl::Seconds(5)).IgnoreError(); }
+
+Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<AgentStream> stream) {
+  Rejection r = ValidateHello(hello, options_.limits);
+  if (!r.status.ok()) return r;
+  if (!options_.auth_token.empty() && hello.auth_token() != options_.auth_token) {
+    return Rejection{absl::UnauthenticatedError(absl::StrCat(
+                         "job ", hello.job(), " rank ", hello.rank(),
+                         ": missing or wrong auth token (the collector requires --auth_token)")),
+                     "unauthenticated"};
+  }
+  const absl::Time now = options_.clock();
+  std::optional<v1::Control> control;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(hello.job());
+    if (it != jobs_.end() && it->second.connected == 0 &&
+        now - it->second.last_seen > options_.identity_ttl) {
+      // Long idle: the name may be reused by a new run with another shape.
+      jobs_.erase(it);
+      it = jobs_.end();
+    }
+    if (it == jobs_.end()) {
+      if (jobs_.size() >= options_.max_jobs) {
+        return Rejection{absl::ResourceExhaustedError(absl::StrCat(
+                             "the collector already tracks ", jobs_.size(),
+                             " jobs (--max_jobs); job ", hello.job(), " refused")),
+                         "too_many_jobs"};
+      }
+      Job job;
+      job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+      job.first_seen = now;
+      job.last_seen = now;
+      // A remembered job with the same name but another world size was dropped above, so the
+      // joiner must forget it too: registering with the new size replaces the old.
+      absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
+      if (!st.ok()) {
+        return Rejection{st, "world_size_changed"};
+      }
+      it = jobs_.emplace(hello.job(), std::move(job)).first;
+    } else {
+      r = CheckJobIdentity(hello, it->second.identity);
+      if (!r.status.ok()) return r;
+    }
+    Job& job = it->second;
+    ++job.connected;
+    job.last_seen = now;
+    job.streams.insert(stream);
+    control = job.control;
+  }
+  metrics_->OnAgentConnected(hello.job(), hello.world_size());
+  if (control) stream->SendControl(*control);
+  JobRow row;
+  row.job = hello.job();
+  row.world_size = hello.world_size();
+  row.sketch_dim = hello.sketch_dim();
+  row.sketch_seed = hello.sketch_seed();
+  row.first_seen = now;
+  row.last_seen = now;
+  WriteItem item;
+  item.batch.jobs.push_back(std::move(row));
+  writer_.Enqueue(std::move(item));
+  return {};
+}
+
+void StepPipeline::StreamClosed(const v1::Hello& hello,
+                                const std::shared_ptr<AgentStream>& stream) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(hello.job());
+    if (it == jobs_.end()) return;
+    if (it->second.streams.erase(stream) == 0) return;
+    if (it->second.connected > 0) --it->second.connected;
+    it->second.last_seen = options_.clock();
+  }
+  metrics_->OnAgentDisconnected(hello.job());
+}
+
+Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& report,
+                                 AckHandle ack) {
+  const absl::Time now = options_.clock();
+  uint32_t sketch_dim = hello.sketch_dim();
+  std::optional<uint32_t> retuned_dim;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(hello.job());
+    if (it != jobs_.end() && it->second.control && it->second.control->sketch_dim() != 0) {
+      retuned_dim = it->second.control->sketch_dim();
+    }
+  }
+  if (retuned_dim && static_cast<uint32_t>(report.sketch_size()) == *retuned_dim) {
+    sketch_dim = *retuned_dim;
+  }
+  Rejection r = ValidateReport(report, hello, sketch_dim);
+  if (!r.status.ok()) return r;
+
+  RankReport rr = ToRankReport(report, hello.rank(), hello.attempt(), now, std::move(ack));
+  std::vector<JoinedStep> closed;
+  AddOutcome outcome;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(hello.job());
+    if (it == jobs_.end()) {
+      return Rejection{absl::FailedPreconditionError(absl::StrCat(
+                           "job ", hello.job(), " is no longer tracked; reconnect")),
+                       "invalid_report"};
+    }
+    Job& job = it->second;
+    job.last_seen = now;
+    if (!job.has_step || report.step() > job.newest_step) job.newest_step = report.step();
+    job.has_step = true;
+    outcome = joiner_.Add(hello.job(), rr, now, &closed);
+    for (JoinedStep& s : closed) {
+      closed_.push_back(std::move(s));
+      ++closed_enqueued_;
+    }
+    next_deadline_ = joiner_.NextDeadline();
+  }
+  metrics_->OnAgentDropped(hello.job(), hello.rank(), report.dropped_total());
+
+  switch (outcome) {
+    case AddOutcome::kAccepted:
+      break;
+    case AddOutcome::kDuplicate:
+      health_->ReportDuplicate();
+      if (!rr.acks.empty()) EnqueueAcksOnly(std::move(rr.acks));
+      break;
+    case AddOutcome::kStale:
+      health_->ReportDuplicate();
+      EnqueueAcksOnly(std::move(rr.acks));
+      break;
+    case AddOutcome::kLate: {
+      health_->ReportLate();
+      WriteItem item;
+      StepWrite w;
+      w.job = hello.job();
+      w.step = rr.step;
+      RankRow row = ToRankRow(rr, 1);
+      w.ranks.push_back(std::move(row));
+      item.batch.steps.push_back(std::move(w));
+      item.acks = std::move(rr.acks);
+      writer_.Enqueue(std::move(item));
+      break;
+    }
+  }
+  return {};
+}
+
+void StepPipeline::EnqueueAcksOnly(std::vector<AckHandle> acks) {
+  WriteItem item;
+  item.acks = std::move(acks);
+  writer_.Enqueue(std::move(item));
+}
+
+void StepPipeline::StepThread() {
+  std::vector<JoinedStep> batch;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !closed_.empty() || stopping_ || options_.clock() >= next_deadline_;
+      };
+      // Wake at the earliest deadline even if nobody signals.
+      while (!ready()) {
+        const absl::Duration wait =
+            next_deadline_ == absl::InfiniteFuture()
+                ? absl::Seconds(1)
+                : std::max(absl::Milliseconds(1), next_deadline_ - options_.clock());
+        mu_.AwaitWithTimeout(absl::Condition(&ready), std::min(wait, absl::Seconds(1)));
+      }
+      std::vector<JoinedStep> expired;
+      joiner_.Expire(stopping_ ? absl::InfiniteFuture() : options_.clock(), &expired);
+      for (JoinedStep& s : expired) {
+        closed_.push_back(std::move(s));
+        ++closed_enqueued_;
+      }
+      next_deadline_ = joiner_.NextDeadline();
+      batch.clear();
+      while (!closed_.empty()) {
+        batch.push_back(std::move(closed_.front()));
+        closed_.pop_front();
+      }
+      if (batch.empty() && stopping_) {
+        stopped_ = true;
+        return;
+      }
+    }
+    for (JoinedStep& s : batch) ProcessClosed(std::move(s));
+    absl::MutexLock lock(&mu_);
+    closed_processed_ += batch.size();
+  }
+}
+
+void StepPipeline::ProcessClosed(JoinedStep js) {
+  std::vector<RankSample> samples;
+  samples.reserve(js.reports.size());
+  bool same_dim = true;
+  for (const RankReport& r : js.reports) {
+    if (!js.reports.empty() && r.sketch.size() != js.reports.front().sketch.size()) {
+      same_dim = false;
+    }
+  }
+  for (const RankReport& r : js.reports) {
+    RankSample s;
+    s.rank = r.rank;
+    s.loss = r.loss;
+    s.grad_norm = r.grad_norm;
+    if (same_dim) s.sketch = r.sketch;
+    samples.push_back(s);
+  }
+  StepStatistics stats = ComputeStepStatistics(samples);
+  if (!same_dim) {
+    // A sketch re-tune crossed this step: cosines across different sketches mean nothing.
+    stats.grad_cosine_mean = std::nan("");
+    for (RankStatistics& p : stats.per_rank) p.consensus_cosine = std::nan("");
+  }
+  const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
+  if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
+
+  ExportedStep exported;
+  exported.step = js.step;
+  exported.world_size = js.world_size;
+  exported.timed_out = timed_out;
+  exported.stats = &stats;
+  exported.missing_ranks = js.missing_ranks;
+  metrics_->OnStep(js.job, exported);
+
+  absl::Time last_received = absl::InfinitePast();
+  for (const RankReport& r : js.reports) last_received = std::max(last_received, r.received_at);
+  if (js.reason == JoinedStep::Reason::kComplete) {
+    health_->ObserveIngestLatency(options_.clock() - last_received);
+  }
+
+  WriteItem item;
+  StepWrite w;
+  w.job = js.job;
+  w.step = js.step;
+  StepRow row;
+  row.step = js.step;
+  row.attempt = js.attempt;
+  row.ranks = static_cast<uint32_t>(js.reports.size());
+  row.world_size = js.world_size;
+  row.loss_mean = stats.loss_mean;
+  row.loss_std = stats.loss_std;
+  row.loss_range = stats.loss_range;
+  row.grad_norm_mean = stats.grad_norm_mean;
+  row.grad_norm_std = stats.grad_norm_std;
+  row.grad_norm_cv = stats.grad_norm_cv;
+  row.grad_cosine_mean = stats.grad_cosine_mean;
+  row.missing_ranks = js.missing_ranks;
+  row.timed_out = timed_out;
+  row.completed_at = options_.clock();
+  w.stats = std::move(row);
+  const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
+  for (size_t i = 0; i < js.reports.size(); ++i) {
+    RankReport& r = js.reports[i];
+    RankRow rank_row = ToRankRow(r, join_size);
+    rank_row.grad_cosine = stats.per_rank[i].consensus_cosine;
+    rank_row.loss_z = stats.per_rank[i].loss_z;
+    rank_row.grad_norm_z = stats.per_rank[i].grad_norm_z;
+    w.ranks.push_back(std::move(rank_row));
+    std::move(r.acks.begin(), r.acks.end(), std::back_inserter(item.acks));
+  }
+  item.batch.steps.push_back(std::move(w));
+  JobRow job_row;
+  job_row.job = js.job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(js.job);
+    if (it != jobs_.end()) {
+      job_row.world_size = it->second.identity.world_size;
+      job_row.sketch_dim = it->second.identity.sketch_dim;
+      job_row.sketch_seed = it->second.identity.sketch_seed;
+      job_row.first_seen = it->second.first_seen;
+      job_row.last_seen = it->second.last_seen;
+    }
+  }
+  job_row.last_step = js.step;
+  if (job_row.world_size != 0) item.batch.jobs.push_back(std::move(job_row));
+  writer_.Enqueue(std::move(item));
+}
+
+absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
+    const std::string& job, std::optional<bool> enabled, std::optional<uint32_t> every,
+    std::optional<uint32_t> sketch_dim, uint32_t lead_steps) {
+  if (every && *every == 0) return absl::InvalidArgumentError("every must be >= 1");
+  if (sketch_dim && (*sketch_dim == 0 || *sketch_dim > options_.limits.max_sketch_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("sketch_dim must be in [1, ",
+                                                   options_.limits.max_sketch_dim, "]"));
+  }
+  v1::Control control;
+  std::vector<std::shared_ptr<AgentStream>> streams;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
+    }
+    Job& j = it->second;
+    if (j.control) {
+      control = *j.control;
+    } else {
+      control.set_enabled(true);
+      control.set_every(1);
+    }
+    control.set_generation(control.generation() + 1);
+    control.set_apply_at_step(j.newest_step + std::max<uint32_t>(lead_steps, 1));
+    if (enabled) control.set_enabled(*enabled);
+    if (every) control.set_every(*every);
+    if (sketch_dim) control.set_sketch_dim(*sketch_dim);
+    j.control = control;
+    streams.assign(j.streams.begin(), j.streams.end());
+  }
+  for (const auto& s : streams) s->SendControl(control);
+  return std::make_pair(control, static_cast<uint32_t>(streams.size()));
+}
+
+std::vector<JobSummary> StepPipeline::ListJobs() const {
+  std::vector<JobSummary> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, job] : jobs_) {
+    JobSummary s;
+    s.job = name;
+    s.identity = job.identity;
+    s.first_seen = job.first_seen;
+    s.last_seen = job.last_seen;
+    s.newest_step = job.newest_step;
+    s.connected = job.connected;
+    out.push_back(std::move(s));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const JobSummary& a, const JobSummary& b) { return a.job < b.job; });
+  return out;
+}
+
+bool StepPipeline::Flush(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t target = closed_enqueued_;
+    auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return closed_processed_ >= target || stopped_;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) return false;
+  }
+  return writer_.Flush(deadline - absl::Now());
+}
+
+absl::Status StepPipeline::Stop(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (step_thread_.joinable()) step_thread_.join();
+  return writer_.Stop(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+}
+
+}  // namespace rankscope::collector

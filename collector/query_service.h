@@ -1,0 +1,43 @@
+// QueryService: read-only queries and operator control (rankscope.v1.Query), callback API.
+//
+// ListJobs merges live state (connected ranks) with the SQLite jobs table; RecentSteps reads
+// SQLite through the service's own read connection (WAL lets it run beside the writer);
+// SetControl asks the pipeline to push a control message to every rank of a job.
+//
+// Thread safety: thread-safe; the read connection is guarded by mu_.
+#ifndef RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
+#define RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
+
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "collector/pipeline.h"
+#include "collector/sqlite_store.h"
+#include "rankscope/v1/rankscope.grpc.pb.h"
+
+namespace rankscope::collector {
+
+class QueryService final : public v1::Query::CallbackService {
+ public:
+  QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader);
+
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
+                                     const v1::ListJobsRequest* request,
+                                     v1::ListJobsResponse* response) override;
+  grpc::ServerUnaryReactor* RecentSteps(grpc::CallbackServerContext* context,
+                                        const v1::RecentStepsRequest* request,
+                                        v1::RecentStepsResponse* response) override;
+  grpc::ServerUnaryReactor* SetControl(grpc::CallbackServerContext* context,
+                                       const v1::ControlRequest* request,
+                                       v1::ControlResponse* response) override;
+
+ private:
+  StepPipeline* const pipeline_;
+  absl::Mutex mu_;
+  std::unique_ptr<SqliteStore> reader_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_

@@ -1,0 +1,91 @@
+// StoreWriter: the thread that owns the SQLite store's write connection.
+//
+// Items (rows plus the acks they release) are queued by any thread; the writer takes everything
+// queued (up to max_batch_items), writes it in one transaction, and only after the commit
+// succeeded sends the acks. So an ack always means "stored". A failed commit (disk full, file
+// unwritable) is reported through the hooks, nothing is acked, and the same items are retried
+// after retry_backoff while new items keep queueing; past max_pending_items the oldest items are
+// dropped unacked (agents resend them after a reconnect) and counted.
+//
+// Acks of the same item order are sent in commit order. An item with an empty batch carries acks
+// only (a duplicate of something already stored): it is acked after the next commit, which is
+// after the commit of what it duplicates.
+//
+// Thread safety: Enqueue, Flush and Stop are thread-safe. Hooks are called on the writer thread.
+#ifndef RANKSCOPE_COLLECTOR_STORE_WRITER_H_
+#define RANKSCOPE_COLLECTOR_STORE_WRITER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "collector/ack.h"
+#include "collector/sqlite_store.h"
+
+namespace rankscope::collector {
+
+struct WriteItem {
+  StoreBatch batch;
+  std::vector<AckHandle> acks;
+};
+
+struct StoreWriterHooks {
+  std::function<void(absl::Duration commit_time, size_t items)> on_commit;
+  std::function<void(const absl::Status& error)> on_error;
+  std::function<void(size_t pending)> on_queue_depth;
+  std::function<void(size_t dropped_items)> on_overflow;
+};
+
+struct StoreWriterOptions {
+  size_t max_batch_items = 1024;
+  size_t max_pending_items = 200'000;
+  absl::Duration retry_backoff = absl::Seconds(1);
+};
+
+class StoreWriter {
+ public:
+  StoreWriter(std::unique_ptr<SqliteStore> store, StoreWriterOptions options,
+              StoreWriterHooks hooks);
+  ~StoreWriter();  // Stop(absl::Seconds(5)) if not stopped.
+
+  void Enqueue(WriteItem item);
+
+  // Waits until every item enqueued before the call was committed (true), or the timeout passed.
+  bool Flush(absl::Duration timeout);
+
+  // Commits what is queued (trying for at most `timeout`), then stops the thread. Idempotent.
+  // Returns the last commit error if items were left uncommitted.
+  absl::Status Stop(absl::Duration timeout);
+
+  // The most recent commit error, OK once a later commit succeeded.
+  absl::Status health() const;
+
+ private:
+  void Run();
+
+  const StoreWriterOptions options_;
+  const StoreWriterHooks hooks_;
+  std::unique_ptr<SqliteStore> store_;  // writer thread only
+
+  mutable absl::Mutex mu_;
+  std::deque<WriteItem> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;   // items ever enqueued
+  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;   // items committed or dropped
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Status health_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_STORE_WRITER_H_

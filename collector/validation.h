@@ -1,0 +1,57 @@
+// Validation of what agents send, before anything reaches the joiner or the store.
+//
+// Pure functions over the wire types: no I/O, no state. Each failure is a Status whose code the
+// ingest service returns to the agent as is, and whose message names the offending value and
+// the job ("rank 9 >= world_size 8 for job exp-42"). `reason` strings are the label values of
+// rankscope_reports_rejected_total.
+#ifndef RANKSCOPE_COLLECTOR_VALIDATION_H_
+#define RANKSCOPE_COLLECTOR_VALIDATION_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "rankscope/v1/rankscope.pb.h"
+
+namespace rankscope::collector {
+
+struct IngestLimits {
+  uint32_t max_world_size = 1'000'000;
+  uint32_t max_sketch_dim = 1u << 20;
+  size_t max_job_name_length = 128;
+};
+
+// What a job is fixed to once its first hello was accepted.
+struct JobIdentity {
+  uint32_t world_size = 0;
+  uint32_t sketch_dim = 0;
+  uint64_t sketch_seed = 0;
+};
+
+// A rejected input: the status to answer with and the metric reason label.
+struct Rejection {
+  absl::Status status;
+  std::string reason;
+};
+
+// True iff `job` is 1..max characters of [A-Za-z0-9_.:-].
+bool IsValidJobName(absl::string_view job, size_t max_length);
+
+// Checks a hello on its own: job name, 1 <= world_size <= max, rank < world_size,
+// 1 <= sketch_dim <= max. An OK status (empty reason) on success.
+Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
+
+// Checks a hello against the identity its job already has: world size, sketch dim and seed must
+// match (FailedPrecondition otherwise; cosines across different sketches mean nothing).
+Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity);
+
+// Checks one report of a stream whose hello was accepted: the sketch length must equal
+// `sketch_dim`. Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
+Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
+                         uint32_t sketch_dim);
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_VALIDATION_H_
