@@ -9,11 +9,11 @@
 //
 // Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000] [--isa=all|auto|scalar|avx2|avx512]
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -80,15 +80,18 @@ StreamSum(const uint64_t* words, size_t n) {
 
 volatile uint64_t g_sink;
 
-double Seconds(std::chrono::steady_clock::duration d) {
-  return std::chrono::duration<double>(d).count();
+// CPU time of this thread: on a shared machine, time spent descheduled is not the kernel's.
+double ThreadSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 template <class F>
 double TimeOnce(F&& f) {
-  const auto start = std::chrono::steady_clock::now();
+  const double start = ThreadSeconds();
   f();
-  return Seconds(std::chrono::steady_clock::now() - start);
+  return ThreadSeconds() - start;
 }
 
 struct Stats {

@@ -15,7 +15,9 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
 
   auto writer_store = SqliteStore::Open(options.db_path);
   if (!writer_store.ok()) return writer_store.status();
-  auto reader_store = SqliteStore::Open(options.db_path);
+  StoreOptions read_only;
+  read_only.read_only = true;
+  auto reader_store = SqliteStore::Open(options.db_path, read_only);
   if (!reader_store.ok()) return reader_store.status();
   auto known_jobs = (*reader_store)->ListJobs();
   if (!known_jobs.ok()) return known_jobs.status();

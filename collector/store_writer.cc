@@ -30,6 +30,11 @@ void SendAcks(std::vector<WriteItem>& items) {
   for (auto& [raw, entry] : by) entry.first->Ack(entry.second);
 }
 
+// Disk full, a lock held elsewhere, a file made unwritable: an operator or time can fix these.
+bool IsRetryable(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s) || absl::IsPermissionDenied(s);
+}
+
 }  // namespace
 
 StoreWriter::StoreWriter(std::unique_ptr<SqliteStore> store, StoreWriterOptions options,
@@ -124,9 +129,19 @@ void StoreWriter::Run() {
       if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
       continue;
     }
+    if (hooks_.on_error) hooks_.on_error(status);
+    if (!IsRetryable(status)) {
+      // The same batch would fail the same way forever: drop it unacked (the agents resend it
+      // after their next reconnect, where validation or the store refuses it again) so that
+      // the queue behind it keeps moving.
+      if (hooks_.on_overflow) hooks_.on_overflow(items.size());
+      absl::MutexLock lock(&mu_);
+      finished_ += items.size();
+      health_ = status;
+      continue;
+    }
     // Not stored: nothing is acked. Put the items back in front (their rows were moved into
     // `batch`, so rebuild one item holding the whole batch and all acks) and retry later.
-    if (hooks_.on_error) hooks_.on_error(status);
     WriteItem retry;
     retry.batch = std::move(batch);
     for (WriteItem& item : items) {

@@ -2,9 +2,11 @@
 //
 // Items (rows plus the acks they release) are queued by any thread; the writer takes everything
 // queued (up to max_batch_items), writes it in one transaction, and only after the commit
-// succeeded sends the acks. So an ack always means "stored". A failed commit (disk full, file
-// unwritable) is reported through the hooks, nothing is acked, and the same items are retried
-// after retry_backoff while new items keep queueing; past max_pending_items the oldest items are
+// succeeded sends the acks. So an ack always means "stored". A failed commit that may succeed
+// later (disk full, file unwritable, lock held: ResourceExhausted, PermissionDenied,
+// Unavailable) is reported through the hooks, nothing is acked, and the same items are retried
+// after retry_backoff while new items keep queueing; any other failure drops the batch unacked
+// (on_overflow) so it cannot block the queue; past max_pending_items the oldest items are
 // dropped unacked (agents resend them after a reconnect) and counted.
 //
 // Acks of the same item order are sent in commit order. An item with an empty batch carries acks

@@ -1,5 +1,8 @@
 #include "collector/validation.h"
 
+#include <cstdint>
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 
 namespace rankscope::collector {
@@ -70,6 +73,11 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
 
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                          uint32_t sketch_dim) {
+  if (report.step() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "step ", report.step(), " of job ", hello.job(), " exceeds 2^63-1")),
+                  "invalid_report");
+  }
   if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
                       "sketch of step ", report.step(), " has ", report.sketch_size(),

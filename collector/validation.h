@@ -47,8 +47,8 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 // match (FailedPrecondition otherwise; cosines across different sketches mean nothing).
 Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity);
 
-// Checks one report of a stream whose hello was accepted: the sketch length must equal
-// `sketch_dim`. Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
+// Checks one report of a stream whose hello was accepted: the step must fit SQLite's int64 and
+// the sketch length must equal `sketch_dim`. Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                          uint32_t sketch_dim);
 

@@ -40,7 +40,7 @@ constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
 // Coordinates per group (one vector of 8 doubles) and partial sums of squares.
 constexpr size_t kGroup = 8;
 // Coordinates hashed before they are scattered: small enough that the staging arrays stay in L1.
-constexpr size_t kBlock = 256;
+constexpr size_t kBlock = 512;
 static_assert(kBlock % kGroup == 0, "a block holds whole groups");
 
 template <ScalarType kType>

@@ -462,6 +462,38 @@ TEST_F(StepJoinerCapTest, ReclosingOneStepKeepsFifoCorrect) {
   EXPECT_EQ(TakeClosed().size(), 1u);
 }
 
+TEST_F(StepJoinerCapTest, StaleFifoEntryDoesNotEvictTheLiveRecord) {
+  ASSERT_TRUE(joiner_.RegisterJob("j", 1).ok());
+  Add("j", 0, 1, 0);
+  Add("j", 0, 2, 0);
+  Add("j", 0, 1, 1);  // step 1 closed again: it is now newer than step 2
+  Add("j", 0, 3, 0);
+  Add("j", 0, 4, 0);
+  EXPECT_EQ(joiner_.remembered_steps("j"), 4u);
+  Add("j", 0, 5, 0);  // the oldest closed step is 2, not 1
+  EXPECT_EQ(joiner_.remembered_steps("j"), 4u);
+  EXPECT_EQ(Add("j", 0, 1, 1), AddOutcome::kDuplicate);
+  EXPECT_EQ(Add("j", 0, 1, 0), AddOutcome::kStale);
+  TakeClosed();
+  EXPECT_EQ(Add("j", 0, 2, 0), AddOutcome::kAccepted);  // forgotten, joined again
+  EXPECT_EQ(TakeClosed().size(), 1u);
+}
+
+TEST_F(StepJoinerCapTest, SupersededStepTakesNoRememberedSlot) {
+  ASSERT_TRUE(joiner_.RegisterJob("j", 2).ok());
+  for (uint64_t s = 1; s <= 4; ++s) {
+    Add("j", 0, s);
+    Add("j", 1, s);
+  }
+  Add("j", 0, 10, 0);
+  Add("j", 0, 10, 1);  // supersedes the open step 10
+  ASSERT_EQ(closed_.size(), 5u);
+  EXPECT_EQ(closed_.back().reason, Reason::kSuperseded);
+  EXPECT_EQ(joiner_.remembered_steps("j"), 4u);
+  EXPECT_EQ(Add("j", 1, 1), AddOutcome::kDuplicate);  // step 1 still remembered
+  EXPECT_EQ(Add("j", 1, 10, 0), AddOutcome::kStale);
+}
+
 TEST_F(StepJoinerTest, ZeroOpenStepCapMeansOne) {
   StepJoiner joiner(JoinerOptions{absl::Seconds(30), 0, 16});
   ASSERT_TRUE(joiner.RegisterJob("j", 2).ok());

@@ -94,6 +94,16 @@ TEST(ValidationTest, ReportSketchLength) {
   EXPECT_EQ(r.status.message(), "sketch of step 5 has 1023 values, job exp-42 uses sketch_dim 1024");
 }
 
+TEST(ValidationTest, StepBeyondInt64IsRejected) {
+  v1::StepReport report;
+  report.set_step(uint64_t{1} << 63);
+  Rejection r = ValidateReport(report, GoodHello(), 0);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.reason, "invalid_report");
+  report.set_step((uint64_t{1} << 63) - 1);
+  EXPECT_TRUE(ValidateReport(report, GoodHello(), 0).status.ok());
+}
+
 TEST(ValidationTest, NonFiniteValuesAreAccepted) {
   v1::StepReport report;
   report.set_loss(std::numeric_limits<double>::quiet_NaN());

@@ -1,0 +1,84 @@
+"""The count sketch written with torch operations, for gradients that do not live on the CPU.
+
+It reproduces bit for bit the bins and signs of the C++ kernel (agent/include/rankscope/sketch.h,
+``SketchMix``): coordinate ``i`` goes to bin ``(mix >> 32) % dim`` with sign ``+1`` if the lowest
+bit of ``mix`` is 0, else ``-1``, where ``mix`` is output number ``i`` of SplitMix64 seeded with
+``seed``. The arithmetic is uint64 modulo 2**64; torch has no uint64, so it runs on int64: ``+``
+and ``*`` wrap identically in two's complement, and the LOGICAL right shift is written as an
+arithmetic shift followed by a mask.
+
+Everything stays on the gradient's device: no host copy, no ``.item()``, no synchronization.
+Bins accumulate in float64 (as the C++ kernel's) and the sum of squares in a float64 0-d tensor.
+Work is done in chunks of ``CHUNK`` coordinates to bound the temporary memory (about 40 bytes a
+coordinate of a chunk).
+"""
+
+import torch
+
+CHUNK = 1 << 22
+
+_MASK64 = (1 << 64) - 1
+
+
+def _s64(x: int) -> int:
+    """The int64 with the same 64-bit pattern as the uint64 ``x``."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _s64(0x9E3779B97F4A7C15)
+_M1 = _s64(0xBF58476D1CE4E5B9)
+_M2 = _s64(0x94D049BB133111EB)
+
+
+def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` by ``s`` (0 < s < 64): a new tensor."""
+    return torch.bitwise_and(torch.bitwise_right_shift(z, s), (1 << (64 - s)) - 1)
+
+
+def sketch_mix(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """SketchMix(index, seed) for an int64 tensor of indices, as int64 bit patterns."""
+    z = index + 1
+    z.mul_(_GOLDEN).add_(_s64(seed))
+    z.bitwise_xor_(_lsr(z, 30)).mul_(_M1)
+    z.bitwise_xor_(_lsr(z, 27)).mul_(_M2)
+    z.bitwise_xor_(_lsr(z, 31))
+    return z
+
+
+def sketch_slots(offset: int, n: int, seed: int, dim: int, device=None):
+    """(bins int64, signs float64) of coordinates [offset, offset + n)."""
+    index = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    mix = sketch_mix(index, seed)
+    bins = _lsr(mix, 32).remainder_(dim)
+    signs = torch.bitwise_and(mix, 1).mul_(-2).add_(1).to(torch.float64)
+    return bins, signs
+
+
+class TorchSketch:
+    """A count sketch accumulated on ``device`` with torch ops (same bins as rankscope._native).
+
+    Thread-compatible: one writer at a time (DDP calls its comm hooks one after another).
+    """
+
+    def __init__(self, dim: int, seed: int, device):
+        self.dim = int(dim)
+        self.seed = int(seed)
+        self.device = torch.device(device)
+        self.bins = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+        self.sum_squares = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def reset(self) -> None:
+        self.bins.zero_()
+        self.sum_squares.zero_()
+
+    def add(self, values: torch.Tensor, offset: int) -> None:
+        """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
+        flat = values.reshape(-1)
+        n = flat.numel()
+        for start in range(0, n, CHUNK):
+            chunk = flat[start:start + CHUNK].to(torch.float64)
+            bins, signs = sketch_slots(offset + start, chunk.numel(), self.seed, self.dim,
+                                       self.device)
+            self.sum_squares.add_(torch.dot(chunk, chunk))
+            self.bins.index_add_(0, bins, chunk.mul_(signs))

@@ -1,0 +1,351 @@
+// rankscope._native: the pybind11 bridge between rankscope.torch and the C++ agent and sketch.
+//
+// Tensors cross this boundary as raw addresses (tensor.data_ptr()) plus a dtype code and an
+// element count, so the extension needs no libtorch and copies nothing: the count sketch reads
+// the gradient where it lies. The Python side guarantees that an address points at `n`
+// contiguous elements of the given dtype that stay alive for the call.
+//
+// Errors: constructors raise ValueError with the absl::Status message; hot-path calls
+// (Sketch.add*, Agent.record) never raise for a runtime condition, they return a status string
+// ("" on success) so that the training loop cannot be broken by monitoring.
+//
+// GIL: released while a sketch kernel runs and while Flush/Close wait, never held by the agent's
+// own threads (they do not touch Python).
+//
+// Thread safety: Sketch is thread-compatible (one writer at a time, as CountSketch). Agent
+// follows rankscope::Agent: record() from one thread at a time, everything else from any thread.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "rankscope/agent.h"
+#include "rankscope/sketch.h"
+#include "rankscope/v1/rankscope.grpc.pb.h"
+
+namespace py = pybind11;
+
+namespace rankscope {
+namespace {
+
+absl::StatusOr<ScalarType> ToScalarType(int dtype) {
+  switch (dtype) {
+    case static_cast<int>(ScalarType::kFloat32):
+      return ScalarType::kFloat32;
+    case static_cast<int>(ScalarType::kBFloat16):
+      return ScalarType::kBFloat16;
+    case static_cast<int>(ScalarType::kFloat16):
+      return ScalarType::kFloat16;
+    default:
+      return absl::InvalidArgumentError("dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+  }
+}
+
+const void* AsPointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
+
+// A CountSketch owned by Python, plus a float scratch buffer for handing it to the agent.
+class PySketch {
+ public:
+  PySketch(uint32_t dim, uint64_t seed) : sketch_(Check(dim), seed), floats_(dim) {}
+
+  uint32_t dim() const { return sketch_.dim(); }
+  uint64_t seed() const { return sketch_.seed(); }
+  void Reset() { sketch_.Reset(); }
+  double sum_squares() const { return sketch_.sum_squares(); }
+
+  // Adds n elements at `address` as coordinates [offset, offset + n).
+  std::string Add(uintptr_t address, int dtype, size_t n, uint64_t offset) {
+    absl::StatusOr<ScalarType> type = ToScalarType(dtype);
+    if (!type.ok()) return std::string(type.status().message());
+    if (n == 0) return "";
+    if (address == 0) return "null address";
+    py::gil_scoped_release release;
+    sketch_.Add(AsPointer(address), *type, n, offset);
+    return "";
+  }
+
+  // One call per gradient bucket: segment i is ns[i] elements at addresses[i], coordinates
+  // [offsets[i], offsets[i] + ns[i]). All segments have the same dtype.
+  std::string AddMany(const std::vector<uintptr_t>& addresses, const std::vector<size_t>& ns,
+                      const std::vector<uint64_t>& offsets, int dtype) {
+    absl::StatusOr<ScalarType> type = ToScalarType(dtype);
+    if (!type.ok()) return std::string(type.status().message());
+    if (addresses.size() != ns.size() || ns.size() != offsets.size()) {
+      return "addresses, ns and offsets must have the same length";
+    }
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      if (addresses[i] == 0 && ns[i] != 0) return "null address";
+    }
+    py::gil_scoped_release release;
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      if (ns[i] != 0) sketch_.Add(AsPointer(addresses[i]), *type, ns[i], offsets[i]);
+    }
+    return "";
+  }
+
+  // Writes the bins as dim() float32 values at `address`.
+  void CopyTo(uintptr_t address) const {
+    sketch_.CopyTo(absl::MakeSpan(reinterpret_cast<float*>(address), sketch_.dim()));
+  }
+  // Writes the bins as dim() float64 values at `address` (exact, for tests).
+  void CopyBinsTo(uintptr_t address) const {
+    absl::Span<const double> bins = sketch_.bins();
+    std::copy(bins.begin(), bins.end(), reinterpret_cast<double*>(address));
+  }
+  std::vector<float> values() const { return sketch_.ToFloats(); }
+
+  // The bins as float, refreshed on each call; valid until the next call or mutation.
+  absl::Span<const float> Floats() {
+    sketch_.CopyTo(absl::MakeSpan(floats_));
+    return floats_;
+  }
+
+ private:
+  static uint32_t Check(uint32_t dim) {
+    if (dim < 1 || dim > kMaxSketchDim) {
+      throw py::value_error("sketch_dim must be in [1, " + std::to_string(kMaxSketchDim) + "]");
+    }
+    return dim;
+  }
+
+  CountSketch sketch_;
+  std::vector<float> floats_;
+};
+
+class PyAgent {
+ public:
+  explicit PyAgent(AgentOptions options) {
+    absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Create(std::move(options));
+    if (!agent.ok()) throw py::value_error(std::string(agent.status().message()));
+    agent_ = std::move(*agent);
+  }
+
+  // Records one step whose sketch is `sketch`'s bins. Returns "" or the refusal's message.
+  std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
+                           std::optional<double> step_time_seconds, uint32_t local_batch_size) {
+    StepReport r;
+    r.step = step;
+    r.loss = loss;
+    r.grad_norm = grad_norm;
+    r.sketch = sketch.Floats();
+    r.step_time_seconds = step_time_seconds;
+    r.local_batch_size = local_batch_size;
+    return StatusText(agent_->Record(r));
+  }
+
+  // Records one step whose sketch is `sketch_len` float32 values at `sketch_address`.
+  std::string RecordRaw(uint64_t step, double loss, double grad_norm, uintptr_t sketch_address,
+                        size_t sketch_len, std::optional<double> step_time_seconds,
+                        uint32_t local_batch_size) {
+    StepReport r;
+    r.step = step;
+    r.loss = loss;
+    r.grad_norm = grad_norm;
+    r.sketch = absl::MakeConstSpan(reinterpret_cast<const float*>(sketch_address), sketch_len);
+    r.step_time_seconds = step_time_seconds;
+    r.local_batch_size = local_batch_size;
+    return StatusText(agent_->Record(r));
+  }
+
+  std::string Flush(double timeout_seconds) {
+    py::gil_scoped_release release;
+    return StatusText(agent_->Flush(absl::Seconds(timeout_seconds)));
+  }
+
+  std::string Close(double timeout_seconds) {
+    py::gil_scoped_release release;
+    return StatusText(agent_->Close(absl::Seconds(timeout_seconds)));
+  }
+
+  py::dict Stats() const {
+    const AgentStats s = agent_->stats();
+    py::dict d;
+    d["recorded"] = s.recorded;
+    d["sent"] = s.sent;
+    d["acked"] = s.acked;
+    d["rejected"] = s.rejected;
+    d["dropped"] = s.dropped;
+    d["invalid"] = s.invalid;
+    d["reconnects"] = s.reconnects;
+    d["connected"] = s.connected;
+    d["queued"] = s.queued;
+    d["unacked"] = s.unacked;
+    return d;
+  }
+
+  // (generation, apply_at_step, enabled, every, sketch_dim) of the newest control, or None.
+  std::optional<py::tuple> Control() const {
+    std::optional<AgentControl> c = agent_->control();
+    if (!c) return std::nullopt;
+    return py::make_tuple(c->generation, c->apply_at_step, c->enabled, c->every, c->sketch_dim);
+  }
+
+ private:
+  static std::string StatusText(const absl::Status& s) {
+    return s.ok() ? std::string() : s.ToString();
+  }
+
+  std::unique_ptr<Agent> agent_;
+};
+
+AgentOptions MakeAgentOptions(const std::string& collector, const std::string& job,
+                              uint32_t rank, uint32_t world_size, uint32_t sketch_dim,
+                              uint64_t sketch_seed, uint32_t attempt, const std::string& host,
+                              const std::string& framework_version,
+                              const std::string& auth_token, size_t queue_capacity,
+                              size_t max_unacked, double initial_backoff_s,
+                              double max_backoff_s) {
+  AgentOptions o;
+  o.collector_address = collector;
+  o.job = job;
+  o.rank = rank;
+  o.world_size = world_size;
+  o.sketch_dim = sketch_dim;
+  o.sketch_seed = sketch_seed;
+  o.attempt = attempt;
+  o.host = host;
+  o.framework_version = framework_version;
+  o.auth_token = auth_token;
+  o.queue_capacity = queue_capacity;
+  o.max_unacked = max_unacked;
+  o.initial_backoff = absl::Seconds(initial_backoff_s);
+  o.max_backoff = absl::Seconds(max_backoff_s);
+  return o;
+}
+
+// Query.SetControl, as `rankscope ctl` sends it. Returns the control the collector will push
+// and the number of ranks notified; raises RuntimeError with the gRPC status otherwise.
+py::dict SetControl(const std::string& collector, const std::string& job,
+                    std::optional<bool> enabled, std::optional<uint32_t> every,
+                    std::optional<uint32_t> sketch_dim, uint32_t lead_steps,
+                    double timeout_seconds) {
+  v1::ControlRequest req;
+  req.set_job(job);
+  if (enabled) req.set_enabled(*enabled);
+  if (every) req.set_every(*every);
+  if (sketch_dim) req.set_sketch_dim(*sketch_dim);
+  req.set_lead_steps(lead_steps);
+  v1::ControlResponse resp;
+  grpc::Status status;
+  {
+    py::gil_scoped_release release;
+    auto stub = v1::Query::NewStub(
+        grpc::CreateChannel(collector, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
+    status = stub->SetControl(&ctx, req, &resp);
+  }
+  if (!status.ok()) {
+    throw std::runtime_error("SetControl on " + collector + " failed: " +
+                             std::to_string(static_cast<int>(status.error_code())) + " " +
+                             status.error_message());
+  }
+  py::dict d;
+  d["generation"] = resp.control().generation();
+  d["apply_at_step"] = resp.control().apply_at_step();
+  d["enabled"] = resp.control().enabled();
+  d["every"] = resp.control().every();
+  d["sketch_dim"] = resp.control().sketch_dim();
+  d["ranks_notified"] = resp.ranks_notified();
+  return d;
+}
+
+}  // namespace
+}  // namespace rankscope
+
+PYBIND11_MODULE(_native, m) {
+  using namespace rankscope;
+  m.doc() = "rankscope native bridge: count sketch kernel and agent (see rankscope.torch)";
+
+  m.attr("DEFAULT_SKETCH_DIM") = kDefaultSketchDim;
+  m.attr("DEFAULT_SKETCH_SEED") = kDefaultSketchSeed;
+  m.attr("MAX_SKETCH_DIM") = kMaxSketchDim;
+  m.attr("DTYPE_FLOAT32") = static_cast<int>(ScalarType::kFloat32);
+  m.attr("DTYPE_BFLOAT16") = static_cast<int>(ScalarType::kBFloat16);
+  m.attr("DTYPE_FLOAT16") = static_cast<int>(ScalarType::kFloat16);
+  m.attr("AGENT_VERSION") = kAgentVersion;
+
+  m.def("sketch_mix", &SketchMix, py::arg("index"), py::arg("seed"),
+        "The 64-bit SplitMix64 mix of (index, seed) that bin and sign are taken from.");
+  m.def(
+      "sketch_hash",
+      [](uint64_t index, uint64_t seed, uint32_t dim) {
+        if (dim < 1) throw py::value_error("dim must be >= 1");
+        const SketchSlot s = SketchHash(index, seed, dim);
+        return py::make_tuple(s.bin, s.sign);
+      },
+      py::arg("index"), py::arg("seed"), py::arg("dim"), "(bin, sign) of one coordinate.");
+  m.def(
+      "fill_mix",
+      [](uintptr_t out_address, uint64_t offset, size_t n, uint64_t seed) {
+        auto* out = reinterpret_cast<uint64_t*>(out_address);
+        py::gil_scoped_release release;
+        for (size_t i = 0; i < n; ++i) out[i] = SketchMix(offset + i, seed);
+      },
+      py::arg("out_address"), py::arg("offset"), py::arg("n"), py::arg("seed"),
+      "Writes SketchMix(offset + i, seed) for i < n as uint64 at out_address (tests).");
+  m.def("kernel_isa", [] { return std::string(sketch_internal::KernelIsaName(
+                               sketch_internal::BestKernelIsa())); },
+        "The instruction set the sketch kernel uses on this CPU.");
+
+  py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
+      .def(py::init<uint32_t, uint64_t>(), py::arg("dim"), py::arg("seed") = kDefaultSketchSeed)
+      .def_property_readonly("dim", &PySketch::dim)
+      .def_property_readonly("seed", &PySketch::seed)
+      .def("reset", &PySketch::Reset)
+      .def("sum_squares", &PySketch::sum_squares)
+      .def("add", &PySketch::Add, py::arg("address"), py::arg("dtype"), py::arg("n"),
+           py::arg("offset"))
+      .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"),
+           py::arg("offsets"), py::arg("dtype"))
+      .def("copy_to", &PySketch::CopyTo, py::arg("address"))
+      .def("copy_bins_to", &PySketch::CopyBinsTo, py::arg("address"))
+      .def("values", &PySketch::values);
+
+  py::class_<PyAgent>(m, "Agent", "One rank's agent (rankscope/agent.h).")
+      .def(py::init([](const std::string& collector, const std::string& job, uint32_t rank,
+                       uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
+                       uint32_t attempt, const std::string& host,
+                       const std::string& framework_version, const std::string& auth_token,
+                       size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
+                       double max_backoff_s) {
+             return std::make_unique<PyAgent>(MakeAgentOptions(
+                 collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
+                 framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
+                 max_backoff_s));
+           }),
+           py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
+           py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
+           py::arg("attempt") = 0, py::arg("host") = "", py::arg("framework_version") = "",
+           py::arg("auth_token") = "", py::arg("queue_capacity") = 1024,
+           py::arg("max_unacked") = 8192, py::arg("initial_backoff_s") = 0.1,
+           py::arg("max_backoff_s") = 10.0)
+      .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
+           py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
+           py::arg("local_batch_size") = 0)
+      .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
+           py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
+           py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0)
+      .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
+      .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
+      .def("stats", &PyAgent::Stats)
+      .def("control", &PyAgent::Control);
+
+  m.def("set_control", &SetControl, py::arg("collector"), py::arg("job"),
+        py::arg("enabled") = py::none(), py::arg("every") = py::none(),
+        py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
+        py::arg("timeout_seconds") = 10.0,
+        "Query.SetControl (what `rankscope ctl` sends).");
+}
