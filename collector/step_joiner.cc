@@ -82,6 +82,17 @@ absl::Status StepJoiner::RegisterJob(absl::string_view job, uint32_t world_size)
   return absl::OkStatus();
 }
 
+void StepJoiner::ForgetJob(absl::string_view job_name, std::vector<JoinedStep>* closed) {
+  auto it = jobs_.find(job_name);
+  if (it == jobs_.end()) return;
+  Job& job = it->second;
+  while (!job.open_by_age.empty()) {
+    closed->push_back(
+        Close(it->first, job, job.open_by_age.begin()->second, JoinedStep::Reason::kEvicted));
+  }
+  jobs_.erase(it);
+}
+
 AddOutcome StepJoiner::Add(absl::string_view job_name, RankReport& report, absl::Time now,
                            std::vector<JoinedStep>* closed) {
   auto job_it = jobs_.find(job_name);

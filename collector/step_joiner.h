@@ -74,8 +74,8 @@ enum class AddOutcome {
   kStale,
   // The caller broke Add's precondition: the job was never registered (kUnknownJob), or
   // rank >= the job's world_size (kRankOutOfRange). Nothing changed and `report` was not moved
-  // from. A programming error in the caller, which validates both before calling Add; treat it
-  // as an internal error (do not store, do not ack: the agent's resend will meet a fixed caller).
+  // from. A programming error in the caller, which validates both before calling Add: answer it
+  // as an internal error (kInternal), and neither store nor ack the report.
   kUnknownJob,
   kRankOutOfRange,
 };
@@ -86,13 +86,17 @@ class StepJoiner {
 
   // Declares a job's world size, or checks it against the one declared before. Returns
   // FailedPrecondition if it differs ("world_size 16 != 8 for job exp-42"), InvalidArgument if
-  // world_size is 0. A job stays registered for the joiner's lifetime.
+  // world_size is 0. A job stays registered until ForgetJob.
   absl::Status RegisterJob(absl::string_view job, uint32_t world_size);
 
-  // Adds a report of a registered job (rank < world_size is the caller's check; see kUnknownJob
-  // and kRankOutOfRange for what happens if either is broken). Steps that
-  // become complete, or are closed early by the open-step cap or a newer attempt, are appended
-  // to *closed. `report` is moved from only when the outcome is kAccepted; for kDuplicate its
+  // Forgets a job, so that its name may be registered again with another world size (a new run
+  // reusing the name): closes its open steps early (reason kEvicted, appended to *closed, in
+  // opened_at order) and drops what it remembered of its closed steps. No-op for an unknown job.
+  void ForgetJob(absl::string_view job, std::vector<JoinedStep>* closed);
+
+  // Adds a report of a registered job (rank < world_size is the caller's check; kUnknownJob and
+  // kRankOutOfRange say what happens if either is broken). Steps that become complete, or are
+  // closed early by the open-step cap or a newer attempt, are appended to *closed. `report` is moved from only when the outcome is kAccepted; for kDuplicate its
   // acks were taken into the held report or must be acked by the caller (see above).
   AddOutcome Add(absl::string_view job, RankReport& report, absl::Time now,
                  std::vector<JoinedStep>* closed);

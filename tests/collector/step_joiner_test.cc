@@ -84,6 +84,48 @@ TEST_F(StepJoinerTest, RegisterJobChecksWorldSize) {
   EXPECT_EQ(closed_[0].world_size, 8u);
 }
 
+TEST_F(StepJoinerTest, ForgetJobClosesItsStepsAndAllowsANewWorldSize) {
+  ASSERT_TRUE(joiner_.RegisterJob("reused", 4).ok());
+  ASSERT_TRUE(joiner_.RegisterJob("other", 2).ok());
+  Add("reused", 0, 1);
+  Add("reused", 1, 1);
+  Add("reused", 2, 1);
+  Add("reused", 3, 1);  // complete, remembered
+  now_ += absl::Seconds(1);
+  Add("reused", 2, 3);
+  now_ += absl::Seconds(1);
+  Add("other", 0, 1);
+  Add("reused", 1, 2);
+  TakeClosed();
+
+  joiner_.ForgetJob("reused", &closed_);
+  ASSERT_EQ(closed_.size(), 2u);
+  EXPECT_EQ(closed_[0].step, 3u);  // opened first
+  EXPECT_EQ(closed_[1].step, 2u);
+  for (const JoinedStep& js : closed_) {
+    EXPECT_EQ(js.reason, Reason::kEvicted);
+    EXPECT_EQ(js.job, "reused");
+  }
+  EXPECT_THAT(closed_[1].missing_ranks, ElementsAre(0u, 2u, 3u));
+  EXPECT_EQ(joiner_.open_steps("reused"), 0u);
+  EXPECT_EQ(joiner_.remembered_steps("reused"), 0u);
+  EXPECT_EQ(joiner_.open_steps_total(), 1u);  // the other job's step is untouched
+  EXPECT_EQ(joiner_.NextDeadline(), kT0 + absl::Seconds(32));
+  EXPECT_EQ(Add("reused", 0, 9), AddOutcome::kUnknownJob);
+
+  // A new run under the same name, with another shape: nothing of the old one is remembered.
+  ASSERT_TRUE(joiner_.RegisterJob("reused", 2).ok());
+  TakeClosed();
+  EXPECT_EQ(Add("reused", 0, 1), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("reused", 1, 1), AddOutcome::kAccepted);
+  ASSERT_EQ(closed_.size(), 1u);
+  EXPECT_EQ(closed_[0].world_size, 2u);
+  EXPECT_EQ(closed_[0].reason, Reason::kComplete);
+
+  joiner_.ForgetJob("never-registered", &closed_);  // no-op
+  EXPECT_EQ(closed_.size(), 1u);
+}
+
 TEST_F(StepJoinerTest, UnknownJobAndRankOutOfRangeChangeNothing) {
   ASSERT_TRUE(joiner_.RegisterJob("a", 4).ok());
   RankReport unknown = MakeReport(0, 1, 0, 11);

@@ -22,6 +22,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -29,6 +30,8 @@
 
 ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
 ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
+ABSL_FLAG(int, jobs, 1, "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
+          "and the fault flags apply to each.");
 ABSL_FLAG(int, ranks, 8, "Simulated ranks (world size).");
 ABSL_FLAG(int, steps, 100, "Steps per rank (ignored when --duration is set).");
 ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(), "Run for this long instead of --steps.");
@@ -75,8 +78,9 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int dim = absl::GetFlag(FLAGS_sketch_dim);
-  if (ranks < 1 || dim < 1) {
-    std::fprintf(stderr, "loadgen: --ranks and --sketch_dim must be >= 1\n");
+  const int jobs = absl::GetFlag(FLAGS_jobs);
+  if (ranks < 1 || dim < 1 || jobs < 1) {
+    std::fprintf(stderr, "loadgen: --ranks, --jobs and --sketch_dim must be >= 1\n");
     return 2;
   }
   const double cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
@@ -89,11 +93,15 @@ int main(int argc, char** argv) {
     for (float& x : v) x = normal(rng);
   }
 
+  // Agent i is rank i % ranks of job i / ranks.
   std::vector<std::unique_ptr<rankscope::Agent>> agents;
-  for (int r = 0; r < ranks; ++r) {
+  const int total_agents = ranks * jobs;
+  for (int i = 0; i < total_agents; ++i) {
+    const int r = i % ranks;
     rankscope::AgentOptions o;
     o.collector_address = absl::GetFlag(FLAGS_collector);
-    o.job = absl::GetFlag(FLAGS_job);
+    o.job = jobs == 1 ? absl::GetFlag(FLAGS_job)
+                      : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / ranks);
     o.rank = r;
     o.world_size = ranks;
     o.sketch_dim = dim;
@@ -110,7 +118,7 @@ int main(int argc, char** argv) {
   }
 
   const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
-                                                        : std::min(ranks, 4);
+                                                        : std::min(total_agents, 4);
   const absl::Duration interval = absl::GetFlag(FLAGS_step_interval);
   const absl::Duration duration = absl::GetFlag(FLAGS_duration);
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -137,11 +145,12 @@ int main(int argc, char** argv) {
       const std::vector<float>& common = shared.pool[static_cast<size_t>(step) % kPoolSize];
       const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
       const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
-      for (int r = tid; r < ranks; r += threads) {
+      for (int i = tid; i < total_agents; i += threads) {
+        const int r = i % ranks;
         if (r == absl::GetFlag(FLAGS_silent_rank) && step >= absl::GetFlag(FLAGS_silent_from_step)) {
           continue;
         }
-        rankscope::Agent& agent = *agents[r];
+        rankscope::Agent& agent = *agents[i];
         while (agent.stats().unacked + agent.stats().queued >= static_cast<size_t>(max_inflight) &&
                interval == absl::ZeroDuration()) {
           absl::SleepFor(absl::Microseconds(200));  // flow control for as-fast-as-possible runs
@@ -212,9 +221,9 @@ int main(int argc, char** argv) {
   if (progress.joinable()) progress.join();
   const double elapsed = absl::ToDoubleSeconds(acked_at - start);
   std::printf(
-      "loadgen: job=%s ranks=%d recorded=%llu acked=%llu dropped=%llu rejected=%llu "
+      "loadgen: job=%s jobs=%d ranks=%d recorded=%llu acked=%llu dropped=%llu rejected=%llu "
       "sent=%llu elapsed=%.3f record_elapsed=%.3f rate=%.0f/s\n",
-      absl::GetFlag(FLAGS_job).c_str(), ranks, static_cast<unsigned long long>(total.recorded),
+      absl::GetFlag(FLAGS_job).c_str(), jobs, ranks, static_cast<unsigned long long>(total.recorded),
       static_cast<unsigned long long>(total.acked), static_cast<unsigned long long>(total.dropped),
       static_cast<unsigned long long>(total.rejected), static_cast<unsigned long long>(total.sent),
       elapsed, absl::ToDoubleSeconds(recorded_at - start),

@@ -1,0 +1,187 @@
+#include "collector/rank_diagnostics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rankscope::collector {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+TEST(CheckReplicasTest, AgreementNamesNobody) {
+  std::vector<RankFingerprint> f = {{0, 7}, {1, 7}, {2, 7}, {3, 7}};
+  ReplicaVerdict v = CheckReplicas(f);
+  EXPECT_TRUE(v.checked);
+  EXPECT_FALSE(v.ambiguous);
+  EXPECT_EQ(v.majority, 7u);
+  EXPECT_THAT(v.divergent_ranks, IsEmpty());
+}
+
+TEST(CheckReplicasTest, OneDivergentRankIsNamed) {
+  std::vector<RankFingerprint> f = {{0, 7}, {1, 7}, {2, 8}, {3, 7}};
+  ReplicaVerdict v = CheckReplicas(f);
+  EXPECT_EQ(v.majority, 7u);
+  EXPECT_THAT(v.divergent_ranks, ElementsAre(2));
+}
+
+TEST(CheckReplicasTest, NoStrictMajorityNamesEveryRank) {
+  std::vector<RankFingerprint> two = {{0, 1}, {1, 2}};
+  ReplicaVerdict v = CheckReplicas(two);
+  EXPECT_TRUE(v.ambiguous);
+  EXPECT_FALSE(v.majority.has_value());
+  EXPECT_THAT(v.divergent_ranks, ElementsAre(0, 1));
+  std::vector<RankFingerprint> split = {{3, 1}, {0, 2}, {2, 1}, {1, 2}};
+  EXPECT_THAT(CheckReplicas(split).divergent_ranks, ElementsAre(0, 1, 2, 3));
+}
+
+TEST(CheckReplicasTest, NothingReportedIsNotChecked) {
+  EXPECT_FALSE(CheckReplicas({}).checked);
+  std::vector<RankFingerprint> one = {{5, 9}};
+  ReplicaVerdict v = CheckReplicas(one);
+  EXPECT_TRUE(v.checked);
+  EXPECT_THAT(v.divergent_ranks, IsEmpty());
+}
+
+std::vector<RankSignals> Healthy(int world, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<RankSignals> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back({static_cast<uint32_t>(r), 2.0 + 0.01 * n(rng), 1.0 + 0.02 * n(rng),
+                     0.9 + 0.01 * n(rng)});
+  }
+  return ranks;
+}
+
+// The false-positive rates documented in rank_diagnostics.h, with margin for sampling.
+TEST(OutlierScoreTest, HealthyRanksAreRarelyFlagged) {
+  struct Case {
+    int world;
+    double max_rate;
+  };
+  for (const Case c : {Case{16, 3e-3}, Case{64, 2e-4}, Case{256, 1e-4}}) {
+    int flagged = 0, total = 0;
+    for (uint64_t seed = 1; total < 100000; ++seed) {
+      for (const OutlierScore& s : ComputeOutlierScores(Healthy(c.world, seed))) {
+        flagged += s.flagged;
+        ++total;
+      }
+    }
+    EXPECT_LE(static_cast<double>(flagged) / total, c.max_rate) << "W=" << c.world;
+  }
+}
+
+TEST(OutlierScoreTest, EachKindOfDeviationIsFlaggedAndScoresHighest) {
+  for (int kind = 0; kind < 3; ++kind) {
+    std::vector<RankSignals> ranks = Healthy(16, 11);
+    if (kind == 0) ranks[5].loss += 0.5;
+    if (kind == 1) ranks[5].grad_norm *= 3.0;
+    if (kind == 2) ranks[5].consensus_cosine = 0.0;
+    std::vector<OutlierScore> scores = ComputeOutlierScores(ranks);
+    for (const OutlierScore& s : scores) EXPECT_EQ(s.flagged, s.rank == 5) << "kind " << kind;
+    auto worst = std::max_element(scores.begin(), scores.end(),
+                                  [](auto& a, auto& b) { return a.score < b.score; });
+    EXPECT_EQ(worst->rank, 5u);
+  }
+}
+
+TEST(OutlierScoreTest, AHigherCosineIsNotSuspicious) {
+  std::vector<RankSignals> ranks = Healthy(16, 3);
+  ranks[2].consensus_cosine = 1.0;
+  EXPECT_FALSE(ComputeOutlierScores(ranks)[2].flagged);
+}
+
+TEST(OutlierScoreTest, NonFiniteRankIsFlaggedOthersStillScored) {
+  std::vector<RankSignals> ranks = Healthy(8, 4);
+  ranks[3].loss = kNaN;
+  ranks[6].grad_norm = std::numeric_limits<double>::infinity();
+  std::vector<OutlierScore> scores = ComputeOutlierScores(ranks);
+  for (const OutlierScore& s : scores) {
+    if (s.rank == 3 || s.rank == 6) {
+      EXPECT_TRUE(s.flagged);
+      EXPECT_TRUE(std::isnan(s.score));
+    } else {
+      EXPECT_TRUE(std::isfinite(s.score));
+      EXPECT_FALSE(s.flagged);
+    }
+  }
+}
+
+TEST(OutlierScoreTest, IdenticalRanksDoNotExplode) {
+  std::vector<RankSignals> ranks(8, RankSignals{0, 2.0, 1.0, 1.0});
+  for (uint32_t r = 0; r < 8; ++r) ranks[r].rank = r;
+  for (const OutlierScore& s : ComputeOutlierScores(ranks)) {
+    EXPECT_EQ(s.score, 0.0);
+    EXPECT_FALSE(s.flagged);
+  }
+  // A one-ulp difference on one rank is not an outlier in the statistical sense.
+  ranks[1].loss = std::nextafter(2.0, 3.0);
+  EXPECT_FALSE(ComputeOutlierScores(ranks)[1].flagged);
+}
+
+TEST(GradientNoiseScaleTest, ExactExpectationsGiveTheTrueValue) {
+  // |G|^2 = 4, tr S = 100, b = 8, W = 4: E||g_r||^2 = 4 + 100/8, E||mean||^2 = 4 + 100/32.
+  std::vector<double> local(4, std::sqrt(4.0 + 100.0 / 8));
+  EXPECT_NEAR(GradientNoiseScale(local, std::sqrt(4.0 + 100.0 / 32), 8), 25.0, 1e-9);
+}
+
+TEST(GradientNoiseScaleTest, MonteCarloAverageIsUnbiased) {
+  // Per-sample gradients G + noise (sigma^2 I in D dims); rank gradient = mean over b samples.
+  constexpr int kD = 64, kW = 8, kB = 4, kTrials = 4000;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> g(kD, 0.25);  // |G|^2 = 4
+  const double sigma = 1.0;         // tr S = 64
+  double sum_small = 0, sum_big = 0;
+  for (int t = 0; t < kTrials; ++t) {
+    std::vector<double> mean(kD, 0.0);
+    for (int r = 0; r < kW; ++r) {
+      double sq = 0;
+      for (int d = 0; d < kD; ++d) {
+        double x = g[d];
+        for (int s = 0; s < kB; ++s) x += sigma * n(rng) / kB;
+        sq += x * x;
+        mean[d] += x / kW;
+      }
+      sum_small += sq / kW;
+    }
+    double sq = 0;
+    for (double x : mean) sq += x * x;
+    sum_big += sq;
+  }
+  // Estimates averaged over trials, then divided (as a dashboard would do over steps).
+  std::vector<double> local(kW, std::sqrt(sum_small / kTrials));
+  EXPECT_NEAR(GradientNoiseScale(local, std::sqrt(sum_big / kTrials), kB), 64.0 / 4.0, 0.8);
+}
+
+TEST(GradientNoiseScaleTest, UndefinedCasesAreNaN) {
+  EXPECT_TRUE(std::isnan(GradientNoiseScale({1.0}, 1.0, 8)));
+  EXPECT_TRUE(std::isnan(GradientNoiseScale({1.0, 1.0}, kNaN, 8)));
+  EXPECT_TRUE(std::isnan(GradientNoiseScale({1.0, kNaN}, 1.0, 8)));
+  // Pure noise: the mean gradient is tiny, the |G|^2 estimate is negative.
+  EXPECT_TRUE(std::isnan(GradientNoiseScale({1.0, 1.0, 1.0, 1.0}, 0.1, 1)));
+}
+
+TEST(StepTimeRobustZTest, StragglerStandsOut) {
+  std::vector<double> times = {0.100, 0.101, 0.099, 0.102, 0.100, 0.350, 0.098, 0.101};
+  std::vector<double> z = StepTimeRobustZ(times);
+  for (size_t i = 0; i < z.size(); ++i) {
+    if (i == 5) {
+      EXPECT_GT(z[i], 50.0);
+    } else {
+      EXPECT_LT(std::abs(z[i]), 3.5);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rankscope::collector

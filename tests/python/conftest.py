@@ -1,0 +1,170 @@
+"""Fixtures for the Python suites: a real rankscope-collector on free ports with a temp database.
+
+The build directory is $RANKSCOPE_BUILD_DIR (default <repo>/build); its python/ folder must be on
+PYTHONPATH (./run test does both). Every wait here polls a condition against a deadline.
+"""
+
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_DIR = Path(os.environ.get("RANKSCOPE_BUILD_DIR") or REPO / "build")
+if not BUILD_DIR.is_absolute():
+    BUILD_DIR = (REPO / BUILD_DIR).resolve()
+COLLECTOR_BIN = BUILD_DIR / "bin" / "rankscope-collector"
+CLI_BIN = BUILD_DIR / "bin" / "rankscope"
+PYTHON_DIR = BUILD_DIR / "python"
+
+# Child processes (DDP workers spawned by torch.multiprocessing) import rankscope and the
+# harness from these folders.
+for _p in (str(PYTHON_DIR), str(Path(__file__).resolve().parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
+    """Polls ``condition()`` until it returns a truthy value (returned) or ``timeout`` seconds
+    pass (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Collector:
+    """A rankscope-collector process. ``start`` binds gRPC on ``port`` (0: a free one, learned
+    from the collector's start-up line); ``restart`` reuses the same port and database."""
+
+    def __init__(self, tmp_dir: Path, step_timeout: str = "5s"):
+        if not COLLECTOR_BIN.exists():
+            pytest.skip(f"{COLLECTOR_BIN} not built (set RANKSCOPE_BUILD_DIR)")
+        self.tmp_dir = Path(tmp_dir)
+        self.db_path = self.tmp_dir / "rankscope.db"
+        self.step_timeout = step_timeout
+        self.port = 0
+        self.proc = None
+        self._log_index = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "Collector":
+        assert self.proc is None
+        port = self.port or free_port()
+        self._log_index += 1
+        log_path = self.tmp_dir / f"collector.{self._log_index}.log"
+        self._log = open(log_path, "w+")
+        self.proc = subprocess.Popen(
+            [str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
+             "--metrics_address=127.0.0.1:0", f"--db_path={self.db_path}",
+             f"--step_timeout={self.step_timeout}"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        self.log_path = log_path
+
+        def serving():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"collector exited with {self.proc.returncode}: "
+                                     f"{log_path.read_text()}")
+            m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log_path.read_text())
+            return m and int(m.group(1))
+
+        self.port = wait_until(serving, timeout, "the collector to serve")
+        return self
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (open steps are closed and committed), then SIGKILL past ``timeout``."""
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.proc = None
+        self._log.close()
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL: no flush, no goodbye."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+        self._log.close()
+
+    def restart(self) -> "Collector":
+        return self.start()
+
+    def query(self, sql: str, params=()) -> list:
+        """Rows of a read-only query on the collector's SQLite file (WAL lets us read beside
+        the writer). An empty list while the file or schema does not exist yet."""
+        if not self.db_path.exists():
+            return []
+        con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+        try:
+            return con.execute(sql, params).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return []
+            raise
+        finally:
+            con.close()
+
+    def step_rows(self, job: str) -> dict:
+        """step -> dict of step_stats columns."""
+        cols = ("step", "ranks", "loss_mean", "loss_std", "loss_range", "grad_norm_mean",
+                "grad_norm_std", "grad_norm_cv", "grad_cosine_mean", "missing_ranks",
+                "timed_out")
+        rows = self.query(f"SELECT {', '.join(cols)} FROM step_stats WHERE job = ? ORDER BY step",
+                          (job,))
+        return {r[0]: dict(zip(cols, r)) for r in rows}
+
+    def rank_rows(self, job: str) -> list:
+        return self.query("SELECT step, rank, loss, grad_norm, grad_cosine FROM rank_steps "
+                          "WHERE job = ? ORDER BY step, rank", (job,))
+
+    def ctl(self, verb: str, job: str, *flags: str) -> str:
+        """`rankscope ctl VERB --job=J FLAGS...` (the real CLI). Returns its stdout."""
+        if not CLI_BIN.exists():
+            pytest.skip(f"{CLI_BIN} not built")
+        out = subprocess.run(
+            [str(CLI_BIN), f"--collector={self.address}", f"--job={job}", *flags, "ctl", verb],
+            capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"rankscope ctl {verb}: {out.stdout}{out.stderr}"
+        return out.stdout
+
+
+@pytest.fixture
+def collector(tmp_path):
+    c = Collector(tmp_path).start()
+    yield c
+    if c.proc is not None:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def module_collector(tmp_path_factory):
+    c = Collector(tmp_path_factory.mktemp("collector")).start()
+    yield c
+    if c.proc is not None:
+        c.stop()
