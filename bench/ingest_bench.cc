@@ -75,6 +75,8 @@ ABSL_FLAG(int, queue_capacity, 64, "Agent ring capacity (> max_inflight, so no r
 ABSL_FLAG(int, scrape_ms, 1000, "Scrape the collector's /metrics this often (0: never).");
 ABSL_FLAG(std::string, only, "", "Run only 'bare' or only 'collector'.");
 ABSL_FLAG(std::string, tmpdir, "", "Directory for the SQLite file (default: $TMPDIR or /tmp).");
+ABSL_FLAG(bool, ignore_deadlock_detection, false,
+          "Experiment: turn absl's debug-mode Mutex deadlock detection off in this process.");
 ABSL_FLAG(int, max_wall_seconds, 0, "Abort after this long (0: 2 * (warmup + seconds) + 180).");
 
 namespace {
@@ -164,11 +166,16 @@ class BareSinkService final : public v1::Ingest::CallbackService {
 
 // ---- Measurement helpers --------------------------------------------------------------------
 
-double CpuSeconds() {
+struct CpuUsage {
+  double user = 0, sys = 0;
+  uint64_t voluntary_switches = 0, involuntary_switches = 0;
+};
+
+CpuUsage Usage() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_utime.tv_usec * 1e-6 + u.ru_stime.tv_sec +
-         u.ru_stime.tv_usec * 1e-6;
+  return {u.ru_utime.tv_sec + u.ru_utime.tv_usec * 1e-6, u.ru_stime.tv_sec + u.ru_stime.tv_usec * 1e-6,
+          static_cast<uint64_t>(u.ru_nvcsw), static_cast<uint64_t>(u.ru_nivcsw)};
 }
 
 std::string LoadAvg() {
@@ -273,6 +280,8 @@ struct LoadResult {
   double window_seconds = 0;
   uint64_t window_acked = 0;
   double window_cpu_seconds = 0;
+  double window_sys_seconds = 0;
+  uint64_t window_switches = 0;
   uint64_t recorded = 0, acked = 0, sent = 0, dropped = 0, rejected = 0, invalid = 0;
   uint64_t record_errors = 0;
   uint64_t steps = 0;  // steps recorded by every rank
@@ -372,16 +381,19 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
   absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds)));
   on_window(true);
   const uint64_t acked0 = SumAcked(agents);
-  const double cpu0 = CpuSeconds();
+  const CpuUsage cpu0 = Usage();
   const absl::Time t0 = absl::Now();
   absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_seconds)));
   const uint64_t acked1 = SumAcked(agents);
-  const double cpu1 = CpuSeconds();
+  const CpuUsage cpu1 = Usage();
   const absl::Time t1 = absl::Now();
   on_window(false);
   res.window_seconds = absl::ToDoubleSeconds(t1 - t0);
   res.window_acked = acked1 - acked0;
-  res.window_cpu_seconds = cpu1 - cpu0;
+  res.window_cpu_seconds = cpu1.user + cpu1.sys - cpu0.user - cpu0.sys;
+  res.window_sys_seconds = cpu1.sys - cpu0.sys;
+  res.window_switches = cpu1.voluntary_switches + cpu1.involuntary_switches -
+                        cpu0.voluntary_switches - cpu0.involuntary_switches;
 
   stop = true;
   for (auto& t : threads) t.join();
@@ -420,11 +432,14 @@ bool Valid(const LoadResult& r) {
 
 void PrintLoad(const char* name, const LoadResult& r) {
   std::printf(
-      "%-9s reports/s=%9.0f  window=%.1fs acked_in_window=%llu  cpu=%.2f cores, %.1f us/report\n"
+      "%-9s reports/s=%9.0f  window=%.1fs acked_in_window=%llu  cpu=%.2f cores, %.1f us/report "
+      "(%.0f%% sys), %.1f context switches/report\n"
       "          recorded=%llu acked=%llu sent=%llu dropped=%llu rejected=%llu steps=%llu%s\n",
       name, r.rate(), r.window_seconds, static_cast<unsigned long long>(r.window_acked),
       r.window_cpu_seconds / std::max(1e-9, r.window_seconds),
       r.window_acked > 0 ? 1e6 * r.window_cpu_seconds / r.window_acked : 0.0,
+      100.0 * r.window_sys_seconds / std::max(1e-9, r.window_cpu_seconds),
+      r.window_acked > 0 ? static_cast<double>(r.window_switches) / r.window_acked : 0.0,
       static_cast<unsigned long long>(r.recorded), static_cast<unsigned long long>(r.acked),
       static_cast<unsigned long long>(r.sent), static_cast<unsigned long long>(r.dropped),
       static_cast<unsigned long long>(r.rejected), static_cast<unsigned long long>(r.steps),
@@ -436,6 +451,9 @@ void PrintLoad(const char* name, const LoadResult& r) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_ignore_deadlock_detection)) {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   const std::string only = absl::GetFlag(FLAGS_only);
   const int seconds = absl::GetFlag(FLAGS_seconds);
   const int warmup = absl::GetFlag(FLAGS_warmup_seconds);

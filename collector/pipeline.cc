@@ -107,7 +107,14 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
     auto it = jobs_.find(hello.job());
     if (it != jobs_.end() && it->second.connected == 0 &&
         now - it->second.last_seen > options_.identity_ttl) {
-      // Long idle: the name may be reused by a new run with another shape.
+      // Long idle: the name may be reused by a new run with another shape. Whatever the old run
+      // left open is closed (and stored) first.
+      std::vector<JoinedStep> forgotten;
+      joiner_.ForgetJob(hello.job(), &forgotten);
+      for (JoinedStep& s : forgotten) {
+        closed_.push_back(std::move(s));
+        ++closed_enqueued_;
+      }
       jobs_.erase(it);
       it = jobs_.end();
     }
@@ -122,8 +129,6 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
       job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
       job.first_seen = now;
       job.last_seen = now;
-      // A remembered job with the same name but another world size was dropped above, so the
-      // joiner must forget it too: registering with the new size replaces the old.
       absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
       if (!st.ok()) {
         return Rejection{st, "world_size_changed"};
@@ -212,6 +217,13 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   switch (outcome) {
     case AddOutcome::kAccepted:
       break;
+    case AddOutcome::kUnknownJob:
+    case AddOutcome::kRankOutOfRange:
+      // AcceptHello registered the job and validated the rank; reaching this is a bug. Refuse
+      // the report with a Rejection so it is visibly counted, never silently lost.
+      return Rejection{absl::InternalError(absl::StrCat(
+                           "joiner does not know rank ", hello.rank(), " of job ", hello.job())),
+                       "invalid_report"};
     case AddOutcome::kDuplicate:
       health_->ReportDuplicate();
       if (!rr.acks.empty()) EnqueueAcksOnly(std::move(rr.acks));

@@ -39,9 +39,6 @@ constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
 
 // Coordinates per group (one vector of 8 doubles) and partial sums of squares.
 constexpr size_t kGroup = 8;
-// Coordinates hashed before they are scattered: small enough that the staging arrays stay in L1.
-constexpr size_t kBlock = 512;
-static_assert(kBlock % kGroup == 0, "a block holds whole groups");
 
 template <ScalarType kType>
 constexpr size_t kElementSize = kType == ScalarType::kFloat32 ? 4 : 2;
@@ -66,6 +63,35 @@ struct KernelArgs {
   double* lanes;  // kGroup partial sums of squares
 };
 
+// The conversions of sketch.h, inlinable here.
+inline float WidenBFloat16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float WidenFloat16(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
+  uint32_t u;
+  if (exponent == 0x1f) {
+    // Infinity, or a NaN made quiet (bit 22) with its payload kept.
+    u = sign | 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
+  } else if (exponent != 0) {
+    u = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+  } else {
+    // Zero or subnormal: mantissa * 2^-24, exact in float.
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&u, &magnitude, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 template <ScalarType kType>
 inline float LoadScalar(const unsigned char* p) {
   if constexpr (kType == ScalarType::kFloat32) {
@@ -75,40 +101,100 @@ inline float LoadScalar(const unsigned char* p) {
   } else {
     uint16_t h;
     std::memcpy(&h, p, sizeof h);
-    return kType == ScalarType::kBFloat16 ? BFloat16ToFloat(h) : Float16ToFloat(h);
+    return kType == ScalarType::kBFloat16 ? WidenBFloat16(h) : WidenFloat16(h);
   }
+}
+
+// SplitMix64 (sketch.h); inlined here, where the exported SketchMix may not be.
+inline uint64_t Mix64(uint64_t index, uint64_t seed) {
+  uint64_t z = seed + (index + 1) * kGolden;
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  return z ^ (z >> 31);
+}
+
+// v with its sign flipped iff the lowest bit of mix is set (branch-free, exactly -v then).
+inline double ApplySign(double v, uint64_t mix) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits ^= mix << 63;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
 }
 
 // Adds coordinates [first, first + n) one at a time: the reference for the vector paths.
 template <ScalarType kType, bool kPow2>
 void AddScalar(const unsigned char* data, size_t n, uint64_t first, const KernelArgs& a) {
+  double lanes[kGroup];  // a local copy: cannot alias the bins
+  std::copy(a.lanes, a.lanes + kGroup, lanes);
   for (size_t j = 0; j < n; ++j) {
     const uint64_t index = first + j;
     const double v = LoadScalar<kType>(data + j * kElementSize<kType>);
-    a.lanes[index % kGroup] += v * v;
-    const uint64_t mix = SketchMix(index, a.seed);
-    a.bins[BinOf(mix, a.map, kPow2)] += (mix & 1) ? -v : v;
+    lanes[index % kGroup] += v * v;
+    const uint64_t mix = Mix64(index, a.seed);
+    a.bins[BinOf(mix, a.map, kPow2)] += ApplySign(v, mix);
+  }
+  std::copy(lanes, lanes + kGroup, a.lanes);
+}
+
+// The vector body: `steps` pipeline steps of kStepCoords coordinates, starting at coordinate
+// `first`, a multiple of kGroup.
+using BodyFn = void (*)(const unsigned char* data, size_t steps, uint64_t first,
+                        const KernelArgs& a);
+
+// Coordinates per pipeline step (two groups).
+constexpr size_t kStepCoords = 2 * kGroup;
+// The vector bodies run a software pipeline: step s is hashed into ring slot s % kRingSlots while
+// the slot hashed kLag steps earlier is scattered, so the vector hashing and the scalar
+// scatter overlap, and no scatter load waits on a vector store that has only just been issued.
+constexpr size_t kRingSlots = 4;
+constexpr size_t kLag = 2;
+
+// bins[bin[j]] += val[j] for the kStepCoords coordinates of one step, in order of j.
+inline void ScatterStep(const uint32_t* bin, const double* val, double* bins) {
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 16
+#endif
+  for (size_t j = 0; j < kStepCoords; ++j) bins[bin[j]] += val[j];
+}
+
+// Runs `steps` steps of `hasher`, which writes the bins and signed values of its next step into
+// the arrays it is given. Inlined into each instruction set's body, where Hasher::Step inlines.
+template <class Hasher>
+__attribute__((always_inline)) inline void RunPipeline(Hasher& hasher, size_t steps,
+                                                       double* bins) {
+  alignas(64) uint32_t bin[kRingSlots * kStepCoords];
+  alignas(64) double val[kRingSlots * kStepCoords];
+  auto slot = [](size_t step) { return (step % kRingSlots) * kStepCoords; };
+  size_t s = 0;
+  for (; s < std::min(steps, kLag); ++s) hasher.Step(bin + slot(s), val + slot(s));
+  for (; s < steps; ++s) {
+    hasher.Step(bin + slot(s), val + slot(s));
+    ScatterStep(bin + slot(s - kLag), val + slot(s - kLag), bins);
+  }
+  for (size_t t = std::max(steps, kLag) - kLag; t < steps; ++t) {
+    ScatterStep(bin + slot(t), val + slot(t), bins);
   }
 }
 
-// The scatter pass of a block: bins[bin[j]] += val[j] in order of j.
-inline void ScatterBlock(const uint32_t* bin, const double* val, size_t n, double* bins) {
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC unroll 8
-#endif
-  for (size_t j = 0; j < n; ++j) bins[bin[j]] += val[j];
-}
-
-// The vector body: `groups` whole groups starting at coordinate `first`, a multiple of kGroup.
-using BodyFn = void (*)(const unsigned char* data, size_t groups, uint64_t first,
-                        const KernelArgs& a);
-
 template <ScalarType kType, bool kPow2>
-void BodyScalar(const unsigned char* data, size_t groups, uint64_t first, const KernelArgs& a) {
-  AddScalar<kType, kPow2>(data, groups * kGroup, first, a);
+void BodyScalar(const unsigned char* data, size_t steps, uint64_t first, const KernelArgs& a) {
+  AddScalar<kType, kPow2>(data, steps * kStepCoords, first, a);
 }
 
 #ifdef RANKSCOPE_SKETCH_X86
+
+#ifndef PF_DIST
+#define PF_DIST 1024
+#endif
+// Software prefetch kPrefetchBytes ahead of the step being hashed: the kernel consumes its input
+// too slowly, with too few loads in flight, for the hardware prefetchers alone to hide DRAM
+// latency. A prefetch never faults, so running past the end of the input is harmless.
+constexpr uintptr_t kPrefetchBytes = PF_DIST;
+inline void Prefetch(const unsigned char* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
+               _MM_HINT_T0);
+}
 
 // ---- AVX2: a group is two vectors of 4 lanes; 64-bit products from three 32x32 products.
 
@@ -117,16 +203,6 @@ RANKSCOPE_TARGET_AVX2 inline __m256i MulLo64Avx2(__m256i a, __m256i c_lo, __m256
   const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo),
                                          _mm256_mul_epu32(a, c_hi));
   return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-
-struct Avx2Constants {
-  __m256i mix1_lo, mix1_hi, mix2_lo, mix2_hi;
-};
-
-RANKSCOPE_TARGET_AVX2 inline __m256i MixAvx2(__m256i z, const Avx2Constants& c) {
-  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), c.mix1_lo, c.mix1_hi);
-  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), c.mix2_lo, c.mix2_hi);
-  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
 }
 
 template <ScalarType kType>
@@ -149,15 +225,18 @@ RANKSCOPE_TARGET_AVX2 inline __m256d Load4Avx2(const unsigned char* p) {
 template <bool kPow2>
 RANKSCOPE_TARGET_AVX2 inline __m128i BinsAvx2(__m256i mix, const BinMap& map) {
   if constexpr (kPow2) {
-    const __m256i high = _mm256_permutevar8x32_epi32(mix, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
-    return _mm_and_si128(_mm256_castsi256_si128(high), _mm_set1_epi32(static_cast<int>(map.mask)));
+    const __m256i high =
+        _mm256_permutevar8x32_epi32(mix, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+    return _mm_and_si128(_mm256_castsi256_si128(high),
+                         _mm_set1_epi32(static_cast<int>(map.mask)));
   } else {
     // n = mix >> 32 as a double (exact: 2^52 + n - 2^52); q = floor(n / dim) may be one too
     // small when dim divides n (n * inv_dim rounds just below the integer), never otherwise off,
     // since |error| < 2^32 * 2^-52 <= 1 / dim; the correction makes the remainder exact.
     const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
     const __m256d n = _mm256_sub_pd(
-        _mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
+        _mm256_castsi256_pd(
+            _mm256_or_si256(_mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
         two52);
     const __m256d d = _mm256_set1_pd(map.dim);
     const __m256d q = _mm256_floor_pd(_mm256_mul_pd(n, _mm256_set1_pd(map.inv_dim)));
@@ -169,64 +248,69 @@ RANKSCOPE_TARGET_AVX2 inline __m128i BinsAvx2(__m256i mix, const BinMap& map) {
 }
 
 template <ScalarType kType, bool kPow2>
-RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t groups, uint64_t first,
-                                    const KernelArgs& a) {
-  constexpr size_t kSize = kElementSize<kType>;
-  alignas(32) uint32_t bin[kBlock];
-  alignas(32) double val[kBlock];
-  const Avx2Constants c = {
-      _mm256_set1_epi64x(static_cast<int64_t>(kMix1 & 0xffffffffu)),
-      _mm256_set1_epi64x(static_cast<int64_t>(kMix1 >> 32)),
-      _mm256_set1_epi64x(static_cast<int64_t>(kMix2 & 0xffffffffu)),
-      _mm256_set1_epi64x(static_cast<int64_t>(kMix2 >> 32)),
-  };
-  // z of lane l in the low half: seed + (first + l + 1) * golden; the high half is 4 lanes on.
-  const uint64_t z0 = a.seed + (first + 1) * kGolden;
-  __m256i z_lo = _mm256_setr_epi64x(static_cast<int64_t>(z0), static_cast<int64_t>(z0 + kGolden),
-                                    static_cast<int64_t>(z0 + 2 * kGolden),
-                                    static_cast<int64_t>(z0 + 3 * kGolden));
-  const __m256i step4 = _mm256_set1_epi64x(static_cast<int64_t>(4 * kGolden));
-  const __m256i step8 = _mm256_set1_epi64x(static_cast<int64_t>(8 * kGolden));
-  __m256i z_hi = _mm256_add_epi64(z_lo, step4);
-  __m256d acc_lo = _mm256_loadu_pd(a.lanes);
-  __m256d acc_hi = _mm256_loadu_pd(a.lanes + 4);
-  while (groups > 0) {
-    const size_t block_groups = std::min(groups, kBlock / kGroup);
-    for (size_t g = 0; g < block_groups; ++g) {
-      const unsigned char* p = data + g * kGroup * kSize;
-      const __m256i mix_lo = MixAvx2(z_lo, c);
-      const __m256i mix_hi = MixAvx2(z_hi, c);
-      z_lo = _mm256_add_epi64(z_lo, step8);
-      z_hi = _mm256_add_epi64(z_hi, step8);
-      const __m256d x_lo = Load4Avx2<kType>(p);
-      const __m256d x_hi = Load4Avx2<kType>(p + 4 * kSize);
-      acc_lo = _mm256_add_pd(acc_lo, _mm256_mul_pd(x_lo, x_lo));
-      acc_hi = _mm256_add_pd(acc_hi, _mm256_mul_pd(x_hi, x_hi));
-      const __m256d v_lo = _mm256_xor_pd(x_lo, _mm256_castsi256_pd(_mm256_slli_epi64(mix_lo, 63)));
-      const __m256d v_hi = _mm256_xor_pd(x_hi, _mm256_castsi256_pd(_mm256_slli_epi64(mix_hi, 63)));
-      _mm256_store_pd(val + g * kGroup, v_lo);
-      _mm256_store_pd(val + g * kGroup + 4, v_hi);
-      _mm_store_si128(reinterpret_cast<__m128i*>(bin + g * kGroup), BinsAvx2<kPow2>(mix_lo, a.map));
-      _mm_store_si128(reinterpret_cast<__m128i*>(bin + g * kGroup + 4),
-                      BinsAvx2<kPow2>(mix_hi, a.map));
+class HasherAvx2 {
+ public:
+  RANKSCOPE_TARGET_AVX2 HasherAvx2(const unsigned char* data, uint64_t first, const KernelArgs& a)
+      : data_(data), map_(a.map) {
+    // Vector v of a step holds coordinates first + 4v .. first + 4v + 3.
+    const uint64_t z0 = a.seed + (first + 1) * kGolden;
+    for (int v = 0; v < 4; ++v) {
+      const uint64_t base = z0 + 4 * v * kGolden;
+      z_[v] = _mm256_setr_epi64x(static_cast<int64_t>(base), static_cast<int64_t>(base + kGolden),
+                                 static_cast<int64_t>(base + 2 * kGolden),
+                                 static_cast<int64_t>(base + 3 * kGolden));
     }
-    ScatterBlock(bin, val, block_groups * kGroup, a.bins);
-    data += block_groups * kGroup * kSize;
-    groups -= block_groups;
+    acc_[0] = _mm256_loadu_pd(a.lanes);
+    acc_[1] = _mm256_loadu_pd(a.lanes + 4);
   }
-  _mm256_storeu_pd(a.lanes, acc_lo);
-  _mm256_storeu_pd(a.lanes + 4, acc_hi);
+
+  RANKSCOPE_TARGET_AVX2 void Finish(double* lanes) const {
+    _mm256_storeu_pd(lanes, acc_[0]);
+    _mm256_storeu_pd(lanes + 4, acc_[1]);
+  }
+
+  RANKSCOPE_TARGET_AVX2 void Step(uint32_t* bin, double* val) {
+    constexpr size_t kSize = kElementSize<kType>;
+    const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(kStepCoords * kGolden));
+    Prefetch(data_);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i mix = Mix(z_[v]);
+      z_[v] = _mm256_add_epi64(z_[v], step);
+      const __m256d x = Load4Avx2<kType>(data_ + 4 * v * kSize);
+      acc_[v % 2] = _mm256_add_pd(acc_[v % 2], _mm256_mul_pd(x, x));
+      _mm256_store_pd(val + 4 * v,
+                      _mm256_xor_pd(x, _mm256_castsi256_pd(_mm256_slli_epi64(mix, 63))));
+      _mm_store_si128(reinterpret_cast<__m128i*>(bin + 4 * v), BinsAvx2<kPow2>(mix, map_));
+    }
+    data_ += kStepCoords * kSize;
+  }
+
+ private:
+  RANKSCOPE_TARGET_AVX2 static __m256i Mix(__m256i z) {
+    const __m256i m1_lo = _mm256_set1_epi64x(static_cast<int64_t>(kMix1 & 0xffffffffu));
+    const __m256i m1_hi = _mm256_set1_epi64x(static_cast<int64_t>(kMix1 >> 32));
+    const __m256i m2_lo = _mm256_set1_epi64x(static_cast<int64_t>(kMix2 & 0xffffffffu));
+    const __m256i m2_hi = _mm256_set1_epi64x(static_cast<int64_t>(kMix2 >> 32));
+    z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1_lo, m1_hi);
+    z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2_lo, m2_hi);
+    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+  }
+
+  const unsigned char* data_;
+  BinMap map_;
+  __m256i z_[4];
+  __m256d acc_[2];  // partial sums of squares of lanes 0-3 and 4-7
+};
+
+template <ScalarType kType, bool kPow2>
+RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t steps, uint64_t first,
+                                    const KernelArgs& a) {
+  HasherAvx2<kType, kPow2> hasher(data, first, a);
+  RunPipeline(hasher, steps, a.bins);
+  hasher.Finish(a.lanes);
 }
 
 // ---- AVX-512: a group is one vector of 8 lanes.
-
-RANKSCOPE_TARGET_AVX512 inline __m512i MixAvx512(__m512i z) {
-  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
-  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix1)));
-  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
-  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix2)));
-  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-}
 
 template <ScalarType kType>
 RANKSCOPE_TARGET_AVX512 inline __m512d Load8Avx512(const unsigned char* p) {
@@ -266,39 +350,67 @@ RANKSCOPE_TARGET_AVX512 inline __m256i BinsAvx512(__m512i mix, const BinMap& map
 }
 
 template <ScalarType kType, bool kPow2>
-RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t groups,
-                                        uint64_t first, const KernelArgs& a) {
-  constexpr size_t kSize = kElementSize<kType>;
-  alignas(64) uint32_t bin[kBlock];
-  alignas(64) double val[kBlock];
-  // z of lane l: seed + (first + l + 1) * golden.
-  __m512i z = _mm512_add_epi64(
-      _mm512_set1_epi64(static_cast<int64_t>(a.seed + (first + 1) * kGolden)),
-      _mm512_setr_epi64(0, static_cast<int64_t>(kGolden), static_cast<int64_t>(2 * kGolden),
-                        static_cast<int64_t>(3 * kGolden), static_cast<int64_t>(4 * kGolden),
-                        static_cast<int64_t>(5 * kGolden), static_cast<int64_t>(6 * kGolden),
-                        static_cast<int64_t>(7 * kGolden)));
-  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
-  const __m512i one = _mm512_set1_epi64(1);
-  const __m512i sign_bit = _mm512_set1_epi64(std::numeric_limits<int64_t>::min());
-  __m512d acc = _mm512_loadu_pd(a.lanes);
-  while (groups > 0) {
-    const size_t block_groups = std::min(groups, kBlock / kGroup);
-    for (size_t g = 0; g < block_groups; ++g) {
-      const __m512i mix = MixAvx512(z);
-      z = _mm512_add_epi64(z, step);
-      const __m512d x = Load8Avx512<kType>(data + g * kGroup * kSize);
-      acc = _mm512_fmadd_pd(x, x, acc);  // x * x is exact, so this equals acc + x * x
-      const __m512i xi = _mm512_castpd_si512(x);
-      const __m512i v = _mm512_mask_xor_epi64(xi, _mm512_test_epi64_mask(mix, one), xi, sign_bit);
-      _mm512_store_si512(val + g * kGroup, v);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(bin + g * kGroup), BinsAvx512<kPow2>(mix, a.map));
+class HasherAvx512 {
+ public:
+  RANKSCOPE_TARGET_AVX512 HasherAvx512(const unsigned char* data, uint64_t first,
+                                       const KernelArgs& a)
+      : data_(data), map_(a.map) {
+    // Vector v of a step holds coordinates first + 8v .. first + 8v + 7.
+    const uint64_t z0 = a.seed + (first + 1) * kGolden;
+    for (int v = 0; v < 2; ++v) {
+      const uint64_t base = z0 + 8 * v * kGolden;
+      z_[v] = _mm512_add_epi64(
+          _mm512_set1_epi64(static_cast<int64_t>(base)),
+          _mm512_setr_epi64(0, static_cast<int64_t>(kGolden), static_cast<int64_t>(2 * kGolden),
+                            static_cast<int64_t>(3 * kGolden), static_cast<int64_t>(4 * kGolden),
+                            static_cast<int64_t>(5 * kGolden), static_cast<int64_t>(6 * kGolden),
+                            static_cast<int64_t>(7 * kGolden)));
     }
-    ScatterBlock(bin, val, block_groups * kGroup, a.bins);
-    data += block_groups * kGroup * kSize;
-    groups -= block_groups;
+    acc_ = _mm512_loadu_pd(a.lanes);
   }
-  _mm512_storeu_pd(a.lanes, acc);
+
+  RANKSCOPE_TARGET_AVX512 void Finish(double* lanes) const { _mm512_storeu_pd(lanes, acc_); }
+
+  RANKSCOPE_TARGET_AVX512 void Step(uint32_t* bin, double* val) {
+    constexpr size_t kSize = kElementSize<kType>;
+    const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(kStepCoords * kGolden));
+    const __m512i one = _mm512_set1_epi64(1);
+    const __m512i sign_bit = _mm512_set1_epi64(std::numeric_limits<int64_t>::min());
+    Prefetch(data_);
+    for (int v = 0; v < 2; ++v) {
+      const __m512i mix = Mix(z_[v]);
+      z_[v] = _mm512_add_epi64(z_[v], step);
+      const __m512d x = Load8Avx512<kType>(data_ + 8 * v * kSize);
+      acc_ = _mm512_fmadd_pd(x, x, acc_);  // x * x is exact, so this equals acc + x * x
+      const __m512i xi = _mm512_castpd_si512(x);
+      _mm512_store_si512(val + 8 * v, _mm512_mask_xor_epi64(xi, _mm512_test_epi64_mask(mix, one),
+                                                            xi, sign_bit));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bin + 8 * v), BinsAvx512<kPow2>(mix, map_));
+    }
+    data_ += kStepCoords * kSize;
+  }
+
+ private:
+  RANKSCOPE_TARGET_AVX512 static __m512i Mix(__m512i z) {
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
+    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix1)));
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix2)));
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  }
+
+  const unsigned char* data_;
+  BinMap map_;
+  __m512i z_[2];
+  __m512d acc_;  // partial sums of squares, lane l for coordinates l mod 8
+};
+
+template <ScalarType kType, bool kPow2>
+RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t steps, uint64_t first,
+                                        const KernelArgs& a) {
+  HasherAvx512<kType, kPow2> hasher(data, first, a);
+  RunPipeline(hasher, steps, a.bins);
+  hasher.Finish(a.lanes);
 }
 
 bool CpuHasF16c() {
@@ -332,9 +444,9 @@ void AddRange(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
   data += head * kSize;
   first += head;
   n -= head;
-  const size_t groups = n / kGroup;
-  if (groups > 0) SelectBody<kType, kPow2>(isa)(data, groups, first, a);
-  const size_t done = groups * kGroup;
+  const size_t steps = n / kStepCoords;
+  if (steps > 0) SelectBody<kType, kPow2>(isa)(data, steps, first, a);
+  const size_t done = steps * kStepCoords;
   AddScalar<kType, kPow2>(data + done * kSize, n - done, first + done, a);
 }
 
@@ -364,46 +476,17 @@ KernelIsa DetectBestIsa() {
 
 }  // namespace
 
-uint64_t SketchMix(uint64_t index, uint64_t seed) {
-  uint64_t z = seed + (index + 1) * kGolden;
-  z = (z ^ (z >> 30)) * kMix1;
-  z = (z ^ (z >> 27)) * kMix2;
-  return z ^ (z >> 31);
-}
+uint64_t SketchMix(uint64_t index, uint64_t seed) { return Mix64(index, seed); }
 
 SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim) {
   assert(dim >= 1);
-  const uint64_t mix = SketchMix(index, seed);
+  const uint64_t mix = Mix64(index, seed);
   return SketchSlot{static_cast<uint32_t>((mix >> 32) % dim), (mix & 1) ? -1.0f : 1.0f};
 }
 
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+float BFloat16ToFloat(uint16_t bits) { return WidenBFloat16(bits); }
 
-float Float16ToFloat(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  const uint32_t exponent = (bits >> 10) & 0x1fu;
-  const uint32_t mantissa = bits & 0x3ffu;
-  uint32_t u;
-  if (exponent == 0x1f) {
-    // Infinity, or a NaN made quiet (bit 22) with its payload kept.
-    u = sign | 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
-  } else if (exponent != 0) {
-    u = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
-  } else {
-    // Zero or subnormal: mantissa * 2^-24, exact in float.
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    std::memcpy(&u, &magnitude, sizeof u);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+float Float16ToFloat(uint16_t bits) { return WidenFloat16(bits); }
 
 namespace sketch_internal {
 

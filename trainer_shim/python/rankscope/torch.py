@@ -84,6 +84,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            queue_capacity: int = 1024,
            max_unacked: int = 8192,
            warn_after: float = 10.0,
+           max_backoff: float = 10.0,
            control_margin: float = 2.0,
            close_timeout: float = 2.0) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
@@ -105,6 +106,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       sketch_seed: hash seed (same on every rank).
       local_batch_size: samples per rank and step, reported for the noise-scale estimate.
       warn_after: seconds without a collector connection before a warning (once).
+      max_backoff: longest wait, in seconds, between reconnection attempts.
       control_margin: seconds of steps between the first rank seeing a control message and the
         step it applies at, when the collector's proposed step is too close or past.
       close_timeout: seconds ``close`` (and interpreter exit) waits for unacked reports.
@@ -132,6 +134,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       auth_token=auth_token or "", queue_capacity=int(queue_capacity),
                       max_unacked=int(max_unacked), warn_after=float(warn_after),
+                      max_backoff=float(max_backoff),
                       control_margin=float(control_margin), close_timeout=float(close_timeout))
     state = _HookState(monitor, comm_hook, comm_hook_state, model.process_group)
     model.register_comm_hook(state, _rankscope_comm_hook)
@@ -153,7 +156,8 @@ class _HookState:
             self.chain_state = chain_state
 
 
-def _rankscope_comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _rankscope_comm_hook(state: _HookState,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: sketch the bucket's local gradient, then all-reduce it."""
     monitor = state.monitor
     if monitor._active:
@@ -186,7 +190,7 @@ class Monitor:
 
     def __init__(self, model, *, collector, job, sketch_dim, every, enabled, start_step,
                  sketch_seed, local_batch_size, auth_token, queue_capacity, max_unacked,
-                 warn_after, control_margin, close_timeout):
+                 warn_after, max_backoff, control_margin, close_timeout):
         pg = model.process_group
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
@@ -216,7 +220,8 @@ class Monitor:
             collector=collector, job=job, rank=self.rank, world_size=self.world_size,
             sketch_dim=sketch_dim, sketch_seed=sketch_seed, attempt=self.attempt,
             framework_version=f"torch {torch.__version__}", auth_token=auth_token,
-            queue_capacity=queue_capacity, max_unacked=max_unacked)
+            queue_capacity=queue_capacity, max_unacked=max_unacked,
+            initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff)
 
         self._dim = sketch_dim
         self._every = every
@@ -225,6 +230,8 @@ class Monitor:
         self._cpu_sketch = _native.Sketch(sketch_dim, sketch_seed)
         self._device_sketches = {}
         self._pending = collections.deque()
+        # Tests: sketch CPU gradients with the torch-op path (as on a GPU) instead of the kernel.
+        self._force_torch_sketch = False
 
         # Per-step accumulation state (touched by the hook).
         self._got_grads = False
@@ -235,7 +242,8 @@ class Monitor:
         self._t_attach = time.monotonic()
         self._t_step_end = None
         self._step_time_ema = None
-        self._next_health_check = self._t_attach + 1.0
+        self._health_interval = min(1.0, max(0.05, warn_after / 2))
+        self._next_health_check = self._t_attach + self._health_interval
 
         self._control_seen = None
         self._control_pending = None  # (apply_step, enabled, every, sketch_dim, generation)
@@ -360,12 +368,13 @@ class Monitor:
             self.counters["backward_restarts"] += 1
             self._reset_accumulators()
         self._seen_buckets.add(first)
+        self.counters["buckets"] += 1
         if not self._got_grads:
             self._got_grads = True
             self._t_first_hook = time.monotonic()
 
         g0 = grads[0]
-        if g0.device.type == "cpu":
+        if g0.device.type == "cpu" and not self._force_torch_sketch:
             self._add_cpu(params, grads)
         else:
             sketch = self._device_sketches.get(g0.device)
@@ -601,7 +610,7 @@ class Monitor:
     # ---- health -------------------------------------------------------------------------------
 
     def _check_health(self, now: float) -> None:
-        self._next_health_check = now + 1.0
+        self._next_health_check = now + self._health_interval
         if now - self._t_attach < self._warn_after:
             return
         s = self._agent.stats()

@@ -1,0 +1,326 @@
+"""Static checks of rankscope's operations files (issue 5): rules, rule unit tests, dashboards,
+deploy files. Each uses the real tool where this machine has it (promtool, tsc, amtool,
+systemd-analyze, kubectl kustomize, docker-compose) and says so when it skips.
+
+    /usr/bin/python3 -m pytest -q tests/ops
+"""
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RULES = REPO / "deploy" / "prometheus" / "rules" / "rankscope.rules.yml"
+OVERRIDES = REPO / "deploy" / "prometheus" / "rules" / "rankscope.overrides.yml"
+RULE_TESTS = sorted(HERE.glob("*.test.yml"))
+RUNBOOK = REPO / "docs" / "runbook.md"
+DASHBOARD_CHECK = HERE / "dashboard_check"
+
+sys.path.insert(0, str(HERE))
+import extract_promql  # noqa: E402
+
+
+def run(cmd, timeout=120, **kwargs):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def tool(name):
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed on this machine")
+    return path
+
+
+def alert_rules():
+    doc = yaml.safe_load(RULES.read_text())
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus rules
+
+
+def test_rules_pass_promtool_check():
+    r = run([tool("promtool"), "check", "rules", str(RULES), str(OVERRIDES)])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rule_unit_tests_pass():
+    assert RULE_TESTS, "no tests/ops/*.test.yml"
+    r = run([tool("promtool"), "test", "rules", *map(str, RULE_TESTS)], cwd=HERE)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+REQUIRED_ALERTS = {
+    "RankscopeDirectionConsistencyLow", "RankscopeLossDispersionHigh", "RankscopeGradNormDispersionHigh",
+    "RankscopeRankOutlier", "RankscopeReplicaDivergence", "RankscopeRankSilent", "RankscopeCollectorDown",
+    "RankscopeAgentDropping", "RankscopeIngestRejecting",
+}
+
+
+def test_issue_5_alerts_exist():
+    assert REQUIRED_ALERTS <= {r["alert"] for r in alert_rules()}
+
+
+def test_every_alert_has_a_firing_case_and_a_near_miss():
+    fires, quiet = set(), set()
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
+    names = {r["alert"] for r in alert_rules()}
+    assert names - fires == set(), "alerts no unit test fires"
+    assert names - quiet == set(), "alerts with no near miss evaluated to silence"
+
+
+def test_every_rule_of_an_alert_fires_in_some_unit_test():
+    """Alerts with several rules (one per condition/signal/scope): each rule's labels are tested."""
+    tested = set()
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                for exp in check.get("exp_alerts") or []:
+                    labels = exp["exp_labels"]
+                    tested.add((check["alertname"], labels.get("condition"), labels.get("signal"),
+                                labels.get("scope")))
+    for rule in alert_rules():
+        labels = rule["labels"]
+        key = (rule["alert"], labels.get("condition"), labels.get("signal"), labels.get("scope"))
+        assert key in tested, f"no unit test fires {key}"
+
+
+def github_anchors(markdown):
+    anchors = set()
+    for line in markdown.splitlines():
+        m = re.match(r"^#{1,6}\s+(.*)$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(slug)
+    return anchors
+
+
+def test_alerts_have_severity_summary_naming_job_and_rank_and_a_runbook_anchor():
+    anchors = github_anchors(RUNBOOK.read_text())
+    for rule in alert_rules():
+        name, ann = rule["alert"], rule.get("annotations", {})
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert ann.get("summary") and ann.get("description"), name
+        grouping = " ".join(re.findall(r"\bby\s*\(([^)]*)\)", rule["expr"]))
+        if "train_job" in grouping:
+            assert "$labels.train_job" in ann["summary"], f"{name}: summary must name the job"
+        if re.search(r"\brank\b", grouping):
+            assert "$labels.rank" in ann["summary"], f"{name}: summary must name the rank"
+        url = ann.get("runbook_url", "")
+        assert url.split("#")[0].endswith("docs/runbook.md"), f"{name}: runbook_url {url}"
+        anchor = url.split("#", 1)[1]
+        assert anchor == name.lower(), f"{name}: anchor {anchor}"
+        assert anchor in anchors, f"{name}: docs/runbook.md has no heading for #{anchor}"
+
+
+# Each mutant weakens or shifts one rule; the unit tests must fail on every one, i.e. the near
+# misses sit right at the thresholds and `for` durations they claim to test.
+MUTANTS = [
+    ("+ 0.05)", "+ 0.07)"),  # direction floor
+    ("+ 0.4)", "+ 0.3)"),  # allowed drop from baseline
+    ("rankscope_world_size) + 0.5)\n      # Coeff", "rankscope_world_size) + 0.48)\n      # Coeff"),  # loss std
+    ("+ 0.3)", "+ 0.28)"),  # grad-norm CV
+    ("+ 0.1)", "+ 0.02)"),  # consensus guard
+    ("+ 3)", "+ 2.8)"),  # |z|
+    ("+ 3.5)", "+ 3.3)"),  # outlier score
+    ("for: 2m", "for: 1m30s"),
+    ("for: 1m\n", "for: 30s\n"),
+    ("for: 5m", "for: 4m"),
+    ("for: 3m", "for: 2m"),
+    ("increase(rankscope_steps_total[2m])) > 0", "increase(rankscope_steps_total[2m])) >= 0"),
+    ("rate(rankscope_reports_rejected_total[2m])", "rate(rankscope_reports_rejected_total[10m])"),
+    ("rate(rankscope_store_errors_total[2m])", "rate(rankscope_store_errors_total[10m])"),
+    ("unless on (train_job)", "or on (train_job)"),
+    ("max by (train_job, rank) (rankscope_rank_missing) > 0", "max by (train_job, rank) (rankscope_rank_missing) >= 0"),
+]
+
+
+@pytest.mark.parametrize("old,new", MUTANTS, ids=[m[1].strip()[:40] for m in MUTANTS])
+def test_rule_unit_tests_kill_mutant(tmp_path, old, new):
+    promtool = tool("promtool")
+    text = RULES.read_text()
+    assert old in text, f"mutant site {old!r} not found"
+    rules_dir = tmp_path / "deploy" / "prometheus" / "rules"
+    rules_dir.mkdir(parents=True)
+    (rules_dir / RULES.name).write_text(text.replace(old, new))
+    ops = tmp_path / "tests" / "ops"
+    shutil.copytree(HERE / "fixtures", ops / "fixtures")
+    for path in RULE_TESTS:
+        shutil.copy(path, ops / path.name)
+    r = run([promtool, "test", "rules", *[p.name for p in RULE_TESTS]], cwd=ops)
+    assert r.returncode != 0, f"unit tests still pass with {old!r} -> {new!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus and Alertmanager configuration
+
+
+def test_prometheus_config_passes_promtool():
+    r = run([tool("promtool"), "check", "config", str(REPO / "deploy" / "prometheus.yml")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 rule files found" in r.stdout
+
+
+def test_alertmanager_config_and_routes():
+    amtool = tool("amtool")
+    config = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+    r = run([amtool, "check-config", str(config)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for labels, receiver in [
+        (["alertname=RankscopeReplicaDivergence", "severity=critical", "train_job=exp-42"], "rankscope-pager"),
+        (["alertname=RankscopeRankOutlier", "severity=warning", "train_job=exp-42"], "rankscope-chat"),
+    ]:
+        r = run([amtool, "config", "routes", "test", f"--config.file={config}", *labels])
+        assert r.returncode == 0 and r.stdout.strip() == receiver, (labels, r.stdout, r.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboards
+
+
+def test_dashboards_are_generated_from_generate_py():
+    r = run([sys.executable, str(REPO / "dashboards" / "generate.py"), "--check"])
+    assert r.returncode == 0, r.stderr
+
+
+def test_dashboards_type_check_against_grafana_schema():
+    """tsc --noEmit over every dashboard typed as @grafana/schema's Dashboard (tests/ops/dashboard_check)."""
+    node = tool("node")
+    tsc = DASHBOARD_CHECK / "node_modules" / "typescript" / "bin" / "tsc"
+    assert (DASHBOARD_CHECK / "node_modules" / "@grafana" / "schema").is_dir() and tsc.exists(), (
+        "run `npm ci` in tests/ops/dashboard_check (./run setup does)")
+    r = run([node, "generate.mjs"], cwd=DASHBOARD_CHECK)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run([node, str(tsc), "--noEmit", "-p", "tsconfig.json"], cwd=DASHBOARD_CHECK, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dashboards_have_the_panels_issue_5_asks_for():
+    exprs = {e.expr for e in extract_promql.dashboard_expressions()}
+    joined = "\n".join(exprs)
+    for metric in ["rankscope_loss_mean", "rankscope_loss_std", "rankscope_grad_norm_cv",
+                   "rankscope_grad_cosine_mean", "rankscope_rank_grad_cosine", "rankscope_rank_outlier_score",
+                   "rankscope_replica_divergent_ranks", "rankscope_rank_replica_divergent",
+                   "rankscope_grad_noise_scale", "rankscope_rank_step_time_seconds",
+                   "rankscope_reports_received_total", "rankscope_reports_rejected_total",
+                   "rankscope_ingest_latency_seconds_bucket", "rankscope_connected_agents"]:
+        assert metric in joined, f"no dashboard panel shows {metric}"
+    titles = {json.loads(p.read_text())["uid"] for p in (REPO / "dashboards").glob("*.json")}
+    assert titles == {"rankscope-overview", "rankscope-job", "rankscope-collector"}
+
+
+def test_metric_name_extraction():
+    assert extract_promql.metric_names(
+        'max by (train_job, rank) (rankscope_rank_grad_cosine{train_job="$train_job"}) < on (train_job) '
+        'group_left () (rankscope:threshold:x * train_job:y:avg2m) and rate(z_total[5m]) > 0') == [
+        "rankscope:threshold:x", "rankscope_rank_grad_cosine", "train_job:y:avg2m", "z_total"]
+    assert extract_promql.metric_names('histogram_quantile(0.99, sum by (le) (rate(a_bucket[$__rate_interval])))') == ["a_bucket"]
+    assert extract_promql.substitute('x{a="$train_job"}[${__rate_interval}]',
+                                     {"train_job": "j", "__rate_interval": "1m"}) == 'x{a="j"}[1m]'
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes, compose, systemd
+
+
+K8S = REPO / "deploy" / "kubernetes"
+
+
+def k8s_objects():
+    objs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"], path
+            objs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objs
+
+
+def test_k8s_generated_manifests_match_rules_and_dashboards():
+    r = run([sys.executable, str(K8S / "generate.py"), "--check"])
+    assert r.returncode == 0, r.stderr
+    objs = k8s_objects()
+    assert objs[("PrometheusRule", "rankscope")]["spec"] == yaml.safe_load(RULES.read_text())
+    data = objs[("ConfigMap", "rankscope-dashboards")]["data"]
+    assert data == {p.name: p.read_text() for p in (REPO / "dashboards").glob("*.json")}
+
+
+def test_k8s_manifests_are_consistent():
+    objs = k8s_objects()
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    dep = objs[("Deployment", "rankscope-collector")]
+    pod = dep["spec"]["template"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    container = pod["spec"]["containers"][0]
+    port_names = {p["name"] for p in container["ports"]}
+    svc = objs[("Service", "rankscope-collector")]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
+    mon = objs[("ServiceMonitor", "rankscope-collector")]
+    assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+    # The alerts select job=~"rankscope-collector.*"; the operator names the job after the Service.
+    assert svc["metadata"]["name"].startswith("rankscope-collector")
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    claim = pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in objs
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_k8s_kustomization_renders():
+    r = run([tool("kubectl"), "kustomize", str(K8S)])
+    assert r.returncode == 0, r.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout))
+    assert kinds == sorted(["Namespace", "PersistentVolumeClaim", "Deployment", "Service", "ServiceMonitor",
+                            "PrometheusRule", "ConfigMap"])
+
+
+def test_every_yaml_file_parses():
+    paths = [p for p in (REPO / "deploy").rglob("*") if p.suffix in {".yml", ".yaml"}]
+    paths += list(HERE.rglob("*.yml"))
+    assert len(paths) > 10
+    for path in paths:
+        list(yaml.safe_load_all(path.read_text()))
+
+
+def test_compose_file_is_valid():
+    compose = REPO / "deploy" / "compose" / "compose.yaml"
+    doc = yaml.safe_load(compose.read_text())
+    assert {"collector", "prometheus", "grafana", "alertmanager"} <= set(doc["services"])
+    for service in doc["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (compose.parent / source).exists(), f"compose mounts missing {source}"
+    r = run([tool("docker-compose"), "-f", str(compose), "config", "-q"])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_systemd_unit_verifies(tmp_path):
+    analyze = tool("systemd-analyze")
+    unit = REPO / "deploy" / "systemd" / "rankscope-collector.service"
+    binary = REPO / "build" / "bin" / "rankscope-collector"
+    exe = str(binary) if binary.exists() else "/bin/true"  # verify needs an executable ExecStart
+    copy = tmp_path / unit.name
+    copy.write_text(unit.read_text().replace("/usr/local/bin/rankscope-collector", exe))
+    r = run([analyze, "verify", str(copy)])
+    assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stdout + r.stderr
+    r = run([analyze, "security", "--offline=true", "--threshold=20", str(copy)])
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+    assert m and float(m.group(1)) <= 2.0, r.stdout[-2000:] + r.stderr
+    text = unit.read_text()
+    for directive in ["DynamicUser=yes", "ProtectSystem=strict", "StateDirectory=rankscope", "NoNewPrivileges=yes"]:
+        assert directive in text

@@ -1,0 +1,151 @@
+"""rankscope.torch without DDP: the sketch's hash and kernels, the package's surface.
+
+The torch-op sketch (for gradients on a GPU) must give exactly the C++ kernel's bins and signs;
+run here on CPU tensors, against the kernel through rankscope._native.
+"""
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import PYTHON_DIR
+
+_native = pytest.importorskip("rankscope._native")
+from rankscope.torch_sketch import TorchSketch, sketch_mix, sketch_slots  # noqa: E402
+
+SEED = _native.DEFAULT_SKETCH_SEED
+MASK64 = (1 << 64) - 1
+
+
+def reference_mix(index: int, seed: int) -> int:
+    """SplitMix64 output number `index` for `seed`, in Python integers (sketch.h's formula)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def test_header_test_vectors():
+    assert _native.sketch_mix(0, 0) == 0xE220A8397B1DCDAF
+    assert _native.sketch_mix(0, SEED) == 0x9609B8E9179AF10C
+    assert _native.sketch_mix(12345, SEED) == 0x5FA110022D614E1B
+    assert _native.sketch_hash(0, SEED, 1024) == (233, 1.0)
+    assert _native.sketch_hash(12345, SEED, 1024) == (2, -1.0)
+    assert _native.sketch_hash(12345, SEED, 1000) == (914, -1.0)
+
+
+@pytest.mark.parametrize("seed", [0, SEED, MASK64, 0x8000000000000000])
+@pytest.mark.parametrize("offset", [0, 123_456_789, (1 << 40) + 3, (1 << 63) - 5000])
+def test_torch_mix_equals_kernel_mix(seed, offset):
+    n = 4096
+    kernel = torch.empty(n, dtype=torch.int64)
+    _native.fill_mix(kernel.data_ptr(), offset, n, seed)
+    ours = sketch_mix(torch.arange(offset, offset + n, dtype=torch.int64), seed)
+    assert torch.equal(ours, kernel)
+    for i in (0, 1, n - 1):
+        assert int(ours[i]) & MASK64 == reference_mix(offset + i, seed)
+
+
+@pytest.mark.parametrize("dim", [1, 7, 1000, 1024, 65537])
+def test_torch_slots_equal_kernel_slots(dim):
+    offset, n = (1 << 33) + 17, 2000
+    bins, signs = sketch_slots(offset, n, SEED, dim)
+    for i in range(0, n, 37):
+        assert (int(bins[i]), float(signs[i])) == _native.sketch_hash(offset + i, SEED, dim)
+
+
+def kernel_bins(sketch) -> torch.Tensor:
+    out = torch.empty(sketch.dim, dtype=torch.float64)
+    sketch.copy_bins_to(out.data_ptr())
+    return out
+
+
+DTYPES = {
+    torch.float32: _native.DTYPE_FLOAT32,
+    torch.bfloat16: _native.DTYPE_BFLOAT16,
+    torch.float16: _native.DTYPE_FLOAT16,
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dim", [256, 1000])
+def test_torch_path_sketch_equals_kernel_sketch(dtype, dim):
+    """The hook's two paths give the same sketch for the same chunks (as a bucket feeds them:
+    per-parameter views at their global offsets, in an arbitrary order)."""
+    torch.manual_seed(0)
+    chunks = [(torch.randn(n).to(dtype), off) for n, off in
+              [(5000, 70_000), (1, 0), (64_007, 1), (3000, 5_000_000_000)]]
+    kernel = _native.Sketch(dim, SEED)
+    ours = TorchSketch(dim, SEED, "cpu")
+    for values, offset in chunks:
+        assert kernel.add(values.data_ptr(), DTYPES[dtype], values.numel(), offset) == ""
+        ours.add(values, offset)
+    torch.testing.assert_close(ours.bins, kernel_bins(kernel), rtol=1e-12, atol=1e-9)
+    exact_ss = sum(float(v.double().square().sum()) for v, _ in chunks)
+    assert float(ours.sum_squares) == pytest.approx(exact_ss, rel=1e-12)
+    assert kernel.sum_squares() == pytest.approx(exact_ss, rel=1e-12)
+
+
+def test_add_many_equals_separate_adds_and_is_linear():
+    torch.manual_seed(1)
+    a, b = torch.randn(10_000), torch.randn(333)
+    many = _native.Sketch(512, SEED)
+    assert many.add_many([a.data_ptr(), b.data_ptr()], [a.numel(), b.numel()],
+                         [0, a.numel()], _native.DTYPE_FLOAT32) == ""
+    whole = _native.Sketch(512, SEED)
+    ab = torch.cat([a, b])
+    whole.add(ab.data_ptr(), _native.DTYPE_FLOAT32, ab.numel(), 0)
+    torch.testing.assert_close(kernel_bins(many), kernel_bins(whole), rtol=1e-12, atol=1e-12)
+    values = torch.empty(512, dtype=torch.float32)
+    many.copy_to(values.data_ptr())
+    torch.testing.assert_close(values, kernel_bins(many).float())
+    assert math.isclose(many.sum_squares(), float(ab.double().square().sum()), rel_tol=1e-12)
+
+
+def test_hot_path_reports_errors_instead_of_raising():
+    s = _native.Sketch(16, SEED)
+    assert "dtype" in s.add(0, 9, 1, 0)
+    assert s.add(0, _native.DTYPE_FLOAT32, 0, 0) == ""  # nothing to add
+    assert "same length" in s.add_many([1, 2], [1], [0, 0], _native.DTYPE_FLOAT32)
+    with pytest.raises(ValueError):
+        _native.Sketch(0, SEED)
+
+
+def test_agent_rejects_bad_options_and_never_blocks_without_collector():
+    with pytest.raises(ValueError, match="job"):
+        _native.Agent(collector="127.0.0.1:1", job="bad job name!", rank=0, world_size=1)
+    agent = _native.Agent(collector="127.0.0.1:1", job="nobody-listens", rank=0, world_size=1,
+                          sketch_dim=8, max_backoff_s=0.2)
+    sketch = _native.Sketch(8, SEED)
+    for step in range(100):
+        assert agent.record_sketch(step, 1.0, 2.0, sketch) == ""
+    wrong = torch.zeros(4)
+    assert "sketch" in agent.record_raw(100, 1.0, 2.0, wrong.data_ptr(), 4)
+    stats = agent.stats()
+    assert stats["recorded"] == 100 and stats["invalid"] == 1 and not stats["connected"]
+    assert agent.control() is None
+    t0 = time.monotonic()
+    assert agent.close(0.05) != ""  # nothing could be acked
+    assert time.monotonic() - t0 < 5
+    assert agent.stats()["dropped"] == 100  # what was never acked is counted as lost
+
+
+def test_import_from_build_tree_in_a_fresh_interpreter():
+    out = subprocess.run(
+        [sys.executable, "-c", "import rankscope.torch as rst, rankscope; "
+         "print(rankscope.__version__, rst.attach.__name__)"],
+        env={"PYTHONPATH": str(PYTHON_DIR), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "attach" in out.stdout
+
+
+def test_attach_refuses_a_plain_module():
+    import rankscope.torch as rst
+
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        rst.attach(torch.nn.Linear(2, 2), job="x")

@@ -1,0 +1,98 @@
+"""Real DDP (4 gloo processes) reporting through rankscope.torch to a real collector.
+
+For every step the collector's statistics must equal the exact values the test computes itself
+from each rank's full local gradient and loss (shim_harness.exact_worker):
+  - loss mean/std/range and grad-norm mean/std, and each rank's grad norm: to float tolerance;
+  - direction consistency: equal (to float32 rounding) to the mean pairwise cosine of count
+    sketches the test computes from the exact gradients with its own sketch, and within the
+    sketch's error of the exact mean pairwise cosine of the full gradients.
+Scenarios (one DDP model and job each, same processes): plain, several buckets, unused
+parameters (find_unused_parameters=True), bf16 parameters, gradient accumulation with no_sync(),
+late attach after 20 steps, collector/job from the environment, and the torch-op sketch path.
+"""
+
+import json
+import math
+
+import pytest
+
+import shim_harness
+
+WORLD = 4
+STEPS = 6
+SKETCH_DIM = 1024
+
+
+@pytest.fixture(scope="module")
+def exact_run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exact")
+    shim_harness.spawn(shim_harness.exact_worker, WORLD, module_collector.address, "exact",
+                       str(out), STEPS, SKETCH_DIM, timeout=240)
+    return module_collector, out
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("scenario", list(shim_harness.SCENARIOS))
+def test_collector_statistics_equal_exact_values(exact_run, scenario):
+    collector, out = exact_run
+    job = f"exact-{scenario}"
+    expected = {int(k): v for k, v in load(out / f"{scenario}.expected.json").items()}
+    first = load(out / f"{scenario}.rank0.json")["first"]
+    assert sorted(expected) == list(range(first, first + STEPS))
+
+    # The agents flushed before exiting (close acks only after the SQLite commit).
+    rows = collector.step_rows(job)
+    assert sorted(rows) == sorted(expected), f"steps stored for {job}"
+    rank_rows = collector.rank_rows(job)
+    assert len(rank_rows) == WORLD * STEPS
+
+    cos_bound = 4 * math.sqrt(2 / SKETCH_DIM)
+    for step, e in expected.items():
+        r = rows[step]
+        assert r["ranks"] == WORLD and r["missing_ranks"] == "" and not r["timed_out"]
+        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
+        assert r["loss_std"] == pytest.approx(e["loss_std"], rel=1e-5, abs=1e-7)
+        assert r["loss_range"] == pytest.approx(e["loss_range"], rel=1e-5, abs=1e-7)
+        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
+        assert r["grad_norm_std"] == pytest.approx(e["grad_norm_std"], rel=1e-5, abs=1e-9)
+        norms = {rank: gn for s, rank, _, gn, _ in rank_rows if s == step}
+        assert [norms[k] for k in range(WORLD)] == pytest.approx(e["grad_norms"], rel=1e-6)
+        # The collector's cosine is exactly that of sketches of the exact gradients...
+        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
+        # ...and the sketch estimates the exact cosine within its error.
+        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
+            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
+
+    for rank in range(WORLD):
+        stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
+        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
+        assert stats["dropped"] == 0 and stats["rejected"] == 0 and stats["invalid"] == 0
+        assert stats.get("shim_hook_errors", 0) == 0
+        assert stats.get("shim_unknown_parameters", 0) == 0
+        if scenario == "buckets":
+            # The gradient did not fit one bucket: several hooks per step, all sketched.
+            assert stats["shim_buckets"] >= 3 * STEPS, stats
+        else:
+            assert stats["shim_buckets"] >= STEPS
+
+
+def test_sketch_error_over_all_steps_is_small(exact_run):
+    """Across all scenarios the RMS error of direction consistency is within 1/sqrt(k)."""
+    collector, out = exact_run
+    errors = []
+    for scenario in shim_harness.SCENARIOS:
+        rows = collector.step_rows(f"exact-{scenario}")
+        for step, e in load(out / f"{scenario}.expected.json").items():
+            errors.append(rows[int(step)]["grad_cosine_mean"] - e["exact_cosine"])
+    rms = math.sqrt(sum(x * x for x in errors) / len(errors))
+    assert rms < 1 / math.sqrt(SKETCH_DIM), f"RMS cosine error {rms:.4f} over {len(errors)}"
+
+
+def test_jobs_table_has_every_scenario(exact_run):
+    collector, _ = exact_run
+    jobs = dict(collector.query("SELECT job, world_size FROM jobs"))
+    for scenario in shim_harness.SCENARIOS:
+        assert jobs.get(f"exact-{scenario}") == WORLD
