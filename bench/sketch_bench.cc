@@ -5,7 +5,8 @@
 // 64-bit words: the most a kernel that reads every byte once can hope for) with one
 // CountSketch::Add over the same bytes, through each kernel path the CPU supports. It prints
 // input GB/s (1 GB = 1e9 bytes), best and median over the reps, and the ratio sketch / stream of
-// the best times. Results and the command line go to docs/PERFORMANCE.md "## Sketch kernel".
+// the best times. Times are the CPU time of the benchmark thread, so that on a shared machine the
+// time it spends descheduled is not counted against either side. Results and the command line go to docs/PERFORMANCE.md "## Sketch kernel".
 //
 // Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000] [--isa=all|auto|scalar|avx2|avx512]
 #include <algorithm>
@@ -134,6 +135,13 @@ void Fill(unsigned char* buf, size_t bytes, ScalarType type) {
   }
 }
 
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string one, five;
+  in >> one >> five;
+  return one + " " + five;
+}
+
 std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -186,8 +194,9 @@ int main(int argc, char** argv) {
 
   std::printf("sketch_bench: %zu MiB buffer, %d reps (best, median in parentheses), one thread\n",
               opt.mib, opt.reps);
-  std::printf("cpu: %s; Add uses the %s path\n", CpuModel().c_str(),
-              rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()));
+  std::printf("cpu: %s; Add uses the %s path; load average %s\n", CpuModel().c_str(),
+              rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()),
+              LoadAverage().c_str());
   std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
               "sketch GB/s", "ratio", "Gcoord/s");
   for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
@@ -216,5 +225,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  std::printf("load average at the end: %s (times are CPU time of this thread)\n",
+              LoadAverage().c_str());
   return 0;
 }

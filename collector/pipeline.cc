@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collector/rank_diagnostics.h"
 #include "collector/step_stats.h"
 
 namespace rankscope::collector {
@@ -42,6 +43,70 @@ RankRow ToRankRow(const RankReport& r, uint32_t join_size) {
   row.step_time_seconds = r.step_time_seconds;
   row.received_at = r.received_at;
   return row;
+}
+
+// Everything rank_diagnostics.h derives from one joined step.
+struct StepDiagnostics {
+  std::vector<OutlierScore> outliers;            // per report
+  std::vector<RankExtras> extras;                // per report
+  std::vector<std::optional<bool>> replica_ok;   // per report
+  bool replica_checked = false;
+  std::vector<uint32_t> replica_divergent;       // sorted
+  std::vector<uint32_t> outlier_ranks;           // sorted
+  double grad_noise_scale = std::nan("");
+};
+
+StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
+  StepDiagnostics d;
+  const size_t n = js.reports.size();
+  std::vector<RankSignals> signals;
+  std::vector<RankFingerprint> grads, params;
+  std::vector<double> local_norms, reduced_norms, times;
+  uint32_t batch = 0;
+  bool any_time = false;
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = js.reports[i];
+    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine});
+    if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
+    if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
+    local_norms.push_back(r.grad_norm);
+    if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
+    times.push_back(r.step_time_seconds.value_or(std::nan("")));
+    any_time = any_time || r.step_time_seconds.has_value();
+    batch = std::max(batch, r.local_batch_size);
+  }
+  d.outliers = ComputeOutlierScores(signals);
+  const ReplicaVerdict grad_verdict = CheckReplicas(grads);
+  const ReplicaVerdict param_verdict = CheckReplicas(params);
+  d.replica_checked = grad_verdict.checked || param_verdict.checked;
+  std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
+                 param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),
+                 std::back_inserter(d.replica_divergent));
+  const std::vector<double> time_z =
+      any_time ? StepTimeRobustZ(times) : std::vector<double>(n, std::nan(""));
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = js.reports[i];
+    if (r.reduced_grad_fingerprint || r.param_fingerprint) {
+      d.replica_ok.push_back(!std::binary_search(d.replica_divergent.begin(),
+                                                 d.replica_divergent.end(), r.rank));
+    } else {
+      d.replica_ok.push_back(std::nullopt);
+    }
+    RankExtras e;
+    e.outlier_score = d.outliers[i].score;
+    e.step_time_seconds = times[i];
+    e.step_time_z = time_z[i];
+    d.extras.push_back(e);
+    if (d.outliers[i].flagged) d.outlier_ranks.push_back(r.rank);
+  }
+  if (!reduced_norms.empty()) {
+    // Every rank holds the same reduced gradient; take the median against a stray value.
+    std::nth_element(reduced_norms.begin(), reduced_norms.begin() + reduced_norms.size() / 2,
+                     reduced_norms.end());
+    d.grad_noise_scale =
+        GradientNoiseScale(local_norms, reduced_norms[reduced_norms.size() / 2], batch);
+  }
+  return d;
 }
 
 }  // namespace
@@ -319,6 +384,7 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   }
   const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
+  const StepDiagnostics diag = Diagnose(js, stats);
 
   ExportedStep exported;
   exported.step = js.step;
@@ -326,6 +392,10 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   exported.timed_out = timed_out;
   exported.stats = &stats;
   exported.missing_ranks = js.missing_ranks;
+  exported.extras = diag.extras;
+  exported.grad_noise_scale = diag.grad_noise_scale;
+  exported.replica_checked = diag.replica_checked;
+  exported.replica_divergent_ranks = diag.replica_divergent;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();
@@ -353,6 +423,10 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   row.missing_ranks = js.missing_ranks;
   row.timed_out = timed_out;
   row.completed_at = options_.clock();
+  row.grad_noise_scale = diag.grad_noise_scale;
+  row.replica_checked = diag.replica_checked;
+  row.replica_divergent_ranks = diag.replica_divergent;
+  row.outlier_ranks = diag.outlier_ranks;
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
   for (size_t i = 0; i < js.reports.size(); ++i) {
@@ -361,6 +435,9 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
     rank_row.grad_cosine = stats.per_rank[i].consensus_cosine;
     rank_row.loss_z = stats.per_rank[i].loss_z;
     rank_row.grad_norm_z = stats.per_rank[i].grad_norm_z;
+    rank_row.replica_ok = diag.replica_ok[i];
+    rank_row.outlier_score = diag.outliers[i].score;
+    if (!std::isnan(diag.extras[i].step_time_z)) rank_row.step_time_z = diag.extras[i].step_time_z;
     w.ranks.push_back(std::move(rank_row));
     std::move(r.acks.begin(), r.acks.end(), std::back_inserter(item.acks));
   }

@@ -50,6 +50,14 @@ enum Family : size_t {
   kRankLossZ,
   kRankGradNormZ,
   kRankMissing,
+  kRankOutlierScore,
+  kRankStepTimeSeconds,
+  kRankStepTimeZ,
+  kGradNoiseScale,
+  kReplicaDivergentRanks,
+  kReplicaChecksTotal,
+  kReplicaDivergentStepsTotal,
+  kRankReplicaDivergent,
   kFamilyCount,
 };
 
@@ -131,6 +139,34 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
      "1 for each rank missing from the latest step (capped; "
      "world_size - ranks_reporting is the full count).",
      MetricType::Gauge},
+    {"rankscope_rank_outlier_score",
+     "Robust outlier score of the rank at the latest step: the largest of the median/MAD "
+     "z-scores of its loss and gradient norm and the deficit of its consensus cosine (most "
+     "deviating ranks only; above 6 is flagged).",
+     MetricType::Gauge},
+    {"rankscope_rank_step_time_seconds",
+     "The rank's own compute time of the latest step, up to its gradient hook (most deviating "
+     "ranks only).",
+     MetricType::Gauge},
+    {"rankscope_rank_step_time_z",
+     "Robust z-score of the rank's step time at the latest step; a straggler is large and "
+     "positive (most deviating ranks only).",
+     MetricType::Gauge},
+    {"rankscope_grad_noise_scale",
+     "Gradient noise scale B_simple (McCandlish et al. 2018) of the latest step where it was "
+     "defined, in samples.",
+     MetricType::Gauge},
+    {"rankscope_replica_divergent_ranks",
+     "Most ranks whose replica fingerprint differed from the majority in one checked step of "
+     "the spike window.",
+     MetricType::Gauge},
+    {"rankscope_replica_checks_total", "Steps whose replica fingerprints were compared.",
+     MetricType::Counter},
+    {"rankscope_replica_divergent_steps_total",
+     "Checked steps in which some rank's replica fingerprint differed.", MetricType::Counter},
+    {"rankscope_rank_replica_divergent",
+     "1 for each rank whose replica fingerprint differed in a step of the spike window (capped).",
+     MetricType::Gauge},
 };
 
 void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, double value) {
@@ -166,7 +202,8 @@ double AbsZ(double z) {
   return std::isnan(z) ? std::numeric_limits<double>::infinity() : std::fabs(z);
 }
 
-// Indices into `ranks` of the (at most) `limit` most deviating by `key`, most deviating first.
+// Indices into `ranks` of the (at most) `limit` most deviating by `key(index)`, most deviating
+// first.
 template <typename Key>
 std::vector<uint32_t> TopByDeviation(const std::vector<RankStatistics>& ranks, size_t limit,
                                      Key key) {
@@ -174,8 +211,8 @@ std::vector<uint32_t> TopByDeviation(const std::vector<RankStatistics>& ranks, s
   for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
   const size_t n = std::min(limit, order.size());
   std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](uint32_t a, uint32_t b) {
-    const double ka = key(ranks[a]);
-    const double kb = key(ranks[b]);
+    const double ka = key(a);
+    const double kb = key(b);
     if (ka != kb) return ka > kb;
     return ranks[a].rank < ranks[b].rank;
   });
@@ -183,19 +220,38 @@ std::vector<uint32_t> TopByDeviation(const std::vector<RankStatistics>& ranks, s
   return order;
 }
 
-// The ranks exported per rank: round-robin over the three rankings, without duplicates.
-std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ranks, size_t limit) {
+// Larger is more deviating; an unknown value (NaN) is the least deviating for these keys, since
+// it means "not measured" (a non-finite rank already has a NaN outlier score, which ranks first
+// through the cosine and z rankings).
+double KnownOrLowest(double v) {
+  return std::isnan(v) ? -std::numeric_limits<double>::infinity() : v;
+}
+
+// The ranks exported per rank: round-robin over the rankings, without duplicates.
+std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ranks,
+                                           absl::Span<const RankExtras> extras, size_t limit) {
   const size_t n = std::min(limit, ranks.size());
   if (n == 0) return {};
+  const bool has_extras = extras.size() == ranks.size();
+  auto outlier = [&](uint32_t i) {
+    return has_extras ? KnownOrLowest(extras[i].outlier_score)
+                      : -std::numeric_limits<double>::infinity();
+  };
+  auto cosine = [&](uint32_t i) { return CosineDeviation(ranks[i]); };
   if (n == ranks.size()) {
     // Everything fits: order by the primary ranking only.
-    return TopByDeviation(ranks, n, CosineDeviation);
+    return has_extras ? TopByDeviation(ranks, n, outlier) : TopByDeviation(ranks, n, cosine);
   }
-  const std::vector<uint32_t> rankings[3] = {
-      TopByDeviation(ranks, n, CosineDeviation),
-      TopByDeviation(ranks, n, [](const RankStatistics& r) { return AbsZ(r.loss_z); }),
-      TopByDeviation(ranks, n, [](const RankStatistics& r) { return AbsZ(r.grad_norm_z); }),
-  };
+  std::vector<std::vector<uint32_t>> rankings;
+  if (has_extras) rankings.push_back(TopByDeviation(ranks, n, outlier));
+  rankings.push_back(TopByDeviation(ranks, n, cosine));
+  rankings.push_back(TopByDeviation(ranks, n, [&](uint32_t i) { return AbsZ(ranks[i].loss_z); }));
+  rankings.push_back(
+      TopByDeviation(ranks, n, [&](uint32_t i) { return AbsZ(ranks[i].grad_norm_z); }));
+  if (has_extras) {
+    rankings.push_back(
+        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].step_time_z); }));
+  }
   std::vector<uint32_t> chosen;
   chosen.reserve(n);
   std::vector<bool> taken(ranks.size(), false);
@@ -282,9 +338,13 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
     latest.grad_norm_std = s.grad_norm_std;
     latest.grad_norm_cv = s.grad_norm_cv;
     latest.grad_cosine_mean = s.grad_cosine_mean;
-    for (uint32_t index : SelectDeviatingRanks(s.per_rank, options_.per_rank_series_limit)) {
+    const bool has_extras = step.extras.size() == s.per_rank.size();
+    for (uint32_t index :
+         SelectDeviatingRanks(s.per_rank, step.extras, options_.per_rank_series_limit)) {
       const RankStatistics& r = s.per_rank[index];
-      top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z});
+      const RankExtras e = has_extras ? step.extras[index] : RankExtras{};
+      top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z, e.outlier_score,
+                           e.step_time_seconds, e.step_time_z, has_extras});
     }
   } else {
     // No statistics: as ComputeStepStatistics({}) gives (ranks 0, cosine NaN, the rest 0).
@@ -307,13 +367,30 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   state.latest = latest;
   state.top_ranks = std::move(top_ranks);
   state.missing = std::move(missing);
+  if (!std::isnan(step.grad_noise_scale)) state.grad_noise_scale = step.grad_noise_scale;
+  double replica_divergent = kNaN;
+  if (step.replica_checked) {
+    ++state.replica_checks_total;
+    replica_divergent = static_cast<double>(step.replica_divergent_ranks.size());
+    state.replica_divergent_latest = replica_divergent;
+    if (!step.replica_divergent_ranks.empty()) ++state.replica_divergent_steps_total;
+    for (uint32_t rank : step.replica_divergent_ranks) state.replica_divergent_at[rank] = now;
+  }
+  // Forget divergent ranks that left the window (bounded by the ranks of the job).
+  for (auto it = state.replica_divergent_at.begin(); it != state.replica_divergent_at.end();) {
+    if (it->second < now - options_.spike_window) {
+      state.replica_divergent_at.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 
   const absl::Duration window = options_.spike_window;
   if (window <= absl::ZeroDuration()) return;  // the window metrics equal the latest step
   const absl::Duration granularity = window / kWindowBuckets;
   const WindowPoint point{absl::UnixEpoch() + absl::Floor(now - absl::UnixEpoch(), granularity),
-                          latest.loss_std, latest.loss_range, latest.grad_norm_cv,
-                          latest.grad_cosine_mean};
+                          latest.loss_std,       latest.loss_range, latest.grad_norm_cv,
+                          latest.grad_cosine_mean, replica_divergent};
   std::deque<WindowPoint>& points = state.window;
   if (!points.empty() && points.back().at >= point.at) {
     // Same bucket (or the clock went back): merge, keeping the deque ordered.
@@ -322,6 +399,7 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
     back.loss_range = MaxIgnoringNaN(back.loss_range, point.loss_range);
     back.grad_norm_cv = MaxIgnoringNaN(back.grad_norm_cv, point.grad_norm_cv);
     back.grad_cosine_mean = MinIgnoringNaN(back.grad_cosine_mean, point.grad_cosine_mean);
+    back.replica_divergent = MaxIgnoringNaN(back.replica_divergent, point.replica_divergent);
   } else {
     points.push_back(point);
   }
@@ -377,13 +455,15 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradNormCv, s.grad_norm_cv);
       add(kGradCosineMean, s.grad_cosine_mean);
 
-      WindowPoint worst{now, s.loss_std, s.loss_range, s.grad_norm_cv, s.grad_cosine_mean};
+      WindowPoint worst{now,          s.loss_std,         s.loss_range, s.grad_norm_cv,
+                        s.grad_cosine_mean, state.replica_divergent_latest};
       for (const WindowPoint& p : state.window) {
         if (p.at + granularity <= now - window) continue;  // bucket entirely before the window
         worst.loss_std = MaxIgnoringNaN(worst.loss_std, p.loss_std);
         worst.loss_range = MaxIgnoringNaN(worst.loss_range, p.loss_range);
         worst.grad_norm_cv = MaxIgnoringNaN(worst.grad_norm_cv, p.grad_norm_cv);
         worst.grad_cosine_mean = MinIgnoringNaN(worst.grad_cosine_mean, p.grad_cosine_mean);
+        worst.replica_divergent = MaxIgnoringNaN(worst.replica_divergent, p.replica_divergent);
       }
       add(kLossStdMaxWindow, worst.loss_std);
       add(kLossRangeMaxWindow, worst.loss_range);
@@ -395,7 +475,32 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
                                                    {"rank", absl::StrCat(r.rank)}};
         AddSample(families[kRankGradCosine], labels, r.grad_cosine);
         AddSample(families[kRankLossZ], labels, r.loss_z);
-        AddSample(families[kRankGradNormZ], std::move(labels), r.grad_norm_z);
+        AddSample(families[kRankGradNormZ], labels, r.grad_norm_z);
+        if (r.has_extras) AddSample(families[kRankOutlierScore], labels, r.outlier_score);
+        if (!std::isnan(r.step_time_seconds)) {
+          AddSample(families[kRankStepTimeSeconds], labels, r.step_time_seconds);
+          AddSample(families[kRankStepTimeZ], std::move(labels), r.step_time_z);
+        }
+      }
+      if (!std::isnan(state.grad_noise_scale)) add(kGradNoiseScale, state.grad_noise_scale);
+      if (state.replica_checks_total > 0) {
+        add(kReplicaDivergentRanks,
+            std::isnan(worst.replica_divergent) ? 0.0 : worst.replica_divergent);
+        add(kReplicaChecksTotal, static_cast<double>(state.replica_checks_total));
+        add(kReplicaDivergentStepsTotal,
+            static_cast<double>(state.replica_divergent_steps_total));
+        std::vector<uint32_t> divergent;
+        for (const auto& [rank, at] : state.replica_divergent_at) {
+          if (at >= now - window) divergent.push_back(rank);
+        }
+        std::sort(divergent.begin(), divergent.end());
+        if (divergent.size() > options_.per_rank_series_limit) {
+          divergent.resize(options_.per_rank_series_limit);
+        }
+        for (uint32_t rank : divergent) {
+          AddSample(families[kRankReplicaDivergent],
+                    {{"train_job", job}, {"rank", absl::StrCat(rank)}}, 1);
+        }
       }
       for (uint32_t rank : state.missing) {
         AddSample(families[kRankMissing], {{"train_job", job}, {"rank", absl::StrCat(rank)}}, 1);

@@ -21,11 +21,12 @@
 //    step it covers was NaN. rankscope_steps_nonfinite_total counts steps with a NaN/Inf
 //    statistic, so a non-finite step between scrapes is not missed either.
 //
-// Per-rank series (rankscope_rank_grad_cosine, rankscope_rank_loss_z, rankscope_rank_grad_norm_z)
-// are exported for at most `per_rank_series_limit` ranks per job, the same ranks in all three
-// metrics, picked from the latest step round-robin from three rankings: lowest consensus cosine,
-// largest |loss_z|, largest |grad_norm_z| (in that priority), so the worst rank by each criterion
-// is always present. NaN counts as the most deviating; ties go to the lower rank number. (Under
+// Per-rank series (rankscope_rank_outlier_score, rankscope_rank_grad_cosine, rankscope_rank_loss_z,
+// rankscope_rank_grad_norm_z, rankscope_rank_step_time_seconds, rankscope_rank_step_time_z) are
+// exported for at most `per_rank_series_limit` ranks per job, the same ranks in every metric,
+// picked from the latest step round-robin from five rankings: largest outlier score, lowest
+// consensus cosine, largest |loss_z|, largest |grad_norm_z|, largest step-time z (in that
+// priority), so the worst rank by each criterion is always present. NaN counts as the most deviating; ties go to the lower rank number. (Under
 // step_stats.h a non-finite input makes that statistic NaN for every rank, and with fewer than
 // two ranks every cosine is NaN: the other rankings then decide.)
 // rankscope_rank_missing is exported for at most `per_rank_series_limit` missing ranks, the
@@ -45,6 +46,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -67,12 +69,24 @@ struct ExportOptions {
 };
 
 // What the exporter needs to know of one closed step.
+// Per-rank diagnostics beyond StepStatistics (rank_diagnostics.h), same order as per_rank.
+struct RankExtras {
+  double outlier_score = std::numeric_limits<double>::quiet_NaN();
+  double step_time_seconds = std::numeric_limits<double>::quiet_NaN();  // NaN: not reported
+  double step_time_z = std::numeric_limits<double>::quiet_NaN();
+};
+
 struct ExportedStep {
   uint64_t step = 0;
   uint32_t world_size = 0;
   bool timed_out = false;
   const StepStatistics* stats = nullptr;  // per_rank carries each rank's number
   absl::Span<const uint32_t> missing_ranks;
+  // Optional diagnostics: empty `extras` means none; otherwise extras[i] goes with per_rank[i].
+  absl::Span<const RankExtras> extras;
+  double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
+  bool replica_checked = false;
+  absl::Span<const uint32_t> replica_divergent_ranks;
 };
 
 class JobMetrics : public prometheus::Collectable {
@@ -96,8 +110,16 @@ class JobMetrics : public prometheus::Collectable {
   //     rankscope_steps_nonfinite_total, rankscope_agent_dropped_reports_total (monotonic: the
   //     sum of each rank's increases; an agent restart that resets its count adds the new count);
   //   gauges {train_job,rank}: rankscope_rank_grad_cosine, rankscope_rank_loss_z,
-  //     rankscope_rank_grad_norm_z (capped), rankscope_rank_missing (1 for each rank missing from
-  //     the latest step, capped).
+  //     rankscope_rank_grad_norm_z, rankscope_rank_outlier_score, rankscope_rank_step_time_seconds,
+  //     rankscope_rank_step_time_z (capped), rankscope_rank_missing (1 for each rank missing from
+  //     the latest step, capped);
+  //   replica consistency: rankscope_replica_divergent_ranks{train_job} (gauge: most ranks
+  //     divergent in one checked step of the spike window; 0 when checked and consistent; absent
+  //     until a step was checked), rankscope_replica_checks_total and
+  //     rankscope_replica_divergent_steps_total{train_job} (counters),
+  //     rankscope_rank_replica_divergent{train_job,rank} (1 for each rank divergent in a step of
+  //     the spike window, capped);
+  //   rankscope_grad_noise_scale{train_job}: B_simple of the latest step where it was defined.
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
@@ -106,10 +128,13 @@ class JobMetrics : public prometheus::Collectable {
   struct WindowPoint {
     absl::Time at;
     double loss_std, loss_range, grad_norm_cv, grad_cosine_mean;
+    double replica_divergent;  // ranks divergent in a checked step (NaN: no check)
   };
   struct RankPoint {
     uint32_t rank;
     double grad_cosine, loss_z, grad_norm_z;
+    double outlier_score, step_time_seconds, step_time_z;
+    bool has_extras;  // the step carried RankExtras
   };
   struct JobState {
     uint32_t world_size = 0;
@@ -124,6 +149,11 @@ class JobMetrics : public prometheus::Collectable {
     uint64_t steps_timed_out_total = 0;
     uint64_t steps_nonfinite_total = 0;
     uint64_t dropped_total = 0;                               // monotonic, see above
+    double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
+    uint64_t replica_checks_total = 0;
+    uint64_t replica_divergent_steps_total = 0;
+    double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
+    absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank
     std::deque<WindowPoint> window;
     absl::Time last_update = absl::UnixEpoch();

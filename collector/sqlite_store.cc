@@ -52,6 +52,9 @@ CREATE TABLE IF NOT EXISTS rank_steps(
   param_fingerprint INTEGER,         -- uint64 bit pattern
   step_time_seconds REAL,
   received_at REAL NOT NULL,
+  replica_ok INTEGER,                -- 1, 0, or NULL when no fingerprint was checked
+  outlier_score REAL,
+  step_time_z REAL,
   PRIMARY KEY(job, step, rank)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS step_stats(
   job TEXT NOT NULL,
@@ -69,6 +72,10 @@ CREATE TABLE IF NOT EXISTS step_stats(
   missing_ranks TEXT NOT NULL DEFAULT '',
   timed_out INTEGER NOT NULL DEFAULT 0,
   completed_at REAL NOT NULL,
+  grad_noise_scale REAL,
+  replica_checked INTEGER NOT NULL DEFAULT 0,
+  replica_divergent_ranks TEXT NOT NULL DEFAULT '',
+  outlier_ranks TEXT NOT NULL DEFAULT '',
   PRIMARY KEY(job, step)) WITHOUT ROWID;
 )sql";
 
@@ -87,8 +94,9 @@ ON CONFLICT(job) DO UPDATE SET
 constexpr char kUpsertRank[] = R"sql(
 INSERT INTO rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine,
                        loss_z, grad_norm_z, nonfinite, reduced_grad_fingerprint,
-                       param_fingerprint, step_time_seconds, received_at)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                       param_fingerprint, step_time_seconds, received_at, replica_ok,
+                       outlier_score, step_time_z)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)
 ON CONFLICT(job, step, rank) DO UPDATE SET
   attempt = excluded.attempt,
   join_size = excluded.join_size,
@@ -101,7 +109,10 @@ ON CONFLICT(job, step, rank) DO UPDATE SET
   reduced_grad_fingerprint = excluded.reduced_grad_fingerprint,
   param_fingerprint = excluded.param_fingerprint,
   step_time_seconds = excluded.step_time_seconds,
-  received_at = excluded.received_at
+  received_at = excluded.received_at,
+  replica_ok = excluded.replica_ok,
+  outlier_score = excluded.outlier_score,
+  step_time_z = excluded.step_time_z
 WHERE excluded.attempt > rank_steps.attempt
    OR (excluded.attempt = rank_steps.attempt AND excluded.join_size >= rank_steps.join_size)
 )sql";
@@ -109,8 +120,9 @@ WHERE excluded.attempt > rank_steps.attempt
 constexpr char kUpsertStep[] = R"sql(
 INSERT INTO step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
                        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean,
-                       missing_ranks, timed_out, completed_at)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                       missing_ranks, timed_out, completed_at, grad_noise_scale,
+                       replica_checked, replica_divergent_ranks, outlier_ranks)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)
 ON CONFLICT(job, step) DO UPDATE SET
   attempt = excluded.attempt,
   ranks = excluded.ranks,
@@ -124,14 +136,19 @@ ON CONFLICT(job, step) DO UPDATE SET
   grad_cosine_mean = excluded.grad_cosine_mean,
   missing_ranks = excluded.missing_ranks,
   timed_out = excluded.timed_out,
-  completed_at = excluded.completed_at
+  completed_at = excluded.completed_at,
+  grad_noise_scale = excluded.grad_noise_scale,
+  replica_checked = excluded.replica_checked,
+  replica_divergent_ranks = excluded.replica_divergent_ranks,
+  outlier_ranks = excluded.outlier_ranks
 WHERE excluded.attempt > step_stats.attempt
    OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
 )sql";
 
 #define RANKSCOPE_STEP_COLUMNS                                                          \
   "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, " \
-  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at"
+  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, " \
+  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks"
 
 constexpr char kListJobs[] =
     "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step "
@@ -142,8 +159,8 @@ constexpr char kGetStep[] =
     "SELECT " RANKSCOPE_STEP_COLUMNS " FROM step_stats WHERE job = ?1 AND step = ?2";
 constexpr char kRankRows[] =
     "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
-    "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at "
-    "FROM rank_steps WHERE job = ?1 AND step = ?2 ORDER BY rank";
+    "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
+    "outlier_score, step_time_z FROM rank_steps WHERE job = ?1 AND step = ?2 ORDER BY rank";
 constexpr char kCountRankRows[] = "SELECT count(*) FROM rank_steps WHERE job = ?1";
 
 #undef RANKSCOPE_STEP_COLUMNS
@@ -241,6 +258,9 @@ class Binder {
   Binder& Time(absl::Time t) {
     return Check(sqlite3_bind_double(stmt_, index_, ToUnixSecondsReal(t)));
   }
+  Binder& OptionalBool(const std::optional<bool>& value) {
+    return value.has_value() ? Int(*value ? 1 : 0) : Null();
+  }
   Binder& Null() { return Check(sqlite3_bind_null(stmt_, index_)); }
 
   // SQLITE_OK, or the first binding's error (SQLITE_TOOBIG for a huge string).
@@ -322,7 +342,11 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   row->grad_cosine_mean = ColumnDouble(stmt, 10);
   row->timed_out = ColumnInt(stmt, 12) != 0;
   row->completed_at = ColumnTime(stmt, 13);
-  return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks);
+  row->grad_noise_scale = ColumnDouble(stmt, 14);
+  row->replica_checked = ColumnInt(stmt, 15) != 0;
+  return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks) &&
+         ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&
+         ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks);
 }
 
 }  // namespace
@@ -585,6 +609,8 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
       sqlite3_stmt* stmt = stmts_->upsert_step.get();
       ScopedReset reset(stmt);
       const std::string missing = JoinRanks(row.missing_ranks);
+      const std::string divergent = JoinRanks(row.replica_divergent_ranks);
+      const std::string outliers = JoinRanks(row.outlier_ranks);
       int rc = Binder(stmt)
                    .Text(write.job)
                    .Int(step)
@@ -601,6 +627,10 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Text(missing)
                    .Int(row.timed_out ? 1 : 0)
                    .Time(row.completed_at)
+                   .Double(row.grad_noise_scale)
+                   .Int(row.replica_checked ? 1 : 0)
+                   .Text(divergent)
+                   .Text(outliers)
                    .rc();
       if (rc == SQLITE_OK) rc = StepToDone(stmt);
       if (rc != SQLITE_DONE) {
@@ -628,6 +658,9 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Bits(row.param_fingerprint)
                    .Double(row.step_time_seconds)
                    .Time(row.received_at)
+                   .OptionalBool(row.replica_ok)
+                   .Double(row.outlier_score)
+                   .Double(row.step_time_z)
                    .rc();
       if (rc == SQLITE_OK) rc = StepToDone(stmt);
       if (rc != SQLITE_DONE) {
@@ -712,6 +745,9 @@ absl::StatusOr<std::vector<RankRow>> SqliteStore::RankRows(absl::string_view job
       row.param_fingerprint = ColumnOptionalBits(stmt, 9);
       row.step_time_seconds = ColumnOptionalDouble(stmt, 10);
       row.received_at = ColumnTime(stmt, 11);
+      if (!IsNull(stmt, 12)) row.replica_ok = ColumnInt(stmt, 12) != 0;
+      row.outlier_score = ColumnOptionalDouble(stmt, 13);
+      row.step_time_z = ColumnOptionalDouble(stmt, 14);
     }
   }
   if (rc != SQLITE_DONE) {

@@ -5,10 +5,11 @@
 //        last_step)
 //   rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z,
 //        grad_norm_z, nonfinite, reduced_grad_fingerprint, param_fingerprint, step_time_seconds,
-//        received_at, PRIMARY KEY(job, step, rank))
+//        received_at, replica_ok, outlier_score, step_time_z, PRIMARY KEY(job, step, rank))
 //   step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
 //        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks,
-//        timed_out, completed_at, PRIMARY KEY(job, step))
+//        timed_out, completed_at, grad_noise_scale, replica_checked, replica_divergent_ranks,
+//        outlier_ranks, PRIMARY KEY(job, step))
 // Times are Unix seconds as REAL, with microsecond precision (InfiniteFuture/InfinitePast are
 // stored as +/-Inf). NaN is stored as NULL (SQLite's own rule) and flagged by `nonfinite` (1 when
 // the rank's loss or grad_norm was NaN/Inf); +/-Inf is stored as REAL +/-Inf. On reads a NULL
@@ -39,6 +40,7 @@
 #define RANKSCOPE_COLLECTOR_SQLITE_STORE_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -76,6 +78,9 @@ struct RankRow {
   std::optional<uint64_t> param_fingerprint;
   std::optional<double> step_time_seconds;
   absl::Time received_at = absl::UnixEpoch();
+  std::optional<bool> replica_ok;        // nullopt: no fingerprint of this rank was checked
+  std::optional<double> outlier_score;   // see rank_diagnostics.h
+  std::optional<double> step_time_z;     // robust z of the rank's step time
 };
 
 struct StepRow {
@@ -93,6 +98,10 @@ struct StepRow {
   std::vector<uint32_t> missing_ranks;
   bool timed_out = false;
   absl::Time completed_at = absl::UnixEpoch();
+  double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();  // NaN: not computable
+  bool replica_checked = false;                  // some rank sent a fingerprint
+  std::vector<uint32_t> replica_divergent_ranks; // ranks whose fingerprint differs
+  std::vector<uint32_t> outlier_ranks;           // ranks with outlier_score above threshold
 };
 
 // The rows of one step of one job. `stats` is absent for a late report (rank rows only).

@@ -1,9 +1,17 @@
 // The agent's implementation: a ReportRing fed by Record(), one sender thread per agent that
-// owns the gRPC stream, and one reader thread per open stream that applies acks and controls.
+// owns the gRPC stream (callback API: StreamCall), and the stream's reactions on gRPC's threads,
+// which apply acks and controls and keep writing while reports are waiting.
 //
-// Thread safety: every field shared between the training thread, the sender and the reader is
-// guarded by mu_. Stream objects (context, stream) are owned by the sender thread; the only
-// cross-thread access to them is ClientContext::TryCancel() from Close(), which gRPC allows.
+// Thread safety: every field shared between the training thread, the sender thread and the
+// reactions is guarded by mu_. A StreamCall is created, cancelled and destroyed by the sender
+// thread only. No gRPC call (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may run
+// reactions inline in them, and reactions take mu_.
+//
+// Cost per report at saturation: Record() copies into the ring and, only if the stream was idle,
+// wakes the sender thread; while a backlog exists, each OnWriteDone starts the next write on the
+// gRPC thread that completed the previous one, and acks are applied where they are read. (The
+// former design, blocking Write/Read on a sender and a reader thread, paid two thread wake-ups
+// per report; see docs/PERFORMANCE.md "Agent Record" and "Collector ingest".)
 #include <unistd.h>
 
 #include <algorithm>
@@ -119,8 +127,7 @@ class AgentImpl final : public Agent {
     {
       absl::MutexLock lock(&mu_);
       closed_ = true;
-      stopping_ = true;
-      if (context_ != nullptr) context_->TryCancel();
+      stopping_ = true;  // the sender thread cancels the stream and returns
     }
     if (sender_.joinable()) sender_.join();
     absl::MutexLock lock(&mu_);
@@ -184,6 +191,35 @@ class AgentImpl final : public Agent {
     return msg;
   }
 
+  // One stream (one Ingest.Stream call) on gRPC's callback API. Created, cancelled and destroyed
+  // by the sender thread; its reactions run on gRPC's threads (or inline in a Start* call made
+  // by the sender thread, so no Start* or TryCancel is ever called with mu_ held).
+  //
+  // Writes: at most one in flight. Whoever holds the write token (AgentImpl::writing_) starts the
+  // next write: the sender thread when the stream was idle and work arrived, or OnWriteDone when
+  // more work is waiting, so a backlog is written back to back with no thread hand-off. Reads
+  // (acks, rejections, controls) are applied in OnReadDone; there is no reader thread.
+  class StreamCall final
+      : public grpc::ClientBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
+   public:
+    explicit StreamCall(AgentImpl* agent) : agent_(agent) {}
+
+    void OnWriteDone(bool ok) override { agent_->OnWriteDone(this, ok); }
+    void OnReadDone(bool ok) override { agent_->OnReadDone(this, ok); }
+    // The last reaction: after it returns gRPC no longer touches this object.
+    void OnDone(const grpc::Status& status) override { agent_->OnStreamDone(status); }
+
+    grpc::ClientContext context;
+    v1::AgentMessage hello;           // the first write
+    v1::CollectorMessage in;          // reactions only
+    bool hello_written = false;       // write-token holder only
+    bool received_any = false;        // reactions only
+    MessagePtr current;               // the write in flight; write-token holder only
+
+   private:
+    AgentImpl* const agent_;
+  };
+
   void SenderLoop() {
     while (true) {
       RunStream();
@@ -199,71 +235,68 @@ class AgentImpl final : public Agent {
     sender_done_ = true;
   }
 
+  // True when a write could be started: an unacked report to resend or a report in the ring.
+  bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (resend_next_ < resend_end_ && !unacked_.empty()) || !ring_.empty();
+  }
+
   // One stream's life: hello, resend what is unacked, then stream new reports until the stream
-  // breaks or the agent stops.
+  // breaks or the agent stops. Runs on the sender thread.
   void RunStream() {
-    auto context = std::make_unique<grpc::ClientContext>();
+    auto call = std::make_unique<StreamCall>(this);
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      context_ = context.get();
       stream_broken_ = false;
+      stream_done_ = false;
+      writing_ = true;  // the hello
+      // Every report sent before this stream and not acked is resent first, in seq order.
+      resend_next_ = 0;
+      resend_end_ = next_seq_;
     }
-    std::shared_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::CollectorMessage>> stream =
-        stub_->Stream(context.get());
-    std::thread reader;
-    bool ok = stream->Write(HelloMessage());
-    if (ok) {
+    call->hello = HelloMessage();
+    stub_->async()->Stream(&call->context, call.get());
+    call->StartWrite(&call->hello);
+    call->StartRead(&call->in);
+    call->AddHold();  // for the StartWrite calls below, made outside reactions
+    call->StartCall();
+    while (true) {
       {
         absl::MutexLock lock(&mu_);
-        stats_.connected = true;
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || stream_broken_ || (!writing_ && HasWorkLocked());
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (stopping_ || stream_broken_) break;
+        writing_ = true;
       }
-      reader = std::thread([this, stream] { ReaderLoop(stream.get()); });
-      ok = ResendUnacked(stream.get());
-      while (ok) {
-        internal::QueuedReport* q = &scratch_;
-        uint64_t seq, dropped;
-        {
-          absl::MutexLock lock(&mu_);
-          auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return !ring_.empty() || stopping_ || stream_broken_;
-          };
-          mu_.Await(absl::Condition(&ready));
-          if (stopping_ || stream_broken_) break;
-          ring_.Pop(q);
-          seq = next_seq_++;
-          dropped = stats_.dropped;
-          ++in_transit_;
-        }
-        MessagePtr msg = BuildMessage(*q, seq, dropped);
-        {
-          absl::MutexLock lock(&mu_);
-          --in_transit_;
-          if (unacked_.size() >= std::max<size_t>(options_.max_unacked, 1)) {
-            unacked_.erase(unacked_.begin());  // oldest
-            ++stats_.dropped;
-            --outstanding_;
-          }
-          unacked_.emplace(seq, msg);
-        }
-        ok = stream->Write(*msg);
-        if (ok) {
-          absl::MutexLock lock(&mu_);
-          ++stats_.sent;
-        }
+      MessagePtr msg = NextMessage();
+      if (msg == nullptr) {
+        absl::MutexLock lock(&mu_);
+        writing_ = false;
+        continue;
       }
+      call->current = std::move(msg);
+      call->StartWrite(call->current.get());
     }
-    // Half-close, or cancel if we are stopping or the stream is already broken.
+    bool stopping;
     {
       absl::MutexLock lock(&mu_);
       stats_.connected = false;
-      if (stopping_ || !ok) context->TryCancel();
+      stopping = stopping_;
     }
-    if (ok) stream->WritesDone();
-    if (reader.joinable()) reader.join();
-    grpc::Status status = stream->Finish();
+    // A broken stream ends by itself (its status is on the way); a stopping agent cancels.
+    if (stopping) call->context.TryCancel();
+    call->RemoveHold();
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_done_; };
+      mu_.Await(absl::Condition(&done));
+      status = stream_status_;
+    }
+    call.reset();
     absl::MutexLock lock(&mu_);
-    context_ = nullptr;
     if (!status.ok() && !stopping_) {
       last_error_ = status.error_message();
       // Log once per distinct failure, quietly: the training job must not be spammed.
@@ -282,35 +315,83 @@ class AgentImpl final : public Agent {
     }
   }
 
-  // Resends every unacked report in sequence order. Returns false if the stream broke.
-  bool ResendUnacked(grpc::ClientReaderWriter<v1::AgentMessage, v1::CollectorMessage>* stream) {
-    uint64_t next = 0;
-    while (true) {
-      MessagePtr msg;
-      {
-        absl::MutexLock lock(&mu_);
-        if (stopping_ || stream_broken_) return false;
-        auto it = unacked_.lower_bound(next);
-        if (it == unacked_.end()) return true;
-        next = it->first + 1;
-        msg = it->second;
-      }
-      if (!stream->Write(*msg)) return false;
+  // The next message to write, or null when there is none (or the stream is ending). Called by
+  // the write-token holder only, without mu_: a resend of the oldest unacked report not yet
+  // resent on this stream, else the oldest report in the ring (moved out, given the next seq and
+  // kept in the unacked buffer).
+  MessagePtr NextMessage() {
+    uint64_t seq, dropped;
+    {
       absl::MutexLock lock(&mu_);
-      ++stats_.sent;
+      if (stopping_ || stream_broken_) return nullptr;
+      if (resend_next_ < resend_end_) {
+        auto it = unacked_.lower_bound(resend_next_);
+        if (it != unacked_.end() && it->first < resend_end_) {
+          resend_next_ = it->first + 1;
+          return it->second;
+        }
+        resend_next_ = resend_end_;
+      }
+      if (!ring_.Pop(&scratch_)) return nullptr;
+      seq = next_seq_++;
+      dropped = stats_.dropped;
     }
+    MessagePtr msg = BuildMessage(scratch_, seq, dropped);  // allocates: outside the lock
+    absl::MutexLock lock(&mu_);
+    if (unacked_.size() >= std::max<size_t>(options_.max_unacked, 1)) {
+      unacked_.erase(unacked_.begin());  // oldest
+      ++stats_.dropped;
+      --outstanding_;
+    }
+    unacked_.emplace(seq, msg);
+    return msg;
   }
 
-  void ReaderLoop(grpc::ClientReaderWriter<v1::AgentMessage, v1::CollectorMessage>* stream) {
-    v1::CollectorMessage msg;
-    bool first = true;
-    while (stream->Read(&msg)) {
+  // Reaction: the hello or a report was written (ok) or the stream broke (!ok). Passes the
+  // write token on: writes the next message at once if there is one.
+  void OnWriteDone(StreamCall* call, bool ok) {
+    {
       absl::MutexLock lock(&mu_);
-      if (first) {
-        first = false;
+      if (!ok) {
+        writing_ = false;
+        stream_broken_ = true;
+        return;
+      }
+      if (!call->hello_written) {
+        call->hello_written = true;
+        stats_.connected = true;
+      } else {
+        ++stats_.sent;
+      }
+      if (stopping_ || stream_broken_ || !HasWorkLocked()) {
+        writing_ = false;  // the sender thread takes over when work arrives
+        return;
+      }
+    }
+    MessagePtr msg = NextMessage();
+    if (msg == nullptr) {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      return;
+    }
+    call->current = std::move(msg);
+    call->StartWrite(call->current.get());
+  }
+
+  // Reaction: an ack, rejection or control arrived (ok), or the stream ended (!ok).
+  void OnReadDone(StreamCall* call, bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok) {
+        stream_broken_ = true;
+        return;
+      }
+      if (!call->received_any) {
+        call->received_any = true;
         backoff_.Reset();
         warned_down_ = false;
       }
+      const v1::CollectorMessage& msg = call->in;
       switch (msg.kind_case()) {
         case v1::CollectorMessage::kAck:
           for (uint64_t seq : msg.ack().seqs()) {
@@ -344,14 +425,22 @@ class AgentImpl final : public Agent {
           break;
       }
     }
+    call->StartRead(&call->in);
+  }
+
+  // Reaction: the stream is over. Touches only the agent, so the sender may then destroy the
+  // StreamCall.
+  void OnStreamDone(const grpc::Status& status) {
     absl::MutexLock lock(&mu_);
+    stream_status_ = status;
     stream_broken_ = true;
+    stream_done_ = true;
   }
 
   AgentOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Ingest::Stub> stub_;
-  internal::QueuedReport scratch_;  // sender thread only
+  internal::QueuedReport scratch_;  // write-token holder only
 
   mutable absl::Mutex mu_;
   internal::ReportRing ring_ ABSL_GUARDED_BY(mu_);
@@ -362,10 +451,14 @@ class AgentImpl final : public Agent {
   std::optional<uint32_t> current_sketch_dim_ ABSL_GUARDED_BY(mu_);
   // Reports recorded and neither acked, rejected nor dropped yet.
   uint64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t in_transit_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Unacked seqs in [resend_next_, resend_end_) are still to be resent on the current stream.
+  uint64_t resend_next_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t resend_end_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the write token: a write is in flight
   bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool stream_done_ ABSL_GUARDED_BY(mu_) = false;  // the current stream's OnDone ran
+  grpc::Status stream_status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool sender_done_ ABSL_GUARDED_BY(mu_) = false;

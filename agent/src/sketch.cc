@@ -1,16 +1,21 @@
 // Count sketch kernel (see sketch.h for the hash and the contracts).
 //
-// Add runs in three phases per call: a scalar head up to the next coordinate index that is a
-// multiple of 8, a vector body over whole groups of 8 coordinates, and a scalar tail. The body
-// works on blocks of kBlock coordinates: a vectorized pass hashes the indices, widens the values
-// to double, applies the signs and accumulates the squares; a scalar pass then adds the signed
-// values into their bins in index order. All paths (scalar, AVX2, AVX-512) compute the same
-// integer hash, the same exact widening and the same additions in the same order, so their
+// Add runs in three phases: a scalar head up to the next coordinate index that is a multiple of
+// 8, a vector body over whole pipeline steps of 16 coordinates, and a scalar tail. The body is a
+// software pipeline (RunPipeline): a vector pass hashes the indices of a step (SplitMix64 on 8
+// lanes of 64 bits), widens the values to double, applies the signs and accumulates the squares
+// into a small ring buffer, while a scalar pass adds the signed values of the step hashed two
+// steps earlier into their bins, in index order. All paths (scalar, AVX2, AVX-512) compute the
+// same integer hash, the same exact widening and the same additions in the same order, so their
 // results are bit-identical:
 //   - bins: every bin receives its values in ascending index order;
 //   - squares: coordinate i goes to partial sum i % 8 (x * x is exact in double for any float,
 //     so fused and unfused multiply-adds agree), and Add folds the 8 partial sums in a fixed
 //     order.
+// Where the time goes (AVX-512, docs/PERFORMANCE.md "## Sketch kernel"): in 512-bit mode only
+// ports 0 and 5 execute vector and floating-point uops, and per 8 coordinates they must run the
+// mix (two 3-uop vpmullq, three shifts, three xors), the widening, the signs, the bins and the 8
+// scalar additions of the scatter: about 28 uops, 14 cycles at best.
 #include "rankscope/sketch.h"
 
 #include <algorithm>
@@ -22,7 +27,16 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define RANKSCOPE_SKETCH_X86 1
 #include <cpuid.h>
+// GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own _mm512_undefined_*()
+// (GCC bug 105593, fixed in GCC 13); the warning is located in the header, so silence it there.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,f16c")))
 #define RANKSCOPE_TARGET_AVX512 \
   __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,f16c")))
@@ -142,8 +156,9 @@ void AddScalar(const unsigned char* data, size_t n, uint64_t first, const Kernel
 using BodyFn = void (*)(const unsigned char* data, size_t steps, uint64_t first,
                         const KernelArgs& a);
 
-// Coordinates per pipeline step (two groups).
-constexpr size_t kStepCoords = 2 * kGroup;
+// Groups and coordinates per pipeline step.
+constexpr int kStepGroups = 2;
+constexpr size_t kStepCoords = kStepGroups * kGroup;
 // The vector bodies run a software pipeline: step s is hashed into ring slot s % kRingSlots while
 // the slot hashed kLag steps earlier is scattered, so the vector hashing and the scalar
 // scatter overlap, and no scatter load waits on a vector store that has only just been issued.
@@ -184,16 +199,19 @@ void BodyScalar(const unsigned char* data, size_t steps, uint64_t first, const K
 
 #ifdef RANKSCOPE_SKETCH_X86
 
-#ifndef PF_DIST
-#define PF_DIST 1024
-#endif
+constexpr double kTwo52 = 4503599627370496.0;
+
 // Software prefetch kPrefetchBytes ahead of the step being hashed: the kernel consumes its input
 // too slowly, with too few loads in flight, for the hardware prefetchers alone to hide DRAM
 // latency. A prefetch never faults, so running past the end of the input is harmless.
-constexpr uintptr_t kPrefetchBytes = PF_DIST;
+constexpr uintptr_t kPrefetchBytes = 4096;
+template <size_t kBytes>
 inline void Prefetch(const unsigned char* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
-               _MM_HINT_T0);
+  for (size_t line = 0; line < kBytes; line += 64) {
+    _mm_prefetch(
+        reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes + line),
+        _MM_HINT_T0);
+  }
 }
 
 // ---- AVX2: a group is two vectors of 4 lanes; 64-bit products from three 32x32 products.
@@ -230,19 +248,20 @@ RANKSCOPE_TARGET_AVX2 inline __m128i BinsAvx2(__m256i mix, const BinMap& map) {
     return _mm_and_si128(_mm256_castsi256_si128(high),
                          _mm_set1_epi32(static_cast<int>(map.mask)));
   } else {
-    // n = mix >> 32 as a double (exact: 2^52 + n - 2^52); q = floor(n / dim) may be one too
-    // small when dim divides n (n * inv_dim rounds just below the integer), never otherwise off,
-    // since |error| < 2^32 * 2^-52 <= 1 / dim; the correction makes the remainder exact.
-    const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+    // n = mix >> 32 as a double (exact: 2^52 + n - 2^52). q = n * inv_dim rounded to the nearest
+    // integer (by adding 2^52) is floor(n / dim) or one more, as the rounding error of n * inv_dim
+    // is below 2^32 * 2^-52 <= 1 / dim; so r = n - q * dim lies in (-dim, dim), and adding dim
+    // when it is negative makes it the exact remainder. All values are integers below 2^53.
+    const __m256d two52 = _mm256_set1_pd(kTwo52);
     const __m256d n = _mm256_sub_pd(
         _mm256_castsi256_pd(
             _mm256_or_si256(_mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
         two52);
     const __m256d d = _mm256_set1_pd(map.dim);
-    const __m256d q = _mm256_floor_pd(_mm256_mul_pd(n, _mm256_set1_pd(map.inv_dim)));
-    __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));  // exact: all integers below 2^53
+    const __m256d q =
+        _mm256_sub_pd(_mm256_add_pd(_mm256_mul_pd(n, _mm256_set1_pd(map.inv_dim)), two52), two52);
+    __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));
     r = _mm256_add_pd(r, _mm256_and_pd(_mm256_cmp_pd(r, _mm256_setzero_pd(), _CMP_LT_OQ), d));
-    r = _mm256_sub_pd(r, _mm256_and_pd(_mm256_cmp_pd(r, d, _CMP_GE_OQ), d));
     return _mm256_cvttpd_epi32(r);
   }
 }
@@ -254,7 +273,7 @@ class HasherAvx2 {
       : data_(data), map_(a.map) {
     // Vector v of a step holds coordinates first + 4v .. first + 4v + 3.
     const uint64_t z0 = a.seed + (first + 1) * kGolden;
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < 2 * kStepGroups; ++v) {
       const uint64_t base = z0 + 4 * v * kGolden;
       z_[v] = _mm256_setr_epi64x(static_cast<int64_t>(base), static_cast<int64_t>(base + kGolden),
                                  static_cast<int64_t>(base + 2 * kGolden),
@@ -272,8 +291,8 @@ class HasherAvx2 {
   RANKSCOPE_TARGET_AVX2 void Step(uint32_t* bin, double* val) {
     constexpr size_t kSize = kElementSize<kType>;
     const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(kStepCoords * kGolden));
-    Prefetch(data_);
-    for (int v = 0; v < 4; ++v) {
+    Prefetch<kStepCoords * kSize>(data_);
+    for (int v = 0; v < 2 * kStepGroups; ++v) {
       const __m256i mix = Mix(z_[v]);
       z_[v] = _mm256_add_epi64(z_[v], step);
       const __m256d x = Load4Avx2<kType>(data_ + 4 * v * kSize);
@@ -298,7 +317,7 @@ class HasherAvx2 {
 
   const unsigned char* data_;
   BinMap map_;
-  __m256i z_[4];
+  __m256i z_[2 * kStepGroups];
   __m256d acc_[2];  // partial sums of squares of lanes 0-3 and 4-7
 };
 
@@ -337,14 +356,14 @@ RANKSCOPE_TARGET_AVX512 inline __m256i BinsAvx512(__m512i mix, const BinMap& map
   if constexpr (kPow2) {
     return _mm256_and_si256(high, _mm256_set1_epi32(static_cast<int>(map.mask)));
   } else {
-    // As in BinsAvx2: floor(n * inv_dim) is exact or one too small; the correction fixes it.
+    // As in BinsAvx2 (the fused multiply-add rounds n * inv_dim + 2^52 once, to an integer).
+    const __m512d two52 = _mm512_set1_pd(kTwo52);
     const __m512d n = _mm512_cvtepu32_pd(high);
     const __m512d d = _mm512_set1_pd(map.dim);
-    const __m512d q = _mm512_roundscale_pd(_mm512_mul_pd(n, _mm512_set1_pd(map.inv_dim)),
-                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_fnmadd_pd(q, d, n);  // exact: all integers below 2^53
+    const __m512d q =
+        _mm512_sub_pd(_mm512_fmadd_pd(n, _mm512_set1_pd(map.inv_dim), two52), two52);
+    __m512d r = _mm512_fnmadd_pd(q, d, n);
     r = _mm512_mask_add_pd(r, _mm512_cmp_pd_mask(r, _mm512_setzero_pd(), _CMP_LT_OQ), r, d);
-    r = _mm512_mask_sub_pd(r, _mm512_cmp_pd_mask(r, d, _CMP_GE_OQ), r, d);
     return _mm512_cvttpd_epi32(r);
   }
 }
@@ -357,7 +376,7 @@ class HasherAvx512 {
       : data_(data), map_(a.map) {
     // Vector v of a step holds coordinates first + 8v .. first + 8v + 7.
     const uint64_t z0 = a.seed + (first + 1) * kGolden;
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < kStepGroups; ++v) {
       const uint64_t base = z0 + 8 * v * kGolden;
       z_[v] = _mm512_add_epi64(
           _mm512_set1_epi64(static_cast<int64_t>(base)),
@@ -376,8 +395,8 @@ class HasherAvx512 {
     const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(kStepCoords * kGolden));
     const __m512i one = _mm512_set1_epi64(1);
     const __m512i sign_bit = _mm512_set1_epi64(std::numeric_limits<int64_t>::min());
-    Prefetch(data_);
-    for (int v = 0; v < 2; ++v) {
+    Prefetch<kStepCoords * kSize>(data_);
+    for (int v = 0; v < kStepGroups; ++v) {
       const __m512i mix = Mix(z_[v]);
       z_[v] = _mm512_add_epi64(z_[v], step);
       const __m512d x = Load8Avx512<kType>(data_ + 8 * v * kSize);
@@ -401,7 +420,7 @@ class HasherAvx512 {
 
   const unsigned char* data_;
   BinMap map_;
-  __m512i z_[2];
+  __m512i z_[kStepGroups];
   __m512d acc_;  // partial sums of squares, lane l for coordinates l mod 8
 };
 

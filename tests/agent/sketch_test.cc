@@ -1,1 +1,574 @@
-// placeholder
+// Tests of the count sketch (agent/include/rankscope/sketch.h).
+//
+// Statistical tests use fixed seeds, so they are deterministic; their tolerances are set at
+// several standard errors of the estimator so that a correct sketch passes with any seeds.
+#include "rankscope/sketch.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rankscope {
+namespace {
+
+using sketch_internal::AddWithIsa;
+using sketch_internal::KernelIsa;
+using sketch_internal::KernelIsaName;
+using sketch_internal::KernelIsaSupported;
+
+uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+uint64_t DoubleBits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+std::vector<float> RandomVector(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// float -> bfloat16 by truncation, and float -> float16 by the hardware-independent rule below;
+// the tests only need some valid 16-bit values, and compare against their exact widening.
+std::vector<uint16_t> ToBFloat16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<uint16_t>(FloatBits(v[i]) >> 16);
+  return out;
+}
+
+std::vector<uint16_t> RandomFloat16Bits(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint16_t> out(n);
+  for (uint16_t& h : out) {
+    do {
+      h = static_cast<uint16_t>(rng());
+    } while ((h & 0x7c00) == 0x7c00);  // finite values only, subnormals included
+  }
+  return out;
+}
+
+std::vector<float> Widen(const std::vector<uint16_t>& bits, ScalarType type) {
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    out[i] = type == ScalarType::kBFloat16 ? BFloat16ToFloat(bits[i]) : Float16ToFloat(bits[i]);
+  }
+  return out;
+}
+
+// The sketch by definition: every coordinate added to its bin in index order, in double.
+std::vector<double> ReferenceBins(const std::vector<float>& x, uint64_t offset, uint32_t dim,
+                                  uint64_t seed) {
+  std::vector<double> bins(dim, 0.0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const SketchSlot slot = SketchHash(offset + i, seed, dim);
+    bins[slot.bin] += static_cast<double>(slot.sign) * static_cast<double>(x[i]);
+  }
+  return bins;
+}
+
+// Sum of squares as the header promises to compute it: coordinate i into partial sum i % 8.
+double ReferenceSumSquares(const std::vector<float>& x, uint64_t offset) {
+  double lanes[8] = {};
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double v = x[i];
+    lanes[(offset + i) % 8] += v * v;
+  }
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+void ExpectBitIdentical(absl::Span<const double> a, absl::Span<const double> b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(DoubleBits(a[i]), DoubleBits(b[i])) << "bin " << i << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+std::vector<KernelIsa> SupportedIsas() {
+  std::vector<KernelIsa> isas;
+  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (KernelIsaSupported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+// ---- The hash.
+
+TEST(SketchMixTest, IsSplitMix64) {
+  // Outputs of Vigna's splitmix64.c: seeded with 0, and the sequence seeded with 1234567.
+  EXPECT_EQ(SketchMix(0, 0), 0xE220A8397B1DCDAFULL);
+  EXPECT_EQ(SketchMix(0, 1234567), 6457827717110365317ULL);
+  EXPECT_EQ(SketchMix(1, 1234567), 3203168211198807973ULL);
+  // The test vectors documented in sketch.h for the PyTorch port.
+  EXPECT_EQ(SketchMix(0, kDefaultSketchSeed), 0x9609B8E9179AF10CULL);
+  EXPECT_EQ(SketchMix(12345, kDefaultSketchSeed), 0x5FA110022D614E1BULL);
+}
+
+TEST(SketchHashTest, BinFromHighBitsSignFromLowestBit) {
+  for (uint32_t dim : {1u, 2u, 3u, 1000u, 1024u, 999983u, kMaxSketchDim}) {
+    for (uint64_t index : {0ULL, 1ULL, 12345ULL, (1ULL << 40) + 7, ~0ULL}) {
+      const uint64_t mix = SketchMix(index, kDefaultSketchSeed);
+      const SketchSlot slot = SketchHash(index, kDefaultSketchSeed, dim);
+      EXPECT_EQ(slot.bin, (mix >> 32) % dim);
+      EXPECT_EQ(slot.sign, (mix & 1) ? -1.0f : 1.0f);
+    }
+  }
+  const SketchSlot slot = SketchHash(12345, kDefaultSketchSeed, 1024);
+  EXPECT_EQ(slot.bin, 2u);
+  EXPECT_EQ(slot.sign, -1.0f);
+  EXPECT_EQ(SketchHash(12345, kDefaultSketchSeed, 1000).bin, 914u);
+}
+
+TEST(SketchHashTest, BinsUniformSignsBalanced) {
+  // Chi-square of 1e6 consecutive indices over 1000 bins: 999 degrees of freedom, mean 999 and
+  // standard deviation 44.7; the bound is 6 standard deviations above the mean.
+  constexpr uint32_t kDim = 1000;
+  constexpr int kN = 1000000;
+  std::vector<int> count(kDim, 0);
+  int negative = 0;
+  for (int i = 0; i < kN; ++i) {
+    const SketchSlot slot = SketchHash(i, kDefaultSketchSeed, kDim);
+    ++count[slot.bin];
+    negative += slot.sign < 0;
+  }
+  const double expected = static_cast<double>(kN) / kDim;
+  double chi2 = 0.0;
+  for (int c : count) chi2 += (c - expected) * (c - expected) / expected;
+  EXPECT_LT(chi2, 999 + 6 * 44.7);
+  // Signs: binomial(1e6, 1/2) has standard deviation 500.
+  EXPECT_NEAR(negative, kN / 2, 6 * 500);
+}
+
+// ---- Conversions.
+
+TEST(ConversionTest, BFloat16IsTheHighHalfOfAFloat) {
+  EXPECT_EQ(BFloat16ToFloat(0x3f80), 1.0f);
+  EXPECT_EQ(BFloat16ToFloat(0xc000), -2.0f);
+  EXPECT_EQ(BFloat16ToFloat(0x0001), std::ldexp(1.0f, -133));  // smallest subnormal
+  EXPECT_EQ(BFloat16ToFloat(0x7f80), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(BFloat16ToFloat(0xff80), -std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(0x7fc0)));
+  EXPECT_TRUE(std::signbit(BFloat16ToFloat(0x8000)));
+  for (uint32_t h = 0; h <= 0xffff; ++h) {
+    ASSERT_EQ(FloatBits(BFloat16ToFloat(static_cast<uint16_t>(h))), h << 16) << h;
+  }
+}
+
+TEST(ConversionTest, Float16KnownValues) {
+  EXPECT_EQ(Float16ToFloat(0x3c00), 1.0f);
+  EXPECT_EQ(Float16ToFloat(0xc000), -2.0f);
+  EXPECT_EQ(Float16ToFloat(0x7bff), 65504.0f);               // largest finite
+  EXPECT_EQ(Float16ToFloat(0x0400), std::ldexp(1.0f, -14));  // smallest normal
+  EXPECT_EQ(Float16ToFloat(0x03ff), 1023 * std::ldexp(1.0f, -24));  // largest subnormal
+  EXPECT_EQ(Float16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(Float16ToFloat(0x8001), -std::ldexp(1.0f, -24));
+  EXPECT_EQ(Float16ToFloat(0x3555), 0.333251953125f);
+  EXPECT_EQ(Float16ToFloat(0x7c00), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(Float16ToFloat(0xfc00), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(FloatBits(Float16ToFloat(0x8000)), 0x80000000u);  // -0
+  EXPECT_EQ(FloatBits(Float16ToFloat(0x0000)), 0x00000000u);
+  // NaNs keep sign and payload and come out quiet (as x86 vcvtph2ps gives them).
+  EXPECT_EQ(FloatBits(Float16ToFloat(0x7e00)), 0x7fc00000u);
+  EXPECT_EQ(FloatBits(Float16ToFloat(0x7c01)), 0x7fc02000u);
+  EXPECT_EQ(FloatBits(Float16ToFloat(0xfc01)), 0xffc02000u);
+  EXPECT_EQ(FloatBits(Float16ToFloat(0x7dff)), 0x7fffe000u);
+}
+
+TEST(ConversionTest, Float16ExhaustiveAgainstDefinition) {
+  for (uint32_t h = 0; h <= 0xffff; ++h) {
+    const int sign = (h >> 15) ? -1 : 1;
+    const int exponent = (h >> 10) & 0x1f;
+    const int mantissa = h & 0x3ff;
+    const float got = Float16ToFloat(static_cast<uint16_t>(h));
+    if (exponent == 0x1f) {
+      ASSERT_EQ(std::isnan(got), mantissa != 0) << h;
+      continue;
+    }
+    // value = sign * mantissa * 2^-24 (subnormal) or sign * (1024 + mantissa) * 2^(e - 25).
+    const double want = exponent == 0 ? sign * std::ldexp(mantissa, -24)
+                                       : sign * std::ldexp(1024 + mantissa, exponent - 25);
+    ASSERT_EQ(static_cast<double>(got), want) << h;
+    ASSERT_EQ(std::signbit(got), sign < 0) << h;
+  }
+}
+
+// ---- CountSketch against its definition.
+
+TEST(CountSketchTest, MatchesDefinitionExactly) {
+  const std::vector<float> x = RandomVector(10007, 1);
+  for (uint32_t dim : {1u, 3u, 1000u, 1024u, 4096u, 999983u}) {
+    for (uint64_t offset : {0ULL, 5ULL, 123456789ULL, (1ULL << 40) + 3}) {
+      CountSketch sketch(dim, kDefaultSketchSeed);
+      sketch.AddFloat32(x.data(), x.size(), offset);
+      ExpectBitIdentical(sketch.bins(), ReferenceBins(x, offset, dim, kDefaultSketchSeed));
+      EXPECT_EQ(DoubleBits(sketch.sum_squares()), DoubleBits(ReferenceSumSquares(x, offset)))
+          << "dim " << dim << " offset " << offset;
+    }
+  }
+}
+
+TEST(CountSketchTest, SumSquaresIsTheSquaredNorm) {
+  // Small integers: every partial sum is exact, so the result is the exact squared norm.
+  std::vector<float> x(1001);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i % 17) - 8);
+  double want = 0.0;
+  for (float v : x) want += static_cast<double>(v) * v;
+  CountSketch sketch(1024, 7);
+  sketch.AddFloat32(x.data(), x.size(), 3);
+  EXPECT_EQ(sketch.sum_squares(), want);
+
+  // Random values: equal to a plain double sum up to rounding.
+  const std::vector<float> y = RandomVector(100003, 2);
+  long double exact = 0.0L;
+  for (float v : y) exact += static_cast<long double>(v) * v;
+  CountSketch other(1024, 7);
+  other.AddFloat32(y.data(), y.size(), 0);
+  EXPECT_NEAR(other.sum_squares(), static_cast<double>(exact), 1e-12 * static_cast<double>(exact));
+}
+
+// ---- Every instruction-set path gives the same bits.
+
+TEST(CountSketchTest, AllKernelPathsBitIdentical) {
+  std::mt19937_64 rng(3);
+  const std::vector<float> f32 = RandomVector(5000, 4);
+  const std::vector<uint16_t> bf16 = ToBFloat16(f32);
+  const std::vector<uint16_t> f16 = RandomFloat16Bits(5000, 5);
+  // One spare byte in front, so the input can be read from an odd address.
+  std::vector<unsigned char> bytes(1 + f32.size() * sizeof(float));
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
+    const void* src = type == ScalarType::kFloat32   ? static_cast<const void*>(f32.data())
+                      : type == ScalarType::kBFloat16 ? static_cast<const void*>(bf16.data())
+                                                      : static_cast<const void*>(f16.data());
+    for (uint32_t dim : {1u, 7u, 1000u, 1024u, 65536u, 999983u}) {
+      for (int trial = 0; trial < 20; ++trial) {
+        const size_t n = rng() % 5000;
+        const uint64_t offset = trial < 10 ? rng() % 1000 : rng() >> 4;
+        const size_t shift = trial % 2;  // odd addresses every other trial
+        std::memcpy(bytes.data() + shift, src, n * size);
+        CountSketch reference(dim, trial);
+        AddWithIsa(reference, KernelIsa::kScalar, bytes.data() + shift, type, n, offset);
+        for (KernelIsa isa : SupportedIsas()) {
+          SCOPED_TRACE(testing::Message() << KernelIsaName(isa) << " type " << static_cast<int>(type)
+                                          << " dim " << dim << " n " << n << " offset " << offset);
+          CountSketch sketch(dim, trial);
+          AddWithIsa(sketch, isa, bytes.data() + shift, type, n, offset);
+          ExpectBitIdentical(sketch.bins(), reference.bins());
+          EXPECT_EQ(DoubleBits(sketch.sum_squares()), DoubleBits(reference.sum_squares()));
+        }
+      }
+    }
+  }
+}
+
+TEST(CountSketchTest, SpecialValuesIdenticalOnAllPaths) {
+  // Subnormals, signed zeros, infinities and NaNs of every dtype, through every path.
+  std::vector<uint16_t> half_bits;
+  for (uint32_t h = 0; h <= 0xffff; h += 7) half_bits.push_back(static_cast<uint16_t>(h));
+  std::vector<float> f32;
+  for (uint32_t h : half_bits) {
+    const uint32_t u = (h << 16) | (h * 2654435761u >> 16);
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    f32.push_back(f);
+  }
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const void* data = type == ScalarType::kFloat32 ? static_cast<const void*>(f32.data())
+                                                    : static_cast<const void*>(half_bits.data());
+    CountSketch reference(64, 11);
+    AddWithIsa(reference, KernelIsa::kScalar, data, type, half_bits.size(), 0);
+    for (KernelIsa isa : SupportedIsas()) {
+      SCOPED_TRACE(KernelIsaName(isa));
+      CountSketch sketch(64, 11);
+      AddWithIsa(sketch, isa, data, type, half_bits.size(), 0);
+      for (uint32_t b = 0; b < 64; ++b) {
+        // NaN payloads may legitimately differ; NaN-ness and every other bit pattern may not.
+        if (std::isnan(reference.bins()[b])) {
+          EXPECT_TRUE(std::isnan(sketch.bins()[b])) << b;
+        } else {
+          EXPECT_EQ(DoubleBits(sketch.bins()[b]), DoubleBits(reference.bins()[b])) << b;
+        }
+      }
+    }
+  }
+}
+
+// ---- Chunking.
+
+TEST(CountSketchTest, AscendingChunksEqualWholeExactly) {
+  const std::vector<float> x = RandomVector(20000, 6);
+  std::mt19937_64 rng(7);
+  for (uint32_t dim : {1000u, 1024u}) {
+    CountSketch whole(dim, 99);
+    whole.AddFloat32(x.data(), x.size(), 1000);
+    for (int trial = 0; trial < 20; ++trial) {
+      CountSketch chunked(dim, 99);
+      size_t start = 0;
+      while (start < x.size()) {
+        const size_t len = std::min<size_t>(x.size() - start, rng() % 700);
+        chunked.AddFloat32(x.data() + start, len, 1000 + start);
+        start += len;
+      }
+      ExpectBitIdentical(chunked.bins(), whole.bins());
+      EXPECT_EQ(DoubleBits(chunked.sum_squares()), DoubleBits(whole.sum_squares()));
+    }
+  }
+}
+
+TEST(CountSketchTest, ChunksInAnyOrderEqualWholeUpToRounding) {
+  const std::vector<float> x = RandomVector(20000, 8);
+  constexpr uint32_t kDim = 512;
+  constexpr uint64_t kSeed = 5;
+  // Recursive summation of m terms errs by at most (m - 1) * 2^-53 * sum |terms| (Higham), so
+  // two orders differ by at most twice that.
+  std::vector<double> abs_sum(kDim, 0.0);
+  std::vector<int> count(kDim, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint32_t bin = SketchHash(i, kSeed, kDim).bin;
+    abs_sum[bin] += std::fabs(x[i]);
+    ++count[bin];
+  }
+  double square_sum = 0.0;
+  for (float v : x) square_sum += static_cast<double>(v) * v;
+  CountSketch whole(kDim, kSeed);
+  whole.AddFloat32(x.data(), x.size(), 0);
+
+  std::mt19937_64 rng(9);
+  for (int trial = 0; trial < 10; ++trial) {
+    std::vector<size_t> cuts = {0, x.size()};
+    for (int c = 0; c < 40; ++c) cuts.push_back(rng() % x.size());
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<size_t> order(cuts.size() - 1);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    CountSketch chunked(kDim, kSeed);
+    for (size_t k : order) chunked.AddFloat32(x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k]);
+    for (uint32_t b = 0; b < kDim; ++b) {
+      const double tol = 2.0 * count[b] * std::ldexp(1.0, -53) * abs_sum[b];
+      ASSERT_NEAR(chunked.bins()[b], whole.bins()[b], tol) << "bin " << b;
+    }
+    EXPECT_NEAR(chunked.sum_squares(), whole.sum_squares(),
+                2.0 * x.size() * std::ldexp(1.0, -53) * square_sum);
+  }
+}
+
+// ---- Dtypes.
+
+TEST(CountSketchTest, HalfPrecisionSketchEqualsSketchOfItsWidening) {
+  const std::vector<uint16_t> bf16 = ToBFloat16(RandomVector(3001, 10));
+  const std::vector<uint16_t> f16 = RandomFloat16Bits(3001, 11);
+  for (ScalarType type : {ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const std::vector<uint16_t>& bits = type == ScalarType::kBFloat16 ? bf16 : f16;
+    const std::vector<float> wide = Widen(bits, type);
+    CountSketch half(1000, 12), single(1000, 12);
+    half.Add(bits.data(), type, bits.size(), 77);
+    single.AddFloat32(wide.data(), wide.size(), 77);
+    ExpectBitIdentical(half.bins(), single.bins());
+    EXPECT_EQ(DoubleBits(half.sum_squares()), DoubleBits(single.sum_squares()));
+  }
+}
+
+// ---- Instances, Reset, edge cases.
+
+TEST(CountSketchTest, DeterministicAcrossInstancesAndSeedDependent) {
+  const std::vector<float> x = RandomVector(4096, 13);
+  CountSketch a(1024, 42), b(1024, 42), c(1024, 43);
+  a.AddFloat32(x.data(), x.size(), 0);
+  b.AddFloat32(x.data(), x.size(), 0);
+  c.AddFloat32(x.data(), x.size(), 0);
+  ExpectBitIdentical(a.bins(), b.bins());
+  EXPECT_EQ(a.sum_squares(), c.sum_squares());  // the norm does not depend on the seed
+  EXPECT_NE(std::vector<double>(a.bins().begin(), a.bins().end()),
+            std::vector<double>(c.bins().begin(), c.bins().end()));
+  EXPECT_EQ(a.dim(), 1024u);
+  EXPECT_EQ(a.seed(), 42u);
+}
+
+TEST(CountSketchTest, ResetStartsOver) {
+  const std::vector<float> x = RandomVector(1000, 14);
+  const std::vector<float> y = RandomVector(1000, 15);
+  CountSketch fresh(1000, 1), reused(1000, 1);
+  reused.AddFloat32(x.data(), x.size(), 0);
+  reused.Reset();
+  EXPECT_THAT(reused.bins(), testing::Each(0.0));
+  EXPECT_EQ(reused.sum_squares(), 0.0);
+  reused.AddFloat32(y.data(), y.size(), 3);
+  fresh.AddFloat32(y.data(), y.size(), 3);
+  ExpectBitIdentical(reused.bins(), fresh.bins());
+  EXPECT_EQ(DoubleBits(reused.sum_squares()), DoubleBits(fresh.sum_squares()));
+}
+
+TEST(CountSketchTest, DimOneSumsSignedCoordinates) {
+  const std::vector<float> x = RandomVector(999, 16);
+  CountSketch sketch(1, 3);
+  sketch.AddFloat32(x.data(), x.size(), 10);
+  double want = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) want += SketchHash(10 + i, 3, 1).sign * double{x[i]};
+  ASSERT_EQ(sketch.bins().size(), 1u);
+  EXPECT_EQ(sketch.bins()[0], want);
+}
+
+TEST(CountSketchTest, EmptyAndTinyInputs) {
+  CountSketch sketch(16, 1);
+  sketch.AddFloat32(nullptr, 0, 0);
+  EXPECT_THAT(sketch.bins(), testing::Each(0.0));
+  const float one = 1.5f;
+  sketch.AddFloat32(&one, 1, 1ULL << 62);
+  const SketchSlot slot = SketchHash(1ULL << 62, 1, 16);
+  EXPECT_EQ(sketch.bins()[slot.bin], 1.5 * slot.sign);
+  EXPECT_EQ(sketch.sum_squares(), 2.25);
+}
+
+TEST(CountSketchTest, CopyToAndToFloats) {
+  const std::vector<float> x = RandomVector(5000, 17);
+  CountSketch sketch(100, 2);
+  sketch.AddFloat32(x.data(), x.size(), 0);
+  std::vector<float> out(100);
+  sketch.CopyTo(absl::MakeSpan(out));
+  EXPECT_EQ(out, sketch.ToFloats());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], static_cast<float>(sketch.bins()[i]));
+}
+
+TEST(CountSketchTest, NaNAndInfinityPropagate) {
+  std::vector<float> x = RandomVector(100, 18);
+  x[37] = std::numeric_limits<float>::quiet_NaN();
+  CountSketch sketch(64, 4);
+  sketch.AddFloat32(x.data(), x.size(), 0);
+  EXPECT_TRUE(std::isnan(sketch.bins()[SketchHash(37, 4, 64).bin]));
+  EXPECT_TRUE(std::isnan(sketch.sum_squares()));
+  const std::vector<float> v = sketch.ToFloats();
+  const std::vector<float> ok(64, 1.0f);
+  EXPECT_TRUE(std::isnan(SketchCosine(v, ok)));
+
+  x[37] = std::numeric_limits<float>::infinity();
+  CountSketch inf(64, 4);
+  inf.AddFloat32(x.data(), x.size(), 0);
+  EXPECT_TRUE(std::isinf(inf.sum_squares()));
+  EXPECT_TRUE(std::isnan(SketchCosine(inf.ToFloats(), ok)));
+}
+
+// ---- SketchDot and SketchCosine.
+
+TEST(SketchCosineTest, EdgeCases) {
+  const std::vector<float> a = {1, 2, 3, 4};
+  const std::vector<float> neg = {-1, -2, -3, -4};
+  const std::vector<float> zero(4, 0.0f);
+  const std::vector<float> nan = {1, std::numeric_limits<float>::quiet_NaN(), 0, 0};
+  const std::vector<float> inf = {1, std::numeric_limits<float>::infinity(), 0, 0};
+  EXPECT_EQ(SketchDot(a, a), 30.0);
+  EXPECT_DOUBLE_EQ(SketchCosine(a, a), 1.0);
+  EXPECT_DOUBLE_EQ(SketchCosine(a, neg), -1.0);
+  EXPECT_EQ(SketchCosine(a, zero), 0.0);
+  EXPECT_EQ(SketchCosine(zero, zero), 0.0);
+  EXPECT_TRUE(std::isnan(SketchCosine(a, nan)));
+  EXPECT_TRUE(std::isnan(SketchCosine(nan, a)));
+  EXPECT_TRUE(std::isnan(SketchCosine(zero, nan)));
+  EXPECT_TRUE(std::isnan(SketchCosine(a, inf)));
+  EXPECT_TRUE(std::isnan(SketchDot(a, std::vector<float>(3))));
+  EXPECT_TRUE(std::isnan(SketchCosine(a, std::vector<float>(5))));
+  EXPECT_EQ(SketchCosine({}, {}), 0.0);
+  // Cosine stays within [-1, 1] despite rounding.
+  const std::vector<float> b = {0.1f, 0.1f, 0.1f};
+  EXPECT_LE(SketchCosine(b, b), 1.0);
+}
+
+// ---- Statistics: unbiasedness and accuracy.
+
+// E[<Sa, Sb>] = <a, b> over the choice of seed: the mean of the estimates over many seeds must
+// lie within 5 standard errors of the truth (standard error from the sample variance).
+TEST(SketchStatisticsTest, InnerProductUnbiased) {
+  constexpr size_t kN = 4096;
+  constexpr uint32_t kDim = 64;
+  constexpr int kSeeds = 2000;
+  const std::vector<float> a = RandomVector(kN, 19);
+  std::vector<float> b = RandomVector(kN, 20);
+  for (size_t i = 0; i < kN; ++i) b[i] += 0.5f * a[i];  // <a, b> about kN / 2
+  double truth = 0.0, a_norm2 = 0.0;
+  for (size_t i = 0; i < kN; ++i) {
+    truth += double{a[i]} * b[i];
+    a_norm2 += double{a[i]} * a[i];
+  }
+  double sum = 0.0, sum2 = 0.0, norm_sum = 0.0, norm_sum2 = 0.0;
+  for (int s = 0; s < kSeeds; ++s) {
+    CountSketch sa(kDim, s), sb(kDim, s);
+    sa.AddFloat32(a.data(), kN, 0);
+    sb.AddFloat32(b.data(), kN, 0);
+    const double est = SketchDot(sa.ToFloats(), sb.ToFloats());
+    const double norm = SketchDot(sa.ToFloats(), sa.ToFloats());
+    sum += est;
+    sum2 += est * est;
+    norm_sum += norm;
+    norm_sum2 += norm * norm;
+  }
+  const double mean = sum / kSeeds;
+  const double se = std::sqrt((sum2 / kSeeds - mean * mean) / kSeeds);
+  EXPECT_NEAR(mean, truth, 5 * se) << "truth " << truth;
+  const double norm_mean = norm_sum / kSeeds;
+  const double norm_se = std::sqrt((norm_sum2 / kSeeds - norm_mean * norm_mean) / kSeeds);
+  EXPECT_NEAR(norm_mean, a_norm2, 5 * norm_se) << "|a|^2 " << a_norm2;
+  // Sanity: the estimator is not degenerate (a count sketch has variance about |a|^2 |b|^2 / k).
+  EXPECT_GT(se, 0.0);
+}
+
+// Vectors with a known cosine c: b = c u + sqrt(1 - c^2) w for orthogonalized Gaussian u, w.
+// The sketch cosine errs by about (1 - c^2) / sqrt(k); every single estimate must be within
+// 4 / sqrt(k), and the root-mean-square error over seeds within 1.5 / sqrt(k).
+TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
+  constexpr size_t kN = 50000;
+  std::vector<double> u(kN), w(kN);
+  {
+    const std::vector<float> ru = RandomVector(kN, 21), rw = RandomVector(kN, 22);
+    double uu = 0, uw = 0;
+    for (size_t i = 0; i < kN; ++i) {
+      uu += double{ru[i]} * ru[i];
+      uw += double{ru[i]} * rw[i];
+    }
+    double ww = 0;
+    for (size_t i = 0; i < kN; ++i) {
+      u[i] = ru[i] / std::sqrt(uu);
+      w[i] = rw[i] - uw / uu * ru[i];
+      ww += w[i] * w[i];
+    }
+    for (double& x : w) x /= std::sqrt(ww);
+  }
+  for (double c : {-0.5, 0.0, 0.3, 0.7, 0.95}) {
+    std::vector<float> a(kN), b(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      a[i] = static_cast<float>(u[i]);
+      b[i] = static_cast<float>(c * u[i] + std::sqrt(1 - c * c) * w[i]);
+    }
+    const double truth = SketchCosine(a, b);  // the exact cosine of the float vectors
+    ASSERT_NEAR(truth, c, 1e-5);
+    for (uint32_t k : {256u, 1024u, 4096u}) {
+      double sq = 0.0;
+      constexpr int kSeeds = 20;
+      for (int s = 0; s < kSeeds; ++s) {
+        CountSketch sa(k, 1000 + s), sb(k, 1000 + s);
+        sa.AddFloat32(a.data(), kN, 0);
+        sb.AddFloat32(b.data(), kN, 0);
+        const double err = SketchCosine(sa.ToFloats(), sb.ToFloats()) - truth;
+        EXPECT_LT(std::fabs(err), 4 / std::sqrt(k)) << "c " << c << " k " << k << " seed " << s;
+        sq += err * err;
+      }
+      EXPECT_LT(std::sqrt(sq / kSeeds), 1.5 / std::sqrt(k)) << "c " << c << " k " << k;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rankscope

@@ -886,3 +886,105 @@ TEST(JobMetricsTest, ConcurrentUpdatesAndScrapes) {
 
 }  // namespace
 }  // namespace rankscope::collector
+
+namespace rankscope::collector {
+namespace {
+
+TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
+  const StepStatistics stats = HealthyStats(64);
+  std::vector<RankExtras> extras(64);
+  for (uint32_t r = 0; r < 64; ++r) extras[r].outlier_score = 0.5;
+  extras[41].outlier_score = 9.0;  // not extreme by cosine or z in HealthyStats
+  ExportedStep step = Step(1, stats, 64);
+  step.extras = extras;
+  metrics.OnStep("j", step);
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_rank_outlier_score", Labels("j", 41)), 9.0);
+  EXPECT_LE(RanksOf(families, "rankscope_rank_outlier_score", "j").size(), 2u);
+  // No step time reported: no step-time series.
+  EXPECT_EQ(FindFamily(families, "rankscope_rank_step_time_seconds"), nullptr);
+  ExpectPromtoolClean(Serialize(families));
+}
+
+TEST(JobMetricsDiagnosticsTest, StragglerStepTimeIsExported) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/3));
+  const StepStatistics stats = HealthyStats(16);
+  std::vector<RankExtras> extras(16);
+  for (uint32_t r = 0; r < 16; ++r) {
+    extras[r].outlier_score = 0.1;
+    extras[r].step_time_seconds = 0.1;
+    extras[r].step_time_z = 0.0;
+  }
+  extras[7].step_time_seconds = 0.9;
+  extras[7].step_time_z = 80.0;
+  ExportedStep step = Step(1, stats, 16);
+  step.extras = extras;
+  metrics.OnStep("j", step);
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_rank_step_time_seconds", Labels("j", 7)), 0.9);
+  EXPECT_EQ(Value(families, "rankscope_rank_step_time_z", Labels("j", 7)), 80.0);
+  ExpectPromtoolClean(Serialize(families));
+}
+
+TEST(JobMetricsDiagnosticsTest, ReplicaDivergenceIsHeldForTheWindowAndCounted) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));  // window 60 s
+  const StepStatistics stats = HealthyStats(4);
+  const auto job = Labels("j");
+  metrics.OnStep("j", Step(1, stats, 4));  // not checked
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_ranks", job), std::nullopt);
+
+  ExportedStep checked = Step(2, stats, 4);
+  checked.replica_checked = true;
+  clock.Advance(absl::Seconds(1));
+  metrics.OnStep("j", checked);
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_ranks", job), 0.0);
+  EXPECT_EQ(Value(families, "rankscope_replica_checks_total", job), 1.0);
+
+  const std::vector<uint32_t> divergent = {2};
+  ExportedStep bad = Step(3, stats, 4);
+  bad.replica_checked = true;
+  bad.replica_divergent_ranks = divergent;
+  clock.Advance(absl::Seconds(1));
+  metrics.OnStep("j", bad);
+  // Consistent checks afterwards: the divergent step stays visible for the window.
+  for (uint64_t s = 4; s < 40; ++s) {
+    clock.Advance(absl::Seconds(1));
+    metrics.OnStep("j", checked);
+  }
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_ranks", job), 1.0);
+  EXPECT_EQ(Value(families, "rankscope_rank_replica_divergent", Labels("j", 2)), 1.0);
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_steps_total", job), 1.0);
+  EXPECT_EQ(Value(families, "rankscope_replica_checks_total", job), 38.0);
+  ExpectPromtoolClean(Serialize(families));
+
+  for (int i = 0; i < 70; ++i) {
+    clock.Advance(absl::Seconds(1));
+    metrics.OnStep("j", checked);
+  }
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_ranks", job), 0.0);
+  EXPECT_EQ(Value(families, "rankscope_rank_replica_divergent", Labels("j", 2)), std::nullopt);
+  EXPECT_EQ(Value(families, "rankscope_replica_divergent_steps_total", job), 1.0);
+}
+
+TEST(JobMetricsDiagnosticsTest, NoiseScaleKeepsTheLastDefinedValue) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics stats = HealthyStats(4);
+  ExportedStep step = Step(1, stats, 4);
+  step.grad_noise_scale = 250.0;
+  metrics.OnStep("j", step);
+  ExportedStep undefined = Step(2, stats, 4);  // NaN: this step's estimate was undefined
+  metrics.OnStep("j", undefined);
+  EXPECT_EQ(Value(metrics.Collect(), "rankscope_grad_noise_scale", Labels("j")), 250.0);
+}
+
+}  // namespace
+}  // namespace rankscope::collector

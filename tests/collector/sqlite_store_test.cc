@@ -230,6 +230,10 @@ void ExpectStepEq(const StepRow& want, const StepRow& got) {
   EXPECT_EQ(want.missing_ranks, got.missing_ranks);
   EXPECT_EQ(want.timed_out, got.timed_out);
   EXPECT_EQ(want.completed_at, got.completed_at);
+  EXPECT_SAME(want.grad_noise_scale, got.grad_noise_scale);
+  EXPECT_EQ(want.replica_checked, got.replica_checked);
+  EXPECT_EQ(want.replica_divergent_ranks, got.replica_divergent_ranks);
+  EXPECT_EQ(want.outlier_ranks, got.outlier_ranks);
 }
 
 void ExpectRankEq(const RankRow& want, const RankRow& got) {
@@ -246,6 +250,9 @@ void ExpectRankEq(const RankRow& want, const RankRow& got) {
   EXPECT_EQ(want.param_fingerprint, got.param_fingerprint);
   EXPECT_SAME(want.step_time_seconds, got.step_time_seconds);
   EXPECT_EQ(want.received_at, got.received_at);
+  EXPECT_EQ(want.replica_ok, got.replica_ok);
+  EXPECT_SAME(want.outlier_score, got.outlier_score);
+  EXPECT_SAME(want.step_time_z, got.step_time_z);
 }
 
 // --- Fixture: a fresh directory per test. ---------------------------------------------------
@@ -326,7 +333,8 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
   EXPECT_THAT(ranks.names, ElementsAre("job", "step", "rank", "attempt", "join_size", "loss",
                                        "grad_norm", "grad_cosine", "loss_z", "grad_norm_z",
                                        "nonfinite", "reduced_grad_fingerprint", "param_fingerprint",
-                                       "step_time_seconds", "received_at"));
+                                       "step_time_seconds", "received_at", "replica_ok",
+                                       "outlier_score", "step_time_z"));
   EXPECT_THAT(ranks.primary_key, ElementsAre("job", "step", "rank"));
 
   ColumnInfo stats = TableInfo(raw, "step_stats");
@@ -336,7 +344,9 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
   EXPECT_THAT(stats.names,
               ElementsAre("job", "step", "attempt", "ranks", "world_size", "loss_mean", "loss_std",
                           "loss_range", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
-                          "grad_cosine_mean", "missing_ranks", "timed_out", "completed_at"));
+                          "grad_cosine_mean", "missing_ranks", "timed_out", "completed_at",
+                          "grad_noise_scale", "replica_checked", "replica_divergent_ranks",
+                          "outlier_ranks"));
   EXPECT_THAT(stats.primary_key, ElementsAre("job", "step"));
 }
 
@@ -419,6 +429,10 @@ TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   stats.missing_ranks = {3, 7};
   stats.timed_out = true;
   stats.completed_at = kT0 + absl::Microseconds(1);
+  stats.grad_noise_scale = 123.5;
+  stats.replica_checked = true;
+  stats.replica_divergent_ranks = {2};
+  stats.outlier_ranks = {0, 2};
   write.stats = stats;
 
   RankRow full = MakeRank(0, 3, 6);
@@ -431,6 +445,9 @@ TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   full.param_fingerprint = 0xFFFF'FFFF'FFFF'FFFFull;
   full.step_time_seconds = 0.0625;
   full.received_at = kT0 + absl::Microseconds(500'001);
+  full.replica_ok = false;
+  full.outlier_score = 7.25;
+  full.step_time_z = -0.5;
 
   RankRow sparse;  // every optional absent
   sparse.rank = 5;

@@ -228,5 +228,63 @@ TEST_F(PipelineTest, CollectorRestartLosesNothingThatFittedInTheBuffers) {
   for (auto& a : agents) a->Close(absl::Seconds(5)).IgnoreError();
 }
 
+TEST_F(PipelineTest, DivergentReplicaOutlierAndStragglerAreNamedInSqlite) {
+  constexpr uint32_t kWorld = 8, kDim = 64, kSteps = 6;
+  auto collector = Collector::Start(Options(0));
+  ASSERT_TRUE(collector.ok()) << collector.status();
+  auto agents = MakeAgents("exp-culprit", kWorld, kDim, (*collector)->grpc_port(), 64);
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      Sent s = MakeReport(r, step, kDim);
+      StepReport rep;
+      rep.step = step;
+      rep.loss = r == 6 ? s.loss + 5.0 : s.loss;  // rank 6: corrupted data
+      rep.grad_norm = s.grad_norm;
+      rep.sketch = s.sketch;
+      // Rank 3's reduced gradient differs from step 4 on (silent corruption in all-reduce).
+      rep.reduced_grad_fingerprint = step * 1000 + (r == 3 && step >= 4 ? 1 : 0);
+      if (step == 5) rep.param_fingerprint = 42;
+      rep.reduced_grad_norm = 0.5;
+      rep.local_batch_size = 8;
+      rep.step_time_seconds = r == 1 ? 0.5 : 0.1 + 0.001 * r;  // rank 1 straggles
+      ASSERT_TRUE(agents[r]->Record(rep).ok());
+    }
+  }
+  for (auto& a : agents) ASSERT_TRUE(a->Flush(absl::Seconds(60)).ok());
+
+  auto store = SqliteStore::Open(dir_ + "/rankscope.db");
+  ASSERT_TRUE(store.ok());
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    auto s = (*store)->GetStep("exp-culprit", step);
+    ASSERT_TRUE(s.ok() && s->has_value());
+    EXPECT_TRUE((**s).replica_checked);
+    if (step >= 4) {
+      EXPECT_THAT((**s).replica_divergent_ranks, ::testing::ElementsAre(3)) << "step " << step;
+    } else {
+      EXPECT_TRUE((**s).replica_divergent_ranks.empty()) << "step " << step;
+    }
+    EXPECT_THAT((**s).outlier_ranks, ::testing::Contains(6u)) << "step " << step;
+    EXPECT_FALSE(std::isnan((**s).grad_noise_scale)) << "step " << step;
+    auto rows = (*store)->RankRows("exp-culprit", step);
+    ASSERT_TRUE(rows.ok());
+    ASSERT_EQ(rows->size(), kWorld);
+    for (const collector::RankRow& row : *rows) {
+      ASSERT_TRUE(row.replica_ok.has_value());
+      EXPECT_EQ(*row.replica_ok, !(row.rank == 3 && step >= 4));
+      ASSERT_TRUE(row.step_time_z.has_value());
+      if (row.rank == 1) EXPECT_GT(*row.step_time_z, 6.0);
+    }
+  }
+  const std::string metrics = testing::HttpGet((*collector)->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_replica_divergent{train_job=\"exp-culprit\",rank=\"3\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("rankscope_replica_divergent_ranks{train_job=\"exp-culprit\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_outlier_score{train_job=\"exp-culprit\",rank=\"6\"}"));
+  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_step_time_seconds{train_job=\"exp-culprit\",rank=\"1\"} 0.5"));
+  EXPECT_THAT(metrics, HasSubstr("rankscope_grad_noise_scale{train_job=\"exp-culprit\"}"));
+  std::string complaints;
+  EXPECT_EQ(testing::PromtoolCheckMetrics(metrics, &complaints), 0) << complaints;
+  for (auto& a : agents) a->Close(absl::Seconds(5)).IgnoreError();
+}
+
 }  // namespace
 }  // namespace rankscope

@@ -147,7 +147,7 @@ def loadgen(tmp, name, collector, job, **flags):
     return Proc(name, argv, tmp)
 
 
-LOADGEN_LINE = re.compile(r"loadgen: job=(\S+) recorded=(\d+) acked=(\d+) dropped=(\d+)")
+LOADGEN_LINE = re.compile(r"loadgen: job=(\S+) .*?recorded=(\d+) acked=(\d+) dropped=(\d+)")
 
 
 # ---------------------------------------------------------------------------------------------

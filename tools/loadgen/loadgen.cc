@@ -8,6 +8,10 @@
 // The outlier rank (from --outlier_from_step) has loss + outlier_loss_shift, norm *
 // outlier_norm_scale and a sketch of pure noise (consensus cosine ~= 0). The silent rank stops
 // reporting at --silent_from_step. Vectors come from a precomputed pool so generation is cheap.
+// Every rank sends the same replica fingerprints (a hash of the step), except the divergent rank
+// from --divergent_from_step; step times are --step_time with 5% noise, the straggler's
+// multiplied by --straggler_factor; the reduced gradient's norm follows the sketch model:
+// base_norm * sqrt(cosine + (1 - cosine) / W).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -50,6 +54,15 @@ ABSL_FLAG(double, outlier_norm_scale, 3.0, "Multiplies the outlier rank's gradie
 ABSL_FLAG(int, silent_rank, -1, "Rank that stops reporting (-1: none).");
 ABSL_FLAG(int, silent_from_step, 0, "Step from which the silent rank stops reporting.");
 ABSL_FLAG(int, attempt, 0, "Job attempt (restart count).");
+ABSL_FLAG(bool, fingerprints, true, "Send replica fingerprints: of the reduced gradient every "
+          "step and of the parameters every --param_check_every steps.");
+ABSL_FLAG(int, param_check_every, 50, "Steps between parameter fingerprints.");
+ABSL_FLAG(int, divergent_rank, -1, "Rank whose replica fingerprints differ (-1: none).");
+ABSL_FLAG(int, divergent_from_step, 0, "Step from which the divergent rank's fingerprints differ.");
+ABSL_FLAG(double, step_time, 0.1, "Simulated compute time per step, in seconds (0: not sent).");
+ABSL_FLAG(int, straggler_rank, -1, "Rank whose step time is --straggler_factor times longer.");
+ABSL_FLAG(double, straggler_factor, 3.0, "Slowdown of the straggler rank.");
+ABSL_FLAG(int, local_batch_size, 8, "Samples per rank per step (for the gradient noise scale).");
 ABSL_FLAG(int, threads, 0, "Driver threads (0: min(ranks, 4)).");
 ABSL_FLAG(int, max_inflight, 256, "Per rank: wait while more reports than this are unacked "
           "(keeps a fast run from overflowing the agent's ring).");
@@ -175,6 +188,22 @@ int main(int argc, char** argv) {
         report.loss = loss;
         report.grad_norm = std::abs(norm);
         report.sketch = sketch;
+        report.local_batch_size = static_cast<uint32_t>(absl::GetFlag(FLAGS_local_batch_size));
+        report.reduced_grad_norm = base_norm * std::sqrt(cosine + (1.0 - cosine) / ranks);
+        if (absl::GetFlag(FLAGS_fingerprints)) {
+          const bool divergent = r == absl::GetFlag(FLAGS_divergent_rank) &&
+                                 step >= absl::GetFlag(FLAGS_divergent_from_step);
+          const uint64_t fp = (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL) ^
+                              (divergent ? 0x1ULL : 0x0ULL);
+          report.reduced_grad_fingerprint = fp;
+          const int every = std::max(1, absl::GetFlag(FLAGS_param_check_every));
+          if (step % every == 0) report.param_fingerprint = ~fp;
+        }
+        if (absl::GetFlag(FLAGS_step_time) > 0) {
+          double t = absl::GetFlag(FLAGS_step_time) * (1.0 + 0.05 * z(trng));
+          if (r == absl::GetFlag(FLAGS_straggler_rank)) t *= absl::GetFlag(FLAGS_straggler_factor);
+          report.step_time_seconds = std::max(0.0, t);
+        }
         if (!agent.Record(report).ok()) ++record_errors;
       }
       if (tid == 0) max_step_done = step;
