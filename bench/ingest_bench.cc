@@ -29,7 +29,9 @@
 //
 // Usage: ingest_bench [--seconds=30] [--ranks=1024] [--sketch_dim=1024] [--only=bare|collector]
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -42,6 +44,8 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <sstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -178,6 +182,38 @@ CpuUsage Usage() {
           static_cast<uint64_t>(u.ru_nvcsw), static_cast<uint64_t>(u.ru_nivcsw)};
 }
 
+// CPU seconds (user + sys) of each live thread of this process, by thread name.
+std::map<std::string, double> CpuByThreadName() {
+  std::map<std::string, double> out;
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return out;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    const std::string base = absl::StrCat("/proc/self/task/", e->d_name);
+    std::ifstream comm_file(base + "/comm");
+    std::string comm;
+    std::getline(comm_file, comm);
+    std::ifstream stat_file(base + "/stat");
+    std::string stat;
+    std::getline(stat_file, stat);
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(stat.substr(paren + 2));
+    std::string f;
+    double utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && fields >> f; ++i) {
+      if (i == 14) utime = std::atof(f.c_str());
+      if (i == 15) stime = std::atof(f.c_str());
+    }
+    // Group gRPC's and others' numbered or suffixed threads under one name.
+    if (comm.empty() || comm == "ingest_bench") comm = "unnamed (gRPC callbacks, pollers)";
+    out[comm] += (utime + stime) / tick;
+  }
+  closedir(dir);
+  return out;
+}
+
 std::string LoadAvg() {
   std::ifstream f("/proc/loadavg");
   std::string a, b, c;
@@ -282,6 +318,7 @@ struct LoadResult {
   double window_cpu_seconds = 0;
   double window_sys_seconds = 0;
   uint64_t window_switches = 0;
+  std::map<std::string, double> window_cpu_by_thread;
   uint64_t recorded = 0, acked = 0, sent = 0, dropped = 0, rejected = 0, invalid = 0;
   uint64_t record_errors = 0;
   uint64_t steps = 0;  // steps recorded by every rank
@@ -353,6 +390,7 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
   std::atomic<uint64_t> record_errors{0};
   std::vector<uint64_t> steps_done(drivers, 0);
   auto drive = [&](int d) {
+    pthread_setname_np(pthread_self(), "bench-driver");
     const int begin = ranks * d / drivers, end = ranks * (d + 1) / drivers;
     std::mt19937_64 rng(1000 + d);
     std::normal_distribution<double> z(0.0, 1.0);
@@ -382,16 +420,22 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
   on_window(true);
   const uint64_t acked0 = SumAcked(agents);
   const CpuUsage cpu0 = Usage();
+  const std::map<std::string, double> threads0 = CpuByThreadName();
   const absl::Time t0 = absl::Now();
   absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_seconds)));
   const uint64_t acked1 = SumAcked(agents);
   const CpuUsage cpu1 = Usage();
+  const std::map<std::string, double> threads1 = CpuByThreadName();
   const absl::Time t1 = absl::Now();
   on_window(false);
   res.window_seconds = absl::ToDoubleSeconds(t1 - t0);
   res.window_acked = acked1 - acked0;
   res.window_cpu_seconds = cpu1.user + cpu1.sys - cpu0.user - cpu0.sys;
   res.window_sys_seconds = cpu1.sys - cpu0.sys;
+  for (const auto& [name, cpu] : threads1) {
+    auto it = threads0.find(name);
+    res.window_cpu_by_thread[name] = cpu - (it == threads0.end() ? 0.0 : it->second);
+  }
   res.window_switches = cpu1.voluntary_switches + cpu1.involuntary_switches -
                         cpu0.voluntary_switches - cpu0.involuntary_switches;
 
@@ -444,6 +488,13 @@ void PrintLoad(const char* name, const LoadResult& r) {
       static_cast<unsigned long long>(r.sent), static_cast<unsigned long long>(r.dropped),
       static_cast<unsigned long long>(r.rejected), static_cast<unsigned long long>(r.steps),
       Valid(r) ? "" : "  INVALID (drops, rejections, unflushed or unconnected agents)");
+  std::string threads;
+  for (const auto& [name, cpu] : r.window_cpu_by_thread) {
+    if (r.window_acked == 0 || cpu <= 0) continue;
+    absl::StrAppendFormat(&threads, "%s%s %.1f", threads.empty() ? "" : ", ", name,
+                          1e6 * cpu / r.window_acked);
+  }
+  std::printf("          cpu us/report by thread: %s\n", threads.c_str());
   std::fflush(stdout);
 }
 
@@ -529,13 +580,16 @@ int main(int argc, char** argv) {
         absl::SleepFor(absl::Milliseconds(every));
       }
     });
-    Histogram before;
+    Histogram before, commits_before, commits;
     coll = RunLoad(c.grpc_target(), "bench-collector", [&](bool start) {
       Histogram h = ReadHistogram(*registry, "rankscope_ingest_latency_seconds");
+      Histogram k = ReadHistogram(*registry, "rankscope_store_commit_seconds");
       if (start) {
         before = h;
+        commits_before = k;
       } else {
         latency = Delta(h, before);
+        commits = Delta(k, commits_before);
       }
     });
     scraping = false;
@@ -571,6 +625,12 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(latency.count), p50 * 1e3, p99 * 1e3,
         latency.count > 0 ? latency.sum / latency.count * 1e3 : 0.0,
         100.0 * FractionAtMost(latency, 0.05));
+    std::printf(
+        "          SQLite commits in the window: %llu (%.1f/s, %.0f reports each, %.2f ms mean "
+        "commit)\n",
+        static_cast<unsigned long long>(commits.count), commits.count / coll.window_seconds,
+        commits.count > 0 ? static_cast<double>(coll.window_acked) / commits.count : 0.0,
+        commits.count > 0 ? commits.sum / commits.count * 1e3 : 0.0);
     std::fflush(stdout);
     std::remove((db_path + "-wal").c_str());
     std::remove((db_path + "-shm").c_str());

@@ -6,9 +6,11 @@
 // CountSketch::Add over the same bytes, through each kernel path the CPU supports. It prints
 // input GB/s (1 GB = 1e9 bytes), best and median over the reps, and the ratio sketch / stream of
 // the best times. Times are the CPU time of the benchmark thread, so that on a shared machine the
-// time it spends descheduled is not counted against either side. Results and the command line go to docs/PERFORMANCE.md "## Sketch kernel".
+// time it spends descheduled is not counted against either side. Results and the command line go to
+// docs/PERFORMANCE.md "## Sketch kernel".
 //
-// Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000] [--isa=all|auto|scalar|avx2|avx512]
+// Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000]
+// [--isa=all|auto|scalar|avx2|avx512]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -194,9 +196,10 @@ int main(int argc, char** argv) {
 
   std::printf("sketch_bench: %zu MiB buffer, %d reps (best, median in parentheses), one thread\n",
               opt.mib, opt.reps);
-  std::printf("cpu: %s; Add uses the %s path; load average %s\n", CpuModel().c_str(),
-              rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()),
-              LoadAverage().c_str());
+  std::printf(
+      "cpu: %s; Add uses the %s path; load average %s\n", CpuModel().c_str(),
+      rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()),
+      LoadAverage().c_str());
   std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
               "sketch GB/s", "ratio", "Gcoord/s");
   for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
@@ -210,17 +213,17 @@ int main(int argc, char** argv) {
         for (int r = 0; r < opt.reps; ++r) {
           stream_s.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
           sketch.Reset();
-          sketch_s.push_back(TimeOnce([&] {
-            rankscope::sketch_internal::AddWithIsa(sketch, isa, buf, type, n, 0);
-          }));
+          sketch_s.push_back(TimeOnce(
+              [&] { rankscope::sketch_internal::AddWithIsa(sketch, isa, buf, type, n, 0); }));
           g_sink = static_cast<uint64_t>(sketch.bins()[0] != 0.0);
         }
         const Stats st = Summarize(stream_s);
         const Stats sk = Summarize(sketch_s);
         const double gb = bytes / 1e9;
-        std::printf("%-9s %5u %-7s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type), dim,
-                    rankscope::sketch_internal::KernelIsaName(isa), gb / st.best, gb / st.median,
-                    gb / sk.best, gb / sk.median, 100.0 * st.best / sk.best, n / sk.best / 1e9);
+        std::printf("%-9s %5u %-7s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type),
+                    dim, rankscope::sketch_internal::KernelIsaName(isa), gb / st.best,
+                    gb / st.median, gb / sk.best, gb / sk.median, 100.0 * st.best / sk.best,
+                    n / sk.best / 1e9);
         std::fflush(stdout);
       }
     }

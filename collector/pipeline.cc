@@ -1,5 +1,7 @@
 #include "collector/pipeline.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -151,7 +153,10 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     job.has_step = true;
     joiner_.RegisterJob(row.job, row.world_size).IgnoreError();
   }
-  step_thread_ = std::thread([this] { StepThread(); });
+  step_thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "rs-step-thread");  // for top -H, perf and the bench
+    StepThread();
+  });
 }
 
 StepPipeline::~StepPipeline() { Stop(absl::Seconds(5)).IgnoreError(); }

@@ -392,10 +392,11 @@ def job():
             q(f"max by (rank) (rankscope_rank_step_time_seconds{{{sel}}})", ref="E", instant=True, fmt="table"),
             q(f"max by (rank) (rankscope_rank_replica_divergent{{{sel}}})", ref="F", instant=True, fmt="table"),
             q(f"max by (rank) (rankscope_rank_missing{{{sel}}})", ref="G", instant=True, fmt="table"),
+            q(f"max by (rank) (rankscope_rank_step_time_z{{{sel}}})", ref="H", instant=True, fmt="table"),
         ],
         rename={"Value #A": "consensus cosine", "Value #B": "loss z", "Value #C": "grad-norm z",
                 "Value #D": "outlier score", "Value #E": "step time (s)", "Value #F": "replica divergent",
-                "Value #G": "missing"},
+                "Value #G": "missing", "Value #H": "step time z"},
         description=("Consensus cosine: the rank's gradient against the sum of the other ranks' "
                      "(healthy ranks sit close together; the culprit sits low). z: distance from the "
                      "ranks' mean in standard deviations."),
@@ -482,11 +483,23 @@ def job():
             row("Replicas"),
             [
                 (6, 8, stat(
-                    "Ranks with diverged replicas",
+                    "Ranks with diverged replicas (worst step in 60 s)",
                     [q(f"max(rankscope_replica_divergent_ranks{{{sel}}})")],
                     thresholds=_thresholds((1, "red")),
                     description="Ranks whose reduced gradients or parameters differ bit-wise from the majority.")),
-                (18, 8, timeseries(
+                (6, 8, timeseries(
+                    "Replica checks",
+                    [q(f"sum(rate(rankscope_replica_checks_total{{{sel}}}[$__rate_interval]))",
+                       "steps checked/s", "A"),
+                     q(f"sum(rate(rankscope_replica_divergent_steps_total{{{sel}}}[$__rate_interval]))",
+                       "steps with a divergent rank/s", "B")],
+                    min_=0, overrides=[{
+                        "matcher": {"id": "byFrameRefID", "options": "B"},
+                        "properties": [{"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}}],
+                    }],
+                    description="Every step's reduced-gradient fingerprints and, periodically, the "
+                                "parameters' are compared across ranks.")),
+                (12, 8, timeseries(
                     "Diverged replica per rank (1 = differs from the majority)",
                     [q(f"max by (rank) (rankscope_rank_replica_divergent{{{sel}}})", "rank {{rank}}")],
                     unit="none", min_=0, max_=1, draw="bars", legend_calcs=("max",))),
@@ -501,7 +514,8 @@ def job():
                 (8, 8, timeseries(
                     "Step time per rank (compute up to the gradient hook)",
                     [q(f"max by (rank) (rankscope_rank_step_time_seconds{{{sel}}})", "rank {{rank}}")],
-                    unit="s", min_=0, description="The straggler is the top line.")),
+                    unit="s", min_=0, description="The straggler is the top line "
+                                                  "(RankscopeRankStraggler: robust z above 6).")),
                 (8, 8, timeseries(
                     "Steps per second",
                     [q(f"sum(rate(rankscope_steps_total{{{sel}}}[$__rate_interval]))", "steps closed", "A"),

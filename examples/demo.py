@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=10,
                    help="warm-up steps left out of the table's means (the plot shows all)")
     p.add_argument("--settings", nargs="+", default=list(train_ddp.SETTINGS))
+    p.add_argument("--base-seed", type=int, default=train_ddp.BASE_SEED)
+    p.add_argument("--skip-init-sync", action="store_true",
+                   help="train_ddp.py --skip-init-sync: the replicas' initial weights differ")
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -116,8 +119,9 @@ def main(argv=None) -> int:
     try:
         for setting in args.settings:
             job = f"demo-{setting}"
+            extra = ["--skip-init-sync"] if args.skip_init_sync else []
             train_ddp.main(["--setting", setting, "--steps", str(args.steps), "--collector",
-                            address, "--job", job])
+                            address, "--job", job, "--base-seed", str(args.base_seed)] + extra)
             results[setting] = read_steps(db, job)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -14,7 +14,8 @@ Four ranks (torch.multiprocessing, spawn) train on a text file Debian ships
   S1-3  every rank its own seed: every shard is drawn from its own permutation.
 
 (DDP broadcasts rank 0's weights at construction, so the seed's effect on the initial weights
-is erased; what remains is the data each rank sees and its dropout masks.)
+is erased; what remains is the data each rank sees and its dropout masks. ``--skip-init-sync``
+leaves the broadcast out, as a launcher bug would: then the replicas' weights differ for good.)
 
 Every rank reports to the collector through ``rankscope.torch``; rank 0 prints a progress line.
 ``--no-rankscope`` trains without it. ``--dormant`` starts the shim dormant (switch it on with
@@ -39,13 +40,13 @@ SETTINGS = ("S1-1", "S1-2", "S1-3")
 BASE_SEED = 1234
 
 
-def rank_seed(setting: str, rank: int) -> int:
+def rank_seed(setting: str, rank: int, base: int = BASE_SEED) -> int:
     if setting == "S1-1":
-        return BASE_SEED
+        return base
     if setting == "S1-2":
-        return BASE_SEED + 1 if rank == 0 else BASE_SEED
+        return base + 1 if rank == 0 else base
     if setting == "S1-3":
-        return BASE_SEED + 1000 * rank
+        return base + 1000 * rank
     raise ValueError(f"unknown setting {setting!r} (S1-1, S1-2, S1-3)")
 
 
@@ -103,14 +104,22 @@ def worker(rank: int, args, port: int) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world_size)
-    seed = rank_seed(args.setting, rank)
+    seed = rank_seed(args.setting, rank, args.base_seed)
     torch.manual_seed(seed)
     data = CharWindows(args.text, args.ctx)
     sampler = DistributedSampler(data, num_replicas=args.world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = CharTransformer(len(data.vocab), args.ctx, d=args.d_model, layers=args.layers)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    if args.skip_init_sync:
+        # Emulate a launcher that never broadcasts the initial weights (DDP in torch 1.13 always
+        # does; torch >= 2.1 has init_sync=False): the replicas then start from their own seeds.
+        sync = nn.parallel.distributed._sync_module_states
+        nn.parallel.distributed._sync_module_states = lambda **kwargs: None
+        ddp = nn.parallel.DistributedDataParallel(model)
+        nn.parallel.distributed._sync_module_states = sync
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
     mon = None
@@ -168,6 +177,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--sketch-dim", type=int, default=1024)
     p.add_argument("--every", type=int, default=1)
+    p.add_argument("--base-seed", type=int, default=BASE_SEED)
+    p.add_argument("--skip-init-sync", action="store_true",
+                   help="do not broadcast rank 0's initial weights (a launcher bug to detect)")
     p.add_argument("--dormant", action="store_true", help="start dormant (rankscope ctl enable)")
     p.add_argument("--no-rankscope", action="store_true", help="train without the shim")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")

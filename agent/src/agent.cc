@@ -12,6 +12,7 @@
 // gRPC thread that completed the previous one, and acks are applied where they are read. (The
 // former design, blocking Write/Read on a sender and a reader thread, paid two thread wake-ups
 // per report; see docs/PERFORMANCE.md "Agent Record" and "Collector ingest".)
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,10 +75,14 @@ class AgentImpl final : public Agent {
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    if (getenv("RS_LOCAL_POOL")) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     channel_ = grpc::CreateCustomChannel(options_.collector_address,
                                          grpc::InsecureChannelCredentials(), args);
     stub_ = v1::Ingest::NewStub(channel_);
-    sender_ = std::thread([this] { SenderLoop(); });
+    sender_ = std::thread([this] {
+      pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
+      SenderLoop();
+    });
   }
 
   ~AgentImpl() override {

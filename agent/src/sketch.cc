@@ -176,8 +176,7 @@ inline void ScatterStep(const uint32_t* bin, const double* val, double* bins) {
 // Runs `steps` steps of `hasher`, which writes the bins and signed values of its next step into
 // the arrays it is given. Inlined into each instruction set's body, where Hasher::Step inlines.
 template <class Hasher>
-__attribute__((always_inline)) inline void RunPipeline(Hasher& hasher, size_t steps,
-                                                       double* bins) {
+__attribute__((always_inline)) inline void RunPipeline(Hasher& hasher, size_t steps, double* bins) {
   alignas(64) uint32_t bin[kRingSlots * kStepCoords];
   alignas(64) double val[kRingSlots * kStepCoords];
   auto slot = [](size_t step) { return (step % kRingSlots) * kStepCoords; };
@@ -218,8 +217,8 @@ inline void Prefetch(const unsigned char* p) {
 
 RANKSCOPE_TARGET_AVX2 inline __m256i MulLo64Avx2(__m256i a, __m256i c_lo, __m256i c_hi) {
   const __m256i lo = _mm256_mul_epu32(a, c_lo);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo),
-                                         _mm256_mul_epu32(a, c_hi));
+  const __m256i cross =
+      _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo), _mm256_mul_epu32(a, c_hi));
   return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
 }
 
@@ -245,18 +244,16 @@ RANKSCOPE_TARGET_AVX2 inline __m128i BinsAvx2(__m256i mix, const BinMap& map) {
   if constexpr (kPow2) {
     const __m256i high =
         _mm256_permutevar8x32_epi32(mix, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
-    return _mm_and_si128(_mm256_castsi256_si128(high),
-                         _mm_set1_epi32(static_cast<int>(map.mask)));
+    return _mm_and_si128(_mm256_castsi256_si128(high), _mm_set1_epi32(static_cast<int>(map.mask)));
   } else {
     // n = mix >> 32 as a double (exact: 2^52 + n - 2^52). q = n * inv_dim rounded to the nearest
     // integer (by adding 2^52) is floor(n / dim) or one more, as the rounding error of n * inv_dim
     // is below 2^32 * 2^-52 <= 1 / dim; so r = n - q * dim lies in (-dim, dim), and adding dim
     // when it is negative makes it the exact remainder. All values are integers below 2^53.
     const __m256d two52 = _mm256_set1_pd(kTwo52);
-    const __m256d n = _mm256_sub_pd(
-        _mm256_castsi256_pd(
-            _mm256_or_si256(_mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
-        two52);
+    const __m256d n = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(
+                                        _mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
+                                    two52);
     const __m256d d = _mm256_set1_pd(map.dim);
     const __m256d q =
         _mm256_sub_pd(_mm256_add_pd(_mm256_mul_pd(n, _mm256_set1_pd(map.inv_dim)), two52), two52);
@@ -360,8 +357,7 @@ RANKSCOPE_TARGET_AVX512 inline __m256i BinsAvx512(__m512i mix, const BinMap& map
     const __m512d two52 = _mm512_set1_pd(kTwo52);
     const __m512d n = _mm512_cvtepu32_pd(high);
     const __m512d d = _mm512_set1_pd(map.dim);
-    const __m512d q =
-        _mm512_sub_pd(_mm512_fmadd_pd(n, _mm512_set1_pd(map.inv_dim), two52), two52);
+    const __m512d q = _mm512_sub_pd(_mm512_fmadd_pd(n, _mm512_set1_pd(map.inv_dim), two52), two52);
     __m512d r = _mm512_fnmadd_pd(q, d, n);
     r = _mm512_mask_add_pd(r, _mm512_cmp_pd_mask(r, _mm512_setzero_pd(), _CMP_LT_OQ), r, d);
     return _mm512_cvttpd_epi32(r);
@@ -402,8 +398,8 @@ class HasherAvx512 {
       const __m512d x = Load8Avx512<kType>(data_ + 8 * v * kSize);
       acc_ = _mm512_fmadd_pd(x, x, acc_);  // x * x is exact, so this equals acc + x * x
       const __m512i xi = _mm512_castpd_si512(x);
-      _mm512_store_si512(val + 8 * v, _mm512_mask_xor_epi64(xi, _mm512_test_epi64_mask(mix, one),
-                                                            xi, sign_bit));
+      _mm512_store_si512(val + 8 * v,
+                         _mm512_mask_xor_epi64(xi, _mm512_test_epi64_mask(mix, one), xi, sign_bit));
       _mm256_store_si256(reinterpret_cast<__m256i*>(bin + 8 * v), BinsAvx512<kPow2>(mix, map_));
     }
     data_ += kStepCoords * kSize;

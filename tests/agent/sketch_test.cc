@@ -172,10 +172,10 @@ TEST(ConversionTest, BFloat16IsTheHighHalfOfAFloat) {
 TEST(ConversionTest, Float16KnownValues) {
   EXPECT_EQ(Float16ToFloat(0x3c00), 1.0f);
   EXPECT_EQ(Float16ToFloat(0xc000), -2.0f);
-  EXPECT_EQ(Float16ToFloat(0x7bff), 65504.0f);               // largest finite
-  EXPECT_EQ(Float16ToFloat(0x0400), std::ldexp(1.0f, -14));  // smallest normal
+  EXPECT_EQ(Float16ToFloat(0x7bff), 65504.0f);                      // largest finite
+  EXPECT_EQ(Float16ToFloat(0x0400), std::ldexp(1.0f, -14));         // smallest normal
   EXPECT_EQ(Float16ToFloat(0x03ff), 1023 * std::ldexp(1.0f, -24));  // largest subnormal
-  EXPECT_EQ(Float16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(Float16ToFloat(0x0001), std::ldexp(1.0f, -24));         // smallest subnormal
   EXPECT_EQ(Float16ToFloat(0x8001), -std::ldexp(1.0f, -24));
   EXPECT_EQ(Float16ToFloat(0x3555), 0.333251953125f);
   EXPECT_EQ(Float16ToFloat(0x7c00), std::numeric_limits<float>::infinity());
@@ -201,7 +201,7 @@ TEST(ConversionTest, Float16ExhaustiveAgainstDefinition) {
     }
     // value = sign * mantissa * 2^-24 (subnormal) or sign * (1024 + mantissa) * 2^(e - 25).
     const double want = exponent == 0 ? sign * std::ldexp(mantissa, -24)
-                                       : sign * std::ldexp(1024 + mantissa, exponent - 25);
+                                      : sign * std::ldexp(1024 + mantissa, exponent - 25);
     ASSERT_EQ(static_cast<double>(got), want) << h;
     ASSERT_EQ(std::signbit(got), sign < 0) << h;
   }
@@ -252,10 +252,10 @@ TEST(CountSketchTest, AllKernelPathsBitIdentical) {
   std::vector<unsigned char> bytes(1 + f32.size() * sizeof(float));
   for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
     const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
-    const void* src = type == ScalarType::kFloat32   ? static_cast<const void*>(f32.data())
+    const void* src = type == ScalarType::kFloat32    ? static_cast<const void*>(f32.data())
                       : type == ScalarType::kBFloat16 ? static_cast<const void*>(bf16.data())
                                                       : static_cast<const void*>(f16.data());
-    for (uint32_t dim : {1u, 7u, 1000u, 1024u, 65536u, 999983u}) {
+    for (uint32_t dim : {1u, 7u, 1000u, 1024u, 65536u, 999983u, kMaxSketchDim - 1}) {
       for (int trial = 0; trial < 20; ++trial) {
         const size_t n = rng() % 5000;
         const uint64_t offset = trial < 10 ? rng() % 1000 : rng() >> 4;
@@ -264,8 +264,9 @@ TEST(CountSketchTest, AllKernelPathsBitIdentical) {
         CountSketch reference(dim, trial);
         AddWithIsa(reference, KernelIsa::kScalar, bytes.data() + shift, type, n, offset);
         for (KernelIsa isa : SupportedIsas()) {
-          SCOPED_TRACE(testing::Message() << KernelIsaName(isa) << " type " << static_cast<int>(type)
-                                          << " dim " << dim << " n " << n << " offset " << offset);
+          SCOPED_TRACE(testing::Message()
+                       << KernelIsaName(isa) << " type " << static_cast<int>(type) << " dim " << dim
+                       << " n " << n << " offset " << offset);
           CountSketch sketch(dim, trial);
           AddWithIsa(sketch, isa, bytes.data() + shift, type, n, offset);
           ExpectBitIdentical(sketch.bins(), reference.bins());

@@ -61,7 +61,7 @@ REQUIRED_ALERTS = {
     "RankscopeDirectionConsistencyLow", "RankscopeLossDispersionHigh", "RankscopeGradNormDispersionHigh",
     "RankscopeRankOutlier", "RankscopeReplicaDivergence", "RankscopeRankSilent", "RankscopeCollectorDown",
     "RankscopeAgentDropping", "RankscopeIngestRejecting",
-}
+}  # plus RankscopeRankStraggler and RankscopeStoreFailing
 
 
 def test_issue_5_alerts_exist():
@@ -132,7 +132,8 @@ MUTANTS = [
     ("+ 0.3)", "+ 0.28)"),  # grad-norm CV
     ("+ 0.1)", "+ 0.02)"),  # consensus guard
     ("+ 3)", "+ 2.8)"),  # |z|
-    ("+ 3.5)", "+ 3.3)"),  # outlier score
+    ("+ 6)\n      # Robust z", "+ 5.8)\n      # Robust z"),  # outlier score
+    ("+ 6)\n      # Reports", "+ 5.8)\n      # Reports"),  # step time z
     ("for: 2m", "for: 1m30s"),
     ("for: 1m\n", "for: 30s\n"),
     ("for: 5m", "for: 4m"),

@@ -4,11 +4,14 @@ A real rankscope-collector and a real `prometheus` server, started with the repo
 deploy/prometheus.yml (addresses rewritten to this test's ports, 1 s scrape and evaluation
 intervals) and the repo's rules unchanged, watch jobs driven by rankscope-loadgen:
 
-  healthy     8 ranks, consistent                      -> no alert at all, ever
+  healthy     8 ranks, consistent                      -> no alert fires, ever
   outlier     4 ranks, rank 2 shifted, scaled, random  -> LossDispersionHigh, GradNormDispersionHigh,
-                                                          RankOutlier{rank="2"} and no other rank
+                                                          RankOutlier{rank="2"} (consensus cosine and
+                                                          outlier score) and no other rank
   silent      4 ranks, rank 1 stops at step 100        -> RankSilent{rank="1"} and no other rank
-  incoherent  4 ranks, pairwise cosine 0.01            -> DirectionConsistencyLow{condition="floor"}
+  incoherent  4 ranks, pairwise cosine 0.01,           -> DirectionConsistencyLow{condition="floor"},
+              rank 0's replica diverges from step 200,     ReplicaDivergence{rank="0"},
+              rank 3 three times slower                    RankStraggler{rank="3"}
   a second collector, killed after its first scrape    -> CollectorDown for that instance only
   misconfigured: a second agent set with another sketch_dim for an existing job (rejections)
 
@@ -32,7 +35,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
@@ -53,17 +55,11 @@ JOB_DURATION_S = 300  # faulty jobs outlive the alert deadline; they are stopped
 HEALTHY_STEPS = 3000  # 150 s at 50 ms: the healthy job ends by itself and must have lost nothing
 ALERT_DEADLINE_S = 330  # the longest `for` is 2 m; generous for a loaded 2-core machine
 
-# Metrics of issue 4 (replica checks, outlier score, noise scale, step time). Expressions reading
-# them are skipped while the collector does not export them in this test;
-# test_pending_metrics_list_is_current fails once one of them is exported, so the list is kept
-# honest.
-PENDING_ISSUE_4 = {
-    "rankscope_rank_outlier_score",
-    "rankscope_replica_divergent_ranks",
-    "rankscope_rank_replica_divergent",
-    "rankscope_grad_noise_scale",
-    "rankscope_rank_step_time_seconds",
-}
+# Metrics that rules or dashboards read before the collector exports them (a later issue's work).
+# Expressions reading one of them are skipped, naming it, while it is absent here;
+# test_pending_metrics_list_is_current fails once one of them is exported, so the list stays
+# honest. Empty now: every metric that issue 4 added is exported and driven by this scenario.
+PENDING_METRICS = set()
 # Series that exist only when a user defines them (per-job threshold overrides).
 OPTIONAL_PREFIXES = ("rankscope:threshold_override:",)
 
@@ -72,14 +68,19 @@ EXPECTED = [
     ("RankscopeLossDispersionHigh", {"train_job": "outlier", "severity": "warning"}),
     ("RankscopeGradNormDispersionHigh", {"train_job": "outlier", "severity": "warning"}),
     ("RankscopeRankOutlier", {"train_job": "outlier", "rank": "2", "signal": "consensus_cosine"}),
+    ("RankscopeRankOutlier", {"train_job": "outlier", "rank": "2", "signal": "outlier_score"}),
     ("RankscopeRankSilent", {"train_job": "silent", "rank": "1", "severity": "warning"}),
     ("RankscopeDirectionConsistencyLow", {"train_job": "incoherent", "condition": "floor"}),
+    ("RankscopeReplicaDivergence", {"train_job": "incoherent", "rank": "0", "scope": "rank",
+                                    "severity": "critical"}),
+    ("RankscopeRankStraggler", {"train_job": "incoherent", "rank": "3", "severity": "warning"}),
     ("RankscopeCollectorDown", {"condition": "scrape_failing", "instance": "<doomed>"}),
 ]
 
 
 def forbidden(alert, instances):
-    """Why `alert` (pending or firing) must never appear in this scenario, or None."""
+    """Why `alert` must never fire in this scenario, or None. (Pending is allowed: on a loaded
+    machine a healthy rank can miss one 2 s step timeout, which is not an alert.)"""
     labels, name = alert["labels"], alert["labels"]["alertname"]
     job = labels.get("train_job")
     if job == "healthy":
@@ -90,8 +91,12 @@ def forbidden(alert, instances):
         return "only rank 1 of job silent stopped reporting"
     if name == "RankscopeCollectorDown" and labels.get("instance") != instances["doomed"]:
         return "the live collector is up"
-    if name in {"RankscopeReplicaDivergence", "RankscopeStoreFailing"}:
-        return "nothing diverges and the store is healthy"
+    if name == "RankscopeReplicaDivergence" and not (job == "incoherent" and labels.get("rank") == "0"):
+        return "only rank 0 of job incoherent diverges"
+    if name == "RankscopeRankStraggler" and not (job == "incoherent" and labels.get("rank") == "3"):
+        return "only rank 3 of job incoherent is slow"
+    if name == "RankscopeStoreFailing":
+        return "the store is healthy"
     return None
 
 
@@ -250,7 +255,8 @@ def stack(tmp_path_factory):
             "silent": loadgen(tmp, "loadgen-silent", collector, "silent", ranks=4, duration=duration,
                               silent_rank=1, silent_from_step=100),
             "incoherent": loadgen(tmp, "loadgen-incoherent", collector, "incoherent", ranks=4,
-                                  duration=duration, cosine=0.01),
+                                  duration=duration, cosine=0.01, divergent_rank=0,
+                                  divergent_from_step=200, straggler_rank=3, straggler_factor=3.0),
         }
         procs += jobs.values()
 
@@ -264,14 +270,13 @@ def stack(tmp_path_factory):
             for name, job in jobs.items():
                 if name != "healthy" and not job.alive():
                     raise AssertionError(f"{job.name} exited early: {job.log()}")
-            alerts = prom.alerts()
-            for alert in alerts:
+            firing = [a for a in prom.alerts() if a["state"] == "firing"]
+            for alert in firing:
                 why = forbidden(alert, instances)
                 if why:
-                    violations.append((why, alert["labels"], alert["state"]))
+                    violations.append((why, alert["labels"]))
             if violations:
-                raise AssertionError(f"unexpected alerts: {violations}")
-            firing = [a for a in alerts if a["state"] == "firing"]
+                raise AssertionError(f"unexpected firing alerts: {violations}")
             return all(any(a["labels"]["alertname"] == name and labels.items() <= a["labels"].items()
                            for a in firing) for name, labels in expected) and firing
 
@@ -321,7 +326,8 @@ def test_expected_alerts_fire_with_job_and_rank_labels(stack):
 
 
 def test_no_alert_for_the_healthy_job(stack):
-    """Checked on every poll, pending alerts included; here once more at the end."""
+    """Checked on every poll while waiting for the expected alerts; here once more at the end,
+    pending ones included."""
     alerts = stack["prom"].alerts()
     assert [a for a in alerts if a["labels"].get("train_job") == "healthy"] == []
 
@@ -384,9 +390,9 @@ def _existing(prom, names):
 def test_expression_returns_data(stack, expression):
     prom = stack["prom"]
     names = [n for n in extract_promql.metric_names(expression.expr) if not n.startswith(OPTIONAL_PREFIXES)]
-    pending = sorted(set(names) & PENDING_ISSUE_4)
-    if pending and not _existing(prom, pending):
-        pytest.skip(f"issue 4 metrics not exported yet: {', '.join(pending)}")
+    absent = sorted(set(names) & PENDING_METRICS - _existing(prom, PENDING_METRICS))
+    if absent:
+        pytest.skip(f"metrics not exported yet: {', '.join(absent)}")
     # Every series the expression reads exists (catches a misspelled metric even where the
     # expression as a whole legitimately returns nothing, like an alert that is not firing).
     missing = sorted(set(names) - _existing(prom, names))
@@ -398,6 +404,6 @@ def test_expression_returns_data(stack, expression):
 
 
 def test_pending_metrics_list_is_current(stack):
-    exported = _existing(stack["prom"], PENDING_ISSUE_4)
-    assert exported == set(), (f"{sorted(exported)} are exported now: remove them from PENDING_ISSUE_4 "
+    exported = _existing(stack["prom"], PENDING_METRICS) if PENDING_METRICS else set()
+    assert exported == set(), (f"{sorted(exported)} are exported now: remove them from PENDING_METRICS "
                                "so their panels and rules are checked")

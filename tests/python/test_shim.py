@@ -149,3 +149,59 @@ def test_attach_refuses_a_plain_module():
 
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         rst.attach(torch.nn.Linear(2, 2), job="x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_sketch_never_writes_into_the_gradient(dtype):
+    g = torch.randn(1000, dtype=dtype)
+    before = g.clone()
+    TorchSketch(64, SEED, "cpu").add(g, 5)
+    assert torch.equal(g, before)
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-rank gloo process group in this process (for attach's argument checks)."""
+    import torch.distributed as dist
+    from conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_attach_needs_a_job_and_takes_one_hook(single_rank_group, monkeypatch):
+    import rankscope.torch as rst
+
+    monkeypatch.delenv("RANKSCOPE_JOB", raising=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="RANKSCOPE_JOB"):
+        rst.attach(ddp, collector="127.0.0.1:1")
+    mon = rst.attach(ddp, collector="127.0.0.1:1", job="one-hook", dormant=True)
+    assert not mon.enabled and mon.world_size == 1 and mon.num_coordinates == 20
+    with pytest.raises(RuntimeError, match="comm_hook"):
+        rst.attach(ddp, collector="127.0.0.1:1", job="one-hook")
+    # Dormant: training works, nothing is recorded.
+    for _ in range(3):
+        ddp(torch.randn(2, 4)).sum().backward()
+        mon.step(torch.tensor(1.0))
+    assert mon.stats()["recorded"] == 0 and mon.stats().get("shim_buckets", 0) == 0
+    mon.close(timeout=0)
+
+
+def test_a_second_backward_before_step_restarts_the_sketch(single_rank_group):
+    """Accumulating without no_sync(): each backward all-reduces; the report covers the last
+    one (what DDP averaged), not the sum of both."""
+    import rankscope.torch as rst
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    mon = rst.attach(ddp, collector="127.0.0.1:1", job="two-backwards")
+    x = torch.randn(4, 8)
+    ddp(x).square().sum().backward()
+    ddp(x).square().sum().backward()  # grads accumulate: the bucket now holds 2x the gradient
+    expected = math.sqrt(sum(float(p.grad.double().square().sum()) for p in ddp.parameters()))
+    assert mon._cpu_sketch.sum_squares() == pytest.approx(expected ** 2, rel=1e-6)
+    assert mon.counters["backward_restarts"] == 1
+    mon.close(timeout=0)

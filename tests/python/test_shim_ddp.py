@@ -16,7 +16,9 @@ import math
 
 import pytest
 
-import shim_harness
+pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
+
+import shim_harness  # noqa: E402
 
 WORLD = 4
 STEPS = 6
@@ -72,6 +74,9 @@ def test_collector_statistics_equal_exact_values(exact_run, scenario):
         assert stats["dropped"] == 0 and stats["rejected"] == 0 and stats["invalid"] == 0
         assert stats.get("shim_hook_errors", 0) == 0
         assert stats.get("shim_unknown_parameters", 0) == 0
+        if scenario not in ("torchpath", "bf16"):
+            # After DDP's bucket rebuild (iteration 2) the hook uses its cached bucket plans.
+            assert stats.get("shim_planned_buckets", 0) >= STEPS - 3, stats
         if scenario == "buckets":
             # The gradient did not fit one bucket: several hooks per step, all sketched.
             assert stats["shim_buckets"] >= 3 * STEPS, stats

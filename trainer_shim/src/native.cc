@@ -54,6 +54,15 @@ absl::StatusOr<ScalarType> ToScalarType(int dtype) {
 
 const void* AsPointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
+// Where one DDP gradient bucket's parameters lie in its flat buffer and in the global flat
+// vector, computed once (after DDP's bucket rebuild) so that a hook call is one C++ call.
+struct BucketPlan {
+  ScalarType type = ScalarType::kFloat32;
+  std::vector<size_t> byte_offsets;  // from the buffer's start
+  std::vector<size_t> counts;
+  std::vector<uint64_t> global_offsets;
+};
+
 // A CountSketch owned by Python, plus a float scratch buffer for handing it to the agent.
 class PySketch {
  public:
@@ -92,6 +101,15 @@ class PySketch {
       if (ns[i] != 0) sketch_.Add(AsPointer(addresses[i]), *type, ns[i], offsets[i]);
     }
     return "";
+  }
+
+  // Adds every segment of `plan`, reading the bucket buffer at `base_address`.
+  void AddPlan(const BucketPlan& plan, uintptr_t base_address) {
+    py::gil_scoped_release release;
+    for (size_t i = 0; i < plan.counts.size(); ++i) {
+      sketch_.Add(AsPointer(base_address + plan.byte_offsets[i]), plan.type, plan.counts[i],
+                  plan.global_offsets[i]);
+    }
   }
 
   // Writes the bins as dim() float32 values at `address`.
@@ -300,6 +318,29 @@ PYBIND11_MODULE(_native, m) {
                                sketch_internal::BestKernelIsa())); },
         "The instruction set the sketch kernel uses on this CPU.");
 
+  py::class_<BucketPlan>(m, "BucketPlan",
+                         "Segments of one gradient bucket: byte offsets in its buffer, element "
+                         "counts, global flat offsets, one dtype.")
+      .def(py::init([](int dtype, std::vector<size_t> byte_offsets, std::vector<size_t> counts,
+                       std::vector<uint64_t> global_offsets) {
+             absl::StatusOr<ScalarType> type = ToScalarType(dtype);
+             if (!type.ok()) throw py::value_error(std::string(type.status().message()));
+             if (byte_offsets.size() != counts.size() ||
+                 counts.size() != global_offsets.size()) {
+               throw py::value_error("byte_offsets, counts and global_offsets differ in length");
+             }
+             auto plan = std::make_unique<BucketPlan>();
+             plan->type = *type;
+             plan->byte_offsets = std::move(byte_offsets);
+             plan->counts = std::move(counts);
+             plan->global_offsets = std::move(global_offsets);
+             return plan;
+           }),
+           py::arg("dtype"), py::arg("byte_offsets"), py::arg("counts"),
+           py::arg("global_offsets"))
+      .def_property_readonly("segments",
+                             [](const BucketPlan& p) { return p.counts.size(); });
+
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
       .def(py::init<uint32_t, uint64_t>(), py::arg("dim"), py::arg("seed") = kDefaultSketchSeed)
       .def_property_readonly("dim", &PySketch::dim)
@@ -310,6 +351,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("offset"))
       .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"),
            py::arg("offsets"), py::arg("dtype"))
+      .def("add_plan", &PySketch::AddPlan, py::arg("plan"), py::arg("base_address"))
       .def("copy_to", &PySketch::CopyTo, py::arg("address"))
       .def("copy_bins_to", &PySketch::CopyBinsTo, py::arg("address"))
       .def("values", &PySketch::values);

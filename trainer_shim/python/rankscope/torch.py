@@ -137,7 +137,14 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
                       max_backoff=float(max_backoff),
                       control_margin=float(control_margin), close_timeout=float(close_timeout))
     state = _HookState(monitor, comm_hook, comm_hook_state, model.process_group)
-    model.register_comm_hook(state, _rankscope_comm_hook)
+    try:
+        model.register_comm_hook(state, _rankscope_comm_hook)
+    except RuntimeError as e:
+        monitor.close(timeout=0)
+        raise RuntimeError(
+            "rankscope.torch.attach: DDP refused the comm hook (a model takes one hook, "
+            "registered once; pass your own hook to attach(comm_hook=...) instead of "
+            f"registering it): {e}") from e
     return monitor
 
 
@@ -176,13 +183,13 @@ class _Pending:
 
     def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch):
         self.step = step
-        self.batch = batch
         self.host = host
         self.event = event
         self.cpu_bins = cpu_bins
         self.cpu_sum_squares = cpu_sum_squares
         self.loss = loss
         self.step_time = step_time
+        self.batch = batch
 
 
 class Monitor:
@@ -232,10 +239,15 @@ class Monitor:
         self._pending = collections.deque()
         # Tests: sketch CPU gradients with the torch-op path (as on a GPU) instead of the kernel.
         self._force_torch_sketch = False
+        # Per bucket index: (buffer address, numel, first offset, BucketPlan), filled only once
+        # DDP has rebuilt its buckets (after that, index, buffer and layout stay fixed).
+        self._ddp_ref = weakref.ref(model)
+        self._plans_final = False
+        self._plans = {}
 
         # Per-step accumulation state (touched by the hook).
         self._got_grads = False
-        self._seen_buckets = set()
+        self._seen_params = set()  # global offsets of the parameters sketched this step
         self._t_first_hook = None
 
         self._step = start_step
@@ -357,52 +369,55 @@ class Monitor:
         return off
 
     def _add_bucket(self, bucket) -> None:
+        if self._plans_final:
+            # Fast path: DDP's buckets are final, and this one's plan is known.
+            buf = bucket.buffer()
+            entry = self._plans.get(bucket.index())
+            if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
+                self._note_bucket((entry[2],))
+                self._cpu_sketch.add_plan(entry[3], entry[0])
+                self.counters["planned_buckets"] += 1
+                return
+        else:
+            self._plans_final = _buckets_are_final(self._ddp_ref())
         params = bucket.parameters()
         grads = bucket.gradients()
+        offsets = [self._offset_of(p) for p in params]
+        self._note_bucket([o for o in offsets if o is not None])
         if not grads:
             return
-        first = self._offset_of(params[0])
-        if first in self._seen_buckets:
-            # A second synchronized backward before mon.step(): the buckets now hold the newest
-            # (accumulated) gradient, which is what gets all-reduced; start over.
+        if grads[0].device.type == "cpu" and not self._force_torch_sketch:
+            self._add_cpu(offsets, grads)
+            if self._plans_final:
+                self._make_plan(bucket, offsets, grads)
+        else:
+            self._add_on_device(offsets, grads)
+
+    def _note_bucket(self, offsets) -> None:
+        """Marks the parameters (by global offset) whose gradients this step has sketched. If
+        one comes again, a second synchronized backward ran before mon.step() (accumulation
+        without no_sync()): the buckets now hold the newest, accumulated gradient, which is what
+        DDP all-reduces, so the sketch starts over."""
+        seen = self._seen_params
+        if any(o in seen for o in offsets):
             self.counters["backward_restarts"] += 1
             self._reset_accumulators()
-        self._seen_buckets.add(first)
+        seen.update(offsets)
         self.counters["buckets"] += 1
         if not self._got_grads:
             self._got_grads = True
             self._t_first_hook = time.monotonic()
 
-        g0 = grads[0]
-        if g0.device.type == "cpu" and not self._force_torch_sketch:
-            self._add_cpu(params, grads)
-        else:
-            sketch = self._device_sketches.get(g0.device)
-            if sketch is None:
-                sketch = TorchSketch(self._dim, self._seed, g0.device)
-                self._device_sketches[g0.device] = sketch
-            for p, g in zip(params, grads):
-                off = self._offset_of(p)
-                if off is None:
-                    self._unknown_param()
-                    continue
-                if g.numel() == 0:
-                    continue
-                if g.is_sparse:
-                    self._warn_once("sparse", "rankscope: sparse gradients are not sketched")
-                    continue
-                sketch.add(g, off)
-
-    def _add_cpu(self, params, grads) -> None:
+    def _add_cpu(self, offsets, grads) -> None:
+        """The C++ kernel, reading each gradient where it lies (one call, GIL released)."""
         addrs, ns, offs, keep = [], [], [], []
         dtype = grads[0].dtype
-        for p, g in zip(params, grads):
-            n = g.numel()
-            if n == 0:
-                continue
-            off = self._offset_of(p)
+        for off, g in zip(offsets, grads):
             if off is None:
                 self._unknown_param()
+                continue
+            n = g.numel()
+            if n == 0:
                 continue
             if g.is_sparse:
                 self._warn_once("sparse", "rankscope: sparse gradients are not sketched")
@@ -426,16 +441,62 @@ class Monitor:
                 self._native_error(err)
         del keep
 
+    def _add_on_device(self, offsets, grads) -> None:
+        """Torch ops on the gradient's device (rankscope.torch_sketch): no host copy."""
+        device = grads[0].device
+        sketch = self._device_sketches.get(device)
+        if sketch is None:
+            sketch = TorchSketch(self._dim, self._seed, device)
+            self._device_sketches[device] = sketch
+        for off, g in zip(offsets, grads):
+            if off is None:
+                self._unknown_param()
+                continue
+            if g.numel() == 0:
+                continue
+            if g.is_sparse:
+                self._warn_once("sparse", "rankscope: sparse gradients are not sketched")
+                continue
+            sketch.add(g, off)
+
+    def _make_plan(self, bucket, offsets, grads) -> None:
+        """Caches where this bucket's gradients lie in its buffer, once DDP no longer rebuilds
+        its buckets, if every gradient is a dense block of one kernel dtype in the buffer."""
+        buf = bucket.buffer()
+        base, dtype = buf.data_ptr(), buf.dtype
+        if dtype not in _NATIVE_DTYPES or buf.is_sparse:
+            return
+        end = base + buf.numel() * buf.element_size()
+        byte_offsets, counts, global_offsets = [], [], []
+        for off, g in zip(offsets, grads):
+            n = g.numel()
+            if n == 0:
+                continue
+            if off is None or g.dtype != dtype or not g.is_contiguous():
+                return
+            start = g.data_ptr()
+            if start < base or start + n * g.element_size() > end:
+                return
+            byte_offsets.append(start - base)
+            counts.append(n)
+            global_offsets.append(off)
+        if not counts:
+            return
+        plan = _native.BucketPlan(_NATIVE_DTYPES[dtype], byte_offsets, counts, global_offsets)
+        # A bucket's parameters are marked by its first offset on the fast path: buckets are
+        # final, so no other bucket holds that parameter.
+        self._plans[bucket.index()] = (base, buf.numel(), global_offsets[0], plan)
+
     def _reset_accumulators(self) -> None:
         self._cpu_sketch.reset()
         for s in self._device_sketches.values():
             s.reset()
-        self._seen_buckets.clear()
+        self._seen_params.clear()
         self._got_grads = False
         self._t_first_hook = None
 
     def _begin_step(self) -> None:
-        if self._got_grads or self._seen_buckets:
+        if self._got_grads or self._seen_params:
             self._reset_accumulators()
 
     def _hook_failed(self, e: Exception) -> None:
@@ -627,6 +688,17 @@ class Monitor:
             return
         self._warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _buckets_are_final(ddp) -> bool:
+    """True once DDP will not rebuild its buckets any more: it rebuilt them (after the first
+    iteration), or it never will (find_unused_parameters without static_graph)."""
+    if ddp is None:
+        return False
+    if getattr(ddp, "_has_rebuilt_buckets", False):
+        return True
+    return bool(getattr(ddp, "find_unused_parameters", False)) and not getattr(
+        ddp, "static_graph", False)
 
 
 def _host_loss(loss) -> float:

@@ -77,8 +77,8 @@ class TorchSketch:
         flat = values.reshape(-1)
         n = flat.numel()
         for start in range(0, n, CHUNK):
-            chunk = flat[start:start + CHUNK].to(torch.float64)
+            chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
             bins, signs = sketch_slots(offset + start, chunk.numel(), self.seed, self.dim,
                                        self.device)
             self.sum_squares.add_(torch.dot(chunk, chunk))
-            self.bins.index_add_(0, bins, chunk.mul_(signs))
+            self.bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
