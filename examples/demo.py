@@ -58,20 +58,39 @@ def read_steps(db: Path, job: str):
         con.close()
 
 
+def read_rank_consensus(db: Path, job: str, skip: int):
+    """rank -> mean consensus cosine (cos of the rank's sketch with the sum of the others')."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return dict(con.execute(
+            "SELECT rank, AVG(grad_cosine) FROM rank_steps WHERE job = ? AND step >= ? "
+            "GROUP BY rank ORDER BY rank", (job, skip)).fetchall())
+    finally:
+        con.close()
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def table(results, skip: int) -> str:
-    lines = [f"| setting | steps (complete) | mean loss std | mean grad-norm CV | "
-             f"mean direction consistency |",
-             "| --- | --- | --- | --- | --- |"]
+def table(results, consensus, skip: int) -> str:
+    lines = ["| setting | steps (complete) | mean loss std | mean grad-norm CV | "
+             "mean direction consistency | least consistent rank: its consensus cosine "
+             "(others' mean) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for setting, rows in results.items():
         used = [r for r in rows if r[0] >= skip]
         complete = sum(1 for r in rows if r[1] == 4)
+        per_rank = consensus.get(setting) or {}
+        culprit = "-"
+        if len(per_rank) > 1:
+            worst = min(per_rank, key=lambda r: per_rank[r])
+            others = mean(v for r, v in per_rank.items() if r != worst)
+            culprit = f"rank {worst}: {per_rank[worst]:.3f} ({others:.3f})"
         lines.append(f"| {setting} | {len(rows)} ({complete}) | {mean(r[2] for r in used):.4f} | "
-                     f"{mean(r[3] for r in used):.4f} | {mean(r[4] for r in used):.4f} |")
+                     f"{mean(r[3] for r in used):.4f} | {mean(r[4] for r in used):.4f} | "
+                     f"{culprit} |")
     return "\n".join(lines)
 
 
@@ -129,10 +148,12 @@ def main(argv=None) -> int:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+    consensus = {}
     for setting in results:  # after the collector closed every open step
         results[setting] = read_steps(db, f"demo-{setting}")
+        consensus[setting] = read_rank_consensus(db, f"demo-{setting}", args.skip)
 
-    md = table(results, args.skip)
+    md = table(results, consensus, args.skip)
     (out / "demo.md").write_text(md + "\n")
     print(f"\nper setting, means over steps >= {args.skip} (from {db}):\n")
     print(md)

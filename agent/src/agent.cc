@@ -3,15 +3,19 @@
 // which apply acks and controls and keep writing while reports are waiting.
 //
 // Thread safety: every field shared between the training thread, the sender thread and the
-// reactions is guarded by mu_. A StreamCall is created, cancelled and destroyed by the sender
-// thread only. No gRPC call (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may run
-// reactions inline in them, and reactions take mu_.
+// reactions is guarded by mu_; the sender's sleep has its own wake_mu_ (never held with mu_). A
+// StreamCall is created, cancelled and destroyed by the sender thread only. No gRPC call
+// (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may run reactions inline in them,
+// and reactions take mu_.
 //
-// Cost per report at saturation: Record() copies into the ring and, only if the stream was idle,
-// wakes the sender thread; while a backlog exists, each OnWriteDone starts the next write on the
-// gRPC thread that completed the previous one, and acks are applied where they are read. (The
-// former design, blocking Write/Read on a sender and a reader thread, paid two thread wake-ups
-// per report; see docs/PERFORMANCE.md "Agent Record" and "Collector ingest".)
+// Cost (see docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
+// preallocated ring slot and returns; it makes no syscall and wakes no thread (except once when
+// the ring reaches half full), so the training thread never pays a futex wake-up or waits for
+// one. An idle stream's sender finds new reports by polling (kMinSendPoll, backing off to
+// kMaxSendPoll). Once a write is started, each OnWriteDone starts the next one on the gRPC thread
+// that completed the previous, so a backlog is written with no thread hand-off, and acks are
+// applied where they are read. (The first design, blocking Write/Read on a sender and a reader
+// thread, woken by every Record(), cost two thread wake-ups per report.)
 #include <pthread.h>
 #include <unistd.h>
 
@@ -41,6 +45,12 @@ namespace rankscope {
 namespace {
 
 namespace v1 = ::rankscope::v1;
+
+// How often an idle sender thread looks at the ring: Record() does not wake it per report (see
+// Record), so a report recorded while the stream is idle is sent within kMinSendPoll after
+// recent activity and within kMaxSendPoll after a long pause.
+constexpr absl::Duration kMinSendPoll = absl::Milliseconds(5);
+constexpr absl::Duration kMaxSendPoll = absl::Milliseconds(50);
 
 bool ValidJobName(const std::string& job) {
   if (job.empty() || job.size() > 128) return false;
@@ -75,7 +85,9 @@ class AgentImpl final : public Agent {
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    if (getenv("RS_LOCAL_POOL")) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    // Each agent owns its connection, as a rank in its own process does; agents created in one
+    // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     channel_ = grpc::CreateCustomChannel(options_.collector_address,
                                          grpc::InsecureChannelCredentials(), args);
     stub_ = v1::Ingest::NewStub(channel_);
@@ -91,23 +103,31 @@ class AgentImpl final : public Agent {
 
   absl::Status Record(const StepReport& report) override {
     const int64_t now = absl::GetCurrentTimeNanos();
-    absl::MutexLock lock(&mu_);
-    if (closed_) {
-      return absl::FailedPreconditionError("rankscope agent is closed");
+    bool wake;
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) {
+        return absl::FailedPreconditionError("rankscope agent is closed");
+      }
+      if (report.sketch.size() != options_.sketch_dim &&
+          (!current_sketch_dim_ || report.sketch.size() != *current_sketch_dim_)) {
+        ++stats_.invalid;
+        return absl::InvalidArgumentError(absl::StrCat("sketch has ", report.sketch.size(),
+                                                       " values, agent uses sketch_dim ",
+                                                       options_.sketch_dim));
+      }
+      if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
+        ++stats_.dropped;
+        --outstanding_;
+      }
+      ++stats_.recorded;
+      ++outstanding_;
+      // The sender is not woken for every report (a wake-up is a syscall, and an IPI, on the
+      // training thread): it polls the ring (kMinSendPoll..kMaxSendPoll) and is woken only when
+      // the ring gets half full.
+      wake = ring_.size() == wake_threshold_;
     }
-    if (report.sketch.size() != options_.sketch_dim &&
-        (!current_sketch_dim_ || report.sketch.size() != *current_sketch_dim_)) {
-      ++stats_.invalid;
-      return absl::InvalidArgumentError(
-          absl::StrCat("sketch has ", report.sketch.size(), " values, agent uses sketch_dim ",
-                       options_.sketch_dim));
-    }
-    if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
-      ++stats_.dropped;
-      --outstanding_;
-    }
-    ++stats_.recorded;
-    ++outstanding_;
+    if (wake) Wake();
     return absl::OkStatus();
   }
 
@@ -133,6 +153,10 @@ class AgentImpl final : public Agent {
       absl::MutexLock lock(&mu_);
       closed_ = true;
       stopping_ = true;  // the sender thread cancels the stream and returns
+    }
+    {
+      absl::MutexLock lock(&wake_mu_);
+      stop_requested_ = true;
     }
     if (sender_.joinable()) sender_.join();
     absl::MutexLock lock(&mu_);
@@ -228,16 +252,40 @@ class AgentImpl final : public Agent {
   void SenderLoop() {
     while (true) {
       RunStream();
+      absl::Duration delay;
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) break;
+        delay = backoff_.Next();
+      }
+      {
+        // Waits on wake_mu_, not mu_, so that Record() never evaluates a waiter's condition.
+        absl::MutexLock lock(&wake_mu_);
+        wake_mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), delay);
+      }
       absl::MutexLock lock(&mu_);
-      if (stopping_) break;
-      const absl::Duration delay = backoff_.Next();
-      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-      mu_.AwaitWithTimeout(absl::Condition(&stop), delay);
       if (stopping_) break;
       ++stats_.reconnects;
     }
     absl::MutexLock lock(&mu_);
     sender_done_ = true;
+  }
+
+  // Wakes the sender thread: work is waiting or the stream changed state. Any thread, without
+  // mu_ held.
+  void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
+    absl::MutexLock lock(&wake_mu_);
+    wake_ = true;
+  }
+
+  // Sender thread: sleeps until Wake(), Close() or `timeout`.
+  void WaitForWake(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(wake_mu_) {
+    absl::MutexLock lock(&wake_mu_);
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) {
+      return wake_ || stop_requested_;
+    };
+    wake_mu_.AwaitWithTimeout(absl::Condition(&woken), timeout);
+    wake_ = false;
   }
 
   // True when a write could be started: an unacked report to resend or a report in the ring.
@@ -265,16 +313,31 @@ class AgentImpl final : public Agent {
     call->StartRead(&call->in);
     call->AddHold();  // for the StartWrite calls below, made outside reactions
     call->StartCall();
+    // While writes chain in OnWriteDone the sender sleeps until the chain ends (a Wake from
+    // OnWriteDone). While the stream is idle it polls the ring, every kMinSendPoll at first and
+    // twice as long after each empty look, up to kMaxSendPoll.
+    absl::Duration poll = kMinSendPoll;
     while (true) {
+      bool start_write = false, chain_active = false;
       {
         absl::MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || stream_broken_ || (!writing_ && HasWorkLocked());
-        };
-        mu_.Await(absl::Condition(&ready));
         if (stopping_ || stream_broken_) break;
-        writing_ = true;
+        if (!writing_ && HasWorkLocked()) {
+          writing_ = true;
+          start_write = true;
+        }
+        chain_active = writing_;
       }
+      if (!start_write) {
+        if (chain_active) {
+          WaitForWake(kMaxSendPoll);
+        } else {
+          WaitForWake(poll);
+          poll = std::min(2 * poll, kMaxSendPoll);
+        }
+        continue;
+      }
+      poll = kMinSendPoll;
       MessagePtr msg = NextMessage();
       if (msg == nullptr) {
         absl::MutexLock lock(&mu_);
@@ -355,23 +418,27 @@ class AgentImpl final : public Agent {
   // Reaction: the hello or a report was written (ok) or the stream broke (!ok). Passes the
   // write token on: writes the next message at once if there is one.
   void OnWriteDone(StreamCall* call, bool ok) {
+    bool keep_writing = true;
     {
       absl::MutexLock lock(&mu_);
-      if (!ok) {
-        writing_ = false;
-        stream_broken_ = true;
-        return;
-      }
-      if (!call->hello_written) {
-        call->hello_written = true;
-        stats_.connected = true;
+      if (ok) {
+        if (!call->hello_written) {
+          call->hello_written = true;
+          stats_.connected = true;
+        } else {
+          ++stats_.sent;
+        }
       } else {
-        ++stats_.sent;
+        stream_broken_ = true;
       }
-      if (stopping_ || stream_broken_ || !HasWorkLocked()) {
+      if (!ok || stopping_ || stream_broken_ || !HasWorkLocked()) {
         writing_ = false;  // the sender thread takes over when work arrives
-        return;
+        keep_writing = false;
       }
+    }
+    if (!keep_writing) {
+      Wake();  // the chain ended: the sender reconnects (!ok) or goes back to polling the ring
+      return;
     }
     MessagePtr msg = NextMessage();
     if (msg == nullptr) {
@@ -385,12 +452,16 @@ class AgentImpl final : public Agent {
 
   // Reaction: an ack, rejection or control arrived (ok), or the stream ended (!ok).
   void OnReadDone(StreamCall* call, bool ok) {
+    if (!ok) {
+      {
+        absl::MutexLock lock(&mu_);
+        stream_broken_ = true;
+      }
+      Wake();
+      return;
+    }
     {
       absl::MutexLock lock(&mu_);
-      if (!ok) {
-        stream_broken_ = true;
-        return;
-      }
       if (!call->received_any) {
         call->received_any = true;
         backoff_.Reset();
@@ -439,7 +510,7 @@ class AgentImpl final : public Agent {
     absl::MutexLock lock(&mu_);
     stream_status_ = status;
     stream_broken_ = true;
-    stream_done_ = true;
+    stream_done_ = true;  // the sender waits for this on mu_
   }
 
   AgentOptions options_;
@@ -468,6 +539,13 @@ class AgentImpl final : public Agent {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool sender_done_ ABSL_GUARDED_BY(mu_) = false;
   bool warned_down_ ABSL_GUARDED_BY(mu_) = false;
+  const size_t wake_threshold_ = std::max<size_t>(options_.queue_capacity / 2, 1);
+
+  // The sender thread's sleep. Separate from mu_ so that Record(), which takes mu_, normally
+  // unlocks it with no waiter to examine or wake.
+  absl::Mutex wake_mu_;  // never held together with mu_
+  bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
+  bool stop_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   absl::Status close_status_ ABSL_GUARDED_BY(mu_);
 
@@ -496,6 +574,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
     return absl::InvalidArgumentError("collector_address is empty");
   }
   if (options.queue_capacity == 0) options.queue_capacity = 1;
+  // Debian's libabsl is built without NDEBUG, so absl::Mutex runs its deadlock detector on every
+  // lock in the process, ours and gRPC's: a global lock and a graph update per acquisition
+  // (~25 ns uncontended, serializing under contention) and, with the default kAbort, a crash of
+  // the training job if it ever suspects a lock-order cycle. A monitoring agent must neither slow
+  // nor abort the job it watches, so it turns the detector off (it is a debugging aid; builds
+  // with NDEBUG have it off already).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return std::unique_ptr<Agent>(new AgentImpl(std::move(options)));
 }
 

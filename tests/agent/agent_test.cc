@@ -128,7 +128,11 @@ TEST(AgentTest, ReceivesControlPushedThroughTheCollector) {
   EXPECT_FALSE(c.enabled);
   EXPECT_EQ(c.every, 4u);
   EXPECT_EQ(c.apply_at_step, 10u);
-  EXPECT_EQ(c.generation, 1u);
+  // Generations are at least the time in microseconds, so they survive collector restarts.
+  EXPECT_GE(c.generation, static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()) - 60'000'000));
+  auto again = (*collector)->pipeline().SetControl("agent-test", true, {}, {}, 3);
+  ASSERT_TRUE(again.ok());
+  EXPECT_GT(again->first.generation(), c.generation);
   EXPECT_EQ((*collector)->pipeline().SetControl("no-such-job", true, {}, {}, 1).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_TRUE((*agent)->Close(absl::Seconds(5)).ok());

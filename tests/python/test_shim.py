@@ -205,3 +205,15 @@ def test_a_second_backward_before_step_restarts_the_sketch(single_rank_group):
     assert mon._cpu_sketch.sum_squares() == pytest.approx(expected ** 2, rel=1e-6)
     assert mon.counters["backward_restarts"] == 1
     mon.close(timeout=0)
+
+
+def test_a_bad_loss_never_breaks_the_training_loop(single_rank_group):
+    import rankscope.torch as rst
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    mon = rst.attach(ddp, collector="127.0.0.1:1", job="bad-loss")
+    ddp(torch.randn(2, 4)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="could not report step 0"):
+        mon.step(torch.ones(3))  # not a scalar
+    assert mon.counters["step_errors"] == 1 and mon.step_number == 1
+    mon.close(timeout=0)

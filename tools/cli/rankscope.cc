@@ -159,7 +159,8 @@ int Ctl(const std::string& verb, const std::string& job) {
   if (!s.ok()) return Fail(s);
   const v1::Control& c = resp.control();
   std::printf(
-      "job %s: generation %llu applies at step %llu: enabled=%s every=%u sketch_dim=%s; "
+      "job %s: generation %llu, to apply at step %llu (ranks that have not reported recently, "
+      "e.g. dormant ones, agree on a later common step): enabled=%s every=%u sketch_dim=%s; "
       "%u ranks notified\n",
       job.c_str(), static_cast<unsigned long long>(c.generation()),
       static_cast<unsigned long long>(c.apply_at_step()), c.enabled() ? "true" : "false",

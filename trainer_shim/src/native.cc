@@ -150,8 +150,13 @@ class PyAgent {
   }
 
   // Records one step whose sketch is `sketch`'s bins. Returns "" or the refusal's message.
+  // The optional replica fields (fingerprints as uint64, the reduced gradient's norm) are sent
+  // when given (rankscope.fingerprint).
   std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
-                           std::optional<double> step_time_seconds, uint32_t local_batch_size) {
+                           std::optional<double> step_time_seconds, uint32_t local_batch_size,
+                           std::optional<uint64_t> reduced_grad_fingerprint,
+                           std::optional<uint64_t> param_fingerprint,
+                           std::optional<double> reduced_grad_norm) {
     StepReport r;
     r.step = step;
     r.loss = loss;
@@ -159,13 +164,19 @@ class PyAgent {
     r.sketch = sketch.Floats();
     r.step_time_seconds = step_time_seconds;
     r.local_batch_size = local_batch_size;
+    r.reduced_grad_fingerprint = reduced_grad_fingerprint;
+    r.param_fingerprint = param_fingerprint;
+    r.reduced_grad_norm = reduced_grad_norm;
     return StatusText(agent_->Record(r));
   }
 
   // Records one step whose sketch is `sketch_len` float32 values at `sketch_address`.
   std::string RecordRaw(uint64_t step, double loss, double grad_norm, uintptr_t sketch_address,
                         size_t sketch_len, std::optional<double> step_time_seconds,
-                        uint32_t local_batch_size) {
+                        uint32_t local_batch_size,
+                        std::optional<uint64_t> reduced_grad_fingerprint,
+                        std::optional<uint64_t> param_fingerprint,
+                        std::optional<double> reduced_grad_norm) {
     StepReport r;
     r.step = step;
     r.loss = loss;
@@ -173,6 +184,9 @@ class PyAgent {
     r.sketch = absl::MakeConstSpan(reinterpret_cast<const float*>(sketch_address), sketch_len);
     r.step_time_seconds = step_time_seconds;
     r.local_batch_size = local_batch_size;
+    r.reduced_grad_fingerprint = reduced_grad_fingerprint;
+    r.param_fingerprint = param_fingerprint;
+    r.reduced_grad_norm = reduced_grad_norm;
     return StatusText(agent_->Record(r));
   }
 
@@ -217,12 +231,11 @@ class PyAgent {
   std::unique_ptr<Agent> agent_;
 };
 
-AgentOptions MakeAgentOptions(const std::string& collector, const std::string& job,
-                              uint32_t rank, uint32_t world_size, uint32_t sketch_dim,
-                              uint64_t sketch_seed, uint32_t attempt, const std::string& host,
-                              const std::string& framework_version,
-                              const std::string& auth_token, size_t queue_capacity,
-                              size_t max_unacked, double initial_backoff_s,
+AgentOptions MakeAgentOptions(const std::string& collector, const std::string& job, uint32_t rank,
+                              uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
+                              uint32_t attempt, const std::string& host,
+                              const std::string& framework_version, const std::string& auth_token,
+                              size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
                               double max_backoff_s) {
   AgentOptions o;
   o.collector_address = collector;
@@ -258,17 +271,17 @@ py::dict SetControl(const std::string& collector, const std::string& job,
   grpc::Status status;
   {
     py::gil_scoped_release release;
-    auto stub = v1::Query::NewStub(
-        grpc::CreateChannel(collector, grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Query::NewStub(grpc::CreateChannel(collector, grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
     status = stub->SetControl(&ctx, req, &resp);
   }
   if (!status.ok()) {
-    throw std::runtime_error("SetControl on " + collector + " failed: " +
-                             std::to_string(static_cast<int>(status.error_code())) + " " +
-                             status.error_message());
+    throw std::runtime_error("SetControl on " + collector +
+                             " failed: " + std::to_string(static_cast<int>(status.error_code())) +
+                             " " + status.error_message());
   }
   py::dict d;
   d["generation"] = resp.control().generation();
@@ -314,9 +327,10 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("out_address"), py::arg("offset"), py::arg("n"), py::arg("seed"),
       "Writes SketchMix(offset + i, seed) for i < n as uint64 at out_address (tests).");
-  m.def("kernel_isa", [] { return std::string(sketch_internal::KernelIsaName(
-                               sketch_internal::BestKernelIsa())); },
-        "The instruction set the sketch kernel uses on this CPU.");
+  m.def(
+      "kernel_isa",
+      [] { return std::string(sketch_internal::KernelIsaName(sketch_internal::BestKernelIsa())); },
+      "The instruction set the sketch kernel uses on this CPU.");
 
   py::class_<BucketPlan>(m, "BucketPlan",
                          "Segments of one gradient bucket: byte offsets in its buffer, element "
@@ -325,8 +339,7 @@ PYBIND11_MODULE(_native, m) {
                        std::vector<uint64_t> global_offsets) {
              absl::StatusOr<ScalarType> type = ToScalarType(dtype);
              if (!type.ok()) throw py::value_error(std::string(type.status().message()));
-             if (byte_offsets.size() != counts.size() ||
-                 counts.size() != global_offsets.size()) {
+             if (byte_offsets.size() != counts.size() || counts.size() != global_offsets.size()) {
                throw py::value_error("byte_offsets, counts and global_offsets differ in length");
              }
              auto plan = std::make_unique<BucketPlan>();
@@ -336,10 +349,8 @@ PYBIND11_MODULE(_native, m) {
              plan->global_offsets = std::move(global_offsets);
              return plan;
            }),
-           py::arg("dtype"), py::arg("byte_offsets"), py::arg("counts"),
-           py::arg("global_offsets"))
-      .def_property_readonly("segments",
-                             [](const BucketPlan& p) { return p.counts.size(); });
+           py::arg("dtype"), py::arg("byte_offsets"), py::arg("counts"), py::arg("global_offsets"))
+      .def_property_readonly("segments", [](const BucketPlan& p) { return p.counts.size(); });
 
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
       .def(py::init<uint32_t, uint64_t>(), py::arg("dim"), py::arg("seed") = kDefaultSketchSeed)
@@ -349,8 +360,8 @@ PYBIND11_MODULE(_native, m) {
       .def("sum_squares", &PySketch::sum_squares)
       .def("add", &PySketch::Add, py::arg("address"), py::arg("dtype"), py::arg("n"),
            py::arg("offset"))
-      .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"),
-           py::arg("offsets"), py::arg("dtype"))
+      .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"), py::arg("offsets"),
+           py::arg("dtype"))
       .def("add_plan", &PySketch::AddPlan, py::arg("plan"), py::arg("base_address"))
       .def("copy_to", &PySketch::CopyTo, py::arg("address"))
       .def("copy_bins_to", &PySketch::CopyBinsTo, py::arg("address"))
@@ -363,10 +374,10 @@ PYBIND11_MODULE(_native, m) {
                        const std::string& framework_version, const std::string& auth_token,
                        size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
                        double max_backoff_s) {
-             return std::make_unique<PyAgent>(MakeAgentOptions(
-                 collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
-                 framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
-                 max_backoff_s));
+             return std::make_unique<PyAgent>(
+                 MakeAgentOptions(collector, job, rank, world_size, sketch_dim, sketch_seed,
+                                  attempt, host, framework_version, auth_token, queue_capacity,
+                                  max_unacked, initial_backoff_s, max_backoff_s));
            }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
@@ -376,10 +387,13 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_backoff_s") = 10.0)
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
-           py::arg("local_batch_size") = 0)
+           py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
+           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none())
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
-           py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0)
+           py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
+           py::arg("reduced_grad_fingerprint") = py::none(),
+           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none())
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)
@@ -388,6 +402,5 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_control", &SetControl, py::arg("collector"), py::arg("job"),
         py::arg("enabled") = py::none(), py::arg("every") = py::none(),
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
-        py::arg("timeout_seconds") = 10.0,
-        "Query.SetControl (what `rankscope ctl` sends).");
+        py::arg("timeout_seconds") = 10.0, "Query.SetControl (what `rankscope ctl` sends).");
 }

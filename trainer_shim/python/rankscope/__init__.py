@@ -5,9 +5,7 @@ sends operator control (what ``rankscope ctl`` sends) from Python. The native pa
 ``rankscope._native`` (pybind11 over the C++ agent and count sketch).
 """
 
-from rankscope._native import (  # noqa: F401
-    AGENT_VERSION as __version__,
-    DEFAULT_SKETCH_DIM,
-    DEFAULT_SKETCH_SEED,
-    MAX_SKETCH_DIM,
-)
+from rankscope._native import AGENT_VERSION as __version__
+from rankscope._native import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, MAX_SKETCH_DIM
+
+__all__ = ["__version__", "DEFAULT_SKETCH_DIM", "DEFAULT_SKETCH_SEED", "MAX_SKETCH_DIM"]

@@ -38,6 +38,7 @@ runs on the autograd thread while backward runs, which never overlaps ``mon.step
 
 import atexit
 import collections
+import datetime
 import math
 import os
 import time
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from rankscope import _native
+from rankscope import fingerprint as _fp
 from rankscope.torch_sketch import TorchSketch
 
 __all__ = ["attach", "Monitor"]
@@ -78,6 +80,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            start_step: int = 0,
            sketch_seed: int = _native.DEFAULT_SKETCH_SEED,
            local_batch_size: int = 0,
+           param_check_every: int = 50,
+           fingerprints: bool = True,
            comm_hook: Optional[Callable] = None,
            comm_hook_state=None,
            auth_token: Optional[str] = None,
@@ -105,6 +109,11 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         when attaching late or resuming, so that steps line up with earlier reports).
       sketch_seed: hash seed (same on every rank).
       local_batch_size: samples per rank and step, reported for the noise-scale estimate.
+      param_check_every: fingerprint the parameters after the optimizer step every N steps (the
+        first reported step at or after each multiple of N, and the first reported step); 0
+        never. The collector names the ranks whose parameters differ (replica divergence).
+      fingerprints: fingerprint the reduced gradient of every reported step (and the parameters,
+        see ``param_check_every``); see rankscope.fingerprint.
       warn_after: seconds without a collector connection before a warning (once).
       max_backoff: longest wait, in seconds, between reconnection attempts.
       control_margin: seconds of steps between the first rank seeing a control message and the
@@ -129,10 +138,13 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         dormant = _env_flag("RANKSCOPE_DORMANT")
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
+    if param_check_every < 0:
+        raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
     monitor = Monitor(model, collector=collector, job=job, sketch_dim=int(sketch_dim),
                       every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
-                      auth_token=auth_token or "", queue_capacity=int(queue_capacity),
+                      param_check_every=int(param_check_every) if fingerprints else 0,
+                      fingerprints=bool(fingerprints), auth_token=auth_token or "", queue_capacity=int(queue_capacity),
                       max_unacked=int(max_unacked), warn_after=float(warn_after),
                       max_backoff=float(max_backoff),
                       control_margin=float(control_margin), close_timeout=float(close_timeout))
@@ -165,23 +177,35 @@ class _HookState:
 
 def _rankscope_comm_hook(state: _HookState,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: sketch the bucket's local gradient, then all-reduce it."""
+    """DDP comm hook: sketch the bucket's local gradient, then all-reduce it; once reduced,
+    fold the reduced bucket into the step's replica fingerprint (a callback chained on the
+    all-reduce's future: it runs when the collective completes, on the tensor's device)."""
     monitor = state.monitor
-    if monitor._active:
-        try:
-            monitor._add_bucket(bucket)
-        except Exception as e:  # monitoring must never break training
-            monitor._hook_failed(e)
-    return state.chain(state.chain_state, bucket)
+    if not monitor._active:
+        return state.chain(state.chain_state, bucket)
+    layout = None
+    try:
+        monitor._add_bucket(bucket)
+        if monitor._fingerprints:
+            layout = monitor._bucket_layout(bucket)
+    except Exception as e:  # monitoring must never break training
+        monitor._hook_failed(e)
+    fut = state.chain(state.chain_state, bucket)
+    if layout is None:
+        return fut
+    return fut.then(lambda f: monitor._fold_reduced(f, layout))
 
 
 class _Pending:
     """A report whose values are being copied from a device to pinned host memory."""
 
     __slots__ = ("step", "host", "event", "cpu_bins", "cpu_sum_squares", "loss", "step_time",
-                 "batch")
+                 "batch", "fp_host", "fp_present")
 
-    def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch):
+    def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch,
+                 fp_host=None, fp_present=(False, False, False)):
+        self.fp_host = fp_host  # int64 [grad fingerprint, param fingerprint, reduced ss bits]
+        self.fp_present = fp_present
         self.step = step
         self.host = host
         self.event = event
@@ -196,7 +220,8 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, sketch_dim, every, enabled, start_step,
-                 sketch_seed, local_batch_size, auth_token, queue_capacity, max_unacked,
+                 sketch_seed, local_batch_size, auth_token, param_check_every=50,
+                 fingerprints=True, queue_capacity, max_unacked,
                  warn_after, max_backoff, control_margin, close_timeout):
         pg = model.process_group
         self.rank = dist.get_rank(pg)
@@ -222,6 +247,21 @@ class Monitor:
                 self._offset_by_ptr[p.data_ptr()] = total
             total += p.numel()
         self.num_coordinates = total
+        # Parameter fingerprints: every parameter (frozen ones too), model.parameters() order.
+        self._fp_params = []
+        self._fp_param_offsets = []
+        seen, total = set(), 0
+        for p in model.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self._fp_params.append(p)
+            self._fp_param_offsets.append(total)
+            total += p.numel()
+        self._fingerprints = fingerprints
+        self._param_check_every = param_check_every
+        self._last_param_check = None  # step of the last parameter fingerprint
+        self._layouts = {}  # bucket index -> (buffer address, numel, SegmentLayout), when final
 
         self._agent = _native.Agent(
             collector=collector, job=job, rank=self.rank, world_size=self.world_size,
@@ -249,6 +289,11 @@ class Monitor:
         self._got_grads = False
         self._seen_params = set()  # global offsets of the parameters sketched this step
         self._t_first_hook = None
+        # Reduced-gradient fingerprint and sum of squares, one 0-d tensor per reduced bucket
+        # (appended by future callbacks, possibly on a communication thread: list.append only).
+        self._fp_buckets = 0
+        self._grad_fps = []
+        self._reduced_ss = []
 
         self._step = start_step
         self._t_attach = time.monotonic()
@@ -265,6 +310,8 @@ class Monitor:
         self._warned = set()
 
         self._active = self._decide(self._step)
+        # The step time of the first step runs from the start of its forward.
+        self._forward_hook = model.register_forward_pre_hook(_forward_started(weakref.ref(self)))
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- public API -------------------------------------------------------------------------
@@ -297,7 +344,12 @@ class Monitor:
         now = time.monotonic()
         if self._active:
             if self._got_grads:
-                self._emit(s, loss, batch_size)
+                try:
+                    self._emit(s, loss, batch_size)
+                except Exception as e:  # monitoring must never break training
+                    self.counters["step_errors"] += 1
+                    self._warn_once("emit", f"rankscope: could not report step {s} ({e!r}); "
+                                    "training is unaffected")
             else:
                 self.counters["steps_without_gradients"] += 1
                 self._warn_once(
@@ -309,6 +361,9 @@ class Monitor:
             self._step_time_ema = dt if self._step_time_ema is None else (
                 0.9 * self._step_time_ema + 0.1 * dt)
         self._t_step_end = now
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self._step = s + 1
         if self._pending:
             self._drain(block=False)
@@ -494,6 +549,94 @@ class Monitor:
         self._seen_params.clear()
         self._got_grads = False
         self._t_first_hook = None
+        self._fp_buckets = 0
+        self._grad_fps = []
+        self._reduced_ss = []
+
+    # ---- replica fingerprints -----------------------------------------------------------------
+
+    def _bucket_layout(self, bucket):
+        """Where this bucket's parameters lie in its buffer and in the global flat vector (a
+        SegmentLayout), or None when the buffer cannot be folded (counted). Cached per bucket
+        once DDP's buckets are final."""
+        buf = bucket.buffer()
+        entry = self._layouts.get(bucket.index()) if self._plans_final else None
+        if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
+            self._fp_buckets += 1
+            return entry[2]
+        if not _fp.supported(buf.dtype) or buf.is_sparse:
+            self._fp_skipped(f"a {buf.dtype} gradient bucket")
+            return None
+        base, size = buf.data_ptr(), buf.element_size()
+        starts, counts, offsets = [], [], []
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            n = g.numel()
+            if n == 0:
+                continue
+            off = self._offset_of(p)
+            delta = g.data_ptr() - base
+            if (off is None or g.dtype != buf.dtype or not g.is_contiguous() or delta % size
+                    or delta < 0 or delta // size + n > buf.numel()):
+                self._fp_skipped("a gradient that is not a dense view of its bucket")
+                return None
+            starts.append(delta // size)
+            counts.append(n)
+            offsets.append(off)
+        layout = _fp.SegmentLayout(buf.numel(), starts, counts, offsets)
+        if self._plans_final:
+            self._layouts[bucket.index()] = (base, buf.numel(), layout)
+        self._fp_buckets += 1
+        return layout
+
+    def _fold_reduced(self, fut, layout):
+        """Future callback (after the all-reduce): folds the reduced bucket into the step's
+        fingerprint and sum of squares on its device, and passes the value on unchanged."""
+        value = fut.value()
+        try:
+            t = value[0] if isinstance(value, (list, tuple)) else value
+            flat = t.detach().reshape(-1)
+            self._grad_fps.append(_fp.fold_segments(flat, layout))
+            norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
+            self._reduced_ss.append(norm * norm)
+        except Exception as e:  # monitoring must never break training
+            self.counters["fingerprint_errors"] += 1
+            self._warn_once("fperr", f"rankscope: could not fingerprint a reduced bucket ({e!r})")
+        return value
+
+    def _fp_skipped(self, what: str) -> None:
+        self.counters["fingerprint_skipped_buckets"] += 1
+        self._warn_once("fpskip", f"rankscope: {what} cannot be fingerprinted; the reduced "
+                        "gradient's replica check is off for such steps")
+
+    def _param_check_due(self, step: int) -> bool:
+        every = self._param_check_every
+        if not every:
+            return False
+        last = self._last_param_check
+        return last is None or step // every > last // every or step < last
+
+    def _step_fingerprints(self, step: int, device):
+        """(grad fingerprint, param fingerprint, reduced sum of squares): 0-d tensors on
+        ``device`` or None, for the step being closed. No synchronization."""
+        grad_fp = reduced_ss = param_fp = None
+        if self._fingerprints and self._fp_buckets and len(self._grad_fps) == self._fp_buckets:
+            grad_fp = torch.stack([t.to(device) for t in self._grad_fps]).sum()
+            reduced_ss = torch.stack([t.to(device) for t in self._reduced_ss]).sum()
+        if self._param_check_due(step):
+            try:
+                with torch.no_grad():
+                    parts = [_fp.fold(p, off).to(device)
+                             for p, off in zip(self._fp_params, self._fp_param_offsets)
+                             if _fp.supported(p.dtype)]
+                param_fp = (torch.stack(parts).sum() if parts
+                            else torch.zeros((), dtype=torch.int64, device=device))
+                self._last_param_check = step
+                self.counters["param_checks"] += 1
+            except Exception as e:
+                self.counters["fingerprint_errors"] += 1
+                self._warn_once("fpparam", f"rankscope: could not fingerprint the parameters "
+                                f"({e!r})")
+        return grad_fp, param_fp, reduced_ss
 
     def _begin_step(self) -> None:
         if self._got_grads or self._seen_params:
@@ -529,9 +672,14 @@ class Monitor:
         step_time = self._step_time()
         loss_on_device = isinstance(loss, torch.Tensor) and loss.device.type != "cpu"
         if not self._device_sketches and not loss_on_device:
+            grad_fp, param_fp, reduced_ss = self._step_fingerprints(step, torch.device("cpu"))
             gn = math.sqrt(max(self._cpu_sketch.sum_squares(), 0.0))
-            err = self._agent.record_sketch(step, _host_loss(loss), gn, self._cpu_sketch,
-                                            step_time, batch)
+            err = self._agent.record_sketch(
+                step, _host_loss(loss), gn, self._cpu_sketch, step_time, batch,
+                reduced_grad_fingerprint=None if grad_fp is None else _fp.to_uint64(grad_fp),
+                param_fingerprint=None if param_fp is None else _fp.to_uint64(param_fp),
+                reduced_grad_norm=None if reduced_ss is None else math.sqrt(
+                    max(float(reduced_ss), 0.0)))
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch)
@@ -558,15 +706,31 @@ class Monitor:
             cpu_bins = torch.empty(self._dim, dtype=torch.float64)
             self._cpu_sketch.copy_bins_to(cpu_bins.data_ptr())
             cpu_ss = self._cpu_sketch.sum_squares()
+        grad_fp, param_fp, reduced_ss = self._step_fingerprints(step, device)
+        present = (grad_fp is not None, param_fp is not None, reduced_ss is not None)
+        fp_payload = None
+        if any(present):
+            fp_payload = torch.zeros(3, dtype=torch.int64, device=device)
+            if grad_fp is not None:
+                fp_payload[0].copy_(grad_fp)
+            if param_fp is not None:
+                fp_payload[1].copy_(param_fp)
+            if reduced_ss is not None:
+                fp_payload[2:].copy_(reduced_ss.to(torch.float64).reshape(1).view(torch.int64))
         if device.type == "cuda":
             host = torch.empty(self._dim + 2, dtype=torch.float64, pin_memory=True)
             host.copy_(payload, non_blocking=True)
+            fp_host = None
+            if fp_payload is not None:
+                fp_host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+                fp_host.copy_(fp_payload, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:  # no portable event: copied when drained (a later step), which waits there
-            host, event = payload, None
+            host, fp_host, event = payload, fp_payload, None
         self._pending.append(
-            _Pending(step, host, event, cpu_bins, cpu_ss, host_loss, step_time, batch))
+            _Pending(step, host, event, cpu_bins, cpu_ss, host_loss, step_time, batch,
+                     fp_host, present))
         if len(self._pending) > _MAX_PENDING:
             self.counters["pending_overflow_waits"] += 1
             self._drain(block=True, limit=1)
@@ -580,14 +744,26 @@ class Monitor:
                     return
                 p.event.synchronize()
             host = p.host if p.event is not None else p.host.to("cpu")
-            bins = host[:self._dim]
-            ss = float(host[self._dim]) + p.cpu_sum_squares
+            dim = host.numel() - 2  # the sketch_dim of its step (a control may have changed it)
+            bins = host[:dim]
+            ss = float(host[dim]) + p.cpu_sum_squares
             if p.cpu_bins is not None:
                 bins = bins + p.cpu_bins
-            loss = float(host[self._dim + 1]) if p.loss is None else p.loss
+            loss = float(host[dim + 1]) if p.loss is None else p.loss
             floats = bins.to(torch.float32).contiguous()
+            fps = [None, None, None]
+            if p.fp_host is not None:
+                fp_host = p.fp_host if p.event is not None else p.fp_host.to("cpu")
+                if p.fp_present[0]:
+                    fps[0] = _fp.to_uint64(fp_host[0])
+                if p.fp_present[1]:
+                    fps[1] = _fp.to_uint64(fp_host[1])
+                if p.fp_present[2]:
+                    fps[2] = math.sqrt(max(float(fp_host[2:].view(torch.float64)[0]), 0.0))
             err = self._agent.record_raw(p.step, loss, math.sqrt(max(ss, 0.0)),
-                                         floats.data_ptr(), floats.numel(), p.step_time, p.batch)
+                                         floats.data_ptr(), floats.numel(), p.step_time, p.batch,
+                                         reduced_grad_fingerprint=fps[0],
+                                         param_fingerprint=fps[1], reduced_grad_norm=fps[2])
             self._after_record(err)
             self._pending.popleft()
             done += 1
@@ -646,7 +822,6 @@ class Monitor:
             if store.add(key + "/n", 1) == 1:
                 store.set(key, str(proposal))
                 return proposal
-            import datetime
             store.wait([key], datetime.timedelta(seconds=10))
             return int(store.get(key))
         except Exception as e:  # a store problem must not stop training
@@ -699,6 +874,19 @@ def _buckets_are_final(ddp) -> bool:
         return True
     return bool(getattr(ddp, "find_unused_parameters", False)) and not getattr(
         ddp, "static_graph", False)
+
+
+def _forward_started(ref):
+    """A forward pre-hook: the first step's time runs from the start of its forward (later
+    steps' from the end of the previous mon.step)."""
+
+    def hook(module, inputs):
+        monitor = ref()
+        if monitor is not None and monitor._t_step_end is None:
+            monitor._t_step_end = time.monotonic()
+        return None
+
+    return hook
 
 
 def _host_loss(loss) -> float:

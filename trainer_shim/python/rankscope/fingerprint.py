@@ -1,0 +1,147 @@
+"""Order-independent 64-bit replica fingerprints, computed on the tensor's device.
+
+For a flat vector whose element ``i`` has global flat index ``g_i`` and bit pattern ``bits_i``
+(the value viewed as int32; int16 for bfloat16/float16; int64 for float64; sign-extended to
+int64), the fingerprint is
+
+    F = sum_i (bits_i + 1) * (2 * g_i + 1)   mod 2**64
+
+in int64 two's-complement arithmetic (``+`` and ``*`` wrap as uint64 would). Properties:
+
+* order independence: a sum, so any split into chunks or buckets, in any order, gives the same F
+  (fingerprints of disjoint parts are combined with ``combine``, a wrapping add);
+* sensitivity: ``2 g + 1`` is odd, so multiplying by it is a bijection mod 2**64; changing one
+  element's bits (one ulp, one flipped bit) changes its term and therefore F. Two simultaneous
+  changes can cancel only by a 2**-64-rare coincidence;
+* position: the weight ties each value to its global index, so swapping two values changes F.
+
+Everything is torch integer ops on the tensor's device: no host copy, no synchronization. The
+result is a 0-d int64 tensor; ``to_uint64`` turns a host value into the unsigned number sent to
+the collector. A bucket of a DDP gradient buffer is folded with ``fold_segments`` in a constant
+number of kernels (two cumulative sums), whatever the number of parameters in it.
+"""
+
+from typing import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+# dtype -> the integer dtype of the same width whose view gives the value's bits.
+_BITS_DTYPE = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+    torch.int32: torch.int32,
+    torch.int64: torch.int64,
+    torch.int16: torch.int16,
+}
+
+
+def supported(dtype: torch.dtype) -> bool:
+    return dtype in _BITS_DTYPE
+
+
+def to_uint64(value) -> int:
+    """The unsigned 64-bit number with the bit pattern of an int64 (a Python int or 0-d tensor
+    on the CPU)."""
+    return int(value) & _MASK64
+
+
+def _terms(flat: torch.Tensor) -> torch.Tensor:
+    """bits + 1 as int64 (a new tensor)."""
+    bits = flat.view(_BITS_DTYPE[flat.dtype])
+    if bits.dtype == torch.int64:
+        return bits.add(1)
+    return bits.to(torch.int64).add_(1)
+
+
+def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """F of ``values`` (flattened, contiguous or not) as global indices [offset, offset + n).
+    A 0-d int64 tensor on the values' device."""
+    flat = values.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    c = _terms(flat)
+    # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
+    csum = c.sum()
+    w = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=flat.device)
+    total = c.mul_(w).sum()
+    return total.add_(csum.mul_(2 * offset))
+
+
+class SegmentLayout:
+    """Where the parameters of one flat buffer (a DDP gradient bucket) lie: element ``starts``
+    in the buffer, ``counts`` elements each, at global flat indices ``global_offsets``. Holds the
+    small index tensors ``fold_segments`` needs, per device."""
+
+    __slots__ = ("numel", "starts", "counts", "global_offsets", "_device_tensors")
+
+    def __init__(self, numel: int, starts: Sequence[int], counts: Sequence[int],
+                 global_offsets: Sequence[int]):
+        if not (len(starts) == len(counts) == len(global_offsets)):
+            raise ValueError("starts, counts and global_offsets differ in length")
+        for s, n in zip(starts, counts):
+            if s < 0 or n < 0 or s + n > numel:
+                raise ValueError(f"segment [{s}, {s + n}) outside a buffer of {numel}")
+        self.numel = int(numel)
+        self.starts = [int(s) for s in starts]
+        self.counts = [int(n) for n in counts]
+        self.global_offsets = [int(o) for o in global_offsets]
+        self._device_tensors = {}
+
+    def tensors(self, device):
+        t = self._device_tensors.get(device)
+        if t is None:
+            starts = torch.tensor(self.starts, dtype=torch.int64)
+            ends = starts + torch.tensor(self.counts, dtype=torch.int64)
+            shift = 2 * (torch.tensor(self.global_offsets, dtype=torch.int64) - starts)
+            t = (starts.to(device), ends.to(device), shift.to(device))
+            self._device_tensors[device] = t
+        return t
+
+
+def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
+    """F of the segments of ``buffer`` described by ``layout`` (elements outside every segment,
+    e.g. padding, do not count). With p the position in the buffer and shift = 2 (o_k - s_k),
+    segment k contributes sum c_p (2 p + 1) + shift_k sum c_p over its positions; both sums come
+    from prefix sums, so the cost is a constant number of kernels per buffer."""
+    flat = buffer.detach().reshape(-1)
+    if flat.numel() != layout.numel:
+        raise ValueError(f"buffer has {flat.numel()} elements, layout {layout.numel}")
+    device = flat.device
+    if not layout.counts:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    c = _terms(flat)
+    w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
+    cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
+    torch.cumsum(c, 0, out=cs1[1:])
+    cs2 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
+    torch.cumsum(c.mul_(w), 0, out=cs2[1:])
+    starts, ends, shift = layout.tensors(device)
+    seg = cs2[ends].sub_(cs2[starts]).add_(shift.mul(cs1[ends].sub_(cs1[starts])))
+    return seg.sum()
+
+
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """F of the union of two disjoint index sets (a wrapping add)."""
+    return a + b.to(a.device)
+
+
+def fold_parameters(params, offsets=None) -> torch.Tensor:
+    """F of the concatenation of ``params`` (flat index order = the given order), on the first
+    parameter's device; parameters on other devices are folded where they are and added."""
+    total = None
+    offset = 0
+    for i, p in enumerate(params):
+        off = offset if offsets is None else offsets[i]
+        part = fold(p, off)
+        total = part if total is None else combine(total, part)
+        offset = off + p.numel()
+    if total is None:
+        return torch.zeros((), dtype=torch.int64)
+    return total

@@ -1,0 +1,1 @@
+"""rankscope.report: placeholder (filled in below)."""
