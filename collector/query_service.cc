@@ -1,6 +1,7 @@
 #include "collector/query_service.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -15,6 +16,45 @@ namespace {
 
 grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+void FillStepStats(const StepRow& row, v1::StepStats* s) {
+  s->set_step(row.step);
+  s->set_ranks(row.ranks);
+  s->set_loss_mean(row.loss_mean);
+  s->set_loss_std(row.loss_std);
+  s->set_loss_range(row.loss_range);
+  s->set_grad_norm_mean(row.grad_norm_mean);
+  s->set_grad_norm_std(row.grad_norm_std);
+  s->set_grad_norm_cv(row.grad_norm_cv);
+  s->set_grad_cosine_mean(row.grad_cosine_mean);
+  s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  s->set_world_size(row.world_size);
+  s->set_timed_out(row.timed_out);
+  s->set_grad_noise_scale(row.grad_noise_scale);
+  s->set_replica_checked(row.replica_checked);
+  s->mutable_replica_divergent_ranks()->Add(row.replica_divergent_ranks.begin(),
+                                            row.replica_divergent_ranks.end());
+  s->mutable_outlier_ranks()->Add(row.outlier_ranks.begin(), row.outlier_ranks.end());
+}
+
+void FillRankStep(const StepRankRow& in, v1::RankStep* out) {
+  const RankRow& r = in.row;
+  out->set_step(in.step);
+  out->set_rank(r.rank);
+  out->set_attempt(r.attempt);
+  out->set_loss(r.loss);
+  out->set_grad_norm(r.grad_norm);
+  if (r.grad_cosine) out->set_grad_cosine(*r.grad_cosine);
+  if (r.loss_z) out->set_loss_z(*r.loss_z);
+  if (r.grad_norm_z) out->set_grad_norm_z(*r.grad_norm_z);
+  if (r.reduced_grad_fingerprint) out->set_reduced_grad_fingerprint(*r.reduced_grad_fingerprint);
+  if (r.param_fingerprint) out->set_param_fingerprint(*r.param_fingerprint);
+  if (r.step_time_seconds) out->set_step_time_seconds(*r.step_time_seconds);
+  if (r.replica_ok) out->set_replica_ok(*r.replica_ok);
+  if (r.outlier_score) out->set_outlier_score(*r.outlier_score);
+  if (r.step_time_z) out->set_step_time_z(*r.step_time_z);
+  out->set_received_at_unix_nanos(absl::ToUnixNanos(r.received_at));
 }
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc::Status& s) {
@@ -81,18 +121,43 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
   absl::MutexLock lock(&mu_);
   auto rows = reader_->RecentSteps(request->job(), limit);
   if (!rows.ok()) return Done(context, ToGrpc(rows.status()));
-  for (const StepRow& row : *rows) {
-    v1::StepStats* s = response->add_steps();
-    s->set_step(row.step);
-    s->set_ranks(row.ranks);
-    s->set_loss_mean(row.loss_mean);
-    s->set_loss_std(row.loss_std);
-    s->set_loss_range(row.loss_range);
-    s->set_grad_norm_mean(row.grad_norm_mean);
-    s->set_grad_norm_std(row.grad_norm_std);
-    s->set_grad_norm_cv(row.grad_norm_cv);
-    s->set_grad_cosine_mean(row.grad_cosine_mean);
-    s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  for (const StepRow& row : *rows) FillStepStats(row, response->add_steps());
+  return Done(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* context,
+                                                  const v1::StepRangeRequest* request,
+                                                  v1::StepRangeResponse* response) {
+  if (!IsValidJobName(request->job(), 128)) {
+    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  }
+  const uint64_t last =
+      request->last_step() == 0 ? std::numeric_limits<uint64_t>::max() : request->last_step();
+  if (request->first_step() > last) {
+    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      absl::StrCat("first_step ", request->first_step(),
+                                                   " > last_step ", last)));
+  }
+  const int limit =
+      request->limit() == 0 ? 10000 : static_cast<int>(std::min(request->limit(), 1000000u));
+  absl::MutexLock lock(&mu_);
+  // One more than the limit tells whether the response is truncated.
+  auto steps = reader_->StepRange(request->job(), request->first_step(), last, limit + 1);
+  if (!steps.ok()) return Done(context, ToGrpc(steps.status()));
+  if (steps->size() > static_cast<size_t>(limit)) {
+    steps->resize(limit);
+    response->set_truncated(true);
+  }
+  for (const StepRow& row : *steps) FillStepStats(row, response->add_steps());
+  if (request->include_ranks()) {
+    auto ranks = reader_->RankRowsInRange(request->job(), request->first_step(), last, limit + 1);
+    if (!ranks.ok()) return Done(context, ToGrpc(ranks.status()));
+    if (ranks->size() > static_cast<size_t>(limit)) {
+      ranks->resize(limit);
+      response->set_truncated(true);
+    }
+    for (const StepRankRow& row : *ranks) FillRankStep(row, response->add_ranks());
   }
   return Done(context, grpc::Status::OK);
 }

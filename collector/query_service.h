@@ -2,7 +2,8 @@
 //
 // ListJobs merges live state (connected ranks) with the SQLite jobs table; RecentSteps reads
 // SQLite through the service's own read connection (WAL lets it run beside the writer);
-// SetControl asks the pipeline to push a control message to every rank of a job.
+// StepRange reads step and rank rows of a step range the same way (export, report, the worst
+// ranks of `show`); SetControl asks the pipeline to push a control message to every rank of a job.
 //
 // Thread safety: thread-safe; the read connection is guarded by mu_.
 #ifndef RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
@@ -31,6 +32,9 @@ class QueryService final : public v1::Query::CallbackService {
   grpc::ServerUnaryReactor* SetControl(grpc::CallbackServerContext* context,
                                        const v1::ControlRequest* request,
                                        v1::ControlResponse* response) override;
+  grpc::ServerUnaryReactor* StepRange(grpc::CallbackServerContext* context,
+                                      const v1::StepRangeRequest* request,
+                                      v1::StepRangeResponse* response) override;
 
  private:
   StepPipeline* const pipeline_;

@@ -162,6 +162,14 @@ constexpr char kRankRows[] =
     "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
     "outlier_score, step_time_z FROM rank_steps WHERE job = ?1 AND step = ?2 ORDER BY rank";
 constexpr char kCountRankRows[] = "SELECT count(*) FROM rank_steps WHERE job = ?1";
+constexpr char kStepRange[] = "SELECT " RANKSCOPE_STEP_COLUMNS
+                              " FROM step_stats WHERE job = ?1 AND step >= ?2 AND "
+                              "step <= ?3 ORDER BY step LIMIT ?4";
+constexpr char kRankRowsInRange[] =
+    "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
+    "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
+    "outlier_score, step_time_z, step FROM rank_steps WHERE job = ?1 AND step >= ?2 AND "
+    "step <= ?3 ORDER BY step, rank LIMIT ?4";
 
 #undef RANKSCOPE_STEP_COLUMNS
 
@@ -363,6 +371,8 @@ struct SqliteStore::Statements {
   Stmt get_step;
   Stmt rank_rows;
   Stmt count_rank_rows;
+  Stmt step_range;
+  Stmt rank_rows_in_range;
 };
 
 namespace {
@@ -507,6 +517,8 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string
       {&store->stmts_->get_step, kGetStep},
       {&store->stmts_->rank_rows, kRankRows},
       {&store->stmts_->count_rank_rows, kCountRankRows},
+      {&store->stmts_->step_range, kStepRange},
+      {&store->stmts_->rank_rows_in_range, kRankRowsInRange},
   };
   for (const auto& s : kStatements) {
     sqlite3_stmt* raw = nullptr;
@@ -672,6 +684,29 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Reads columns 0..14 of a rank_steps row in kRankRows' order.
+void ReadRankRow(sqlite3_stmt* stmt, RankRow* row) {
+  row->rank = ColumnU32(stmt, 0);
+  row->attempt = ColumnU32(stmt, 1);
+  row->join_size = ColumnU32(stmt, 2);
+  row->loss = ColumnDouble(stmt, 3);
+  row->grad_norm = ColumnDouble(stmt, 4);
+  row->grad_cosine = ColumnOptionalDouble(stmt, 5);
+  row->loss_z = ColumnOptionalDouble(stmt, 6);
+  row->grad_norm_z = ColumnOptionalDouble(stmt, 7);
+  row->reduced_grad_fingerprint = ColumnOptionalBits(stmt, 8);
+  row->param_fingerprint = ColumnOptionalBits(stmt, 9);
+  row->step_time_seconds = ColumnOptionalDouble(stmt, 10);
+  row->received_at = ColumnTime(stmt, 11);
+  if (!IsNull(stmt, 12)) row->replica_ok = ColumnInt(stmt, 12) != 0;
+  row->outlier_score = ColumnOptionalDouble(stmt, 13);
+  row->step_time_z = ColumnOptionalDouble(stmt, 14);
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<JobRow>> SqliteStore::ListJobs() {
   sqlite3_stmt* stmt = stmts_->list_jobs.get();
   ScopedReset reset(stmt);
@@ -732,28 +767,75 @@ absl::StatusOr<std::vector<RankRow>> SqliteStore::RankRows(absl::string_view job
   int rc = Binder(stmt).Text(job).Int(static_cast<int64_t>(step)).rc();
   if (rc == SQLITE_OK) {
     while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
-      RankRow& row = ranks.emplace_back();
-      row.rank = ColumnU32(stmt, 0);
-      row.attempt = ColumnU32(stmt, 1);
-      row.join_size = ColumnU32(stmt, 2);
-      row.loss = ColumnDouble(stmt, 3);
-      row.grad_norm = ColumnDouble(stmt, 4);
-      row.grad_cosine = ColumnOptionalDouble(stmt, 5);
-      row.loss_z = ColumnOptionalDouble(stmt, 6);
-      row.grad_norm_z = ColumnOptionalDouble(stmt, 7);
-      row.reduced_grad_fingerprint = ColumnOptionalBits(stmt, 8);
-      row.param_fingerprint = ColumnOptionalBits(stmt, 9);
-      row.step_time_seconds = ColumnOptionalDouble(stmt, 10);
-      row.received_at = ColumnTime(stmt, 11);
-      if (!IsNull(stmt, 12)) row.replica_ok = ColumnInt(stmt, 12) != 0;
-      row.outlier_score = ColumnOptionalDouble(stmt, 13);
-      row.step_time_z = ColumnOptionalDouble(stmt, 14);
+      ReadRankRow(stmt, &ranks.emplace_back());
     }
   }
   if (rc != SQLITE_DONE) {
     return SqlError(rc, absl::StrFormat("rank rows of job %s step %d", Quote(job), step));
   }
   return ranks;
+}
+
+absl::StatusOr<std::vector<StepRow>> SqliteStore::StepRange(absl::string_view job,
+                                                            uint64_t first_step, uint64_t last_step,
+                                                            int limit) {
+  if (limit < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("StepRange: limit %d < 0", limit));
+  }
+  std::vector<StepRow> steps;
+  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) return steps;
+  last_step = std::min(last_step, static_cast<uint64_t>(kMaxStep));
+  sqlite3_stmt* stmt = stmts_->step_range.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt)
+               .Text(job)
+               .Int(static_cast<int64_t>(first_step))
+               .Int(static_cast<int64_t>(last_step))
+               .Int(limit)
+               .rc();
+  if (rc == SQLITE_OK) {
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      StepRow& row = steps.emplace_back();
+      if (!ReadStepRow(stmt, &row)) return BadMissingRanks(job, row.step);
+    }
+  }
+  if (rc != SQLITE_DONE) {
+    return SqlError(rc,
+                    absl::StrFormat("steps %d..%d of job %s", first_step, last_step, Quote(job)));
+  }
+  return steps;
+}
+
+absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankRowsInRange(absl::string_view job,
+                                                                      uint64_t first_step,
+                                                                      uint64_t last_step,
+                                                                      int limit) {
+  if (limit < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("RankRowsInRange: limit %d < 0", limit));
+  }
+  std::vector<StepRankRow> rows;
+  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) return rows;
+  last_step = std::min(last_step, static_cast<uint64_t>(kMaxStep));
+  sqlite3_stmt* stmt = stmts_->rank_rows_in_range.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt)
+               .Text(job)
+               .Int(static_cast<int64_t>(first_step))
+               .Int(static_cast<int64_t>(last_step))
+               .Int(limit)
+               .rc();
+  if (rc == SQLITE_OK) {
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      StepRankRow& row = rows.emplace_back();
+      ReadRankRow(stmt, &row.row);
+      row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
+    }
+  }
+  if (rc != SQLITE_DONE) {
+    return SqlError(
+        rc, absl::StrFormat("rank rows of job %s steps %d..%d", Quote(job), first_step, last_step));
+  }
+  return rows;
 }
 
 absl::StatusOr<int64_t> SqliteStore::CountRankRows(absl::string_view job) {

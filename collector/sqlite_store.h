@@ -104,6 +104,12 @@ struct StepRow {
   std::vector<uint32_t> outlier_ranks;           // ranks with outlier_score above threshold
 };
 
+// A rank row with its step (range queries).
+struct StepRankRow {
+  uint64_t step = 0;
+  RankRow row;
+};
+
 // The rows of one step of one job. `stats` is absent for a late report (rank rows only).
 struct StepWrite {
   std::string job;
@@ -177,6 +183,15 @@ class SqliteStore {
   // Rank rows of one step, ordered by rank.
   absl::StatusOr<std::vector<RankRow>> RankRows(absl::string_view job, uint64_t step);
   absl::StatusOr<int64_t> CountRankRows(absl::string_view job);
+  // step_stats rows with first_step <= step <= last_step, oldest first, at most `limit`.
+  // InvalidArgument when limit < 0; empty when first_step > last_step.
+  absl::StatusOr<std::vector<StepRow>> StepRange(absl::string_view job, uint64_t first_step,
+                                                 uint64_t last_step, int limit);
+  // rank_steps rows with first_step <= step <= last_step, ordered by (step, rank), at most
+  // `limit`. InvalidArgument when limit < 0; empty when first_step > last_step.
+  absl::StatusOr<std::vector<StepRankRow>> RankRowsInRange(absl::string_view job,
+                                                           uint64_t first_step, uint64_t last_step,
+                                                           int limit);
 
   const std::string& path() const { return path_; }
 

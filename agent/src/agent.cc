@@ -1,21 +1,24 @@
-// The agent's implementation: a ReportRing fed by Record(), one sender thread per agent that
-// owns the gRPC stream (callback API: StreamCall), and the stream's reactions on gRPC's threads,
-// which apply acks and controls and keep writing while reports are waiting.
+// The agent's implementation: a ReportRing fed by Record(); per agent, one gRPC stream on the
+// callback API (StreamCall) whose reactions, on gRPC's threads, chain writes while reports wait
+// and apply acks and controls, and one sender thread that opens the stream, waits for its end
+// and reconnects with backoff; per process, one SendPoller thread that starts writing on idle
+// streams whose ring holds reports.
 //
-// Thread safety: every field shared between the training thread, the sender thread and the
-// reactions is guarded by mu_; the sender's sleep has its own wake_mu_ (never held with mu_). A
-// StreamCall is created, cancelled and destroyed by the sender thread only. No gRPC call
-// (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may run reactions inline in them,
-// and reactions take mu_.
+// Thread safety: every field shared between the training thread, the sender thread, the poller
+// and the reactions is guarded by mu_; the sender's sleep has its own wake_mu_ (never held with
+// mu_). A StreamCall is created, cancelled and destroyed by the sender thread; the poller starts
+// writes on it only while it is live_call_ (the sender waits for poller_starting_ == 0 before it
+// lets the call end). No gRPC call (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may
+// run reactions inline in them, and reactions take mu_.
 //
-// Cost (see docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
-// preallocated ring slot and returns; it makes no syscall and wakes no thread (except once when
-// the ring reaches half full), so the training thread never pays a futex wake-up or waits for
-// one. An idle stream's sender finds new reports by polling (kMinSendPoll, backing off to
-// kMaxSendPoll). Once a write is started, each OnWriteDone starts the next one on the gRPC thread
-// that completed the previous, so a backlog is written with no thread hand-off, and acks are
-// applied where they are read. (The first design, blocking Write/Read on a sender and a reader
-// thread, woken by every Record(), cost two thread wake-ups per report.)
+// Cost (docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
+// preallocated ring slot and returns. It makes no syscall and wakes no thread (except the poller
+// once, when the ring reaches half full), so the training thread never pays a futex wake-up, nor
+// the preemption by the woken thread that can follow it. Once a write is started, each
+// OnWriteDone starts the next one on the gRPC thread that completed the previous, so a backlog is
+// written with no thread hand-off. (The first design, blocking Write/Read on a sender and a
+// reader thread, woken by every Record(), cost about two wake-ups per report and 30 us in
+// Record() at the median.)
 #include <pthread.h>
 #include <unistd.h>
 
@@ -29,6 +32,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -46,9 +50,8 @@ namespace {
 
 namespace v1 = ::rankscope::v1;
 
-// How often an idle sender thread looks at the ring: Record() does not wake it per report (see
-// Record), so a report recorded while the stream is idle is sent within kMinSendPoll after
-// recent activity and within kMaxSendPoll after a long pause.
+// How often the SendPoller looks at the rings: a report recorded while its stream is idle is sent
+// within kMinSendPoll while reports flow and within kMaxSendPoll after a pause.
 constexpr absl::Duration kMinSendPoll = absl::Milliseconds(5);
 constexpr absl::Duration kMaxSendPoll = absl::Milliseconds(50);
 
@@ -68,8 +71,58 @@ std::string Hostname() {
   return buf;
 }
 
+class AgentImpl;
+
+// The process's one poller thread: it looks at every agent's ring and starts a write on each
+// stream that is idle while a report waits (AgentImpl::PollSend). Record() therefore wakes no
+// thread, and a process with many agents (loadgen, tests) pays one wake-up per poll, not one per
+// agent or per report. It polls every kMinSendPoll while writes are being started and backs off
+// to kMaxSendPoll when none is; Wake() polls at once (a ring got half full).
+//
+// Thread safety: thread-safe. Unregister() returns once the poller no longer touches the agent.
+// Lock order: mu_ (held through a sweep) before any agent's mutex; wake_mu_ is a leaf.
+class SendPoller {
+ public:
+  static SendPoller& Get() {
+    static SendPoller* const poller = new SendPoller();  // and its thread: never destroyed
+    return *poller;
+  }
+
+  void Register(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    agents_.push_back(agent);
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] {
+        pthread_setname_np(pthread_self(), "rs-agent-poll");
+        Run();
+      });
+    }
+  }
+
+  void Unregister(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    agents_.erase(std::remove(agents_.begin(), agents_.end(), agent), agents_.end());
+  }
+
+  void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
+    absl::MutexLock lock(&wake_mu_);
+    wake_ = true;
+  }
+
+ private:
+  SendPoller() = default;
+  void Run();
+
+  absl::Mutex mu_;
+  std::vector<AgentImpl*> agents_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex wake_mu_;
+  bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
+};
+
 class AgentImpl final : public Agent {
  public:
+  friend class SendPoller;  // PollSend
   explicit AgentImpl(AgentOptions options)
       : options_(std::move(options)),
         ring_(options_.queue_capacity, options_.sketch_dim),
@@ -95,6 +148,7 @@ class AgentImpl final : public Agent {
       pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
       SenderLoop();
     });
+    SendPoller::Get().Register(this);
   }
 
   ~AgentImpl() override {
@@ -122,12 +176,12 @@ class AgentImpl final : public Agent {
       }
       ++stats_.recorded;
       ++outstanding_;
-      // The sender is not woken for every report (a wake-up is a syscall, and an IPI, on the
-      // training thread): it polls the ring (kMinSendPoll..kMaxSendPoll) and is woken only when
-      // the ring gets half full.
+      // No thread is woken for a report (a wake-up is a syscall, and an IPI, on the training
+      // thread): the SendPoller finds it within kMinSendPoll..kMaxSendPoll, or at once when the
+      // ring gets half full.
       wake = ring_.size() == wake_threshold_;
     }
-    if (wake) Wake();
+    if (wake) SendPoller::Get().Wake();
     return absl::OkStatus();
   }
 
@@ -159,6 +213,7 @@ class AgentImpl final : public Agent {
       stop_requested_ = true;
     }
     if (sender_.joinable()) sender_.join();
+    SendPoller::Get().Unregister(this);
     absl::MutexLock lock(&mu_);
     // What never got acked is lost: count it.
     stats_.dropped += outstanding_;
@@ -293,6 +348,31 @@ class AgentImpl final : public Agent {
     return (resend_next_ < resend_end_ && !unacked_.empty()) || !ring_.empty();
   }
 
+  // Poller thread: starts a write if the stream is live and idle and a report waits. Returns
+  // whether it did.
+  bool PollSend() {
+    StreamCall* call;
+    {
+      absl::MutexLock lock(&mu_);
+      if (live_call_ == nullptr || writing_ || stopping_ || stream_broken_ || !HasWorkLocked()) {
+        return false;
+      }
+      writing_ = true;
+      call = live_call_;
+      ++poller_starting_;
+    }
+    MessagePtr msg = NextMessage();
+    const bool started = msg != nullptr;
+    if (started) {
+      call->current = std::move(msg);
+      call->StartWrite(call->current.get());  // from here on the write token is the chain's
+    }
+    absl::MutexLock lock(&mu_);
+    if (!started) writing_ = false;
+    --poller_starting_;
+    return started;
+  }
+
   // One stream's life: hello, resend what is unacked, then stream new reports until the stream
   // breaks or the agent stops. Runs on the sender thread.
   void RunStream() {
@@ -311,47 +391,32 @@ class AgentImpl final : public Agent {
     stub_->async()->Stream(&call->context, call.get());
     call->StartWrite(&call->hello);
     call->StartRead(&call->in);
-    call->AddHold();  // for the StartWrite calls below, made outside reactions
+    call->AddHold();  // for the poller's StartWrite calls, made outside reactions
     call->StartCall();
-    // While writes chain in OnWriteDone the sender sleeps until the chain ends (a Wake from
-    // OnWriteDone). While the stream is idle it polls the ring, every kMinSendPoll at first and
-    // twice as long after each empty look, up to kMaxSendPoll.
-    absl::Duration poll = kMinSendPoll;
+    {
+      absl::MutexLock lock(&mu_);
+      live_call_ = call.get();  // from now on the poller may start writes on it
+    }
+    // The stream runs by itself (OnWriteDone chains writes, the poller starts them, OnReadDone
+    // applies acks): the sender only waits for its end.
     while (true) {
-      bool start_write = false, chain_active = false;
       {
         absl::MutexLock lock(&mu_);
         if (stopping_ || stream_broken_) break;
-        if (!writing_ && HasWorkLocked()) {
-          writing_ = true;
-          start_write = true;
-        }
-        chain_active = writing_;
       }
-      if (!start_write) {
-        if (chain_active) {
-          WaitForWake(kMaxSendPoll);
-        } else {
-          WaitForWake(poll);
-          poll = std::min(2 * poll, kMaxSendPoll);
-        }
-        continue;
-      }
-      poll = kMinSendPoll;
-      MessagePtr msg = NextMessage();
-      if (msg == nullptr) {
-        absl::MutexLock lock(&mu_);
-        writing_ = false;
-        continue;
-      }
-      call->current = std::move(msg);
-      call->StartWrite(call->current.get());
+      WaitForWake(absl::Seconds(1));
     }
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
       stats_.connected = false;
       stopping = stopping_;
+      live_call_ = nullptr;
+      // A poller StartWrite in progress needs the hold: let it return first.
+      auto no_poller = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return poller_starting_ == 0;
+      };
+      mu_.Await(absl::Condition(&no_poller));
     }
     // A broken stream ends by itself (its status is on the way); a stopping agent cancels.
     if (stopping) call->context.TryCancel();
@@ -437,7 +502,7 @@ class AgentImpl final : public Agent {
       }
     }
     if (!keep_writing) {
-      Wake();  // the chain ended: the sender reconnects (!ok) or goes back to polling the ring
+      if (!ok) Wake();  // the sender reconnects
       return;
     }
     MessagePtr msg = NextMessage();
@@ -470,13 +535,7 @@ class AgentImpl final : public Agent {
       const v1::CollectorMessage& msg = call->in;
       switch (msg.kind_case()) {
         case v1::CollectorMessage::kAck:
-          for (uint64_t seq : msg.ack().seqs()) {
-            if (unacked_.erase(seq) > 0) {
-              ++stats_.acked;
-              --outstanding_;
-            }
-          }
-          break;
+          break;  // below, without holding mu_ throughout
         case v1::CollectorMessage::kRejection:
           if (unacked_.erase(msg.rejection().seq()) > 0) {
             ++stats_.rejected;
@@ -501,7 +560,32 @@ class AgentImpl final : public Agent {
           break;
       }
     }
+    if (call->in.kind_case() == v1::CollectorMessage::kAck) ApplyAcks(call->in.ack().seqs());
     call->StartRead(&call->in);
+  }
+
+  // Forgets acked reports. One Ack may carry thousands of seqs (every report of a rank committed
+  // in one transaction): mu_ is taken per chunk of seqs, and the messages are freed outside it,
+  // so Record() never waits for more than a chunk.
+  void ApplyAcks(const google::protobuf::RepeatedField<uint64_t>& seqs) {
+    constexpr int kChunk = 32;
+    std::vector<MessagePtr> acked;
+    acked.reserve(std::min(seqs.size(), kChunk));
+    for (int begin = 0; begin < seqs.size(); begin += kChunk) {
+      const int end = std::min(begin + kChunk, seqs.size());
+      {
+        absl::MutexLock lock(&mu_);
+        for (int i = begin; i < end; ++i) {
+          auto it = unacked_.find(seqs.Get(i));
+          if (it == unacked_.end()) continue;
+          acked.push_back(std::move(it->second));
+          unacked_.erase(it);
+          ++stats_.acked;
+          --outstanding_;
+        }
+      }
+      acked.clear();
+    }
   }
 
   // Reaction: the stream is over. Touches only the agent, so the sender may then destroy the
@@ -532,6 +616,8 @@ class AgentImpl final : public Agent {
   uint64_t resend_next_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t resend_end_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the write token: a write is in flight
+  StreamCall* live_call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the poller may start writes on it
+  int poller_starting_ ABSL_GUARDED_BY(mu_) = 0;          // PollSend calls past live_call_
   bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
   bool stream_done_ ABSL_GUARDED_BY(mu_) = false;  // the current stream's OnDone ran
   grpc::Status stream_status_ ABSL_GUARDED_BY(mu_);
@@ -551,6 +637,23 @@ class AgentImpl final : public Agent {
 
   std::thread sender_;
 };
+
+void SendPoller::Run() {
+  absl::Duration poll = kMinSendPoll;
+  while (true) {
+    {
+      absl::MutexLock lock(&wake_mu_);
+      wake_mu_.AwaitWithTimeout(absl::Condition(&wake_), poll);
+      wake_ = false;
+    }
+    bool started = false;
+    {
+      absl::MutexLock lock(&mu_);
+      for (AgentImpl* agent : agents_) started |= agent->PollSend();
+    }
+    poll = started ? kMinSendPoll : std::min(2 * poll, kMaxSendPoll);
+  }
+}
 
 }  // namespace
 

@@ -746,6 +746,49 @@ TEST_F(SqliteStoreTest, RecentStepsAreNewestFirstPerJob) {
   EXPECT_EQ(store->RecentSteps("a", -1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(SqliteStoreTest, RangesOfStepsAndRankRowsAreOldestFirstAndBounded) {
+  auto store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  std::vector<StepWrite> steps;
+  for (uint64_t s : {5, 1, 3, 2, 4}) steps.push_back(MakeStep("a", s, 0, 3));
+  steps.push_back(MakeStep("a-other", 3, 0, 3));
+  ASSERT_TRUE(store->Write(Batch(std::move(steps))).ok());
+
+  auto range = store->StepRange("a", 2, 4, 100);
+  ASSERT_TRUE(range.ok()) << range.status();
+  std::vector<uint64_t> numbers;
+  for (const StepRow& row : *range) numbers.push_back(row.step);
+  EXPECT_THAT(numbers, ElementsAre(2, 3, 4));
+  range = store->StepRange("a", 0, std::numeric_limits<uint64_t>::max(), 2);
+  ASSERT_TRUE(range.ok());
+  ASSERT_EQ(range->size(), 2u);
+  EXPECT_EQ((*range)[0].step, 1u);
+  EXPECT_THAT(*store->StepRange("a", 4, 2, 10), IsEmpty());
+  EXPECT_EQ(store->StepRange("a", 0, 1, -1).status().code(), absl::StatusCode::kInvalidArgument);
+
+  auto ranks = store->RankRowsInRange("a", 4, 5, 100);
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  std::vector<std::pair<uint64_t, uint32_t>> keys;
+  for (const StepRankRow& r : *ranks) keys.emplace_back(r.step, r.row.rank);
+  EXPECT_THAT(keys,
+              ElementsAre(std::make_pair(4u, 0u), std::make_pair(4u, 1u), std::make_pair(4u, 2u),
+                          std::make_pair(5u, 0u), std::make_pair(5u, 1u), std::make_pair(5u, 2u)));
+  // The rows read the same as RankRows of one step.
+  auto one = store->RankRows("a", 5);
+  ASSERT_TRUE(one.ok());
+  for (size_t i = 0; i < one->size(); ++i) {
+    EXPECT_EQ((*ranks)[3 + i].row.loss, (*one)[i].loss);
+    EXPECT_EQ((*ranks)[3 + i].row.replica_ok, (*one)[i].replica_ok);
+    EXPECT_EQ((*ranks)[3 + i].row.outlier_score, (*one)[i].outlier_score);
+  }
+  ranks = store->RankRowsInRange("a", 0, 100, 4);
+  ASSERT_TRUE(ranks.ok());
+  EXPECT_EQ(ranks->size(), 4u);
+  EXPECT_THAT(*store->RankRowsInRange("nope", 0, 100, 10), IsEmpty());
+  EXPECT_EQ(store->RankRowsInRange("a", 0, 1, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SqliteStoreTest, AbsentStepsAndJobsReadAsEmpty) {
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);

@@ -1,15 +1,27 @@
 // rankscope: the command-line client of a running collector.
 //
 //   rankscope jobs                          what is being watched
-//   rankscope show --job J [--once]         the latest steps of a job (refreshes every 2 s)
+//   rankscope show --job J [--once]         the latest steps of a job and its worst ranks
+//                                           (refreshes every 2 s)
+//   rankscope export --job J --format csv|json [--table steps|ranks] [--db PATH]
+//   rankscope report --job J -o report.png [--db PATH]
 //   rankscope ctl enable|disable --job J    switch a dormant/active job's ranks on or off
 //   rankscope ctl set --job J [--every N] [--sketch_dim K]
 //
-// Every verb talks to the collector's Query service at --collector.
+// Every verb talks to the collector's Query service at --collector; export and report read a
+// SQLite file directly instead with --db. report runs /usr/bin/python3 -m rankscope.report on
+// the package installed beside the binary (<bin>/../python), handing it an export as JSON.
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +35,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "collector/sqlite_store.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
@@ -34,6 +48,18 @@ ABSL_FLAG(int, every, 0, "ctl set: report every N optimizer steps (>= 1).");
 ABSL_FLAG(int, sketch_dim, 0, "ctl set: new sketch dimension.");
 ABSL_FLAG(int, lead_steps, 5, "ctl: apply this many steps after the job's newest step.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "RPC deadline.");
+ABSL_FLAG(int, worst, 5, "show: number of worst ranks (by outlier score) of the newest step.");
+ABSL_FLAG(std::string, format, "csv", "export: csv or json.");
+ABSL_FLAG(std::string, table, "steps",
+          "export --format=csv: steps (step_stats) or ranks "
+          "(rank_steps); json has both.");
+ABSL_FLAG(std::string, db, "", "export, report: read this SQLite file instead of the collector.");
+ABSL_FLAG(uint64_t, first_step, 0, "export, report: first step.");
+ABSL_FLAG(uint64_t, last_step, 0, "export, report: last step (0: the newest).");
+ABSL_FLAG(int, max_rows, 1000000, "export, report: at most this many rows of each table.");
+ABSL_FLAG(int, page_rows, 10000, "export, report: rows per request to the collector.");
+ABSL_FLAG(std::string, o, "", "report: output image (png, pdf or svg by extension).");
+ABSL_FLAG(std::string, python, "/usr/bin/python3", "report: the Python interpreter (matplotlib).");
 
 namespace {
 
@@ -44,7 +70,9 @@ constexpr char kUsage[] =
     "\n"
     "usage:\n"
     "  rankscope [--collector=HOST:PORT] jobs\n"
-    "  rankscope show --job=J [--once] [--limit=N]\n"
+    "  rankscope show --job=J [--once] [--limit=N] [--worst=N]\n"
+    "  rankscope export --job=J --format=csv|json [--table=steps|ranks] [--db=PATH]\n"
+    "  rankscope report --job=J -o report.png [--db=PATH]\n"
     "  rankscope ctl enable --job=J [--lead_steps=N]\n"
     "  rankscope ctl disable --job=J [--lead_steps=N]\n"
     "  rankscope ctl set --job=J [--every=N] [--sketch_dim=K] [--lead_steps=N]\n"
@@ -53,8 +81,10 @@ constexpr char kUsage[] =
     "step + lead_steps), so the ranks' sketches stay comparable.";
 
 std::unique_ptr<v1::Query::Stub> Stub() {
-  return v1::Query::NewStub(
-      grpc::CreateChannel(absl::GetFlag(FLAGS_collector), grpc::InsecureChannelCredentials()));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);  // export pages stay far below; headroom for show
+  return v1::Query::NewStub(grpc::CreateCustomChannel(absl::GetFlag(FLAGS_collector),
+                                                      grpc::InsecureChannelCredentials(), args));
 }
 
 void SetDeadline(grpc::ClientContext* ctx) {
@@ -94,6 +124,15 @@ int Jobs() {
   return 0;
 }
 
+std::string Opt(bool has, double v, int precision = 4) {
+  return has ? Num(v, precision) : std::string("-");
+}
+
+template <typename Container>
+std::string Ranks(const Container& ranks, const char* none) {
+  return ranks.empty() ? std::string(none) : absl::StrJoin(ranks, ",");
+}
+
 int ShowOnce(const std::string& job) {
   v1::RecentStepsRequest req;
   req.set_job(job);
@@ -104,15 +143,57 @@ int ShowOnce(const std::string& job) {
   grpc::Status s = Stub()->RecentSteps(&ctx, req, &resp);
   if (!s.ok()) return Fail(s);
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
-  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s  %s\n", "STEP", "RANKS", "LOSS_MEAN",
-              "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "MISSING");
+  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %s\n", "STEP", "RANKS",
+              "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "NOISE_B",
+              "DIVERGENT", "OUTLIERS", "MISSING");
   for (const v1::StepStats& st : resp.steps()) {
-    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s  %s\n",
-                static_cast<unsigned long long>(st.step()), st.ranks(),
-                Num(st.loss_mean()).c_str(), Num(st.loss_std()).c_str(),
-                Num(st.loss_range()).c_str(), Num(st.grad_norm_mean()).c_str(),
-                Num(st.grad_norm_cv()).c_str(), Num(st.grad_cosine_mean(), 3).c_str(),
+    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %s\n",
+                static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
+                Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(),
+                Num(st.grad_norm_mean()).c_str(), Num(st.grad_norm_cv()).c_str(),
+                Num(st.grad_cosine_mean(), 3).c_str(), Num(st.grad_noise_scale()).c_str(),
+                st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
+                Ranks(st.outlier_ranks(), "-").c_str(),
                 absl::StrJoin(st.missing_ranks(), ",").c_str());
+  }
+  if (resp.steps_size() == 0 || absl::GetFlag(FLAGS_worst) <= 0) return 0;
+
+  // The worst ranks of the newest step, by outlier score.
+  const uint64_t newest = resp.steps(0).step();
+  v1::StepRangeRequest range;
+  range.set_job(job);
+  range.set_first_step(newest);
+  range.set_last_step(newest);
+  range.set_include_ranks(true);
+  v1::StepRangeResponse ranks;
+  grpc::ClientContext ctx2;
+  SetDeadline(&ctx2);
+  s = Stub()->StepRange(&ctx2, range, &ranks);
+  if (!s.ok()) return Fail(s);
+  std::vector<const v1::RankStep*> rows;
+  for (const v1::RankStep& r : ranks.ranks()) rows.push_back(&r);
+  const auto score = [](const v1::RankStep* r) {
+    // NaN (a rank with non-finite inputs) sorts first: it is flagged.
+    if (!r->has_outlier_score()) return -std::numeric_limits<double>::infinity();
+    return std::isnan(r->outlier_score()) ? std::numeric_limits<double>::infinity()
+                                          : r->outlier_score();
+  };
+  std::stable_sort(rows.begin(), rows.end(), [&](const v1::RankStep* a, const v1::RankStep* b) {
+    return score(a) > score(b);
+  });
+  rows.resize(std::min<size_t>(rows.size(), absl::GetFlag(FLAGS_worst)));
+  std::printf("\nworst ranks of step %llu (by outlier score):\n",
+              static_cast<unsigned long long>(newest));
+  std::printf("%6s %10s %10s %10s %8s %8s %10s %8s %7s\n", "RANK", "OUTLIER", "LOSS", "GRAD_NORM",
+              "COSINE", "LOSS_Z", "STEP_TIME", "TIME_Z", "REPLICA");
+  for (const v1::RankStep* r : rows) {
+    std::printf("%6u %10s %10s %10s %8s %8s %10s %8s %7s\n", r->rank(),
+                Opt(r->has_outlier_score(), r->outlier_score()).c_str(), Num(r->loss()).c_str(),
+                Num(r->grad_norm()).c_str(), Opt(r->has_grad_cosine(), r->grad_cosine(), 3).c_str(),
+                Opt(r->has_loss_z(), r->loss_z(), 3).c_str(),
+                Opt(r->has_step_time_seconds(), r->step_time_seconds()).c_str(),
+                Opt(r->has_step_time_z(), r->step_time_z(), 3).c_str(),
+                !r->has_replica_ok() ? "-" : (r->replica_ok() ? "ok" : "DIVERGED"));
   }
   return 0;
 }
@@ -169,10 +250,346 @@ int Ctl(const std::string& verb, const std::string& job) {
   return 0;
 }
 
+// ---- export and report ------------------------------------------------------------------------
+
+namespace store = rankscope::collector;
+
+void FillStepStats(const store::StepRow& row, v1::StepStats* s) {
+  s->set_step(row.step);
+  s->set_ranks(row.ranks);
+  s->set_loss_mean(row.loss_mean);
+  s->set_loss_std(row.loss_std);
+  s->set_loss_range(row.loss_range);
+  s->set_grad_norm_mean(row.grad_norm_mean);
+  s->set_grad_norm_std(row.grad_norm_std);
+  s->set_grad_norm_cv(row.grad_norm_cv);
+  s->set_grad_cosine_mean(row.grad_cosine_mean);
+  s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  s->set_world_size(row.world_size);
+  s->set_timed_out(row.timed_out);
+  s->set_grad_noise_scale(row.grad_noise_scale);
+  s->set_replica_checked(row.replica_checked);
+  s->mutable_replica_divergent_ranks()->Add(row.replica_divergent_ranks.begin(),
+                                            row.replica_divergent_ranks.end());
+  s->mutable_outlier_ranks()->Add(row.outlier_ranks.begin(), row.outlier_ranks.end());
+}
+
+void FillRankStep(const store::StepRankRow& in, v1::RankStep* out) {
+  const store::RankRow& r = in.row;
+  out->set_step(in.step);
+  out->set_rank(r.rank);
+  out->set_attempt(r.attempt);
+  out->set_loss(r.loss);
+  out->set_grad_norm(r.grad_norm);
+  if (r.grad_cosine) out->set_grad_cosine(*r.grad_cosine);
+  if (r.loss_z) out->set_loss_z(*r.loss_z);
+  if (r.grad_norm_z) out->set_grad_norm_z(*r.grad_norm_z);
+  if (r.reduced_grad_fingerprint) out->set_reduced_grad_fingerprint(*r.reduced_grad_fingerprint);
+  if (r.param_fingerprint) out->set_param_fingerprint(*r.param_fingerprint);
+  if (r.step_time_seconds) out->set_step_time_seconds(*r.step_time_seconds);
+  if (r.replica_ok) out->set_replica_ok(*r.replica_ok);
+  if (r.outlier_score) out->set_outlier_score(*r.outlier_score);
+  if (r.step_time_z) out->set_step_time_z(*r.step_time_z);
+  out->set_received_at_unix_nanos(absl::ToUnixNanos(r.received_at));
+}
+
+// Reads the job's steps (and rank rows) in [--first_step, --last_step] from --db, or from the
+// collector when --db is empty. Returns 0, or the exit code after printing why.
+int LoadRange(const std::string& job, bool include_ranks, v1::StepRangeResponse* out) {
+  const uint64_t first = absl::GetFlag(FLAGS_first_step);
+  const uint64_t last = absl::GetFlag(FLAGS_last_step) == 0 ? std::numeric_limits<uint64_t>::max()
+                                                            : absl::GetFlag(FLAGS_last_step);
+  const int max_rows = std::max(1, absl::GetFlag(FLAGS_max_rows));
+  const std::string db = absl::GetFlag(FLAGS_db);
+  if (db.empty()) {
+    // Paged, so that no response nears gRPC's message size limit even for 10,000-rank jobs:
+    // step rows --page_rows at a time, then rank rows a few steps (~--page_rows rows) at a time.
+    const uint64_t kPageRows = static_cast<uint64_t>(std::max(1, absl::GetFlag(FLAGS_page_rows)));
+    auto stub = Stub();
+    const auto fetch = [&](uint64_t from, uint64_t to, bool ranks, uint32_t limit,
+                           v1::StepRangeResponse* page) {
+      v1::StepRangeRequest req;
+      req.set_job(job);
+      req.set_first_step(from);
+      req.set_last_step(to == std::numeric_limits<uint64_t>::max() ? 0 : to);
+      req.set_include_ranks(ranks);
+      req.set_limit(limit);
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx);
+      return stub->StepRange(&ctx, req, page);
+    };
+    uint64_t cursor = first;
+    while (out->steps_size() < max_rows) {
+      v1::StepRangeResponse page;
+      const uint32_t limit =
+          static_cast<uint32_t>(std::min<uint64_t>(kPageRows, max_rows - out->steps_size()));
+      grpc::Status s = fetch(cursor, last, false, limit, &page);
+      if (!s.ok()) return Fail(s);
+      for (v1::StepStats& st : *page.mutable_steps()) *out->add_steps() = std::move(st);
+      if (!page.truncated() || out->steps_size() == 0) break;
+      const uint64_t next = out->steps(out->steps_size() - 1).step();
+      if (next >= last) break;
+      cursor = next + 1;
+    }
+    if (out->steps_size() >= max_rows) out->set_truncated(true);
+    if (include_ranks && out->steps_size() > 0) {
+      const uint64_t world = std::max<uint64_t>(1, out->steps(0).world_size());
+      const uint64_t chunk = std::max<uint64_t>(1, kPageRows / world);
+      const uint64_t end = out->steps(out->steps_size() - 1).step();
+      for (uint64_t from = out->steps(0).step(); out->ranks_size() < max_rows;) {
+        const uint64_t to = end - from < chunk ? end : from + chunk - 1;
+        v1::StepRangeResponse page;
+        grpc::Status s = fetch(from, to, true, static_cast<uint32_t>(max_rows), &page);
+        if (!s.ok()) return Fail(s);
+        for (v1::RankStep& r : *page.mutable_ranks()) {
+          if (out->ranks_size() >= max_rows) {
+            out->set_truncated(true);
+            break;
+          }
+          *out->add_ranks() = std::move(r);
+        }
+        if (to == end) break;
+        from = to + 1;
+      }
+    }
+  } else {
+    store::StoreOptions options;
+    options.read_only = true;
+    auto opened = store::SqliteStore::Open(db, options);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "rankscope: %s\n", std::string(opened.status().message()).c_str());
+      return 1;
+    }
+    auto steps = (*opened)->StepRange(job, first, last, max_rows + 1);
+    if (!steps.ok()) {
+      std::fprintf(stderr, "rankscope: %s\n", std::string(steps.status().message()).c_str());
+      return 1;
+    }
+    if (steps->size() > static_cast<size_t>(max_rows)) {
+      steps->resize(max_rows);
+      out->set_truncated(true);
+    }
+    for (const store::StepRow& row : *steps) FillStepStats(row, out->add_steps());
+    if (include_ranks) {
+      auto ranks = (*opened)->RankRowsInRange(job, first, last, max_rows + 1);
+      if (!ranks.ok()) {
+        std::fprintf(stderr, "rankscope: %s\n", std::string(ranks.status().message()).c_str());
+        return 1;
+      }
+      if (ranks->size() > static_cast<size_t>(max_rows)) {
+        ranks->resize(max_rows);
+        out->set_truncated(true);
+      }
+      for (const store::StepRankRow& row : *ranks) FillRankStep(row, out->add_ranks());
+    }
+  }
+  if (out->steps_size() == 0 && out->ranks_size() == 0) {
+    std::fprintf(
+        stderr, "rankscope: no steps stored for job %s in %s\n", job.c_str(),
+        db.empty() ? ("the collector at " + absl::GetFlag(FLAGS_collector)).c_str() : db.c_str());
+    return 1;
+  }
+  if (out->truncated()) {
+    std::fprintf(stderr, "rankscope: more than --max_rows=%d rows; output truncated\n", max_rows);
+  }
+  return 0;
+}
+
+// A CSV field: full precision, "nan"/"inf"/"-inf" as text, empty when absent.
+std::string Csv(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return absl::StrFormat("%.17g", v);
+}
+std::string Csv(bool has, double v) { return has ? Csv(v) : std::string(); }
+
+int Export(const std::string& job) {
+  const std::string format = absl::GetFlag(FLAGS_format);
+  const std::string table = absl::GetFlag(FLAGS_table);
+  if (format != "csv" && format != "json") {
+    std::fprintf(stderr, "rankscope: --format must be csv or json, not '%s'\n", format.c_str());
+    return 2;
+  }
+  if (table != "steps" && table != "ranks") {
+    std::fprintf(stderr, "rankscope: --table must be steps or ranks, not '%s'\n", table.c_str());
+    return 2;
+  }
+  v1::StepRangeResponse data;
+  if (int rc = LoadRange(job, format == "json" || table == "ranks", &data); rc != 0) return rc;
+  if (format == "json") {
+    google::protobuf::util::JsonPrintOptions options;
+    options.preserve_proto_field_names = true;
+    options.always_print_primitive_fields = true;
+    std::string json;
+    auto status = google::protobuf::util::MessageToJsonString(data, &json, options);
+    if (!status.ok()) {
+      std::fprintf(stderr, "rankscope: JSON: %s\n", status.ToString().c_str());
+      return 1;
+    }
+    std::printf("%s\n", json.c_str());
+    return 0;
+  }
+  if (table == "steps") {
+    std::printf(
+        "step,ranks,world_size,loss_mean,loss_std,loss_range,grad_norm_mean,grad_norm_std,"
+        "grad_norm_cv,grad_cosine_mean,grad_noise_scale,timed_out,missing_ranks,replica_checked,"
+        "replica_divergent_ranks,outlier_ranks\n");
+    for (const v1::StepStats& st : data.steps()) {
+      std::printf("%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d,%s,%s\n",
+                  static_cast<unsigned long long>(st.step()), st.ranks(), st.world_size(),
+                  Csv(st.loss_mean()).c_str(), Csv(st.loss_std()).c_str(),
+                  Csv(st.loss_range()).c_str(), Csv(st.grad_norm_mean()).c_str(),
+                  Csv(st.grad_norm_std()).c_str(), Csv(st.grad_norm_cv()).c_str(),
+                  Csv(st.grad_cosine_mean()).c_str(), Csv(st.grad_noise_scale()).c_str(),
+                  st.timed_out() ? 1 : 0, absl::StrJoin(st.missing_ranks(), ";").c_str(),
+                  st.replica_checked() ? 1 : 0,
+                  absl::StrJoin(st.replica_divergent_ranks(), ";").c_str(),
+                  absl::StrJoin(st.outlier_ranks(), ";").c_str());
+    }
+    return 0;
+  }
+  std::printf(
+      "step,rank,attempt,loss,grad_norm,grad_cosine,loss_z,grad_norm_z,outlier_score,"
+      "replica_ok,step_time_seconds,step_time_z,reduced_grad_fingerprint,param_fingerprint\n");
+  for (const v1::RankStep& r : data.ranks()) {
+    std::printf(
+        "%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s\n", static_cast<unsigned long long>(r.step()),
+        r.rank(), r.attempt(), Csv(r.loss()).c_str(), Csv(r.grad_norm()).c_str(),
+        Csv(r.has_grad_cosine(), r.grad_cosine()).c_str(), Csv(r.has_loss_z(), r.loss_z()).c_str(),
+        Csv(r.has_grad_norm_z(), r.grad_norm_z()).c_str(),
+        Csv(r.has_outlier_score(), r.outlier_score()).c_str(),
+        r.has_replica_ok() ? (r.replica_ok() ? "1" : "0") : "",
+        Csv(r.has_step_time_seconds(), r.step_time_seconds()).c_str(),
+        Csv(r.has_step_time_z(), r.step_time_z()).c_str(),
+        r.has_reduced_grad_fingerprint() ? std::to_string(r.reduced_grad_fingerprint()).c_str()
+                                         : "",
+        r.has_param_fingerprint() ? std::to_string(r.param_fingerprint()).c_str() : "");
+  }
+  return 0;
+}
+
+// <directory of this binary>/../python, where the build puts the rankscope package.
+std::string PythonDir() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  std::string exe(buf, n);
+  const size_t slash = exe.rfind('/');
+  return exe.substr(0, slash == std::string::npos ? 0 : slash) + "/../python";
+}
+
+int Report(const std::string& job) {
+  const std::string output = absl::GetFlag(FLAGS_o);
+  if (output.empty()) {
+    std::fprintf(stderr, "rankscope: report needs -o FILE (e.g. -o report.png)\n");
+    return 2;
+  }
+  const std::string pydir = PythonDir();
+  if (access((pydir + "/rankscope/report.py").c_str(), R_OK) != 0) {
+    std::fprintf(stderr,
+                 "rankscope: %s/rankscope/report.py not found (the report needs the "
+                 "rankscope Python package beside the binary, as the build lays it out)\n",
+                 pydir.c_str());
+    return 1;
+  }
+  v1::StepRangeResponse data;
+  if (int rc = LoadRange(job, /*include_ranks=*/true, &data); rc != 0) return rc;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(data, &json, options).ok()) return 1;
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/rankscope-report-XXXXXX";
+  const int fd = mkstemp(path.data());
+  if (fd < 0) {
+    std::fprintf(stderr, "rankscope: cannot create a temp file: %s\n", std::strerror(errno));
+    return 1;
+  }
+  const bool written = write(fd, json.data(), json.size()) == static_cast<ssize_t>(json.size());
+  close(fd);
+  if (!written) {
+    unlink(path.c_str());
+    std::fprintf(stderr, "rankscope: cannot write %s\n", path.c_str());
+    return 1;
+  }
+  const std::string python = absl::GetFlag(FLAGS_python);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const char* old = std::getenv("PYTHONPATH");
+    const std::string pythonpath = old && *old ? pydir + ":" + old : pydir;
+    setenv("PYTHONPATH", pythonpath.c_str(), 1);
+    execl(python.c_str(), python.c_str(), "-m", "rankscope.report", "--input", path.c_str(),
+          "--job", job.c_str(), "-o", output.c_str(), static_cast<char*>(nullptr));
+    std::fprintf(stderr, "rankscope: cannot run %s: %s\n", python.c_str(), std::strerror(errno));
+    _exit(127);
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) < 0) status = -1;
+  unlink(path.c_str());
+  if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "rankscope: report failed (%s -m rankscope.report)\n", python.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+// ---- help -------------------------------------------------------------------------------------
+
+const char* VerbHelp(const std::string& verb) {
+  if (verb == "jobs") {
+    return "rankscope [--collector=HOST:PORT] jobs\n\n"
+           "Lists the jobs the collector knows: world size, sketch size, last step, connected\n"
+           "ranks, state (active: a rank is connected; idle) and when a rank last reported.\n";
+  }
+  if (verb == "show") {
+    return "rankscope show --job=J [--once] [--limit=N] [--worst=N] [--collector=HOST:PORT]\n\n"
+           "The newest N steps of job J (loss mean/std/range, gradient-norm mean and CV, mean\n"
+           "pairwise cosine, gradient noise scale, ranks whose replica fingerprints diverged,\n"
+           "outlier ranks, missing ranks), then the --worst ranks of the newest step by outlier\n"
+           "score (loss, norm, consensus cosine, loss z, step time and its z, replica check).\n"
+           "Refreshes every 2 s until interrupted; --once prints once (for scripts).\n";
+  }
+  if (verb == "export") {
+    return "rankscope export --job=J [--format=csv|json] [--table=steps|ranks] [--db=PATH]\n"
+           "                 [--first_step=N] [--last_step=N] [--max_rows=N]\n\n"
+           "Writes job J's stored rows to stdout, oldest step first: csv of step_stats\n"
+           "(--table=steps, the default) or of rank_steps (--table=ranks), or json with both\n"
+           "({\"steps\": [...], \"ranks\": [...]}, uint64 fingerprints as decimal strings). Reads\n"
+           "the running collector (--collector) or, with --db, a SQLite file directly (also one\n"
+           "a running collector is writing). Lists inside a csv field are separated by ';'.\n";
+  }
+  if (verb == "report") {
+    return "rankscope report --job=J -o report.png [--db=PATH] [--first_step=N] [--last_step=N]\n\n"
+           "Plots job J over steps: loss mean with its dispersion (std band, range), gradient-\n"
+           "norm CV, direction consistency (mean pairwise cosine) and replica checks, with the\n"
+           "outlier ranks marked. Data come from the collector or, with --db, a SQLite file; the\n"
+           "plot is drawn by /usr/bin/python3 -m rankscope.report (matplotlib) from the package\n"
+           "in <bin>/../python. The format follows -o's extension (png, pdf, svg).\n";
+  }
+  if (verb == "ctl") {
+    return "rankscope ctl enable|disable --job=J [--lead_steps=N]\n"
+           "rankscope ctl set --job=J [--every=N] [--sketch_dim=K] [--lead_steps=N]\n\n"
+           "Pushes a control message to every rank of job J, applied by all of them at the same\n"
+           "future step (the job's newest step + lead_steps).\n";
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  // `rankscope VERB --help`: the verb's own help (absl's --help lists every flag).
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg != "--help" && arg != "-h" && arg != "-help") continue;
+    for (int j = 1; j < argc; ++j) {
+      if (const char* help = VerbHelp(argv[j])) {
+        std::printf("%s", help);
+        return 0;
+      }
+    }
+  }
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
     std::fprintf(stderr, "%s\n", kUsage);
@@ -181,12 +598,14 @@ int main(int argc, char** argv) {
   const std::string verb = args[1];
   const std::string job = absl::GetFlag(FLAGS_job);
   if (verb == "jobs") return Jobs();
-  if (verb == "show" || verb == "ctl") {
+  if (verb == "show" || verb == "ctl" || verb == "export" || verb == "report") {
     if (job.empty()) {
       std::fprintf(stderr, "rankscope: %s needs --job\n", verb.c_str());
       return 2;
     }
     if (verb == "show") return Show(job);
+    if (verb == "export") return Export(job);
+    if (verb == "report") return Report(job);
     if (args.size() < 3) {
       std::fprintf(stderr, "rankscope: ctl needs a verb: enable, disable or set\n");
       return 2;

@@ -15,6 +15,13 @@ and accumulates the exact sum of squares; then it chains to the default all-redu
 ``mon.step(loss)`` closes the step: loss, local gradient norm and sketch go to the C++ agent,
 which streams them to the collector from its own thread.
 
+Replica checks. The hook also chains a callback on the all-reduce's future that folds the
+*reduced* bucket into an order-independent 64-bit fingerprint and its exact sum of squares
+(rankscope.fingerprint); every ``param_check_every`` steps ``mon.step`` fingerprints the
+parameters after the optimizer step. Both go with the report (with the reduced gradient's norm,
+the rank's step time up to its first hook call, and the local batch size), and the collector
+names the ranks whose fingerprints differ from the majority.
+
 Where the work runs. CPU gradients are sketched by the C++ kernel straight from the tensor's
 memory (float32, bfloat16, float16; other dtypes are converted to float32 first), with the GIL
 released. Gradients on another device are sketched there with torch operations that reproduce
@@ -64,6 +71,9 @@ _NATIVE_DTYPES = {
 
 # Reports on a device that are waiting for their host copy before the agent gets them.
 _MAX_PENDING = 64
+
+# Marks a replica value that travels in a pending report's device payload.
+_IN_PAYLOAD = object()
 
 
 def _env_flag(name: str) -> bool:
@@ -144,7 +154,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
                       every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
-                      fingerprints=bool(fingerprints), auth_token=auth_token or "", queue_capacity=int(queue_capacity),
+                      fingerprints=bool(fingerprints), auth_token=auth_token or "",
+                      queue_capacity=int(queue_capacity),
                       max_unacked=int(max_unacked), warn_after=float(warn_after),
                       max_backoff=float(max_backoff),
                       control_margin=float(control_margin), close_timeout=float(close_timeout))
@@ -203,8 +214,10 @@ class _Pending:
                  "batch", "fp_host", "fp_present")
 
     def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch,
-                 fp_host=None, fp_present=(False, False, False)):
+                 fp_host=None, fp_present=(None, None, None)):
         self.fp_host = fp_host  # int64 [grad fingerprint, param fingerprint, reduced ss bits]
+        # Per slot of fp_host: None (not sent), _IN_PAYLOAD (read from fp_host), or the value
+        # itself when it was computed on the host (a CPU bucket or parameter).
         self.fp_present = fp_present
         self.step = step
         self.host = host
@@ -277,7 +290,8 @@ class Monitor:
         self._cpu_sketch = _native.Sketch(sketch_dim, sketch_seed)
         self._device_sketches = {}
         self._pending = collections.deque()
-        # Tests: sketch CPU gradients with the torch-op path (as on a GPU) instead of the kernel.
+        # Tests: sketch and fingerprint CPU tensors with the torch-op path (as on a GPU) instead
+        # of the C++ kernels.
         self._force_torch_sketch = False
         # Per bucket index: (buffer address, numel, first offset, BucketPlan), filled only once
         # DDP has rebuilt its buckets (after that, index, buffer and layout stay fixed).
@@ -292,6 +306,7 @@ class Monitor:
         # Reduced-gradient fingerprint and sum of squares, one 0-d tensor per reduced bucket
         # (appended by future callbacks, possibly on a communication thread: list.append only).
         self._fp_buckets = 0
+        self._fp_incomplete = False  # a bucket of this step could not be fingerprinted
         self._grad_fps = []
         self._reduced_ss = []
 
@@ -550,6 +565,7 @@ class Monitor:
         self._got_grads = False
         self._t_first_hook = None
         self._fp_buckets = 0
+        self._fp_incomplete = False  # a bucket of this step could not be fingerprinted
         self._grad_fps = []
         self._reduced_ss = []
 
@@ -595,15 +611,21 @@ class Monitor:
         try:
             t = value[0] if isinstance(value, (list, tuple)) else value
             flat = t.detach().reshape(-1)
-            self._grad_fps.append(_fp.fold_segments(flat, layout))
-            norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
-            self._reduced_ss.append(norm * norm)
+            if _fp.native_supported(flat) and not self._force_torch_sketch:  # C++: one pass
+                f, ss = _fp.fold_segments_cpu(flat, layout)
+                self._grad_fps.append(f)
+                self._reduced_ss.append(ss)
+            else:  # torch ops on the device, no synchronization
+                self._grad_fps.append(_fp.fold_segments(flat, layout))
+                norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
+                self._reduced_ss.append(norm * norm)
         except Exception as e:  # monitoring must never break training
             self.counters["fingerprint_errors"] += 1
             self._warn_once("fperr", f"rankscope: could not fingerprint a reduced bucket ({e!r})")
         return value
 
     def _fp_skipped(self, what: str) -> None:
+        self._fp_incomplete = True
         self.counters["fingerprint_skipped_buckets"] += 1
         self._warn_once("fpskip", f"rankscope: {what} cannot be fingerprinted; the reduced "
                         "gradient's replica check is off for such steps")
@@ -616,20 +638,29 @@ class Monitor:
         return last is None or step // every > last // every or step < last
 
     def _step_fingerprints(self, step: int, device):
-        """(grad fingerprint, param fingerprint, reduced sum of squares): 0-d tensors on
-        ``device`` or None, for the step being closed. No synchronization."""
+        """(grad fingerprint, param fingerprint, reduced sum of squares) of the step being
+        closed: Python numbers when computed on the host (CPU tensors), 0-d tensors on
+        ``device`` otherwise, None when not sent. No synchronization."""
         grad_fp = reduced_ss = param_fp = None
-        if self._fingerprints and self._fp_buckets and len(self._grad_fps) == self._fp_buckets:
-            grad_fp = torch.stack([t.to(device) for t in self._grad_fps]).sum()
-            reduced_ss = torch.stack([t.to(device) for t in self._reduced_ss]).sum()
+        if (self._fingerprints and self._fp_buckets and not self._fp_incomplete
+                and len(self._grad_fps) == self._fp_buckets):
+            grad_fp = _fp.add_all(self._grad_fps, device)
+            sss = self._reduced_ss
+            if all(isinstance(v, float) for v in sss):
+                reduced_ss = sum(sss)
+            else:
+                reduced_ss = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device)
+                                          for v in sss]).sum()
         if self._param_check_due(step):
             try:
+                parts = []
                 with torch.no_grad():
-                    parts = [_fp.fold(p, off).to(device)
-                             for p, off in zip(self._fp_params, self._fp_param_offsets)
-                             if _fp.supported(p.dtype)]
-                param_fp = (torch.stack(parts).sum() if parts
-                            else torch.zeros((), dtype=torch.int64, device=device))
+                    for p, off in zip(self._fp_params, self._fp_param_offsets):
+                        if _fp.native_supported(p) and not self._force_torch_sketch:
+                            parts.append(_fp.fold_cpu(p, off)[0])
+                        elif _fp.supported(p.dtype):
+                            parts.append(_fp.fold(p, off))
+                param_fp = _fp.add_all(parts, device) if parts else 0
                 self._last_param_check = step
                 self.counters["param_checks"] += 1
             except Exception as e:
@@ -706,16 +737,19 @@ class Monitor:
             cpu_bins = torch.empty(self._dim, dtype=torch.float64)
             self._cpu_sketch.copy_bins_to(cpu_bins.data_ptr())
             cpu_ss = self._cpu_sketch.sum_squares()
-        grad_fp, param_fp, reduced_ss = self._step_fingerprints(step, device)
-        present = (grad_fp is not None, param_fp is not None, reduced_ss is not None)
+        values = self._step_fingerprints(step, device)
+        # Device tensors ride in a small int64 payload copied with the sketch; values already
+        # on the host (Python numbers) are kept as they are: no host-to-device copy.
+        present = tuple(_IN_PAYLOAD if isinstance(v, torch.Tensor) else v for v in values)
         fp_payload = None
-        if any(present):
+        if any(v is _IN_PAYLOAD for v in present):
             fp_payload = torch.zeros(3, dtype=torch.int64, device=device)
-            if grad_fp is not None:
+            grad_fp, param_fp, reduced_ss = values
+            if present[0] is _IN_PAYLOAD:
                 fp_payload[0].copy_(grad_fp)
-            if param_fp is not None:
+            if present[1] is _IN_PAYLOAD:
                 fp_payload[1].copy_(param_fp)
-            if reduced_ss is not None:
+            if present[2] is _IN_PAYLOAD:
                 fp_payload[2:].copy_(reduced_ss.to(torch.float64).reshape(1).view(torch.int64))
         if device.type == "cuda":
             host = torch.empty(self._dim + 2, dtype=torch.float64, pin_memory=True)
@@ -751,15 +785,21 @@ class Monitor:
                 bins = bins + p.cpu_bins
             loss = float(host[dim + 1]) if p.loss is None else p.loss
             floats = bins.to(torch.float32).contiguous()
-            fps = [None, None, None]
+            fps = list(p.fp_present)
             if p.fp_host is not None:
                 fp_host = p.fp_host if p.event is not None else p.fp_host.to("cpu")
-                if p.fp_present[0]:
-                    fps[0] = _fp.to_uint64(fp_host[0])
-                if p.fp_present[1]:
-                    fps[1] = _fp.to_uint64(fp_host[1])
-                if p.fp_present[2]:
-                    fps[2] = math.sqrt(max(float(fp_host[2:].view(torch.float64)[0]), 0.0))
+                if fps[0] is _IN_PAYLOAD:
+                    fps[0] = fp_host[0]
+                if fps[1] is _IN_PAYLOAD:
+                    fps[1] = fp_host[1]
+                if fps[2] is _IN_PAYLOAD:
+                    fps[2] = float(fp_host[2:].view(torch.float64)[0])
+            if fps[0] is not None:
+                fps[0] = _fp.to_uint64(fps[0])
+            if fps[1] is not None:
+                fps[1] = _fp.to_uint64(fps[1])
+            if fps[2] is not None:
+                fps[2] = math.sqrt(max(float(fps[2]), 0.0))
             err = self._agent.record_raw(p.step, loss, math.sqrt(max(ss, 0.0)),
                                          floats.data_ptr(), floats.numel(), p.step_time, p.batch,
                                          reduced_grad_fingerprint=fps[0],

@@ -1,0 +1,287 @@
+"""Naming the culprit in real DDP runs: 4 gloo ranks, the real shim, the real collector.
+
+One spawned run trains a small regression MLP through five scenarios, each its own job:
+  healthy   no fault;
+  nudge     rank 2's parameters nudged by one ulp (torch.nextafter on one element) after step 30
+            (this one runs the shim's device path, torch ops, on the CPU; the others the C++
+            kernel);
+  perturb   rank 1's *reduced* gradient perturbed by one ulp on step 25 (a chained comm hook that
+            runs after the all-reduce, before rankscope's fingerprint);
+  corrupt   rank 3 fed pure-noise targets from step 40;
+  straggler rank 1 sleeps before every backward.
+The workers write the ground truth they know (e.g. whether rank 2's parameters still differ at
+the check) to JSON; the tests read what the collector stored in SQLite.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("rankscope._native")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+
+from shim_harness import spawn, write_json  # noqa: E402
+
+W = 4
+PARAM_CHECK_EVERY = 10
+NUDGE_AFTER, NUDGE_RANK = 30, 2
+PERTURB_STEP, PERTURB_RANK = 25, 1
+CORRUPT_FROM, CORRUPT_RANK = 40, 3
+STRAGGLER_RANK, STRAGGLER_SLEEP = 1, 0.05
+STEPS = {"healthy": 60, "nudge": 60, "perturb": 40, "corrupt": 80, "straggler": 25}
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                                 nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def data(rank, step, corrupt=False, bsz=32):
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    teacher = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 4, generator=teacher)
+    x = torch.randn(bsz, 16, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(bsz, 4, generator=g)
+    if corrupt:
+        y = 3.0 * torch.randn(bsz, 4, generator=g)
+    return x, y
+
+
+class _PerturbState:
+    def __init__(self, pg, rank):
+        self.pg = pg
+        self.rank = rank
+        self.step = 0
+
+
+def perturbing_hook(state, bucket):
+    """All-reduce, then (rank PERTURB_RANK, step PERTURB_STEP, first bucket) move one reduced
+    value by one ulp: silent corruption in gradient aggregation."""
+    fut = default_hooks.allreduce_hook(state.pg, bucket)
+
+    def perturb(f):
+        t = f.value()
+        if state.rank == PERTURB_RANK and state.step == PERTURB_STEP and bucket.index() == 0:
+            flat = t.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+        return t
+
+    return fut.then(perturb)
+
+
+def params_differ_from_rank0(module) -> list:
+    """Test-only ground truth: which ranks' parameters differ bitwise from rank 0's."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    ref = gathered[0].view(torch.int32)
+    return [r for r, g in enumerate(gathered) if not torch.equal(g.view(torch.int32), ref)]
+
+
+def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
+    import rankscope.torch as rst
+
+    out_dir = Path(out_dir)
+    for name, steps in STEPS.items():
+        torch.manual_seed(11)
+        ddp = nn.parallel.DistributedDataParallel(Mlp())
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        extra = {}
+        pstate = None
+        if name == "perturb":
+            pstate = _PerturbState(ddp.process_group, rank)
+            extra = {"comm_hook": perturbing_hook, "comm_hook_state": pstate}
+        mon = rst.attach(ddp, collector=collector, job=f"{job_prefix}-{name}", sketch_dim=256,
+                         local_batch_size=32, param_check_every=PARAM_CHECK_EVERY, **extra)
+        mon._force_torch_sketch = name == "nudge"  # the device (torch-op) path, on the CPU
+        truth = {}
+        for step in range(steps):
+            if pstate is not None:
+                pstate.step = step
+            x, y = data(rank, step, corrupt=(name == "corrupt" and rank == CORRUPT_RANK
+                                             and step >= CORRUPT_FROM))
+            sgd.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if name == "straggler" and rank == STRAGGLER_RANK:
+                time.sleep(STRAGGLER_SLEEP)
+            loss.backward()
+            sgd.step()
+            mon.step(loss)
+            if name == "nudge" and step == NUDGE_AFTER and rank == NUDGE_RANK:
+                with torch.no_grad():
+                    w = ddp.module.net[0].weight.view(-1)
+                    i = int(w.abs().argmax())  # large |w|: an SGD update keeps the ulp
+                    w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
+            if name in ("nudge", "perturb") and step % PARAM_CHECK_EVERY == 0:
+                truth[step] = params_differ_from_rank0(ddp.module)
+        stats = mon.close(timeout=30)
+        if rank == 0:
+            write_json(out_dir / f"{name}.truth.json", truth)
+        write_json(out_dir / f"{name}.rank{rank}.json", stats)
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("culprit")
+    t0 = time.monotonic()
+    spawn(culprit_worker, W, module_collector.address, "culprit", str(out), timeout=300)
+    return module_collector, out, time.monotonic() - t0
+
+
+def rank_table(collector, job):
+    rows = collector.query(
+        "SELECT step, rank, replica_ok, outlier_score, step_time_z, step_time_seconds, "
+        "reduced_grad_fingerprint, param_fingerprint FROM rank_steps WHERE job = ? "
+        "ORDER BY step, rank", (job,))
+    table = {}
+    for step, rank, ok, score, tz, st, gfp, pfp in rows:
+        table.setdefault(step, {})[rank] = {"replica_ok": ok, "score": score, "time_z": tz,
+                                            "time": st, "grad_fp": gfp, "param_fp": pfp}
+    return table
+
+
+def step_table(collector, job):
+    rows = collector.query(
+        "SELECT step, ranks, replica_checked, replica_divergent_ranks, outlier_ranks, "
+        "grad_noise_scale FROM step_stats WHERE job = ? ORDER BY step", (job,))
+    return {r[0]: {"ranks": r[1], "checked": r[2], "divergent": r[3] or "",
+                   "outliers": r[4] or "", "noise_scale": r[5]} for r in rows}
+
+
+def test_every_scenario_reports_every_step_with_fingerprints(run):
+    collector, out, _ = run
+    for name, steps in STEPS.items():
+        stats = step_table(collector, f"culprit-{name}")
+        assert sorted(stats) == list(range(steps)), name
+        assert all(s["ranks"] == W and s["checked"] for s in stats.values()), name
+        ranks = rank_table(collector, f"culprit-{name}")
+        for step, by_rank in ranks.items():
+            assert all(r["grad_fp"] is not None for r in by_rank.values()), (name, step)
+            has_param = [r["param_fp"] is not None for r in by_rank.values()]
+            assert all(has_param) == (step % PARAM_CHECK_EVERY == 0), (name, step)
+            assert not any(has_param) or all(has_param)
+            assert all(r["time"] is not None and r["time"] >= 0 for r in by_rank.values())
+
+
+def test_healthy_job_has_no_divergence(run):
+    collector, _, _ = run
+    stats = step_table(collector, "culprit-healthy")
+    assert all(s["divergent"] == "" for s in stats.values())
+    ranks = rank_table(collector, "culprit-healthy")
+    assert all(r["replica_ok"] == 1 for by in ranks.values() for r in by.values())
+    # The reduced gradient is bit-identical on every rank (gloo's ring all-reduce), and its
+    # norm gives a noise-scale estimate on most steps.
+    for by in ranks.values():
+        assert len({r["grad_fp"] for r in by.values()}) == 1
+    finite = [s["noise_scale"] for s in stats.values() if s["noise_scale"] is not None
+              and math.isfinite(s["noise_scale"])]
+    assert len(finite) >= len(stats) // 2
+
+
+def test_healthy_job_outlier_flags(run):
+    """"No rank flagged on any step" does not hold at W = 4 and is not asserted: the collector's
+    threshold (6, robust z over median/MAD of 4 values) flags ~4e-2 of healthy rank-steps at
+    W = 4 by its own calibration (collector/rank_diagnostics.h), and this run measures about
+    the same (printed; 9 of 240 when written). What distinguishes a fault is persistence, so
+    that is asserted: no healthy rank is flagged on 3 steps in a row or is the worst rank on
+    more than half the steps (the corrupted rank below is the worst on every step)."""
+    collector, _, _ = run
+    stats = step_table(collector, "culprit-healthy")
+    ranks = rank_table(collector, "culprit-healthy")
+    flagged_by_step = {s: {int(r) for r in v["outliers"].split(",") if r}
+                       for s, v in stats.items()}
+    flagged = sum(len(v) for v in flagged_by_step.values())
+    rate = flagged / (W * len(stats))
+    print(f"healthy W=4: {flagged} flagged rank-steps of {W * len(stats)} ({rate:.3f})")
+    for r in range(W):
+        run_len = longest = 0
+        for s in sorted(flagged_by_step):
+            run_len = run_len + 1 if r in flagged_by_step[s] else 0
+            longest = max(longest, run_len)
+        assert longest < 3, (r, longest)
+        worst = sum(1 for s in ranks
+                    if max(ranks[s], key=lambda q: ranks[s][q]["score"] or 0.0) == r)
+        assert worst <= len(ranks) // 2, (r, worst)
+    assert rate <= 0.08  # twice the calibrated rate: a regression guard, not a goal
+
+
+def test_one_ulp_parameter_nudge_is_caught_at_the_next_check(run):
+    collector, out, _ = run
+    import json
+
+    truth = json.loads((out / "nudge.truth.json").read_text())
+    check = (NUDGE_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
+    assert truth[str(check)] == [NUDGE_RANK], "the nudge must still be there at the check"
+    stats = step_table(collector, "culprit-nudge")
+    ranks = rank_table(collector, "culprit-nudge")
+    for step in range(check):
+        assert stats[step]["divergent"] == "", step
+    assert stats[check]["divergent"] == str(NUDGE_RANK)
+    assert ranks[check][NUDGE_RANK]["replica_ok"] == 0
+    assert all(ranks[check][r]["replica_ok"] == 1 for r in range(W) if r != NUDGE_RANK)
+    # Between checks the reduced gradients still agree (the all-reduce evens them out).
+    for step in range(check + 1, STEPS["nudge"]):
+        expected = str(NUDGE_RANK) if step % PARAM_CHECK_EVERY == 0 else ""
+        assert stats[step]["divergent"] == expected, step
+
+
+def test_perturbed_reduced_gradient_is_caught_on_that_step(run):
+    collector, out, _ = run
+    import json
+
+    truth = json.loads((out / "perturb.truth.json").read_text())
+    stats = step_table(collector, "culprit-perturb")
+    ranks = rank_table(collector, "culprit-perturb")
+    for step in range(PERTURB_STEP):
+        assert stats[step]["divergent"] == "", step
+    assert stats[PERTURB_STEP]["divergent"] == str(PERTURB_RANK)
+    assert ranks[PERTURB_STEP][PERTURB_RANK]["replica_ok"] == 0
+    by = ranks[PERTURB_STEP]
+    assert len({by[r]["grad_fp"] for r in range(W) if r != PERTURB_RANK}) == 1
+    # Later steps' reduced gradients agree again; the parameter checks report exactly what the
+    # ground truth says (a one-ulp gradient error usually vanishes in the SGD update's rounding,
+    # then the replicas are identical again and nothing may be reported).
+    for step in range(PERTURB_STEP + 1, STEPS["perturb"]):
+        expected = ",".join(map(str, truth[str(step)])) if str(step) in truth else ""
+        assert stats[step]["divergent"] == expected, step
+
+
+def test_corrupted_data_rank_is_the_worst_outlier(run):
+    collector, _, _ = run
+    ranks = rank_table(collector, "culprit-corrupt")
+    after = [s for s in ranks if s >= CORRUPT_FROM]
+    worst = [max(ranks[s], key=lambda r: ranks[s][r]["score"] or 0.0) for s in after]
+    hits = sum(1 for w in worst if w == CORRUPT_RANK)
+    before = [s for s in ranks if s < CORRUPT_FROM]
+    worst_before = [max(ranks[s], key=lambda r: ranks[s][r]["score"] or 0.0) for s in before]
+    print(f"corrupt: rank {CORRUPT_RANK} worst on {hits}/{len(after)} steps after "
+          f"{CORRUPT_FROM}, {worst_before.count(CORRUPT_RANK)}/{len(before)} before")
+    assert hits >= 0.8 * len(after)
+    stats = step_table(collector, "culprit-corrupt")
+    flagged = sum(1 for s in after if str(CORRUPT_RANK) in stats[s]["outliers"].split(","))
+    assert flagged >= 0.5 * len(after)
+
+
+def test_straggler_is_named(run):
+    collector, _, _ = run
+    ranks = rank_table(collector, "culprit-straggler")
+    steps = [s for s in ranks if s >= 1]
+    worst = [max(ranks[s], key=lambda r: ranks[s][r]["time_z"] or -math.inf) for s in steps]
+    hits = worst.count(STRAGGLER_RANK)
+    slow = [ranks[s][STRAGGLER_RANK]["time"] for s in steps]
+    print(f"straggler: rank {STRAGGLER_RANK} slowest on {hits}/{len(steps)} steps; median "
+          f"step time {sorted(slow)[len(slow) // 2]:.3f} s")
+    assert hits >= 0.9 * len(steps)
+    assert all(t >= STRAGGLER_SLEEP for t in slow)

@@ -1,0 +1,129 @@
+"""rankscope.fingerprint: order independence, sensitivity to every single-bit flip, bucketing,
+and agreement with a pure-Python reference of the definition."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+fp = pytest.importorskip("rankscope.fingerprint")
+
+MASK = (1 << 64) - 1
+
+
+def reference(values: torch.Tensor, offset: int = 0) -> int:
+    """sum (bits_i + 1) * (2 (offset + i) + 1) mod 2**64, in Python integers."""
+    itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16, torch.float64: torch.int64}[values.dtype]
+    bits = values.reshape(-1).view(itype).tolist()
+    return sum((b + 1) * (2 * (offset + i) + 1) for i, b in enumerate(bits)) & MASK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_matches_the_definition(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(777, generator=g) * 1e3).to(dtype)
+    assert fp.to_uint64(fp.fold(x, 12345)) == reference(x, 12345)
+
+
+def test_wraps_modulo_2_64():
+    x = torch.full((64,), float("-inf"))  # large bit patterns, large weights
+    assert fp.to_uint64(fp.fold(x, 1 << 60)) == reference(x, 1 << 60)
+
+
+def test_order_and_bucketing_do_not_matter():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5000, generator=g)
+    whole = fp.to_uint64(fp.fold(x, 0))
+    rng = random.Random(3)
+    for _ in range(20):
+        # Random cuts into chunks, folded in a random order and combined.
+        cuts = sorted(rng.sample(range(1, 5000), rng.randint(1, 12)))
+        bounds = list(zip([0] + cuts, cuts + [5000]))
+        rng.shuffle(bounds)
+        acc = torch.zeros((), dtype=torch.int64)
+        for a, b in bounds:
+            acc = fp.combine(acc, fp.fold(x[a:b], a))
+        assert fp.to_uint64(acc) == whole
+        # The same chunks laid out in a bucket buffer in that shuffled order (DDP puts
+        # parameters in reverse order), with padding between them that must not count.
+        parts, starts, counts, offsets, pos = [], [], [], [], 0
+        for a, b in bounds:
+            parts.append(x[a:b])
+            starts.append(pos)
+            counts.append(b - a)
+            offsets.append(a)
+            parts.append(torch.full((3,), 7.0))  # padding
+            pos += b - a + 3
+        buf = torch.cat(parts)
+        layout = fp.SegmentLayout(buf.numel(), starts, counts, offsets)
+        assert fp.to_uint64(fp.fold_segments(buf, layout)) == whole
+
+
+def test_parameters_fold_in_order():
+    ps = [torch.randn(3, 4), torch.randn(7), torch.randn(2, 2, 2)]
+    flat = torch.cat([p.reshape(-1) for p in ps])
+    assert fp.to_uint64(fp.fold_parameters(ps)) == fp.to_uint64(fp.fold(flat, 0))
+    swapped = [ps[1], ps[0], ps[2]]
+    assert fp.to_uint64(fp.fold_parameters(swapped)) != fp.to_uint64(fp.fold(flat, 0))
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 32), (torch.bfloat16, 16),
+                                         (torch.float16, 16)])
+def test_every_single_bit_flip_changes_it(dtype, width):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, generator=g).to(dtype)
+    itype = torch.int32 if width == 32 else torch.int16
+    base = fp.to_uint64(fp.fold(x, 100))
+    seen = {base}
+    for i in range(x.numel()):
+        for bit in range(width):
+            y = x.clone()
+            bits = y.view(itype)
+            bits[i] ^= (1 << bit) if bit < width - 1 else -(1 << bit)  # the sign bit too
+            f = fp.to_uint64(fp.fold(y, 100))
+            assert f != base, (i, bit)
+            seen.add(f)
+    assert len(seen) == 1 + x.numel() * width  # and all flips differ from each other
+
+
+def test_one_ulp_and_a_swap_change_it():
+    x = torch.randn(1000)
+    base = fp.to_uint64(fp.fold(x, 0))
+    y = x.clone()
+    y[500] = torch.nextafter(y[500], torch.tensor(float("inf")))
+    assert fp.to_uint64(fp.fold(y, 0)) != base
+    z = x.clone()
+    z[[3, 4]] = z[[4, 3]]
+    assert fp.to_uint64(fp.fold(z, 0)) != base
+
+
+def test_segment_layout_rejects_a_segment_outside_the_buffer():
+    with pytest.raises(ValueError):
+        fp.SegmentLayout(10, [5], [6], [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_cpp_kernel_agrees_with_the_torch_ops(dtype):
+    if not fp.native_supported(torch.zeros(1, dtype=dtype)):
+        pytest.skip("rankscope._native without fingerprint_segments")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(10_001, generator=g) * 100).to(dtype)
+    f, ss = fp.fold_cpu(x, 77)
+    assert f == fp.to_uint64(fp.fold(x, 77)) == reference(x, 77)
+    assert ss == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
+    layout = fp.SegmentLayout(x.numel(), [5000, 0, 9000], [4000, 5000, 1001],
+                              [0, 4000, 9000])
+    f2, ss2 = fp.fold_segments_cpu(x, layout)
+    assert f2 == fp.to_uint64(fp.fold_segments(x, layout))
+    assert ss2 == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
+    # Non-contiguous input is folded in its logical order.
+    m = x[:10_000].reshape(100, 100).t()
+    assert fp.fold_cpu(m, 3)[0] == fp.to_uint64(fp.fold(m.contiguous(), 3))
+
+
+def test_add_all_mixes_numbers_and_tensors():
+    a, b = (1 << 64) - 5, 9
+    assert fp.add_all([a, b], "cpu") == 4
+    t = fp.add_all([a, torch.tensor(9)], "cpu")
+    assert fp.to_uint64(t) == 4
