@@ -103,7 +103,7 @@ struct StepDiagnostics {
   std::vector<std::optional<bool>> replica_ok;   // per report
   bool replica_checked = false;
   std::vector<uint32_t> replica_divergent;       // sorted
-  std::vector<uint32_t> outlier_ranks;           // sorted
+  std::vector<uint32_t> flagged_ranks;           // score above threshold this step, sorted
   double grad_noise_scale = std::nan("");
 };
 
@@ -148,7 +148,7 @@ StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
     e.step_time_seconds = times[i];
     e.step_time_z = time_z[i];
     d.extras.push_back(e);
-    if (d.outliers[i].flagged) d.outlier_ranks.push_back(r.rank);
+    if (d.outliers[i].flagged) d.flagged_ranks.push_back(r.rank);
   }
   if (!reduced_norms.empty()) {
     // Every rank holds the same reduced gradient; take the median against a stray value.
@@ -441,6 +441,20 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
   const StepDiagnostics diag = Diagnose(js, stats);
+  // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
+  std::vector<uint32_t> outlier_ranks;
+  {
+    auto& streaks = outlier_streaks_[js.job];
+    for (size_t i = 0; i < js.reports.size(); ++i) {
+      const uint32_t rank = js.reports[i].rank;
+      if (diag.outliers[i].flagged) {
+        if (++streaks[rank] >= kOutlierPersistence) outlier_ranks.push_back(rank);
+      } else {
+        streaks.erase(rank);
+      }
+    }
+    if (streaks.empty()) outlier_streaks_.erase(js.job);
+  }
 
   ExportedStep exported;
   exported.step = js.step;
@@ -482,7 +496,7 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   row.grad_noise_scale = diag.grad_noise_scale;
   row.replica_checked = diag.replica_checked;
   row.replica_divergent_ranks = diag.replica_divergent;
-  row.outlier_ranks = diag.outlier_ranks;
+  row.outlier_ranks = outlier_ranks;
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
   for (size_t i = 0; i < js.reports.size(); ++i) {

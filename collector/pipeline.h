@@ -135,6 +135,9 @@ class StepPipeline {
   uint64_t closed_processed_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // Step thread only: per job, per rank, the number of consecutive steps (of those the rank
+  // reported) whose outlier score exceeded the threshold. Ranks at zero are not stored.
+  absl::flat_hash_map<std::string, absl::flat_hash_map<uint32_t, uint32_t>> outlier_streaks_;
   std::thread step_thread_;
 };
 

@@ -44,6 +44,11 @@
 namespace rankscope::collector {
 
 inline constexpr double kOutlierThreshold = 6.0;
+// A rank is reported as an outlier of a job (step_stats.outlier_ranks) once its score exceeded
+// kOutlierThreshold on this many consecutive steps it reported. With the single-step rates
+// below, noise does that with probability ~6e-5 per rank-step at W = 4 and ~3e-15 at W = 64,
+// while a real fault (corrupted data, a bad node) persists.
+inline constexpr uint32_t kOutlierPersistence = 3;
 inline constexpr double kMadFloorRelative = 1e-6;
 inline constexpr double kMadFloorAbsolute = 1e-12;
 

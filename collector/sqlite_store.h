@@ -101,7 +101,8 @@ struct StepRow {
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();  // NaN: not computable
   bool replica_checked = false;                  // some rank sent a fingerprint
   std::vector<uint32_t> replica_divergent_ranks; // ranks whose fingerprint differs
-  std::vector<uint32_t> outlier_ranks;           // ranks with outlier_score above threshold
+  std::vector<uint32_t> outlier_ranks;  // ranks above the outlier threshold on their last
+                                        // kOutlierPersistence steps (rank_diagnostics.h)
 };
 
 // A rank row with its step (range queries).

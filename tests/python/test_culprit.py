@@ -191,30 +191,22 @@ def test_healthy_job_has_no_divergence(run):
 
 
 def test_healthy_job_outlier_flags(run):
-    """"No rank flagged on any step" does not hold at W = 4 and is not asserted: the collector's
-    threshold (6, robust z over median/MAD of 4 values) flags ~4e-2 of healthy rank-steps at
-    W = 4 by its own calibration (collector/rank_diagnostics.h), and this run measures about
-    the same (printed; 9 of 240 when written). What distinguishes a fault is persistence, so
-    that is asserted: no healthy rank is flagged on 3 steps in a row or is the worst rank on
-    more than half the steps (the corrupted rank below is the worst on every step)."""
+    """No rank is flagged (step_stats.outlier_ranks) on any step of a healthy job. A single step
+    above the score threshold is common noise at W = 4 (~4e-2 of rank-steps by the collector's
+    calibration, collector/rank_diagnostics.h; printed below), which is why the collector only
+    flags a rank above it on 3 consecutive steps; no healthy rank is the worst on most steps."""
     collector, _, _ = run
     stats = step_table(collector, "culprit-healthy")
     ranks = rank_table(collector, "culprit-healthy")
-    flagged_by_step = {s: {int(r) for r in v["outliers"].split(",") if r}
-                       for s, v in stats.items()}
-    flagged = sum(len(v) for v in flagged_by_step.values())
-    rate = flagged / (W * len(stats))
-    print(f"healthy W=4: {flagged} flagged rank-steps of {W * len(stats)} ({rate:.3f})")
+    above = sum(1 for by in ranks.values() for r in by.values()
+                if r["score"] is not None and r["score"] > 6.0)
+    print(f"healthy W=4: {above} rank-steps of {W * len(stats)} above the single-step threshold")
+    assert all(s["outliers"] == "" for s in stats.values()), \
+        {s: v["outliers"] for s, v in stats.items() if v["outliers"]}
     for r in range(W):
-        run_len = longest = 0
-        for s in sorted(flagged_by_step):
-            run_len = run_len + 1 if r in flagged_by_step[s] else 0
-            longest = max(longest, run_len)
-        assert longest < 3, (r, longest)
         worst = sum(1 for s in ranks
                     if max(ranks[s], key=lambda q: ranks[s][q]["score"] or 0.0) == r)
         assert worst <= len(ranks) // 2, (r, worst)
-    assert rate <= 0.08  # twice the calibrated rate: a regression guard, not a goal
 
 
 def test_one_ulp_parameter_nudge_is_caught_at_the_next_check(run):
