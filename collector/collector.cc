@@ -26,23 +26,21 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   c->metrics_ = std::make_shared<JobMetrics>(options.export_options);
   c->pipeline_ = std::make_unique<StepPipeline>(options.pipeline, std::move(*writer_store),
                                                 *known_jobs, c->metrics_.get(), c->health_.get());
-  c->ingest_ = std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(),
-                                               options.max_streams);
+  c->ingest_ =
+      std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams);
   c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(),
-                           &c->grpc_port_);
+  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &c->grpc_port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.RegisterService(c->ingest_.get());
   builder.RegisterService(c->query_.get());
   c->server_ = builder.BuildAndStart();
   if (c->server_ == nullptr || c->grpc_port_ == 0) {
     c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for gRPC on ", options.grpc_address,
-                     " (in use, or not a local address?)"));
+    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.grpc_address,
+                                               " (in use, or not a local address?)"));
   }
   c->server_->GetHealthCheckService()->SetServingStatus(true);
 
@@ -52,8 +50,8 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
     } catch (const std::exception& e) {
       c->server_->Shutdown();
       c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
-      return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ",
-                                                 options.metrics_address, ": ", e.what()));
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve /metrics on ", options.metrics_address, ": ", e.what()));
     }
     c->exposer_->RegisterCollectable(c->health_->registry());
     c->exposer_->RegisterCollectable(c->metrics_);
@@ -71,8 +69,7 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
   shut_down_ = true;
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      absl::ToChronoMilliseconds(timeout / 2));
+    server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
   shutdown_status_ = pipeline_->Stop(timeout / 2);
   return shutdown_status_;

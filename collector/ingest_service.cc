@@ -51,8 +51,7 @@ class StreamHandle final : public AgentStream {
   StreamReactor* reactor_ ABSL_GUARDED_BY(mu_);
 };
 
-class StreamReactor final
-    : public grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
+class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
  public:
   StreamReactor(IngestService* service, bool over_limit)
       : service_(service),
@@ -62,10 +61,9 @@ class StreamReactor final
     service_->health_->StreamOpened();
     if (over_limit) {
       service_->health_->Rejected("too_many_streams");
-      RequestFinish(grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("collector has ", service_->max_streams_,
-                       " agent streams open (--max_streams); retry later")));
+      RequestFinish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                 absl::StrCat("collector has ", service_->max_streams_,
+                                              " agent streams open (--max_streams); retry later")));
       return;
     }
     Read();
@@ -203,7 +201,7 @@ class StreamReactor final
   alignas(16) char arena_block_[kArenaBlockBytes];  // reactor callbacks only, through arena_
   google::protobuf::Arena arena_;                   // reactor callbacks only
   v1::AgentMessage* in_ = nullptr;                  // on arena_; reactor callbacks only
-  v1::Hello hello_;              // set once, before have_hello_
+  v1::Hello hello_;                                 // set once, before have_hello_
   bool have_hello_ = false;
 
   absl::Mutex mu_;

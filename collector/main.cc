@@ -24,7 +24,8 @@ ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created i
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
           "missing ranks are named.");
-ABSL_FLAG(int, max_open_steps, 256, "Open (incomplete) steps kept per job; beyond, the oldest "
+ABSL_FLAG(int, max_open_steps, 256,
+          "Open (incomplete) steps kept per job; beyond, the oldest "
           "is closed early.");
 ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");

@@ -90,9 +90,11 @@ class StepPipeline {
 
   // Operator control (rankscope ctl): updates the job's control and pushes it to every stream.
   // Generations increase across collector restarts: max(previous + 1, now in Unix microseconds).
-  absl::StatusOr<std::pair<v1::Control, uint32_t>> SetControl(
-      const std::string& job, std::optional<bool> enabled, std::optional<uint32_t> every,
-      std::optional<uint32_t> sketch_dim, uint32_t lead_steps);
+  absl::StatusOr<std::pair<v1::Control, uint32_t>> SetControl(const std::string& job,
+                                                              std::optional<bool> enabled,
+                                                              std::optional<uint32_t> every,
+                                                              std::optional<uint32_t> sketch_dim,
+                                                              uint32_t lead_steps);
 
   std::vector<JobSummary> ListJobs() const;
 

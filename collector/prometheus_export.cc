@@ -389,8 +389,11 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   if (window <= absl::ZeroDuration()) return;  // the window metrics equal the latest step
   const absl::Duration granularity = window / kWindowBuckets;
   const WindowPoint point{absl::UnixEpoch() + absl::Floor(now - absl::UnixEpoch(), granularity),
-                          latest.loss_std,       latest.loss_range, latest.grad_norm_cv,
-                          latest.grad_cosine_mean, replica_divergent};
+                          latest.loss_std,
+                          latest.loss_range,
+                          latest.grad_norm_cv,
+                          latest.grad_cosine_mean,
+                          replica_divergent};
   std::deque<WindowPoint>& points = state.window;
   if (!points.empty() && points.back().at >= point.at) {
     // Same bucket (or the clock went back): merge, keeping the deque ordered.
@@ -455,8 +458,12 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradNormCv, s.grad_norm_cv);
       add(kGradCosineMean, s.grad_cosine_mean);
 
-      WindowPoint worst{now,          s.loss_std,         s.loss_range, s.grad_norm_cv,
-                        s.grad_cosine_mean, state.replica_divergent_latest};
+      WindowPoint worst{now,
+                        s.loss_std,
+                        s.loss_range,
+                        s.grad_norm_cv,
+                        s.grad_cosine_mean,
+                        state.replica_divergent_latest};
       for (const WindowPoint& p : state.window) {
         if (p.at + granularity <= now - window) continue;  // bucket entirely before the window
         worst.loss_std = MaxIgnoringNaN(worst.loss_std, p.loss_std);
@@ -487,8 +494,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
         add(kReplicaDivergentRanks,
             std::isnan(worst.replica_divergent) ? 0.0 : worst.replica_divergent);
         add(kReplicaChecksTotal, static_cast<double>(state.replica_checks_total));
-        add(kReplicaDivergentStepsTotal,
-            static_cast<double>(state.replica_divergent_steps_total));
+        add(kReplicaDivergentStepsTotal, static_cast<double>(state.replica_divergent_steps_total));
         std::vector<uint32_t> divergent;
         for (const auto& [rank, at] : state.replica_divergent_at) {
           if (at >= now - window) divergent.push_back(rank);

@@ -26,11 +26,11 @@
 // exported for at most `per_rank_series_limit` ranks per job, the same ranks in every metric,
 // picked from the latest step round-robin from five rankings: largest outlier score, lowest
 // consensus cosine, largest |loss_z|, largest |grad_norm_z|, largest step-time z (in that
-// priority), so the worst rank by each criterion is always present. NaN counts as the most deviating; ties go to the lower rank number. (Under
-// step_stats.h a non-finite input makes that statistic NaN for every rank, and with fewer than
-// two ranks every cosine is NaN: the other rankings then decide.)
-// rankscope_rank_missing is exported for at most `per_rank_series_limit` missing ranks, the
-// lowest rank numbers; world_size - ranks_reporting gives the full count.
+// priority), so the worst rank by each criterion is always present. NaN counts as the most
+// deviating; ties go to the lower rank number. (Under step_stats.h a non-finite input makes that
+// statistic NaN for every rank, and with fewer than two ranks every cosine is NaN: the other
+// rankings then decide.) rankscope_rank_missing is exported for at most `per_rank_series_limit`
+// missing ranks, the lowest rank numbers; world_size - ranks_reporting gives the full count.
 //
 // Jobs: `last_update` is the time of the job's latest OnStep/OnAgent* call. A job with no
 // connected agent and not updated for `job_expiry` is no longer exported, and its state is freed
@@ -148,7 +148,7 @@ class JobMetrics : public prometheus::Collectable {
     uint64_t steps_total = 0;
     uint64_t steps_timed_out_total = 0;
     uint64_t steps_nonfinite_total = 0;
-    uint64_t dropped_total = 0;                               // monotonic, see above
+    uint64_t dropped_total = 0;  // monotonic, see above
     double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
     uint64_t replica_checks_total = 0;
     uint64_t replica_divergent_steps_total = 0;

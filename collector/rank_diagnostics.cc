@@ -101,10 +101,9 @@ std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ran
     s.loss_robust_z = RobustZ(r.loss, loss);
     s.grad_norm_robust_z = RobustZ(r.grad_norm, norm);
     // Only a cosine *below* the others' is suspicious; an unknown cosine (W < 2) contributes 0.
-    s.cosine_deficit = std::isnan(r.consensus_cosine) ? 0.0
-                                                       : std::max(0.0, -RobustZ(r.consensus_cosine, cos));
-    if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm) ||
-        (std::isinf(r.consensus_cosine))) {
+    s.cosine_deficit =
+        std::isnan(r.consensus_cosine) ? 0.0 : std::max(0.0, -RobustZ(r.consensus_cosine, cos));
+    if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm) || (std::isinf(r.consensus_cosine))) {
       s.score = kNaN;
     } else {
       s.score = std::max({std::abs(s.loss_robust_z), std::abs(s.grad_norm_robust_z),

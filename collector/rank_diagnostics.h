@@ -58,10 +58,10 @@ struct RankFingerprint {
 };
 
 struct ReplicaVerdict {
-  bool checked = false;                  // at least one rank reported a fingerprint
-  bool ambiguous = false;                // no strict majority
-  std::optional<uint64_t> majority;      // the agreed value, when there is one
-  std::vector<uint32_t> divergent_ranks; // sorted
+  bool checked = false;                   // at least one rank reported a fingerprint
+  bool ambiguous = false;                 // no strict majority
+  std::optional<uint64_t> majority;       // the agreed value, when there is one
+  std::vector<uint32_t> divergent_ranks;  // sorted
 };
 
 ReplicaVerdict CheckReplicas(absl::Span<const RankFingerprint> fingerprints);

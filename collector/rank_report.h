@@ -15,8 +15,8 @@ struct RankReport {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint32_t attempt = 0;
-  double loss = 0.0;       // may be NaN/Inf
-  double grad_norm = 0.0;  // may be NaN/Inf
+  double loss = 0.0;          // may be NaN/Inf
+  double grad_norm = 0.0;     // may be NaN/Inf
   std::vector<float> sketch;  // length == the job's sketch_dim
   absl::Time received_at = absl::UnixEpoch();
   std::optional<uint64_t> reduced_grad_fingerprint;

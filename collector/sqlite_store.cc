@@ -145,8 +145,8 @@ WHERE excluded.attempt > step_stats.attempt
    OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
 )sql";
 
-#define RANKSCOPE_STEP_COLUMNS                                                          \
-  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, " \
+#define RANKSCOPE_STEP_COLUMNS                                                              \
+  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "     \
   "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, " \
   "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks"
 

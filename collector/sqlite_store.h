@@ -78,9 +78,9 @@ struct RankRow {
   std::optional<uint64_t> param_fingerprint;
   std::optional<double> step_time_seconds;
   absl::Time received_at = absl::UnixEpoch();
-  std::optional<bool> replica_ok;        // nullopt: no fingerprint of this rank was checked
-  std::optional<double> outlier_score;   // see rank_diagnostics.h
-  std::optional<double> step_time_z;     // robust z of the rank's step time
+  std::optional<bool> replica_ok;       // nullopt: no fingerprint of this rank was checked
+  std::optional<double> outlier_score;  // see rank_diagnostics.h
+  std::optional<double> step_time_z;    // robust z of the rank's step time
 };
 
 struct StepRow {
@@ -99,10 +99,10 @@ struct StepRow {
   bool timed_out = false;
   absl::Time completed_at = absl::UnixEpoch();
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();  // NaN: not computable
-  bool replica_checked = false;                  // some rank sent a fingerprint
-  std::vector<uint32_t> replica_divergent_ranks; // ranks whose fingerprint differs
-  std::vector<uint32_t> outlier_ranks;  // ranks above the outlier threshold on their last
-                                        // kOutlierPersistence steps (rank_diagnostics.h)
+  bool replica_checked = false;                   // some rank sent a fingerprint
+  std::vector<uint32_t> replica_divergent_ranks;  // ranks whose fingerprint differs
+  std::vector<uint32_t> outlier_ranks;            // ranks above the outlier threshold on their last
+                                                  // kOutlierPersistence steps (rank_diagnostics.h)
 };
 
 // A rank row with its step (range queries).

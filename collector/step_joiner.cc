@@ -76,8 +76,8 @@ absl::Status StepJoiner::RegisterJob(absl::string_view job, uint32_t world_size)
     return absl::OkStatus();
   }
   if (it->second.world_size != world_size) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "world_size ", world_size, " != ", it->second.world_size, " for job ", job));
+    return absl::FailedPreconditionError(
+        absl::StrCat("world_size ", world_size, " != ", it->second.world_size, " for job ", job));
   }
   return absl::OkStatus();
 }

@@ -96,8 +96,9 @@ class StepJoiner {
 
   // Adds a report of a registered job (rank < world_size is the caller's check; kUnknownJob and
   // kRankOutOfRange say what happens if either is broken). Steps that become complete, or are
-  // closed early by the open-step cap or a newer attempt, are appended to *closed. `report` is moved from only when the outcome is kAccepted; for kDuplicate its
-  // acks were taken into the held report or must be acked by the caller (see above).
+  // closed early by the open-step cap or a newer attempt, are appended to *closed. `report` is
+  // moved from only when the outcome is kAccepted; for kDuplicate its acks were taken into the held
+  // report or must be acked by the caller (see above).
   AddOutcome Add(absl::string_view job, RankReport& report, absl::Time now,
                  std::vector<JoinedStep>* closed);
 
@@ -154,8 +155,7 @@ class StepJoiner {
 
   void Open(const std::string& job_name, Job& job, RankReport& report, absl::Time now,
             std::vector<JoinedStep>* closed);
-  JoinedStep Close(const std::string& job_name, Job& job, uint64_t step,
-                   JoinedStep::Reason reason);
+  JoinedStep Close(const std::string& job_name, Job& job, uint64_t step, JoinedStep::Reason reason);
   void Remember(Job& job, uint64_t step, uint32_t attempt, RankSet ranks);
 
   JoinerOptions options_;

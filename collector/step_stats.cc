@@ -47,8 +47,8 @@ Moments Describe(absl::Span<const RankSample> samples, Getter get) {
     squares += d * d;
     residual += d;
   }
-  double variance = (squares - residual * residual / static_cast<double>(n)) /
-                    static_cast<double>(n);
+  double variance =
+      (squares - residual * residual / static_cast<double>(n)) / static_cast<double>(n);
   if (variance < 0.0) variance = 0.0;  // NaN stays NaN
   return {mean, std::sqrt(variance), hi - lo};
 }

@@ -79,8 +79,8 @@ class StoreWriter {
 
   mutable absl::Mutex mu_;
   std::deque<WriteItem> pending_ ABSL_GUARDED_BY(mu_);
-  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;   // items ever enqueued
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;   // items committed or dropped
+  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // items ever enqueued
+  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;  // items committed or dropped
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();

@@ -32,21 +32,21 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
                   "bad_hello");
   }
   if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "world_size ", hello.world_size(), " must be in [1, ",
-                      limits.max_world_size, "] for job ", hello.job())),
+    return Reject(absl::InvalidArgumentError(absl::StrCat("world_size ", hello.world_size(),
+                                                          " must be in [1, ", limits.max_world_size,
+                                                          "] for job ", hello.job())),
                   "bad_hello");
   }
   if (hello.rank() >= hello.world_size()) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat("rank ", hello.rank(), " >= world_size ",
-                                                          hello.world_size(), " for job ",
-                                                          hello.job())),
-                  "rank_out_of_range");
+    return Reject(
+        absl::InvalidArgumentError(absl::StrCat("rank ", hello.rank(), " >= world_size ",
+                                                hello.world_size(), " for job ", hello.job())),
+        "rank_out_of_range");
   }
   if (hello.sketch_dim() == 0 || hello.sketch_dim() > limits.max_sketch_dim) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "sketch_dim ", hello.sketch_dim(), " must be in [1, ",
-                      limits.max_sketch_dim, "] for job ", hello.job())),
+    return Reject(absl::InvalidArgumentError(absl::StrCat("sketch_dim ", hello.sketch_dim(),
+                                                          " must be in [1, ", limits.max_sketch_dim,
+                                                          "] for job ", hello.job())),
                   "bad_hello");
   }
   return {};
@@ -54,11 +54,11 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
 
 Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) {
   if (hello.world_size() != identity.world_size) {
-    return Reject(absl::FailedPreconditionError(absl::StrCat(
-                      "world_size ", hello.world_size(), " != ", identity.world_size,
-                      " for job ", hello.job(),
-                      ": a job's world size is fixed; use a new job name for a resized run")),
-                  "world_size_changed");
+    return Reject(
+        absl::FailedPreconditionError(absl::StrCat(
+            "world_size ", hello.world_size(), " != ", identity.world_size, " for job ",
+            hello.job(), ": a job's world size is fixed; use a new job name for a resized run")),
+        "world_size_changed");
   }
   if (hello.sketch_dim() != identity.sketch_dim || hello.sketch_seed() != identity.sketch_seed) {
     return Reject(absl::FailedPreconditionError(absl::StrCat(
@@ -74,14 +74,14 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                          uint32_t sketch_dim) {
   if (report.step() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "step ", report.step(), " of job ", hello.job(), " exceeds 2^63-1")),
+    return Reject(absl::InvalidArgumentError(absl::StrCat("step ", report.step(), " of job ",
+                                                          hello.job(), " exceeds 2^63-1")),
                   "invalid_report");
   }
   if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "sketch of step ", report.step(), " has ", report.sketch_size(),
-                      " values, job ", hello.job(), " uses sketch_dim ", sketch_dim)),
+    return Reject(absl::InvalidArgumentError(
+                      absl::StrCat("sketch of step ", report.step(), " has ", report.sketch_size(),
+                                   " values, job ", hello.job(), " uses sketch_dim ", sketch_dim)),
                   "sketch_length");
   }
   return {};

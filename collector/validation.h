@@ -48,9 +48,9 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity);
 
 // Checks one report of a stream whose hello was accepted: the step must fit SQLite's int64 and
-// the sketch length must equal `sketch_dim`. Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
-Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
-                         uint32_t sketch_dim);
+// the sketch length must equal `sketch_dim`. Non-finite loss, grad_norm or sketch values are
+// accepted (stored and flagged).
+Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t sketch_dim);
 
 }  // namespace rankscope::collector
 

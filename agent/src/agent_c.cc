@@ -49,8 +49,8 @@ void rankscope_agent_options_init(rankscope_agent_options* options) {
   options->max_unacked = d.max_unacked;
 }
 
-int rankscope_agent_create(const rankscope_agent_options* options, rankscope_agent** out,
-                           char* err, size_t err_len) {
+int rankscope_agent_create(const rankscope_agent_options* options, rankscope_agent** out, char* err,
+                           size_t err_len) {
   if (options == nullptr || out == nullptr) {
     return Fail(absl::InvalidArgumentError("options and out must not be NULL"), err, err_len);
   }
@@ -79,8 +79,8 @@ int rankscope_agent_record(rankscope_agent* agent, uint64_t step, double loss, d
                                     -1.0, -1.0, 0);
 }
 
-int rankscope_agent_record_ext(rankscope_agent* agent, uint64_t step, double loss,
-                               double grad_norm, const float* sketch, size_t sketch_len,
+int rankscope_agent_record_ext(rankscope_agent* agent, uint64_t step, double loss, double grad_norm,
+                               const float* sketch, size_t sketch_len,
                                int has_reduced_grad_fingerprint, uint64_t reduced_grad_fingerprint,
                                int has_param_fingerprint, uint64_t param_fingerprint,
                                double reduced_grad_norm, double step_time_seconds,

@@ -66,8 +66,7 @@ TEST(AgentTest, RecordRejectsWrongSketchLengthAndRecordAfterClose) {
   auto agent = Agent::Create(Options(testing::PickFreePort()));
   ASSERT_TRUE(agent.ok());
   std::vector<float> short_sketch(3, 1.0f);
-  EXPECT_EQ((*agent)->Record(Report(1, short_sketch)).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*agent)->Record(Report(1, short_sketch)).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*agent)->stats().invalid, 1u);
   EXPECT_EQ((*agent)->stats().recorded, 0u);
   (*agent)->Close(absl::ZeroDuration()).IgnoreError();
@@ -89,8 +88,7 @@ TEST(AgentTest, CollectorDownRingDropsOldestThenDeliversTheRestWhenItComesUp) {
   }
   EXPECT_EQ((*agent)->stats().recorded, 100u);
   EXPECT_EQ((*agent)->stats().dropped, 68u);
-  EXPECT_EQ((*agent)->Flush(absl::Milliseconds(50)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*agent)->Flush(absl::Milliseconds(50)).code(), absl::StatusCode::kDeadlineExceeded);
 
   auto collector = Collector::Start(CollectorAt(dir, port));
   ASSERT_TRUE(collector.ok()) << collector.status();
@@ -153,8 +151,7 @@ TEST(AgentTest, HelloRejectedForMismatchedSketchIsNotAcked) {
   auto second = Agent::Create(b);
   ASSERT_TRUE(second.ok());
   ASSERT_TRUE((*second)->Record(Report(1, sketch)).ok());
-  EXPECT_EQ((*second)->Flush(absl::Milliseconds(300)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*second)->Flush(absl::Milliseconds(300)).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ((*second)->stats().acked, 0u);
   (*second)->Close(absl::ZeroDuration()).IgnoreError();
   (*first)->Close(absl::ZeroDuration()).IgnoreError();

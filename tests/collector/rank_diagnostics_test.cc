@@ -56,8 +56,8 @@ std::vector<RankSignals> Healthy(int world, uint64_t seed) {
   std::normal_distribution<double> n(0.0, 1.0);
   std::vector<RankSignals> ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.push_back({static_cast<uint32_t>(r), 2.0 + 0.01 * n(rng), 1.0 + 0.02 * n(rng),
-                     0.9 + 0.01 * n(rng)});
+    ranks.push_back(
+        {static_cast<uint32_t>(r), 2.0 + 0.01 * n(rng), 1.0 + 0.02 * n(rng), 0.9 + 0.01 * n(rng)});
   }
   return ranks;
 }

@@ -330,11 +330,11 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
   ColumnInfo ranks = TableInfo(raw, "rank_steps");
   EXPECT_THAT(ranks.names, IsSupersetOf({"job", "step", "rank", "loss", "grad_norm", "grad_cosine",
                                          "received_at"}));
-  EXPECT_THAT(ranks.names, ElementsAre("job", "step", "rank", "attempt", "join_size", "loss",
-                                       "grad_norm", "grad_cosine", "loss_z", "grad_norm_z",
-                                       "nonfinite", "reduced_grad_fingerprint", "param_fingerprint",
-                                       "step_time_seconds", "received_at", "replica_ok",
-                                       "outlier_score", "step_time_z"));
+  EXPECT_THAT(ranks.names,
+              ElementsAre("job", "step", "rank", "attempt", "join_size", "loss", "grad_norm",
+                          "grad_cosine", "loss_z", "grad_norm_z", "nonfinite",
+                          "reduced_grad_fingerprint", "param_fingerprint", "step_time_seconds",
+                          "received_at", "replica_ok", "outlier_score", "step_time_z"));
   EXPECT_THAT(ranks.primary_key, ElementsAre("job", "step", "rank"));
 
   ColumnInfo stats = TableInfo(raw, "step_stats");

@@ -222,13 +222,13 @@ TEST_F(StepJoinerTest, ExpireWithInfiniteFutureFlushesEverything) {
 TEST_F(StepJoinerTest, ExpireClosesInDeadlineOrderAcrossJobs) {
   ASSERT_TRUE(joiner_.RegisterJob("b", 2).ok());
   ASSERT_TRUE(joiner_.RegisterJob("a", 2).ok());
-  Add("b", 0, 5);                      // t0
+  Add("b", 0, 5);  // t0
   now_ += absl::Seconds(1);
-  Add("a", 0, 9);                      // t0+1
-  Add("b", 0, 3);                      // t0+1
-  Add("a", 0, 2);                      // t0+1
+  Add("a", 0, 9);  // t0+1
+  Add("b", 0, 3);  // t0+1
+  Add("a", 0, 2);  // t0+1
   now_ += absl::Seconds(1);
-  Add("a", 0, 1);                      // t0+2
+  Add("a", 0, 1);  // t0+2
   joiner_.Expire(kT0 + absl::Seconds(31), &closed_);
   std::vector<std::pair<std::string, uint64_t>> order;
   for (const JoinedStep& js : closed_) order.emplace_back(js.job, js.step);
@@ -302,20 +302,21 @@ TEST_F(StepJoinerTest, LateReportsInEveryRankSetForm) {
   // 200 ranks: a step with 3 present is stored as the present list, one with 3 missing as the
   // missing list, one with 100 of each as a bitset. Each must answer Contains/Insert the same.
   ASSERT_TRUE(joiner_.RegisterJob("j", 200).ok());
-  const std::vector<std::vector<uint32_t>> present_sets = {
-      {5, 77, 199},
-      [] {
-        std::vector<uint32_t> v;
-        for (uint32_t r = 0; r < 200; ++r) {
-          if (r != 0 && r != 64 && r != 130) v.push_back(r);
-        }
-        return v;
-      }(),
-      [] {
-        std::vector<uint32_t> v;
-        for (uint32_t r = 0; r < 200; r += 2) v.push_back(r);
-        return v;
-      }()};
+  const std::vector<std::vector<uint32_t>> present_sets = {{5, 77, 199},
+                                                           [] {
+                                                             std::vector<uint32_t> v;
+                                                             for (uint32_t r = 0; r < 200; ++r) {
+                                                               if (r != 0 && r != 64 && r != 130)
+                                                                 v.push_back(r);
+                                                             }
+                                                             return v;
+                                                           }(),
+                                                           [] {
+                                                             std::vector<uint32_t> v;
+                                                             for (uint32_t r = 0; r < 200; r += 2)
+                                                               v.push_back(r);
+                                                             return v;
+                                                           }()};
   for (uint64_t step = 0; step < present_sets.size(); ++step) {
     for (uint32_t r : present_sets[step]) Add("j", r, step);
   }
@@ -587,8 +588,8 @@ TEST_F(StepJoinerTest, NextDeadlineFollowsAddsClosesAndExpires) {
   Add("a", 1, 1);  // completes the earliest
   EXPECT_EQ(joiner_.NextDeadline(), kT0 + absl::Seconds(40));
   now_ = kT0 + absl::Seconds(20);
-  Add("b", 1, 2, 0);  // t0+20
-  Add("b", 0, 1, 1);  // supersedes b/1: reopened at t0+20
+  Add("b", 1, 2, 0);                                           // t0+20
+  Add("b", 0, 1, 1);                                           // supersedes b/1: reopened at t0+20
   EXPECT_EQ(joiner_.NextDeadline(), kT0 + absl::Seconds(40));  // a/2 still at t0+10
   joiner_.Expire(kT0 + absl::Seconds(40), &closed_);
   EXPECT_EQ(joiner_.NextDeadline(), kT0 + absl::Seconds(50));
@@ -614,11 +615,11 @@ struct Sent {
 struct Scenario {
   uint32_t world_size;
   uint64_t steps;
-  uint32_t attempts;           // > 1: the job crashes and restarts from a checkpoint
-  double duplicate_fraction;   // extra copies of random reports
-  size_t shuffle_window;       // how far out of order a report may arrive
+  uint32_t attempts;          // > 1: the job crashes and restarts from a checkpoint
+  double duplicate_fraction;  // extra copies of random reports
+  size_t shuffle_window;      // how far out of order a report may arrive
   JoinerOptions options;
-  absl::Duration tick;         // clock advance per Add
+  absl::Duration tick;  // clock advance per Add
 };
 
 void CheckJoinedStep(const JoinedStep& js) {
@@ -724,8 +725,8 @@ ScenarioCounts RunScenario(const Scenario& sc, uint64_t seed) {
     last_attempt_joined[js.step] = js.attempt;
   }
   for (const auto& [key, n] : joined_count) {
-    EXPECT_EQ(n, 1) << "step " << std::get<0>(key) << " rank " << std::get<1>(key)
-                    << " attempt " << std::get<2>(key) << " joined " << n << " times";
+    EXPECT_EQ(n, 1) << "step " << std::get<0>(key) << " rank " << std::get<1>(key) << " attempt "
+                    << std::get<2>(key) << " joined " << n << " times";
   }
   EXPECT_EQ(acked.size(), sent.size()) << "some ack handle was lost";
   for (const auto& [seq, n] : acked) EXPECT_EQ(n, 1) << "seq " << seq;
@@ -747,9 +748,13 @@ ScenarioCounts RunScenario(const Scenario& sc, uint64_t seed) {
 TEST(StepJoinerRandomTest, GenerousLimitsCompleteEveryStepExactlyOnce) {
   for (uint64_t seed = 1; seed <= 3; ++seed) {
     SCOPED_TRACE(seed);
-    const Scenario sc{/*world_size=*/97, /*steps=*/120, /*attempts=*/1,
-                      /*duplicate_fraction=*/0.2, /*shuffle_window=*/300,
-                      JoinerOptions{absl::Hours(1), 256, 4096}, absl::Milliseconds(1)};
+    const Scenario sc{/*world_size=*/97,
+                      /*steps=*/120,
+                      /*attempts=*/1,
+                      /*duplicate_fraction=*/0.2,
+                      /*shuffle_window=*/300,
+                      JoinerOptions{absl::Hours(1), 256, 4096},
+                      absl::Milliseconds(1)};
     RunScenario(sc, seed);
   }
 }
@@ -760,8 +765,11 @@ TEST(StepJoinerRandomTest, TightLimitsTimeoutsEvictionsAndLateReports) {
     // A timeout of about two steps' worth of reports and two open steps: completions,
     // timeouts, evictions and late reports all happen, but everything closed stays remembered,
     // so nothing may be joined twice.
-    const Scenario sc{/*world_size=*/64, /*steps=*/150, /*attempts=*/1,
-                      /*duplicate_fraction=*/0.3, /*shuffle_window=*/80,
+    const Scenario sc{/*world_size=*/64,
+                      /*steps=*/150,
+                      /*attempts=*/1,
+                      /*duplicate_fraction=*/0.3,
+                      /*shuffle_window=*/80,
                       JoinerOptions{absl::Milliseconds(200), 2, 100000},
                       absl::Milliseconds(1)};
     const ScenarioCounts counts = RunScenario(sc, seed);
@@ -775,8 +783,11 @@ TEST(StepJoinerRandomTest, TightLimitsTimeoutsEvictionsAndLateReports) {
 TEST(StepJoinerRandomTest, RestartsNewestAttemptWins) {
   for (uint64_t seed = 1; seed <= 3; ++seed) {
     SCOPED_TRACE(seed);
-    const Scenario sc{/*world_size=*/32, /*steps=*/100, /*attempts=*/3,
-                      /*duplicate_fraction=*/0.25, /*shuffle_window=*/40,
+    const Scenario sc{/*world_size=*/32,
+                      /*steps=*/100,
+                      /*attempts=*/3,
+                      /*duplicate_fraction=*/0.25,
+                      /*shuffle_window=*/40,
                       JoinerOptions{absl::Milliseconds(300), 16, 100000},
                       absl::Milliseconds(1)};
     const ScenarioCounts counts = RunScenario(sc, seed);
@@ -798,8 +809,8 @@ TEST(StepJoinerScaleTest, TenThousandRanks) {
   }
   // Steps overlap: each report lands within a window of ~2 steps.
   for (size_t i = 0; i + 1 < order.size(); ++i) {
-    const size_t j = std::min(order.size() - 1,
-                              i + std::uniform_int_distribution<size_t>(0, 2 * kWorld)(rng));
+    const size_t j =
+        std::min(order.size() - 1, i + std::uniform_int_distribution<size_t>(0, 2 * kWorld)(rng));
     std::swap(order[i], order[j]);
   }
   std::vector<JoinedStep> closed;

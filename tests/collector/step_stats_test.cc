@@ -259,14 +259,13 @@ TEST_P(StepStatsReferenceTest, NaNLossAndInfGradNorm) {
   ExpectMatchesReference(step.samples);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WByK, StepStatsReferenceTest,
-    ::testing::Combine(::testing::Values<size_t>(1, 2, 3, 8, 64, 1000),
-                       ::testing::Values<size_t>(1, 16, 1024)),
-    [](const ::testing::TestParamInfo<std::tuple<size_t, size_t>>& info) {
-      return "W" + std::to_string(std::get<0>(info.param)) + "_k" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(WByK, StepStatsReferenceTest,
+                         ::testing::Combine(::testing::Values<size_t>(1, 2, 3, 8, 64, 1000),
+                                            ::testing::Values<size_t>(1, 16, 1024)),
+                         [](const ::testing::TestParamInfo<std::tuple<size_t, size_t>>& info) {
+                           return "W" + std::to_string(std::get<0>(info.param)) + "_k" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Hand-checked cases.

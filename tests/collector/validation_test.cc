@@ -91,7 +91,8 @@ TEST(ValidationTest, ReportSketchLength) {
   report.mutable_sketch()->RemoveLast();
   Rejection r = ValidateReport(report, GoodHello(), 1024);
   EXPECT_EQ(r.reason, "sketch_length");
-  EXPECT_EQ(r.status.message(), "sketch of step 5 has 1023 values, job exp-42 uses sketch_dim 1024");
+  EXPECT_EQ(r.status.message(),
+            "sketch of step 5 has 1023 values, job exp-42 uses sketch_dim 1024");
 }
 
 TEST(ValidationTest, StepBeyondInt64IsRejected) {

@@ -114,8 +114,7 @@ class PipelineTest : public ::testing::Test {
     return agents;
   }
 
-  static void RecordStep(std::vector<std::unique_ptr<Agent>>& agents, uint64_t step,
-                         uint32_t dim) {
+  static void RecordStep(std::vector<std::unique_ptr<Agent>>& agents, uint64_t step, uint32_t dim) {
     for (uint32_t r = 0; r < agents.size(); ++r) {
       Sent s = MakeReport(r, step, dim);
       StepReport rep;
@@ -281,10 +280,15 @@ TEST_F(PipelineTest, DivergentReplicaOutlierAndStragglerAreNamedInSqlite) {
     }
   }
   const std::string metrics = testing::HttpGet((*collector)->metrics_port(), "/metrics");
-  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_replica_divergent{train_job=\"exp-culprit\",rank=\"3\"} 1"));
+  EXPECT_THAT(
+      metrics,
+      HasSubstr("rankscope_rank_replica_divergent{train_job=\"exp-culprit\",rank=\"3\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("rankscope_replica_divergent_ranks{train_job=\"exp-culprit\"} 1"));
-  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_outlier_score{train_job=\"exp-culprit\",rank=\"6\"}"));
-  EXPECT_THAT(metrics, HasSubstr("rankscope_rank_step_time_seconds{train_job=\"exp-culprit\",rank=\"1\"} 0.5"));
+  EXPECT_THAT(metrics,
+              HasSubstr("rankscope_rank_outlier_score{train_job=\"exp-culprit\",rank=\"6\"}"));
+  EXPECT_THAT(
+      metrics,
+      HasSubstr("rankscope_rank_step_time_seconds{train_job=\"exp-culprit\",rank=\"1\"} 0.5"));
   EXPECT_THAT(metrics, HasSubstr("rankscope_grad_noise_scale{train_job=\"exp-culprit\"}"));
   std::string complaints;
   EXPECT_EQ(testing::PromtoolCheckMetrics(metrics, &complaints), 0) << complaints;

@@ -93,10 +93,10 @@ void SetDeadline(grpc::ClientContext* ctx) {
 }
 
 int Fail(const grpc::Status& s) {
-  std::fprintf(stderr, "rankscope: %s (collector %s): %s\n",
-               s.error_code() == grpc::StatusCode::UNAVAILABLE ? "collector unreachable"
-                                                               : "request failed",
-               absl::GetFlag(FLAGS_collector).c_str(), s.error_message().c_str());
+  std::fprintf(
+      stderr, "rankscope: %s (collector %s): %s\n",
+      s.error_code() == grpc::StatusCode::UNAVAILABLE ? "collector unreachable" : "request failed",
+      absl::GetFlag(FLAGS_collector).c_str(), s.error_message().c_str());
   return 1;
 }
 
@@ -115,10 +115,10 @@ int Jobs() {
               "CONNECTED", "STATE", "LAST_SEEN");
   for (const v1::JobInfo& j : resp.jobs()) {
     std::printf("%-32s %8u %8u %10llu %10u %-7s %s\n", j.job().c_str(), j.world_size(),
-                j.sketch_dim(), static_cast<unsigned long long>(j.last_step()),
-                j.connected_ranks(), j.state().c_str(),
-                absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixNanos(j.last_seen_unix_nanos()),
-                                 absl::UTCTimeZone())
+                j.sketch_dim(), static_cast<unsigned long long>(j.last_step()), j.connected_ranks(),
+                j.state().c_str(),
+                absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                                 absl::FromUnixNanos(j.last_seen_unix_nanos()), absl::UTCTimeZone())
                     .c_str());
   }
   return 0;
@@ -229,8 +229,7 @@ int Ctl(const std::string& verb, const std::string& job) {
       return 2;
     }
   } else {
-    std::fprintf(stderr, "rankscope: unknown ctl verb '%s' (enable, disable, set)\n",
-                 verb.c_str());
+    std::fprintf(stderr, "rankscope: unknown ctl verb '%s' (enable, disable, set)\n", verb.c_str());
     return 2;
   }
   v1::ControlResponse resp;
@@ -244,8 +243,8 @@ int Ctl(const std::string& verb, const std::string& job) {
       "e.g. dormant ones, agree on a later common step): enabled=%s every=%u sketch_dim=%s; "
       "%u ranks notified\n",
       job.c_str(), static_cast<unsigned long long>(c.generation()),
-      static_cast<unsigned long long>(c.apply_at_step()), c.enabled() ? "true" : "false",
-      c.every(), c.sketch_dim() == 0 ? "unchanged" : std::to_string(c.sketch_dim()).c_str(),
+      static_cast<unsigned long long>(c.apply_at_step()), c.enabled() ? "true" : "false", c.every(),
+      c.sketch_dim() == 0 ? "unchanged" : std::to_string(c.sketch_dim()).c_str(),
       resp.ranks_notified());
   return 0;
 }

@@ -34,13 +34,15 @@
 
 ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
 ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
-ABSL_FLAG(int, jobs, 1, "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
+ABSL_FLAG(int, jobs, 1,
+          "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
           "and the fault flags apply to each.");
 ABSL_FLAG(int, ranks, 8, "Simulated ranks (world size).");
 ABSL_FLAG(int, steps, 100, "Steps per rank (ignored when --duration is set).");
 ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(), "Run for this long instead of --steps.");
 ABSL_FLAG(int, start_step, 1, "First step number.");
-ABSL_FLAG(absl::Duration, step_interval, absl::Milliseconds(20), "Time between steps; 0 = as "
+ABSL_FLAG(absl::Duration, step_interval, absl::Milliseconds(20),
+          "Time between steps; 0 = as "
           "fast as the collector acknowledges (see --max_inflight).");
 ABSL_FLAG(int, sketch_dim, 1024, "Sketch dimension k.");
 ABSL_FLAG(uint64_t, sketch_seed, rankscope::kDefaultSketchSeed, "Sketch seed.");
@@ -54,7 +56,8 @@ ABSL_FLAG(double, outlier_norm_scale, 3.0, "Multiplies the outlier rank's gradie
 ABSL_FLAG(int, silent_rank, -1, "Rank that stops reporting (-1: none).");
 ABSL_FLAG(int, silent_from_step, 0, "Step from which the silent rank stops reporting.");
 ABSL_FLAG(int, attempt, 0, "Job attempt (restart count).");
-ABSL_FLAG(bool, fingerprints, true, "Send replica fingerprints: of the reduced gradient every "
+ABSL_FLAG(bool, fingerprints, true,
+          "Send replica fingerprints: of the reduced gradient every "
           "step and of the parameters every --param_check_every steps.");
 ABSL_FLAG(int, param_check_every, 50, "Steps between parameter fingerprints.");
 ABSL_FLAG(int, divergent_rank, -1, "Rank whose replica fingerprints differ (-1: none).");
@@ -64,10 +67,12 @@ ABSL_FLAG(int, straggler_rank, -1, "Rank whose step time is --straggler_factor t
 ABSL_FLAG(double, straggler_factor, 3.0, "Slowdown of the straggler rank.");
 ABSL_FLAG(int, local_batch_size, 8, "Samples per rank per step (for the gradient noise scale).");
 ABSL_FLAG(int, threads, 0, "Driver threads (0: min(ranks, 4)).");
-ABSL_FLAG(int, max_inflight, 256, "Per rank: wait while more reports than this are unacked "
+ABSL_FLAG(int, max_inflight, 256,
+          "Per rank: wait while more reports than this are unacked "
           "(keeps a fast run from overflowing the agent's ring).");
 ABSL_FLAG(int, queue_capacity, 1024, "Agent ring capacity.");
-ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60), "How long to wait for acks at the end.");
+ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60),
+          "How long to wait for acks at the end.");
 ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
 
@@ -130,15 +135,16 @@ int main(int argc, char** argv) {
     agents.push_back(std::move(*agent));
   }
 
-  const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
-                                                        : std::min(total_agents, 4);
+  const int threads =
+      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : std::min(total_agents, 4);
   const absl::Duration interval = absl::GetFlag(FLAGS_step_interval);
   const absl::Duration duration = absl::GetFlag(FLAGS_duration);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int start_step = absl::GetFlag(FLAGS_start_step);
   const int max_inflight = std::max(1, absl::GetFlag(FLAGS_max_inflight));
   const absl::Time start = absl::Now();
-  const absl::Time end = duration > absl::ZeroDuration() ? start + duration : absl::InfiniteFuture();
+  const absl::Time end =
+      duration > absl::ZeroDuration() ? start + duration : absl::InfiniteFuture();
   std::atomic<bool> done{false};
   std::atomic<uint64_t> record_errors{0};
   std::atomic<int64_t> max_step_done{0};
@@ -160,7 +166,8 @@ int main(int argc, char** argv) {
       const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
       for (int i = tid; i < total_agents; i += threads) {
         const int r = i % ranks;
-        if (r == absl::GetFlag(FLAGS_silent_rank) && step >= absl::GetFlag(FLAGS_silent_from_step)) {
+        if (r == absl::GetFlag(FLAGS_silent_rank) &&
+            step >= absl::GetFlag(FLAGS_silent_from_step)) {
           continue;
         }
         rankscope::Agent& agent = *agents[i];
@@ -168,8 +175,8 @@ int main(int argc, char** argv) {
                interval == absl::ZeroDuration()) {
           absl::SleepFor(absl::Microseconds(200));  // flow control for as-fast-as-possible runs
         }
-        const bool outlier =
-            r == absl::GetFlag(FLAGS_outlier_rank) && step >= absl::GetFlag(FLAGS_outlier_from_step);
+        const bool outlier = r == absl::GetFlag(FLAGS_outlier_rank) &&
+                             step >= absl::GetFlag(FLAGS_outlier_from_step);
         const std::vector<float>& noise = shared.pool[pick(trng)];
         // Rotate the noise by a random offset so ranks sharing a pool vector still differ.
         const int shift = pick(trng) * 131 % dim;
@@ -193,8 +200,8 @@ int main(int argc, char** argv) {
         if (absl::GetFlag(FLAGS_fingerprints)) {
           const bool divergent = r == absl::GetFlag(FLAGS_divergent_rank) &&
                                  step >= absl::GetFlag(FLAGS_divergent_from_step);
-          const uint64_t fp = (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL) ^
-                              (divergent ? 0x1ULL : 0x0ULL);
+          const uint64_t fp =
+              (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL) ^ (divergent ? 0x1ULL : 0x0ULL);
           report.reduced_grad_fingerprint = fp;
           const int every = std::max(1, absl::GetFlag(FLAGS_param_check_every));
           if (step % every == 0) report.param_fingerprint = ~fp;
@@ -252,8 +259,9 @@ int main(int argc, char** argv) {
   std::printf(
       "loadgen: job=%s jobs=%d ranks=%d recorded=%llu acked=%llu dropped=%llu rejected=%llu "
       "sent=%llu elapsed=%.3f record_elapsed=%.3f rate=%.0f/s\n",
-      absl::GetFlag(FLAGS_job).c_str(), jobs, ranks, static_cast<unsigned long long>(total.recorded),
-      static_cast<unsigned long long>(total.acked), static_cast<unsigned long long>(total.dropped),
+      absl::GetFlag(FLAGS_job).c_str(), jobs, ranks,
+      static_cast<unsigned long long>(total.recorded), static_cast<unsigned long long>(total.acked),
+      static_cast<unsigned long long>(total.dropped),
       static_cast<unsigned long long>(total.rejected), static_cast<unsigned long long>(total.sent),
       elapsed, absl::ToDoubleSeconds(recorded_at - start),
       elapsed > 0 ? static_cast<double>(total.acked) / elapsed : 0.0);

@@ -262,8 +262,7 @@ class PyAgent {
   // Records one step whose sketch is `sketch_len` float32 values at `sketch_address`.
   std::string RecordRaw(uint64_t step, double loss, double grad_norm, uintptr_t sketch_address,
                         size_t sketch_len, std::optional<double> step_time_seconds,
-                        uint32_t local_batch_size,
-                        std::optional<uint64_t> reduced_grad_fingerprint,
+                        uint32_t local_batch_size, std::optional<uint64_t> reduced_grad_fingerprint,
                         std::optional<uint64_t> param_fingerprint,
                         std::optional<double> reduced_grad_norm) {
     StepReport r;

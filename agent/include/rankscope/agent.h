@@ -42,17 +42,17 @@ inline constexpr char kAgentVersion[] = "0.1.0";
 
 struct AgentOptions {
   std::string collector_address = "127.0.0.1:50051";
-  std::string job;                 // required, [A-Za-z0-9_.:-]{1,128}
-  uint32_t rank = 0;               // required, < world_size
-  uint32_t world_size = 1;         // required, >= 1
+  std::string job;          // required, [A-Za-z0-9_.:-]{1,128}
+  uint32_t rank = 0;        // required, < world_size
+  uint32_t world_size = 1;  // required, >= 1
   uint32_t sketch_dim = kDefaultSketchDim;
   uint64_t sketch_seed = kDefaultSketchSeed;
-  uint32_t attempt = 0;            // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
-  std::string host;                // default: gethostname()
-  std::string framework_version;   // e.g. "torch 1.13.1"
-  std::string auth_token;          // sent in the hello when non-empty
-  size_t queue_capacity = 1024;    // ring slots between Record() and the sender
-  size_t max_unacked = 8192;       // reports kept for resending
+  uint32_t attempt = 0;           // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
+  std::string host;               // default: gethostname()
+  std::string framework_version;  // e.g. "torch 1.13.1"
+  std::string auth_token;         // sent in the hello when non-empty
+  size_t queue_capacity = 1024;   // ring slots between Record() and the sender
+  size_t max_unacked = 8192;      // reports kept for resending
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(10);
 };
@@ -71,16 +71,16 @@ struct StepReport {
 };
 
 struct AgentStats {
-  uint64_t recorded = 0;   // Record() calls accepted
-  uint64_t sent = 0;       // reports written to a stream (resends included)
-  uint64_t acked = 0;      // reports the collector acknowledged as stored
-  uint64_t rejected = 0;   // reports the collector refused (never resent)
-  uint64_t dropped = 0;    // reports dropped (ring full or unacked buffer full)
-  uint64_t invalid = 0;    // Record() calls refused locally (e.g. wrong sketch length)
-  uint64_t reconnects = 0; // streams opened after the first
-  bool connected = false;  // a stream is open and its hello was sent
-  size_t queued = 0;       // in the ring
-  size_t unacked = 0;      // sent or waiting to be sent, not yet acked
+  uint64_t recorded = 0;    // Record() calls accepted
+  uint64_t sent = 0;        // reports written to a stream (resends included)
+  uint64_t acked = 0;       // reports the collector acknowledged as stored
+  uint64_t rejected = 0;    // reports the collector refused (never resent)
+  uint64_t dropped = 0;     // reports dropped (ring full or unacked buffer full)
+  uint64_t invalid = 0;     // Record() calls refused locally (e.g. wrong sketch length)
+  uint64_t reconnects = 0;  // streams opened after the first
+  bool connected = false;   // a stream is open and its hello was sent
+  size_t queued = 0;        // in the ring
+  size_t unacked = 0;       // sent or waiting to be sent, not yet acked
 };
 
 // A control message pushed by the collector (rankscope ctl), to apply at `apply_at_step`.

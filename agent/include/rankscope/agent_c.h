@@ -25,7 +25,7 @@ typedef struct {
   const char* job;               /* required */
   uint32_t rank;
   uint32_t world_size;
-  uint32_t sketch_dim;           /* default 1024 */
+  uint32_t sketch_dim; /* default 1024 */
   uint64_t sketch_seed;
   uint32_t attempt;
   const char* host;              /* may be NULL */
@@ -44,13 +44,13 @@ typedef struct {
 /* Fills *options with the defaults of rankscope::AgentOptions. */
 void rankscope_agent_options_init(rankscope_agent_options* options);
 
-int rankscope_agent_create(const rankscope_agent_options* options, rankscope_agent** out,
-                           char* err, size_t err_len);
+int rankscope_agent_create(const rankscope_agent_options* options, rankscope_agent** out, char* err,
+                           size_t err_len);
 /* Optional fields: pass NULL / negative to omit (fingerprints: has_* flags). */
 int rankscope_agent_record(rankscope_agent* agent, uint64_t step, double loss, double grad_norm,
                            const float* sketch, size_t sketch_len);
-int rankscope_agent_record_ext(rankscope_agent* agent, uint64_t step, double loss,
-                               double grad_norm, const float* sketch, size_t sketch_len,
+int rankscope_agent_record_ext(rankscope_agent* agent, uint64_t step, double loss, double grad_norm,
+                               const float* sketch, size_t sketch_len,
                                int has_reduced_grad_fingerprint, uint64_t reduced_grad_fingerprint,
                                int has_param_fingerprint, uint64_t param_fingerprint,
                                double reduced_grad_norm /* <0: absent */,
