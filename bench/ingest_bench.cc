@@ -221,8 +221,7 @@ std::map<std::string, double> CpuByThreadName() {
     std::vector<std::string> fields = absl::StrSplit(stat.substr(paren + 2), ' ');
     if (fields.size() < 13) continue;
     double utime = 0, stime = 0;  // fields 14 and 15 of /proc/<pid>/stat
-    absl::SimpleAtod(fields[11], &utime);
-    absl::SimpleAtod(fields[12], &stime);
+    if (!absl::SimpleAtod(fields[11], &utime) || !absl::SimpleAtod(fields[12], &stime)) continue;
     if (comm.empty() || comm == "ingest_bench") comm = "other";
     out[comm] += (utime + stime) / tick;
   }
@@ -560,7 +559,7 @@ LoadResult ParseResult(const std::string& line) {
     const std::string key(kv.substr(0, eq));
     const std::string value(kv.substr(eq + 1));
     double d = 0;
-    absl::SimpleAtod(value, &d);
+    if (!absl::SimpleAtod(value, &d)) continue;
     const uint64_t u = static_cast<uint64_t>(d);
     if (key == "window_seconds") r.window_seconds = d;
     if (key == "window_acked") r.window_acked = u;

@@ -98,12 +98,12 @@ RankRow ToRankRow(const RankReport& r, uint32_t join_size) {
 
 // Everything rank_diagnostics.h derives from one joined step.
 struct StepDiagnostics {
-  std::vector<OutlierScore> outliers;            // per report
-  std::vector<RankExtras> extras;                // per report
-  std::vector<std::optional<bool>> replica_ok;   // per report
+  std::vector<OutlierScore> outliers;           // per report
+  std::vector<RankExtras> extras;               // per report
+  std::vector<std::optional<bool>> replica_ok;  // per report
   bool replica_checked = false;
-  std::vector<uint32_t> replica_divergent;       // sorted
-  std::vector<uint32_t> flagged_ranks;           // score above threshold this step, sorted
+  std::vector<uint32_t> replica_divergent;  // sorted
+  std::vector<uint32_t> flagged_ranks;      // score above threshold this step, sorted
   double grad_noise_scale = std::nan("");
 };
 
@@ -138,8 +138,8 @@ StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
   for (size_t i = 0; i < n; ++i) {
     const RankReport& r = js.reports[i];
     if (r.reduced_grad_fingerprint || r.param_fingerprint) {
-      d.replica_ok.push_back(!std::binary_search(d.replica_divergent.begin(),
-                                                 d.replica_divergent.end(), r.rank));
+      d.replica_ok.push_back(
+          !std::binary_search(d.replica_divergent.begin(), d.replica_divergent.end(), r.rank));
     } else {
       d.replica_ok.push_back(std::nullopt);
     }
@@ -168,27 +168,25 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
-      writer_(std::move(store), options_.writer,
-              StoreWriterHooks{
-                  .on_commit =
-                      [health](absl::Duration d, size_t) {
-                        health->ObserveStoreCommit(d);
-                      },
-                  .on_error =
-                      [health](const absl::Status& error) {
-                        health->StoreError();
-                        std::fprintf(stderr, "rankscope-collector: SQLite write failed: %s\n",
-                                     error.ToString().c_str());
-                      },
-                  .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
-                  .on_overflow =
-                      [](size_t n) {
-                        std::fprintf(stderr,
-                                     "rankscope-collector: store queue full, dropped %zu unacked "
-                                     "items (agents will resend)\n",
-                                     n);
-                      },
-              }),
+      writer_(
+          std::move(store), options_.writer,
+          StoreWriterHooks{
+              .on_commit = [health](absl::Duration d, size_t) { health->ObserveStoreCommit(d); },
+              .on_error =
+                  [health](const absl::Status& error) {
+                    health->StoreError();
+                    std::fprintf(stderr, "rankscope-collector: SQLite write failed: %s\n",
+                                 error.ToString().c_str());
+                  },
+              .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
+              .on_overflow =
+                  [](size_t n) {
+                    std::fprintf(stderr,
+                                 "rankscope-collector: store queue full, dropped %zu unacked "
+                                 "items (agents will resend)\n",
+                                 n);
+                  },
+          }),
       joiner_(options_.joiner) {
   const absl::Time now = options_.clock();
   absl::MutexLock lock(&mu_);
@@ -239,9 +237,9 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
     }
     if (it == jobs_.end()) {
       if (jobs_.size() >= options_.max_jobs) {
-        return Rejection{absl::ResourceExhaustedError(absl::StrCat(
-                             "the collector already tracks ", jobs_.size(),
-                             " jobs (--max_jobs); job ", hello.job(), " refused")),
+        return Rejection{absl::ResourceExhaustedError(
+                             absl::StrCat("the collector already tracks ", jobs_.size(),
+                                          " jobs (--max_jobs); job ", hello.job(), " refused")),
                          "too_many_jobs"};
       }
       Job job;
@@ -316,8 +314,8 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
     if (it == jobs_.end()) {
-      return Rejection{absl::FailedPreconditionError(absl::StrCat(
-                           "job ", hello.job(), " is no longer tracked; reconnect")),
+      return Rejection{absl::FailedPreconditionError(
+                           absl::StrCat("job ", hello.job(), " is no longer tracked; reconnect")),
                        "invalid_report"};
     }
     Job& job = it->second;
@@ -340,8 +338,8 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     case AddOutcome::kRankOutOfRange:
       // AcceptHello registered the job and validated the rank; reaching this is a bug. Refuse
       // the report with a Rejection so it is visibly counted, never silently lost.
-      return Rejection{absl::InternalError(absl::StrCat(
-                           "joiner does not know rank ", hello.rank(), " of job ", hello.job())),
+      return Rejection{absl::InternalError(absl::StrCat("joiner does not know rank ", hello.rank(),
+                                                        " of job ", hello.job())),
                        "invalid_report"};
     case AddOutcome::kDuplicate:
       health_->ReportDuplicate();
@@ -536,8 +534,8 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
     std::optional<uint32_t> sketch_dim, uint32_t lead_steps) {
   if (every && *every == 0) return absl::InvalidArgumentError("every must be >= 1");
   if (sketch_dim && (*sketch_dim == 0 || *sketch_dim > options_.limits.max_sketch_dim)) {
-    return absl::InvalidArgumentError(absl::StrCat("sketch_dim must be in [1, ",
-                                                   options_.limits.max_sketch_dim, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sketch_dim must be in [1, ", options_.limits.max_sketch_dim, "]"));
   }
   v1::Control control;
   std::vector<std::shared_ptr<AgentStream>> streams;

@@ -81,9 +81,8 @@ void StoreWriter::Enqueue(WriteItem item) {
 bool StoreWriter::Flush(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   const uint64_t target = enqueued_;
-  auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return finished_ >= target || stopped_;
-  };
+  auto done = [this, target]()
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ >= target || stopped_; };
   mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
   return finished_ >= target;
 }
@@ -99,9 +98,8 @@ absl::Status StoreWriter::Stop(absl::Duration timeout) {
   if (thread_.joinable()) thread_.join();
   absl::MutexLock lock(&mu_);
   if (!pending_.empty()) {
-    return absl::DataLossError(
-        absl::StrCat(pending_.size(), " store items were not committed at shutdown: ",
-                     health_.ToString()));
+    return absl::DataLossError(absl::StrCat(
+        pending_.size(), " store items were not committed at shutdown: ", health_.ToString()));
   }
   return absl::OkStatus();
 }
