@@ -1,0 +1,46 @@
+#include "collector/row_proto.h"
+
+#include "absl/time/time.h"
+
+namespace rankscope::collector {
+
+void FillStepStats(const StepRow& row, v1::StepStats* s) {
+  s->set_step(row.step);
+  s->set_ranks(row.ranks);
+  s->set_loss_mean(row.loss_mean);
+  s->set_loss_std(row.loss_std);
+  s->set_loss_range(row.loss_range);
+  s->set_grad_norm_mean(row.grad_norm_mean);
+  s->set_grad_norm_std(row.grad_norm_std);
+  s->set_grad_norm_cv(row.grad_norm_cv);
+  s->set_grad_cosine_mean(row.grad_cosine_mean);
+  s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  s->set_world_size(row.world_size);
+  s->set_timed_out(row.timed_out);
+  s->set_grad_noise_scale(row.grad_noise_scale);
+  s->set_replica_checked(row.replica_checked);
+  s->mutable_replica_divergent_ranks()->Add(row.replica_divergent_ranks.begin(),
+                                            row.replica_divergent_ranks.end());
+  s->mutable_outlier_ranks()->Add(row.outlier_ranks.begin(), row.outlier_ranks.end());
+}
+
+void FillRankStep(const StepRankRow& in, v1::RankStep* out) {
+  const RankRow& r = in.row;
+  out->set_step(in.step);
+  out->set_rank(r.rank);
+  out->set_attempt(r.attempt);
+  out->set_loss(r.loss);
+  out->set_grad_norm(r.grad_norm);
+  if (r.grad_cosine) out->set_grad_cosine(*r.grad_cosine);
+  if (r.loss_z) out->set_loss_z(*r.loss_z);
+  if (r.grad_norm_z) out->set_grad_norm_z(*r.grad_norm_z);
+  if (r.reduced_grad_fingerprint) out->set_reduced_grad_fingerprint(*r.reduced_grad_fingerprint);
+  if (r.param_fingerprint) out->set_param_fingerprint(*r.param_fingerprint);
+  if (r.step_time_seconds) out->set_step_time_seconds(*r.step_time_seconds);
+  if (r.replica_ok) out->set_replica_ok(*r.replica_ok);
+  if (r.outlier_score) out->set_outlier_score(*r.outlier_score);
+  if (r.step_time_z) out->set_step_time_z(*r.step_time_z);
+  out->set_received_at_unix_nanos(absl::ToUnixNanos(r.received_at));
+}
+
+}  // namespace rankscope::collector
