@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
@@ -776,16 +777,17 @@ absl::StatusOr<std::vector<RankRow>> SqliteStore::RankRows(absl::string_view job
   return ranks;
 }
 
-absl::StatusOr<std::vector<StepRow>> SqliteStore::StepRange(absl::string_view job,
-                                                            uint64_t first_step, uint64_t last_step,
-                                                            int limit) {
+absl::Status SqliteStore::QueryStepRange(sqlite3_stmt* stmt, absl::string_view job,
+                                         uint64_t first_step, uint64_t last_step, int limit,
+                                         absl::string_view what,
+                                         absl::FunctionRef<absl::Status(sqlite3_stmt*)> read_row) {
   if (limit < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("StepRange: limit %d < 0", limit));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: limit %d < 0", what, limit));
   }
-  std::vector<StepRow> steps;
-  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) return steps;
+  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) {
+    return absl::OkStatus();  // matches nothing
+  }
   last_step = std::min(last_step, static_cast<uint64_t>(kMaxStep));
-  sqlite3_stmt* stmt = stmts_->step_range.get();
   ScopedReset reset(stmt);
   int rc = Binder(stmt)
                .Text(job)
@@ -795,14 +797,28 @@ absl::StatusOr<std::vector<StepRow>> SqliteStore::StepRange(absl::string_view jo
                .rc();
   if (rc == SQLITE_OK) {
     while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
-      StepRow& row = steps.emplace_back();
-      if (!ReadStepRow(stmt, &row)) return BadMissingRanks(job, row.step);
+      absl::Status row = read_row(stmt);
+      if (!row.ok()) return row;
     }
   }
   if (rc != SQLITE_DONE) {
-    return SqlError(rc,
-                    absl::StrFormat("steps %d..%d of job %s", first_step, last_step, Quote(job)));
+    return SqlError(
+        rc, absl::StrFormat("%s of job %s steps %d..%d", what, Quote(job), first_step, last_step));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StepRow>> SqliteStore::StepRange(absl::string_view job,
+                                                            uint64_t first_step, uint64_t last_step,
+                                                            int limit) {
+  std::vector<StepRow> steps;
+  absl::Status status = QueryStepRange(
+      stmts_->step_range.get(), job, first_step, last_step, limit, "StepRange",
+      [&](sqlite3_stmt* stmt) {
+        StepRow& row = steps.emplace_back();
+        return ReadStepRow(stmt, &row) ? absl::OkStatus() : BadMissingRanks(job, row.step);
+      });
+  if (!status.ok()) return status;
   return steps;
 }
 
@@ -810,31 +826,15 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankRowsInRange(absl::stri
                                                                       uint64_t first_step,
                                                                       uint64_t last_step,
                                                                       int limit) {
-  if (limit < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("RankRowsInRange: limit %d < 0", limit));
-  }
   std::vector<StepRankRow> rows;
-  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) return rows;
-  last_step = std::min(last_step, static_cast<uint64_t>(kMaxStep));
-  sqlite3_stmt* stmt = stmts_->rank_rows_in_range.get();
-  ScopedReset reset(stmt);
-  int rc = Binder(stmt)
-               .Text(job)
-               .Int(static_cast<int64_t>(first_step))
-               .Int(static_cast<int64_t>(last_step))
-               .Int(limit)
-               .rc();
-  if (rc == SQLITE_OK) {
-    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
-      StepRankRow& row = rows.emplace_back();
-      ReadRankRow(stmt, &row.row);
-      row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
-    }
-  }
-  if (rc != SQLITE_DONE) {
-    return SqlError(
-        rc, absl::StrFormat("rank rows of job %s steps %d..%d", Quote(job), first_step, last_step));
-  }
+  absl::Status status = QueryStepRange(stmts_->rank_rows_in_range.get(), job, first_step, last_step,
+                                       limit, "RankRowsInRange", [&](sqlite3_stmt* stmt) {
+                                         StepRankRow& row = rows.emplace_back();
+                                         ReadRankRow(stmt, &row.row);
+                                         row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
+                                         return absl::OkStatus();
+                                       });
+  if (!status.ok()) return status;
   return rows;
 }
 

@@ -46,12 +46,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 struct sqlite3;
+struct sqlite3_stmt;
 
 namespace rankscope::collector {
 
@@ -204,6 +206,11 @@ class SqliteStore {
   absl::Status SqlError(int rc, absl::string_view what) const;
   absl::Status WriteRows(const StoreBatch& batch);
   absl::Status BadMissingRanks(absl::string_view job, uint64_t step) const;
+  // Runs a prepared (job, first_step, last_step, limit) query, calling read_row on each row;
+  // InvalidArgument when limit < 0, nothing read when the range is empty.
+  absl::Status QueryStepRange(sqlite3_stmt* stmt, absl::string_view job, uint64_t first_step,
+                              uint64_t last_step, int limit, absl::string_view what,
+                              absl::FunctionRef<absl::Status(sqlite3_stmt*)> read_row);
   std::string path_;
   sqlite3* db_;
   std::unique_ptr<Statements> stmts_;
