@@ -57,6 +57,13 @@ HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry
   store_commit_ = NewHistogram(r, "rankscope_store_commit_seconds",
                                "Duration of one SQLite commit of a batch.");
   store_errors_ = NewCounter(r, "rankscope_store_errors_total", "Failed SQLite operations.");
+  store_dropped_ = NewCounter(r, "rankscope_store_dropped_items_total",
+                              "Store items dropped unstored (queue overflow or a permanent SQLite "
+                              "error); their agents are made to reconnect and resend.");
+  store_healthy_ = NewGauge(r, "rankscope_store_healthy",
+                            "1 while the last SQLite commit succeeded, 0 while commits fail "
+                            "(disk full, file unwritable); nothing is acked while 0.");
+  store_healthy_->Set(1);
   store_queue_depth_ =
       NewGauge(r, "rankscope_store_queue_depth", "Items waiting for the SQLite writer thread.");
   streams_open_ = NewGauge(r, "rankscope_streams_open", "Agent streams currently open.");
@@ -89,6 +96,12 @@ void HealthMetrics::ObserveStoreCommit(absl::Duration duration) {
 }
 
 void HealthMetrics::StoreError() { store_errors_->Increment(); }
+
+void HealthMetrics::SetStoreHealthy(bool healthy) { store_healthy_->Set(healthy ? 1 : 0); }
+
+void HealthMetrics::StoreDropped(size_t items) {
+  store_dropped_->Increment(static_cast<double>(items));
+}
 
 void HealthMetrics::SetStoreQueueDepth(size_t depth) {
   store_queue_depth_->Set(static_cast<double>(depth));

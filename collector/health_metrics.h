@@ -8,10 +8,13 @@
 // Exported:
 //   counters: rankscope_reports_received_total, rankscope_reports_rejected_total{reason},
 //     rankscope_reports_late_total, rankscope_reports_duplicate_total,
-//     rankscope_steps_evicted_total, rankscope_store_errors_total;
+//     rankscope_steps_evicted_total, rankscope_store_errors_total (failed commits, each retry
+//     counted), rankscope_store_dropped_items_total (store items given up unstored; their agents
+//     are made to resend);
 //   histograms (seconds, buckets 100 µs .. 10 s): rankscope_ingest_latency_seconds,
 //     rankscope_store_commit_seconds;
-//   gauges: rankscope_store_queue_depth, rankscope_streams_open.
+//   gauges: rankscope_store_queue_depth, rankscope_streams_open, rankscope_store_healthy (1 while
+//     the last SQLite commit succeeded, 0 from a failed one until a commit succeeds again).
 //
 // Thread safety: thread-safe; every method may be called from any thread.
 #ifndef RANKSCOPE_COLLECTOR_HEALTH_METRICS_H_
@@ -43,13 +46,14 @@ inline constexpr absl::string_view kRejectMessageTooLarge = "message_too_large";
 inline constexpr absl::string_view kRejectUnauthenticated = "unauthenticated";
 inline constexpr absl::string_view kRejectTooManyStreams = "too_many_streams";
 inline constexpr absl::string_view kRejectTooManyJobs = "too_many_jobs";
+inline constexpr absl::string_view kRejectRankTaken = "rank_taken";
 inline constexpr absl::string_view kRejectInvalidReport = "invalid_report";
 
 // Every reason; kRejectInvalidReport stays last (Rejected() counts unknown reasons there).
-inline constexpr std::array<absl::string_view, 11> kRejectReasons = {
+inline constexpr std::array<absl::string_view, 12> kRejectReasons = {
     kRejectBeforeHello,    kRejectBadHello,     kRejectRankOutOfRange,  kRejectWorldSizeChanged,
     kRejectSketchMismatch, kRejectSketchLength, kRejectMessageTooLarge, kRejectUnauthenticated,
-    kRejectTooManyStreams, kRejectTooManyJobs,  kRejectInvalidReport,
+    kRejectTooManyStreams, kRejectTooManyJobs,  kRejectRankTaken,       kRejectInvalidReport,
 };
 
 class HealthMetrics {
@@ -77,6 +81,10 @@ class HealthMetrics {
   // One SQLite commit (a batch), and a failed store operation.
   void ObserveStoreCommit(absl::Duration duration);
   void StoreError();
+  // Whether the last SQLite commit succeeded (rankscope_store_healthy).
+  void SetStoreHealthy(bool healthy);
+  // `items` store items were dropped unstored (queue overflow or a permanent store error).
+  void StoreDropped(size_t items);
   // Reports (or batches) waiting for the SQLite writer thread.
   void SetStoreQueueDepth(size_t depth);
 
@@ -97,6 +105,8 @@ class HealthMetrics {
   prometheus::Histogram* ingest_latency_;
   prometheus::Histogram* store_commit_;
   prometheus::Counter* store_errors_;
+  prometheus::Counter* store_dropped_;
+  prometheus::Gauge* store_healthy_;
   prometheus::Gauge* store_queue_depth_;
   prometheus::Gauge* streams_open_;
 };

@@ -41,6 +41,7 @@ class StreamHandle final : public AgentStream {
   explicit StreamHandle(StreamReactor* reactor) : reactor_(reactor) {}
   void Ack(absl::Span<const uint64_t> seqs) override;
   void SendControl(const v1::Control& control) override;
+  void Abandon(const absl::Status& why) override;
   void Detach() {
     absl::MutexLock lock(&mu_);
     reactor_ = nullptr;
@@ -146,6 +147,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
     StartNextWriteLocked();
   }
 
+  // Ends the stream with `status` (see AckSink::Abandon). Called through StreamHandle.
+  void Abandon(grpc::Status status) { RequestFinish(std::move(status)); }
+
   void Send(v1::CollectorMessage msg) {
     absl::MutexLock lock(&mu_);
     if (finish_requested_) return;
@@ -217,6 +221,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
 void StreamHandle::Ack(absl::Span<const uint64_t> seqs) {
   absl::MutexLock lock(&mu_);
   if (reactor_ != nullptr) reactor_->QueueAcks(seqs);
+}
+
+void StreamHandle::Abandon(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (reactor_ != nullptr) reactor_->Abandon(ToGrpc(why));
 }
 
 void StreamHandle::SendControl(const v1::Control& control) {

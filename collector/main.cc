@@ -60,6 +60,11 @@ int main(int argc, char** argv) {
       "(--metrics_address). Stop with SIGTERM or SIGINT: open steps are closed and stored.");
   absl::ParseCommandLine(argc, argv);
 
+  // A file-size limit (ulimit -f, prlimit --fsize) must fail SQLite's write with EFBIG, which the
+  // store treats as a transient disk condition (retried, nothing acked), not kill the collector
+  // with SIGXFSZ's default action.
+  signal(SIGXFSZ, SIG_IGN);
+
   // Block the stop signals in every thread; main waits for them with sigwait.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "collector/rank_diagnostics.h"
 #include "collector/step_stats.h"
@@ -171,20 +172,42 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
       writer_(
           std::move(store), options_.writer,
           StoreWriterHooks{
-              .on_commit = [health](absl::Duration d, size_t) { health->ObserveStoreCommit(d); },
+              .on_commit =
+                  [this](absl::Duration d, size_t) {
+                    health_->ObserveStoreCommit(d);
+                    health_->SetStoreHealthy(true);
+                    if (store_failures_ > 0) {
+                      std::fprintf(stderr,
+                                   "rankscope-collector: SQLite writes recovered after %llu "
+                                   "failed attempts; held reports stored and acked\n",
+                                   static_cast<unsigned long long>(store_failures_));
+                      store_failures_ = 0;
+                    }
+                  },
               .on_error =
-                  [health](const absl::Status& error) {
-                    health->StoreError();
-                    std::fprintf(stderr, "rankscope-collector: SQLite write failed: %s\n",
-                                 error.ToString().c_str());
+                  [this](const absl::Status& error) {
+                    health_->StoreError();
+                    health_->SetStoreHealthy(false);
+                    // The first failure of a run of them, then every 60th (one a minute at the
+                    // default retry backoff): clear, without flooding the log.
+                    if (store_failures_++ % 60 == 0) {
+                      std::fprintf(stderr,
+                                   "rankscope-collector: SQLite write failed (attempt %llu): %s; "
+                                   "nothing is acked until a retry commits (agents keep their "
+                                   "reports)\n",
+                                   static_cast<unsigned long long>(store_failures_),
+                                   error.ToString().c_str());
+                    }
                   },
               .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
-              .on_overflow =
-                  [](size_t n) {
+              .on_drop =
+                  [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
+                    health_->StoreDropped(items);
                     std::fprintf(stderr,
-                                 "rankscope-collector: store queue full, dropped %zu unacked "
-                                 "items (agents will resend)\n",
-                                 n);
+                                 "rankscope-collector: dropped %zu unstored store items (%s); "
+                                 "their agents' streams are ended so that they resend\n",
+                                 items, why.ToString().c_str());
+                    ForgetDroppedSteps(rows);
                   },
           }),
       joiner_(options_.joiner) {
@@ -254,8 +277,24 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
     } else {
       r = CheckJobIdentity(hello, it->second.identity);
       if (!r.status.ok()) return r;
+      auto claim = it->second.claims.find(hello.rank());
+      if (claim != it->second.claims.end() && claim->second.attempt == hello.attempt() &&
+          claim->second.host != hello.host()) {
+        return Rejection{
+            absl::AlreadyExistsError(absl::StrCat(
+                "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
+                ") is already connected from host '", absl::CHexEscape(claim->second.host),
+                "'; this hello from host '", absl::CHexEscape(hello.host()),
+                "' claims it too: two runs share a job name (give each its own) or two "
+                "processes were given the same rank")),
+            std::string(kRejectRankTaken)};
+      }
     }
     Job& job = it->second;
+    RankClaim& claim = job.claims[hello.rank()];
+    claim.host = hello.host();
+    claim.attempt = hello.attempt();
+    ++claim.streams;
     ++job.connected;
     job.last_seen = now;
     job.streams.insert(stream);
@@ -284,6 +323,10 @@ void StepPipeline::StreamClosed(const v1::Hello& hello,
     if (it == jobs_.end()) return;
     if (it->second.streams.erase(stream) == 0) return;
     if (it->second.connected > 0) --it->second.connected;
+    auto claim = it->second.claims.find(hello.rank());
+    if (claim != it->second.claims.end() && --claim->second.streams == 0) {
+      it->second.claims.erase(claim);
+    }
     it->second.last_seen = options_.clock();
   }
   metrics_->OnAgentDisconnected(hello.job());
@@ -366,6 +409,15 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   // Unless the joiner took the report, its sketch buffer is free again.
   SketchBufferPool::Get().Give(rr.sketch);
   return {};
+}
+
+void StepPipeline::ForgetDroppedSteps(const StoreBatch& rows) {
+  absl::MutexLock lock(&mu_);
+  for (const StepWrite& w : rows.steps) {
+    const uint32_t attempt = w.stats ? w.stats->attempt
+                                     : (w.ranks.empty() ? 0 : w.ranks.front().attempt);
+    joiner_.ForgetClosedStep(w.job, w.step, attempt);
+  }
 }
 
 void StepPipeline::EnqueueAcksOnly(std::vector<AckHandle> acks) {

@@ -80,6 +80,12 @@ class StepPipeline {
 
   // Validates and registers a stream's hello. On success the stream is attached to its job and
   // receives the job's current control message, if any.
+  //
+  // One rank, one identity: while a stream of (job, rank) is open, a hello for the same rank with
+  // the same attempt from another host is refused with ALREADY_EXISTS (two runs share a job
+  // name, or two processes were given the same rank). The same host (an agent reconnecting
+  // before the collector noticed its old stream die) and another attempt (a restart: the newest
+  // attempt wins in the joiner) are accepted.
   Rejection AcceptHello(const v1::Hello& hello, std::shared_ptr<AgentStream> stream);
   // The stream of an accepted hello ended.
   void StreamClosed(const v1::Hello& hello, const std::shared_ptr<AgentStream>& stream);
@@ -108,6 +114,12 @@ class StepPipeline {
   absl::Status store_health() const { return writer_.health(); }
 
  private:
+  // Who holds a rank of a job: the newest accepted hello's host and attempt, and its open streams.
+  struct RankClaim {
+    std::string host;
+    uint32_t attempt = 0;
+    uint32_t streams = 0;
+  };
   struct Job {
     JobIdentity identity;
     absl::Time first_seen;
@@ -117,15 +129,20 @@ class StepPipeline {
     uint32_t connected = 0;
     std::optional<v1::Control> control;
     absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
+    absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks with an open stream
   };
 
   void StepThread();
   void ProcessClosed(JoinedStep step);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
+  // The store writer dropped these rows unstored: the joiner forgets that their steps were
+  // closed, so that the agents' resends are joined and stored again, not taken for duplicates.
+  void ForgetDroppedSteps(const StoreBatch& rows);
 
   const PipelineOptions options_;
   JobMetrics* const metrics_;
   HealthMetrics* const health_;
+  uint64_t store_failures_ = 0;  // store writer thread only: consecutive failed commits
   StoreWriter writer_;
 
   mutable absl::Mutex mu_;

@@ -240,6 +240,15 @@ void StepJoiner::Remember(Job& job, uint64_t step, uint32_t attempt, RankSet ran
   }
 }
 
+void StepJoiner::ForgetClosedStep(absl::string_view job_name, uint64_t step, uint32_t attempt) {
+  auto job_it = jobs_.find(job_name);
+  if (job_it == jobs_.end()) return;
+  Job& job = job_it->second;
+  auto it = job.closed.find(step);
+  // Its closed_order entry goes stale and is dropped like any other stale entry.
+  if (it != job.closed.end() && it->second.attempt == attempt) job.closed.erase(it);
+}
+
 void StepJoiner::Expire(absl::Time now, std::vector<JoinedStep>* closed) {
   while (!deadlines_.empty()) {
     const auto& [opened_at, job_name, step] = *deadlines_.begin();

@@ -102,6 +102,11 @@ class StepJoiner {
   AddOutcome Add(absl::string_view job, RankReport& report, absl::Time now,
                  std::vector<JoinedStep>* closed);
 
+  // Forgets that `step` of `job` was closed with `attempt` (no-op if it was not, or was closed
+  // again by a newer attempt): its store write was dropped, so resends of it must be joined and
+  // stored again (kAccepted), not acked as duplicates of something never stored. O(1).
+  void ForgetClosedStep(absl::string_view job, uint64_t step, uint32_t attempt);
+
   // Closes every open step whose deadline (opened_at + step_timeout) is <= now, in deadline
   // order (ties: by job name, then step).
   void Expire(absl::Time now, std::vector<JoinedStep>* closed);

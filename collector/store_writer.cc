@@ -32,6 +32,20 @@ void SendAcks(std::vector<WriteItem>& items) {
   for (auto& [raw, entry] : by) entry.first->Ack(entry.second);
 }
 
+// Ends the streams of every sink among `items`' acks with UNAVAILABLE (see AckSink::Abandon).
+void AbandonSinks(const std::vector<WriteItem>& items, const absl::Status& why) {
+  absl::flat_hash_map<AckSink*, std::shared_ptr<AckSink>> sinks;
+  for (const WriteItem& item : items) {
+    for (const AckHandle& h : item.acks) {
+      if (h.sink != nullptr) sinks.emplace(h.sink.get(), h.sink);
+    }
+  }
+  const absl::Status status = absl::UnavailableError(
+      absl::StrCat("the collector dropped reports of this stream before storing them (", why.message(),
+                   "); reconnect and resend every unacked report"));
+  for (auto& [raw, sink] : sinks) sink->Abandon(status);
+}
+
 // Disk full, a lock held elsewhere, a file made unwritable: an operator or time can fix these.
 bool IsRetryable(const absl::Status& s) {
   return absl::IsResourceExhausted(s) || absl::IsUnavailable(s) || absl::IsPermissionDenied(s);
@@ -61,20 +75,27 @@ StoreWriter::StoreWriter(std::unique_ptr<SqliteStore> store, StoreWriterOptions 
 StoreWriter::~StoreWriter() { Stop(absl::Seconds(5)).IgnoreError(); }
 
 void StoreWriter::Enqueue(WriteItem item) {
-  size_t dropped = 0;
+  std::vector<WriteItem> dropped;
   size_t depth;
   {
     absl::MutexLock lock(&mu_);
     pending_.push_back(std::move(item));
     ++enqueued_;
     while (pending_.size() > std::max<size_t>(options_.max_pending_items, 1)) {
+      dropped.push_back(std::move(pending_.front()));
       pending_.pop_front();
       ++finished_;
-      ++dropped;
     }
     depth = pending_.size();
   }
-  if (dropped > 0 && hooks_.on_overflow) hooks_.on_overflow(dropped);
+  if (!dropped.empty()) {
+    const absl::Status why = absl::ResourceExhaustedError(absl::StrCat(
+        "store queue over ", options_.max_pending_items, " items, oldest dropped"));
+    StoreBatch rows;
+    for (WriteItem& d : dropped) Append(rows, std::move(d.batch));
+    if (hooks_.on_drop) hooks_.on_drop(rows, dropped.size(), why);
+    AbandonSinks(dropped, why);
+  }
   if (hooks_.on_queue_depth) hooks_.on_queue_depth(depth);
 }
 
@@ -154,10 +175,11 @@ void StoreWriter::Run() {
     }
     if (hooks_.on_error) hooks_.on_error(status);
     if (!IsRetryable(status)) {
-      // The same batch would fail the same way forever: drop it unacked (the agents resend it
-      // after their next reconnect, where validation or the store refuses it again) so that
-      // the queue behind it keeps moving.
-      if (hooks_.on_overflow) hooks_.on_overflow(items.size());
+      // The same batch would fail the same way forever: drop it unacked so that the queue behind
+      // it keeps moving, and make its agents resend (where validation or the store refuses it
+      // again, or a smaller batch succeeds).
+      if (hooks_.on_drop) hooks_.on_drop(batch, items.size(), status);
+      AbandonSinks(items, status);
       absl::MutexLock lock(&mu_);
       finished_ += items.size();
       health_ = status;

@@ -2,12 +2,18 @@
 //
 // Items (rows plus the acks they release) are queued by any thread; the writer takes everything
 // queued (up to max_batch_items), writes it in one transaction, and only after the commit
-// succeeded sends the acks. So an ack always means "stored". A failed commit that may succeed
-// later (disk full, file unwritable, lock held: ResourceExhausted, PermissionDenied,
-// Unavailable) is reported through the hooks, nothing is acked, and the same items are retried
-// after retry_backoff while new items keep queueing; any other failure drops the batch unacked
-// (on_overflow) so it cannot block the queue; past max_pending_items the oldest items are
-// dropped unacked (agents resend them after a reconnect) and counted.
+// succeeded sends the acks. So an ack always means "stored".
+//
+// Failures. A failed commit that may succeed later (disk full, file unwritable, I/O error, lock
+// held: ResourceExhausted, PermissionDenied, Unavailable) is reported through on_error, nothing
+// is acked, and the same items are retried every retry_backoff while new items keep queueing; the
+// streams stay open, so once a retry commits, the acks flow as if nothing happened. Any other
+// failure (the batch itself cannot be stored) drops the batch unacked so that it cannot block the
+// queue; past max_pending_items the oldest items are dropped unacked. A dropped item is never
+// silently forgotten: on_drop receives its rows (the pipeline lets the joiner forget those steps,
+// so that resends are joined and stored again instead of being taken for duplicates) and every
+// AckSink among its acks is Abandon()ed with UNAVAILABLE, which ends that agent's stream: the
+// agent reconnects and resends all it has not had acked, dropped items included.
 //
 // Acks of the same item order are sent in commit order. An item with an empty batch carries acks
 // only (a duplicate of something already stored): it is acked after the next commit, which is
@@ -43,7 +49,9 @@ struct StoreWriterHooks {
   std::function<void(absl::Duration commit_time, size_t items)> on_commit;
   std::function<void(const absl::Status& error)> on_error;
   std::function<void(size_t pending)> on_queue_depth;
-  std::function<void(size_t dropped_items)> on_overflow;
+  // `items` items holding `rows` were dropped unacked for `why`. Called on the writer thread, or
+  // for a queue overflow on the thread calling Enqueue (never under the writer's lock).
+  std::function<void(const StoreBatch& rows, size_t items, const absl::Status& why)> on_drop;
 };
 
 struct StoreWriterOptions {

@@ -744,7 +744,7 @@ TEST(HealthMetricsTest, EveryRejectReasonIsExportedFromZero) {
               UnorderedElementsAreArray({"before_hello", "bad_hello", "rank_out_of_range",
                                          "world_size_changed", "sketch_mismatch", "sketch_length",
                                          "message_too_large", "unauthenticated", "too_many_streams",
-                                         "too_many_jobs", "invalid_report"}));
+                                         "too_many_jobs", "rank_taken", "invalid_report"}));
 }
 
 double Scalar(const std::vector<MetricFamily>& families, const std::string& name,

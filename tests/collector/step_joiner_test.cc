@@ -84,6 +84,35 @@ TEST_F(StepJoinerTest, RegisterJobChecksWorldSize) {
   EXPECT_EQ(closed_[0].world_size, 8u);
 }
 
+TEST_F(StepJoinerTest, ForgetClosedStepMakesResendsOfADroppedStepJoinAgain) {
+  ASSERT_TRUE(joiner_.RegisterJob("dropped", 2).ok());
+  EXPECT_EQ(Add("dropped", 0, 7), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("dropped", 1, 7), AddOutcome::kAccepted);
+  ASSERT_EQ(TakeClosed().size(), 1u);
+  // Stored: a resend is a duplicate (acked, nothing stored again).
+  EXPECT_EQ(Add("dropped", 0, 7), AddOutcome::kDuplicate);
+
+  // The store writer dropped the step unstored: resends must be joined and stored again.
+  joiner_.ForgetClosedStep("dropped", 7, /*attempt=*/0);
+  EXPECT_EQ(Add("dropped", 0, 7, 0, /*seq=*/10), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("dropped", 1, 7, 0, /*seq=*/11), AddOutcome::kAccepted);
+  const std::vector<JoinedStep> again = TakeClosed();
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].reason, Reason::kComplete);
+  EXPECT_THAT(Ranks(again[0]), ElementsAre(0u, 1u));
+  EXPECT_THAT(Seqs(again[0].reports[0].acks), ElementsAre(10u));
+
+  // Only the attempt that was dropped is forgotten; unknown jobs and steps are no-ops.
+  EXPECT_EQ(Add("dropped", 0, 8, 1), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("dropped", 1, 8, 1), AddOutcome::kAccepted);
+  ASSERT_EQ(TakeClosed().size(), 1u);
+  joiner_.ForgetClosedStep("dropped", 8, /*attempt=*/0);
+  EXPECT_EQ(Add("dropped", 0, 8, 1), AddOutcome::kDuplicate);
+  joiner_.ForgetClosedStep("never-registered", 8, 0);
+  joiner_.ForgetClosedStep("dropped", 12345, 0);
+  EXPECT_EQ(joiner_.open_steps("dropped"), 0u);
+}
+
 TEST_F(StepJoinerTest, ForgetJobClosesItsStepsAndAllowsANewWorldSize) {
   ASSERT_TRUE(joiner_.RegisterJob("reused", 4).ok());
   ASSERT_TRUE(joiner_.RegisterJob("other", 2).ok());

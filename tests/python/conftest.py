@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_metric(text: str, name: str, **labels):
+    """Sum of the values of the series of ``name`` whose labels include ``labels``, in a
+    Prometheus text exposition; None when none matches."""
+    total = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        if all(have.get(k) == str(v) for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(4))
+    return total
+
+
 def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
     """Polls ``condition()`` until it returns a truthy value (returned) or ``timeout`` seconds
     pass (AssertionError naming ``what``)."""
@@ -54,13 +71,19 @@ class Collector:
     """A rankscope-collector process. ``start`` binds gRPC on ``port`` (0: a free one, learned
     from the collector's start-up line); ``restart`` reuses the same port and database."""
 
-    def __init__(self, tmp_dir: Path, step_timeout: str = "5s"):
+    def __init__(self, tmp_dir: Path, step_timeout: str = "5s", db_path: Path = None,
+                 prefix=(), extra_args=()):
+        """``prefix``: a command the collector runs under (e.g. setpriv to drop root);
+        ``extra_args``: more collector flags."""
         if not COLLECTOR_BIN.exists():
             pytest.skip(f"{COLLECTOR_BIN} not built (set RANKSCOPE_BUILD_DIR)")
         self.tmp_dir = Path(tmp_dir)
-        self.db_path = self.tmp_dir / "rankscope.db"
+        self.db_path = Path(db_path) if db_path else self.tmp_dir / "rankscope.db"
         self.step_timeout = step_timeout
+        self.prefix = list(prefix)
+        self.extra_args = list(extra_args)
         self.port = 0
+        self.metrics_port = 0
         self.proc = None
         self._log_index = 0
 
@@ -75,9 +98,9 @@ class Collector:
         log_path = self.tmp_dir / f"collector.{self._log_index}.log"
         self._log = open(log_path, "w+")
         self.proc = subprocess.Popen(
-            [str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
+            [*self.prefix, str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
              "--metrics_address=127.0.0.1:0", f"--db_path={self.db_path}",
-             f"--step_timeout={self.step_timeout}"],
+             f"--step_timeout={self.step_timeout}", *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
         self.log_path = log_path
 
@@ -85,11 +108,27 @@ class Collector:
             if self.proc.poll() is not None:
                 raise AssertionError(f"collector exited with {self.proc.returncode}: "
                                      f"{log_path.read_text()}")
-            m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log_path.read_text())
-            return m and int(m.group(1))
+            m = re.search(r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)",
+                          log_path.read_text())
+            return m and (int(m.group(1)), int(m.group(2)))
 
-        self.port = wait_until(serving, timeout, "the collector to serve")
+        self.port, self.metrics_port = wait_until(serving, timeout, "the collector to serve")
         return self
+
+    def log(self) -> str:
+        """The current run's log (stdout and stderr)."""
+        return self.log_path.read_text()
+
+    def scrape(self) -> str:
+        """The collector's /metrics text (raises if it is not served)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels) -> float:
+        """The value of the series ``name{labels}`` (labels a subset match; summed over the
+        series that match), or None when no series matches."""
+        return parse_metric(self.scrape(), name, **labels)
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM (open steps are closed and committed), then SIGKILL past ``timeout``."""

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -38,6 +39,9 @@ ABSL_FLAG(int, jobs, 1,
           "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
           "and the fault flags apply to each.");
 ABSL_FLAG(int, ranks, 8, "Simulated ranks (world size).");
+ABSL_FLAG(int, rank, -1,
+          "Simulate only this rank of the --ranks (one process per rank, as a real job runs); "
+          "-1: every rank.");
 ABSL_FLAG(int, steps, 100, "Steps per rank (ignored when --duration is set).");
 ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(), "Run for this long instead of --steps.");
 ABSL_FLAG(int, start_step, 1, "First step number.");
@@ -69,12 +73,19 @@ ABSL_FLAG(int, local_batch_size, 8, "Samples per rank per step (for the gradient
 ABSL_FLAG(int, threads, 0, "Driver threads (0: min(ranks, 4)).");
 ABSL_FLAG(int, max_inflight, 256,
           "Per rank: wait while more reports than this are unacked "
-          "(keeps a fast run from overflowing the agent's ring).");
+          "(keeps a fast run from overflowing the agent's ring); 0: never wait (Record() as "
+          "fast as the driver goes, whatever the collector does).");
 ABSL_FLAG(int, queue_capacity, 1024, "Agent ring capacity.");
+ABSL_FLAG(absl::Duration, max_backoff, absl::Seconds(10),
+          "Agents' longest reconnect backoff (AgentOptions::max_backoff).");
 ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60),
           "How long to wait for acks at the end.");
 ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
+ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between progress lines.");
+ABSL_FLAG(std::string, summary_json, "",
+          "If set, write a JSON summary here at the end: per agent (job, rank) and in total, "
+          "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
 
 namespace {
 
@@ -111,15 +122,22 @@ int main(int argc, char** argv) {
     for (float& x : v) x = normal(rng);
   }
 
-  // Agent i is rank i % ranks of job i / ranks.
+  // Agent i is rank ranks_of[i] of job i / (ranks per job simulated here).
+  const int only_rank = absl::GetFlag(FLAGS_rank);
+  if (only_rank >= ranks) {
+    std::fprintf(stderr, "loadgen: --rank %d >= --ranks %d\n", only_rank, ranks);
+    return 2;
+  }
+  const int local_ranks = only_rank >= 0 ? 1 : ranks;
+  auto rank_of = [&](int i) { return only_rank >= 0 ? only_rank : i % ranks; };
   std::vector<std::unique_ptr<rankscope::Agent>> agents;
-  const int total_agents = ranks * jobs;
+  const int total_agents = local_ranks * jobs;
   for (int i = 0; i < total_agents; ++i) {
-    const int r = i % ranks;
+    const int r = rank_of(i);
     rankscope::AgentOptions o;
     o.collector_address = absl::GetFlag(FLAGS_collector);
     o.job = jobs == 1 ? absl::GetFlag(FLAGS_job)
-                      : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / ranks);
+                      : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / local_ranks);
     o.rank = r;
     o.world_size = ranks;
     o.sketch_dim = dim;
@@ -127,6 +145,8 @@ int main(int argc, char** argv) {
     o.attempt = absl::GetFlag(FLAGS_attempt);
     o.framework_version = "rankscope-loadgen";
     o.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+    o.max_backoff = absl::GetFlag(FLAGS_max_backoff);
+    o.initial_backoff = std::min(o.initial_backoff, o.max_backoff);
     auto agent = rankscope::Agent::Create(o);
     if (!agent.ok()) {
       std::fprintf(stderr, "loadgen: %s\n", agent.status().ToString().c_str());
@@ -141,7 +161,7 @@ int main(int argc, char** argv) {
   const absl::Duration duration = absl::GetFlag(FLAGS_duration);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int start_step = absl::GetFlag(FLAGS_start_step);
-  const int max_inflight = std::max(1, absl::GetFlag(FLAGS_max_inflight));
+  const int max_inflight = absl::GetFlag(FLAGS_max_inflight);
   const absl::Time start = absl::Now();
   const absl::Time end =
       duration > absl::ZeroDuration() ? start + duration : absl::InfiniteFuture();
@@ -165,14 +185,14 @@ int main(int argc, char** argv) {
       const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
       const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
       for (int i = tid; i < total_agents; i += threads) {
-        const int r = i % ranks;
+        const int r = rank_of(i);
         if (r == absl::GetFlag(FLAGS_silent_rank) &&
             step >= absl::GetFlag(FLAGS_silent_from_step)) {
           continue;
         }
         rankscope::Agent& agent = *agents[i];
-        while (agent.stats().unacked + agent.stats().queued >= static_cast<size_t>(max_inflight) &&
-               interval == absl::ZeroDuration()) {
+        while (max_inflight > 0 && interval == absl::ZeroDuration() &&
+               agent.stats().unacked + agent.stats().queued >= static_cast<size_t>(max_inflight)) {
           absl::SleepFor(absl::Microseconds(200));  // flow control for as-fast-as-possible runs
         }
         const bool outlier = r == absl::GetFlag(FLAGS_outlier_rank) &&
@@ -221,12 +241,23 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_progress)) {
     progress = std::thread([&] {
       while (!done.load()) {
-        absl::SleepFor(absl::Seconds(1));
-        uint64_t acked = 0;
-        for (auto& a : agents) acked += a->stats().acked;
-        std::fprintf(stderr, "loadgen: step %lld, %llu reports acked\n",
+        absl::SleepFor(absl::GetFlag(FLAGS_progress_interval));
+        rankscope::AgentStats sum;
+        for (auto& a : agents) {
+          const rankscope::AgentStats s = a->stats();
+          sum.recorded += s.recorded;
+          sum.acked += s.acked;
+          sum.dropped += s.dropped;
+          sum.queued += s.queued;
+          sum.unacked += s.unacked;
+        }
+        std::fprintf(stderr,
+                     "loadgen: progress step=%lld recorded=%llu acked=%llu dropped=%llu "
+                     "queued=%zu unacked=%zu\n",
                      static_cast<long long>(max_step_done.load()),
-                     static_cast<unsigned long long>(acked));
+                     static_cast<unsigned long long>(sum.recorded),
+                     static_cast<unsigned long long>(sum.acked),
+                     static_cast<unsigned long long>(sum.dropped), sum.queued, sum.unacked);
       }
     });
   }
@@ -234,6 +265,13 @@ int main(int argc, char** argv) {
   for (int t = 0; t < threads; ++t) workers.emplace_back(drive, t);
   for (auto& w : workers) w.join();
   const absl::Time recorded_at = absl::Now();
+  {
+    uint64_t recorded = 0;
+    for (auto& a : agents) recorded += a->stats().recorded;
+    std::fprintf(stderr, "loadgen: recording done recorded=%llu in %.3f s; flushing\n",
+                 static_cast<unsigned long long>(recorded),
+                 absl::ToDoubleSeconds(recorded_at - start));
+  }
 
   const absl::Time flush_deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
   bool flushed = true;
@@ -243,7 +281,16 @@ int main(int argc, char** argv) {
     }
   }
   const absl::Time acked_at = absl::Now();
+  // Closing counts what is still unacked as dropped, so the summary is taken after Close.
+  for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
   rankscope::AgentStats total;
+  std::string per_agent;
+  auto json_stats = [](const rankscope::AgentStats& s) {
+    return absl::StrFormat(
+        "\"recorded\": %d, \"sent\": %d, \"acked\": %d, \"dropped\": %d, \"rejected\": %d, "
+        "\"invalid\": %d, \"reconnects\": %d",
+        s.recorded, s.sent, s.acked, s.dropped, s.rejected, s.invalid, s.reconnects);
+  };
   for (auto& a : agents) {
     const rankscope::AgentStats s = a->stats();
     total.recorded += s.recorded;
@@ -251,8 +298,22 @@ int main(int argc, char** argv) {
     total.dropped += s.dropped;
     total.rejected += s.rejected;
     total.sent += s.sent;
+    total.invalid += s.invalid;
+    total.reconnects += s.reconnects;
+    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
+                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
+                                    a->options().rank, json_stats(s)));
   }
-  for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
+  if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
+    std::ofstream out(path + ".tmp");
+    out << absl::StrFormat("{\n  \"flushed\": %s,\n  \"total\": {%s},\n  \"agents\": [\n    %s\n  ]\n}\n",
+                           flushed ? "true" : "false", json_stats(total), per_agent);
+    out.close();
+    if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
+      std::fprintf(stderr, "loadgen: cannot write --summary_json %s\n", path.c_str());
+      return 1;
+    }
+  }
   done = true;
   if (progress.joinable()) progress.join();
   const double elapsed = absl::ToDoubleSeconds(acked_at - start);
