@@ -71,7 +71,8 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
-  shutdown_status_ = pipeline_->Stop(timeout / 2);
+  // Start() may have failed before the pipeline existed (e.g. the database could not be opened).
+  if (pipeline_ != nullptr) shutdown_status_ = pipeline_->Stop(timeout / 2);
   return shutdown_status_;
 }
 
