@@ -52,7 +52,7 @@ class StreamHandle final : public AgentStream {
   StreamReactor* reactor_ ABSL_GUARDED_BY(mu_);
 };
 
-class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(IngestService* service, bool over_limit)
       : service_(service),
@@ -76,6 +76,18 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
       return;
     }
     service_->health_->ReportsReceived();
+    ++messages_read_;
+    if (grpc::Status parsed = grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_buf_, in_);
+        !parsed.ok()) {
+      service_->health_->Rejected(have_hello_ ? "invalid_report" : "bad_hello");
+      RequestFinish(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("message ", messages_read_,
+                       " of this stream could not be parsed as a rankscope.v1.AgentMessage "
+                       "(truncated, corrupted, or not rankscope's protocol): ",
+                       parsed.error_message())));
+      return;
+    }
     const v1::AgentMessage& in = *in_;
     if (!have_hello_) {
       if (in.kind_case() != v1::AgentMessage::kHello) {
@@ -172,24 +184,32 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
     if (writing_ || finished_) return;
     if (!finish_requested_) {
       if (!pending_acks_.empty()) {
-        current_.Clear();
-        current_.mutable_ack()->mutable_seqs()->Add(pending_acks_.begin(), pending_acks_.end());
+        ack_.Clear();
+        ack_.mutable_ack()->mutable_seqs()->Add(pending_acks_.begin(), pending_acks_.end());
         pending_acks_.clear();
-        writing_ = true;
-        StartWrite(&current_);
+        StartWriteLocked(ack_);
         return;
       }
       if (!out_.empty()) {
-        current_ = std::move(out_.front());
+        const v1::CollectorMessage msg = std::move(out_.front());
         out_.pop_front();
-        writing_ = true;
-        StartWrite(&current_);
+        StartWriteLocked(msg);
         return;
       }
       return;
     }
     finished_ = true;
     Finish(finish_status_);
+  }
+
+  void StartWriteLocked(const v1::CollectorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool own_buffer = false;
+    current_.Clear();
+    // Serializing a message we built cannot fail short of running out of memory.
+    grpc::SerializationTraits<v1::CollectorMessage>::Serialize(msg, &current_, &own_buffer)
+        .IgnoreError();
+    writing_ = true;
+    StartWrite(&current_);
   }
 
   IngestService* const service_;
@@ -199,19 +219,22 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
   void Read() {
     arena_.Reset();
     in_ = google::protobuf::Arena::CreateMessage<v1::AgentMessage>(&arena_);
-    StartRead(in_);
+    StartRead(&in_buf_);
   }
 
   alignas(16) char arena_block_[kArenaBlockBytes];  // reactor callbacks only, through arena_
   google::protobuf::Arena arena_;                   // reactor callbacks only
   v1::AgentMessage* in_ = nullptr;                  // on arena_; reactor callbacks only
+  grpc::ByteBuffer in_buf_;                         // the raw message read; reactor callbacks only
+  uint64_t messages_read_ = 0;                      // reactor callbacks only
   v1::Hello hello_;                                 // set once, before have_hello_
   bool have_hello_ = false;
 
   absl::Mutex mu_;
   std::deque<v1::CollectorMessage> out_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
-  v1::CollectorMessage current_ ABSL_GUARDED_BY(mu_);
+  v1::CollectorMessage ack_ ABSL_GUARDED_BY(mu_);  // reused for every coalesced Ack
+  grpc::ByteBuffer current_ ABSL_GUARDED_BY(mu_);    // the write in flight, serialized
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -239,7 +262,7 @@ void StreamHandle::SendControl(const v1::Control& control) {
 IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams)
     : pipeline_(pipeline), health_(health), max_streams_(max_streams) {}
 
-grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage>* IngestService::Stream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
   const bool over_limit = open_streams_.load() >= max_streams_;
   return new StreamReactor(this, over_limit);

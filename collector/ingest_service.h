@@ -10,6 +10,11 @@
 // Limits: at most `max_streams` streams open at once (RESOURCE_EXHAUSTED beyond); message size is
 // limited by the server builder (see Collector).
 //
+// The method is registered raw (ByteBuffer in and out) and the reactor parses each message
+// itself: gRPC's own parse failure reaches a callback reactor as a plain failed read, which is
+// indistinguishable from the agent half-closing, so random or truncated bytes would end the stream
+// with OK. Parsed here, they end it with INVALID_ARGUMENT saying which message failed.
+//
 // Thread safety: reactions run on gRPC's callback threads; the reactor's outbound queue is
 // guarded by its own mutex; AgentStream handles may be called from any thread.
 #ifndef RANKSCOPE_COLLECTOR_INGEST_SERVICE_H_
@@ -24,11 +29,11 @@
 
 namespace rankscope::collector {
 
-class IngestService final : public v1::Ingest::CallbackService {
+class IngestService final : public v1::Ingest::WithRawCallbackMethod_Stream<v1::Ingest::Service> {
  public:
   IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams);
 
-  grpc::ServerBidiReactor<v1::AgentMessage, v1::CollectorMessage>* Stream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
 
   size_t open_streams() const { return open_streams_.load(); }
