@@ -1,5 +1,7 @@
 #include "collector/collector.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <utility>
 
@@ -27,13 +29,17 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   c->pipeline_ = std::make_unique<StepPipeline>(options.pipeline, std::move(*writer_store),
                                                 *known_jobs, c->metrics_.get(), c->health_.get());
   c->ingest_ =
-      std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams);
+      std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams,
+                                      static_cast<size_t>(std::max(options.max_message_bytes, 0)));
   c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &c->grpc_port_);
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // The ingest service refuses messages over max_message_bytes with an actionable status; gRPC's
+  // own limit, at twice that, stops a grossly oversized one before it is buffered.
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(int64_t{options.max_message_bytes} * 2, INT32_MAX)));
   builder.RegisterService(c->ingest_.get());
   builder.RegisterService(c->query_.get());
   c->server_ = builder.BuildAndStart();

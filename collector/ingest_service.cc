@@ -77,6 +77,17 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     service_->health_->ReportsReceived();
     ++messages_read_;
+    if (service_->max_message_bytes_ > 0 && in_buf_.Length() > service_->max_message_bytes_) {
+      service_->health_->Rejected(kRejectMessageTooLarge);
+      RequestFinish(grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("message ", messages_read_, " of this stream has ", in_buf_.Length(),
+                       " bytes, more than the collector's --max_message_bytes ",
+                       service_->max_message_bytes_,
+                       " (a report carries 4 bytes per sketch value): lower the agents' "
+                       "sketch_dim or raise --max_message_bytes")));
+      return;
+    }
     if (grpc::Status parsed = grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_buf_, in_);
         !parsed.ok()) {
       service_->health_->Rejected(have_hello_ ? "invalid_report" : "bad_hello");
@@ -84,8 +95,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           grpc::StatusCode::INVALID_ARGUMENT,
           absl::StrCat("message ", messages_read_,
                        " of this stream could not be parsed as a rankscope.v1.AgentMessage "
-                       "(truncated, corrupted, or not rankscope's protocol): ",
-                       parsed.error_message())));
+                       "(truncated, corrupted, or not rankscope's protocol)",
+                       parsed.error_message().empty() ? "" : ": ", parsed.error_message())));
       return;
     }
     const v1::AgentMessage& in = *in_;
@@ -217,6 +228,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The next message is parsed into a fresh AgentMessage on arena_ (reset first); nothing parsed
   // before is referenced by then.
   void Read() {
+    {
+      // A finish may have been requested from inside this reaction (e.g. the store writer
+      // abandoned this stream while OnReport enqueued): no read is started after it.
+      absl::MutexLock lock(&mu_);
+      if (finish_requested_) return;
+    }
     arena_.Reset();
     in_ = google::protobuf::Arena::CreateMessage<v1::AgentMessage>(&arena_);
     StartRead(&in_buf_);
@@ -259,8 +276,12 @@ void StreamHandle::SendControl(const v1::Control& control) {
   reactor_->Send(std::move(msg));
 }
 
-IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams)
-    : pipeline_(pipeline), health_(health), max_streams_(max_streams) {}
+IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams,
+                             size_t max_message_bytes)
+    : pipeline_(pipeline),
+      health_(health),
+      max_streams_(max_streams),
+      max_message_bytes_(max_message_bytes) {}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {

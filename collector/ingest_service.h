@@ -7,8 +7,10 @@
 // query service) are queued and written one at a time (at most one write in flight), with acks
 // coalesced into one Ack message per write.
 //
-// Limits: at most `max_streams` streams open at once (RESOURCE_EXHAUSTED beyond); message size is
-// limited by the server builder (see Collector).
+// Limits: at most `max_streams` streams open at once (RESOURCE_EXHAUSTED beyond). A message over
+// `max_message_bytes` ends its stream with RESOURCE_EXHAUSTED naming the flag, counted as
+// message_too_large; the server builder's hard limit (see Collector) sits at twice that, so a
+// grossly oversized message is refused by gRPC itself before it is buffered.
 //
 // The method is registered raw (ByteBuffer in and out) and the reactor parses each message
 // itself: gRPC's own parse failure reaches a callback reactor as a plain failed read, which is
@@ -31,7 +33,9 @@ namespace rankscope::collector {
 
 class IngestService final : public v1::Ingest::WithRawCallbackMethod_Stream<v1::Ingest::Service> {
  public:
-  IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams);
+  // max_message_bytes 0: no check here (the server builder's limit only).
+  IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams,
+                size_t max_message_bytes = 0);
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
@@ -43,6 +47,7 @@ class IngestService final : public v1::Ingest::WithRawCallbackMethod_Stream<v1::
   StepPipeline* const pipeline_;
   HealthMetrics* const health_;
   const size_t max_streams_;
+  const size_t max_message_bytes_;
   std::atomic<size_t> open_streams_{0};
 };
 

@@ -364,7 +364,13 @@ TEST_F(BadInputTest, OversizedMessagesAreResourceExhausted) {
   // As a first message (a hello with a huge job name) and after a good start.
   v1::AgentMessage huge_hello = Hello(std::string(kMaxMessageBytes + 1, 'j'), 0, 1);
   ExpectRefused([&] { return Stream({Bytes(huge_hello)}); },
-                grpc::StatusCode::RESOURCE_EXHAUSTED, "larger than max");
+                grpc::StatusCode::RESOURCE_EXHAUSTED,
+                "bytes, more than the collector's --max_message_bytes 65536");
+  EXPECT_EQ(Metric("rankscope_reports_rejected_total", "reason=\"message_too_large\""), 1);
+  // Grossly oversized: gRPC refuses it at its own limit (2x), before buffering it.
+  v1::AgentMessage giant_hello = Hello(std::string(3 * kMaxMessageBytes, 'j'), 0, 1);
+  ExpectRefused([&] { return Stream({Bytes(giant_hello)}); },
+                grpc::StatusCode::RESOURCE_EXHAUSTED, "Received message larger than max");
   RawStream s(stub_);
   ASSERT_TRUE(s.Write(Hello("oversized", 0, 1)));
   ASSERT_TRUE(s.Write(Report(1, 1)));
@@ -374,7 +380,9 @@ TEST_F(BadInputTest, OversizedMessagesAreResourceExhausted) {
         s.Write(Report(2, 2, kMaxMessageBytes / 4 + 16));
         return s.Finish();
       },
-      grpc::StatusCode::RESOURCE_EXHAUSTED, "larger than max");
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      "bytes, more than the collector's --max_message_bytes 65536 (a report carries 4 bytes per "
+      "sketch value): lower the agents' sketch_dim or raise --max_message_bytes");
 }
 
 TEST_F(BadInputTest, UnknownFieldsAreIgnoredForwardCompatibly) {
