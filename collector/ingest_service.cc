@@ -88,7 +88,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                        "sketch_dim or raise --max_message_bytes")));
       return;
     }
-    if (grpc::Status parsed = grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_buf_, in_);
+    if (grpc::Status parsed =
+            grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_buf_, in_);
         !parsed.ok()) {
       service_->health_->Rejected(have_hello_ ? "invalid_report" : "bad_hello");
       RequestFinish(grpc::Status(
@@ -251,7 +252,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::deque<v1::CollectorMessage> out_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
   v1::CollectorMessage ack_ ABSL_GUARDED_BY(mu_);  // reused for every coalesced Ack
-  grpc::ByteBuffer current_ ABSL_GUARDED_BY(mu_);    // the write in flight, serialized
+  grpc::ByteBuffer current_ ABSL_GUARDED_BY(mu_);  // the write in flight, serialized
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

@@ -169,47 +169,47 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
-      writer_(
-          std::move(store), options_.writer,
-          StoreWriterHooks{
-              .on_commit =
-                  [this](absl::Duration d, size_t) {
-                    health_->ObserveStoreCommit(d);
-                    health_->SetStoreHealthy(true);
-                    if (store_failures_ > 0) {
-                      std::fprintf(stderr,
-                                   "rankscope-collector: SQLite writes recovered after %llu "
-                                   "failed attempts; held reports stored and acked\n",
-                                   static_cast<unsigned long long>(store_failures_));
-                      store_failures_ = 0;
-                    }
-                  },
-              .on_error =
-                  [this](const absl::Status& error) {
-                    health_->StoreError();
-                    health_->SetStoreHealthy(false);
-                    // The first failure of a run of them, then every 60th (one a minute at the
-                    // default retry backoff): clear, without flooding the log.
-                    if (store_failures_++ % 60 == 0) {
-                      std::fprintf(stderr,
-                                   "rankscope-collector: SQLite write failed (attempt %llu): %s; "
-                                   "nothing is acked until a retry commits (agents keep their "
-                                   "reports)\n",
-                                   static_cast<unsigned long long>(store_failures_),
-                                   error.ToString().c_str());
-                    }
-                  },
-              .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
-              .on_drop =
-                  [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
-                    health_->StoreDropped(items);
-                    std::fprintf(stderr,
-                                 "rankscope-collector: dropped %zu unstored store items (%s); "
-                                 "their agents' streams are ended so that they resend\n",
-                                 items, why.ToString().c_str());
-                    ForgetDroppedSteps(rows);
-                  },
-          }),
+      writer_(std::move(store), options_.writer,
+              StoreWriterHooks{
+                  .on_commit =
+                      [this](absl::Duration d, size_t) {
+                        health_->ObserveStoreCommit(d);
+                        health_->SetStoreHealthy(true);
+                        if (store_failures_ > 0) {
+                          std::fprintf(stderr,
+                                       "rankscope-collector: SQLite writes recovered after %llu "
+                                       "failed attempts; held reports stored and acked\n",
+                                       static_cast<unsigned long long>(store_failures_));
+                          store_failures_ = 0;
+                        }
+                      },
+                  .on_error =
+                      [this](const absl::Status& error) {
+                        health_->StoreError();
+                        health_->SetStoreHealthy(false);
+                        // The first failure of a run of them, then every 60th (one a minute at the
+                        // default retry backoff): clear, without flooding the log.
+                        if (store_failures_++ % 60 == 0) {
+                          std::fprintf(
+                              stderr,
+                              "rankscope-collector: SQLite write failed (attempt %llu): %s; "
+                              "nothing is acked until a retry commits (agents keep their "
+                              "reports)\n",
+                              static_cast<unsigned long long>(store_failures_),
+                              error.ToString().c_str());
+                        }
+                      },
+                  .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
+                  .on_drop =
+                      [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
+                        health_->StoreDropped(items);
+                        std::fprintf(stderr,
+                                     "rankscope-collector: dropped %zu unstored store items (%s); "
+                                     "their agents' streams are ended so that they resend\n",
+                                     items, why.ToString().c_str());
+                        ForgetDroppedSteps(rows);
+                      },
+              }),
       joiner_(options_.joiner) {
   const absl::Time now = options_.clock();
   absl::MutexLock lock(&mu_);
@@ -414,8 +414,8 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
 void StepPipeline::ForgetDroppedSteps(const StoreBatch& rows) {
   absl::MutexLock lock(&mu_);
   for (const StepWrite& w : rows.steps) {
-    const uint32_t attempt = w.stats ? w.stats->attempt
-                                     : (w.ranks.empty() ? 0 : w.ranks.front().attempt);
+    const uint32_t attempt =
+        w.stats ? w.stats->attempt : (w.ranks.empty() ? 0 : w.ranks.front().attempt);
     joiner_.ForgetClosedStep(w.job, w.step, attempt);
   }
 }

@@ -41,8 +41,8 @@ void AbandonSinks(const std::vector<WriteItem>& items, const absl::Status& why) 
     }
   }
   const absl::Status status = absl::UnavailableError(
-      absl::StrCat("the collector dropped reports of this stream before storing them (", why.message(),
-                   "); reconnect and resend every unacked report"));
+      absl::StrCat("the collector dropped reports of this stream before storing them (",
+                   why.message(), "); reconnect and resend every unacked report"));
   for (auto& [raw, sink] : sinks) sink->Abandon(status);
 }
 
@@ -89,8 +89,8 @@ void StoreWriter::Enqueue(WriteItem item) {
     depth = pending_.size();
   }
   if (!dropped.empty()) {
-    const absl::Status why = absl::ResourceExhaustedError(absl::StrCat(
-        "store queue over ", options_.max_pending_items, " items, oldest dropped"));
+    const absl::Status why = absl::ResourceExhaustedError(
+        absl::StrCat("store queue over ", options_.max_pending_items, " items, oldest dropped"));
     StoreBatch rows;
     for (WriteItem& d : dropped) Append(rows, std::move(d.batch));
     if (hooks_.on_drop) hooks_.on_drop(rows, dropped.size(), why);

@@ -137,9 +137,8 @@ class RawStream {
   bool finished_ = false;
 };
 
-v1::AgentMessage Hello(const std::string& job, uint32_t rank, uint32_t world,
-                       uint32_t dim = kDim, const std::string& host = "host-a",
-                       uint32_t attempt = 0) {
+v1::AgentMessage Hello(const std::string& job, uint32_t rank, uint32_t world, uint32_t dim = kDim,
+                       const std::string& host = "host-a", uint32_t attempt = 0) {
   v1::AgentMessage m;
   v1::Hello* h = m.mutable_hello();
   h->set_job(job);
@@ -152,8 +151,8 @@ v1::AgentMessage Hello(const std::string& job, uint32_t rank, uint32_t world,
   return m;
 }
 
-v1::AgentMessage Report(uint64_t seq, uint64_t step, size_t sketch_values = kDim,
-                        double loss = 2.5, double grad_norm = 1.25) {
+v1::AgentMessage Report(uint64_t seq, uint64_t step, size_t sketch_values = kDim, double loss = 2.5,
+                        double grad_norm = 1.25) {
   v1::AgentMessage m;
   v1::StepReport* r = m.mutable_report();
   r->set_seq(seq);
@@ -222,9 +221,9 @@ class BadInputTest : public ::testing::Test {
     EXPECT_TRUE(collector_->Flush(absl::Seconds(30)));
     std::string out;
     for (const char* table : {"jobs", "rank_steps", "step_stats"}) {
-      absl::StrAppend(&out, table, ":\n",
-                      Query(absl::StrCat("SELECT * FROM ", table,
-                                         " WHERE job != 'healthy' ORDER BY 1, 2, 3")));
+      absl::StrAppend(
+          &out, table, ":\n",
+          Query(absl::StrCat("SELECT * FROM ", table, " WHERE job != 'healthy' ORDER BY 1, 2, 3")));
     }
     return out;
   }
@@ -232,9 +231,9 @@ class BadInputTest : public ::testing::Test {
   // Rows of `sql` on a fresh read-only connection: columns joined by '|', rows by '\n'.
   std::string Query(const std::string& sql) {
     sqlite3* db = nullptr;
-    EXPECT_EQ(sqlite3_open_v2((*dir_ + "/rankscope.db").c_str(), &db, SQLITE_OPEN_READONLY,
-                              nullptr),
-              SQLITE_OK);
+    EXPECT_EQ(
+        sqlite3_open_v2((*dir_ + "/rankscope.db").c_str(), &db, SQLITE_OPEN_READONLY, nullptr),
+        SQLITE_OK);
     sqlite3_stmt* stmt = nullptr;
     EXPECT_EQ(sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr), SQLITE_OK)
         << sqlite3_errmsg(db);
@@ -363,14 +362,13 @@ TEST_F(BadInputTest, ReportRejectionsKeepTheStreamOpen) {
 TEST_F(BadInputTest, OversizedMessagesAreResourceExhausted) {
   // As a first message (a hello with a huge job name) and after a good start.
   v1::AgentMessage huge_hello = Hello(std::string(kMaxMessageBytes + 1, 'j'), 0, 1);
-  ExpectRefused([&] { return Stream({Bytes(huge_hello)}); },
-                grpc::StatusCode::RESOURCE_EXHAUSTED,
+  ExpectRefused([&] { return Stream({Bytes(huge_hello)}); }, grpc::StatusCode::RESOURCE_EXHAUSTED,
                 "bytes, more than the collector's --max_message_bytes 65536");
   EXPECT_EQ(Metric("rankscope_reports_rejected_total", "reason=\"message_too_large\""), 1);
   // Grossly oversized: gRPC refuses it at its own limit (2x), before buffering it.
   v1::AgentMessage giant_hello = Hello(std::string(3 * kMaxMessageBytes, 'j'), 0, 1);
-  ExpectRefused([&] { return Stream({Bytes(giant_hello)}); },
-                grpc::StatusCode::RESOURCE_EXHAUSTED, "Received message larger than max");
+  ExpectRefused([&] { return Stream({Bytes(giant_hello)}); }, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                "Received message larger than max");
   RawStream s(stub_);
   ASSERT_TRUE(s.Write(Hello("oversized", 0, 1)));
   ASSERT_TRUE(s.Write(Report(1, 1)));
@@ -388,8 +386,10 @@ TEST_F(BadInputTest, OversizedMessagesAreResourceExhausted) {
 TEST_F(BadInputTest, UnknownFieldsAreIgnoredForwardCompatibly) {
   v1::AgentMessage hello = Hello("unknown-fields", 0, 1);
   hello.GetReflection()->MutableUnknownFields(&hello)->AddVarint(99, 1);
-  hello.mutable_hello()->GetReflection()->MutableUnknownFields(hello.mutable_hello())->AddVarint(
-      98, 2);
+  hello.mutable_hello()
+      ->GetReflection()
+      ->MutableUnknownFields(hello.mutable_hello())
+      ->AddVarint(98, 2);
   v1::AgentMessage report = Report(1, 1);
   report.mutable_report()
       ->GetReflection()

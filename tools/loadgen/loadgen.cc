@@ -306,8 +306,9 @@ int main(int argc, char** argv) {
   }
   if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
     std::ofstream out(path + ".tmp");
-    out << absl::StrFormat("{\n  \"flushed\": %s,\n  \"total\": {%s},\n  \"agents\": [\n    %s\n  ]\n}\n",
-                           flushed ? "true" : "false", json_stats(total), per_agent);
+    out << absl::StrFormat(
+        "{\n  \"flushed\": %s,\n  \"total\": {%s},\n  \"agents\": [\n    %s\n  ]\n}\n",
+        flushed ? "true" : "false", json_stats(total), per_agent);
     out.close();
     if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
       std::fprintf(stderr, "loadgen: cannot write --summary_json %s\n", path.c_str());
