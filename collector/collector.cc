@@ -4,12 +4,45 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/tls_files.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 
 namespace rankscope::collector {
+namespace {
+
+// The gRPC port's credentials: insecure, TLS, or mutual TLS (see ServerTlsOptions).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const ServerTlsOptions& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  if (tls.cert_file.empty() || tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS needs both --tls_cert_file and --tls_key_file (--tls_client_ca_file alone cannot "
+        "serve TLS: mutual TLS is server TLS plus client certificates)");
+  }
+  tls::PemPaths paths;
+  paths.cert_file = tls.cert_file;
+  paths.key_file = tls.key_file;
+  paths.ca_file = tls.client_ca_file;
+  paths.cert_name = "--tls_cert_file";
+  paths.key_name = "--tls_key_file";
+  paths.ca_name = "--tls_client_ca_file";
+  auto pem = tls::LoadPemFiles(paths);
+  if (!pem.ok()) return pem.status();
+  grpc::SslServerCredentialsOptions options(
+      tls.mutual() ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  options.pem_root_certs = pem->ca;
+  options.pem_key_cert_pairs.push_back({pem->key, pem->cert});
+  return grpc::SslServerCredentials(options);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions options) {
+  // TLS files are checked first: a bad file must not leave a database or a port behind.
+  auto credentials = ServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
   std::unique_ptr<Collector> c(new Collector());
   c->options_ = options;
 
@@ -32,7 +65,7 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &c->grpc_port_);
+  builder.AddListeningPort(options.grpc_address, *credentials, &c->grpc_port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.RegisterService(c->ingest_.get());
   builder.RegisterService(c->query_.get());
@@ -71,7 +104,8 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
-  shutdown_status_ = pipeline_->Stop(timeout / 2);
+  // A Start that failed half-way has no pipeline yet.
+  if (pipeline_ != nullptr) shutdown_status_ = pipeline_->Stop(timeout / 2);
   return shutdown_status_;
 }
 

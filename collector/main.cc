@@ -37,6 +37,14 @@ ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "If set, every agent must present the shared token stored in this file.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain of the collector: serve gRPC (Ingest and Query) over TLS. Needs "
+          "--tls_key_file. Empty: plaintext gRPC.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file (unencrypted).");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: with it, mutual TLS: every agent and CLI must present a client "
+          "certificate signed by this CA, or its connection is refused. Without it, TLS only "
+          "authenticates the collector (use --auth_token_file to authenticate agents).");
 
 namespace {
 
@@ -91,15 +99,23 @@ int main(int argc, char** argv) {
     options.pipeline.auth_token = *token;
   }
 
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+
   auto collector = rankscope::collector::Collector::Start(options);
   if (!collector.ok()) {
     std::fprintf(stderr, "rankscope-collector: %s\n", collector.status().ToString().c_str());
     return 1;
   }
   std::fprintf(stderr,
-               "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s), metrics on :%d/metrics, "
-               "db %s\n",
+               "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s, %s%s), metrics on "
+               ":%d/metrics, db %s\n",
                (*collector)->grpc_port(), options.grpc_address.c_str(),
+               !options.tls.enabled() ? "plaintext"
+               : options.tls.mutual() ? "mutual TLS"
+                                      : "TLS",
+               options.pipeline.auth_token.empty() ? "" : ", shared token",
                (*collector)->metrics_port(), options.db_path.c_str());
   std::fflush(stderr);
 

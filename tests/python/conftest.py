@@ -54,12 +54,13 @@ class Collector:
     """A rankscope-collector process. ``start`` binds gRPC on ``port`` (0: a free one, learned
     from the collector's start-up line); ``restart`` reuses the same port and database."""
 
-    def __init__(self, tmp_dir: Path, step_timeout: str = "5s"):
+    def __init__(self, tmp_dir: Path, step_timeout: str = "5s", extra_args=()):
         if not COLLECTOR_BIN.exists():
             pytest.skip(f"{COLLECTOR_BIN} not built (set RANKSCOPE_BUILD_DIR)")
         self.tmp_dir = Path(tmp_dir)
         self.db_path = self.tmp_dir / "rankscope.db"
         self.step_timeout = step_timeout
+        self.extra_args = list(extra_args)  # more collector flags (TLS, limits, token)
         self.port = 0
         self.proc = None
         self._log_index = 0
@@ -77,7 +78,7 @@ class Collector:
         self.proc = subprocess.Popen(
             [str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
              "--metrics_address=127.0.0.1:0", f"--db_path={self.db_path}",
-             f"--step_timeout={self.step_timeout}"],
+             f"--step_timeout={self.step_timeout}", *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
         self.log_path = log_path
 
