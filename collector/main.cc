@@ -1,7 +1,9 @@
 // rankscope-collector: joins the ranks' reports per step, stores them in SQLite and exports
 // Prometheus metrics. See README.md and docs/ARCHITECTURE.md.
 #include <signal.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -31,7 +33,9 @@ ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
 ABSL_FLAG(absl::Duration, spike_window, absl::Seconds(60),
           "Window of the *_window metrics (worst value over the steps of this window).");
-ABSL_FLAG(int, max_streams, 10000, "Concurrent agent streams accepted.");
+ABSL_FLAG(int, max_streams, 10000,
+          "Concurrent agent streams accepted; one more is refused with RESOURCE_EXHAUSTED (the "
+          "agent retries with backoff). The soft file descriptor limit is raised to cover it.");
 ABSL_FLAG(int, max_jobs, 10000, "Jobs tracked at once.");
 ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
@@ -47,6 +51,30 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
           "authenticates the collector (use --auth_token_file to authenticate agents).");
 
 namespace {
+
+// Every agent stream holds a TCP connection, i.e. a file descriptor: raises the soft
+// RLIMIT_NOFILE to cover `max_streams` plus a margin for the database, the HTTP endpoint and
+// the CLI (up to the hard limit), and warns when the hard limit is lower.
+void RaiseFileLimit(size_t max_streams) {
+  constexpr rlim_t kMargin = 256;
+  const rlim_t wanted = static_cast<rlim_t>(max_streams) + kMargin;
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
+      lim.rlim_cur >= wanted) {
+    return;
+  }
+  rlimit raised = lim;
+  raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, lim.rlim_max);
+  if (setrlimit(RLIMIT_NOFILE, &raised) != 0) raised.rlim_cur = lim.rlim_cur;
+  if (raised.rlim_cur < wanted) {
+    std::fprintf(stderr,
+                 "rankscope-collector: warning: the file descriptor limit (%llu, ulimit -Hn) is "
+                 "below --max_streams + %llu; streams beyond it fail to connect (raise the hard "
+                 "limit, e.g. LimitNOFILE= in the systemd unit)\n",
+                 static_cast<unsigned long long>(raised.rlim_cur),
+                 static_cast<unsigned long long>(kMargin));
+  }
+}
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::ifstream in(path);
@@ -90,6 +118,7 @@ int main(int argc, char** argv) {
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
+  RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
     if (!token.ok()) {

@@ -42,7 +42,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string&
   }
   std::stringstream ss;
   ss << in.rdbuf();
-  if (ss.str().empty()) return absl::InvalidArgumentError(absl::StrCat(name, " ", path, " is empty"));
+  if (ss.str().empty())
+    return absl::InvalidArgumentError(absl::StrCat(name, " ", path, " is empty"));
   return ss.str();
 }
 
@@ -72,15 +73,16 @@ absl::Status NotCertificates(const std::string& name, const std::string& path) {
 
 absl::StatusOr<PemMaterial> LoadPemFiles(const PemPaths& paths) {
   if (paths.cert_file.empty() != paths.key_file.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        paths.cert_name, " and ", paths.key_name, " go together: give both or neither"));
+    return absl::InvalidArgumentError(absl::StrCat(paths.cert_name, " and ", paths.key_name,
+                                                   " go together: give both or neither"));
   }
   PemMaterial m;
   if (!paths.ca_file.empty()) {
     auto ca = ReadFile(paths.ca_file, paths.ca_name);
     if (!ca.ok()) return ca.status();
     int count = 0;
-    if (ParseCertificates(*ca, &count) == nullptr) return NotCertificates(paths.ca_name, paths.ca_file);
+    if (ParseCertificates(*ca, &count) == nullptr)
+      return NotCertificates(paths.ca_name, paths.ca_file);
     m.ca = std::move(*ca);
   }
   if (paths.cert_file.empty()) return m;

@@ -200,7 +200,8 @@ int main(int argc, char** argv) {
     }
     if (connected < agents.size()) {
       std::string why = agents.empty() ? "" : agents.front()->stats().last_error;
-      std::fprintf(stderr, "loadgen: only %zu of %zu agents connected within --flush_timeout (%s)\n",
+      std::fprintf(stderr,
+                   "loadgen: only %zu of %zu agents connected within --flush_timeout (%s)\n",
                    connected, agents.size(), why.c_str());
       for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
       return 1;

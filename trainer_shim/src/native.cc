@@ -355,10 +355,9 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
 // and the number of ranks notified; raises RuntimeError with the gRPC status otherwise.
 py::dict SetControl(const std::string& collector, const std::string& job,
                     std::optional<bool> enabled, std::optional<uint32_t> every,
-                    std::optional<uint32_t> sketch_dim, uint32_t lead_steps,
-                    double timeout_seconds, const std::string& tls_ca_file,
-                    const std::string& tls_cert_file, const std::string& tls_key_file,
-                    const std::string& tls_target_name) {
+                    std::optional<uint32_t> sketch_dim, uint32_t lead_steps, double timeout_seconds,
+                    const std::string& tls_ca_file, const std::string& tls_cert_file,
+                    const std::string& tls_key_file, const std::string& tls_target_name) {
   tls::ClientTlsFiles files;
   files.ca_file = tls_ca_file;
   files.cert_file = tls_cert_file;
@@ -520,6 +519,6 @@ PYBIND11_MODULE(_native, m) {
         py::arg("enabled") = py::none(), py::arg("every") = py::none(),
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
         py::arg("timeout_seconds") = 10.0, py::arg("tls_ca_file") = "",
-        py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "", py::arg("tls_target_name") = "",
-        "Query.SetControl (what `rankscope ctl` sends).");
+        py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
+        py::arg("tls_target_name") = "", "Query.SetControl (what `rankscope ctl` sends).");
 }
