@@ -61,7 +61,8 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
                                                 *known_jobs, c->metrics_.get(), c->health_.get());
   c->ingest_ =
       std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams);
-  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store));
+  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store),
+                                             options.pipeline.auth_token);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -128,15 +128,39 @@ def cli(collector, *args):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_cli_over_mtls(mtls_collector, pki):
-    ok = cli(mtls_collector, f"--tls_ca_file={pki / 'ca.pem'}",
-             f"--tls_cert_file={pki / 'client.pem'}", f"--tls_key_file={pki / 'client.key'}",
-             "jobs")
+def test_cli_over_mtls_with_token(mtls_collector, pki, tmp_path):
+    """The Query service shares the port: the same client certificate, and the same token."""
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    mtls = [f"--tls_ca_file={pki / 'ca.pem'}", f"--tls_cert_file={pki / 'client.pem'}",
+            f"--tls_key_file={pki / 'client.key'}"]
+    ok = cli(mtls_collector, *mtls, f"--auth_token_file={tmp_path / 'token'}", "jobs")
     assert ok.returncode == 0, ok.stderr
-    assert "JOB" in ok.stdout
-    refused = cli(mtls_collector, f"--tls_ca_file={pki / 'ca.pem'}", "jobs")
-    assert refused.returncode != 0
-    assert "mutual TLS" in refused.stderr, refused.stderr
+    assert "mtls-ok" in ok.stdout
+    no_token = cli(mtls_collector, *mtls, "jobs")
+    assert no_token.returncode != 0
+    assert "auth token" in no_token.stderr, no_token.stderr
+    no_cert = cli(mtls_collector, f"--tls_ca_file={pki / 'ca.pem'}",
+                  f"--auth_token_file={tmp_path / 'token'}", "jobs")
+    assert no_cert.returncode != 0
+    assert "mutual TLS" in no_cert.stderr, no_cert.stderr
+    plaintext = cli(mtls_collector, f"--auth_token_file={tmp_path / 'token'}", "jobs")
+    assert plaintext.returncode != 0
+    assert "--tls_ca_file" in plaintext.stderr, plaintext.stderr
+
+
+def test_python_set_control_over_mtls_with_token(mtls_collector, pki):
+    from rankscope.control import set_control
+    tls_files = dict(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
+                     tls_key=str(pki / "client.key"))
+    agent = make_agent(mtls_collector, "mtls-ctl", tls_ca_file=tls_files["tls_ca"],
+                       tls_cert_file=tls_files["tls_cert"], tls_key_file=tls_files["tls_key"])
+    record_steps(agent, 1)
+    assert agent.flush(60) == ""
+    r = set_control(mtls_collector.address, "mtls-ctl", every=2, auth_token=TOKEN, **tls_files)
+    assert r["every"] == 2
+    with pytest.raises(RuntimeError, match="auth token"):
+        set_control(mtls_collector.address, "mtls-ctl", every=3, **tls_files)
+    agent.close(1)
 
 
 def test_server_side_tls_and_target_name(tmp_path, pki):

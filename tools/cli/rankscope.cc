@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/row_proto.h"
@@ -62,6 +63,9 @@ ABSL_FLAG(int, max_rows, 1000000, "export, report: at most this many rows of eac
 ABSL_FLAG(int, page_rows, 10000, "export, report: rows per request to the collector.");
 ABSL_FLAG(std::string, o, "", "report: output image (png, pdf or svg by extension).");
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "report: the Python interpreter (matplotlib).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the collector's shared token (its --auth_token_file), if it requires one. "
+          "Default $RANKSCOPE_AUTH_TOKEN_FILE.");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA that signs the collector's certificate: talk to it over TLS. Default "
           "$RANKSCOPE_TLS_CA.");
@@ -95,6 +99,7 @@ constexpr char kUsage[] =
 // The Query channel's TLS settings and credentials, set once by main before any RPC.
 rankscope::tls::ClientTlsFiles g_tls;
 std::shared_ptr<grpc::ChannelCredentials> g_credentials;
+std::string g_auth_token;  // sent with every call when not empty
 
 // The flag, else the environment variable, else "".
 std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* env) {
@@ -111,7 +116,9 @@ std::unique_ptr<v1::Query::Stub> Stub() {
       grpc::CreateCustomChannel(absl::GetFlag(FLAGS_collector), g_credentials, args));
 }
 
+// Sets the call's deadline and its token (every call goes through here).
 void SetDeadline(grpc::ClientContext* ctx) {
+  if (!g_auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + g_auth_token);
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_timeout)));
 }
@@ -604,6 +611,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   g_credentials = *credentials;
+  if (const std::string path = FlagOrEnv(FLAGS_auth_token_file, "RANKSCOPE_AUTH_TOKEN_FILE");
+      !path.empty()) {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    g_auth_token = std::string(absl::StripAsciiWhitespace(text));
+    if (!in || g_auth_token.empty()) {
+      std::fprintf(stderr, "rankscope: cannot read a token from --auth_token_file %s\n",
+                   path.c_str());
+      return 2;
+    }
+  }
   const std::string verb = args[1];
   const std::string job = absl::GetFlag(FLAGS_job);
   if (verb == "jobs") return Jobs();

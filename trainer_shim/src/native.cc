@@ -357,7 +357,8 @@ py::dict SetControl(const std::string& collector, const std::string& job,
                     std::optional<bool> enabled, std::optional<uint32_t> every,
                     std::optional<uint32_t> sketch_dim, uint32_t lead_steps, double timeout_seconds,
                     const std::string& tls_ca_file, const std::string& tls_cert_file,
-                    const std::string& tls_key_file, const std::string& tls_target_name) {
+                    const std::string& tls_key_file, const std::string& tls_target_name,
+                    const std::string& auth_token) {
   tls::ClientTlsFiles files;
   files.ca_file = tls_ca_file;
   files.cert_file = tls_cert_file;
@@ -380,6 +381,7 @@ py::dict SetControl(const std::string& collector, const std::string& job,
     tls::ApplyTargetName(files, &args);
     auto stub = v1::Query::NewStub(grpc::CreateCustomChannel(collector, *credentials, args));
     grpc::ClientContext ctx;
+    if (!auth_token.empty()) ctx.AddMetadata("authorization", "Bearer " + auth_token);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
     status = stub->SetControl(&ctx, req, &resp);
@@ -520,5 +522,6 @@ PYBIND11_MODULE(_native, m) {
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
         py::arg("timeout_seconds") = 10.0, py::arg("tls_ca_file") = "",
         py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
-        py::arg("tls_target_name") = "", "Query.SetControl (what `rankscope ctl` sends).");
+        py::arg("tls_target_name") = "", py::arg("auth_token") = "",
+        "Query.SetControl (what `rankscope ctl` sends).");
 }
