@@ -24,6 +24,7 @@ loadgen's count) and the rows in rank_steps (SQLite). Prints one line per N and 
 import argparse
 import os
 import re
+import resource
 import signal
 import socket
 import sqlite3
@@ -42,6 +43,18 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def metric(port: int, name: str) -> float:
@@ -114,6 +127,8 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
         try:
             time.sleep(0.5)
             idle = c.rss_kib()
+            collector_cpu0 = cpu_seconds(c.proc.pid)
+            children_cpu0 = children_cpu_seconds()
             lg = subprocess.Popen(
                 [str(build / "bin" / "rankscope-loadgen"), f"--collector={c.address}",
                  f"--job={job}", f"--ranks={n}", f"--duration={duration}s",
@@ -129,22 +144,29 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
                 while not stop.is_set():
                     try:
                         samples.append(c.rss_kib())
+                        times.append(time.monotonic())
                     except (OSError, RuntimeError):
                         return
                     time.sleep(0.25)
 
+            times = []
             lines = []
             sampler = None
+            t_reports = t_hold = None
             for line in lg.stdout:
                 lines.append(line)
                 if "agents connected" in line:
+                    t_reports = time.monotonic()
                     figures["connected_kib"] = c.rss_kib()
                     sampler = threading.Thread(target=sample, daemon=True)
                     sampler.start()
                 elif "holding" in line:
+                    t_hold = time.monotonic()
                     figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
                     figures["held_kib"] = c.rss_kib()
             rc = lg.wait()
+            figures["loadgen_cpu_s"] = children_cpu_seconds() - children_cpu0
+            figures["collector_cpu_s"] = cpu_seconds(c.proc.pid) - collector_cpu0
             stop.set()
             if sampler is not None:
                 sampler.join()
@@ -154,6 +176,12 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
             m = re.search(r"recorded=(\d+) acked=(\d+)", "".join(lines))
             figures["recorded"], figures["acked"] = int(m.group(1)), int(m.group(2))
             figures["peak_kib"] = max(samples + [figures["held_kib"]])
+            # Growth over the run: the largest sample of the first and of the second half of
+            # the reports phase (equal when memory is flat once reports flow).
+            mid = t_reports + (t_hold - t_reports) / 2
+            first = [r for t, r in zip(times, samples) if t <= mid] or [figures["connected_kib"]]
+            second = [r for t, r in zip(times, samples) if mid < t <= t_hold] or first
+            figures["first_half_kib"], figures["second_half_kib"] = max(first), max(second)
             figures["rows"] = wait_for(
                 lambda: (lambda r: r if r == figures["acked"] else 0)(c.rows(job)), 60,
                 f"{figures['acked']} rows of {job}")
@@ -183,7 +211,10 @@ def main() -> int:
         print(f"N={n}: idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
               f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
               f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
-              f"{f['acked']}, stored {f['rows']}", flush=True)
+              f"{f['acked']}, stored {f['rows']}; reports phase max RSS first half "
+              f"{f['first_half_kib'] / 1024:.1f} MiB, second half "
+              f"{f['second_half_kib'] / 1024:.1f} MiB; CPU collector {f['collector_cpu_s']:.1f} s,"
+              f" loadgen {f['loadgen_cpu_s']:.1f} s", flush=True)
         if f["streams_open"] != n or f["rows"] != f["recorded"]:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1

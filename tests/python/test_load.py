@@ -10,7 +10,8 @@ per second for 8 s) and asserts what must hold, not how fast:
 
 The bound. Measured on the 2-CPU development machine (docs/PERFORMANCE.md "Concurrent
 streams"): idle 18 MiB, 42-44 KiB per stream once connected, 62-66 KiB per stream at the peak
-with reports flowing (k = 1024), i.e. about 139 MiB at 2,000 streams. The test allows
+with reports flowing (k = 1024), i.e. about 139 MiB at 2,000 streams after 20 s and 146 MiB at
+most over 80 s (it stops growing after ~25 s). The test allows
 idle + 2,000 x 160 KiB (about 2.5 times the measured per-stream peak; about 330 MiB): far above
 allocator and gRPC-version noise, and far below what a leak or a per-stream buffer that grows
 with the run (e.g. unbounded outbound queues: 4 KiB a report) would reach. It is a memory bound,
