@@ -6,12 +6,45 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/tls_files.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 
 namespace rankscope::collector {
+namespace {
+
+// The gRPC port's credentials: insecure, TLS, or mutual TLS (see ServerTlsOptions).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const ServerTlsOptions& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  if (tls.cert_file.empty() || tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS needs both --tls_cert_file and --tls_key_file (--tls_client_ca_file alone cannot "
+        "serve TLS: mutual TLS is server TLS plus client certificates)");
+  }
+  tls::PemPaths paths;
+  paths.cert_file = tls.cert_file;
+  paths.key_file = tls.key_file;
+  paths.ca_file = tls.client_ca_file;
+  paths.cert_name = "--tls_cert_file";
+  paths.key_name = "--tls_key_file";
+  paths.ca_name = "--tls_client_ca_file";
+  auto pem = tls::LoadPemFiles(paths);
+  if (!pem.ok()) return pem.status();
+  grpc::SslServerCredentialsOptions options(
+      tls.mutual() ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  options.pem_root_certs = pem->ca;
+  options.pem_key_cert_pairs.push_back({pem->key, pem->cert});
+  return grpc::SslServerCredentials(options);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions options) {
+  // TLS files are checked first: a bad file must not leave a database or a port behind.
+  auto credentials = ServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
   std::unique_ptr<Collector> c(new Collector());
   c->options_ = options;
 
@@ -31,11 +64,12 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   c->ingest_ =
       std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams,
                                       static_cast<size_t>(std::max(options.max_message_bytes, 0)));
-  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store));
+  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store),
+                                             options.pipeline.auth_token);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &c->grpc_port_);
+  builder.AddListeningPort(options.grpc_address, *credentials, &c->grpc_port_);
   // The ingest service refuses messages over max_message_bytes with an actionable status; gRPC's
   // own limit, at twice that, stops a grossly oversized one before it is buffered.
   builder.SetMaxReceiveMessageSize(

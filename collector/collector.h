@@ -31,6 +31,23 @@ class Exposer;
 
 namespace rankscope::collector {
 
+// TLS of the gRPC port (Ingest and Query share it). Off (plaintext) when every field is empty.
+//   cert_file + key_file:                  server-side TLS; agents verify the collector, the
+//                                          collector asks for no client certificate.
+//   cert_file + key_file + client_ca_file: mutual TLS; every client (agent, CLI) must present a
+//                                          certificate signed by client_ca_file, or its
+//                                          handshake is refused before any RPC.
+// client_ca_file without cert_file/key_file is an error.
+struct ServerTlsOptions {
+  std::string cert_file;       // PEM certificate chain of the collector
+  std::string key_file;        // PEM private key of cert_file (unencrypted)
+  std::string client_ca_file;  // PEM CA bundle that signs the clients' certificates
+  bool enabled() const {
+    return !cert_file.empty() || !key_file.empty() || !client_ca_file.empty();
+  }
+  bool mutual() const { return !client_ca_file.empty(); }
+};
+
 struct CollectorOptions {
   std::string grpc_address = "127.0.0.1:50051";
   std::string metrics_address = "127.0.0.1:9464";  // empty: no HTTP endpoint
@@ -39,12 +56,14 @@ struct CollectorOptions {
   ExportOptions export_options;
   size_t max_streams = 10'000;
   int max_message_bytes = 8 << 20;
+  ServerTlsOptions tls;
 };
 
 class Collector {
  public:
-  // Errors: Unavailable when an address cannot be bound; the store's errors when the database
-  // cannot be opened.
+  // Errors: InvalidArgument or NotFound naming the flag when a TLS file is missing, unreadable,
+  // not PEM, or the key does not match the certificate; Unavailable when an address cannot be
+  // bound; the store's errors when the database cannot be opened.
   static absl::StatusOr<std::unique_ptr<Collector>> Start(CollectorOptions options);
   ~Collector();
 

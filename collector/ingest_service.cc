@@ -54,17 +54,19 @@ class StreamHandle final : public AgentStream {
 
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
+  // The caller has counted this stream in open_streams_ already (IngestService::Stream).
   StreamReactor(IngestService* service, bool over_limit)
       : service_(service),
         handle_(std::make_shared<StreamHandle>(this)),
         arena_(ArenaOn(arena_block_, sizeof(arena_block_))) {
-    ++service_->open_streams_;
     service_->health_->StreamOpened();
     if (over_limit) {
       service_->health_->Rejected("too_many_streams");
-      RequestFinish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                 absl::StrCat("collector has ", service_->max_streams_,
-                                              " agent streams open (--max_streams); retry later")));
+      RequestFinish(grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("collector has ", service_->max_streams_,
+                       " agent streams open (its --max_streams limit); the agent retries with "
+                       "backoff, or raise --max_streams / shard jobs across collectors")));
       return;
     }
     Read();
@@ -286,7 +288,9 @@ IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
-  const bool over_limit = open_streams_.load() >= max_streams_;
+  // Counted here, atomically with the check: of N streams arriving at once only max_streams_
+  // pass. A refused stream stays counted until its OnDone, like any other.
+  const bool over_limit = open_streams_.fetch_add(1) >= max_streams_;
   return new StreamReactor(this, over_limit);
 }
 

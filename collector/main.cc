@@ -1,7 +1,9 @@
 // rankscope-collector: joins the ranks' reports per step, stores them in SQLite and exports
 // Prometheus metrics. See README.md and docs/ARCHITECTURE.md.
 #include <signal.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -31,14 +33,48 @@ ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
 ABSL_FLAG(absl::Duration, spike_window, absl::Seconds(60),
           "Window of the *_window metrics (worst value over the steps of this window).");
-ABSL_FLAG(int, max_streams, 10000, "Concurrent agent streams accepted.");
+ABSL_FLAG(int, max_streams, 10000,
+          "Concurrent agent streams accepted; one more is refused with RESOURCE_EXHAUSTED (the "
+          "agent retries with backoff). The soft file descriptor limit is raised to cover it.");
 ABSL_FLAG(int, max_jobs, 10000, "Jobs tracked at once.");
 ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "If set, every agent must present the shared token stored in this file.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain of the collector: serve gRPC (Ingest and Query) over TLS. Needs "
+          "--tls_key_file. Empty: plaintext gRPC.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file (unencrypted).");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: with it, mutual TLS: every agent and CLI must present a client "
+          "certificate signed by this CA, or its connection is refused. Without it, TLS only "
+          "authenticates the collector (use --auth_token_file to authenticate agents).");
 
 namespace {
+
+// Every agent stream holds a TCP connection, i.e. a file descriptor: raises the soft
+// RLIMIT_NOFILE to cover `max_streams` plus a margin for the database, the HTTP endpoint and
+// the CLI (up to the hard limit), and warns when the hard limit is lower.
+void RaiseFileLimit(size_t max_streams) {
+  constexpr rlim_t kMargin = 256;
+  const rlim_t wanted = static_cast<rlim_t>(max_streams) + kMargin;
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
+      lim.rlim_cur >= wanted) {
+    return;
+  }
+  rlimit raised = lim;
+  raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, lim.rlim_max);
+  if (setrlimit(RLIMIT_NOFILE, &raised) != 0) raised.rlim_cur = lim.rlim_cur;
+  if (raised.rlim_cur < wanted) {
+    std::fprintf(stderr,
+                 "rankscope-collector: warning: the file descriptor limit (%llu, ulimit -Hn) is "
+                 "below --max_streams + %llu; streams beyond it fail to connect (raise the hard "
+                 "limit, e.g. LimitNOFILE= in the systemd unit)\n",
+                 static_cast<unsigned long long>(raised.rlim_cur),
+                 static_cast<unsigned long long>(kMargin));
+  }
+}
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::ifstream in(path);
@@ -87,6 +123,7 @@ int main(int argc, char** argv) {
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
+  RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
     if (!token.ok()) {
@@ -96,15 +133,23 @@ int main(int argc, char** argv) {
     options.pipeline.auth_token = *token;
   }
 
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+
   auto collector = rankscope::collector::Collector::Start(options);
   if (!collector.ok()) {
     std::fprintf(stderr, "rankscope-collector: %s\n", collector.status().ToString().c_str());
     return 1;
   }
   std::fprintf(stderr,
-               "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s), metrics on :%d/metrics, "
-               "db %s\n",
+               "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s, %s%s), metrics on "
+               ":%d/metrics, db %s\n",
                (*collector)->grpc_port(), options.grpc_address.c_str(),
+               !options.tls.enabled() ? "plaintext"
+               : options.tls.mutual() ? "mutual TLS"
+                                      : "TLS",
+               options.pipeline.auth_token.empty() ? "" : ", shared token",
                (*collector)->metrics_port(), options.db_path.c_str());
   std::fflush(stderr);
 

@@ -27,12 +27,27 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc:
 
 }  // namespace
 
-QueryService::QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader)
-    : pipeline_(pipeline), reader_(std::move(reader)) {}
+QueryService::QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader,
+                           std::string auth_token)
+    : pipeline_(pipeline), auth_token_(std::move(auth_token)), reader_(std::move(reader)) {}
+
+grpc::Status QueryService::CheckToken(const grpc::CallbackServerContext* context) const {
+  if (auth_token_.empty()) return grpc::Status::OK;
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it != metadata.end() &&
+      std::string(it->second.data(), it->second.size()) == absl::StrCat("Bearer ", auth_token_)) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "missing or wrong auth token: the collector requires its shared token "
+                      "(rankscope --auth_token_file)");
+}
 
 grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* context,
                                                  const v1::ListJobsRequest* request,
                                                  v1::ListJobsResponse* response) {
+  if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   absl::flat_hash_map<std::string, v1::JobInfo> jobs;
   {
     absl::MutexLock lock(&mu_);
@@ -75,6 +90,7 @@ grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext* context,
                                                     const v1::RecentStepsRequest* request,
                                                     v1::RecentStepsResponse* response) {
+  if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   if (!IsValidJobName(request->job(), 128)) {
     return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                       "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
@@ -90,6 +106,7 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* context,
                                                   const v1::StepRangeRequest* request,
                                                   v1::StepRangeResponse* response) {
+  if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   if (!IsValidJobName(request->job(), 128)) {
     return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                       "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
@@ -127,6 +144,7 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* QueryService::SetControl(grpc::CallbackServerContext* context,
                                                    const v1::ControlRequest* request,
                                                    v1::ControlResponse* response) {
+  if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   std::optional<bool> enabled;
   std::optional<uint32_t> every, sketch_dim;
   if (request->has_enabled()) enabled = request->enabled();

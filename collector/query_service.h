@@ -5,11 +5,17 @@
 // StepRange reads step and rank rows of a step range the same way (export, report, the worst
 // ranks of `show`); SetControl asks the pipeline to push a control message to every rank of a job.
 //
+// Authentication: when the collector has a shared token (--auth_token_file), every call must
+// carry it as "authorization: Bearer <token>" metadata (UNAUTHENTICATED otherwise), as agents
+// carry it in their hello; with mutual TLS, gRPC has verified the client's certificate before
+// any call reaches the service.
+//
 // Thread safety: thread-safe; the read connection is guarded by mu_.
 #ifndef RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
 #define RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
 
 #include <memory>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -21,7 +27,9 @@ namespace rankscope::collector {
 
 class QueryService final : public v1::Query::CallbackService {
  public:
-  QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader);
+  // `auth_token`: empty, or the shared token every call must carry.
+  QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader,
+               std::string auth_token = "");
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
                                      const v1::ListJobsRequest* request,
@@ -37,7 +45,11 @@ class QueryService final : public v1::Query::CallbackService {
                                       v1::StepRangeResponse* response) override;
 
  private:
+  // OK when no token is required or the call carries it; else UNAUTHENTICATED.
+  grpc::Status CheckToken(const grpc::CallbackServerContext* context) const;
+
   StepPipeline* const pipeline_;
+  const std::string auth_token_;
   absl::Mutex mu_;
   std::unique_ptr<SqliteStore> reader_ ABSL_GUARDED_BY(mu_);
 };

@@ -42,6 +42,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "backoff.h"
+#include "common/client_tls.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 #include "report_queue.h"
@@ -124,7 +125,7 @@ class SendPoller {
 class AgentImpl final : public Agent {
  public:
   friend class SendPoller;  // PollSend
-  explicit AgentImpl(AgentOptions options)
+  AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
       : options_(std::move(options)),
         ring_(options_.queue_capacity, options_.sketch_dim),
         backoff_(options_.initial_backoff, options_.max_backoff,
@@ -142,8 +143,10 @@ class AgentImpl final : public Agent {
     // Each agent owns its connection, as a rank in its own process does; agents created in one
     // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    channel_ = grpc::CreateCustomChannel(options_.collector_address,
-                                         grpc::InsecureChannelCredentials(), args);
+    if (options_.tls.enabled() && !options_.tls.target_name.empty()) {
+      args.SetSslTargetNameOverride(options_.tls.target_name);
+    }
+    channel_ = grpc::CreateCustomChannel(options_.collector_address, credentials, args);
     stub_ = v1::Ingest::NewStub(channel_);
     sender_ = std::thread([this] {
       pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
@@ -226,6 +229,7 @@ class AgentImpl final : public Agent {
     AgentStats s = stats_;
     s.queued = ring_.size();
     s.unacked = unacked_.size();
+    s.last_error = last_error_;
     return s;
   }
 
@@ -427,20 +431,69 @@ class AgentImpl final : public Agent {
     call.reset();
     absl::MutexLock lock(&mu_);
     if (!status.ok() && !stopping_) {
-      last_error_ = status.error_message();
-      // Log once per distinct failure, quietly: the training job must not be spammed.
+      last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
+      // Log once per outage, quietly: the training job must not be spammed.
       if (!warned_down_) {
         warned_down_ = true;
-        const bool refused = status.error_code() != grpc::StatusCode::UNAVAILABLE &&
-                             status.error_code() != grpc::StatusCode::CANCELLED &&
-                             status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
         std::fprintf(stderr,
-                     "rankscope: collector %s %s (%s); training continues, reports are "
+                     "rankscope: collector %s %s (%s)%s; training continues, reports are "
                      "buffered and resent\n",
-                     options_.collector_address.c_str(),
-                     refused ? "refused this rank's stream" : "unavailable",
-                     status.error_message().c_str());
+                     options_.collector_address.c_str(), DescribeFailure(status.error_code()),
+                     last_error_.c_str(), TransportHint(status).c_str());
       }
+    }
+  }
+
+  static const char* DescribeFailure(grpc::StatusCode code) {
+    switch (code) {
+      case grpc::StatusCode::UNAVAILABLE:
+      case grpc::StatusCode::CANCELLED:
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        return "unavailable";
+      case grpc::StatusCode::UNAUTHENTICATED:
+        return "refused this rank's credentials";
+      default:
+        return "refused this rank's stream";
+    }
+  }
+
+  // What a person can do about a connection failure, given how this agent connects. A failed TLS
+  // handshake reaches the agent as UNAVAILABLE like a collector that is down, so the hint names
+  // the likely cause.
+  std::string TransportHint(const grpc::Status& status) const {
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+    if (!options_.tls.enabled()) {
+      return "; connecting in plaintext: if the collector serves TLS, give the agent its CA "
+             "(tls_ca_file, RANKSCOPE_TLS_CA)";
+    }
+    if (options_.tls.cert_file.empty()) {
+      return "; connecting over TLS without a client certificate: if the collector requires "
+             "mutual TLS, give tls_cert_file/tls_key_file (RANKSCOPE_TLS_CERT/RANKSCOPE_TLS_KEY)";
+    }
+    return "; connecting over mutual TLS: check that the collector's CA signed this rank's "
+           "certificate and that tls_ca_file signed the collector's";
+  }
+
+  static const char* StatusCodeName(grpc::StatusCode code) {
+    switch (code) {
+      case grpc::StatusCode::CANCELLED:
+        return "CANCELLED";
+      case grpc::StatusCode::INVALID_ARGUMENT:
+        return "INVALID_ARGUMENT";
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        return "DEADLINE_EXCEEDED";
+      case grpc::StatusCode::PERMISSION_DENIED:
+        return "PERMISSION_DENIED";
+      case grpc::StatusCode::RESOURCE_EXHAUSTED:
+        return "RESOURCE_EXHAUSTED";
+      case grpc::StatusCode::FAILED_PRECONDITION:
+        return "FAILED_PRECONDITION";
+      case grpc::StatusCode::UNAVAILABLE:
+        return "UNAVAILABLE";
+      case grpc::StatusCode::UNAUTHENTICATED:
+        return "UNAUTHENTICATED";
+      default:
+        return "ERROR";
     }
   }
 
@@ -673,6 +726,19 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
     return absl::InvalidArgumentError("collector_address is empty");
   }
   if (options.queue_capacity == 0) options.queue_capacity = 1;
+  if (!options.tls.enabled() && !options.tls.target_name.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_target_name is set but TLS is off: give tls_ca_file (or a client certificate)");
+  }
+  tls::ClientTlsFiles files;
+  files.ca_file = options.tls.ca_file;
+  files.cert_file = options.tls.cert_file;
+  files.key_file = options.tls.key_file;
+  auto credentials = tls::ChannelCredentials(files);
+  if (!credentials.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("agent TLS options: ", credentials.status().message()));
+  }
   // Debian's libabsl is built without NDEBUG, so absl::Mutex runs its deadlock detector on every
   // lock in the process, ours and gRPC's: a global lock and a graph update per acquisition
   // (~25 ns uncontended, serializing under contention) and, with the default kAbort, a crash of
@@ -680,7 +746,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   // nor abort the job it watches, so it turns the detector off (it is a debugging aid; builds
   // with NDEBUG have it off already).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  return std::unique_ptr<Agent>(new AgentImpl(std::move(options)));
+  return std::unique_ptr<Agent>(new AgentImpl(std::move(options), std::move(*credentials)));
 }
 
 }  // namespace rankscope

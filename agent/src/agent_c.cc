@@ -67,6 +67,10 @@ int rankscope_agent_create(const rankscope_agent_options* options, rankscope_age
   if (options->auth_token != nullptr) o.auth_token = options->auth_token;
   if (options->queue_capacity != 0) o.queue_capacity = options->queue_capacity;
   if (options->max_unacked != 0) o.max_unacked = options->max_unacked;
+  if (options->tls_ca_file != nullptr) o.tls.ca_file = options->tls_ca_file;
+  if (options->tls_cert_file != nullptr) o.tls.cert_file = options->tls_cert_file;
+  if (options->tls_key_file != nullptr) o.tls.key_file = options->tls_key_file;
+  if (options->tls_target_name != nullptr) o.tls.target_name = options->tls_target_name;
   auto agent = rankscope::Agent::Create(std::move(o));
   if (!agent.ok()) return Fail(agent.status(), err, err_len);
   *out = new rankscope_agent{std::move(*agent)};
@@ -120,6 +124,16 @@ void rankscope_agent_stats_get(const rankscope_agent* agent, rankscope_agent_sta
   out->connected = s.connected ? 1 : 0;
   out->queued = s.queued;
   out->unacked = s.unacked;
+}
+
+size_t rankscope_agent_last_error(const rankscope_agent* agent, char* buf, size_t buf_len) {
+  const std::string error = agent->agent->stats().last_error;
+  if (buf != nullptr && buf_len > 0) {
+    const size_t n = std::min(error.size(), buf_len - 1);
+    std::memcpy(buf, error.data(), n);
+    buf[n] = '\0';
+  }
+  return error.size();
 }
 
 int rankscope_agent_control(const rankscope_agent* agent, uint64_t* generation,

@@ -33,10 +33,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/row_proto.h"
 #include "collector/sqlite_store.h"
+#include "common/client_tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
@@ -61,6 +63,19 @@ ABSL_FLAG(int, max_rows, 1000000, "export, report: at most this many rows of eac
 ABSL_FLAG(int, page_rows, 10000, "export, report: rows per request to the collector.");
 ABSL_FLAG(std::string, o, "", "report: output image (png, pdf or svg by extension).");
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "report: the Python interpreter (matplotlib).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the collector's shared token (its --auth_token_file), if it requires one. "
+          "Default $RANKSCOPE_AUTH_TOKEN_FILE.");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA that signs the collector's certificate: talk to it over TLS. Default "
+          "$RANKSCOPE_TLS_CA.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM client certificate, for a collector that requires mutual TLS. Default "
+          "$RANKSCOPE_TLS_CERT.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM key of --tls_cert_file. Default $RANKSCOPE_TLS_KEY.");
+ABSL_FLAG(std::string, tls_target_name, "",
+          "Name to verify in the collector's certificate instead of the host of --collector. "
+          "Default $RANKSCOPE_TLS_TARGET_NAME.");
 
 namespace {
 
@@ -81,23 +96,47 @@ constexpr char kUsage[] =
     "ctl changes are applied by every rank of the job at the same future step (the job's newest\n"
     "step + lead_steps), so the ranks' sketches stay comparable.";
 
+// The Query channel's TLS settings and credentials, set once by main before any RPC.
+rankscope::tls::ClientTlsFiles g_tls;
+std::shared_ptr<grpc::ChannelCredentials> g_credentials;
+std::string g_auth_token;  // sent with every call when not empty
+
+// The flag, else the environment variable, else "".
+std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* env) {
+  std::string v = absl::GetFlag(flag);
+  if (v.empty() && std::getenv(env) != nullptr) v = std::getenv(env);
+  return v;
+}
+
 std::unique_ptr<v1::Query::Stub> Stub() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);  // export pages stay far below; headroom for show
-  return v1::Query::NewStub(grpc::CreateCustomChannel(absl::GetFlag(FLAGS_collector),
-                                                      grpc::InsecureChannelCredentials(), args));
+  rankscope::tls::ApplyTargetName(g_tls, &args);
+  return v1::Query::NewStub(
+      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_collector), g_credentials, args));
 }
 
+// Sets the call's deadline and its token (every call goes through here).
 void SetDeadline(grpc::ClientContext* ctx) {
+  if (!g_auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + g_auth_token);
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_timeout)));
 }
 
 int Fail(const grpc::Status& s) {
+  // A refused TLS handshake reaches a client as UNAVAILABLE, like a collector that is down.
+  const char* hint = "";
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    hint = !g_tls.enabled() ? " (plaintext: if the collector serves TLS, give --tls_ca_file)"
+           : g_tls.cert_file.empty()
+               ? " (TLS without a client certificate: if the collector requires mutual TLS, give "
+                 "--tls_cert_file and --tls_key_file)"
+               : "";
+  }
   std::fprintf(
-      stderr, "rankscope: %s (collector %s): %s\n",
+      stderr, "rankscope: %s (collector %s): %s%s\n",
       s.error_code() == grpc::StatusCode::UNAVAILABLE ? "collector unreachable" : "request failed",
-      absl::GetFlag(FLAGS_collector).c_str(), s.error_message().c_str());
+      absl::GetFlag(FLAGS_collector).c_str(), s.error_message().c_str(), hint);
   return 1;
 }
 
@@ -558,6 +597,30 @@ int main(int argc, char** argv) {
   if (args.size() < 2) {
     std::fprintf(stderr, "%s\n", kUsage);
     return 2;
+  }
+  g_tls.ca_file = FlagOrEnv(FLAGS_tls_ca_file, "RANKSCOPE_TLS_CA");
+  g_tls.cert_file = FlagOrEnv(FLAGS_tls_cert_file, "RANKSCOPE_TLS_CERT");
+  g_tls.key_file = FlagOrEnv(FLAGS_tls_key_file, "RANKSCOPE_TLS_KEY");
+  g_tls.target_name = FlagOrEnv(FLAGS_tls_target_name, "RANKSCOPE_TLS_TARGET_NAME");
+  g_tls.ca_name = "--tls_ca_file";
+  g_tls.cert_name = "--tls_cert_file";
+  g_tls.key_name = "--tls_key_file";
+  auto credentials = rankscope::tls::ChannelCredentials(g_tls);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "rankscope: %s\n", std::string(credentials.status().message()).c_str());
+    return 2;
+  }
+  g_credentials = *credentials;
+  if (const std::string path = FlagOrEnv(FLAGS_auth_token_file, "RANKSCOPE_AUTH_TOKEN_FILE");
+      !path.empty()) {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    g_auth_token = std::string(absl::StripAsciiWhitespace(text));
+    if (!in || g_auth_token.empty()) {
+      std::fprintf(stderr, "rankscope: cannot read a token from --auth_token_file %s\n",
+                   path.c_str());
+      return 2;
+    }
   }
   const std::string verb = args[1];
   const std::string job = absl::GetFlag(FLAGS_job);

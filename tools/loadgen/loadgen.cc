@@ -12,6 +12,8 @@
 // from --divergent_from_step; step times are --step_time with 5% noise, the straggler's
 // multiplied by --straggler_factor; the reduced gradient's norm follows the sketch model:
 // base_norm * sqrt(cosine + (1 - cosine) / W).
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,6 +31,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "rankscope/agent.h"
@@ -86,10 +89,37 @@ ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between pro
 ABSL_FLAG(std::string, summary_json, "",
           "If set, write a JSON summary here at the end: per agent (job, rank) and in total, "
           "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
+ABSL_FLAG(std::string, auth_token_file, "", "File holding the collector's shared token.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA of the collector's certificate: connect over TLS.");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate (mutual TLS).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_target_name, "",
+          "Name to verify in the collector's certificate instead of the host of --collector.");
+ABSL_FLAG(bool, wait_connected, false,
+          "Before the first step, wait (up to --flush_timeout) until every agent's stream is "
+          "open, and print 'loadgen: all N agents connected' (load tests: every stream is up "
+          "before reports flow).");
+ABSL_FLAG(absl::Duration, hold, absl::ZeroDuration(),
+          "After the last step is acked, keep every stream open this long before closing "
+          "(load tests: measure the collector with all streams open and idle).");
 
 namespace {
 
 constexpr int kPoolSize = 64;
+
+// Each agent holds its own TCP connection (one file descriptor, plus the collector's when it
+// runs on the same machine): thousands of agents in one process need more than the usual soft
+// limit of 1,024. Raises the soft limit to the hard limit; returns the soft limit now in force.
+rlim_t RaiseFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return lim.rlim_cur;
+}
 
 struct Shared {
   int ranks, sketch_dim;
@@ -113,6 +143,24 @@ int main(int argc, char** argv) {
     return 2;
   }
   const double cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
+  const rlim_t file_limit = RaiseFileLimit();
+  if (file_limit != RLIM_INFINITY && static_cast<rlim_t>(ranks) * jobs + 64 > file_limit) {
+    std::fprintf(stderr,
+                 "loadgen: warning: %d agents need about as many file descriptors; the limit is "
+                 "%llu (ulimit -Hn)\n",
+                 ranks * jobs, static_cast<unsigned long long>(file_limit));
+  }
+  std::string auth_token;
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_auth_token_file));
+    if (!in) {
+      std::fprintf(stderr, "loadgen: cannot read --auth_token_file %s\n",
+                   absl::GetFlag(FLAGS_auth_token_file).c_str());
+      return 2;
+    }
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auth_token = std::string(absl::StripAsciiWhitespace(text));
+  }
 
   Shared shared{ranks, dim, cosine, {}};
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
@@ -147,12 +195,38 @@ int main(int argc, char** argv) {
     o.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
     o.max_backoff = absl::GetFlag(FLAGS_max_backoff);
     o.initial_backoff = std::min(o.initial_backoff, o.max_backoff);
+    o.auth_token = auth_token;
+    o.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+    o.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+    o.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+    o.tls.target_name = absl::GetFlag(FLAGS_tls_target_name);
     auto agent = rankscope::Agent::Create(o);
     if (!agent.ok()) {
       std::fprintf(stderr, "loadgen: %s\n", agent.status().ToString().c_str());
       return 2;
     }
     agents.push_back(std::move(*agent));
+  }
+
+  if (absl::GetFlag(FLAGS_wait_connected)) {
+    const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
+    size_t connected = 0;
+    while (true) {
+      connected = 0;
+      for (auto& a : agents) connected += a->stats().connected ? 1 : 0;
+      if (connected == agents.size() || absl::Now() >= deadline) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (connected < agents.size()) {
+      std::string why = agents.empty() ? "" : agents.front()->stats().last_error;
+      std::fprintf(stderr,
+                   "loadgen: only %zu of %zu agents connected within --flush_timeout (%s)\n",
+                   connected, agents.size(), why.c_str());
+      for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
+      return 1;
+    }
+    std::printf("loadgen: all %zu agents connected\n", agents.size());
+    std::fflush(stdout);
   }
 
   const int threads =
@@ -281,6 +355,18 @@ int main(int argc, char** argv) {
     }
   }
   const absl::Time acked_at = absl::Now();
+  if (absl::GetFlag(FLAGS_hold) > absl::ZeroDuration()) {
+    size_t connected = 0;
+    for (auto& a : agents) connected += a->stats().connected ? 1 : 0;
+    std::printf("loadgen: holding %zu connected streams for %s\n", connected,
+                absl::FormatDuration(absl::GetFlag(FLAGS_hold)).c_str());
+    std::fflush(stdout);
+    absl::SleepFor(absl::GetFlag(FLAGS_hold));
+  }
+  std::string last_error;
+  for (auto& a : agents) {
+    if (last_error.empty()) last_error = a->stats().last_error;
+  }
   // Closing counts what is still unacked as dropped, so the summary is taken after Close.
   for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
   rankscope::AgentStats total;
@@ -329,7 +415,8 @@ int main(int argc, char** argv) {
       elapsed > 0 ? static_cast<double>(total.acked) / elapsed : 0.0);
   std::fflush(stdout);
   if (!flushed) {
-    std::fprintf(stderr, "loadgen: not every report was acknowledged within --flush_timeout\n");
+    std::fprintf(stderr, "loadgen: not every report was acknowledged within --flush_timeout%s%s\n",
+                 last_error.empty() ? "" : "; last stream error: ", last_error.c_str());
     return 1;
   }
   return record_errors.load() == 0 ? 0 : 1;

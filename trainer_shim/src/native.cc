@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/client_tls.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/agent.h"
 #include "rankscope/sketch.h"
@@ -301,6 +302,7 @@ class PyAgent {
     d["connected"] = s.connected;
     d["queued"] = s.queued;
     d["unacked"] = s.unacked;
+    d["last_error"] = s.last_error;
     return d;
   }
 
@@ -324,7 +326,9 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
                               uint32_t attempt, const std::string& host,
                               const std::string& framework_version, const std::string& auth_token,
                               size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
-                              double max_backoff_s) {
+                              double max_backoff_s, const std::string& tls_ca_file,
+                              const std::string& tls_cert_file, const std::string& tls_key_file,
+                              const std::string& tls_target_name) {
   AgentOptions o;
   o.collector_address = collector;
   o.job = job;
@@ -340,6 +344,10 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
   o.max_unacked = max_unacked;
   o.initial_backoff = absl::Seconds(initial_backoff_s);
   o.max_backoff = absl::Seconds(max_backoff_s);
+  o.tls.ca_file = tls_ca_file;
+  o.tls.cert_file = tls_cert_file;
+  o.tls.key_file = tls_key_file;
+  o.tls.target_name = tls_target_name;
   return o;
 }
 
@@ -347,8 +355,18 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
 // and the number of ranks notified; raises RuntimeError with the gRPC status otherwise.
 py::dict SetControl(const std::string& collector, const std::string& job,
                     std::optional<bool> enabled, std::optional<uint32_t> every,
-                    std::optional<uint32_t> sketch_dim, uint32_t lead_steps,
-                    double timeout_seconds) {
+                    std::optional<uint32_t> sketch_dim, uint32_t lead_steps, double timeout_seconds,
+                    const std::string& tls_ca_file, const std::string& tls_cert_file,
+                    const std::string& tls_key_file, const std::string& tls_target_name,
+                    const std::string& auth_token) {
+  tls::ClientTlsFiles files;
+  files.ca_file = tls_ca_file;
+  files.cert_file = tls_cert_file;
+  files.key_file = tls_key_file;
+  files.target_name = tls_target_name;
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      tls::ChannelCredentials(files);
+  if (!credentials.ok()) throw py::value_error(std::string(credentials.status().message()));
   v1::ControlRequest req;
   req.set_job(job);
   if (enabled) req.set_enabled(*enabled);
@@ -359,9 +377,11 @@ py::dict SetControl(const std::string& collector, const std::string& job,
   grpc::Status status;
   {
     py::gil_scoped_release release;
-    auto stub =
-        v1::Query::NewStub(grpc::CreateChannel(collector, grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments args;
+    tls::ApplyTargetName(files, &args);
+    auto stub = v1::Query::NewStub(grpc::CreateCustomChannel(collector, *credentials, args));
     grpc::ClientContext ctx;
+    if (!auth_token.empty()) ctx.AddMetadata("authorization", "Bearer " + auth_token);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
     status = stub->SetControl(&ctx, req, &resp);
@@ -467,18 +487,22 @@ PYBIND11_MODULE(_native, m) {
                        uint32_t attempt, const std::string& host,
                        const std::string& framework_version, const std::string& auth_token,
                        size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
-                       double max_backoff_s) {
-             return std::make_unique<PyAgent>(
-                 MakeAgentOptions(collector, job, rank, world_size, sketch_dim, sketch_seed,
-                                  attempt, host, framework_version, auth_token, queue_capacity,
-                                  max_unacked, initial_backoff_s, max_backoff_s));
+                       double max_backoff_s, const std::string& tls_ca_file,
+                       const std::string& tls_cert_file, const std::string& tls_key_file,
+                       const std::string& tls_target_name) {
+             return std::make_unique<PyAgent>(MakeAgentOptions(
+                 collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
+                 framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
+                 max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name));
            }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
            py::arg("attempt") = 0, py::arg("host") = "", py::arg("framework_version") = "",
            py::arg("auth_token") = "", py::arg("queue_capacity") = 1024,
            py::arg("max_unacked") = 8192, py::arg("initial_backoff_s") = 0.1,
-           py::arg("max_backoff_s") = 10.0)
+           py::arg("max_backoff_s") = 10.0, py::arg("tls_ca_file") = "",
+           py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
+           py::arg("tls_target_name") = "")
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
@@ -496,5 +520,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_control", &SetControl, py::arg("collector"), py::arg("job"),
         py::arg("enabled") = py::none(), py::arg("every") = py::none(),
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
-        py::arg("timeout_seconds") = 10.0, "Query.SetControl (what `rankscope ctl` sends).");
+        py::arg("timeout_seconds") = 10.0, py::arg("tls_ca_file") = "",
+        py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
+        py::arg("tls_target_name") = "", py::arg("auth_token") = "",
+        "Query.SetControl (what `rankscope ctl` sends).");
 }

@@ -16,6 +16,13 @@
 // max_unacked; overflow drops the oldest, counted) until acked; after a reconnect it resends
 // every unacked report first, in order. The count of dropped reports rides on every report.
 //
+// Security: the optional shared token rides in the hello (AgentOptions::auth_token); TLS
+// (AgentOptions::tls) verifies the collector's certificate and, with a client certificate,
+// authenticates the rank to a collector that requires mutual TLS. Both compose. A collector that
+// refuses the rank (wrong token: UNAUTHENTICATED; no or untrusted client certificate: a failed
+// TLS handshake, UNAVAILABLE) is logged once on stderr and kept in AgentStats::last_error; the
+// agent keeps retrying with backoff and buffering, and training is never blocked.
+//
 // Connection: jittered exponential backoff from initial_backoff to max_backoff, reset when the
 // first message of a stream is received. A collector that is down never slows Record().
 //
@@ -40,6 +47,19 @@ namespace rankscope {
 
 inline constexpr char kAgentVersion[] = "0.1.0";
 
+// TLS to the collector. Plaintext unless ca_file, cert_file or key_file is set. Files are read
+// and checked by Agent::Create (a missing, unreadable or non-PEM file, or a key that does not
+// match its certificate, is an InvalidArgument there, not a silent retry loop later).
+struct ClientTlsOptions {
+  std::string ca_file;      // PEM CA bundle that signs the collector's certificate; empty with
+                            // TLS on: the system's root certificates
+  std::string cert_file;    // PEM client certificate (mutual TLS); requires key_file
+  std::string key_file;     // its PEM private key (unencrypted)
+  std::string target_name;  // name to check in the collector's certificate instead of the
+                            // address's host (e.g. "rankscope-collector" when dialing an IP)
+  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
+};
+
 struct AgentOptions {
   std::string collector_address = "127.0.0.1:50051";
   std::string job;          // required, [A-Za-z0-9_.:-]{1,128}
@@ -51,6 +71,7 @@ struct AgentOptions {
   std::string host;               // default: gethostname()
   std::string framework_version;  // e.g. "torch 1.13.1"
   std::string auth_token;         // sent in the hello when non-empty
+  ClientTlsOptions tls;           // plaintext by default
   size_t queue_capacity = 1024;   // ring slots between Record() and the sender
   size_t max_unacked = 8192;      // reports kept for resending
   absl::Duration initial_backoff = absl::Milliseconds(100);
@@ -81,6 +102,9 @@ struct AgentStats {
   bool connected = false;   // a stream is open and its hello was sent
   size_t queued = 0;        // in the ring
   size_t unacked = 0;       // sent or waiting to be sent, not yet acked
+  // Why the newest failed stream ended ("UNAUTHENTICATED: ...", "UNAVAILABLE: ... handshake
+  // ..."); empty until a stream fails. Kept after the agent reconnects.
+  std::string last_error;
 };
 
 // A control message pushed by the collector (rankscope ctl), to apply at `apply_at_step`.
@@ -94,8 +118,8 @@ struct AgentControl {
 
 class Agent {
  public:
-  // Validates the options and starts the background thread. Does not wait for a connection.
-  // Errors: InvalidArgument naming the bad option.
+  // Validates the options (and reads the TLS files) and starts the background thread. Does not
+  // wait for a connection. Errors: InvalidArgument naming the bad option or file.
   static absl::StatusOr<std::unique_ptr<Agent>> Create(AgentOptions options);
 
   virtual ~Agent() = default;  // Closes with a zero timeout if Close() was not called.

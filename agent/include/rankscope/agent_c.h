@@ -33,6 +33,12 @@ typedef struct {
   const char* auth_token;        /* may be NULL */
   size_t queue_capacity;         /* default 1024 */
   size_t max_unacked;            /* default 8192 */
+  /* TLS (rankscope::ClientTlsOptions); each may be NULL. Plaintext unless a CA, cert or key is
+   * given; the files are read and checked by rankscope_agent_create. */
+  const char* tls_ca_file;     /* PEM CA that signs the collector's certificate */
+  const char* tls_cert_file;   /* PEM client certificate, for mutual TLS */
+  const char* tls_key_file;    /* its PEM private key */
+  const char* tls_target_name; /* name to verify in the collector's certificate */
 } rankscope_agent_options;
 
 typedef struct {
@@ -61,6 +67,9 @@ int rankscope_agent_flush(rankscope_agent* agent, double timeout_seconds, char* 
 int rankscope_agent_close(rankscope_agent* agent, double timeout_seconds, char* err,
                           size_t err_len);
 void rankscope_agent_stats_get(const rankscope_agent* agent, rankscope_agent_stats* out);
+/* Writes the newest stream failure (AgentStats::last_error, "" when none) to buf, NUL-terminated
+ * and truncated to buf_len - 1 bytes; returns its full length. */
+size_t rankscope_agent_last_error(const rankscope_agent* agent, char* buf, size_t buf_len);
 /* Returns 1 and fills the fields if a control message was received, else 0. */
 int rankscope_agent_control(const rankscope_agent* agent, uint64_t* generation,
                             uint64_t* apply_at_step, int* enabled, uint32_t* every,

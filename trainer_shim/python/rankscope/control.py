@@ -10,19 +10,25 @@ applies it at the same step (see ``rankscope.torch`` and docs/shim.md).
 
 from typing import Optional
 
-from rankscope import _native
+from rankscope import _native, tls
 
 
 def set_control(collector: str, job: str, *, enabled: Optional[bool] = None,
                 every: Optional[int] = None, sketch_dim: Optional[int] = None,
-                lead_steps: int = 5, timeout: float = 10.0) -> dict:
+                lead_steps: int = 5, timeout: float = 10.0, tls_ca: Optional[str] = None,
+                tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                tls_target_name: Optional[str] = None, auth_token: Optional[str] = None) -> dict:
     """Sends Query.SetControl. Returns {generation, apply_at_step, enabled, every, sketch_dim,
     ranks_notified}. Raises RuntimeError with the gRPC status when the collector refuses (e.g.
-    NOT_FOUND: the job is not known to it) or cannot be reached within ``timeout`` seconds."""
+    NOT_FOUND: the job is not known to it) or cannot be reached within ``timeout`` seconds.
+    TLS: ``tls_*`` or ``$RANKSCOPE_TLS_*`` (see rankscope.tls), as for the agent;
+    ``auth_token``: the collector's shared token, if it requires one."""
     if every is not None and every < 1:
         raise ValueError("every must be >= 1")
     if sketch_dim is not None and sketch_dim < 1:
         raise ValueError("sketch_dim must be >= 1")
     return _native.set_control(collector, job, enabled=enabled, every=every,
                                sketch_dim=sketch_dim, lead_steps=max(1, int(lead_steps)),
-                               timeout_seconds=float(timeout))
+                               timeout_seconds=float(timeout),
+                               auth_token=auth_token or "",
+                               **tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name))

@@ -59,6 +59,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from rankscope import _native
 from rankscope import fingerprint as _fp
+from rankscope import tls as _tls
 from rankscope.torch_sketch import TorchSketch
 
 __all__ = ["attach", "Monitor"]
@@ -95,6 +96,10 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            comm_hook: Optional[Callable] = None,
            comm_hook_state=None,
            auth_token: Optional[str] = None,
+           tls_ca: Optional[str] = None,
+           tls_cert: Optional[str] = None,
+           tls_key: Optional[str] = None,
+           tls_target_name: Optional[str] = None,
            queue_capacity: int = 1024,
            max_unacked: int = 8192,
            warn_after: float = 10.0,
@@ -124,6 +129,14 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         never. The collector names the ranks whose parameters differ (replica divergence).
       fingerprints: fingerprint the reduced gradient of every reported step (and the parameters,
         see ``param_check_every``); see rankscope.fingerprint.
+      auth_token: the collector's shared token (``--auth_token_file``), if it requires one.
+      tls_ca: PEM CA that signs the collector's certificate: connect over TLS. Default
+        ``$RANKSCOPE_TLS_CA``; plaintext when no CA, certificate or key is set.
+      tls_cert, tls_key: this rank's PEM client certificate and key, for a collector that
+        requires mutual TLS (``--tls_client_ca_file``). Default ``$RANKSCOPE_TLS_CERT`` and
+        ``$RANKSCOPE_TLS_KEY``.
+      tls_target_name: name to verify in the collector's certificate when it differs from the
+        host in ``collector``; default ``$RANKSCOPE_TLS_TARGET_NAME``.
       warn_after: seconds without a collector connection before a warning (once).
       max_backoff: longest wait, in seconds, between reconnection attempts.
       control_margin: seconds of steps between the first rank seeing a control message and the
@@ -132,7 +145,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
     Returns:
       the Monitor; call ``mon.step(loss)`` once per optimizer step.
     Raises:
-      TypeError if ``model`` is not DDP; ValueError on a bad job name or option; RuntimeError if
+      TypeError if ``model`` is not DDP; ValueError on a bad job name or option (a TLS file
+      that is missing, not PEM, or a key that does not match its certificate); RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -155,6 +169,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
                       fingerprints=bool(fingerprints), auth_token=auth_token or "",
+                      tls_options=_tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
                       queue_capacity=int(queue_capacity),
                       max_unacked=int(max_unacked), warn_after=float(warn_after),
                       max_backoff=float(max_backoff),
@@ -233,7 +248,8 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, sketch_dim, every, enabled, start_step,
-                 sketch_seed, local_batch_size, auth_token, param_check_every=50,
+                 sketch_seed, local_batch_size, auth_token, tls_options=None,
+                 param_check_every=50,
                  fingerprints=True, queue_capacity, max_unacked,
                  warn_after, max_backoff, control_margin, close_timeout):
         pg = model.process_group
@@ -281,7 +297,8 @@ class Monitor:
             sketch_dim=sketch_dim, sketch_seed=sketch_seed, attempt=self.attempt,
             framework_version=f"torch {torch.__version__}", auth_token=auth_token,
             queue_capacity=queue_capacity, max_unacked=max_unacked,
-            initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff)
+            initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff,
+            **(tls_options or {}))
 
         self._dim = sketch_dim
         self._every = every
@@ -891,9 +908,11 @@ class Monitor:
             return
         s = self._agent.stats()
         if not s["connected"]:
+            why = f" ({s['last_error']})" if s.get("last_error") else ""
             self._warn_once("down", f"rankscope: no connection to the collector at "
-                            f"{self.collector} for job {self.job} (rank {self.rank}); training "
-                            "continues, reports are buffered and dropped when buffers fill")
+                            f"{self.collector} for job {self.job} (rank {self.rank}){why}; "
+                            "training continues, reports are buffered and dropped when "
+                            "buffers fill")
         if s["dropped"]:
             self._warn_once("dropped", f"rankscope: {s['dropped']} reports dropped so far "
                             "(collector unreachable longer than the buffers last)")

@@ -1,0 +1,234 @@
+#!/usr/bin/python3
+"""Concurrent agent streams against one collector: memory per stream and delivery, measured.
+
+    /usr/bin/python3 bench/stream_load.py --build-dir build [--streams 500,1000,2000]
+        [--duration 20] [--step-interval 1.0] [--sketch-dim 1024]
+
+For each stream count N, a fresh rankscope-collector (temp database, loopback ports) and one
+rankscope-loadgen process simulating one job of N ranks, each rank a real rankscope::Agent with
+its own gRPC channel and TCP connection (loadgen raises its RLIMIT_NOFILE to the hard limit).
+The loadgen waits until all N streams are open (--wait_connected), then every rank sends one
+report every --step-interval seconds for --duration seconds, waits until every report is acked,
+and holds the N streams open for a few more seconds (--hold).
+
+Measured on the collector process (VmRSS from /proc/PID/status, sampled every 0.25 s):
+  idle       before any agent connects;
+  connected  when the loadgen says all N streams are open (before the first report);
+  peak       the largest sample while reports flow and during the hold;
+  held       during the hold: all N streams open, every report stored;
+and rankscope_streams_open from /metrics during the hold (must equal N), the reports acked (the
+loadgen's count) and the rows in rank_steps (SQLite). Prints one line per N and a table with
+(connected - idle) / N and (peak - idle) / N, the memory each stream costs the collector.
+"""
+
+import argparse
+import os
+import re
+import resource
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def metric(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", body, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class CollectorProcess:
+    def __init__(self, build: Path, work: Path, extra_args=()):
+        self.db = work / "rankscope.db"
+        self.log_path = work / "collector.log"
+        self._log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen(
+            [str(build / "bin" / "rankscope-collector"), "--grpc_address=127.0.0.1:0",
+             "--metrics_address=127.0.0.1:0", f"--db_path={self.db}", *extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+        def ports():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"collector exited: {self.log_path.read_text()}")
+            m = re.search(r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics",
+                          self.log_path.read_text())
+            return m and (int(m.group(1)), int(m.group(2)))
+
+        self.grpc_port, self.metrics_port = wait_for(ports, 30, "the collector to serve")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def rss_kib(self) -> int:
+        return rss_kib(self.proc.pid)
+
+    def rows(self, job: str) -> int:
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=10)
+        try:
+            return con.execute("SELECT COUNT(*) FROM rank_steps WHERE job = ?", (job,)).fetchone()[0]
+        finally:
+            con.close()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._log.close()
+        return rc
+
+
+def run_streams(build: Path, n: int, duration: float, step_interval: float, sketch_dim: int,
+                hold: float = 3.0, collector_args=()) -> dict:
+    """One measurement: a fresh collector, N streams. Returns the figures (KiB and counts)."""
+    job = f"load-{n}"
+    with tempfile.TemporaryDirectory(prefix="rankscope-load-") as tmp:
+        c = CollectorProcess(build, Path(tmp), collector_args)
+        try:
+            time.sleep(0.5)
+            idle = c.rss_kib()
+            collector_cpu0 = cpu_seconds(c.proc.pid)
+            children_cpu0 = children_cpu_seconds()
+            lg = subprocess.Popen(
+                [str(build / "bin" / "rankscope-loadgen"), f"--collector={c.address}",
+                 f"--job={job}", f"--ranks={n}", f"--duration={duration}s",
+                 f"--step_interval={step_interval}s", f"--sketch_dim={sketch_dim}",
+                 "--queue_capacity=16", "--step_time=0", "--wait_connected",
+                 f"--hold={hold}s", "--flush_timeout=120s"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            samples = []
+            figures = {"n": n, "idle_kib": idle}
+            stop = threading.Event()
+
+            def sample():
+                while not stop.is_set():
+                    try:
+                        samples.append(c.rss_kib())
+                        times.append(time.monotonic())
+                    except (OSError, RuntimeError):
+                        return
+                    time.sleep(0.25)
+
+            times = []
+            lines = []
+            sampler = None
+            t_reports = t_hold = None
+            for line in lg.stdout:
+                lines.append(line)
+                if "agents connected" in line:
+                    t_reports = time.monotonic()
+                    figures["connected_kib"] = c.rss_kib()
+                    sampler = threading.Thread(target=sample, daemon=True)
+                    sampler.start()
+                elif "holding" in line:
+                    t_hold = time.monotonic()
+                    figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
+                    figures["held_kib"] = c.rss_kib()
+            rc = lg.wait()
+            figures["loadgen_cpu_s"] = children_cpu_seconds() - children_cpu0
+            figures["collector_cpu_s"] = cpu_seconds(c.proc.pid) - collector_cpu0
+            stop.set()
+            if sampler is not None:
+                sampler.join()
+            err = lg.stderr.read()
+            if rc != 0:
+                raise RuntimeError(f"loadgen failed ({rc}): {''.join(lines)}{err[-2000:]}")
+            m = re.search(r"recorded=(\d+) acked=(\d+)", "".join(lines))
+            figures["recorded"], figures["acked"] = int(m.group(1)), int(m.group(2))
+            figures["peak_kib"] = max(samples + [figures["held_kib"]])
+            # Growth over the run: the largest sample of the first and of the second half of
+            # the reports phase (equal when memory is flat once reports flow).
+            mid = t_reports + (t_hold - t_reports) / 2
+            first = [r for t, r in zip(times, samples) if t <= mid] or [figures["connected_kib"]]
+            second = [r for t, r in zip(times, samples) if mid < t <= t_hold] or first
+            figures["first_half_kib"], figures["second_half_kib"] = max(first), max(second)
+            figures["rows"] = wait_for(
+                lambda: (lambda r: r if r == figures["acked"] else 0)(c.rows(job)), 60,
+                f"{figures['acked']} rows of {job}")
+        finally:
+            c.stop()
+    figures["kib_per_stream_connected"] = (figures["connected_kib"] - idle) / n
+    figures["kib_per_stream_peak"] = (figures["peak_kib"] - idle) / n
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build"))
+    ap.add_argument("--streams", default="500,1000,2000")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of reports")
+    ap.add_argument("--step-interval", type=float, default=1.0,
+                    help="seconds between one rank's reports")
+    ap.add_argument("--sketch-dim", type=int, default=1024)
+    args = ap.parse_args()
+    build = Path(args.build_dir).resolve()
+    print(f"# {os.cpu_count()} CPUs; one report per rank every {args.step_interval} s for "
+          f"{args.duration} s; sketch_dim {args.sketch_dim}; fresh collector per N")
+    rows = []
+    for n in (int(x) for x in args.streams.split(",")):
+        f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim)
+        print(f"N={n}: idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
+              f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
+              f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
+              f"{f['acked']}, stored {f['rows']}; reports phase max RSS first half "
+              f"{f['first_half_kib'] / 1024:.1f} MiB, second half "
+              f"{f['second_half_kib'] / 1024:.1f} MiB; CPU collector {f['collector_cpu_s']:.1f} s,"
+              f" loadgen {f['loadgen_cpu_s']:.1f} s", flush=True)
+        if f["streams_open"] != n or f["rows"] != f["recorded"]:
+            print(f"FAIL: N={n}: {f}", file=sys.stderr)
+            return 1
+        rows.append(f)
+    print()
+    print("| streams | idle RSS | connected RSS | peak RSS | KiB/stream connected | KiB/stream peak |"
+          " reports stored |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for f in rows:
+        print(f"| {f['n']} | {f['idle_kib'] / 1024:.1f} MiB | {f['connected_kib'] / 1024:.1f} MiB | "
+              f"{f['peak_kib'] / 1024:.1f} MiB | {f['kib_per_stream_connected']:.0f} | "
+              f"{f['kib_per_stream_peak']:.0f} | {f['rows']} / {f['recorded']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
