@@ -215,18 +215,23 @@ inline void AddWrappedBlock(const unsigned char* data, uint64_t mix, uint32_t ba
 
 #ifdef RANKSCOPE_SKETCH_X86
 
-// Software prefetch into L2 (prefetcht1) kPrefetchBytes ahead of the block being added: without
-// it the kernel keeps too few misses in flight and reads DRAM at about half the speed (the
-// hardware prefetchers alone do not keep up). Measured on the bench machine: 8 KiB ahead into L2
-// is best for float32, and as good as anything tried for the 16-bit types (2 to 16 KiB, into L1
-// or L2). A prefetch never faults, so running past the end of the input is harmless. Written as
-// inline assembly because GCC 12 silently deleted _mm_prefetch here (it treats the builtin as
-// free of side effects once it sits in a small inline function).
+// Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
+// too few misses in flight and reads DRAM at about half the speed (the hardware prefetchers alone
+// do not keep up). Measured on the bench machine (docs/PERFORMANCE.md), 2 to 16 KiB ahead: into
+// L2 (prefetcht1) is best for float32, into L1 (prefetcht0) a few percent better for the 16-bit
+// types, which consume their input at half the byte rate. A prefetch never faults, so running
+// past the end of the input is harmless. Written as inline assembly because GCC 12 silently
+// deleted _mm_prefetch here (it treats the builtin as free of side effects once it sits in a
+// small inline function).
 constexpr uintptr_t kPrefetchBytes = 8192;
+template <ScalarType kType>
 __attribute__((always_inline)) inline void PrefetchAhead(const unsigned char* p) {
-  const char* ahead =
-      reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes);
-  asm volatile("prefetcht1 %0" : : "m"(*ahead));
+  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  if constexpr (kType == ScalarType::kFloat32) {
+    asm volatile("prefetcht1 %0" : : "m"(*ahead));
+  } else {
+    asm volatile("prefetcht0 %0" : : "m"(*ahead));
+  }
 }
 
 // Runs body(data, mix) for `blocks` consecutive blocks starting at block number first / kBlock,
@@ -238,7 +243,7 @@ __attribute__((always_inline)) inline void ForEachBlock(const unsigned char* dat
   constexpr size_t kBytes = kBlock * kElementSize<kType>;  // 64 or 32
   uint64_t z = seed + (first / kBlock + 1) * kGolden;
   for (const unsigned char* const end = data + blocks * kBytes; data != end; data += kBytes) {
-    PrefetchAhead(data);
+    PrefetchAhead<kType>(data);
     body(data, Finalize64(z));
     z += kGolden;
   }
