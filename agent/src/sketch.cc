@@ -1,21 +1,27 @@
 // Count sketch kernel (see sketch.h for the hash and the contracts).
 //
-// Add runs in three phases: a scalar head up to the next coordinate index that is a multiple of
-// 8, a vector body over whole pipeline steps of 16 coordinates, and a scalar tail. The body is a
-// software pipeline (RunPipeline): a vector pass hashes the indices of a step (SplitMix64 on 8
-// lanes of 64 bits), widens the values to double, applies the signs and accumulates the squares
-// into a small ring buffer, while a scalar pass adds the signed values of the step hashed two
-// steps earlier into their bins, in index order. All paths (scalar, AVX2, AVX-512) compute the
-// same integer hash, the same exact widening and the same additions in the same order, so their
-// results are bit-identical:
-//   - bins: every bin receives its values in ascending index order;
-//   - squares: coordinate i goes to partial sum i % 8 (x * x is exact in double for any float,
-//     so fused and unfused multiply-adds agree), and Add folds the 8 partial sums in a fixed
+// The hash is per block of kBlock = 16 consecutive coordinates: one SplitMix64 mix gives the
+// block a base bin and 16 sign bits, and the block's coordinates go to the window of 16
+// consecutive bins base, base + 1, ... (mod dim). So the kernel hashes once per 16 coordinates,
+// and a block whose window does not wrap (base <= dim - 16, all but 15 bases in dim) is one
+// contiguous vector update: load 16 values, flip their signs under the 16-bit mask, widen to
+// double, add into the window.
+//
+// Add runs in three phases: a scalar head up to the next block boundary, a vector body over whole
+// blocks, and a scalar tail. All paths (scalar, AVX2, AVX-512) compute the same integer hash, the
+// same exact widening and the same additions in the same order, so their results are
+// bit-identical:
+//   - bins: a block's 16 coordinates go to 16 distinct bins when dim >= 16, so each bin receives
+//     at most one value per block, and blocks are added in ascending order: every bin receives
+//     its values in ascending index order. (For dim < 16 only the scalar code runs.) A window
+//     that wraps takes a scalar path, in offset order; it is rare (15 bases in dim), so the bins
+//     stay a plain array of dim doubles (no overflow bins to fold when the sketch is read), and
+//     bins() is the sketch by its definition, bit for bit.
+//   - squares: coordinate i goes to partial sum i % 8 (a block is two groups of 8, added in
+//     order; the square of a float is exact in double, so fused and unfused multiply-adds agree,
+//     and the signed value has the same square), and Add folds the 8 partial sums in a fixed
 //     order.
-// Where the time goes (AVX-512, docs/PERFORMANCE.md "## Sketch kernel"): in 512-bit mode only
-// ports 0 and 5 execute vector and floating-point uops, and per 8 coordinates they must run the
-// mix (two 3-uop vpmullq, three shifts, three xors), the widening, the signs, the bins and the 8
-// scalar additions of the scatter: about 28 uops, 14 cycles at best.
+// Where the time goes: docs/PERFORMANCE.md "## Sketch kernel".
 #include "rankscope/sketch.h"
 
 #include <algorithm>
@@ -37,9 +43,9 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,f16c,bmi2")))
 #define RANKSCOPE_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,f16c")))
+  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,f16c,bmi2")))
 #endif
 
 namespace rankscope {
@@ -51,22 +57,37 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
 
-// Coordinates per group (one vector of 8 doubles) and partial sums of squares.
-constexpr size_t kGroup = 8;
+// Coordinates per hash block (sketch.h), and partial sums of squares (one vector of 8 doubles).
+constexpr uint64_t kBlock = 16;
+constexpr size_t kLanes = 8;
 
 template <ScalarType kType>
 constexpr size_t kElementSize = kType == ScalarType::kFloat32 ? 4 : 2;
 
-// How a mix becomes a bin: (mix >> 32) % dim, by a mask when dim is a power of two.
+// How a mix becomes a block's base bin: (mix >> 32) % dim, by a mask when dim is a power of two,
+// else by Lemire's direct remainder (exact for every 32-bit numerator and divisor: Lemire, Kaser
+// and Kurz, "Faster remainder by direct computation", 2019).
 struct BinMap {
   uint32_t dim;
-  uint32_t mask;   // dim - 1; used when dim is a power of two
-  double inv_dim;  // 1.0 / dim, for the vector remainder (exact after a correction step)
+  uint32_t mask;     // dim - 1; used when dim is a power of two
+  uint64_t fastmod;  // 2^64 / dim rounded up (wraps to 0 for dim 1, which gives remainder 0)
 };
 
-inline uint32_t BinOf(uint64_t mix, const BinMap& map, bool pow2) {
+BinMap MakeBinMap(uint32_t dim) { return BinMap{dim, dim - 1, ~uint64_t{0} / dim + 1}; }
+
+template <bool kPow2>
+inline uint32_t BaseOf(uint64_t mix, const BinMap& map) {
   const uint32_t high = static_cast<uint32_t>(mix >> 32);
-  return pow2 ? (high & map.mask) : high % map.dim;
+  if constexpr (kPow2) {
+    return high & map.mask;
+  } else {
+#ifdef __SIZEOF_INT128__
+    const uint64_t low = map.fastmod * high;
+    return static_cast<uint32_t>((static_cast<unsigned __int128>(low) * map.dim) >> 64);
+#else
+    return high % map.dim;
+#endif
+  }
 }
 
 // What one Add call writes to.
@@ -74,7 +95,7 @@ struct KernelArgs {
   uint64_t seed;
   BinMap map;
   double* bins;
-  double* lanes;  // kGroup partial sums of squares
+  double* lanes;  // kLanes partial sums of squares
 };
 
 // The conversions of sketch.h, inlinable here.
@@ -127,305 +148,213 @@ inline uint64_t Mix64(uint64_t index, uint64_t seed) {
   return z ^ (z >> 31);
 }
 
-// v with its sign flipped iff the lowest bit of mix is set (branch-free, exactly -v then).
-inline double ApplySign(double v, uint64_t mix) {
-  uint64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits ^= mix << 63;
-  std::memcpy(&v, &bits, sizeof v);
+// The SplitMix64 finalizer of a state z = seed + (block + 1) * kGolden: Mix64 without the
+// multiply, for loops that step z by kGolden from one block to the next.
+inline uint64_t Finalize64(uint64_t z) {
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  return z ^ (z >> 31);
+}
+
+// v with its sign flipped iff the lowest bit of `bits` is set (branch-free, exactly -v then).
+inline double ApplySign(double v, uint64_t bits) {
+  uint64_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u ^= bits << 63;
+  std::memcpy(&v, &u, sizeof v);
   return v;
 }
 
-// Adds coordinates [first, first + n) one at a time: the reference for the vector paths.
+// Adds coordinates [first, first + n) one at a time, block by block: the reference for the
+// vector paths, and the only path for dim < 16.
 template <ScalarType kType, bool kPow2>
 void AddScalar(const unsigned char* data, size_t n, uint64_t first, const KernelArgs& a) {
-  double lanes[kGroup];  // a local copy: cannot alias the bins
-  std::copy(a.lanes, a.lanes + kGroup, lanes);
-  for (size_t j = 0; j < n; ++j) {
+  double lanes[kLanes];  // a local copy: cannot alias the bins
+  std::copy(a.lanes, a.lanes + kLanes, lanes);
+  const uint32_t dim = a.map.dim;
+  size_t j = 0;
+  while (j < n) {
     const uint64_t index = first + j;
-    const double v = LoadScalar<kType>(data + j * kElementSize<kType>);
-    lanes[index % kGroup] += v * v;
-    const uint64_t mix = Mix64(index, a.seed);
-    a.bins[BinOf(mix, a.map, kPow2)] += ApplySign(v, mix);
+    const uint64_t mix = Mix64(index / kBlock, a.seed);
+    const uint32_t base = BaseOf<kPow2>(mix, a.map);
+    const uint32_t first_offset = static_cast<uint32_t>(index % kBlock);
+    const size_t count = std::min<size_t>(n - j, kBlock - first_offset);
+    for (uint32_t o = first_offset; o < first_offset + count; ++o, ++j) {
+      const double v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
+      lanes[(first + j) % kLanes] += v * v;
+      uint32_t bin = base + o;  // < dim + 16
+      if (bin >= dim) bin = dim >= kBlock ? bin - dim : bin % dim;
+      a.bins[bin] += v;
+    }
   }
-  std::copy(lanes, lanes + kGroup, a.lanes);
+  std::copy(lanes, lanes + kLanes, a.lanes);
 }
 
-// The vector body: `steps` pipeline steps of kStepCoords coordinates, starting at coordinate
-// `first`, a multiple of kGroup.
-using BodyFn = void (*)(const unsigned char* data, size_t steps, uint64_t first,
+// The vector body: `blocks` whole blocks of kBlock coordinates, the first one starting at
+// coordinate `first` (a multiple of kBlock). Requires dim >= kBlock.
+using BodyFn = void (*)(const unsigned char* data, size_t blocks, uint64_t first,
                         const KernelArgs& a);
 
-// Groups and coordinates per pipeline step.
-constexpr int kStepGroups = 2;
-constexpr size_t kStepCoords = kStepGroups * kGroup;
-// The vector bodies run a software pipeline: step s is hashed into ring slot s % kRingSlots while
-// the slot hashed kLag steps earlier is scattered, so the vector hashing and the scalar
-// scatter overlap, and no scatter load waits on a vector store that has only just been issued.
-constexpr size_t kRingSlots = 4;
-constexpr size_t kLag = 2;
-
-// bins[bin[j]] += val[j] for the kStepCoords coordinates of one step, in order of j.
-inline void ScatterStep(const uint32_t* bin, const double* val, double* bins) {
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC unroll 16
-#endif
-  for (size_t j = 0; j < kStepCoords; ++j) bins[bin[j]] += val[j];
-}
-
-// Runs `steps` steps of `hasher`, which writes the bins and signed values of its next step into
-// the arrays it is given. Inlined into each instruction set's body, where Hasher::Step inlines.
-template <class Hasher>
-__attribute__((always_inline)) inline void RunPipeline(Hasher& hasher, size_t steps, double* bins) {
-  alignas(64) uint32_t bin[kRingSlots * kStepCoords];
-  alignas(64) double val[kRingSlots * kStepCoords];
-  auto slot = [](size_t step) { return (step % kRingSlots) * kStepCoords; };
-  size_t s = 0;
-  for (; s < std::min(steps, kLag); ++s) hasher.Step(bin + slot(s), val + slot(s));
-  for (; s < steps; ++s) {
-    hasher.Step(bin + slot(s), val + slot(s));
-    ScatterStep(bin + slot(s - kLag), val + slot(s - kLag), bins);
-  }
-  for (size_t t = std::max(steps, kLag) - kLag; t < steps; ++t) {
-    ScatterStep(bin + slot(t), val + slot(t), bins);
-  }
-}
-
 template <ScalarType kType, bool kPow2>
-void BodyScalar(const unsigned char* data, size_t steps, uint64_t first, const KernelArgs& a) {
-  AddScalar<kType, kPow2>(data, steps * kStepCoords, first, a);
+void BodyScalar(const unsigned char* data, size_t blocks, uint64_t first, const KernelArgs& a) {
+  AddScalar<kType, kPow2>(data, blocks * kBlock, first, a);
+}
+
+// Adds the 16 signed values of the block at `data` to bins (base + o) mod dim, in offset order:
+// the vector bodies' path for a window that wraps around (base > dim - 16; dim >= 16), about 15
+// blocks in dim. Inlined: as a call (even a cold one) it made the AVX-512 body twice as slow.
+template <ScalarType kType>
+inline void AddWrappedBlock(const unsigned char* data, uint64_t mix, uint32_t base, uint32_t dim,
+                            double* bins) {
+  for (uint32_t o = 0; o < kBlock; ++o) {
+    const uint32_t bin = base + o;
+    bins[bin >= dim ? bin - dim : bin] +=
+        ApplySign(LoadScalar<kType>(data + o * kElementSize<kType>), mix >> o);
+  }
 }
 
 #ifdef RANKSCOPE_SKETCH_X86
 
-constexpr double kTwo52 = 4503599627370496.0;
-
-// Software prefetch kPrefetchBytes ahead of the step being hashed: the kernel consumes its input
-// too slowly, with too few loads in flight, for the hardware prefetchers alone to hide DRAM
-// latency. A prefetch never faults, so running past the end of the input is harmless.
-constexpr uintptr_t kPrefetchBytes = 4096;
-template <size_t kBytes>
-inline void Prefetch(const unsigned char* p) {
-  for (size_t line = 0; line < kBytes; line += 64) {
-    _mm_prefetch(
-        reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes + line),
-        _MM_HINT_T0);
+// Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
+// too few misses in flight and reads DRAM at about half the speed (the hardware prefetchers alone
+// do not keep up). Measured on the bench machine (docs/PERFORMANCE.md), 2 to 16 KiB ahead: into
+// L2 (prefetcht1) is best for float32, into L1 (prefetcht0) a few percent better for the 16-bit
+// types, which consume their input at half the byte rate. A prefetch never faults, so running
+// past the end of the input is harmless. Written as inline assembly because GCC 12 silently
+// deleted _mm_prefetch here (it treats the builtin as free of side effects once it sits in a
+// small inline function).
+constexpr uintptr_t kPrefetchBytes = 8192;
+template <ScalarType kType>
+__attribute__((always_inline)) inline void PrefetchAhead(const unsigned char* p) {
+  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  if constexpr (kType == ScalarType::kFloat32) {
+    asm volatile("prefetcht1 %0" : : "m"(*ahead));
+  } else {
+    asm volatile("prefetcht0 %0" : : "m"(*ahead));
   }
 }
 
-// ---- AVX2: a group is two vectors of 4 lanes; 64-bit products from three 32x32 products.
-
-RANKSCOPE_TARGET_AVX2 inline __m256i MulLo64Avx2(__m256i a, __m256i c_lo, __m256i c_hi) {
-  const __m256i lo = _mm256_mul_epu32(a, c_lo);
-  const __m256i cross =
-      _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo), _mm256_mul_epu32(a, c_hi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+// Runs body(data, mix) for `blocks` consecutive blocks starting at block number first / kBlock,
+// prefetching ahead of each. `body` adds one block and is inlined.
+template <ScalarType kType, class Body>
+__attribute__((always_inline)) inline void ForEachBlock(const unsigned char* data, size_t blocks,
+                                                        uint64_t first, uint64_t seed,
+                                                        Body&& body) {
+  constexpr size_t kBytes = kBlock * kElementSize<kType>;  // 64 or 32
+  uint64_t z = seed + (first / kBlock + 1) * kGolden;
+  for (const unsigned char* const end = data + blocks * kBytes; data != end; data += kBytes) {
+    PrefetchAhead<kType>(data);
+    body(data, Finalize64(z));
+    z += kGolden;
+  }
 }
+
+// ---- AVX2: a block is two vectors of 8 floats, widened to four vectors of 4 doubles.
 
 template <ScalarType kType>
-RANKSCOPE_TARGET_AVX2 inline __m256d Load4Avx2(const unsigned char* p) {
-  __m128 f;
+RANKSCOPE_TARGET_AVX2 inline __m256 Load8Avx2(const unsigned char* p) {
   if constexpr (kType == ScalarType::kFloat32) {
-    f = _mm_loadu_ps(reinterpret_cast<const float*>(p));
-  } else {
-    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    if constexpr (kType == ScalarType::kBFloat16) {
-      f = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
-    } else {
-      f = _mm_cvtph_ps(h);
-    }
-  }
-  return _mm256_cvtps_pd(f);
-}
-
-// Bins of the 4 mixes in `mix` as 4 uint32.
-template <bool kPow2>
-RANKSCOPE_TARGET_AVX2 inline __m128i BinsAvx2(__m256i mix, const BinMap& map) {
-  if constexpr (kPow2) {
-    const __m256i high =
-        _mm256_permutevar8x32_epi32(mix, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
-    return _mm_and_si128(_mm256_castsi256_si128(high), _mm_set1_epi32(static_cast<int>(map.mask)));
-  } else {
-    // n = mix >> 32 as a double (exact: 2^52 + n - 2^52). q = n * inv_dim rounded to the nearest
-    // integer (by adding 2^52) is floor(n / dim) or one more, as the rounding error of n * inv_dim
-    // is below 2^32 * 2^-52 <= 1 / dim; so r = n - q * dim lies in (-dim, dim), and adding dim
-    // when it is negative makes it the exact remainder. All values are integers below 2^53.
-    const __m256d two52 = _mm256_set1_pd(kTwo52);
-    const __m256d n = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(
-                                        _mm256_srli_epi64(mix, 32), _mm256_castpd_si256(two52))),
-                                    two52);
-    const __m256d d = _mm256_set1_pd(map.dim);
-    const __m256d q =
-        _mm256_sub_pd(_mm256_add_pd(_mm256_mul_pd(n, _mm256_set1_pd(map.inv_dim)), two52), two52);
-    __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));
-    r = _mm256_add_pd(r, _mm256_and_pd(_mm256_cmp_pd(r, _mm256_setzero_pd(), _CMP_LT_OQ), d));
-    return _mm256_cvttpd_epi32(r);
-  }
-}
-
-template <ScalarType kType, bool kPow2>
-class HasherAvx2 {
- public:
-  RANKSCOPE_TARGET_AVX2 HasherAvx2(const unsigned char* data, uint64_t first, const KernelArgs& a)
-      : data_(data), map_(a.map) {
-    // Vector v of a step holds coordinates first + 4v .. first + 4v + 3.
-    const uint64_t z0 = a.seed + (first + 1) * kGolden;
-    for (int v = 0; v < 2 * kStepGroups; ++v) {
-      const uint64_t base = z0 + 4 * v * kGolden;
-      z_[v] = _mm256_setr_epi64x(static_cast<int64_t>(base), static_cast<int64_t>(base + kGolden),
-                                 static_cast<int64_t>(base + 2 * kGolden),
-                                 static_cast<int64_t>(base + 3 * kGolden));
-    }
-    acc_[0] = _mm256_loadu_pd(a.lanes);
-    acc_[1] = _mm256_loadu_pd(a.lanes + 4);
-  }
-
-  RANKSCOPE_TARGET_AVX2 void Finish(double* lanes) const {
-    _mm256_storeu_pd(lanes, acc_[0]);
-    _mm256_storeu_pd(lanes + 4, acc_[1]);
-  }
-
-  RANKSCOPE_TARGET_AVX2 void Step(uint32_t* bin, double* val) {
-    constexpr size_t kSize = kElementSize<kType>;
-    const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(kStepCoords * kGolden));
-    Prefetch<kStepCoords * kSize>(data_);
-    for (int v = 0; v < 2 * kStepGroups; ++v) {
-      const __m256i mix = Mix(z_[v]);
-      z_[v] = _mm256_add_epi64(z_[v], step);
-      const __m256d x = Load4Avx2<kType>(data_ + 4 * v * kSize);
-      acc_[v % 2] = _mm256_add_pd(acc_[v % 2], _mm256_mul_pd(x, x));
-      _mm256_store_pd(val + 4 * v,
-                      _mm256_xor_pd(x, _mm256_castsi256_pd(_mm256_slli_epi64(mix, 63))));
-      _mm_store_si128(reinterpret_cast<__m128i*>(bin + 4 * v), BinsAvx2<kPow2>(mix, map_));
-    }
-    data_ += kStepCoords * kSize;
-  }
-
- private:
-  RANKSCOPE_TARGET_AVX2 static __m256i Mix(__m256i z) {
-    const __m256i m1_lo = _mm256_set1_epi64x(static_cast<int64_t>(kMix1 & 0xffffffffu));
-    const __m256i m1_hi = _mm256_set1_epi64x(static_cast<int64_t>(kMix1 >> 32));
-    const __m256i m2_lo = _mm256_set1_epi64x(static_cast<int64_t>(kMix2 & 0xffffffffu));
-    const __m256i m2_hi = _mm256_set1_epi64x(static_cast<int64_t>(kMix2 >> 32));
-    z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1_lo, m1_hi);
-    z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2_lo, m2_hi);
-    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-  }
-
-  const unsigned char* data_;
-  BinMap map_;
-  __m256i z_[2 * kStepGroups];
-  __m256d acc_[2];  // partial sums of squares of lanes 0-3 and 4-7
-};
-
-template <ScalarType kType, bool kPow2>
-RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t steps, uint64_t first,
-                                    const KernelArgs& a) {
-  HasherAvx2<kType, kPow2> hasher(data, first, a);
-  RunPipeline(hasher, steps, a.bins);
-  hasher.Finish(a.lanes);
-}
-
-// ---- AVX-512: a group is one vector of 8 lanes.
-
-template <ScalarType kType>
-RANKSCOPE_TARGET_AVX512 inline __m512d Load8Avx512(const unsigned char* p) {
-  __m256 f;
-  if constexpr (kType == ScalarType::kFloat32) {
-    f = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
   } else {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     if constexpr (kType == ScalarType::kBFloat16) {
-      f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     } else {
-      f = _mm256_cvtph_ps(h);
+      return _mm256_cvtph_ps(h);
     }
   }
-  return _mm512_cvtps_pd(f);
 }
 
-// Bins of the 8 mixes in `mix` as 8 uint32.
-template <bool kPow2>
-RANKSCOPE_TARGET_AVX512 inline __m256i BinsAvx512(__m512i mix, const BinMap& map) {
-  // The high 32 bits of each lane, gathered into the low 256 bits.
-  const __m256i high = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
-      _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15), mix));
-  if constexpr (kPow2) {
-    return _mm256_and_si256(high, _mm256_set1_epi32(static_cast<int>(map.mask)));
+template <ScalarType kType, bool kPow2>
+RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, uint64_t first,
+                                    const KernelArgs& a) {
+  constexpr size_t kSize = kElementSize<kType>;
+  const BinMap map = a.map;
+  const uint32_t last_unwrapped = map.dim - kBlock;
+  double* const bins = a.bins;
+  // Shifts that move bit o of the mix to the float sign bit of lane o (o = 0-7, then 8-15).
+  const __m256i shift_lo = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+  const __m256i shift_hi = _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16);
+  const __m256i sign_bit = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
+  __m256d acc0 = _mm256_loadu_pd(a.lanes);  // partial sums of squares of lanes 0-3
+  __m256d acc1 = _mm256_loadu_pd(a.lanes + 4);
+  auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX2 {
+    const __m256i m = _mm256_set1_epi32(static_cast<int32_t>(mix));
+    const __m256 lo = _mm256_xor_ps(
+        Load8Avx2<kType>(p),
+        _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift_lo), sign_bit)));
+    const __m256 hi = _mm256_xor_ps(
+        Load8Avx2<kType>(p + 8 * kSize),
+        _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift_hi), sign_bit)));
+    const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(lo));
+    const __m256d v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1));
+    const __m256d v2 = _mm256_cvtps_pd(_mm256_castps256_ps128(hi));
+    const __m256d v3 = _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1));
+    // x * x is exact in double, so acc + x * x rounds once, as the scalar path does.
+    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(v0, v0));
+    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(v1, v1));
+    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(v2, v2));
+    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(v3, v3));
+    const uint32_t base = BaseOf<kPow2>(mix, map);
+    if (__builtin_expect(base > last_unwrapped, 0)) {
+      AddWrappedBlock<kType>(p, mix, base, map.dim, bins);
+      return;
+    }
+    double* w = bins + base;
+    _mm256_storeu_pd(w, _mm256_add_pd(_mm256_loadu_pd(w), v0));
+    _mm256_storeu_pd(w + 4, _mm256_add_pd(_mm256_loadu_pd(w + 4), v1));
+    _mm256_storeu_pd(w + 8, _mm256_add_pd(_mm256_loadu_pd(w + 8), v2));
+    _mm256_storeu_pd(w + 12, _mm256_add_pd(_mm256_loadu_pd(w + 12), v3));
+  };
+  ForEachBlock<kType>(data, blocks, first, a.seed, add_block);
+  _mm256_storeu_pd(a.lanes, acc0);
+  _mm256_storeu_pd(a.lanes + 4, acc1);
+}
+
+// ---- AVX-512: a block is one vector of 16 floats, widened to two vectors of 8 doubles.
+
+template <ScalarType kType>
+RANKSCOPE_TARGET_AVX512 inline __m512 Load16Avx512(const unsigned char* p) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
   } else {
-    // As in BinsAvx2 (the fused multiply-add rounds n * inv_dim + 2^52 once, to an integer).
-    const __m512d two52 = _mm512_set1_pd(kTwo52);
-    const __m512d n = _mm512_cvtepu32_pd(high);
-    const __m512d d = _mm512_set1_pd(map.dim);
-    const __m512d q = _mm512_sub_pd(_mm512_fmadd_pd(n, _mm512_set1_pd(map.inv_dim), two52), two52);
-    __m512d r = _mm512_fnmadd_pd(q, d, n);
-    r = _mm512_mask_add_pd(r, _mm512_cmp_pd_mask(r, _mm512_setzero_pd(), _CMP_LT_OQ), r, d);
-    return _mm512_cvttpd_epi32(r);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (kType == ScalarType::kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
   }
 }
 
 template <ScalarType kType, bool kPow2>
-class HasherAvx512 {
- public:
-  RANKSCOPE_TARGET_AVX512 HasherAvx512(const unsigned char* data, uint64_t first,
-                                       const KernelArgs& a)
-      : data_(data), map_(a.map) {
-    // Vector v of a step holds coordinates first + 8v .. first + 8v + 7.
-    const uint64_t z0 = a.seed + (first + 1) * kGolden;
-    for (int v = 0; v < kStepGroups; ++v) {
-      const uint64_t base = z0 + 8 * v * kGolden;
-      z_[v] = _mm512_add_epi64(
-          _mm512_set1_epi64(static_cast<int64_t>(base)),
-          _mm512_setr_epi64(0, static_cast<int64_t>(kGolden), static_cast<int64_t>(2 * kGolden),
-                            static_cast<int64_t>(3 * kGolden), static_cast<int64_t>(4 * kGolden),
-                            static_cast<int64_t>(5 * kGolden), static_cast<int64_t>(6 * kGolden),
-                            static_cast<int64_t>(7 * kGolden)));
-    }
-    acc_ = _mm512_loadu_pd(a.lanes);
-  }
-
-  RANKSCOPE_TARGET_AVX512 void Finish(double* lanes) const { _mm512_storeu_pd(lanes, acc_); }
-
-  RANKSCOPE_TARGET_AVX512 void Step(uint32_t* bin, double* val) {
-    constexpr size_t kSize = kElementSize<kType>;
-    const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(kStepCoords * kGolden));
-    const __m512i one = _mm512_set1_epi64(1);
-    const __m512i sign_bit = _mm512_set1_epi64(std::numeric_limits<int64_t>::min());
-    Prefetch<kStepCoords * kSize>(data_);
-    for (int v = 0; v < kStepGroups; ++v) {
-      const __m512i mix = Mix(z_[v]);
-      z_[v] = _mm512_add_epi64(z_[v], step);
-      const __m512d x = Load8Avx512<kType>(data_ + 8 * v * kSize);
-      acc_ = _mm512_fmadd_pd(x, x, acc_);  // x * x is exact, so this equals acc + x * x
-      const __m512i xi = _mm512_castpd_si512(x);
-      _mm512_store_si512(val + 8 * v,
-                         _mm512_mask_xor_epi64(xi, _mm512_test_epi64_mask(mix, one), xi, sign_bit));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(bin + 8 * v), BinsAvx512<kPow2>(mix, map_));
-    }
-    data_ += kStepCoords * kSize;
-  }
-
- private:
-  RANKSCOPE_TARGET_AVX512 static __m512i Mix(__m512i z) {
-    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
-    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix1)));
-    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
-    z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(kMix2)));
-    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-  }
-
-  const unsigned char* data_;
-  BinMap map_;
-  __m512i z_[kStepGroups];
-  __m512d acc_;  // partial sums of squares, lane l for coordinates l mod 8
-};
-
-template <ScalarType kType, bool kPow2>
-RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t steps, uint64_t first,
+RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks, uint64_t first,
                                         const KernelArgs& a) {
-  HasherAvx512<kType, kPow2> hasher(data, first, a);
-  RunPipeline(hasher, steps, a.bins);
-  hasher.Finish(a.lanes);
+  const BinMap map = a.map;
+  const uint32_t last_unwrapped = map.dim - kBlock;
+  double* const bins = a.bins;
+  const __m512i sign_bit = _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
+  __m512d acc = _mm512_loadu_pd(a.lanes);  // lane l: coordinates l mod 8
+  auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX512 {
+    const __m512i x = _mm512_castps_si512(Load16Avx512<kType>(p));
+    const __m512 f =
+        _mm512_castsi512_ps(_mm512_mask_xor_epi32(x, static_cast<__mmask16>(mix), x, sign_bit));
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
+    // x * x is exact in double, so acc + x * x rounds once, as the scalar path does.
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+    const uint32_t base = BaseOf<kPow2>(mix, map);
+    if (__builtin_expect(base > last_unwrapped, 0)) {
+      AddWrappedBlock<kType>(p, mix, base, map.dim, bins);
+      return;
+    }
+    double* w = bins + base;
+    _mm512_storeu_pd(w, _mm512_add_pd(_mm512_loadu_pd(w), lo));
+    _mm512_storeu_pd(w + 8, _mm512_add_pd(_mm512_loadu_pd(w + 8), hi));
+  };
+  ForEachBlock<kType>(data, blocks, first, a.seed, add_block);
+  _mm512_storeu_pd(a.lanes, acc);
 }
 
 bool CpuHasF16c() {
@@ -449,19 +378,21 @@ BodyFn SelectBody(KernelIsa isa) {
   }
 }
 
-// Head (scalar, up to a multiple of kGroup), body (vector), tail (scalar).
+// Head (scalar, up to a block boundary), body (vector, whole blocks), tail (scalar). A window
+// of 16 bins needs dim >= 16: smaller sketches take the scalar path throughout.
 template <ScalarType kType, bool kPow2>
 void AddRange(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first,
               const KernelArgs& a) {
+  if (a.map.dim < kBlock) isa = KernelIsa::kScalar;
   constexpr size_t kSize = kElementSize<kType>;
-  const size_t head = std::min<size_t>(n, (kGroup - first % kGroup) % kGroup);
+  const size_t head = std::min<size_t>(n, (kBlock - first % kBlock) % kBlock);
   AddScalar<kType, kPow2>(data, head, first, a);
   data += head * kSize;
   first += head;
   n -= head;
-  const size_t steps = n / kStepCoords;
-  if (steps > 0) SelectBody<kType, kPow2>(isa)(data, steps, first, a);
-  const size_t done = steps * kStepCoords;
+  const size_t blocks = n / kBlock;
+  if (blocks > 0) SelectBody<kType, kPow2>(isa)(data, blocks, first, a);
+  const size_t done = blocks * kBlock;
   AddScalar<kType, kPow2>(data + done * kSize, n - done, first + done, a);
 }
 
@@ -478,7 +409,9 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
 KernelIsa DetectBestIsa() {
 #ifdef RANKSCOPE_SKETCH_X86
   __builtin_cpu_init();
-  if (!CpuHasF16c() || !__builtin_cpu_supports("avx2")) return KernelIsa::kScalar;
+  if (!CpuHasF16c() || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2")) {
+    return KernelIsa::kScalar;
+  }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
     return KernelIsa::kAvx512;
@@ -495,8 +428,11 @@ uint64_t SketchMix(uint64_t index, uint64_t seed) { return Mix64(index, seed); }
 
 SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim) {
   assert(dim >= 1);
-  const uint64_t mix = Mix64(index, seed);
-  return SketchSlot{static_cast<uint32_t>((mix >> 32) % dim), (mix & 1) ? -1.0f : 1.0f};
+  const uint64_t mix = Mix64(index / kBlock, seed);
+  const uint64_t offset = index % kBlock;
+  const uint64_t base = (mix >> 32) % dim;
+  return SketchSlot{static_cast<uint32_t>((base + offset) % dim),
+                    ((mix >> offset) & 1) ? -1.0f : 1.0f};
 }
 
 float BFloat16ToFloat(uint16_t bits) { return WidenBFloat16(bits); }
@@ -536,13 +472,13 @@ const char* KernelIsaName(KernelIsa isa) {
 
 void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType type, size_t n,
                 uint64_t offset) {
-  static_assert(CountSketch::kSumSquaresLanes == kGroup, "one partial sum per vector lane");
+  static_assert(CountSketch::kSumSquaresLanes == kLanes, "one partial sum per vector lane");
   if (n == 0) return;
   assert(data != nullptr);
   assert(KernelIsaSupported(isa));
   if (!KernelIsaSupported(isa)) isa = KernelIsa::kScalar;
   const uint32_t dim = sketch.dim();
-  const KernelArgs args{sketch.seed_, BinMap{dim, dim - 1, 1.0 / dim}, sketch.bins_.data(),
+  const KernelArgs args{sketch.seed_, MakeBinMap(dim), sketch.bins_.data(),
                         sketch.sum_squares_lanes_};
   const auto* bytes = static_cast<const unsigned char*>(data);
   switch (type) {

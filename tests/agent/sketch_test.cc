@@ -117,41 +117,75 @@ TEST(SketchMixTest, IsSplitMix64) {
   // The test vectors documented in sketch.h for the PyTorch port.
   EXPECT_EQ(SketchMix(0, kDefaultSketchSeed), 0x9609B8E9179AF10CULL);
   EXPECT_EQ(SketchMix(12345, kDefaultSketchSeed), 0x5FA110022D614E1BULL);
+  EXPECT_EQ(SketchMix(771, kDefaultSketchSeed), 0x26C6053CFF35630DULL);
 }
 
-TEST(SketchHashTest, BinFromHighBitsSignFromLowestBit) {
-  for (uint32_t dim : {1u, 2u, 3u, 1000u, 1024u, 999983u, kMaxSketchDim}) {
-    for (uint64_t index : {0ULL, 1ULL, 12345ULL, (1ULL << 40) + 7, ~0ULL}) {
-      const uint64_t mix = SketchMix(index, kDefaultSketchSeed);
+TEST(SketchHashTest, BlockWindowFromHighBitsSignsFromLowBits) {
+  // sketch.h's rule, restated from SketchMix: block i >> 4 gets base (mix >> 32) % dim, offset
+  // o = i & 15 goes to (base + o) % dim with the sign of bit o.
+  for (uint32_t dim : {1u, 2u, 3u, 7u, 15u, 16u, 17u, 1000u, 1024u, 999983u, kMaxSketchDim}) {
+    for (uint64_t index : {0ULL, 1ULL, 15ULL, 16ULL, 12345ULL, (1ULL << 40) + 7, ~0ULL}) {
+      const uint64_t mix = SketchMix(index >> 4, kDefaultSketchSeed);
+      const uint64_t o = index & 15;
       const SketchSlot slot = SketchHash(index, kDefaultSketchSeed, dim);
-      EXPECT_EQ(slot.bin, (mix >> 32) % dim);
-      EXPECT_EQ(slot.sign, (mix & 1) ? -1.0f : 1.0f);
+      EXPECT_EQ(slot.bin, ((mix >> 32) % dim + o) % dim) << "dim " << dim << " index " << index;
+      EXPECT_EQ(slot.sign, ((mix >> o) & 1) ? -1.0f : 1.0f);
     }
   }
-  const SketchSlot slot = SketchHash(12345, kDefaultSketchSeed, 1024);
-  EXPECT_EQ(slot.bin, 2u);
-  EXPECT_EQ(slot.sign, -1.0f);
-  EXPECT_EQ(SketchHash(12345, kDefaultSketchSeed, 1000).bin, 914u);
+  // The test vectors documented in sketch.h (computed with the rule in Python integers).
+  auto expect_slot = [](uint64_t index, uint32_t dim, uint32_t bin, float sign) {
+    const SketchSlot slot = SketchHash(index, kDefaultSketchSeed, dim);
+    EXPECT_EQ(slot.bin, bin) << "index " << index << " dim " << dim;
+    EXPECT_EQ(slot.sign, sign) << "index " << index << " dim " << dim;
+  };
+  expect_slot(0, 1024, 233, 1.0f);
+  expect_slot(15, 1024, 248, -1.0f);
+  expect_slot(12345, 1024, 325, -1.0f);
+  expect_slot(12345, 1000, 685, -1.0f);
+  expect_slot(12345, 7, 5, -1.0f);
 }
 
-TEST(SketchHashTest, BinsUniformSignsBalanced) {
-  // Chi-square of 1e6 consecutive indices over 1000 bins: 999 degrees of freedom, mean 999 and
-  // standard deviation 44.7; the bound is 6 standard deviations above the mean.
-  constexpr uint32_t kDim = 1000;
-  constexpr int kN = 1000000;
-  std::vector<int> count(kDim, 0);
-  int negative = 0;
-  for (int i = 0; i < kN; ++i) {
-    const SketchSlot slot = SketchHash(i, kDefaultSketchSeed, kDim);
-    ++count[slot.bin];
-    negative += slot.sign < 0;
+TEST(SketchHashTest, BlockCoversSixteenDistinctConsecutiveBins) {
+  // The property the variance argument rests on: coordinates of one block never collide when
+  // dim >= 16, and their bins are consecutive modulo dim.
+  for (uint32_t dim : {16u, 17u, 31u, 1000u, 1024u}) {
+    for (uint64_t block = 0; block < 2000; ++block) {
+      const uint32_t base = SketchHash(16 * block, 9, dim).bin;
+      std::vector<bool> seen(dim, false);
+      for (uint32_t o = 0; o < 16; ++o) {
+        const uint32_t bin = SketchHash(16 * block + o, 9, dim).bin;
+        ASSERT_EQ(bin, (base + o) % dim) << "dim " << dim << " block " << block;
+        ASSERT_FALSE(seen[bin]);
+        seen[bin] = true;
+      }
+    }
   }
-  const double expected = static_cast<double>(kN) / kDim;
+}
+
+TEST(SketchHashTest, BasesUniformSignsBalanced) {
+  // Chi-square of the bases of 1e6 consecutive blocks over 1000 bins: 999 degrees of freedom,
+  // mean 999 and standard deviation 44.7; the bound is 6 standard deviations above the mean.
+  // (The base is the bin of offset 0; the other offsets are shifts of it.)
+  constexpr uint32_t kDim = 1000;
+  constexpr int kBlocks = 1000000;
+  std::vector<int> count(kDim, 0);
+  for (int b = 0; b < kBlocks; ++b) ++count[SketchHash(16ULL * b, kDefaultSketchSeed, kDim).bin];
+  const double expected = static_cast<double>(kBlocks) / kDim;
   double chi2 = 0.0;
   for (int c : count) chi2 += (c - expected) * (c - expected) / expected;
   EXPECT_LT(chi2, 999 + 6 * 44.7);
-  // Signs: binomial(1e6, 1/2) has standard deviation 500.
+  // Signs of 1e6 consecutive coordinates (16 bits of each of 62500 mixes): binomial(1e6, 1/2)
+  // has standard deviation 500; and each offset's sign alone, binomial(62500, 1/2), 125.
+  constexpr int kN = 1000000;
+  int negative = 0;
+  std::vector<int> negative_at(16, 0);
+  for (int i = 0; i < kN; ++i) {
+    const bool neg = SketchHash(i, kDefaultSketchSeed, kDim).sign < 0;
+    negative += neg;
+    negative_at[i % 16] += neg;
+  }
   EXPECT_NEAR(negative, kN / 2, 6 * 500);
+  for (int o = 0; o < 16; ++o) EXPECT_NEAR(negative_at[o], kN / 32, 6 * 125) << "offset " << o;
 }
 
 // ---- Conversions.
@@ -211,8 +245,8 @@ TEST(ConversionTest, Float16ExhaustiveAgainstDefinition) {
 
 TEST(CountSketchTest, MatchesDefinitionExactly) {
   const std::vector<float> x = RandomVector(10007, 1);
-  for (uint32_t dim : {1u, 3u, 1000u, 1024u, 4096u, 999983u}) {
-    for (uint64_t offset : {0ULL, 5ULL, 123456789ULL, (1ULL << 40) + 3}) {
+  for (uint32_t dim : {1u, 3u, 7u, 16u, 17u, 1000u, 1024u, 4096u, 999983u}) {
+    for (uint64_t offset : {0ULL, 5ULL, 16ULL, 123456789ULL, (1ULL << 40) + 3}) {
       CountSketch sketch(dim, kDefaultSketchSeed);
       sketch.AddFloat32(x.data(), x.size(), offset);
       ExpectBitIdentical(sketch.bins(), ReferenceBins(x, offset, dim, kDefaultSketchSeed));
@@ -255,7 +289,7 @@ TEST(CountSketchTest, AllKernelPathsBitIdentical) {
     const void* src = type == ScalarType::kFloat32    ? static_cast<const void*>(f32.data())
                       : type == ScalarType::kBFloat16 ? static_cast<const void*>(bf16.data())
                                                       : static_cast<const void*>(f16.data());
-    for (uint32_t dim : {1u, 7u, 1000u, 1024u, 65536u, 999983u, kMaxSketchDim - 1}) {
+    for (uint32_t dim : {1u, 7u, 15u, 16u, 17u, 1000u, 1024u, 65536u, 999983u, kMaxSketchDim - 1}) {
       for (int trial = 0; trial < 20; ++trial) {
         const size_t n = rng() % 5000;
         const uint64_t offset = trial < 10 ? rng() % 1000 : rng() >> 4;
@@ -312,21 +346,37 @@ TEST(CountSketchTest, SpecialValuesIdenticalOnAllPaths) {
 // ---- Chunking.
 
 TEST(CountSketchTest, AscendingChunksEqualWholeExactly) {
-  const std::vector<float> x = RandomVector(20000, 6);
+  // Chunks of random lengths (short ones split blocks; long ones hold whole blocks) at an odd
+  // global offset, through every dtype and path, give the bits of one whole Add.
+  const std::vector<float> f32 = RandomVector(20000, 6);
+  const std::vector<uint16_t> bf16 = ToBFloat16(f32);
+  const std::vector<uint16_t> f16 = RandomFloat16Bits(f32.size(), 23);
+  constexpr uint64_t kOffset = 1003;
   std::mt19937_64 rng(7);
-  for (uint32_t dim : {1000u, 1024u}) {
-    CountSketch whole(dim, 99);
-    whole.AddFloat32(x.data(), x.size(), 1000);
-    for (int trial = 0; trial < 20; ++trial) {
-      CountSketch chunked(dim, 99);
-      size_t start = 0;
-      while (start < x.size()) {
-        const size_t len = std::min<size_t>(x.size() - start, rng() % 700);
-        chunked.AddFloat32(x.data() + start, len, 1000 + start);
-        start += len;
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
+    const auto* bytes = type == ScalarType::kFloat32    ? reinterpret_cast<const char*>(f32.data())
+                        : type == ScalarType::kBFloat16 ? reinterpret_cast<const char*>(bf16.data())
+                                                        : reinterpret_cast<const char*>(f16.data());
+    for (KernelIsa isa : SupportedIsas()) {
+      for (uint32_t dim : {1u, 7u, 16u, 1000u, 1024u}) {
+        SCOPED_TRACE(testing::Message()
+                     << KernelIsaName(isa) << " type " << static_cast<int>(type) << " dim " << dim);
+        CountSketch whole(dim, 99);
+        AddWithIsa(whole, isa, bytes, type, f32.size(), kOffset);
+        for (int trial = 0; trial < 6; ++trial) {
+          CountSketch chunked(dim, 99);
+          size_t start = 0;
+          while (start < f32.size()) {
+            const size_t limit = trial % 2 == 0 ? 40 : 700;
+            const size_t len = std::min<size_t>(f32.size() - start, rng() % limit);
+            AddWithIsa(chunked, isa, bytes + start * size, type, len, kOffset + start);
+            start += len;
+          }
+          ExpectBitIdentical(chunked.bins(), whole.bins());
+          EXPECT_EQ(DoubleBits(chunked.sum_squares()), DoubleBits(whole.sum_squares()));
+        }
       }
-      ExpectBitIdentical(chunked.bins(), whole.bins());
-      EXPECT_EQ(DoubleBits(chunked.sum_squares()), DoubleBits(whole.sum_squares()));
     }
   }
 }
@@ -491,10 +541,10 @@ TEST(SketchCosineTest, EdgeCases) {
 // ---- Statistics: unbiasedness and accuracy.
 
 // E[<Sa, Sb>] = <a, b> over the choice of seed: the mean of the estimates over many seeds must
-// lie within 5 standard errors of the truth (standard error from the sample variance).
+// lie within 5 standard errors of the truth (standard error from the sample variance). Dim 7 is
+// below the block size: windows wrap onto themselves, and the estimate must stay unbiased.
 TEST(SketchStatisticsTest, InnerProductUnbiased) {
   constexpr size_t kN = 4096;
-  constexpr uint32_t kDim = 64;
   constexpr int kSeeds = 2000;
   const std::vector<float> a = RandomVector(kN, 19);
   std::vector<float> b = RandomVector(kN, 20);
@@ -504,43 +554,47 @@ TEST(SketchStatisticsTest, InnerProductUnbiased) {
     truth += double{a[i]} * b[i];
     a_norm2 += double{a[i]} * a[i];
   }
-  double sum = 0.0, sum2 = 0.0, norm_sum = 0.0, norm_sum2 = 0.0;
-  for (int s = 0; s < kSeeds; ++s) {
-    CountSketch sa(kDim, s), sb(kDim, s);
-    sa.AddFloat32(a.data(), kN, 0);
-    sb.AddFloat32(b.data(), kN, 0);
-    const double est = SketchDot(sa.ToFloats(), sb.ToFloats());
-    const double norm = SketchDot(sa.ToFloats(), sa.ToFloats());
-    sum += est;
-    sum2 += est * est;
-    norm_sum += norm;
-    norm_sum2 += norm * norm;
+  for (uint32_t dim : {64u, 7u}) {
+    double sum = 0.0, sum2 = 0.0, norm_sum = 0.0, norm_sum2 = 0.0;
+    for (int s = 0; s < kSeeds; ++s) {
+      CountSketch sa(dim, s), sb(dim, s);
+      sa.AddFloat32(a.data(), kN, 0);
+      sb.AddFloat32(b.data(), kN, 0);
+      const double est = SketchDot(sa.ToFloats(), sb.ToFloats());
+      const double norm = SketchDot(sa.ToFloats(), sa.ToFloats());
+      sum += est;
+      sum2 += est * est;
+      norm_sum += norm;
+      norm_sum2 += norm * norm;
+    }
+    const double mean = sum / kSeeds;
+    const double se = std::sqrt((sum2 / kSeeds - mean * mean) / kSeeds);
+    EXPECT_NEAR(mean, truth, 5 * se) << "dim " << dim << " truth " << truth;
+    const double norm_mean = norm_sum / kSeeds;
+    const double norm_se = std::sqrt((norm_sum2 / kSeeds - norm_mean * norm_mean) / kSeeds);
+    EXPECT_NEAR(norm_mean, a_norm2, 5 * norm_se) << "dim " << dim << " |a|^2 " << a_norm2;
+    // Sanity: the estimator is not degenerate (a count sketch has variance about |a|^2 |b|^2 / k).
+    EXPECT_GT(se, 0.0);
   }
-  const double mean = sum / kSeeds;
-  const double se = std::sqrt((sum2 / kSeeds - mean * mean) / kSeeds);
-  EXPECT_NEAR(mean, truth, 5 * se) << "truth " << truth;
-  const double norm_mean = norm_sum / kSeeds;
-  const double norm_se = std::sqrt((norm_sum2 / kSeeds - norm_mean * norm_mean) / kSeeds);
-  EXPECT_NEAR(norm_mean, a_norm2, 5 * norm_se) << "|a|^2 " << a_norm2;
-  // Sanity: the estimator is not degenerate (a count sketch has variance about |a|^2 |b|^2 / k).
-  EXPECT_GT(se, 0.0);
 }
 
-// Vectors with a known cosine c: b = c u + sqrt(1 - c^2) w for orthogonalized Gaussian u, w.
-// The sketch cosine errs by about (1 - c^2) / sqrt(k); every single estimate must be within
-// 4 / sqrt(k), and the root-mean-square error over seeds within 1.5 / sqrt(k).
-TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
-  constexpr size_t kN = 50000;
-  std::vector<double> u(kN), w(kN);
+// Vectors with a known cosine c: b = c u + sqrt(1 - c^2) w for orthogonalized Gaussian u, w,
+// supported on the coordinates stride * j + phase (j < kSupport). The sketch cosine errs by about
+// (1 - c^2) / sqrt(k); every single estimate must be within 4 / sqrt(k), and the root-mean-square
+// error over seeds within 1.5 / sqrt(k).
+void ExpectCosineErrorShrinksLikeOneOverSqrtK(size_t stride, size_t phase) {
+  constexpr size_t kSupport = 50000;
+  const size_t n = stride * kSupport;
+  std::vector<double> u(kSupport), w(kSupport);
   {
-    const std::vector<float> ru = RandomVector(kN, 21), rw = RandomVector(kN, 22);
+    const std::vector<float> ru = RandomVector(kSupport, 21), rw = RandomVector(kSupport, 22);
     double uu = 0, uw = 0;
-    for (size_t i = 0; i < kN; ++i) {
+    for (size_t i = 0; i < kSupport; ++i) {
       uu += double{ru[i]} * ru[i];
       uw += double{ru[i]} * rw[i];
     }
     double ww = 0;
-    for (size_t i = 0; i < kN; ++i) {
+    for (size_t i = 0; i < kSupport; ++i) {
       u[i] = ru[i] / std::sqrt(uu);
       w[i] = rw[i] - uw / uu * ru[i];
       ww += w[i] * w[i];
@@ -548,10 +602,10 @@ TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
     for (double& x : w) x /= std::sqrt(ww);
   }
   for (double c : {-0.5, 0.0, 0.3, 0.7, 0.95}) {
-    std::vector<float> a(kN), b(kN);
-    for (size_t i = 0; i < kN; ++i) {
-      a[i] = static_cast<float>(u[i]);
-      b[i] = static_cast<float>(c * u[i] + std::sqrt(1 - c * c) * w[i]);
+    std::vector<float> a(n, 0.0f), b(n, 0.0f);
+    for (size_t i = 0; i < kSupport; ++i) {
+      a[stride * i + phase] = static_cast<float>(u[i]);
+      b[stride * i + phase] = static_cast<float>(c * u[i] + std::sqrt(1 - c * c) * w[i]);
     }
     const double truth = SketchCosine(a, b);  // the exact cosine of the float vectors
     ASSERT_NEAR(truth, c, 1e-5);
@@ -560,8 +614,8 @@ TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
       constexpr int kSeeds = 20;
       for (int s = 0; s < kSeeds; ++s) {
         CountSketch sa(k, 1000 + s), sb(k, 1000 + s);
-        sa.AddFloat32(a.data(), kN, 0);
-        sb.AddFloat32(b.data(), kN, 0);
+        sa.AddFloat32(a.data(), n, 0);
+        sb.AddFloat32(b.data(), n, 0);
         const double err = SketchCosine(sa.ToFloats(), sb.ToFloats()) - truth;
         EXPECT_LT(std::fabs(err), 4 / std::sqrt(k)) << "c " << c << " k " << k << " seed " << s;
         sq += err * err;
@@ -569,6 +623,19 @@ TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
       EXPECT_LT(std::sqrt(sq / kSeeds), 1.5 / std::sqrt(k)) << "c " << c << " k " << k;
     }
   }
+}
+
+TEST(SketchStatisticsTest, CosineErrorShrinksLikeOneOverSqrtK) {
+  ExpectCosineErrorShrinksLikeOneOverSqrtK(1, 0);
+}
+
+// All the energy on one in-block offset (only coordinates i = 0 mod 16, or i = 15 mod 16, are
+// nonzero): every nonzero coordinate sits in its own block, so the bins it can reach must still
+// be all dim of them. A scheme with block-aligned windows (base a multiple of 16) would put them
+// all into dim / 16 bins, and its error would be 4 times larger.
+TEST(SketchStatisticsTest, CosineErrorBoundHoldsWithEnergyOnOneBlockOffset) {
+  ExpectCosineErrorShrinksLikeOneOverSqrtK(16, 0);
+  ExpectCosineErrorShrinksLikeOneOverSqrtK(16, 15);
 }
 
 }  // namespace

@@ -33,9 +33,12 @@ def test_header_test_vectors():
     assert _native.sketch_mix(0, 0) == 0xE220A8397B1DCDAF
     assert _native.sketch_mix(0, SEED) == 0x9609B8E9179AF10C
     assert _native.sketch_mix(12345, SEED) == 0x5FA110022D614E1B
+    assert _native.sketch_mix(771, SEED) == 0x26C6053CFF35630D  # block 771: 12336-12351
     assert _native.sketch_hash(0, SEED, 1024) == (233, 1.0)
-    assert _native.sketch_hash(12345, SEED, 1024) == (2, -1.0)
-    assert _native.sketch_hash(12345, SEED, 1000) == (914, -1.0)
+    assert _native.sketch_hash(15, SEED, 1024) == (248, -1.0)
+    assert _native.sketch_hash(12345, SEED, 1024) == (325, -1.0)
+    assert _native.sketch_hash(12345, SEED, 1000) == (685, -1.0)
+    assert _native.sketch_hash(12345, SEED, 7) == (5, -1.0)
 
 
 @pytest.mark.parametrize("seed", [0, SEED, MASK64, 0x8000000000000000])
@@ -50,11 +53,12 @@ def test_torch_mix_equals_kernel_mix(seed, offset):
         assert int(ours[i]) & MASK64 == reference_mix(offset + i, seed)
 
 
-@pytest.mark.parametrize("dim", [1, 7, 1000, 1024, 65537])
-def test_torch_slots_equal_kernel_slots(dim):
-    offset, n = (1 << 33) + 17, 2000
+@pytest.mark.parametrize("dim", [1, 7, 16, 1000, 1024, 65537])
+@pytest.mark.parametrize("offset,n", [((1 << 33) + 17, 2000), (0, 1), (5, 40), (32, 16)])
+def test_torch_slots_equal_kernel_slots(dim, offset, n):
     bins, signs = sketch_slots(offset, n, SEED, dim)
-    for i in range(0, n, 37):
+    assert bins.numel() == signs.numel() == n
+    for i in sorted(set(range(0, n, 37)) | {0, n - 1}):
         assert (int(bins[i]), float(signs[i])) == _native.sketch_hash(offset + i, SEED, dim)
 
 

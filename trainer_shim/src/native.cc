@@ -423,7 +423,8 @@ PYBIND11_MODULE(_native, m) {
         "float64. Releases the GIL.");
 
   m.def("sketch_mix", &SketchMix, py::arg("index"), py::arg("seed"),
-        "The 64-bit SplitMix64 mix of (index, seed) that bin and sign are taken from.");
+        "SplitMix64 output number `index` for `seed`; sketch_hash takes it at the block index "
+        "(coordinate >> 4): base bin from the high 32 bits, the 16 signs from the low 16.");
   m.def(
       "sketch_hash",
       [](uint64_t index, uint64_t seed, uint32_t dim) {

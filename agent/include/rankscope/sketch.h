@@ -1,10 +1,25 @@
 // Count sketch of a flat gradient vector (DESIGN.md "Sketch").
 //
-// Coordinate i of the flat vector goes to bin h(i) mod k with sign s(i) = +-1, both taken from
-// one 64-bit mix of (i, seed). Every rank must use the same (k, seed) and the same flat index
-// order, or the sketches are not comparable. The sketch is linear, so a gradient may be fed
-// chunk by chunk in any order, each chunk with the global offset of its first coordinate, and the
-// result equals feeding it whole (exactly, up to floating-point summation order in the bins).
+// A block count sketch: coordinate i of the flat vector lies in block i / 16 at offset i % 16.
+// One 64-bit mix of (block, seed) gives the block a base bin, uniform in [0, dim), and 16 sign
+// bits; offset o of the block goes to bin (base + o) mod dim with the sign of bit o. Every rank
+// must use the same (k, seed) and the same flat index order, or the sketches are not comparable.
+// The sketch is linear, so a gradient may be fed chunk by chunk in any order (chunks may start
+// and end anywhere, mid-block included), each chunk with the global offset of its first
+// coordinate, and the result equals feeding it whole (exactly, up to floating-point summation
+// order in the bins).
+//
+// Why it keeps DESIGN.md's contract (unbiased inner products, cosine error ~ 1/sqrt(k)): the
+// estimate <Sa, Sb> = sum_{i,j} s(i) s(j) [h(i) = h(j)] a_i b_j has a mean and a variance that
+// depend only on the pairwise collision probabilities and on the independence of the signs. Two
+// coordinates in different blocks collide with probability exactly 1/dim (their bases are
+// independent and uniform over all dim values, whatever their offsets); two in the same block
+// never collide (dim >= 16: the window holds 16 distinct bins); every coordinate has its own sign
+// bit. So E<Sa, Sb> = <a, b>, and the variance is no larger than that of the per-coordinate count
+// sketch (whose same-block pairs collide with probability 1/dim); the cosine error still shrinks
+// like 1/sqrt(k). For dim < 16 a window wraps onto itself and same-block pairs may collide, with
+// signs still independent, so the estimate stays unbiased. The window is what makes the kernel
+// fast: one hash per 16 coordinates and one contiguous vector update (docs/PERFORMANCE.md).
 //
 // Thread safety: a CountSketch is thread-compatible (const methods may be called concurrently;
 // mutation needs external synchronization). The free functions are thread-safe.
@@ -32,26 +47,32 @@ struct SketchSlot {
   float sign;
 };
 
-// The 64-bit mix of (index, seed) from which bin and sign are taken. Pure; identical on every
-// platform. The bin is taken from the high bits (mix >> 32) mod dim, the sign from the lowest bit.
-//
-// The mix is output number `index` (counting from 0) of the SplitMix64 generator seeded with
-// `seed` (Vigna, prng.di.unimi.it/splitmix64.c). All arithmetic is on uint64 modulo 2^64, and
-// every >> is a LOGICAL shift:
+// SketchMix is output number `index` (counting from 0) of the SplitMix64 generator seeded with
+// `seed` (Vigna, prng.di.unimi.it/splitmix64.c); SketchHash applies it to the BLOCK index. Pure;
+// identical on every platform. All arithmetic is on uint64 modulo 2^64, and every >> is a
+// LOGICAL shift:
 //
 //   z = seed + (index + 1) * 0x9E3779B97F4A7C15
 //   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
 //   z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-//   mix = z ^ (z >> 31)
-//   bin  = (mix >> 32) % dim                  (an exact remainder, also for dims not a power of 2)
-//   sign = (mix & 1) == 0 ? +1.0f : -1.0f
+//   SketchMix(index, seed) = z ^ (z >> 31)
+//
+//   SketchHash(i, seed, dim), for coordinate i:
+//   mix  = SketchMix(i >> 4, seed)                (one mix per block of 16 coordinates)
+//   o    = i & 15                                 (the offset in the block)
+//   bin  = ((mix >> 32) % dim + o) % dim          (exact remainders, also for dims not 2^n)
+//   sign = ((mix >> o) & 1) == 0 ? +1.0f : -1.0f  (bits 0-15 are the block's 16 signs)
 //
 // A port to signed int64 (e.g. torch tensors on a GPU) gets the same bits: + and * wrap the same
 // way in two's complement, but >> on int64 is arithmetic there, so write the logical shift as
-// (z >> s) & ((1 << (64 - s)) - 1); (mix >> 32) then lies in [0, 2^32) and % dim is unchanged.
+// (z >> s) & ((1 << (64 - s)) - 1); (mix >> 32) then lies in [0, 2^32) and % dim is unchanged
+// (bit o of mix, o < 16, is the same under either shift).
 // Test vectors: SketchMix(0, 0) == 0xE220A8397B1DCDAF;
-//   SketchMix(0, kDefaultSketchSeed) == 0x9609B8E9179AF10C (bin 233 of 1024, sign +1);
-//   SketchMix(12345, kDefaultSketchSeed) == 0x5FA110022D614E1B (bin 2 of 1024, 914 of 1000, -1).
+//   SketchMix(0, kDefaultSketchSeed) == 0x9609B8E9179AF10C;
+//   SketchMix(771, kDefaultSketchSeed) == 0x26C6053CFF35630D (block 771 holds 12336-12351);
+//   SketchHash(0, kDefaultSketchSeed, 1024) == {233, +1}; SketchHash(15, ..., 1024) == {248, -1};
+//   SketchHash(12345, ..., 1024) == {325, -1}; SketchHash(12345, ..., 1000) == {685, -1};
+//   SketchHash(12345, ..., 7) == {5, -1}.
 uint64_t SketchMix(uint64_t index, uint64_t seed);
 SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim);
 

@@ -1,11 +1,13 @@
 """The count sketch written with torch operations, for gradients that do not live on the CPU.
 
 It reproduces bit for bit the bins and signs of the C++ kernel (agent/include/rankscope/sketch.h,
-``SketchMix``): coordinate ``i`` goes to bin ``(mix >> 32) % dim`` with sign ``+1`` if the lowest
-bit of ``mix`` is 0, else ``-1``, where ``mix`` is output number ``i`` of SplitMix64 seeded with
-``seed``. The arithmetic is uint64 modulo 2**64; torch has no uint64, so it runs on int64: ``+``
-and ``*`` wrap identically in two's complement, and the LOGICAL right shift is written as an
-arithmetic shift followed by a mask.
+``SketchHash``), a block count sketch: coordinate ``i`` lies in block ``i >> 4`` at offset
+``o = i & 15``; with ``mix`` = output number ``i >> 4`` of SplitMix64 seeded with ``seed``, it goes
+to bin ``((mix >> 32) % dim + o) % dim`` with sign ``+1`` if bit ``o`` of ``mix`` is 0, else
+``-1``. So there is one mix per 16 coordinates. The arithmetic is uint64 modulo 2**64; torch has no
+uint64, so it runs on int64: ``+`` and ``*`` wrap identically in two's complement, and the LOGICAL
+right shift is written as an arithmetic shift followed by a mask (bit ``o < 16`` of ``mix`` is the
+same under either shift).
 
 Everything stays on the gradient's device: no host copy, no ``.item()``, no synchronization.
 Bins accumulate in float64 (as the C++ kernel's) and the sum of squares in a float64 0-d tensor.
@@ -46,13 +48,33 @@ def sketch_mix(index: torch.Tensor, seed: int) -> torch.Tensor:
     return z
 
 
+BLOCK = 16  # coordinates per hash block
+
+_OFFSETS = {}  # device -> arange(BLOCK) as int64
+
+
+def _block_offsets(device) -> torch.Tensor:
+    key = torch.device(device) if device is not None else torch.device("cpu")
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        offsets = _OFFSETS[key] = torch.arange(BLOCK, dtype=torch.int64, device=key)
+    return offsets
+
+
 def sketch_slots(offset: int, n: int, seed: int, dim: int, device=None):
     """(bins int64, signs float64) of coordinates [offset, offset + n)."""
-    index = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
-    mix = sketch_mix(index, seed)
-    bins = _lsr(mix, 32).remainder_(dim)
-    signs = torch.bitwise_and(mix, 1).mul_(-2).add_(1).to(torch.float64)
-    return bins, signs
+    if n <= 0:
+        return (torch.empty(0, dtype=torch.int64, device=device),
+                torch.empty(0, dtype=torch.float64, device=device))
+    first_block = offset // BLOCK
+    blocks = torch.arange(first_block, (offset + n - 1) // BLOCK + 1, dtype=torch.int64,
+                          device=device)
+    mix = sketch_mix(blocks, seed).unsqueeze_(1)  # one mix per block
+    o = _block_offsets(device)
+    bins = _lsr(mix, 32).remainder_(dim).add(o).remainder_(dim)  # [blocks, 16]
+    signs = torch.bitwise_right_shift(mix, o).bitwise_and_(1).mul_(-2).add_(1).to(torch.float64)
+    start = offset - first_block * BLOCK
+    return bins.view(-1)[start:start + n], signs.view(-1)[start:start + n]
 
 
 class TorchSketch:
