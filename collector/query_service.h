@@ -12,9 +12,9 @@
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "collector/pipeline.h"
 #include "collector/sqlite_store.h"
+#include "common/mutex.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
 namespace rankscope::collector {
@@ -38,7 +38,7 @@ class QueryService final : public v1::Query::CallbackService {
 
  private:
   StepPipeline* const pipeline_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::unique_ptr<SqliteStore> reader_ ABSL_GUARDED_BY(mu_);
 };
 
