@@ -205,8 +205,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<v1::AgentMessage, v1:
   void Read() {
     arena_.Reset();
     in_ = google::protobuf::Arena::CreateMessage<v1::AgentMessage>(&arena_);
-    RANKSCOPE_TSAN_RELEASE(this);
-    StartRead(in_);
+    v1::AgentMessage* next = in_;
+    RANKSCOPE_TSAN_RELEASE(this);  // after the last access to a member before the hand-off
+    StartRead(next);
   }
 
   alignas(16) char arena_block_[kArenaBlockBytes];  // reactor callbacks only, through arena_

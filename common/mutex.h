@@ -36,29 +36,52 @@ class ABSL_LOCKABLE Mutex {
   }
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() { mu_.AssertHeld(); }
 
-  // As absl::Mutex's: the lock is released while waiting (other threads evaluate `cond` under
-  // it), so what this thread did is released before and what the others did acquired after.
+  // As absl::Mutex's: the lock is released while waiting, so what this thread did is released
+  // before and what the others did acquired after. absl evaluates `cond` with the lock held but
+  // inside the call, on this thread or on one unlocking the mutex: each evaluation acquires and
+  // releases too (WithLockHeld).
   void Await(const absl::Condition& cond) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    const Annotated annotated{this, &cond};
     RANKSCOPE_TSAN_RELEASE(this);
-    mu_.Await(cond);
+    mu_.Await(annotated.condition());
     RANKSCOPE_TSAN_ACQUIRE(this);
   }
   bool AwaitWithTimeout(const absl::Condition& cond, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    const Annotated annotated{this, &cond};
     RANKSCOPE_TSAN_RELEASE(this);
-    const bool met = mu_.AwaitWithTimeout(cond, timeout);
+    const bool met = mu_.AwaitWithTimeout(annotated.condition(), timeout);
     RANKSCOPE_TSAN_ACQUIRE(this);
     return met;
   }
   bool AwaitWithDeadline(const absl::Condition& cond, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    const Annotated annotated{this, &cond};
     RANKSCOPE_TSAN_RELEASE(this);
-    const bool met = mu_.AwaitWithDeadline(cond, deadline);
+    const bool met = mu_.AwaitWithDeadline(annotated.condition(), deadline);
     RANKSCOPE_TSAN_ACQUIRE(this);
     return met;
   }
 
  private:
+  // A condition evaluated between an acquire and a release of the mutex, under TSan; the
+  // condition itself otherwise.
+  struct Annotated {
+    const Mutex* mu;
+    const absl::Condition* cond;
+#ifdef RANKSCOPE_TSAN
+    absl::Condition condition() const { return absl::Condition(&WithLockHeld, this); }
+    static bool WithLockHeld(const Annotated* a) {
+      RANKSCOPE_TSAN_ACQUIRE(a->mu);
+      const bool holds = a->cond->Eval();
+      RANKSCOPE_TSAN_RELEASE(a->mu);
+      return holds;
+    }
+#else
+    const absl::Condition& condition() const { return *cond; }
+#endif
+  };
+
   absl::Mutex mu_;
 };
 

@@ -375,8 +375,9 @@ class AgentImpl final : public Agent {
     const bool started = msg != nullptr;
     if (started) {
       call->current = std::move(msg);
-      RANKSCOPE_TSAN_RELEASE(call);
-      call->StartWrite(call->current.get());  // from here on the write token is the chain's
+      const v1::AgentMessage* next = call->current.get();
+      RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
+      call->StartWrite(next);        // from here on the write token is the chain's
     }
     MutexLock lock(&mu_);
     if (!started) writing_ = false;
@@ -524,8 +525,9 @@ class AgentImpl final : public Agent {
       return;
     }
     call->current = std::move(msg);
-    RANKSCOPE_TSAN_RELEASE(call);
-    call->StartWrite(call->current.get());
+    const v1::AgentMessage* next = call->current.get();
+    RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
+    call->StartWrite(next);
   }
 
   // Reaction: an ack, rejection or control arrived (ok), or the stream ended (!ok).

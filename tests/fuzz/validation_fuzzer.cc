@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "collector/validation.h"
+#include "google/protobuf/stubs/logging.h"
 #include "rankscope/v1/rankscope.pb.h"
 #include "tests/fuzz/byte_reader.h"
 
@@ -132,6 +133,13 @@ void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t 
 
 }  // namespace
 }  // namespace rankscope::fuzz
+
+extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
+  // Invalid UTF-8 in a string field fails the parse, as it should, and protobuf logs an ERROR
+  // line for each: silence them, or a run prints little else.
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace rankscope::fuzz;  // NOLINT(build/namespaces): this function only
