@@ -104,7 +104,7 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
 Collector::~Collector() { Shutdown(absl::Seconds(5)).IgnoreError(); }
 
 absl::Status Collector::Shutdown(absl::Duration timeout) {
-  absl::MutexLock lock(&shutdown_mu_);
+  MutexLock lock(&shutdown_mu_);
   if (shut_down_) return shutdown_status_;
   shut_down_ = true;
   if (server_ != nullptr) {

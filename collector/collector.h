@@ -16,13 +16,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collector/health_metrics.h"
 #include "collector/ingest_service.h"
 #include "collector/pipeline.h"
 #include "collector/prometheus_export.h"
 #include "collector/query_service.h"
+#include "common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
 namespace prometheus {
@@ -95,7 +95,7 @@ class Collector {
   std::unique_ptr<prometheus::Exposer> exposer_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
-  absl::Mutex shutdown_mu_;
+  Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   absl::Status shutdown_status_ ABSL_GUARDED_BY(shutdown_mu_);
 };

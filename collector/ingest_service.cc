@@ -7,7 +7,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
+#include "common/tsan.h"
 #include "google/protobuf/arena.h"
 
 namespace rankscope::collector {
@@ -43,12 +44,12 @@ class StreamHandle final : public AgentStream {
   void SendControl(const v1::Control& control) override;
   void Abandon(const absl::Status& why) override;
   void Detach() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     reactor_ = nullptr;
   }
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
   StreamReactor* reactor_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -72,7 +73,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Read();
   }
 
+  // Each reaction acquires what the thread that started its operation released before the
+  // Start*/Finish call: the ordering gRPC guarantees, made visible to ThreadSanitizer
+  // (common/tsan.h).
   void OnReadDone(bool ok) override {
+    RANKSCOPE_TSAN_ACQUIRE(this);
     if (!ok) {  // the agent half-closed or the call was cancelled
       RequestFinish(grpc::Status::OK);
       return;
@@ -143,7 +148,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
+    RANKSCOPE_TSAN_ACQUIRE(this);
+    MutexLock lock(&mu_);
     writing_ = false;
     if (!ok) {
       // The peer is gone; nothing more can be written.
@@ -158,6 +164,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnDone() override {
+    RANKSCOPE_TSAN_ACQUIRE(this);
     handle_->Detach();
     if (have_hello_) service_->pipeline_->StreamClosed(hello_, handle_);
     --service_->open_streams_;
@@ -167,7 +174,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Called through StreamHandle from any thread.
   void QueueAcks(absl::Span<const uint64_t> seqs) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (finish_requested_) return;
     pending_acks_.insert(pending_acks_.end(), seqs.begin(), seqs.end());
     StartNextWriteLocked();
@@ -177,7 +184,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Abandon(grpc::Status status) { RequestFinish(std::move(status)); }
 
   void Send(v1::CollectorMessage msg) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (finish_requested_) return;
     out_.push_back(std::move(msg));
     StartNextWriteLocked();
@@ -185,7 +192,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
  private:
   void RequestFinish(grpc::Status status) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (finish_requested_) return;
     finish_requested_ = true;
     finish_status_ = std::move(status);
@@ -213,6 +220,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       return;
     }
     finished_ = true;
+    RANKSCOPE_TSAN_RELEASE(this);
     Finish(finish_status_);
   }
 
@@ -223,6 +231,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     grpc::SerializationTraits<v1::CollectorMessage>::Serialize(msg, &current_, &own_buffer)
         .IgnoreError();
     writing_ = true;
+    RANKSCOPE_TSAN_RELEASE(this);
     StartWrite(&current_);
   }
 
@@ -234,11 +243,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     {
       // A finish may have been requested from inside this reaction (e.g. the store writer
       // abandoned this stream while OnReport enqueued): no read is started after it.
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (finish_requested_) return;
     }
     arena_.Reset();
     in_ = google::protobuf::Arena::CreateMessage<v1::AgentMessage>(&arena_);
+    RANKSCOPE_TSAN_RELEASE(this);  // after the last access to a member before the hand-off
     StartRead(&in_buf_);
   }
 
@@ -250,7 +260,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   v1::Hello hello_;                                 // set once, before have_hello_
   bool have_hello_ = false;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<v1::CollectorMessage> out_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
   v1::CollectorMessage ack_ ABSL_GUARDED_BY(mu_);  // reused for every coalesced Ack
@@ -262,17 +272,17 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 };
 
 void StreamHandle::Ack(absl::Span<const uint64_t> seqs) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (reactor_ != nullptr) reactor_->QueueAcks(seqs);
 }
 
 void StreamHandle::Abandon(const absl::Status& why) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (reactor_ != nullptr) reactor_->Abandon(ToGrpc(why));
 }
 
 void StreamHandle::SendControl(const v1::Control& control) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (reactor_ == nullptr) return;
   v1::CollectorMessage msg;
   *msg.mutable_control() = control;

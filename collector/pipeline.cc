@@ -29,7 +29,7 @@ class SketchBufferPool {
 
   // A buffer with no particular size or contents (empty, capacity 0, when the pool is empty).
   std::vector<float> Take() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (free_.empty()) return {};
     std::vector<float> v = std::move(free_.back());
     free_.pop_back();
@@ -39,11 +39,11 @@ class SketchBufferPool {
 
   // Takes back the buffers of `reports` (their sketches are left empty).
   void Give(std::vector<RankReport>& reports) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (RankReport& r : reports) GiveLocked(r.sketch);
   }
   void Give(std::vector<float>& sketch) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     GiveLocked(sketch);
   }
 
@@ -58,7 +58,7 @@ class SketchBufferPool {
     sketch = std::vector<float>();
   }
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<std::vector<float>> free_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -212,7 +212,7 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
               }),
       joiner_(options_.joiner) {
   const absl::Time now = options_.clock();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const JobRow& row : known_jobs) {
     if (now - row.last_seen > options_.identity_ttl) continue;
     Job& job = jobs_[row.job];
@@ -243,7 +243,7 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
   const absl::Time now = options_.clock();
   std::optional<v1::Control> control;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
     if (it != jobs_.end() && it->second.connected == 0 &&
         now - it->second.last_seen > options_.identity_ttl) {
@@ -318,7 +318,7 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
 void StepPipeline::StreamClosed(const v1::Hello& hello,
                                 const std::shared_ptr<AgentStream>& stream) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
     if (it == jobs_.end()) return;
     if (it->second.streams.erase(stream) == 0) return;
@@ -338,7 +338,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   uint32_t sketch_dim = hello.sketch_dim();
   std::optional<uint32_t> retuned_dim;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
     if (it != jobs_.end() && it->second.control && it->second.control->sketch_dim() != 0) {
       retuned_dim = it->second.control->sketch_dim();
@@ -354,7 +354,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
     if (it == jobs_.end()) {
       return Rejection{absl::FailedPreconditionError(
@@ -412,7 +412,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
 }
 
 void StepPipeline::ForgetDroppedSteps(const StoreBatch& rows) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const StepWrite& w : rows.steps) {
     const uint32_t attempt =
         w.stats ? w.stats->attempt : (w.ranks.empty() ? 0 : w.ranks.front().attempt);
@@ -430,7 +430,7 @@ void StepPipeline::StepThread() {
   std::vector<JoinedStep> batch;
   while (true) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return !closed_.empty() || stopping_ || options_.clock() >= next_deadline_;
       };
@@ -460,7 +460,7 @@ void StepPipeline::StepThread() {
       }
     }
     for (JoinedStep& s : batch) ProcessClosed(std::move(s));
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     closed_processed_ += batch.size();
   }
 }
@@ -565,7 +565,7 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   JobRow job_row;
   job_row.job = js.job;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(js.job);
     if (it != jobs_.end()) {
       job_row.world_size = it->second.identity.world_size;
@@ -592,7 +592,7 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
   v1::Control control;
   std::vector<std::shared_ptr<AgentStream>> streams;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = jobs_.find(job);
     if (it == jobs_.end()) {
       return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
@@ -621,7 +621,7 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
 
 std::vector<JobSummary> StepPipeline::ListJobs() const {
   std::vector<JobSummary> out;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const auto& [name, job] : jobs_) {
     JobSummary s;
     s.job = name;
@@ -640,7 +640,7 @@ std::vector<JobSummary> StepPipeline::ListJobs() const {
 bool StepPipeline::Flush(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     const uint64_t target = closed_enqueued_;
     auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return closed_processed_ >= target || stopped_;
@@ -653,7 +653,7 @@ bool StepPipeline::Flush(absl::Duration timeout) {
 absl::Status StepPipeline::Stop(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   if (step_thread_.joinable()) step_thread_.join();

@@ -30,7 +30,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collector/ack.h"
 #include "collector/health_metrics.h"
@@ -39,6 +38,7 @@
 #include "collector/step_joiner.h"
 #include "collector/store_writer.h"
 #include "collector/validation.h"
+#include "common/mutex.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
@@ -145,7 +145,7 @@ class StepPipeline {
   uint64_t store_failures_ = 0;  // store writer thread only: consecutive failed commits
   StoreWriter writer_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   StepJoiner joiner_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<JoinedStep> closed_ ABSL_GUARDED_BY(mu_);

@@ -298,7 +298,7 @@ JobMetrics::JobState& JobMetrics::TouchLocked(const std::string& job, absl::Time
 
 void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size) {
   const absl::Time now = options_.clock();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   ++state.connected;
   if (world_size > 0) state.world_size = world_size;
@@ -306,7 +306,7 @@ void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size) {
 
 void JobMetrics::OnAgentDisconnected(const std::string& job) {
   const absl::Time now = options_.clock();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = jobs_.find(job);
   // Freed, or more disconnects than connects: nothing to count down (and no update to record).
   if (it == jobs_.end() || it->second.connected == 0) return;
@@ -315,7 +315,7 @@ void JobMetrics::OnAgentDisconnected(const std::string& job) {
 
 void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total) {
   const absl::Time now = options_.clock();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   uint64_t& last = state.dropped_by_rank[rank];
   // A smaller count means the agent restarted and counts from zero again.
@@ -355,7 +355,7 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   std::partial_sort(missing.begin(), missing.begin() + missing_kept, missing.end());
   missing.resize(missing_kept);
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   if (step.world_size > 0) state.world_size = step.world_size;
   state.has_step = true;
@@ -424,7 +424,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
   }
 
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::vector<const std::pair<const std::string, JobState>*> live;
     live.reserve(jobs_.size());
     for (const auto& entry : jobs_) {

@@ -52,10 +52,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collector/step_stats.h"
+#include "common/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 
@@ -164,7 +164,7 @@ class JobMetrics : public prometheus::Collectable {
   bool Expired(const JobState& state, absl::Time now) const;
 
   ExportOptions options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::string, JobState> jobs_ ABSL_GUARDED_BY(mu_);
   absl::Time next_prune_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };

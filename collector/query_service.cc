@@ -50,7 +50,7 @@ grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* co
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   absl::flat_hash_map<std::string, v1::JobInfo> jobs;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto stored = reader_->ListJobs();
     if (!stored.ok()) return Done(context, ToGrpc(stored.status()));
     for (const JobRow& row : *stored) {
@@ -96,7 +96,7 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
                                       "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
   }
   int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto rows = reader_->RecentSteps(request->job(), limit);
   if (!rows.ok()) return Done(context, ToGrpc(rows.status()));
   for (const StepRow& row : *rows) FillStepStats(row, response->add_steps());
@@ -120,7 +120,7 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
   }
   const int limit =
       request->limit() == 0 ? 10000 : static_cast<int>(std::min(request->limit(), 1000000u));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // One more than the limit tells whether the response is truncated.
   auto steps = reader_->StepRange(request->job(), request->first_step(), last, limit + 1);
   if (!steps.ok()) return Done(context, ToGrpc(steps.status()));

@@ -18,9 +18,9 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "collector/pipeline.h"
 #include "collector/sqlite_store.h"
+#include "common/mutex.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
 namespace rankscope::collector {
@@ -50,7 +50,7 @@ class QueryService final : public v1::Query::CallbackService {
 
   StepPipeline* const pipeline_;
   const std::string auth_token_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::unique_ptr<SqliteStore> reader_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -16,6 +16,12 @@ struct Moments {
   double mean = 0.0;
   double std = 0.0;
   double range = 0.0;
+  // The exact mean minus `mean` (its rounding error) as the second pass estimates it; 0 when that
+  // estimate is not finite. ZScore subtracts it from x - mean separately: when the values lie
+  // within a few ulps of each other the exact mean is not representable, its rounding error is
+  // as large as their spread, and (x - mean) / std alone exceeds Samuelson's bound sqrt(W - 1)
+  // (z = 2 for two values one ulp apart; found by tests/fuzz/step_stats_fuzzer.cc).
+  double mean_error = 0.0;
 };
 
 // Population mean, std and range of get(sample) over the samples, by the corrected two-pass
@@ -50,12 +56,13 @@ Moments Describe(absl::Span<const RankSample> samples, Getter get) {
   double variance =
       (squares - residual * residual / static_cast<double>(n)) / static_cast<double>(n);
   if (variance < 0.0) variance = 0.0;  // NaN stays NaN
-  return {mean, std::sqrt(variance), hi - lo};
+  const double mean_error = std::isfinite(residual) ? residual / static_cast<double>(n) : 0.0;
+  return {mean, std::sqrt(variance), hi - lo, mean_error};
 }
 
 double ZScore(double x, const Moments& m) {
   if (m.std == 0.0) return 0.0;
-  return (x - m.mean) / m.std;
+  return ((x - m.mean) - m.mean_error) / m.std;
 }
 
 double ClampCosine(double c) { return c < -1.0 ? -1.0 : (c > 1.0 ? 1.0 : c); }

@@ -8,7 +8,8 @@
 //    u_r = v_r / |v_r| for nonzero v_r, u_r = 0 otherwise, and W_nz counts nonzero sketches.
 //    It is NaN for W < 2 (no pairs).
 //  - consensus_cosine of rank r = cos(v_r, sum_{j != r} v_j); NaN for W < 2.
-//  - z-scores are (x - mean) / std, and 0 when std == 0.
+//  - z-scores are (x - mean) / std, and 0 when std == 0 (computed against the exact mean, whose
+//    rounding error the second pass estimates, so |z| <= sqrt(W - 1) holds to rounding).
 //  - When all values of a quantity are equal and finite, its mean is exactly that value and its
 //    std and range are exactly 0 (so its z-scores and cv are 0, not rounding noise).
 //  - Non-finite inputs propagate (NaN in, NaN out for the affected statistics); nothing crashes.

@@ -78,7 +78,7 @@ void StoreWriter::Enqueue(WriteItem item) {
   std::vector<WriteItem> dropped;
   size_t depth;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     pending_.push_back(std::move(item));
     ++enqueued_;
     while (pending_.size() > std::max<size_t>(options_.max_pending_items, 1)) {
@@ -100,7 +100,7 @@ void StoreWriter::Enqueue(WriteItem item) {
 }
 
 bool StoreWriter::Flush(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const uint64_t target = enqueued_;
   auto done = [this, target]()
                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ >= target || stopped_; };
@@ -110,14 +110,14 @@ bool StoreWriter::Flush(absl::Duration timeout) {
 
 absl::Status StoreWriter::Stop(absl::Duration timeout) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!stopping_) {
       stopping_ = true;
       stop_deadline_ = absl::Now() + timeout;
     }
   }
   if (thread_.joinable()) thread_.join();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!pending_.empty()) {
     return absl::DataLossError(absl::StrCat(
         pending_.size(), " store items were not committed at shutdown: ", health_.ToString()));
@@ -126,7 +126,7 @@ absl::Status StoreWriter::Stop(absl::Duration timeout) {
 }
 
 absl::Status StoreWriter::health() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return health_;
 }
 
@@ -135,7 +135,7 @@ void StoreWriter::Run() {
   absl::Time last_commit = absl::InfinitePast();
   while (true) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return !pending_.empty() || stopping_;
       };
@@ -167,7 +167,7 @@ void StoreWriter::Run() {
       const absl::Duration commit_time = absl::Now() - start;  // the commit, not the acks
       SendAcks(items);
       if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       finished_ += items.size();
       health_ = absl::OkStatus();
       if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
@@ -180,7 +180,7 @@ void StoreWriter::Run() {
       // again, or a smaller batch succeeds).
       if (hooks_.on_drop) hooks_.on_drop(batch, items.size(), status);
       AbandonSinks(items, status);
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       finished_ += items.size();
       health_ = status;
       continue;
@@ -192,7 +192,7 @@ void StoreWriter::Run() {
     for (WriteItem& item : items) {
       std::move(item.acks.begin(), item.acks.end(), std::back_inserter(retry.acks));
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     health_ = status;
     // The merged item stands for items.size() enqueued items.
     finished_ += items.size() - 1;

@@ -33,10 +33,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collector/ack.h"
 #include "collector/sqlite_store.h"
+#include "common/mutex.h"
 
 namespace rankscope::collector {
 
@@ -85,7 +85,7 @@ class StoreWriter {
   const StoreWriterHooks hooks_;
   std::unique_ptr<SqliteStore> store_;  // writer thread only
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<WriteItem> pending_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;  // items ever enqueued
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;  // items committed or dropped

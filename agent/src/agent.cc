@@ -39,10 +39,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "backoff.h"
 #include "common/client_tls.h"
+#include "common/mutex.h"
+#include "common/tsan.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 #include "report_queue.h"
@@ -91,7 +92,7 @@ class SendPoller {
   }
 
   void Register(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     agents_.push_back(agent);
     if (!thread_.joinable()) {
       thread_ = std::thread([this] {
@@ -102,12 +103,12 @@ class SendPoller {
   }
 
   void Unregister(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     agents_.erase(std::remove(agents_.begin(), agents_.end(), agent), agents_.end());
   }
 
   void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    absl::MutexLock lock(&wake_mu_);
+    MutexLock lock(&wake_mu_);
     wake_ = true;
   }
 
@@ -115,10 +116,10 @@ class SendPoller {
   SendPoller() = default;
   void Run();
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<AgentImpl*> agents_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex wake_mu_;
+  Mutex wake_mu_;
   bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
 };
 
@@ -161,7 +162,7 @@ class AgentImpl final : public Agent {
     const int64_t now = absl::GetCurrentTimeNanos();
     bool wake;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (closed_) {
         return absl::FailedPreconditionError("rankscope agent is closed");
       }
@@ -188,7 +189,7 @@ class AgentImpl final : public Agent {
   }
 
   absl::Status Flush(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return outstanding_ == 0 || sender_done_;
     };
@@ -201,22 +202,22 @@ class AgentImpl final : public Agent {
 
   absl::Status Close(absl::Duration timeout) override {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (closed_) return close_status_;
     }
     absl::Status flushed = Flush(timeout);
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       closed_ = true;
       stopping_ = true;  // the sender thread cancels the stream and returns
     }
     {
-      absl::MutexLock lock(&wake_mu_);
+      MutexLock lock(&wake_mu_);
       stop_requested_ = true;
     }
     if (sender_.joinable()) sender_.join();
     SendPoller::Get().Unregister(this);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     // What never got acked is lost: count it.
     stats_.dropped += outstanding_;
     outstanding_ = 0;
@@ -225,7 +226,7 @@ class AgentImpl final : public Agent {
   }
 
   AgentStats stats() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     AgentStats s = stats_;
     s.queued = ring_.size();
     s.unacked = unacked_.size();
@@ -234,7 +235,7 @@ class AgentImpl final : public Agent {
   }
 
   std::optional<AgentControl> control() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return control_;
   }
 
@@ -290,10 +291,22 @@ class AgentImpl final : public Agent {
    public:
     explicit StreamCall(AgentImpl* agent) : agent_(agent) {}
 
-    void OnWriteDone(bool ok) override { agent_->OnWriteDone(this, ok); }
-    void OnReadDone(bool ok) override { agent_->OnReadDone(this, ok); }
+    // Each reaction acquires what the thread that started its operation released
+    // (RANKSCOPE_TSAN_RELEASE(call) before every Start*, TryCancel and RemoveHold): the ordering
+    // gRPC guarantees, made visible to ThreadSanitizer (common/tsan.h).
+    void OnWriteDone(bool ok) override {
+      RANKSCOPE_TSAN_ACQUIRE(this);
+      agent_->OnWriteDone(this, ok);
+    }
+    void OnReadDone(bool ok) override {
+      RANKSCOPE_TSAN_ACQUIRE(this);
+      agent_->OnReadDone(this, ok);
+    }
     // The last reaction: after it returns gRPC no longer touches this object.
-    void OnDone(const grpc::Status& status) override { agent_->OnStreamDone(status); }
+    void OnDone(const grpc::Status& status) override {
+      RANKSCOPE_TSAN_ACQUIRE(this);
+      agent_->OnStreamDone(status);
+    }
 
     grpc::ClientContext context;
     v1::AgentMessage hello;      // the first write
@@ -311,33 +324,33 @@ class AgentImpl final : public Agent {
       RunStream();
       absl::Duration delay;
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         if (stopping_) break;
         delay = backoff_.Next();
       }
       {
         // Waits on wake_mu_, not mu_, so that Record() never evaluates a waiter's condition.
-        absl::MutexLock lock(&wake_mu_);
+        MutexLock lock(&wake_mu_);
         wake_mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), delay);
       }
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (stopping_) break;
       ++stats_.reconnects;
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     sender_done_ = true;
   }
 
   // Wakes the sender thread: work is waiting or the stream changed state. Any thread, without
   // mu_ held.
   void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    absl::MutexLock lock(&wake_mu_);
+    MutexLock lock(&wake_mu_);
     wake_ = true;
   }
 
   // Sender thread: sleeps until Wake(), Close() or `timeout`.
   void WaitForWake(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    absl::MutexLock lock(&wake_mu_);
+    MutexLock lock(&wake_mu_);
     auto woken = [this]()
                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) { return wake_ || stop_requested_; };
     wake_mu_.AwaitWithTimeout(absl::Condition(&woken), timeout);
@@ -354,7 +367,7 @@ class AgentImpl final : public Agent {
   bool PollSend() {
     StreamCall* call;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (live_call_ == nullptr || writing_ || stopping_ || stream_broken_ || !HasWorkLocked()) {
         return false;
       }
@@ -366,9 +379,11 @@ class AgentImpl final : public Agent {
     const bool started = msg != nullptr;
     if (started) {
       call->current = std::move(msg);
-      call->StartWrite(call->current.get());  // from here on the write token is the chain's
+      const v1::AgentMessage* next = call->current.get();
+      RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
+      call->StartWrite(next);        // from here on the write token is the chain's
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!started) writing_ = false;
     --poller_starting_;
     return started;
@@ -379,7 +394,7 @@ class AgentImpl final : public Agent {
   void RunStream() {
     auto call = std::make_unique<StreamCall>(this);
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (stopping_) return;
       stream_broken_ = false;
       stream_done_ = false;
@@ -390,26 +405,27 @@ class AgentImpl final : public Agent {
     }
     call->hello = HelloMessage();
     stub_->async()->Stream(&call->context, call.get());
+    RANKSCOPE_TSAN_RELEASE(call.get());
     call->StartWrite(&call->hello);
     call->StartRead(&call->in);
     call->AddHold();  // for the poller's StartWrite calls, made outside reactions
     call->StartCall();
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       live_call_ = call.get();  // from now on the poller may start writes on it
     }
     // The stream runs by itself (OnWriteDone chains writes, the poller starts them, OnReadDone
     // applies acks): the sender only waits for its end.
     while (true) {
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         if (stopping_ || stream_broken_) break;
       }
       WaitForWake(absl::Seconds(1));
     }
     bool stopping;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       stats_.connected = false;
       stopping = stopping_;
       live_call_ = nullptr;
@@ -419,17 +435,18 @@ class AgentImpl final : public Agent {
       mu_.Await(absl::Condition(&no_poller));
     }
     // A broken stream ends by itself (its status is on the way); a stopping agent cancels.
+    RANKSCOPE_TSAN_RELEASE(call.get());
     if (stopping) call->context.TryCancel();
     call->RemoveHold();
     grpc::Status status;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_done_; };
       mu_.Await(absl::Condition(&done));
       status = stream_status_;
     }
     call.reset();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!status.ok() && !stopping_) {
       last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
       // Log once per outage, quietly: the training job must not be spammed.
@@ -504,7 +521,7 @@ class AgentImpl final : public Agent {
   MessagePtr NextMessage() {
     uint64_t seq, dropped;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (stopping_ || stream_broken_) return nullptr;
       if (resend_next_ < resend_end_) {
         auto it = unacked_.lower_bound(resend_next_);
@@ -519,7 +536,7 @@ class AgentImpl final : public Agent {
       dropped = stats_.dropped;
     }
     MessagePtr msg = BuildMessage(scratch_, seq, dropped);  // allocates: outside the lock
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (unacked_.size() >= std::max<size_t>(options_.max_unacked, 1)) {
       unacked_.erase(unacked_.begin());  // oldest
       ++stats_.dropped;
@@ -534,7 +551,7 @@ class AgentImpl final : public Agent {
   void OnWriteDone(StreamCall* call, bool ok) {
     bool keep_writing = true;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (ok) {
         if (!call->hello_written) {
           call->hello_written = true;
@@ -556,26 +573,28 @@ class AgentImpl final : public Agent {
     }
     MessagePtr msg = NextMessage();
     if (msg == nullptr) {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       writing_ = false;
       return;
     }
     call->current = std::move(msg);
-    call->StartWrite(call->current.get());
+    const v1::AgentMessage* next = call->current.get();
+    RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
+    call->StartWrite(next);
   }
 
   // Reaction: an ack, rejection or control arrived (ok), or the stream ended (!ok).
   void OnReadDone(StreamCall* call, bool ok) {
     if (!ok) {
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         stream_broken_ = true;
       }
       Wake();
       return;
     }
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (!call->received_any) {
         call->received_any = true;
         backoff_.Reset();
@@ -610,6 +629,7 @@ class AgentImpl final : public Agent {
       }
     }
     if (call->in.kind_case() == v1::CollectorMessage::kAck) ApplyAcks(call->in.ack().seqs());
+    RANKSCOPE_TSAN_RELEASE(call);
     call->StartRead(&call->in);
   }
 
@@ -623,7 +643,7 @@ class AgentImpl final : public Agent {
     for (int begin = 0; begin < seqs.size(); begin += kChunk) {
       const int end = std::min(begin + kChunk, seqs.size());
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         for (int i = begin; i < end; ++i) {
           auto it = unacked_.find(seqs.Get(i));
           if (it == unacked_.end()) continue;
@@ -640,7 +660,7 @@ class AgentImpl final : public Agent {
   // Reaction: the stream is over. Touches only the agent, so the sender may then destroy the
   // StreamCall.
   void OnStreamDone(const grpc::Status& status) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stream_status_ = status;
     stream_broken_ = true;
     stream_done_ = true;  // the sender waits for this on mu_
@@ -651,7 +671,7 @@ class AgentImpl final : public Agent {
   std::unique_ptr<v1::Ingest::Stub> stub_;
   internal::QueuedReport scratch_;  // write-token holder only
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   internal::ReportRing ring_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, MessagePtr> unacked_ ABSL_GUARDED_BY(mu_);
   internal::Backoff backoff_ ABSL_GUARDED_BY(mu_);
@@ -678,7 +698,7 @@ class AgentImpl final : public Agent {
 
   // The sender thread's sleep. Separate from mu_ so that Record(), which takes mu_, normally
   // unlocks it with no waiter to examine or wake.
-  absl::Mutex wake_mu_;  // never held together with mu_
+  Mutex wake_mu_;  // never held together with mu_
   bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stop_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   std::string last_error_ ABSL_GUARDED_BY(mu_);
@@ -691,13 +711,13 @@ void SendPoller::Run() {
   absl::Duration poll = kMinSendPoll;
   while (true) {
     {
-      absl::MutexLock lock(&wake_mu_);
+      MutexLock lock(&wake_mu_);
       wake_mu_.AwaitWithTimeout(absl::Condition(&wake_), poll);
       wake_ = false;
     }
     bool started = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       for (AgentImpl* agent : agents_) started |= agent->PollSend();
     }
     poll = started ? kMinSendPoll : std::min(2 * poll, kMaxSendPoll);

@@ -344,6 +344,30 @@ TEST(StepStatsTest, EqualValuesGiveExactZeroStd) {
   }
 }
 
+TEST(StepStatsTest, ValuesUlpsApartKeepZScoresWithinSamuelsonsBound) {
+  // Ranks that compute the same loss in a different order report values one ulp apart. Their
+  // exact mean is not representable, and z-scores taken from the rounded mean came out as 0 and 2
+  // (|z| <= sqrt(W - 1) = 1 for two values). Found by tests/fuzz/step_stats_fuzzer.cc.
+  const double a = 2.3456789;
+  const double b = std::nextafter(a, 3.0);
+  Step two = StepFromSketches({{1.0f}, {1.0f}});
+  two.samples[0].loss = a;
+  two.samples[1].loss = b;
+  const StepStatistics got = ComputeStepStatistics(two.samples);
+  EXPECT_DOUBLE_EQ(got.per_rank[0].loss_z, -1.0);
+  EXPECT_DOUBLE_EQ(got.per_rank[1].loss_z, 1.0);
+
+  // Seven equal values and one an ulp above: that one sits exactly on the bound sqrt(7).
+  Step eight = StepFromSketches({{1.0f}, {1.0f}, {1.0f}, {1.0f}, {1.0f}, {1.0f}, {1.0f}, {1.0f}});
+  for (RankSample& s : eight.samples) s.grad_norm = a;
+  eight.samples[5].grad_norm = b;
+  const StepStatistics got8 = ComputeStepStatistics(eight.samples);
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_NEAR(got8.per_rank[r].grad_norm_z, r == 5 ? std::sqrt(7.0) : -1.0 / std::sqrt(7.0), 1e-9)
+        << "rank " << r;
+  }
+}
+
 TEST(StepStatsTest, AllZeroSketches) {
   Step step = StepFromSketches({{0, 0, 0}, {0, 0, 0}, {0, 0, 0}, {0, 0, 0}});
   const StepStatistics got = ComputeStepStatistics(step.samples);

@@ -1,0 +1,193 @@
+// Fuzzes collector/validation: bytes -> the wire messages the collector accepts
+// (rankscope.v1.AgentMessage holding a Hello or a StepReport) -> ValidateHello, CheckJobIdentity,
+// ValidateReport. Each verdict is compared with a reference predicate written from validation.h's
+// contract (both ways: valid iff within the documented limits), its status code and reason label
+// are checked, and validating again, or after a serialize/parse round trip, must agree.
+//
+// Input layout (tests/fuzz/make_corpus.py writes seeds in it):
+//   u8 flags            bit 0: use the limits below instead of IngestLimits' defaults
+//   u32 max_world_size, u32 max_sketch_dim, u8 max_job_name_length
+//   u8 identity_mode    0: the job identity is the first hello's own; else the three fields below
+//   u32 world_size, u32 sketch_dim, u64 sketch_seed
+//   u8 dim_mode         0: reports are checked against the hello's sketch_dim; else the u32 below
+//   u32 sketch_dim
+//   u16 n, then n bytes: the first AgentMessage; the rest: the second AgentMessage
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "collector/validation.h"
+#include "google/protobuf/stubs/logging.h"
+#include "rankscope/v1/rankscope.pb.h"
+#include "tests/fuzz/byte_reader.h"
+
+namespace rankscope::fuzz {
+namespace {
+
+namespace v1 = ::rankscope::v1;
+using collector::IngestLimits;
+using collector::JobIdentity;
+using collector::Rejection;
+
+#define FUZZ_CHECK(cond)                                                            \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                 \
+    }                                                                               \
+  } while (0)
+
+bool ReferenceJobName(const std::string& job, size_t max_length) {
+  static constexpr absl::string_view kAllowed =
+      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-";
+  if (job.empty() || job.size() > max_length) return false;
+  for (char c : job) {
+    if (kAllowed.find(c) == absl::string_view::npos) return false;
+  }
+  return true;
+}
+
+bool Printable(absl::string_view s) {
+  for (char c : s) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+bool Same(const Rejection& a, const Rejection& b) {
+  return a.status == b.status && a.reason == b.reason;
+}
+
+// Checks ValidateHello's verdict on `hello`; returns whether it was accepted.
+bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
+  const bool name_ok = ReferenceJobName(hello.job(), limits.max_job_name_length);
+  FUZZ_CHECK(collector::IsValidJobName(hello.job(), limits.max_job_name_length) == name_ok);
+  const bool world_ok = hello.world_size() >= 1 && hello.world_size() <= limits.max_world_size;
+  const bool rank_ok = hello.rank() < hello.world_size();
+  const bool dim_ok = hello.sketch_dim() >= 1 && hello.sketch_dim() <= limits.max_sketch_dim;
+  const bool expected = name_ok && world_ok && rank_ok && dim_ok;
+
+  const Rejection r = collector::ValidateHello(hello, limits);
+  FUZZ_CHECK(r.status.ok() == expected);
+  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  if (!expected) {
+    FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    FUZZ_CHECK(!r.status.message().empty());
+    // The first failing check names the reason; only an out-of-range rank has its own label.
+    const bool rank_first = name_ok && world_ok && !rank_ok;
+    FUZZ_CHECK(r.reason == (rank_first ? "rank_out_of_range" : "bad_hello"));
+    // Messages reach logs and gRPC status details: a job name is quoted only once it is valid,
+    // so they never carry the agent's raw bytes.
+    FUZZ_CHECK(Printable(r.status.message()));
+  }
+  // Deterministic, and the same after a round trip through the wire format.
+  FUZZ_CHECK(Same(collector::ValidateHello(hello, limits), r));
+  v1::Hello copy;
+  FUZZ_CHECK(copy.ParseFromString(hello.SerializeAsString()));
+  FUZZ_CHECK(Same(collector::ValidateHello(copy, limits), r));
+  return expected;
+}
+
+void CheckIdentity(const v1::Hello& hello, const JobIdentity& identity) {
+  const bool world_same = hello.world_size() == identity.world_size;
+  const bool sketch_same =
+      hello.sketch_dim() == identity.sketch_dim && hello.sketch_seed() == identity.sketch_seed;
+  const Rejection r = collector::CheckJobIdentity(hello, identity);
+  FUZZ_CHECK(r.status.ok() == (world_same && sketch_same));
+  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  if (!r.status.ok()) {
+    FUZZ_CHECK(r.status.code() == absl::StatusCode::kFailedPrecondition);
+    FUZZ_CHECK(r.reason == (world_same ? "sketch_mismatch" : "world_size_changed"));
+  }
+  FUZZ_CHECK(Same(collector::CheckJobIdentity(hello, identity), r));
+}
+
+void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t sketch_dim,
+                 bool hello_valid) {
+  const bool step_ok = report.step() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  const bool length_ok = static_cast<uint64_t>(report.sketch_size()) == sketch_dim;
+  const Rejection r = collector::ValidateReport(report, hello, sketch_dim);
+  FUZZ_CHECK(r.status.ok() == (step_ok && length_ok));
+  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  if (!r.status.ok()) {
+    FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    FUZZ_CHECK(r.reason == (step_ok ? "sketch_length" : "invalid_report"));
+    if (hello_valid) FUZZ_CHECK(Printable(r.status.message()));
+  } else {
+    // What the store and the statistics rely on: the step fits SQLite's int64, and exactly
+    // sketch_dim values (non-finite ones included) are there to read.
+    FUZZ_CHECK(static_cast<int64_t>(report.step()) >= 0);
+    FUZZ_CHECK(report.sketch().size() == static_cast<int>(sketch_dim));
+  }
+  FUZZ_CHECK(Same(collector::ValidateReport(report, hello, sketch_dim), r));
+  v1::StepReport copy;
+  FUZZ_CHECK(copy.ParseFromString(report.SerializeAsString()));
+  FUZZ_CHECK(Same(collector::ValidateReport(copy, hello, sketch_dim), r));
+}
+
+}  // namespace
+}  // namespace rankscope::fuzz
+
+extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
+  // Invalid UTF-8 in a string field fails the parse, as it should, and protobuf logs an ERROR
+  // line for each: silence them, or a run prints little else.
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace rankscope::fuzz;  // NOLINT(build/namespaces): this function only
+  ByteReader in(data, size);
+  IngestLimits limits;
+  const uint8_t flags = in.U8();
+  const uint32_t max_world = in.U32();
+  const uint32_t max_dim = in.U32();
+  const uint8_t max_name = in.U8();
+  if (flags & 1) {
+    limits.max_world_size = max_world;
+    limits.max_sketch_dim = max_dim;
+    limits.max_job_name_length = max_name;
+  }
+  const uint8_t identity_mode = in.U8();
+  JobIdentity identity;
+  identity.world_size = in.U32();
+  identity.sketch_dim = in.U32();
+  identity.sketch_seed = in.U64();
+  const uint8_t dim_mode = in.U8();
+  const uint32_t fixed_dim = in.U32();
+  const absl::string_view first_bytes = in.Bytes(in.U16());
+  const absl::string_view second_bytes = in.Rest();
+
+  v1::AgentMessage first, second;
+  v1::Hello hello;  // the stream's hello (default: empty, as before a hello arrived)
+  bool hello_valid = false;
+  if (first.ParseFromArray(first_bytes.data(), static_cast<int>(first_bytes.size()))) {
+    if (first.has_hello()) {
+      hello = first.hello();
+      hello_valid = CheckHello(hello, limits);
+      if (identity_mode == 0) {
+        identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+      }
+      CheckIdentity(hello, identity);
+    } else if (first.has_report()) {
+      CheckReport(first.report(), hello, dim_mode == 0 ? hello.sketch_dim() : fixed_dim, false);
+    }
+  }
+  if (second.ParseFromArray(second_bytes.data(), static_cast<int>(second_bytes.size()))) {
+    const uint32_t sketch_dim = dim_mode == 0 ? hello.sketch_dim() : fixed_dim;
+    if (second.has_report()) {
+      CheckReport(second.report(), hello, sketch_dim, hello_valid);
+    } else if (second.has_hello()) {
+      // Another rank of the same job: checked on its own, then against the job's identity.
+      CheckHello(second.hello(), limits);
+      CheckIdentity(second.hello(), identity);
+    }
+  }
+  return 0;
+}
