@@ -2,12 +2,15 @@
 // k-float sketches), with Google Benchmark. Each rank's sketch is its own heap buffer, as the
 // pipeline's pooled report buffers are.
 //
-//   BM_StepStatistics/W/k/steps: `steps` distinct steps are cycled through, so with steps = 8
-//   (32 MiB at W = k = 1024) every call reads sketches that are not in L1/L2, as on the step
-//   thread, where they were written by the gRPC threads milliseconds before; steps = 1 keeps
-//   one 4 MiB step as warm as this core's L2 allows.
+//   BM_StepStatistics/W/k/steps: ComputeStepStatistics. `steps` distinct steps are cycled
+//   through, so with steps = 8 (32 MiB at W = k = 1024) every call reads sketches that are not in
+//   L1/L2, as on the step thread, where they were written by the gRPC threads milliseconds
+//   before; steps = 1 keeps one 4 MiB step as warm as this core's L2 allows.
+//   BM_StepStatisticsIsa/W/k/steps/isa: the same with the kernels of one instruction set
+//   (0 baseline, 1 AVX2, 2 AVX-512; skipped where the CPU lacks it).
 //   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -43,7 +46,13 @@ Step MakeStep(size_t w, size_t k, uint64_t seed) {
   return step;
 }
 
-void BM_StepStatistics(benchmark::State& state) {
+using step_stats_internal::KernelIsa;
+
+void RunStepStatistics(benchmark::State& state, std::optional<KernelIsa> isa) {
+  if (isa && !step_stats_internal::KernelIsaSupported(*isa)) {
+    state.SkipWithError("instruction set not supported by this CPU");
+    return;
+  }
   const size_t w = static_cast<size_t>(state.range(0));
   const size_t k = static_cast<size_t>(state.range(1));
   const size_t n_steps = static_cast<size_t>(state.range(2));
@@ -51,7 +60,9 @@ void BM_StepStatistics(benchmark::State& state) {
   for (size_t i = 0; i < n_steps; ++i) steps.push_back(MakeStep(w, k, 1000 + i));
   size_t next = 0;
   for (auto _ : state) {
-    StepStatistics stats = ComputeStepStatistics(steps[next].samples);
+    StepStatistics stats =
+        isa ? step_stats_internal::ComputeStepStatisticsWithIsa(steps[next].samples, *isa)
+            : ComputeStepStatistics(steps[next].samples);
     benchmark::DoNotOptimize(stats.grad_cosine_mean);
     benchmark::DoNotOptimize(stats.per_rank.data());
     next = (next + 1) % n_steps;
@@ -59,6 +70,8 @@ void BM_StepStatistics(benchmark::State& state) {
   state.counters["floats/s"] = benchmark::Counter(static_cast<double>(w * k) * state.iterations(),
                                                   benchmark::Counter::kIsRate);
 }
+
+void BM_StepStatistics(benchmark::State& state) { RunStepStatistics(state, std::nullopt); }
 BENCHMARK(BM_StepStatistics)
     ->Args({1024, 1024, 1})
     ->Args({1024, 1024, 8})
@@ -80,6 +93,13 @@ void BM_OutlierScores(benchmark::State& state) {
     benchmark::DoNotOptimize(scores.data());
   }
 }
+void BM_StepStatisticsIsa(benchmark::State& state) {
+  RunStepStatistics(state, static_cast<KernelIsa>(state.range(3)));
+}
+BENCHMARK(BM_StepStatisticsIsa)
+    ->ArgsProduct({{1024}, {1024}, {8}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond);
+
 BENCHMARK(BM_OutlierScores)->Arg(1024)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
