@@ -70,8 +70,11 @@ double ClampCosine(double c) { return c < -1.0 ? -1.0 : (c > 1.0 ? 1.0 : c); }
 // vector and instantiated per ISA at its native width: 8 lanes with AVX-512, 4 with AVX2, 2 with
 // the x86-64 baseline (SSE2) and elsewhere; the best the CPU supports is chosen once. This file
 // is built with -ffp-contract=off (collector/CMakeLists.txt), so every path performs the same
-// roundings in the same order and the results are bit-identical on every CPU. They differ from a
-// sequential sum only in summation order.
+// roundings in the same order and the results are bit-identical on every CPU (fused
+// multiply-adds would be ~20% faster with AVX-512). They differ from a sequential sum only in
+// summation order. In the collector the passes wait mostly on memory: the sketches were just
+// written by other cores. A variant that read each sketch from memory once (norms computed as
+// reports arrive, then cache-sized blocks of coordinates) was no faster there and slower here.
 constexpr size_t kPartials = 16;  // one cache line of floats per iteration
 
 template <size_t kLanes>
@@ -115,10 +118,15 @@ RANKSCOPE_STATS_INLINE double Fold(const typename Lanes<kLanes>::Doubles* acc, d
   return (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))) + tail;
 }
 
-// Each sketch is its own heap buffer and the hardware prefetchers stop at page boundaries, so the
-// kernels prefetch the next rank's sketch while they work on one (about 5% faster here).
-RANKSCOPE_STATS_INLINE const float* NextSketch(absl::Span<const RankSample> samples, size_t r) {
-  return samples[r + 1 < samples.size() ? r + 1 : r].sketch.data();
+// Each sketch is its own heap buffer and the hardware prefetchers stop at page boundaries, so
+// while the kernels work on one rank's sketch they prefetch the next rank's into L1 and the one
+// kPrefetchFar ranks ahead into L2.
+constexpr ptrdiff_t kPrefetchFar = 4;
+// The sketch of the rank at `index` clamped to [0, W).
+RANKSCOPE_STATS_INLINE const float* SketchNear(absl::Span<const RankSample> samples,
+                                               ptrdiff_t index) {
+  const ptrdiff_t last = static_cast<ptrdiff_t>(samples.size()) - 1;
+  return samples[std::clamp<ptrdiff_t>(index, 0, last)].sketch.data();
 }
 
 // Pass 1. For each rank: norm2[r] = |v_r|^2, and total += v_r (in rank order), in double.
@@ -131,11 +139,13 @@ RANKSCOPE_STATS_INLINE void NormsAndTotal(absl::Span<const RankSample> samples, 
   const size_t body = k - k % kPartials;
   for (size_t r = 0; r < samples.size(); ++r) {
     const float* v = samples[r].sketch.data();
-    const float* next = NextSketch(samples, r);
+    const float* next = SketchNear(samples, r + 1);
+    const float* far = SketchNear(samples, r + kPrefetchFar);
     Doubles squares[kVectors] = {};
     size_t i = 0;
     for (; i < body; i += kPartials) {
       __builtin_prefetch(next + i);
+      __builtin_prefetch(far + i, 0, 2);
       for (size_t j = 0; j < kVectors; ++j) {
         const size_t at = i + j * kLanes;
         const Doubles x = LoadFloats<kLanes>(v + at);
@@ -154,10 +164,10 @@ RANKSCOPE_STATS_INLINE void NormsAndTotal(absl::Span<const RankSample> samples, 
 }
 
 // Pass 2. For each rank with norm2[r] != 0, with w = total - v_r: dot[r] = <v_r, w>,
-// rest2[r] = |w|^2, and units += v_r / |v_r|. Forms w explicitly rather than expanding
-// |total - v|^2 = |total|^2 - 2<total, v> + |v|^2, which cancels catastrophically when v
-// dominates the total (e.g. every other rank's sketch is near zero or they cancel). Ranks with
-// norm2[r] == 0 get dot = rest2 = 0 and add nothing to units.
+// rest2[r] = |w|^2, and units += v_r / |v_r| (in reverse rank order). Forms w explicitly rather
+// than expanding |total - v|^2 = |total|^2 - 2<total, v> + |v|^2, which cancels catastrophically
+// when v dominates the total (e.g. every other rank's sketch is near zero or they cancel). Ranks
+// with norm2[r] == 0 get dot = rest2 = 0 and add nothing to units.
 template <size_t kLanes>
 RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, size_t k,
                                          const double* norm2, const double* total, double* dot,
@@ -165,14 +175,16 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
   using Doubles = typename Lanes<kLanes>::Doubles;
   constexpr size_t kVectors = Lanes<kLanes>::kVectors;
   const size_t body = k - k % kPartials;
-  for (size_t r = 0; r < samples.size(); ++r) {
+  // Last rank first: pass 1 left the last ranks' sketches in cache.
+  for (size_t r = samples.size(); r-- > 0;) {
     if (norm2[r] == 0.0) {
       dot[r] = 0.0;
       rest2[r] = 0.0;
       continue;
     }
     const float* v = samples[r].sketch.data();
-    const float* next = NextSketch(samples, r);
+    const float* next = SketchNear(samples, static_cast<ptrdiff_t>(r) - 1);
+    const float* far = SketchNear(samples, static_cast<ptrdiff_t>(r) - kPrefetchFar);
     const double inv_norm = 1.0 / std::sqrt(norm2[r]);
     const Doubles inv = Doubles{} + inv_norm;
     Doubles dots[kVectors] = {};
@@ -180,6 +192,7 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
     size_t i = 0;
     for (; i < body; i += kPartials) {
       __builtin_prefetch(next + i);
+      __builtin_prefetch(far + i, 0, 2);
       for (size_t j = 0; j < kVectors; ++j) {
         const size_t at = i + j * kLanes;
         const Doubles x = LoadFloats<kLanes>(v + at);
