@@ -42,6 +42,7 @@ class SketchBufferPool {
     for (RankReport& r : reports) GiveLocked(r.sketch);
   }
   void Give(std::vector<float>& sketch) {
+    if (sketch.capacity() == 0) return;  // e.g. moved into the joiner: nothing to lock for
     absl::MutexLock lock(&mu_);
     GiveLocked(sketch);
   }
@@ -113,6 +114,11 @@ StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
   std::vector<RankSignals> signals;
   std::vector<RankFingerprint> grads, params;
   std::vector<double> local_norms, reduced_norms, times;
+  signals.reserve(n);
+  local_norms.reserve(n);
+  times.reserve(n);
+  d.replica_ok.reserve(n);
+  d.extras.reserve(n);
   uint32_t batch = 0;
   bool any_time = false;
   for (size_t i = 0; i < n; ++i) {
@@ -259,6 +265,7 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
     ++job.connected;
     job.last_seen = now;
     job.streams.insert(stream);
+    if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
     control = job.control;
   }
   metrics_->OnAgentConnected(hello.job(), hello.world_size());
@@ -293,16 +300,15 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
                                  AckHandle ack) {
   const absl::Time now = options_.clock();
   uint32_t sketch_dim = hello.sketch_dim();
-  std::optional<uint32_t> retuned_dim;
-  {
+  if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
+    // Only a re-tuned sketch (SetControl) may differ from the hello's, so the common path takes
+    // no lock for this.
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
-    if (it != jobs_.end() && it->second.control && it->second.control->sketch_dim() != 0) {
-      retuned_dim = it->second.control->sketch_dim();
+    if (it != jobs_.end() && it->second.control && it->second.control->sketch_dim() != 0 &&
+        it->second.control->sketch_dim() == static_cast<uint32_t>(report.sketch_size())) {
+      sketch_dim = it->second.control->sketch_dim();
     }
-  }
-  if (retuned_dim && static_cast<uint32_t>(report.sketch_size()) == *retuned_dim) {
-    sketch_dim = *retuned_dim;
   }
   Rejection r = ValidateReport(report, hello, sketch_dim);
   if (!r.status.ok()) return r;
@@ -310,6 +316,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   RankReport rr = ToRankReport(report, hello.rank(), hello.attempt(), now, std::move(ack));
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
+  bool dropped_changed = false;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(hello.job());
@@ -322,6 +329,12 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     job.last_seen = now;
     if (!job.has_step || report.step() > job.newest_step) job.newest_step = report.step();
     job.has_step = true;
+    if (job.dropped_forwarded.size() <= hello.rank()) {
+      job.dropped_forwarded.resize(hello.rank() + 1);
+    }
+    std::optional<uint64_t>& forwarded = job.dropped_forwarded[hello.rank()];
+    dropped_changed = forwarded != report.dropped_total();
+    forwarded = report.dropped_total();
     outcome = joiner_.Add(hello.job(), rr, now, &closed);
     for (JoinedStep& s : closed) {
       closed_.push_back(std::move(s));
@@ -329,7 +342,8 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     }
     next_deadline_ = joiner_.NextDeadline();
   }
-  metrics_->OnAgentDropped(hello.job(), hello.rank(), report.dropped_total());
+  // JobMetrics takes only what changed: a repeated count is a no-op there (see Job).
+  if (dropped_changed) metrics_->OnAgentDropped(hello.job(), hello.rank(), report.dropped_total());
 
   switch (outcome) {
     case AddOutcome::kAccepted:
@@ -497,6 +511,8 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   row.outlier_ranks = outlier_ranks;
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
+  w.ranks.reserve(js.reports.size());
+  item.acks.reserve(js.reports.size());
   for (size_t i = 0; i < js.reports.size(); ++i) {
     RankReport& r = js.reports[i];
     RankRow rank_row = ToRankRow(r, join_size);

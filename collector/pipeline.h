@@ -117,6 +117,11 @@ class StepPipeline {
     uint32_t connected = 0;
     std::optional<v1::Control> control;
     absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
+    // By rank: the dropped_total last passed to JobMetrics::OnAgentDropped, which only the
+    // reports whose count differs from it need (JobMetrics keeps the same last value per rank, so
+    // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics
+    // state that may have expired meanwhile) sees its first count.
+    std::vector<std::optional<uint64_t>> dropped_forwarded;
   };
 
   void StepThread();
