@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,7 +73,13 @@ RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt
   out.loss = r.loss();
   out.grad_norm = r.grad_norm();
   out.sketch = SketchBufferPool::Get().Take();
-  out.sketch.assign(r.sketch().begin(), r.sketch().end());
+  // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
+  // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
+  // not write it twice.
+  out.sketch.resize(static_cast<size_t>(r.sketch_size()));
+  if (r.sketch_size() > 0) {
+    std::memcpy(out.sketch.data(), r.sketch().data(), out.sketch.size() * sizeof(float));
+  }
   out.received_at = received_at;
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
   if (r.has_param_fingerprint()) out.param_fingerprint = r.param_fingerprint();
