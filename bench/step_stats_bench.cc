@@ -2,16 +2,22 @@
 // k-float sketches), with Google Benchmark. Each rank's sketch is its own heap buffer, as the
 // pipeline's pooled report buffers are.
 //
-//   BM_StepStatistics/W/k/steps: ComputeStepStatistics. `steps` distinct steps are cycled
+//   BM_StepStatistics/W/k/steps/scattered: ComputeStepStatistics. `steps` distinct steps are cycled
 //   through, so with steps = 8 (32 MiB at W = k = 1024) every call reads sketches that are not in
 //   L1/L2, as on the step thread, where they were written by the gRPC threads milliseconds
 //   before; steps = 1 keeps one 4 MiB step as warm as this core's L2 allows.
-//   BM_StepStatisticsIsa/W/k/steps/isa: the same with the kernels of one instruction set
+//   BM_StepStatisticsIsa/W/k/steps/0/isa: the same with the kernels of one instruction set
 //   (0 baseline, 1 AVX2, 2 AVX-512; skipped where the CPU lacks it).
 //   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -58,8 +64,40 @@ void RunStepStatistics(benchmark::State& state, std::optional<KernelIsa> isa) {
   const size_t n_steps = static_cast<size_t>(state.range(2));
   std::vector<Step> steps;
   for (size_t i = 0; i < n_steps; ++i) steps.push_back(MakeStep(w, k, 1000 + i));
+  if (state.range(3) != 0) {
+    // Scattered: each step's sketches are drawn at random from all steps' buffers, as the
+    // pipeline's pooled buffers are spread over its heap.
+    std::vector<absl::Span<const float>> all;
+    for (const Step& step : steps) {
+      for (const RankSample& sample : step.samples) all.push_back(sample.sketch);
+    }
+    std::shuffle(all.begin(), all.end(), std::mt19937_64(99));
+    size_t at = 0;
+    for (Step& step : steps) {
+      for (RankSample& sample : step.samples) sample.sketch = all[at++];
+    }
+  }
+  const bool rewritten = state.range(3) == 2;
+  std::vector<float> source(k, 0.25f);
   size_t next = 0;
   for (auto _ : state) {
+    if (rewritten) {
+      // The step's sketches written by a thread on another CPU just before, as the gRPC threads
+      // write reports' sketches in the collector.
+      state.PauseTiming();
+      const int here = sched_getcpu();
+      std::thread writer([&] {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(here == 0 ? 1 : 0, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+        for (const RankSample& sample : steps[next].samples) {
+          std::memcpy(const_cast<float*>(sample.sketch.data()), source.data(), k * sizeof(float));
+        }
+      });
+      writer.join();
+      state.ResumeTiming();
+    }
     StepStatistics stats =
         isa ? step_stats_internal::ComputeStepStatisticsWithIsa(steps[next].samples, *isa)
             : ComputeStepStatistics(steps[next].samples);
@@ -73,10 +111,12 @@ void RunStepStatistics(benchmark::State& state, std::optional<KernelIsa> isa) {
 
 void BM_StepStatistics(benchmark::State& state) { RunStepStatistics(state, std::nullopt); }
 BENCHMARK(BM_StepStatistics)
-    ->Args({1024, 1024, 1})
-    ->Args({1024, 1024, 8})
-    ->Args({64, 1024, 8})
-    ->Args({1024, 1000, 8})
+    ->Args({1024, 1024, 1, 0})
+    ->Args({1024, 1024, 8, 0})
+    ->Args({1024, 1024, 8, 1})
+    ->Args({1024, 1024, 8, 2})
+    ->Args({64, 1024, 8, 0})
+    ->Args({1024, 1000, 8, 0})
     ->Unit(benchmark::kMicrosecond);
 
 void BM_OutlierScores(benchmark::State& state) {
@@ -94,10 +134,10 @@ void BM_OutlierScores(benchmark::State& state) {
   }
 }
 void BM_StepStatisticsIsa(benchmark::State& state) {
-  RunStepStatistics(state, static_cast<KernelIsa>(state.range(3)));
+  RunStepStatistics(state, static_cast<KernelIsa>(state.range(4)));
 }
 BENCHMARK(BM_StepStatisticsIsa)
-    ->ArgsProduct({{1024}, {1024}, {8}, {0, 1, 2}})
+    ->ArgsProduct({{1024}, {1024}, {8}, {0}, {0, 1, 2}})
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK(BM_OutlierScores)->Arg(1024)->Unit(benchmark::kMicrosecond);
