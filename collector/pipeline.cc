@@ -175,6 +175,14 @@ StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
 
 }  // namespace
 
+// What ComputeAndExport leaves for Store.
+struct StepPipeline::ComputedStep {
+  JoinedStep js;
+  StepStatistics stats;
+  StepDiagnostics diag;
+  std::vector<uint32_t> outlier_ranks;
+};
+
 StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore> store,
                            const std::vector<JobRow>& known_jobs, JobMetrics* metrics,
                            HealthMetrics* health)
@@ -428,13 +436,18 @@ void StepPipeline::StepThread() {
         return;
       }
     }
-    for (JoinedStep& s : batch) ProcessClosed(std::move(s));
+    // Metrics first for the whole batch, then the store: a step's metrics do not wait for the
+    // rows of the steps closed before it in the same batch (a lagging rank closes dozens at once).
+    std::vector<ComputedStep> computed;
+    computed.reserve(batch.size());
+    for (JoinedStep& s : batch) computed.push_back(ComputeAndExport(std::move(s)));
+    for (ComputedStep& c : computed) Store(std::move(c));
     absl::MutexLock lock(&mu_);
     closed_processed_ += batch.size();
   }
 }
 
-void StepPipeline::ProcessClosed(JoinedStep js) {
+StepPipeline::ComputedStep StepPipeline::ComputeAndExport(JoinedStep js) {
   std::vector<RankSample> samples;
   samples.reserve(js.reports.size());
   bool same_dim = true;
@@ -459,7 +472,7 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   }
   const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
-  const StepDiagnostics diag = Diagnose(js, stats);
+  StepDiagnostics diag = Diagnose(js, stats);
   // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
   std::vector<uint32_t> outlier_ranks;
   {
@@ -492,6 +505,14 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kComplete) {
     health_->ObserveIngestLatency(options_.clock() - last_received);
   }
+  return ComputedStep{std::move(js), std::move(stats), std::move(diag), std::move(outlier_ranks)};
+}
+
+void StepPipeline::Store(ComputedStep computed) {
+  JoinedStep& js = computed.js;
+  const StepStatistics& stats = computed.stats;
+  const StepDiagnostics& diag = computed.diag;
+  const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
 
   WriteItem item;
   StepWrite w;
@@ -515,7 +536,7 @@ void StepPipeline::ProcessClosed(JoinedStep js) {
   row.grad_noise_scale = diag.grad_noise_scale;
   row.replica_checked = diag.replica_checked;
   row.replica_divergent_ranks = diag.replica_divergent;
-  row.outlier_ranks = outlier_ranks;
+  row.outlier_ranks = std::move(computed.outlier_ranks);
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
   w.ranks.reserve(js.reports.size());

@@ -125,7 +125,11 @@ class StepPipeline {
   };
 
   void StepThread();
-  void ProcessClosed(JoinedStep step);
+  struct ComputedStep;  // pipeline.cc
+  // Step thread: a closed step's statistics and diagnostics, exported to JobMetrics.
+  ComputedStep ComputeAndExport(JoinedStep step);
+  // Step thread: the step's rows to the store writer (whose commit acks its reports).
+  void Store(ComputedStep computed);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
 
   const PipelineOptions options_;
