@@ -130,10 +130,19 @@ class StepPipeline {
     std::optional<v1::Control> control;
     absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
     absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks with an open stream
+    // By rank: the dropped_total last passed to JobMetrics::OnAgentDropped, which only the
+    // reports whose count differs from it need (JobMetrics keeps the same last value per rank, so
+    // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics
+    // state that may have expired meanwhile) sees its first count.
+    std::vector<std::optional<uint64_t>> dropped_forwarded;
   };
 
   void StepThread();
-  void ProcessClosed(JoinedStep step);
+  struct ComputedStep;  // pipeline.cc
+  // Step thread: a closed step's statistics and diagnostics, exported to JobMetrics.
+  ComputedStep ComputeAndExport(JoinedStep step);
+  // Step thread: the step's rows to the store writer (whose commit acks its reports).
+  void Store(ComputedStep computed);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
   // The store writer dropped these rows unstored: the joiner forgets that their steps were
   // closed, so that the agents' resends are joined and stored again, not taken for duplicates.

@@ -55,7 +55,21 @@ struct StepStatistics {
 };
 
 // Computes every statistic of one step in O(W k). `samples` may be empty (all fields zero/NaN).
+// The results are bit-identical on every CPU (whichever vector ISA it runs).
 StepStatistics ComputeStepStatistics(absl::Span<const RankSample> samples);
+
+// For tests and benchmarks: the sketch kernels compiled for each instruction set.
+namespace step_stats_internal {
+
+enum class KernelIsa { kBaseline, kAvx2, kAvx512 };  // kBaseline: SSE2 on x86-64, or portable
+
+// Whether this CPU can run `isa` (kBaseline always).
+bool KernelIsaSupported(KernelIsa isa);
+
+// ComputeStepStatistics with the kernels of `isa`, which must be supported.
+StepStatistics ComputeStepStatisticsWithIsa(absl::Span<const RankSample> samples, KernelIsa isa);
+
+}  // namespace step_stats_internal
 
 }  // namespace rankscope::collector
 

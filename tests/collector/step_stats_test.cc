@@ -595,6 +595,49 @@ TEST_F(StepStatsNonFiniteTest, MismatchedSketchLengthsDoNotCrash) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Every instruction-set path of the sketch kernels gives bit-identical results.
+
+void ExpectSameBits(double a, double b, const std::string& what) {
+  if (std::isnan(b)) {
+    EXPECT_TRUE(std::isnan(a)) << what;
+  } else {
+    EXPECT_EQ(a, b) << what;
+  }
+}
+
+TEST(StepStatsIsaTest, EveryPathIsBitIdenticalToBaseline) {
+  using step_stats_internal::ComputeStepStatisticsWithIsa;
+  using step_stats_internal::KernelIsa;
+  for (size_t w : {1, 2, 3, 64, 257}) {
+    for (size_t k : {1, 7, 16, 17, 100, 1000, 1024}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        Step step = RandomStep(w, k, static_cast<uint32_t>(w * 1000 + k));
+        if (variant == 1) std::fill(step.sketches[w / 2].begin(), step.sketches[w / 2].end(), 0.f);
+        if (variant == 2) step.sketches[w - 1][k - 1] = kNaNf;
+        const StepStatistics base =
+            ComputeStepStatisticsWithIsa(step.samples, KernelIsa::kBaseline);
+        for (KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+          if (!step_stats_internal::KernelIsaSupported(isa)) continue;
+          const std::string at = "W=" + std::to_string(w) + " k=" + std::to_string(k) +
+                                 " variant " + std::to_string(variant) + " isa " +
+                                 std::to_string(static_cast<int>(isa));
+          const StepStatistics got = ComputeStepStatisticsWithIsa(step.samples, isa);
+          ExpectSameBits(got.grad_cosine_mean, base.grad_cosine_mean, "grad_cosine_mean " + at);
+          ASSERT_EQ(got.per_rank.size(), base.per_rank.size());
+          for (size_t r = 0; r < w; ++r) {
+            ExpectSameBits(got.per_rank[r].consensus_cosine, base.per_rank[r].consensus_cosine,
+                           "consensus " + at + " rank index " + std::to_string(r));
+          }
+        }
+        // The dispatched path is one of them.
+        const StepStatistics chosen = ComputeStepStatistics(step.samples);
+        ExpectSameBits(chosen.grad_cosine_mean, base.grad_cosine_mean, "dispatched");
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scale: 10,000 ranks x k = 1024 must be O(W k). An O(W^2 k) slip would take minutes; the bound
 // is loose enough for a loaded shared machine and a sanitizer build.
 

@@ -1,0 +1,148 @@
+// ComputeStepStatistics and the per-step rank diagnostics at the collector's scale (W ranks,
+// k-float sketches), with Google Benchmark. Each rank's sketch is its own heap buffer, as the
+// pipeline's pooled report buffers are.
+//
+//   BM_StepStatistics/W/k/steps/scattered: ComputeStepStatistics. `steps` distinct steps are cycled
+//   through, so with steps = 8 (32 MiB at W = k = 1024) every call reads sketches that are not in
+//   L1/L2, as on the step thread, where they were written by the gRPC threads milliseconds
+//   before; steps = 1 keeps one 4 MiB step as warm as this core's L2 allows.
+//   BM_StepStatisticsIsa/W/k/steps/0/isa: the same with the kernels of one instruction set
+//   (0 baseline, 1 AVX2, 2 AVX-512; skipped where the CPU lacks it).
+//   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "collector/rank_diagnostics.h"
+#include "collector/step_stats.h"
+
+namespace rankscope::collector {
+namespace {
+
+struct Step {
+  std::vector<std::vector<float>> sketches;
+  std::vector<RankSample> samples;
+};
+
+Step MakeStep(size_t w, size_t k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> common(k);
+  for (float& c : common) c = normal(rng);
+  Step step;
+  step.sketches.resize(w);
+  for (size_t r = 0; r < w; ++r) {
+    step.sketches[r].resize(k);
+    for (size_t i = 0; i < k; ++i) step.sketches[r][i] = 0.5f * common[i] + normal(rng);
+    RankSample s;
+    s.rank = static_cast<uint32_t>(r);
+    s.loss = 2.3 + 0.1 * normal(rng);
+    s.grad_norm = 1.0 + 0.1 * normal(rng);
+    step.samples.push_back(s);
+  }
+  for (size_t r = 0; r < w; ++r) step.samples[r].sketch = step.sketches[r];
+  return step;
+}
+
+using step_stats_internal::KernelIsa;
+
+void RunStepStatistics(benchmark::State& state, std::optional<KernelIsa> isa) {
+  if (isa && !step_stats_internal::KernelIsaSupported(*isa)) {
+    state.SkipWithError("instruction set not supported by this CPU");
+    return;
+  }
+  const size_t w = static_cast<size_t>(state.range(0));
+  const size_t k = static_cast<size_t>(state.range(1));
+  const size_t n_steps = static_cast<size_t>(state.range(2));
+  std::vector<Step> steps;
+  for (size_t i = 0; i < n_steps; ++i) steps.push_back(MakeStep(w, k, 1000 + i));
+  if (state.range(3) != 0) {
+    // Scattered: each step's sketches are drawn at random from all steps' buffers, as the
+    // pipeline's pooled buffers are spread over its heap.
+    std::vector<absl::Span<const float>> all;
+    for (const Step& step : steps) {
+      for (const RankSample& sample : step.samples) all.push_back(sample.sketch);
+    }
+    std::shuffle(all.begin(), all.end(), std::mt19937_64(99));
+    size_t at = 0;
+    for (Step& step : steps) {
+      for (RankSample& sample : step.samples) sample.sketch = all[at++];
+    }
+  }
+  const bool rewritten = state.range(3) == 2;
+  std::vector<float> source(k, 0.25f);
+  size_t next = 0;
+  for (auto _ : state) {
+    if (rewritten) {
+      // The step's sketches written by a thread on another CPU just before, as the gRPC threads
+      // write reports' sketches in the collector.
+      state.PauseTiming();
+      const int here = sched_getcpu();
+      std::thread writer([&] {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(here == 0 ? 1 : 0, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+        for (const RankSample& sample : steps[next].samples) {
+          std::memcpy(const_cast<float*>(sample.sketch.data()), source.data(), k * sizeof(float));
+        }
+      });
+      writer.join();
+      state.ResumeTiming();
+    }
+    StepStatistics stats =
+        isa ? step_stats_internal::ComputeStepStatisticsWithIsa(steps[next].samples, *isa)
+            : ComputeStepStatistics(steps[next].samples);
+    benchmark::DoNotOptimize(stats.grad_cosine_mean);
+    benchmark::DoNotOptimize(stats.per_rank.data());
+    next = (next + 1) % n_steps;
+  }
+  state.counters["floats/s"] = benchmark::Counter(static_cast<double>(w * k) * state.iterations(),
+                                                  benchmark::Counter::kIsRate);
+}
+
+void BM_StepStatistics(benchmark::State& state) { RunStepStatistics(state, std::nullopt); }
+BENCHMARK(BM_StepStatistics)
+    ->Args({1024, 1024, 1, 0})
+    ->Args({1024, 1024, 8, 0})
+    ->Args({1024, 1024, 8, 1})
+    ->Args({1024, 1024, 8, 2})
+    ->Args({64, 1024, 8, 0})
+    ->Args({1024, 1000, 8, 0})
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_OutlierScores(benchmark::State& state) {
+  const size_t w = static_cast<size_t>(state.range(0));
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<RankSignals> signals(w);
+  for (size_t r = 0; r < w; ++r) {
+    signals[r] = {static_cast<uint32_t>(r), 2.3 + 0.1 * normal(rng), 1.0 + 0.1 * normal(rng),
+                  0.2 + 0.01 * normal(rng)};
+  }
+  for (auto _ : state) {
+    std::vector<OutlierScore> scores = ComputeOutlierScores(signals);
+    benchmark::DoNotOptimize(scores.data());
+  }
+}
+void BM_StepStatisticsIsa(benchmark::State& state) {
+  RunStepStatistics(state, static_cast<KernelIsa>(state.range(4)));
+}
+BENCHMARK(BM_StepStatisticsIsa)
+    ->ArgsProduct({{1024}, {1024}, {8}, {0}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(BM_OutlierScores)->Arg(1024)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace rankscope::collector
+
+BENCHMARK_MAIN();
