@@ -626,20 +626,35 @@ def collector():
             ],
             row("SQLite store"),
             [
-                (8, 8, timeseries(
+                (6, 8, stat("Store healthy",
+                            [q(f"min(rankscope_store_healthy{{{inst}}})", "{{instance}}")],
+                            description="0 while SQLite commits fail (disk full, file unwritable, "
+                                        "lock held): nothing is acked, agents hold their reports "
+                                        "(RankscopeStoreFailing). The log says why.",
+                            thresholds={"mode": "absolute", "steps": [{"color": "red", "value": None},
+                                                                       {"color": "green", "value": 1}]},
+                            mappings=[{"type": "value", "options": {
+                                "0": {"color": "red", "index": 0, "text": "FAILING"},
+                                "1": {"color": "green", "index": 1, "text": "OK"}}}],
+                            graph=False)),
+                (6, 8, timeseries(
                     "Commit latency",
                     [p(0.5, "rankscope_store_commit_seconds", "p50 {{instance}}"),
                      p(0.99, "rankscope_store_commit_seconds", "p99 {{instance}}")],
                     unit="s", min_=0, description="Acks go to the agents after the commit.")),
-                (8, 8, timeseries(
+                (6, 8, timeseries(
                     "Store queue depth",
                     [q(f"sum by (instance) (rankscope_store_queue_depth{{{inst}}})", "{{instance}}")],
                     min_=0)),
-                (8, 8, timeseries(
-                    "Store errors",
+                (6, 8, timeseries(
+                    "Store errors and dropped items",
                     [q(f"sum by (instance) (rate(rankscope_store_errors_total{{{inst}}}[$__rate_interval]))",
-                       "{{instance}}")],
-                    unit="reqps", min_=0)),
+                       "failed commits/s {{instance}}", "A"),
+                     q(f"sum by (instance) (rate(rankscope_store_dropped_items_total{{{inst}}}[$__rate_interval]))",
+                       "items dropped unstored/s {{instance}}", "B")],
+                    unit="reqps", min_=0,
+                    description="Dropped items were never acked: their streams are ended so the "
+                                "agents resend them.")),
             ],
             row("Scrapes of the collector"),
             [
