@@ -514,15 +514,14 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
       res.flushed = false;
     }
   }
-  for (auto& a : agents) {
-    const rankscope::AgentStats s = a->stats();
-    res.recorded += s.recorded;
-    res.acked += s.acked;
-    res.sent += s.sent;
-    res.dropped += s.dropped;
-    res.rejected += s.rejected;
-    res.invalid += s.invalid;
-  }
+  rankscope::AgentStats total;
+  for (auto& a : agents) total.Add(a->stats());
+  res.recorded = total.recorded;
+  res.acked = total.acked;
+  res.sent = total.sent;
+  res.dropped = total.dropped;
+  res.rejected = total.rejected;
+  res.invalid = total.invalid;
   // Close in parallel: each Close joins a thread.
   std::vector<std::thread> closers;
   for (int d = 0; d < drivers; ++d) {

@@ -317,14 +317,7 @@ int main(int argc, char** argv) {
       while (!done.load()) {
         absl::SleepFor(absl::GetFlag(FLAGS_progress_interval));
         rankscope::AgentStats sum;
-        for (auto& a : agents) {
-          const rankscope::AgentStats s = a->stats();
-          sum.recorded += s.recorded;
-          sum.acked += s.acked;
-          sum.dropped += s.dropped;
-          sum.queued += s.queued;
-          sum.unacked += s.unacked;
-        }
+        for (auto& a : agents) sum.Add(a->stats());
         std::fprintf(stderr,
                      "loadgen: progress step=%lld recorded=%llu acked=%llu dropped=%llu "
                      "queued=%zu unacked=%zu\n",
@@ -379,13 +372,7 @@ int main(int argc, char** argv) {
   };
   for (auto& a : agents) {
     const rankscope::AgentStats s = a->stats();
-    total.recorded += s.recorded;
-    total.acked += s.acked;
-    total.dropped += s.dropped;
-    total.rejected += s.rejected;
-    total.sent += s.sent;
-    total.invalid += s.invalid;
-    total.reconnects += s.reconnects;
+    total.Add(s);
     absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
                     absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
                                     a->options().rank, json_stats(s)));

@@ -105,6 +105,20 @@ struct AgentStats {
   // Why the newest failed stream ended ("UNAUTHENTICATED: ...", "UNAVAILABLE: ... handshake
   // ..."); empty until a stream fails. Kept after the agent reconnects.
   std::string last_error;
+
+  // Adds other's counters (recorded through unacked) into this one: the totals of several agents.
+  // connected and last_error are per agent and left unchanged.
+  void Add(const AgentStats& other) {
+    recorded += other.recorded;
+    sent += other.sent;
+    acked += other.acked;
+    rejected += other.rejected;
+    dropped += other.dropped;
+    invalid += other.invalid;
+    reconnects += other.reconnects;
+    queued += other.queued;
+    unacked += other.unacked;
+  }
 };
 
 // A control message pushed by the collector (rankscope ctl), to apply at `apply_at_step`.
