@@ -1,6 +1,8 @@
 #include "common/query_client.h"
 
 #include <algorithm>
+#include <chrono>
+#include <limits>
 #include <utility>
 
 namespace rankscope::query {
