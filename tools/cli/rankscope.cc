@@ -30,6 +30,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -39,8 +41,8 @@
 #include "collector/row_proto.h"
 #include "collector/sqlite_store.h"
 #include "common/client_tls.h"
+#include "common/query_client.h"
 #include "google/protobuf/util/json_util.h"
-#include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
 ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
@@ -96,10 +98,28 @@ constexpr char kUsage[] =
     "ctl changes are applied by every rank of the job at the same future step (the job's newest\n"
     "step + lead_steps), so the ranks' sketches stay comparable.";
 
-// The Query channel's TLS settings and credentials, set once by main before any RPC.
-rankscope::tls::ClientTlsFiles g_tls;
-std::shared_ptr<grpc::ChannelCredentials> g_credentials;
-std::string g_auth_token;  // sent with every call when not empty
+// Everything the flags (and their environment variables) say, read once by main before any
+// verb runs; verbs take it instead of reading flags.
+struct CliConfig {
+  rankscope::query::QueryClientOptions query;  // address, TLS, token, deadline
+  std::string auth_token_file;
+  std::string job;
+  bool once = false;
+  int limit = 20;
+  int every = 0;
+  int sketch_dim = 0;
+  int lead_steps = 5;
+  int worst = 5;
+  std::string format;
+  std::string table;
+  std::string db;
+  uint64_t first_step = 0;
+  uint64_t last_step = 0;
+  int max_rows = 1000000;
+  int page_rows = 10000;
+  std::string output;
+  std::string python;
+};
 
 // The flag, else the environment variable, else "".
 std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* env) {
@@ -108,35 +128,72 @@ std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* env) {
   return v;
 }
 
-std::unique_ptr<v1::Query::Stub> Stub() {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);  // export pages stay far below; headroom for show
-  rankscope::tls::ApplyTargetName(g_tls, &args);
-  return v1::Query::NewStub(
-      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_collector), g_credentials, args));
+CliConfig ReadFlags() {
+  CliConfig c;
+  c.query.address = absl::GetFlag(FLAGS_collector);
+  c.query.timeout = absl::GetFlag(FLAGS_timeout);
+  c.query.max_receive_message_size = 64 << 20;  // export pages stay far below; headroom for show
+  c.query.tls.ca_file = FlagOrEnv(FLAGS_tls_ca_file, "RANKSCOPE_TLS_CA");
+  c.query.tls.cert_file = FlagOrEnv(FLAGS_tls_cert_file, "RANKSCOPE_TLS_CERT");
+  c.query.tls.key_file = FlagOrEnv(FLAGS_tls_key_file, "RANKSCOPE_TLS_KEY");
+  c.query.tls.target_name = FlagOrEnv(FLAGS_tls_target_name, "RANKSCOPE_TLS_TARGET_NAME");
+  c.query.tls.ca_name = "--tls_ca_file";
+  c.query.tls.cert_name = "--tls_cert_file";
+  c.query.tls.key_name = "--tls_key_file";
+  c.auth_token_file = FlagOrEnv(FLAGS_auth_token_file, "RANKSCOPE_AUTH_TOKEN_FILE");
+  c.job = absl::GetFlag(FLAGS_job);
+  c.once = absl::GetFlag(FLAGS_once);
+  c.limit = absl::GetFlag(FLAGS_limit);
+  c.every = absl::GetFlag(FLAGS_every);
+  c.sketch_dim = absl::GetFlag(FLAGS_sketch_dim);
+  c.lead_steps = absl::GetFlag(FLAGS_lead_steps);
+  c.worst = absl::GetFlag(FLAGS_worst);
+  c.format = absl::GetFlag(FLAGS_format);
+  c.table = absl::GetFlag(FLAGS_table);
+  c.db = absl::GetFlag(FLAGS_db);
+  c.first_step = absl::GetFlag(FLAGS_first_step);
+  c.last_step = absl::GetFlag(FLAGS_last_step);
+  c.max_rows = absl::GetFlag(FLAGS_max_rows);
+  c.page_rows = absl::GetFlag(FLAGS_page_rows);
+  c.output = absl::GetFlag(FLAGS_o);
+  c.python = absl::GetFlag(FLAGS_python);
+  return c;
 }
 
-// Sets the call's deadline and its token (every call goes through here).
-void SetDeadline(grpc::ClientContext* ctx) {
-  if (!g_auth_token.empty()) ctx->AddMetadata("authorization", "Bearer " + g_auth_token);
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_timeout)));
+// The stripped token in `path`; InvalidArgument (with the message to print) if it cannot be
+// read or is empty.
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string token(absl::StripAsciiWhitespace(text));
+  if (!in || token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read a token from --auth_token_file ", path));
+  }
+  return token;
 }
 
-int Fail(const grpc::Status& s) {
+// What a verb works with: the flags and the collector's Query client.
+struct Cli {
+  const CliConfig& config;
+  rankscope::query::QueryClient& client;
+};
+
+int Fail(const CliConfig& config, const absl::Status& s) {
   // A refused TLS handshake reaches a client as UNAVAILABLE, like a collector that is down.
+  const rankscope::tls::ClientTlsFiles& tls = config.query.tls;
+  const bool unavailable = s.code() == absl::StatusCode::kUnavailable;
   const char* hint = "";
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    hint = !g_tls.enabled() ? " (plaintext: if the collector serves TLS, give --tls_ca_file)"
-           : g_tls.cert_file.empty()
+  if (unavailable) {
+    hint = !tls.enabled() ? " (plaintext: if the collector serves TLS, give --tls_ca_file)"
+           : tls.cert_file.empty()
                ? " (TLS without a client certificate: if the collector requires mutual TLS, give "
                  "--tls_cert_file and --tls_key_file)"
                : "";
   }
-  std::fprintf(
-      stderr, "rankscope: %s (collector %s): %s%s\n",
-      s.error_code() == grpc::StatusCode::UNAVAILABLE ? "collector unreachable" : "request failed",
-      absl::GetFlag(FLAGS_collector).c_str(), s.error_message().c_str(), hint);
+  std::fprintf(stderr, "rankscope: %s (collector %s): %s%s\n",
+               unavailable ? "collector unreachable" : "request failed",
+               config.query.address.c_str(), std::string(s.message()).c_str(), hint);
   return 1;
 }
 
@@ -145,12 +202,10 @@ std::string Num(double v, int precision = 4) {
   return absl::StrFormat("%.*g", precision, v);
 }
 
-int Jobs() {
-  v1::ListJobsResponse resp;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  grpc::Status s = Stub()->ListJobs(&ctx, v1::ListJobsRequest(), &resp);
-  if (!s.ok()) return Fail(s);
+int Jobs(const Cli& cli) {
+  absl::StatusOr<v1::ListJobsResponse> jobs = cli.client.ListJobs();
+  if (!jobs.ok()) return Fail(cli.config, jobs.status());
+  const v1::ListJobsResponse& resp = *jobs;
   std::printf("%-32s %8s %8s %10s %10s %-7s %s\n", "JOB", "WORLD", "SKETCH", "LAST_STEP",
               "CONNECTED", "STATE", "LAST_SEEN");
   for (const v1::JobInfo& j : resp.jobs()) {
@@ -173,15 +228,13 @@ std::string Ranks(const Container& ranks, const char* none) {
   return ranks.empty() ? std::string(none) : absl::StrJoin(ranks, ",");
 }
 
-int ShowOnce(const std::string& job) {
+int ShowOnce(const Cli& cli, const std::string& job) {
   v1::RecentStepsRequest req;
   req.set_job(job);
-  req.set_limit(static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_limit))));
-  v1::RecentStepsResponse resp;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  grpc::Status s = Stub()->RecentSteps(&ctx, req, &resp);
-  if (!s.ok()) return Fail(s);
+  req.set_limit(static_cast<uint32_t>(std::max(1, cli.config.limit)));
+  absl::StatusOr<v1::RecentStepsResponse> recent = cli.client.RecentSteps(req);
+  if (!recent.ok()) return Fail(cli.config, recent.status());
+  const v1::RecentStepsResponse& resp = *recent;
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
   std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %s\n", "STEP", "RANKS",
               "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "NOISE_B",
@@ -196,7 +249,7 @@ int ShowOnce(const std::string& job) {
                 Ranks(st.outlier_ranks(), "-").c_str(),
                 absl::StrJoin(st.missing_ranks(), ",").c_str());
   }
-  if (resp.steps_size() == 0 || absl::GetFlag(FLAGS_worst) <= 0) return 0;
+  if (resp.steps_size() == 0 || cli.config.worst <= 0) return 0;
 
   // The worst ranks of the newest step, by outlier score.
   const uint64_t newest = resp.steps(0).step();
@@ -205,13 +258,10 @@ int ShowOnce(const std::string& job) {
   range.set_first_step(newest);
   range.set_last_step(newest);
   range.set_include_ranks(true);
-  v1::StepRangeResponse ranks;
-  grpc::ClientContext ctx2;
-  SetDeadline(&ctx2);
-  s = Stub()->StepRange(&ctx2, range, &ranks);
-  if (!s.ok()) return Fail(s);
+  absl::StatusOr<v1::StepRangeResponse> ranks = cli.client.StepRange(range);
+  if (!ranks.ok()) return Fail(cli.config, ranks.status());
   std::vector<const v1::RankStep*> rows;
-  for (const v1::RankStep& r : ranks.ranks()) rows.push_back(&r);
+  for (const v1::RankStep& r : ranks->ranks()) rows.push_back(&r);
   const auto score = [](const v1::RankStep* r) {
     // NaN (a rank with non-finite inputs) sorts first: it is flagged.
     if (!r->has_outlier_score()) return -std::numeric_limits<double>::infinity();
@@ -221,7 +271,7 @@ int ShowOnce(const std::string& job) {
   std::stable_sort(rows.begin(), rows.end(), [&](const v1::RankStep* a, const v1::RankStep* b) {
     return score(a) > score(b);
   });
-  rows.resize(std::min<size_t>(rows.size(), absl::GetFlag(FLAGS_worst)));
+  rows.resize(std::min<size_t>(rows.size(), cli.config.worst));
   std::printf("\nworst ranks of step %llu (by outlier score):\n",
               static_cast<unsigned long long>(newest));
   std::printf("%6s %10s %10s %10s %8s %8s %10s %8s %7s\n", "RANK", "OUTLIER", "LOSS", "GRAD_NORM",
@@ -238,32 +288,33 @@ int ShowOnce(const std::string& job) {
   return 0;
 }
 
-int Show(const std::string& job) {
-  if (absl::GetFlag(FLAGS_once)) return ShowOnce(job);
+int Show(const Cli& cli, const std::string& job) {
+  if (cli.config.once) return ShowOnce(cli, job);
   while (true) {
     std::printf("\033[H\033[2J");  // clear the terminal
-    const int rc = ShowOnce(job);
+    const int rc = ShowOnce(cli, job);
     if (rc != 0) return rc;
     std::fflush(stdout);
     absl::SleepFor(absl::Seconds(2));
   }
 }
 
-int Ctl(const std::string& verb, const std::string& job) {
+int Ctl(const Cli& cli, const std::string& verb, const std::string& job) {
+  const CliConfig& config = cli.config;
   v1::ControlRequest req;
   req.set_job(job);
-  req.set_lead_steps(static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_lead_steps))));
+  req.set_lead_steps(static_cast<uint32_t>(std::max(1, config.lead_steps)));
   if (verb == "enable") {
     req.set_enabled(true);
   } else if (verb == "disable") {
     req.set_enabled(false);
   } else if (verb == "set") {
-    if (absl::GetFlag(FLAGS_every) < 0 || absl::GetFlag(FLAGS_sketch_dim) < 0) {
+    if (config.every < 0 || config.sketch_dim < 0) {
       std::fprintf(stderr, "rankscope: --every and --sketch_dim must be positive\n");
       return 2;
     }
-    if (absl::GetFlag(FLAGS_every) > 0) req.set_every(absl::GetFlag(FLAGS_every));
-    if (absl::GetFlag(FLAGS_sketch_dim) > 0) req.set_sketch_dim(absl::GetFlag(FLAGS_sketch_dim));
+    if (config.every > 0) req.set_every(config.every);
+    if (config.sketch_dim > 0) req.set_sketch_dim(config.sketch_dim);
     if (!req.has_every() && !req.has_sketch_dim()) {
       std::fprintf(stderr, "rankscope: ctl set needs --every and/or --sketch_dim\n");
       return 2;
@@ -272,11 +323,9 @@ int Ctl(const std::string& verb, const std::string& job) {
     std::fprintf(stderr, "rankscope: unknown ctl verb '%s' (enable, disable, set)\n", verb.c_str());
     return 2;
   }
-  v1::ControlResponse resp;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  grpc::Status s = Stub()->SetControl(&ctx, req, &resp);
-  if (!s.ok()) return Fail(s);
+  absl::StatusOr<v1::ControlResponse> set = cli.client.SetControl(req);
+  if (!set.ok()) return Fail(config, set.status());
+  const v1::ControlResponse& resp = *set;
   const v1::Control& c = resp.control();
   std::printf(
       "job %s: generation %llu, to apply at step %llu (ranks that have not reported recently, "
@@ -298,63 +347,25 @@ using store::FillStepStats;
 
 // Reads the job's steps (and rank rows) in [--first_step, --last_step] from --db, or from the
 // collector when --db is empty. Returns 0, or the exit code after printing why.
-int LoadRange(const std::string& job, bool include_ranks, v1::StepRangeResponse* out) {
-  const uint64_t first = absl::GetFlag(FLAGS_first_step);
-  const uint64_t last = absl::GetFlag(FLAGS_last_step) == 0 ? std::numeric_limits<uint64_t>::max()
-                                                            : absl::GetFlag(FLAGS_last_step);
-  const int max_rows = std::max(1, absl::GetFlag(FLAGS_max_rows));
-  const std::string db = absl::GetFlag(FLAGS_db);
+int LoadRange(const Cli& cli, const std::string& job, bool include_ranks,
+              v1::StepRangeResponse* out) {
+  const CliConfig& config = cli.config;
+  const uint64_t first = config.first_step;
+  const uint64_t last =
+      config.last_step == 0 ? std::numeric_limits<uint64_t>::max() : config.last_step;
+  const int max_rows = std::max(1, config.max_rows);
+  const std::string& db = config.db;
   if (db.empty()) {
     // Paged, so that no response nears gRPC's message size limit even for 10,000-rank jobs:
     // step rows --page_rows at a time, then rank rows a few steps (~--page_rows rows) at a time.
-    const uint64_t kPageRows = static_cast<uint64_t>(std::max(1, absl::GetFlag(FLAGS_page_rows)));
-    auto stub = Stub();
-    const auto fetch = [&](uint64_t from, uint64_t to, bool ranks, uint32_t limit,
-                           v1::StepRangeResponse* page) {
-      v1::StepRangeRequest req;
-      req.set_job(job);
-      req.set_first_step(from);
-      req.set_last_step(to == std::numeric_limits<uint64_t>::max() ? 0 : to);
-      req.set_include_ranks(ranks);
-      req.set_limit(limit);
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx);
-      return stub->StepRange(&ctx, req, page);
-    };
-    uint64_t cursor = first;
-    while (out->steps_size() < max_rows) {
-      v1::StepRangeResponse page;
-      const uint32_t limit =
-          static_cast<uint32_t>(std::min<uint64_t>(kPageRows, max_rows - out->steps_size()));
-      grpc::Status s = fetch(cursor, last, false, limit, &page);
-      if (!s.ok()) return Fail(s);
-      for (v1::StepStats& st : *page.mutable_steps()) *out->add_steps() = std::move(st);
-      if (!page.truncated() || out->steps_size() == 0) break;
-      const uint64_t next = out->steps(out->steps_size() - 1).step();
-      if (next >= last) break;
-      cursor = next + 1;
-    }
-    if (out->steps_size() >= max_rows) out->set_truncated(true);
-    if (include_ranks && out->steps_size() > 0) {
-      const uint64_t world = std::max<uint64_t>(1, out->steps(0).world_size());
-      const uint64_t chunk = std::max<uint64_t>(1, kPageRows / world);
-      const uint64_t end = out->steps(out->steps_size() - 1).step();
-      for (uint64_t from = out->steps(0).step(); out->ranks_size() < max_rows;) {
-        const uint64_t to = end - from < chunk ? end : from + chunk - 1;
-        v1::StepRangeResponse page;
-        grpc::Status s = fetch(from, to, true, static_cast<uint32_t>(max_rows), &page);
-        if (!s.ok()) return Fail(s);
-        for (v1::RankStep& r : *page.mutable_ranks()) {
-          if (out->ranks_size() >= max_rows) {
-            out->set_truncated(true);
-            break;
-          }
-          *out->add_ranks() = std::move(r);
-        }
-        if (to == end) break;
-        from = to + 1;
-      }
-    }
+    rankscope::query::StepRangeQuery query;
+    query.job = job;
+    query.first_step = first;
+    query.last_step = last;
+    query.include_ranks = include_ranks;
+    query.max_rows = max_rows;
+    query.page_rows = config.page_rows;
+    if (absl::Status s = cli.client.StepRangePaged(query, out); !s.ok()) return Fail(config, s);
   } else {
     store::StoreOptions options;
     options.read_only = true;
@@ -387,9 +398,8 @@ int LoadRange(const std::string& job, bool include_ranks, v1::StepRangeResponse*
     }
   }
   if (out->steps_size() == 0 && out->ranks_size() == 0) {
-    std::fprintf(
-        stderr, "rankscope: no steps stored for job %s in %s\n", job.c_str(),
-        db.empty() ? ("the collector at " + absl::GetFlag(FLAGS_collector)).c_str() : db.c_str());
+    std::fprintf(stderr, "rankscope: no steps stored for job %s in %s\n", job.c_str(),
+                 db.empty() ? ("the collector at " + config.query.address).c_str() : db.c_str());
     return 1;
   }
   if (out->truncated()) {
@@ -406,9 +416,9 @@ std::string Csv(double v) {
 }
 std::string Csv(bool has, double v) { return has ? Csv(v) : std::string(); }
 
-int Export(const std::string& job) {
-  const std::string format = absl::GetFlag(FLAGS_format);
-  const std::string table = absl::GetFlag(FLAGS_table);
+int Export(const Cli& cli, const std::string& job) {
+  const std::string& format = cli.config.format;
+  const std::string& table = cli.config.table;
   if (format != "csv" && format != "json") {
     std::fprintf(stderr, "rankscope: --format must be csv or json, not '%s'\n", format.c_str());
     return 2;
@@ -418,7 +428,9 @@ int Export(const std::string& job) {
     return 2;
   }
   v1::StepRangeResponse data;
-  if (int rc = LoadRange(job, format == "json" || table == "ranks", &data); rc != 0) return rc;
+  if (int rc = LoadRange(cli, job, format == "json" || table == "ranks", &data); rc != 0) {
+    return rc;
+  }
   if (format == "json") {
     google::protobuf::util::JsonPrintOptions options;
     options.preserve_proto_field_names = true;
@@ -481,8 +493,8 @@ std::string PythonDir() {
   return exe.substr(0, slash == std::string::npos ? 0 : slash) + "/../python";
 }
 
-int Report(const std::string& job) {
-  const std::string output = absl::GetFlag(FLAGS_o);
+int Report(const Cli& cli, const std::string& job) {
+  const std::string& output = cli.config.output;
   if (output.empty()) {
     std::fprintf(stderr, "rankscope: report needs -o FILE (e.g. -o report.png)\n");
     return 2;
@@ -496,7 +508,7 @@ int Report(const std::string& job) {
     return 1;
   }
   v1::StepRangeResponse data;
-  if (int rc = LoadRange(job, /*include_ranks=*/true, &data); rc != 0) return rc;
+  if (int rc = LoadRange(cli, job, /*include_ranks=*/true, &data); rc != 0) return rc;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   std::string json;
@@ -515,7 +527,7 @@ int Report(const std::string& job) {
     std::fprintf(stderr, "rankscope: cannot write %s\n", path.c_str());
     return 1;
   }
-  const std::string python = absl::GetFlag(FLAGS_python);
+  const std::string& python = cli.config.python;
   const pid_t pid = fork();
   if (pid == 0) {
     const char* old = std::getenv("PYTHONPATH");
@@ -598,46 +610,38 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", kUsage);
     return 2;
   }
-  g_tls.ca_file = FlagOrEnv(FLAGS_tls_ca_file, "RANKSCOPE_TLS_CA");
-  g_tls.cert_file = FlagOrEnv(FLAGS_tls_cert_file, "RANKSCOPE_TLS_CERT");
-  g_tls.key_file = FlagOrEnv(FLAGS_tls_key_file, "RANKSCOPE_TLS_KEY");
-  g_tls.target_name = FlagOrEnv(FLAGS_tls_target_name, "RANKSCOPE_TLS_TARGET_NAME");
-  g_tls.ca_name = "--tls_ca_file";
-  g_tls.cert_name = "--tls_cert_file";
-  g_tls.key_name = "--tls_key_file";
-  auto credentials = rankscope::tls::ChannelCredentials(g_tls);
-  if (!credentials.ok()) {
-    std::fprintf(stderr, "rankscope: %s\n", std::string(credentials.status().message()).c_str());
+  const CliConfig config = ReadFlags();
+  // A bad TLS setting is reported before an unreadable token.
+  absl::StatusOr<std::string> token = std::string();
+  if (!config.auth_token_file.empty()) token = ReadAuthToken(config.auth_token_file);
+  rankscope::query::QueryClientOptions query = config.query;
+  if (token.ok()) query.auth_token = *token;
+  auto client = rankscope::query::QueryClient::Create(std::move(query));
+  if (!client.ok()) {
+    std::fprintf(stderr, "rankscope: %s\n", std::string(client.status().message()).c_str());
     return 2;
   }
-  g_credentials = *credentials;
-  if (const std::string path = FlagOrEnv(FLAGS_auth_token_file, "RANKSCOPE_AUTH_TOKEN_FILE");
-      !path.empty()) {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    g_auth_token = std::string(absl::StripAsciiWhitespace(text));
-    if (!in || g_auth_token.empty()) {
-      std::fprintf(stderr, "rankscope: cannot read a token from --auth_token_file %s\n",
-                   path.c_str());
-      return 2;
-    }
+  if (!token.ok()) {
+    std::fprintf(stderr, "rankscope: %s\n", std::string(token.status().message()).c_str());
+    return 2;
   }
+  const Cli cli{config, **client};
   const std::string verb = args[1];
-  const std::string job = absl::GetFlag(FLAGS_job);
-  if (verb == "jobs") return Jobs();
+  const std::string& job = config.job;
+  if (verb == "jobs") return Jobs(cli);
   if (verb == "show" || verb == "ctl" || verb == "export" || verb == "report") {
     if (job.empty()) {
       std::fprintf(stderr, "rankscope: %s needs --job\n", verb.c_str());
       return 2;
     }
-    if (verb == "show") return Show(job);
-    if (verb == "export") return Export(job);
-    if (verb == "report") return Report(job);
+    if (verb == "show") return Show(cli, job);
+    if (verb == "export") return Export(cli, job);
+    if (verb == "report") return Report(cli, job);
     if (args.size() < 3) {
       std::fprintf(stderr, "rankscope: ctl needs a verb: enable, disable or set\n");
       return 2;
     }
-    return Ctl(args[2], job);
+    return Ctl(cli, args[2], job);
   }
   std::fprintf(stderr, "rankscope: unknown command '%s'\n\n%s\n", verb.c_str(), kUsage);
   return 2;

@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/client_tls.h"
+#include "common/query_client.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/agent.h"
 #include "rankscope/sketch.h"
@@ -359,38 +360,35 @@ py::dict SetControl(const std::string& collector, const std::string& job,
                     const std::string& tls_ca_file, const std::string& tls_cert_file,
                     const std::string& tls_key_file, const std::string& tls_target_name,
                     const std::string& auth_token) {
-  tls::ClientTlsFiles files;
-  files.ca_file = tls_ca_file;
-  files.cert_file = tls_cert_file;
-  files.key_file = tls_key_file;
-  files.target_name = tls_target_name;
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      tls::ChannelCredentials(files);
-  if (!credentials.ok()) throw py::value_error(std::string(credentials.status().message()));
+  query::QueryClientOptions options;
+  options.address = collector;
+  options.tls.ca_file = tls_ca_file;
+  options.tls.cert_file = tls_cert_file;
+  options.tls.key_file = tls_key_file;
+  options.tls.target_name = tls_target_name;
+  options.auth_token = auth_token;
+  options.timeout = absl::Seconds(timeout_seconds);
+  absl::StatusOr<std::unique_ptr<query::QueryClient>> client =
+      query::QueryClient::Create(std::move(options));
+  if (!client.ok()) throw py::value_error(std::string(client.status().message()));
   v1::ControlRequest req;
   req.set_job(job);
   if (enabled) req.set_enabled(*enabled);
   if (every) req.set_every(*every);
   if (sketch_dim) req.set_sketch_dim(*sketch_dim);
   req.set_lead_steps(lead_steps);
-  v1::ControlResponse resp;
-  grpc::Status status;
+  absl::StatusOr<v1::ControlResponse> set;
   {
     py::gil_scoped_release release;
-    grpc::ChannelArguments args;
-    tls::ApplyTargetName(files, &args);
-    auto stub = v1::Query::NewStub(grpc::CreateCustomChannel(collector, *credentials, args));
-    grpc::ClientContext ctx;
-    if (!auth_token.empty()) ctx.AddMetadata("authorization", "Bearer " + auth_token);
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
-    status = stub->SetControl(&ctx, req, &resp);
+    set = (*client)->SetControl(req);
+    client->reset();  // the channel's teardown, too, without the GIL
   }
-  if (!status.ok()) {
+  if (!set.ok()) {
     throw std::runtime_error("SetControl on " + collector +
-                             " failed: " + std::to_string(static_cast<int>(status.error_code())) +
-                             " " + status.error_message());
+                             " failed: " + std::to_string(static_cast<int>(set.status().code())) +
+                             " " + std::string(set.status().message()));
   }
+  const v1::ControlResponse& resp = *set;
   py::dict d;
   d["generation"] = resp.control().generation();
   d["apply_at_step"] = resp.control().apply_at_step();

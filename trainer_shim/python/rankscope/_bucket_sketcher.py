@@ -1,0 +1,242 @@
+"""The bucket sketcher: what the DDP comm hook does with each gradient bucket *before* the
+all-reduce (rankscope.torch).
+
+Every parameter's local gradient is added into this rank's count sketch at the parameter's global
+flat offset (fixed once from ``module.named_parameters()``, identical on every rank; DDP rebuilds
+its buckets after the first iteration, so nothing is keyed by bucket index until they are final),
+and the exact sum of squares is accumulated. CPU gradients go to the C++ kernel straight from the
+tensor's memory (float32, bfloat16, float16; other dtypes are converted to float32 first), with
+the GIL released; once DDP's buckets are final, a bucket's layout is cached as a
+``_native.BucketPlan`` and the whole bucket is added in one call. Gradients on another device are
+sketched there with torch operations that reproduce the kernel's hash exactly
+(rankscope.torch_sketch), one sketch per device.
+
+The sketcher also tracks which parameters this step has sketched: a parameter seen twice means a
+second synchronized backward ran before ``mon.step()``, and the step starts over (``reset``, then
+``on_restart`` for the rest of the monitor's per-step state).
+
+Thread safety: used from the autograd thread while backward runs (``add_bucket``) and from the
+training thread in ``mon.step`` (everything else); the two never overlap.
+"""
+
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from rankscope import _native
+from rankscope.torch_sketch import TorchSketch
+
+# The dtypes the C++ kernel reads in place.
+NATIVE_DTYPES = {
+    torch.float32: _native.DTYPE_FLOAT32,
+    torch.bfloat16: _native.DTYPE_BFLOAT16,
+    torch.float16: _native.DTYPE_FLOAT16,
+}
+
+
+def buckets_are_final(ddp) -> bool:
+    """True once DDP will not rebuild its buckets any more: it rebuilt them (after the first
+    iteration), or it never will (find_unused_parameters without static_graph)."""
+    if ddp is None:
+        return False
+    if getattr(ddp, "_has_rebuilt_buckets", False):
+        return True
+    return bool(getattr(ddp, "find_unused_parameters", False)) and not getattr(
+        ddp, "static_graph", False)
+
+
+class BucketSketcher:
+    """One rank's sketch of the local gradient of the step being accumulated.
+
+    ``counters`` (a Counter) and ``warn_once(key, message)`` are the monitor's; ``on_restart()``
+    is called after ``reset()`` when a backward restarts within a step.
+    """
+
+    def __init__(self, model, dim: int, seed: int, counters, warn_once: Callable,
+                 on_restart: Callable):
+        self._counters = counters
+        self._warn_once = warn_once
+        self._on_restart = on_restart
+        # Global flat offsets, by parameter, in module order (identical on every rank).
+        self._offset_by_id = {}
+        self._offset_by_ptr = {}
+        total = 0
+        for _, p in model.module.named_parameters():
+            if not p.requires_grad or id(p) in self._offset_by_id:
+                continue
+            self._offset_by_id[id(p)] = total
+            if p.numel() > 0:
+                self._offset_by_ptr[p.data_ptr()] = total
+            total += p.numel()
+        self.num_coordinates = total
+
+        self.dim = dim
+        self._seed = seed
+        self.cpu_sketch = _native.Sketch(dim, seed)
+        self.device_sketches = {}  # device -> TorchSketch
+        # Tests: sketch CPU tensors with the torch-op path (as on a GPU) instead of the kernel.
+        self.force_torch = False
+        # Per bucket index: (buffer address, numel, first offset, BucketPlan), filled only once
+        # DDP has rebuilt its buckets (after that, index, buffer and layout stay fixed).
+        self._ddp_ref = weakref.ref(model)
+        self.plans_final = False
+        self._plans = {}
+
+        # Per-step state.
+        self.got_grads = False
+        self.seen_params = set()  # global offsets of the parameters sketched this step
+        self.t_first_hook = None  # time.monotonic() of the step's first bucket
+
+    def offset_of(self, p):
+        """The parameter's global flat offset, or None if it was not in the module at attach."""
+        off = self._offset_by_id.get(id(p))
+        if off is None and p.numel() > 0:
+            off = self._offset_by_ptr.get(p.data_ptr())
+        return off
+
+    def add_bucket(self, bucket) -> None:
+        """Adds the bucket's local gradients to the step's sketch (raises on a torch error)."""
+        if self.plans_final:
+            # Fast path: DDP's buckets are final, and this one's plan is known.
+            buf = bucket.buffer()
+            entry = self._plans.get(bucket.index())
+            if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
+                self._note_bucket((entry[2],))
+                self.cpu_sketch.add_plan(entry[3], entry[0])
+                self._counters["planned_buckets"] += 1
+                return
+        else:
+            self.plans_final = buckets_are_final(self._ddp_ref())
+        params = bucket.parameters()
+        grads = bucket.gradients()
+        offsets = [self.offset_of(p) for p in params]
+        self._note_bucket([o for o in offsets if o is not None])
+        if not grads:
+            return
+        if grads[0].device.type == "cpu" and not self.force_torch:
+            self._add_cpu(offsets, grads)
+            if self.plans_final:
+                self._make_plan(bucket, offsets, grads)
+        else:
+            self._add_on_device(offsets, grads)
+
+    def reset(self) -> None:
+        """Empties the sketches and forgets the step's buckets (the next step starts)."""
+        self.cpu_sketch.reset()
+        for s in self.device_sketches.values():
+            s.reset()
+        self.seen_params.clear()
+        self.got_grads = False
+        self.t_first_hook = None
+
+    def set_dim(self, dim: int) -> None:
+        """Switches to a new sketch size (a control message): new, empty sketches."""
+        self.dim = dim
+        self.cpu_sketch = _native.Sketch(dim, self._seed)
+        self.device_sketches = {}
+
+    def _note_bucket(self, offsets) -> None:
+        """Marks the parameters (by global offset) whose gradients this step has sketched. If
+        one comes again, a second synchronized backward ran before mon.step() (accumulation
+        without no_sync()): the buckets now hold the newest, accumulated gradient, which is what
+        DDP all-reduces, so the sketch starts over."""
+        seen = self.seen_params
+        if any(o in seen for o in offsets):
+            self._counters["backward_restarts"] += 1
+            self.reset()
+            self._on_restart()
+        seen.update(offsets)
+        self._counters["buckets"] += 1
+        if not self.got_grads:
+            self.got_grads = True
+            self.t_first_hook = time.monotonic()
+
+    def _add_cpu(self, offsets, grads) -> None:
+        """The C++ kernel, reading each gradient where it lies (one call, GIL released)."""
+        addrs, ns, offs, keep = [], [], [], []
+        dtype = grads[0].dtype
+        for off, g in zip(offsets, grads):
+            if off is None:
+                self._unknown_param()
+                continue
+            n = g.numel()
+            if n == 0:
+                continue
+            if g.is_sparse:
+                self._warn_once("sparse", "rankscope: sparse gradients are not sketched")
+                continue
+            if g.dtype != dtype or g.dtype not in NATIVE_DTYPES:
+                # Rare: a dtype the kernel does not read, or a mixed bucket. Convert and add now.
+                g = g.to(torch.float32).contiguous()
+                err = self.cpu_sketch.add(g.data_ptr(), _native.DTYPE_FLOAT32, n, off)
+                if err:
+                    self._native_error(err)
+                continue
+            if not g.is_contiguous():
+                g = g.contiguous()
+                keep.append(g)
+            addrs.append(g.data_ptr())
+            ns.append(n)
+            offs.append(off)
+        if addrs:
+            err = self.cpu_sketch.add_many(addrs, ns, offs, NATIVE_DTYPES[dtype])
+            if err:
+                self._native_error(err)
+        del keep
+
+    def _add_on_device(self, offsets, grads) -> None:
+        """Torch ops on the gradient's device (rankscope.torch_sketch): no host copy."""
+        device = grads[0].device
+        sketch = self.device_sketches.get(device)
+        if sketch is None:
+            sketch = TorchSketch(self.dim, self._seed, device)
+            self.device_sketches[device] = sketch
+        for off, g in zip(offsets, grads):
+            if off is None:
+                self._unknown_param()
+                continue
+            if g.numel() == 0:
+                continue
+            if g.is_sparse:
+                self._warn_once("sparse", "rankscope: sparse gradients are not sketched")
+                continue
+            sketch.add(g, off)
+
+    def _make_plan(self, bucket, offsets, grads) -> None:
+        """Caches where this bucket's gradients lie in its buffer, once DDP no longer rebuilds
+        its buckets, if every gradient is a dense block of one kernel dtype in the buffer."""
+        buf = bucket.buffer()
+        base, dtype = buf.data_ptr(), buf.dtype
+        if dtype not in NATIVE_DTYPES or buf.is_sparse:
+            return
+        end = base + buf.numel() * buf.element_size()
+        byte_offsets, counts, global_offsets = [], [], []
+        for off, g in zip(offsets, grads):
+            n = g.numel()
+            if n == 0:
+                continue
+            if off is None or g.dtype != dtype or not g.is_contiguous():
+                return
+            start = g.data_ptr()
+            if start < base or start + n * g.element_size() > end:
+                return
+            byte_offsets.append(start - base)
+            counts.append(n)
+            global_offsets.append(off)
+        if not counts:
+            return
+        plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts, global_offsets)
+        # A bucket's parameters are marked by its first offset on the fast path: buckets are
+        # final, so no other bucket holds that parameter.
+        self._plans[bucket.index()] = (base, buf.numel(), global_offsets[0], plan)
+
+    def _unknown_param(self) -> None:
+        self._counters["unknown_parameters"] += 1
+        self._warn_once("unknown", "rankscope: a bucket holds a parameter that was not among "
+                        "module.parameters() at attach time; its gradient is not sketched")
+
+    def _native_error(self, err: str) -> None:
+        self._counters["sketch_errors"] += 1
+        self._warn_once("native", f"rankscope: sketch kernel refused a chunk: {err}")

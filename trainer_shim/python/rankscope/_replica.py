@@ -1,0 +1,162 @@
+"""Replica fingerprints of one rank (rankscope.torch; the arithmetic is rankscope.fingerprint).
+
+The comm hook chains a callback on each bucket's all-reduce future that folds the *reduced*
+bucket into an order-independent 64-bit fingerprint and its exact sum of squares; every
+``param_check_every`` steps ``mon.step`` fingerprints the parameters after the optimizer step. The
+values go with the step's report, and the collector names the ranks whose fingerprints differ
+from the majority. CPU tensors take the C++ kernel (Python numbers); tensors on a device are
+folded there with torch ops (0-d tensors, never synchronized here).
+
+Thread safety: ``bucket_layout`` runs on the autograd thread while backward runs, and
+``fold_reduced`` when a collective completes, possibly on a communication thread (it only appends
+to lists); ``step_values`` and ``reset`` run on the training thread in ``mon.step``, after every
+bucket of the step was reduced.
+"""
+
+from typing import Callable
+
+import torch
+
+from rankscope import fingerprint as _fp
+
+
+class ReplicaFingerprints:
+    """The step's reduced-gradient fingerprint and the periodic parameter fingerprint.
+
+    ``counters`` and ``warn_once(key, message)`` are the monitor's.
+    """
+
+    def __init__(self, model, enabled: bool, param_check_every: int, counters,
+                 warn_once: Callable):
+        self._counters = counters
+        self._warn_once = warn_once
+        # Parameter fingerprints: every parameter (frozen ones too), model.parameters() order.
+        self._params = []
+        self._param_offsets = []
+        seen, total = set(), 0
+        for p in model.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self._params.append(p)
+            self._param_offsets.append(total)
+            total += p.numel()
+        self.enabled = enabled  # fingerprint the reduced gradient of every reported step
+        self._param_check_every = param_check_every
+        self._last_param_check = None  # step of the last parameter fingerprint
+        self._layouts = {}  # bucket index -> (buffer address, numel, SegmentLayout), when final
+        # Tests: fold CPU tensors with torch ops (as on a GPU) instead of the C++ kernel.
+        self.force_torch = False
+        # Per step: one value per reduced bucket (appended by future callbacks: list.append
+        # only).
+        self._buckets = 0
+        self._incomplete = False  # a bucket of this step could not be fingerprinted
+        self._grad_fps = []
+        self._reduced_ss = []
+
+    def reset(self) -> None:
+        """Forgets the step's buckets (the next step starts)."""
+        self._buckets = 0
+        self._incomplete = False
+        self._grad_fps = []
+        self._reduced_ss = []
+
+    def bucket_layout(self, bucket, sketcher):
+        """Where this bucket's parameters lie in its buffer and in the global flat vector (a
+        SegmentLayout), or None when the buffer cannot be folded (counted). ``sketcher`` (the
+        BucketSketcher, which saw the bucket first) gives the parameters' global offsets and
+        whether DDP's buckets are final; the layout is cached per bucket once they are."""
+        final = sketcher.plans_final
+        buf = bucket.buffer()
+        entry = self._layouts.get(bucket.index()) if final else None
+        if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
+            self._buckets += 1
+            return entry[2]
+        if not _fp.supported(buf.dtype) or buf.is_sparse:
+            self._skipped(f"a {buf.dtype} gradient bucket")
+            return None
+        base, size = buf.data_ptr(), buf.element_size()
+        starts, counts, offsets = [], [], []
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            n = g.numel()
+            if n == 0:
+                continue
+            off = sketcher.offset_of(p)
+            delta = g.data_ptr() - base
+            if (off is None or g.dtype != buf.dtype or not g.is_contiguous() or delta % size
+                    or delta < 0 or delta // size + n > buf.numel()):
+                self._skipped("a gradient that is not a dense view of its bucket")
+                return None
+            starts.append(delta // size)
+            counts.append(n)
+            offsets.append(off)
+        layout = _fp.SegmentLayout(buf.numel(), starts, counts, offsets)
+        if final:
+            self._layouts[bucket.index()] = (base, buf.numel(), layout)
+        self._buckets += 1
+        return layout
+
+    def fold_reduced(self, fut, layout):
+        """Future callback (after the all-reduce): folds the reduced bucket into the step's
+        fingerprint and sum of squares on its device, and passes the value on unchanged."""
+        value = fut.value()
+        try:
+            t = value[0] if isinstance(value, (list, tuple)) else value
+            flat = t.detach().reshape(-1)
+            if _fp.native_supported(flat) and not self.force_torch:  # C++: one pass
+                f, ss = _fp.fold_segments_cpu(flat, layout)
+                self._grad_fps.append(f)
+                self._reduced_ss.append(ss)
+            else:  # torch ops on the device, no synchronization
+                self._grad_fps.append(_fp.fold_segments(flat, layout))
+                norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
+                self._reduced_ss.append(norm * norm)
+        except Exception as e:  # monitoring must never break training
+            self._counters["fingerprint_errors"] += 1
+            self._warn_once("fperr", f"rankscope: could not fingerprint a reduced bucket ({e!r})")
+        return value
+
+    def step_values(self, step: int, device):
+        """(grad fingerprint, param fingerprint, reduced sum of squares) of the step being
+        closed: Python numbers when computed on the host (CPU tensors), 0-d tensors on
+        ``device`` otherwise, None when not sent. No synchronization."""
+        grad_fp = reduced_ss = param_fp = None
+        if (self.enabled and self._buckets and not self._incomplete
+                and len(self._grad_fps) == self._buckets):
+            grad_fp = _fp.add_all(self._grad_fps, device)
+            sss = self._reduced_ss
+            if all(isinstance(v, float) for v in sss):
+                reduced_ss = sum(sss)
+            else:
+                reduced_ss = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device)
+                                          for v in sss]).sum()
+        if self._param_check_due(step):
+            try:
+                parts = []
+                with torch.no_grad():
+                    for p, off in zip(self._params, self._param_offsets):
+                        if _fp.native_supported(p) and not self.force_torch:
+                            parts.append(_fp.fold_cpu(p, off)[0])
+                        elif _fp.supported(p.dtype):
+                            parts.append(_fp.fold(p, off))
+                param_fp = _fp.add_all(parts, device) if parts else 0
+                self._last_param_check = step
+                self._counters["param_checks"] += 1
+            except Exception as e:
+                self._counters["fingerprint_errors"] += 1
+                self._warn_once("fpparam", f"rankscope: could not fingerprint the parameters "
+                                f"({e!r})")
+        return grad_fp, param_fp, reduced_ss
+
+    def _param_check_due(self, step: int) -> bool:
+        every = self._param_check_every
+        if not every:
+            return False
+        last = self._last_param_check
+        return last is None or step // every > last // every or step < last
+
+    def _skipped(self, what: str) -> None:
+        self._incomplete = True
+        self._counters["fingerprint_skipped_buckets"] += 1
+        self._warn_once("fpskip", f"rankscope: {what} cannot be fingerprinted; the reduced "
+                        "gradient's replica check is off for such steps")
