@@ -43,7 +43,7 @@ HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Help("Reports, hellos and streams rejected, by reason.")
                        .Register(r);
   for (size_t i = 0; i < kRejectReasons.size(); ++i) {
-    rejected_[i] = &rejected.Add({{"reason", std::string(kRejectReasons[i])}});
+    rejected_[i] = &rejected.Add({{"reason", std::string(ReasonLabel(kRejectReasons[i]))}});
   }
   reports_late_ = NewCounter(r, "rankscope_reports_late_total",
                              "Reports received for a step that was already closed.");
@@ -73,14 +73,14 @@ void HealthMetrics::ReportsReceived(uint64_t count) {
   reports_received_->Increment(static_cast<double>(count));
 }
 
-void HealthMetrics::Rejected(absl::string_view reason) {
-  for (size_t i = 0; i < kRejectReasons.size(); ++i) {
-    if (kRejectReasons[i] == reason) {
-      rejected_[i]->Increment();
-      return;
-    }
-  }
-  rejected_[kRejectReasons.size() - 1]->Increment();  // kRejectInvalidReport
+void HealthMetrics::Rejected(RejectReason reason) {
+  if (reason == RejectReason::kNone) reason = RejectReason::kInvalidReport;
+  rejected_[ReasonIndex(reason)]->Increment();
+}
+
+void HealthMetrics::Rejected(absl::string_view label) {
+  Rejected(ReasonFromLabel(std::string_view(label.data(), label.size()))
+               .value_or(RejectReason::kInvalidReport));
 }
 
 void HealthMetrics::ReportLate() { reports_late_->Increment(); }

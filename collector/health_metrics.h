@@ -3,7 +3,7 @@
 //
 // Every metric is created in the constructor from constant names, so no method throws and none
 // allocates a new series at runtime: rankscope_reports_rejected_total has one series per reason
-// in kRejectReasons, each exported from 0.
+// in kRejectReasons (reject_reason.h), labelled ReasonLabel(reason), each exported from 0.
 //
 // Exported:
 //   counters: rankscope_reports_received_total, rankscope_reports_rejected_total{reason},
@@ -28,33 +28,13 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/reject_reason.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
 namespace rankscope::collector {
-
-// Values of the `reason` label of rankscope_reports_rejected_total.
-inline constexpr absl::string_view kRejectBeforeHello = "before_hello";
-inline constexpr absl::string_view kRejectBadHello = "bad_hello";
-inline constexpr absl::string_view kRejectRankOutOfRange = "rank_out_of_range";
-inline constexpr absl::string_view kRejectWorldSizeChanged = "world_size_changed";
-inline constexpr absl::string_view kRejectSketchMismatch = "sketch_mismatch";
-inline constexpr absl::string_view kRejectSketchLength = "sketch_length";
-inline constexpr absl::string_view kRejectMessageTooLarge = "message_too_large";
-inline constexpr absl::string_view kRejectUnauthenticated = "unauthenticated";
-inline constexpr absl::string_view kRejectTooManyStreams = "too_many_streams";
-inline constexpr absl::string_view kRejectTooManyJobs = "too_many_jobs";
-inline constexpr absl::string_view kRejectRankTaken = "rank_taken";
-inline constexpr absl::string_view kRejectInvalidReport = "invalid_report";
-
-// Every reason; kRejectInvalidReport stays last (Rejected() counts unknown reasons there).
-inline constexpr std::array<absl::string_view, 12> kRejectReasons = {
-    kRejectBeforeHello,    kRejectBadHello,     kRejectRankOutOfRange,  kRejectWorldSizeChanged,
-    kRejectSketchMismatch, kRejectSketchLength, kRejectMessageTooLarge, kRejectUnauthenticated,
-    kRejectTooManyStreams, kRejectTooManyJobs,  kRejectRankTaken,       kRejectInvalidReport,
-};
 
 class HealthMetrics {
  public:
@@ -67,9 +47,11 @@ class HealthMetrics {
 
   // `count` reports were received (before validation).
   void ReportsReceived(uint64_t count = 1);
-  // A report, hello or stream was rejected for `reason`, one of kRejectReasons. A reason not in
-  // the set is counted as kRejectInvalidReport (the label set stays fixed).
-  void Rejected(absl::string_view reason);
+  // A report, hello or stream was rejected for `reason` (kNone is counted as kInvalidReport).
+  void Rejected(RejectReason reason);
+  // The same by label value: a label not in kRejectReasons is counted as invalid_report (the
+  // label set stays fixed).
+  void Rejected(absl::string_view label);
   // A report arrived for a step already closed (late) or already received (duplicate).
   void ReportLate();
   void ReportDuplicate();

@@ -62,7 +62,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         arena_(ArenaOn(arena_block_, sizeof(arena_block_))) {
     service_->health_->StreamOpened();
     if (over_limit) {
-      service_->health_->Rejected("too_many_streams");
+      service_->health_->Rejected(RejectReason::kTooManyStreams);
       RequestFinish(grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("collector has ", service_->max_streams_,
@@ -85,7 +85,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     service_->health_->ReportsReceived();
     ++messages_read_;
     if (service_->max_message_bytes_ > 0 && in_buf_.Length() > service_->max_message_bytes_) {
-      service_->health_->Rejected(kRejectMessageTooLarge);
+      service_->health_->Rejected(RejectReason::kMessageTooLarge);
       RequestFinish(grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("message ", messages_read_, " of this stream has ", in_buf_.Length(),
@@ -98,7 +98,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (grpc::Status parsed =
             grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_buf_, in_);
         !parsed.ok()) {
-      service_->health_->Rejected(have_hello_ ? "invalid_report" : "bad_hello");
+      service_->health_->Rejected(have_hello_ ? RejectReason::kInvalidReport
+                                              : RejectReason::kBadHello);
       RequestFinish(grpc::Status(
           grpc::StatusCode::INVALID_ARGUMENT,
           absl::StrCat("message ", messages_read_,
@@ -110,7 +111,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const v1::AgentMessage& in = *in_;
     if (!have_hello_) {
       if (in.kind_case() != v1::AgentMessage::kHello) {
-        service_->health_->Rejected("before_hello");
+        service_->health_->Rejected(RejectReason::kBeforeHello);
         RequestFinish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                    "the first message of a stream must be a Hello"));
         return;
@@ -137,7 +138,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         Send(std::move(msg));
       }
     } else {
-      service_->health_->Rejected("invalid_report");
+      service_->health_->Rejected(RejectReason::kInvalidReport);
       RequestFinish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  in.kind_case() == v1::AgentMessage::kHello
                                      ? "a stream sends exactly one Hello"

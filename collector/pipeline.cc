@@ -8,10 +8,7 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "collector/rank_diagnostics.h"
-#include "collector/step_stats.h"
 
 namespace rankscope::collector {
 namespace {
@@ -91,97 +88,12 @@ RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt
   return out;
 }
 
-RankRow ToRankRow(const RankReport& r, uint32_t join_size) {
-  RankRow row;
-  row.rank = r.rank;
-  row.attempt = r.attempt;
-  row.join_size = join_size;
-  row.loss = r.loss;
-  row.grad_norm = r.grad_norm;
-  row.reduced_grad_fingerprint = r.reduced_grad_fingerprint;
-  row.param_fingerprint = r.param_fingerprint;
-  row.step_time_seconds = r.step_time_seconds;
-  row.received_at = r.received_at;
-  return row;
-}
-
-// Everything rank_diagnostics.h derives from one joined step.
-struct StepDiagnostics {
-  std::vector<OutlierScore> outliers;           // per report
-  std::vector<RankExtras> extras;               // per report
-  std::vector<std::optional<bool>> replica_ok;  // per report
-  bool replica_checked = false;
-  std::vector<uint32_t> replica_divergent;  // sorted
-  std::vector<uint32_t> flagged_ranks;      // score above threshold this step, sorted
-  double grad_noise_scale = std::nan("");
-};
-
-StepDiagnostics Diagnose(const JoinedStep& js, const StepStatistics& stats) {
-  StepDiagnostics d;
-  const size_t n = js.reports.size();
-  std::vector<RankSignals> signals;
-  std::vector<RankFingerprint> grads, params;
-  std::vector<double> local_norms, reduced_norms, times;
-  signals.reserve(n);
-  local_norms.reserve(n);
-  times.reserve(n);
-  d.replica_ok.reserve(n);
-  d.extras.reserve(n);
-  uint32_t batch = 0;
-  bool any_time = false;
-  for (size_t i = 0; i < n; ++i) {
-    const RankReport& r = js.reports[i];
-    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine});
-    if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
-    if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
-    local_norms.push_back(r.grad_norm);
-    if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
-    times.push_back(r.step_time_seconds.value_or(std::nan("")));
-    any_time = any_time || r.step_time_seconds.has_value();
-    batch = std::max(batch, r.local_batch_size);
-  }
-  d.outliers = ComputeOutlierScores(signals);
-  const ReplicaVerdict grad_verdict = CheckReplicas(grads);
-  const ReplicaVerdict param_verdict = CheckReplicas(params);
-  d.replica_checked = grad_verdict.checked || param_verdict.checked;
-  std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
-                 param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),
-                 std::back_inserter(d.replica_divergent));
-  const std::vector<double> time_z =
-      any_time ? StepTimeRobustZ(times) : std::vector<double>(n, std::nan(""));
-  for (size_t i = 0; i < n; ++i) {
-    const RankReport& r = js.reports[i];
-    if (r.reduced_grad_fingerprint || r.param_fingerprint) {
-      d.replica_ok.push_back(
-          !std::binary_search(d.replica_divergent.begin(), d.replica_divergent.end(), r.rank));
-    } else {
-      d.replica_ok.push_back(std::nullopt);
-    }
-    RankExtras e;
-    e.outlier_score = d.outliers[i].score;
-    e.step_time_seconds = times[i];
-    e.step_time_z = time_z[i];
-    d.extras.push_back(e);
-    if (d.outliers[i].flagged) d.flagged_ranks.push_back(r.rank);
-  }
-  if (!reduced_norms.empty()) {
-    // Every rank holds the same reduced gradient; take the median against a stray value.
-    std::nth_element(reduced_norms.begin(), reduced_norms.begin() + reduced_norms.size() / 2,
-                     reduced_norms.end());
-    d.grad_noise_scale =
-        GradientNoiseScale(local_norms, reduced_norms[reduced_norms.size() / 2], batch);
-  }
-  return d;
-}
-
 }  // namespace
 
-// What ComputeAndExport leaves for Store.
+// What AnalyzeAndExport leaves for Store.
 struct StepPipeline::ComputedStep {
   JoinedStep js;
-  StepStatistics stats;
-  StepDiagnostics diag;
-  std::vector<uint32_t> outlier_ranks;
+  AnalyzedStep analyzed;
 };
 
 StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore> store,
@@ -231,18 +143,12 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
                         ForgetDroppedSteps(rows);
                       },
               }),
-      joiner_(options_.joiner) {
+      joiner_(options_.joiner),
+      registry_(options_.max_jobs, options_.identity_ttl) {
   const absl::Time now = options_.clock();
   MutexLock lock(&mu_);
   for (const JobRow& row : known_jobs) {
-    if (now - row.last_seen > options_.identity_ttl) continue;
-    Job& job = jobs_[row.job];
-    job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed};
-    job.first_seen = row.first_seen;
-    job.last_seen = row.last_seen;
-    job.newest_step = row.last_step;
-    job.has_step = true;
-    joiner_.RegisterJob(row.job, row.world_size).IgnoreError();
+    if (registry_.Restore(row, now)) joiner_.RegisterJob(row.job, row.world_size).IgnoreError();
   }
   step_thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "rs-step-thread");  // for top -H, perf and the bench
@@ -252,75 +158,37 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
 
 StepPipeline::~StepPipeline() { Stop(absl::Seconds(5)).IgnoreError(); }
 
+void StepPipeline::EnqueueClosedLocked(std::vector<JoinedStep>& steps) {
+  for (JoinedStep& s : steps) {
+    closed_.push_back(std::move(s));
+    ++closed_enqueued_;
+  }
+}
+
 Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<AgentStream> stream) {
   Rejection r = ValidateHello(hello, options_.limits);
   if (!r.status.ok()) return r;
-  if (!options_.auth_token.empty() && hello.auth_token() != options_.auth_token) {
-    return Rejection{absl::UnauthenticatedError(absl::StrCat(
-                         "job ", hello.job(), " rank ", hello.rank(),
-                         ": missing or wrong auth token (the collector requires --auth_token)")),
-                     "unauthenticated"};
-  }
+  r = CheckAuthToken(hello, options_.auth_token);
+  if (!r.status.ok()) return r;
   const absl::Time now = options_.clock();
   std::optional<v1::Control> control;
   {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(hello.job());
-    if (it != jobs_.end() && it->second.connected == 0 &&
-        now - it->second.last_seen > options_.identity_ttl) {
+    if (registry_.ForgetIfIdle(hello.job(), now)) {
       // Long idle: the name may be reused by a new run with another shape. Whatever the old run
       // left open is closed (and stored) first.
       std::vector<JoinedStep> forgotten;
       joiner_.ForgetJob(hello.job(), &forgotten);
-      for (JoinedStep& s : forgotten) {
-        closed_.push_back(std::move(s));
-        ++closed_enqueued_;
-      }
-      jobs_.erase(it);
-      it = jobs_.end();
+      EnqueueClosedLocked(forgotten);
     }
-    if (it == jobs_.end()) {
-      if (jobs_.size() >= options_.max_jobs) {
-        return Rejection{absl::ResourceExhaustedError(
-                             absl::StrCat("the collector already tracks ", jobs_.size(),
-                                          " jobs (--max_jobs); job ", hello.job(), " refused")),
-                         "too_many_jobs"};
-      }
-      Job job;
-      job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
-      job.first_seen = now;
-      job.last_seen = now;
-      absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
-      if (!st.ok()) {
-        return Rejection{st, "world_size_changed"};
-      }
-      it = jobs_.emplace(hello.job(), std::move(job)).first;
-    } else {
-      r = CheckJobIdentity(hello, it->second.identity);
+    if (!registry_.Contains(hello.job())) {
+      r = registry_.CheckRoomForJob(hello);
       if (!r.status.ok()) return r;
-      auto claim = it->second.claims.find(hello.rank());
-      if (claim != it->second.claims.end() && claim->second.attempt == hello.attempt() &&
-          claim->second.host != hello.host()) {
-        return Rejection{
-            absl::AlreadyExistsError(absl::StrCat(
-                "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
-                ") is already connected from host '", absl::CHexEscape(claim->second.host),
-                "'; this hello from host '", absl::CHexEscape(hello.host()),
-                "' claims it too: two runs share a job name (give each its own) or two "
-                "processes were given the same rank")),
-            std::string(kRejectRankTaken)};
-      }
+      absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
+      if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
     }
-    Job& job = it->second;
-    RankClaim& claim = job.claims[hello.rank()];
-    claim.host = hello.host();
-    claim.attempt = hello.attempt();
-    ++claim.streams;
-    ++job.connected;
-    job.last_seen = now;
-    job.streams.insert(stream);
-    if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
-    control = job.control;
+    r = registry_.Attach(hello, now, stream, &control);
+    if (!r.status.ok()) return r;
   }
   metrics_->OnAgentConnected(hello.job(), hello.world_size());
   if (control) stream->SendControl(*control);
@@ -341,15 +209,7 @@ void StepPipeline::StreamClosed(const v1::Hello& hello,
                                 const std::shared_ptr<AgentStream>& stream) {
   {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(hello.job());
-    if (it == jobs_.end()) return;
-    if (it->second.streams.erase(stream) == 0) return;
-    if (it->second.connected > 0) --it->second.connected;
-    auto claim = it->second.claims.find(hello.rank());
-    if (claim != it->second.claims.end() && --claim->second.streams == 0) {
-      it->second.claims.erase(claim);
-    }
-    it->second.last_seen = options_.clock();
+    if (!registry_.Detach(hello, stream, options_.clock())) return;
   }
   metrics_->OnAgentDisconnected(hello.job());
 }
@@ -357,18 +217,15 @@ void StepPipeline::StreamClosed(const v1::Hello& hello,
 Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& report,
                                  AckHandle ack) {
   const absl::Time now = options_.clock();
-  uint32_t sketch_dim = hello.sketch_dim();
-  if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
-    // Only a re-tuned sketch (SetControl) may differ from the hello's, so the common path takes
-    // no lock for this.
+  // The hello's sketch dimension is valid at every step, so the common report is validated
+  // without job state: only a report of another length needs the job's re-tune (SetControl).
+  const uint32_t sketch_size = static_cast<uint32_t>(report.sketch_size());
+  SketchDimSchedule dims{hello.sketch_dim()};
+  if (!SketchDimAccepted(dims, sketch_size)) {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(hello.job());
-    if (it != jobs_.end() && it->second.control && it->second.control->sketch_dim() != 0 &&
-        it->second.control->sketch_dim() == static_cast<uint32_t>(report.sketch_size())) {
-      sketch_dim = it->second.control->sketch_dim();
-    }
+    dims = registry_.SketchDims(hello);
   }
-  Rejection r = ValidateReport(report, hello, sketch_dim);
+  Rejection r = ValidateReport(report, hello, dims);
   if (!r.status.ok()) return r;
 
   RankReport rr = ToRankReport(report, hello.rank(), hello.attempt(), now, std::move(ack));
@@ -377,30 +234,18 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   bool dropped_changed = false;
   {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(hello.job());
-    if (it == jobs_.end()) {
+    if (!registry_.NoteReport(hello, report.step(), report.dropped_total(), now,
+                              &dropped_changed)) {
       return Rejection{absl::FailedPreconditionError(
                            absl::StrCat("job ", hello.job(), " is no longer tracked; reconnect")),
-                       "invalid_report"};
+                       RejectReason::kInvalidReport};
     }
-    Job& job = it->second;
-    job.last_seen = now;
-    if (!job.has_step || report.step() > job.newest_step) job.newest_step = report.step();
-    job.has_step = true;
-    if (job.dropped_forwarded.size() <= hello.rank()) {
-      job.dropped_forwarded.resize(hello.rank() + 1);
-    }
-    std::optional<uint64_t>& forwarded = job.dropped_forwarded[hello.rank()];
-    dropped_changed = forwarded != report.dropped_total();
-    forwarded = report.dropped_total();
     outcome = joiner_.Add(hello.job(), rr, now, &closed);
-    for (JoinedStep& s : closed) {
-      closed_.push_back(std::move(s));
-      ++closed_enqueued_;
-    }
+    EnqueueClosedLocked(closed);
     next_deadline_ = joiner_.NextDeadline();
   }
-  // JobMetrics takes only what changed: a repeated count is a no-op there (see Job).
+  // JobMetrics takes only what changed: a repeated count is a no-op there
+  // (JobRegistry::NoteReport).
   if (dropped_changed) metrics_->OnAgentDropped(hello.job(), hello.rank(), report.dropped_total());
 
   switch (outcome) {
@@ -412,7 +257,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
       // the report with a Rejection so it is visibly counted, never silently lost.
       return Rejection{absl::InternalError(absl::StrCat("joiner does not know rank ", hello.rank(),
                                                         " of job ", hello.job())),
-                       "invalid_report"};
+                       RejectReason::kInvalidReport};
     case AddOutcome::kDuplicate:
       health_->ReportDuplicate();
       if (!rr.acks.empty()) EnqueueAcksOnly(std::move(rr.acks));
@@ -473,10 +318,7 @@ void StepPipeline::StepThread() {
       }
       std::vector<JoinedStep> expired;
       joiner_.Expire(stopping_ ? absl::InfiniteFuture() : options_.clock(), &expired);
-      for (JoinedStep& s : expired) {
-        closed_.push_back(std::move(s));
-        ++closed_enqueued_;
-      }
+      EnqueueClosedLocked(expired);
       next_deadline_ = joiner_.NextDeadline();
       batch.clear();
       while (!closed_.empty()) {
@@ -492,64 +334,27 @@ void StepPipeline::StepThread() {
     // rows of the steps closed before it in the same batch (a lagging rank closes dozens at once).
     std::vector<ComputedStep> computed;
     computed.reserve(batch.size());
-    for (JoinedStep& s : batch) computed.push_back(ComputeAndExport(std::move(s)));
+    for (JoinedStep& s : batch) computed.push_back(AnalyzeAndExport(std::move(s)));
     for (ComputedStep& c : computed) Store(std::move(c));
     MutexLock lock(&mu_);
     closed_processed_ += batch.size();
   }
 }
 
-StepPipeline::ComputedStep StepPipeline::ComputeAndExport(JoinedStep js) {
-  std::vector<RankSample> samples;
-  samples.reserve(js.reports.size());
-  bool same_dim = true;
-  for (const RankReport& r : js.reports) {
-    if (!js.reports.empty() && r.sketch.size() != js.reports.front().sketch.size()) {
-      same_dim = false;
-    }
-  }
-  for (const RankReport& r : js.reports) {
-    RankSample s;
-    s.rank = r.rank;
-    s.loss = r.loss;
-    s.grad_norm = r.grad_norm;
-    if (same_dim) s.sketch = r.sketch;
-    samples.push_back(s);
-  }
-  StepStatistics stats = ComputeStepStatistics(samples);
-  if (!same_dim) {
-    // A sketch re-tune crossed this step: cosines across different sketches mean nothing.
-    stats.grad_cosine_mean = std::nan("");
-    for (RankStatistics& p : stats.per_rank) p.consensus_cosine = std::nan("");
-  }
-  const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
+StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
-  StepDiagnostics diag = Diagnose(js, stats);
-  // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
-  std::vector<uint32_t> outlier_ranks;
-  {
-    auto& streaks = outlier_streaks_[js.job];
-    for (size_t i = 0; i < js.reports.size(); ++i) {
-      const uint32_t rank = js.reports[i].rank;
-      if (diag.outliers[i].flagged) {
-        if (++streaks[rank] >= kOutlierPersistence) outlier_ranks.push_back(rank);
-      } else {
-        streaks.erase(rank);
-      }
-    }
-    if (streaks.empty()) outlier_streaks_.erase(js.job);
-  }
+  AnalyzedStep analyzed = analyzer_.Analyze(js);
 
   ExportedStep exported;
   exported.step = js.step;
   exported.world_size = js.world_size;
-  exported.timed_out = timed_out;
-  exported.stats = &stats;
+  exported.timed_out = js.reason != JoinedStep::Reason::kComplete;
+  exported.stats = &analyzed.stats;
   exported.missing_ranks = js.missing_ranks;
-  exported.extras = diag.extras;
-  exported.grad_noise_scale = diag.grad_noise_scale;
-  exported.replica_checked = diag.replica_checked;
-  exported.replica_divergent_ranks = diag.replica_divergent;
+  exported.extras = analyzed.diag.extras;
+  exported.grad_noise_scale = analyzed.diag.grad_noise_scale;
+  exported.replica_checked = analyzed.diag.replica_checked;
+  exported.replica_divergent_ranks = analyzed.diag.replica_divergent;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();
@@ -557,151 +362,73 @@ StepPipeline::ComputedStep StepPipeline::ComputeAndExport(JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kComplete) {
     health_->ObserveIngestLatency(options_.clock() - last_received);
   }
-  return ComputedStep{std::move(js), std::move(stats), std::move(diag), std::move(outlier_ranks)};
+  return ComputedStep{std::move(js), std::move(analyzed)};
 }
 
 void StepPipeline::Store(ComputedStep computed) {
   JoinedStep& js = computed.js;
-  const StepStatistics& stats = computed.stats;
-  const StepDiagnostics& diag = computed.diag;
-  const bool timed_out = js.reason != JoinedStep::Reason::kComplete;
-
   WriteItem item;
-  StepWrite w;
-  w.job = js.job;
-  w.step = js.step;
-  StepRow row;
-  row.step = js.step;
-  row.attempt = js.attempt;
-  row.ranks = static_cast<uint32_t>(js.reports.size());
-  row.world_size = js.world_size;
-  row.loss_mean = stats.loss_mean;
-  row.loss_std = stats.loss_std;
-  row.loss_range = stats.loss_range;
-  row.grad_norm_mean = stats.grad_norm_mean;
-  row.grad_norm_std = stats.grad_norm_std;
-  row.grad_norm_cv = stats.grad_norm_cv;
-  row.grad_cosine_mean = stats.grad_cosine_mean;
-  row.missing_ranks = js.missing_ranks;
-  row.timed_out = timed_out;
-  row.completed_at = options_.clock();
-  row.grad_noise_scale = diag.grad_noise_scale;
-  row.replica_checked = diag.replica_checked;
-  row.replica_divergent_ranks = diag.replica_divergent;
-  row.outlier_ranks = std::move(computed.outlier_ranks);
-  w.stats = std::move(row);
-  const uint32_t join_size = static_cast<uint32_t>(js.reports.size());
-  w.ranks.reserve(js.reports.size());
+  item.batch.steps.push_back(StepRows(js, std::move(computed.analyzed), options_.clock()));
   item.acks.reserve(js.reports.size());
-  for (size_t i = 0; i < js.reports.size(); ++i) {
-    RankReport& r = js.reports[i];
-    RankRow rank_row = ToRankRow(r, join_size);
-    rank_row.grad_cosine = stats.per_rank[i].consensus_cosine;
-    rank_row.loss_z = stats.per_rank[i].loss_z;
-    rank_row.grad_norm_z = stats.per_rank[i].grad_norm_z;
-    rank_row.replica_ok = diag.replica_ok[i];
-    rank_row.outlier_score = diag.outliers[i].score;
-    if (!std::isnan(diag.extras[i].step_time_z)) rank_row.step_time_z = diag.extras[i].step_time_z;
-    w.ranks.push_back(std::move(rank_row));
+  for (RankReport& r : js.reports) {
     std::move(r.acks.begin(), r.acks.end(), std::back_inserter(item.acks));
   }
-  item.batch.steps.push_back(std::move(w));
-  JobRow job_row;
-  job_row.job = js.job;
+  std::optional<JobRow> job_row;
   {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(js.job);
-    if (it != jobs_.end()) {
-      job_row.world_size = it->second.identity.world_size;
-      job_row.sketch_dim = it->second.identity.sketch_dim;
-      job_row.sketch_seed = it->second.identity.sketch_seed;
-      job_row.first_seen = it->second.first_seen;
-      job_row.last_seen = it->second.last_seen;
-    }
+    job_row = registry_.StoredRow(js.job);
   }
-  job_row.last_step = js.step;
-  if (job_row.world_size != 0) item.batch.jobs.push_back(std::move(job_row));
+  if (job_row && job_row->world_size != 0) {
+    job_row->last_step = js.step;
+    item.batch.jobs.push_back(std::move(*job_row));
+  }
   writer_.Enqueue(std::move(item));
-  SketchBufferPool::Get().Give(js.reports);  // `samples` and `stats` are done with them
+  SketchBufferPool::Get().Give(js.reports);  // the analysis is done with them
 }
 
 absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
     const std::string& job, std::optional<bool> enabled, std::optional<uint32_t> every,
     std::optional<uint32_t> sketch_dim, uint32_t lead_steps) {
-  if (every && *every == 0) return absl::InvalidArgumentError("every must be >= 1");
-  if (sketch_dim && (*sketch_dim == 0 || *sketch_dim > options_.limits.max_sketch_dim)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sketch_dim must be in [1, ", options_.limits.max_sketch_dim, "]"));
-  }
-  v1::Control control;
+  absl::Status valid = ValidateControlRequest(every, sketch_dim, options_.limits.max_sketch_dim);
+  if (!valid.ok()) return valid;
   std::vector<std::shared_ptr<AgentStream>> streams;
+  absl::StatusOr<v1::Control> control;
   {
     MutexLock lock(&mu_);
-    auto it = jobs_.find(job);
-    if (it == jobs_.end()) {
-      return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
-    }
-    Job& j = it->second;
-    if (j.control) {
-      control = *j.control;
-    } else {
-      control.set_enabled(true);
-      control.set_every(1);
-    }
-    // Generations must keep increasing across collector restarts (agents ignore a generation
-    // they have already passed), so they are at least the current time in microseconds.
-    control.set_generation(std::max<uint64_t>(
-        control.generation() + 1, static_cast<uint64_t>(absl::ToUnixMicros(options_.clock()))));
-    control.set_apply_at_step(j.newest_step + std::max<uint32_t>(lead_steps, 1));
-    if (enabled) control.set_enabled(*enabled);
-    if (every) control.set_every(*every);
-    if (sketch_dim) control.set_sketch_dim(*sketch_dim);
-    j.control = control;
-    streams.assign(j.streams.begin(), j.streams.end());
+    control = registry_.UpdateControl(job, enabled, every, sketch_dim, lead_steps, options_.clock(),
+                                      &streams);
   }
-  for (const auto& s : streams) s->SendControl(control);
-  return std::make_pair(control, static_cast<uint32_t>(streams.size()));
+  if (!control.ok()) return control.status();
+  for (const auto& s : streams) s->SendControl(*control);
+  return std::make_pair(*std::move(control), static_cast<uint32_t>(streams.size()));
 }
 
 std::vector<JobSummary> StepPipeline::ListJobs() const {
-  std::vector<JobSummary> out;
   MutexLock lock(&mu_);
-  for (const auto& [name, job] : jobs_) {
-    JobSummary s;
-    s.job = name;
-    s.identity = job.identity;
-    s.first_seen = job.first_seen;
-    s.last_seen = job.last_seen;
-    s.newest_step = job.newest_step;
-    s.connected = job.connected;
-    out.push_back(std::move(s));
-  }
-  std::sort(out.begin(), out.end(),
-            [](const JobSummary& a, const JobSummary& b) { return a.job < b.job; });
-  return out;
+  return registry_.Summaries();
 }
 
 bool StepPipeline::Flush(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time start = options_.clock();
   {
     MutexLock lock(&mu_);
     const uint64_t target = closed_enqueued_;
     auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return closed_processed_ >= target || stopped_;
     };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) return false;
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) return false;
   }
-  return writer_.Flush(deadline - absl::Now());
+  return writer_.Flush(timeout - (options_.clock() - start));
 }
 
 absl::Status StepPipeline::Stop(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time start = options_.clock();
   {
     MutexLock lock(&mu_);
     stopping_ = true;
   }
   if (step_thread_.joinable()) step_thread_.join();
-  return writer_.Stop(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+  return writer_.Stop(std::max(absl::ZeroDuration(), timeout - (options_.clock() - start)));
 }
 
 }  // namespace rankscope::collector

@@ -1,15 +1,24 @@
-// StepPipeline: everything between a validated message and the sinks.
+// StepPipeline: everything between a validated message and the sinks; it orchestrates, the
+// pieces decide.
 //
-//   ingest reactor ──AcceptHello/OnReport──► [mu_: job identities, StepJoiner] ──closed steps──►
-//   step thread: ComputeStepStatistics ─► JobMetrics (Prometheus snapshot)
-//                                       └► StoreWriter (SQLite, then acks to the agents)
+//   ingest reactor ──AcceptHello/OnReport──► [mu_: JobRegistry, StepJoiner] ──closed steps──►
+//   step thread: StepAnalyzer (statistics, diagnostics, outlier streaks, rows)
+//                ─► JobMetrics (Prometheus snapshot)
+//                └► StoreWriter (SQLite, then acks to the agents)
 //
-// Reactor threads only take mu_ for O(1) work (the joiner's Add and a queue push); statistics
-// run on the step thread, SQLite on the writer thread. The step thread also closes timed-out
-// steps at their deadline (joiner.NextDeadline()).
+// Threads and locks:
+// - Reactor threads (AcceptHello, OnReport, StreamClosed) and query threads (SetControl,
+//   ListJobs) take mu_ only for O(1) work: the JobRegistry (admission, rank claims, controls),
+//   the joiner's Add and a queue push. Validation runs before, outside mu_.
+// - The step thread (rs-step-thread) drains the closed steps, closes timed-out ones at their
+//   deadline (joiner.NextDeadline(), measured with options.clock), runs the StepAnalyzer (which
+//   only it touches) outside mu_, exports to JobMetrics and hands rows to the StoreWriter.
+// - The StoreWriter's own thread commits to SQLite and acks; its hooks (health, dropped rows)
+//   run there.
+// Lock order: mu_ is never held while calling JobMetrics, HealthMetrics, the StoreWriter or an
+// AgentStream.
 //
-// AgentStream is the pipeline's view of one agent's stream: it can be acked, sent a control
-// message, and is detached by the ingest service when the stream ends.
+// Time: every time the pipeline stamps or compares comes from options.clock.
 //
 // Thread safety: every public method is thread-safe.
 #ifndef RANKSCOPE_COLLECTOR_PIPELINE_H_
@@ -26,15 +35,16 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "collector/ack.h"
+#include "collector/agent_stream.h"
 #include "collector/health_metrics.h"
+#include "collector/job_registry.h"
 #include "collector/prometheus_export.h"
 #include "collector/sqlite_store.h"
+#include "collector/step_analysis.h"
 #include "collector/step_joiner.h"
 #include "collector/store_writer.h"
 #include "collector/validation.h"
@@ -42,12 +52,6 @@
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
-
-class AgentStream : public AckSink {
- public:
-  // Queues a control message for the agent. Must not block; ignored once the stream ended.
-  virtual void SendControl(const v1::Control& control) = 0;
-};
 
 struct PipelineOptions {
   JoinerOptions joiner;
@@ -57,17 +61,9 @@ struct PipelineOptions {
   // A job's identity (world size, sketch) is enforced while it was seen within this long.
   absl::Duration identity_ttl = absl::Hours(1);
   std::string auth_token;  // when non-empty, every hello must carry it
-  std::function<absl::Time()> clock = [] { return absl::Now(); };
-};
-
-// One job as ListJobs reports it.
-struct JobSummary {
-  std::string job;
-  JobIdentity identity;
-  absl::Time first_seen = absl::UnixEpoch();
-  absl::Time last_seen = absl::UnixEpoch();
-  uint64_t newest_step = 0;
-  uint32_t connected = 0;
+  // The pipeline's only source of time (receive and completion stamps, step deadlines, control
+  // generations, the budget of Flush and Stop).
+  std::function<absl::Time()> clock = &absl::Now;
 };
 
 class StepPipeline {
@@ -114,35 +110,14 @@ class StepPipeline {
   absl::Status store_health() const { return writer_.health(); }
 
  private:
-  // Who holds a rank of a job: the newest accepted hello's host and attempt, and its open streams.
-  struct RankClaim {
-    std::string host;
-    uint32_t attempt = 0;
-    uint32_t streams = 0;
-  };
-  struct Job {
-    JobIdentity identity;
-    absl::Time first_seen;
-    absl::Time last_seen;
-    uint64_t newest_step = 0;
-    bool has_step = false;
-    uint32_t connected = 0;
-    std::optional<v1::Control> control;
-    absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
-    absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks with an open stream
-    // By rank: the dropped_total last passed to JobMetrics::OnAgentDropped, which only the
-    // reports whose count differs from it need (JobMetrics keeps the same last value per rank, so
-    // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics
-    // state that may have expired meanwhile) sees its first count.
-    std::vector<std::optional<uint64_t>> dropped_forwarded;
-  };
-
   void StepThread();
   struct ComputedStep;  // pipeline.cc
-  // Step thread: a closed step's statistics and diagnostics, exported to JobMetrics.
-  ComputedStep ComputeAndExport(JoinedStep step);
+  // Step thread: a closed step analysed, exported to JobMetrics.
+  ComputedStep AnalyzeAndExport(JoinedStep step);
   // Step thread: the step's rows to the store writer (whose commit acks its reports).
   void Store(ComputedStep computed);
+  // Queues closed steps for the step thread.
+  void EnqueueClosedLocked(std::vector<JoinedStep>& steps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
   // The store writer dropped these rows unstored: the joiner forgets that their steps were
   // closed, so that the agents' resends are joined and stored again, not taken for duplicates.
@@ -156,16 +131,14 @@ class StepPipeline {
 
   mutable Mutex mu_;
   StepJoiner joiner_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
+  JobRegistry registry_ ABSL_GUARDED_BY(mu_);
   std::deque<JoinedStep> closed_ ABSL_GUARDED_BY(mu_);
   absl::Time next_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t closed_enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t closed_processed_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  // Step thread only: per job, per rank, the number of consecutive steps (of those the rank
-  // reported) whose outlier score exceeded the threshold. Ranks at zero are not stored.
-  absl::flat_hash_map<std::string, absl::flat_hash_map<uint32_t, uint32_t>> outlier_streaks_;
+  StepAnalyzer analyzer_;  // step thread only
   std::thread step_thread_;
 };
 

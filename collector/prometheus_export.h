@@ -54,6 +54,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collector/rank_diagnostics.h"
 #include "collector/step_stats.h"
 #include "common/mutex.h"
 #include "prometheus/collectable.h"
@@ -68,14 +69,8 @@ struct ExportOptions {
   std::function<absl::Time()> clock = [] { return absl::Now(); };
 };
 
-// What the exporter needs to know of one closed step.
-// Per-rank diagnostics beyond StepStatistics (rank_diagnostics.h), same order as per_rank.
-struct RankExtras {
-  double outlier_score = std::numeric_limits<double>::quiet_NaN();
-  double step_time_seconds = std::numeric_limits<double>::quiet_NaN();  // NaN: not reported
-  double step_time_z = std::numeric_limits<double>::quiet_NaN();
-};
-
+// What the exporter needs to know of one closed step. `extras` (RankExtras, rank_diagnostics.h)
+// are in the same order as stats->per_rank.
 struct ExportedStep {
   uint64_t step = 0;
   uint32_t world_size = 0;

@@ -36,6 +36,7 @@
 #define RANKSCOPE_COLLECTOR_RANK_DIAGNOSTICS_H_
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -51,6 +52,13 @@ inline constexpr double kOutlierThreshold = 6.0;
 inline constexpr uint32_t kOutlierPersistence = 3;
 inline constexpr double kMadFloorRelative = 1e-6;
 inline constexpr double kMadFloorAbsolute = 1e-12;
+
+// Per-rank diagnostics beyond StepStatistics, in the same order as its per_rank.
+struct RankExtras {
+  double outlier_score = std::numeric_limits<double>::quiet_NaN();
+  double step_time_seconds = std::numeric_limits<double>::quiet_NaN();  // NaN: not reported
+  double step_time_z = std::numeric_limits<double>::quiet_NaN();
+};
 
 struct RankFingerprint {
   uint32_t rank = 0;

@@ -8,8 +8,8 @@
 namespace rankscope::collector {
 namespace {
 
-Rejection Reject(absl::Status status, std::string reason) {
-  return Rejection{std::move(status), std::move(reason)};
+Rejection Reject(absl::Status status, RejectReason reason) {
+  return Rejection{std::move(status), reason};
 }
 
 }  // namespace
@@ -29,25 +29,25 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
                       "job name must be 1-", limits.max_job_name_length,
                       " characters of [A-Za-z0-9_.:-], got ", hello.job().size(), " characters")),
-                  "bad_hello");
+                  RejectReason::kBadHello);
   }
   if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("world_size ", hello.world_size(),
                                                           " must be in [1, ", limits.max_world_size,
                                                           "] for job ", hello.job())),
-                  "bad_hello");
+                  RejectReason::kBadHello);
   }
   if (hello.rank() >= hello.world_size()) {
     return Reject(
         absl::InvalidArgumentError(absl::StrCat("rank ", hello.rank(), " >= world_size ",
                                                 hello.world_size(), " for job ", hello.job())),
-        "rank_out_of_range");
+        RejectReason::kRankOutOfRange);
   }
   if (hello.sketch_dim() == 0 || hello.sketch_dim() > limits.max_sketch_dim) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("sketch_dim ", hello.sketch_dim(),
                                                           " must be in [1, ", limits.max_sketch_dim,
                                                           "] for job ", hello.job())),
-                  "bad_hello");
+                  RejectReason::kBadHello);
   }
   return {};
 }
@@ -58,7 +58,7 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
         absl::FailedPreconditionError(absl::StrCat(
             "world_size ", hello.world_size(), " != ", identity.world_size, " for job ",
             hello.job(), ": a job's world size is fixed; use a new job name for a resized run")),
-        "world_size_changed");
+        RejectReason::kWorldSizeChanged);
   }
   if (hello.sketch_dim() != identity.sketch_dim || hello.sketch_seed() != identity.sketch_seed) {
     return Reject(absl::FailedPreconditionError(absl::StrCat(
@@ -66,23 +66,23 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
                       ") differs from job ", hello.job(), "'s (dim ", identity.sketch_dim,
                       ", seed ", identity.sketch_seed,
                       "): every rank must use the same sketch or cosines mean nothing")),
-                  "sketch_mismatch");
+                  RejectReason::kSketchMismatch);
   }
   return {};
 }
 
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
-                         uint32_t sketch_dim) {
+                         const SketchDimSchedule& dims) {
   if (report.step() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("step ", report.step(), " of job ",
                                                           hello.job(), " exceeds 2^63-1")),
-                  "invalid_report");
+                  RejectReason::kInvalidReport);
   }
-  if (static_cast<uint32_t>(report.sketch_size()) != sketch_dim) {
-    return Reject(absl::InvalidArgumentError(
-                      absl::StrCat("sketch of step ", report.step(), " has ", report.sketch_size(),
-                                   " values, job ", hello.job(), " uses sketch_dim ", sketch_dim)),
-                  "sketch_length");
+  if (!SketchDimAccepted(dims, static_cast<uint32_t>(report.sketch_size()))) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "sketch of step ", report.step(), " has ", report.sketch_size(),
+                      " values, job ", hello.job(), " uses sketch_dim ", dims.base_dim)),
+                  RejectReason::kSketchLength);
   }
   return {};
 }

@@ -2,8 +2,8 @@
 //
 // Pure functions over the wire types: no I/O, no state. Each failure is a Status whose code the
 // ingest service returns to the agent as is, and whose message names the offending value and
-// the job ("rank 9 >= world_size 8 for job exp-42"). `reason` strings are the label values of
-// rankscope_reports_rejected_total.
+// the job ("rank 9 >= world_size 8 for job exp-42"). Each `reason` is a RejectReason
+// (reject_reason.h), whose ReasonLabel is the label value of rankscope_reports_rejected_total.
 #ifndef RANKSCOPE_COLLECTOR_VALIDATION_H_
 #define RANKSCOPE_COLLECTOR_VALIDATION_H_
 
@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "collector/reject_reason.h"
+#include "common/sketch_dim.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
@@ -30,10 +32,10 @@ struct JobIdentity {
   uint64_t sketch_seed = 0;
 };
 
-// A rejected input: the status to answer with and the metric reason label.
+// A rejected input: the status to answer with and the metric's reason. OK status iff kNone.
 struct Rejection {
   absl::Status status;
-  std::string reason;
+  RejectReason reason = RejectReason::kNone;
 };
 
 // True iff `job` is 1..max characters of [A-Za-z0-9_.:-].
@@ -48,9 +50,10 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity);
 
 // Checks one report of a stream whose hello was accepted: the step must fit SQLite's int64 and
-// the sketch length must equal `sketch_dim`. Non-finite loss, grad_norm or sketch values are
-// accepted (stored and flagged).
-Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t sketch_dim);
+// the sketch length must be one of the job's (SketchDimAccepted; `dims.base_dim` is the hello's
+// sketch_dim). Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
+Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
+                         const SketchDimSchedule& dims);
 
 }  // namespace rankscope::collector
 

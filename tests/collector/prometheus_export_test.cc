@@ -758,9 +758,9 @@ TEST(HealthMetricsTest, MethodsUpdateTheirMetrics) {
   HealthMetrics health;
   health.ReportsReceived();
   health.ReportsReceived(9);
-  health.Rejected(kRejectRankOutOfRange);
+  health.Rejected(RejectReason::kRankOutOfRange);
   health.Rejected("rank_out_of_range");
-  health.Rejected(kRejectSketchLength);
+  health.Rejected(RejectReason::kSketchLength);
   health.Rejected("no such reason");  // counted as invalid_report, no new label value
   health.ReportLate();
   health.ReportDuplicate();
@@ -826,7 +826,7 @@ TEST(HealthMetricsTest, LatencyHistogramsSpan100MicrosecondsTo10Seconds) {
 TEST(HealthMetricsTest, PromtoolAcceptsHealthAndTheCombinedScrape) {
   HealthMetrics health;
   health.ReportsReceived(3);
-  health.Rejected(kRejectBeforeHello);
+  health.Rejected(RejectReason::kBeforeHello);
   health.ObserveIngestLatency(absl::Milliseconds(2));
   health.ObserveStoreCommit(absl::Milliseconds(8));
   const std::string health_text = Serialize(health.registry()->Collect());

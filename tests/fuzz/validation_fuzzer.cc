@@ -75,13 +75,13 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
 
   const Rejection r = collector::ValidateHello(hello, limits);
   FUZZ_CHECK(r.status.ok() == expected);
-  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  FUZZ_CHECK(r.status.ok() == ReasonLabel(r.reason).empty());
   if (!expected) {
     FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
     FUZZ_CHECK(!r.status.message().empty());
     // The first failing check names the reason; only an out-of-range rank has its own label.
     const bool rank_first = name_ok && world_ok && !rank_ok;
-    FUZZ_CHECK(r.reason == (rank_first ? "rank_out_of_range" : "bad_hello"));
+    FUZZ_CHECK(ReasonLabel(r.reason) == (rank_first ? "rank_out_of_range" : "bad_hello"));
     // Messages reach logs and gRPC status details: a job name is quoted only once it is valid,
     // so they never carry the agent's raw bytes.
     FUZZ_CHECK(Printable(r.status.message()));
@@ -100,10 +100,10 @@ void CheckIdentity(const v1::Hello& hello, const JobIdentity& identity) {
       hello.sketch_dim() == identity.sketch_dim && hello.sketch_seed() == identity.sketch_seed;
   const Rejection r = collector::CheckJobIdentity(hello, identity);
   FUZZ_CHECK(r.status.ok() == (world_same && sketch_same));
-  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  FUZZ_CHECK(r.status.ok() == ReasonLabel(r.reason).empty());
   if (!r.status.ok()) {
     FUZZ_CHECK(r.status.code() == absl::StatusCode::kFailedPrecondition);
-    FUZZ_CHECK(r.reason == (world_same ? "sketch_mismatch" : "world_size_changed"));
+    FUZZ_CHECK(ReasonLabel(r.reason) == (world_same ? "sketch_mismatch" : "world_size_changed"));
   }
   FUZZ_CHECK(Same(collector::CheckJobIdentity(hello, identity), r));
 }
@@ -112,12 +112,12 @@ void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t 
                  bool hello_valid) {
   const bool step_ok = report.step() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   const bool length_ok = static_cast<uint64_t>(report.sketch_size()) == sketch_dim;
-  const Rejection r = collector::ValidateReport(report, hello, sketch_dim);
+  const Rejection r = collector::ValidateReport(report, hello, {sketch_dim});
   FUZZ_CHECK(r.status.ok() == (step_ok && length_ok));
-  FUZZ_CHECK(r.status.ok() == r.reason.empty());
+  FUZZ_CHECK(r.status.ok() == ReasonLabel(r.reason).empty());
   if (!r.status.ok()) {
     FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
-    FUZZ_CHECK(r.reason == (step_ok ? "sketch_length" : "invalid_report"));
+    FUZZ_CHECK(ReasonLabel(r.reason) == (step_ok ? "sketch_length" : "invalid_report"));
     if (hello_valid) FUZZ_CHECK(Printable(r.status.message()));
   } else {
     // What the store and the statistics rely on: the step fits SQLite's int64, and exactly
@@ -125,10 +125,10 @@ void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t 
     FUZZ_CHECK(static_cast<int64_t>(report.step()) >= 0);
     FUZZ_CHECK(report.sketch().size() == static_cast<int>(sketch_dim));
   }
-  FUZZ_CHECK(Same(collector::ValidateReport(report, hello, sketch_dim), r));
+  FUZZ_CHECK(Same(collector::ValidateReport(report, hello, {sketch_dim}), r));
   v1::StepReport copy;
   FUZZ_CHECK(copy.ParseFromString(report.SerializeAsString()));
-  FUZZ_CHECK(Same(collector::ValidateReport(copy, hello, sketch_dim), r));
+  FUZZ_CHECK(Same(collector::ValidateReport(copy, hello, {sketch_dim}), r));
 }
 
 }  // namespace

@@ -1,0 +1,198 @@
+#include "collector/job_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace rankscope::collector {
+
+Rejection CheckAuthToken(const v1::Hello& hello, absl::string_view required_token) {
+  if (required_token.empty() || hello.auth_token() == required_token) return {};
+  return Rejection{absl::UnauthenticatedError(absl::StrCat(
+                       "job ", hello.job(), " rank ", hello.rank(),
+                       ": missing or wrong auth token (the collector requires --auth_token)")),
+                   RejectReason::kUnauthenticated};
+}
+
+absl::Status ValidateControlRequest(std::optional<uint32_t> every,
+                                    std::optional<uint32_t> sketch_dim, uint32_t max_sketch_dim) {
+  if (every && *every == 0) return absl::InvalidArgumentError("every must be >= 1");
+  if (sketch_dim && (*sketch_dim == 0 || *sketch_dim > max_sketch_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sketch_dim must be in [1, ", max_sketch_dim, "]"));
+  }
+  return absl::OkStatus();
+}
+
+JobRegistry::JobRegistry(size_t max_jobs, absl::Duration identity_ttl)
+    : max_jobs_(max_jobs), identity_ttl_(identity_ttl) {}
+
+bool JobRegistry::Restore(const JobRow& row, absl::Time now) {
+  if (now - row.last_seen > identity_ttl_) return false;
+  Job& job = jobs_[row.job];
+  job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed};
+  job.first_seen = row.first_seen;
+  job.last_seen = row.last_seen;
+  job.newest_step = row.last_step;
+  job.has_step = true;
+  return true;
+}
+
+bool JobRegistry::ForgetIfIdle(const std::string& job, absl::Time now) {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end() || it->second.connected != 0 ||
+      now - it->second.last_seen <= identity_ttl_) {
+    return false;
+  }
+  jobs_.erase(it);
+  return true;
+}
+
+Rejection JobRegistry::CheckRoomForJob(const v1::Hello& hello) const {
+  if (jobs_.size() < max_jobs_) return {};
+  return Rejection{absl::ResourceExhaustedError(
+                       absl::StrCat("the collector already tracks ", jobs_.size(),
+                                    " jobs (--max_jobs); job ", hello.job(), " refused")),
+                   RejectReason::kTooManyJobs};
+}
+
+Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
+                              const std::shared_ptr<AgentStream>& stream,
+                              std::optional<v1::Control>* control) {
+  auto it = jobs_.find(hello.job());
+  if (it == jobs_.end()) {
+    Job job;
+    job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+    job.first_seen = now;
+    job.last_seen = now;
+    it = jobs_.emplace(hello.job(), std::move(job)).first;
+  } else {
+    Rejection r = CheckJobIdentity(hello, it->second.identity);
+    if (!r.status.ok()) return r;
+    auto claim = it->second.claims.find(hello.rank());
+    if (claim != it->second.claims.end() && claim->second.attempt == hello.attempt() &&
+        claim->second.host != hello.host()) {
+      return Rejection{
+          absl::AlreadyExistsError(absl::StrCat(
+              "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
+              ") is already connected from host '", absl::CHexEscape(claim->second.host),
+              "'; this hello from host '", absl::CHexEscape(hello.host()),
+              "' claims it too: two runs share a job name (give each its own) or two "
+              "processes were given the same rank")),
+          RejectReason::kRankTaken};
+    }
+  }
+  Job& job = it->second;
+  RankClaim& claim = job.claims[hello.rank()];
+  claim.host = hello.host();
+  claim.attempt = hello.attempt();
+  ++claim.streams;
+  ++job.connected;
+  job.last_seen = now;
+  job.streams.insert(stream);
+  if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
+  *control = job.control;
+  return {};
+}
+
+bool JobRegistry::Detach(const v1::Hello& hello, const std::shared_ptr<AgentStream>& stream,
+                         absl::Time now) {
+  auto it = jobs_.find(hello.job());
+  if (it == jobs_.end()) return false;
+  Job& job = it->second;
+  if (job.streams.erase(stream) == 0) return false;
+  if (job.connected > 0) --job.connected;
+  auto claim = job.claims.find(hello.rank());
+  if (claim != job.claims.end() && --claim->second.streams == 0) job.claims.erase(claim);
+  job.last_seen = now;
+  return true;
+}
+
+SketchDimSchedule JobRegistry::SketchDims(const v1::Hello& hello) const {
+  SketchDimSchedule dims{hello.sketch_dim()};
+  auto it = jobs_.find(hello.job());
+  if (it != jobs_.end() && it->second.control) {
+    dims.retuned_dim = it->second.control->sketch_dim();
+    dims.apply_at_step = it->second.control->apply_at_step();
+  }
+  return dims;
+}
+
+bool JobRegistry::NoteReport(const v1::Hello& hello, uint64_t step, uint64_t dropped_total,
+                             absl::Time now, bool* dropped_changed) {
+  auto it = jobs_.find(hello.job());
+  if (it == jobs_.end()) return false;
+  Job& job = it->second;
+  job.last_seen = now;
+  if (!job.has_step || step > job.newest_step) job.newest_step = step;
+  job.has_step = true;
+  if (job.dropped_forwarded.size() <= hello.rank()) job.dropped_forwarded.resize(hello.rank() + 1);
+  std::optional<uint64_t>& forwarded = job.dropped_forwarded[hello.rank()];
+  *dropped_changed = forwarded != dropped_total;
+  forwarded = dropped_total;
+  return true;
+}
+
+std::optional<JobRow> JobRegistry::StoredRow(const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return std::nullopt;
+  JobRow row;
+  row.job = job;
+  row.world_size = it->second.identity.world_size;
+  row.sketch_dim = it->second.identity.sketch_dim;
+  row.sketch_seed = it->second.identity.sketch_seed;
+  row.first_seen = it->second.first_seen;
+  row.last_seen = it->second.last_seen;
+  return row;
+}
+
+absl::StatusOr<v1::Control> JobRegistry::UpdateControl(
+    const std::string& job, std::optional<bool> enabled, std::optional<uint32_t> every,
+    std::optional<uint32_t> sketch_dim, uint32_t lead_steps, absl::Time now,
+    std::vector<std::shared_ptr<AgentStream>>* streams) {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
+  }
+  Job& j = it->second;
+  v1::Control control;
+  if (j.control) {
+    control = *j.control;
+  } else {
+    control.set_enabled(true);
+    control.set_every(1);
+  }
+  // Generations must keep increasing across collector restarts (agents ignore a generation
+  // they have already passed), so they are at least the current time in microseconds.
+  control.set_generation(
+      std::max<uint64_t>(control.generation() + 1, static_cast<uint64_t>(absl::ToUnixMicros(now))));
+  control.set_apply_at_step(j.newest_step + std::max<uint32_t>(lead_steps, 1));
+  if (enabled) control.set_enabled(*enabled);
+  if (every) control.set_every(*every);
+  if (sketch_dim) control.set_sketch_dim(*sketch_dim);
+  j.control = control;
+  streams->insert(streams->end(), j.streams.begin(), j.streams.end());
+  return control;
+}
+
+std::vector<JobSummary> JobRegistry::Summaries() const {
+  std::vector<JobSummary> out;
+  out.reserve(jobs_.size());
+  for (const auto& [name, job] : jobs_) {
+    JobSummary s;
+    s.job = name;
+    s.identity = job.identity;
+    s.first_seen = job.first_seen;
+    s.last_seen = job.last_seen;
+    s.newest_step = job.newest_step;
+    s.connected = job.connected;
+    out.push_back(std::move(s));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const JobSummary& a, const JobSummary& b) { return a.job < b.job; });
+  return out;
+}
+
+}  // namespace rankscope::collector

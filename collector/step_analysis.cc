@@ -1,0 +1,172 @@
+#include "collector/step_analysis.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <utility>
+
+namespace rankscope::collector {
+
+StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
+  bool same_dim = true;
+  for (const RankReport& r : step.reports) {
+    if (r.sketch.size() != step.reports.front().sketch.size()) same_dim = false;
+  }
+  std::vector<RankSample> samples;
+  samples.reserve(step.reports.size());
+  for (const RankReport& r : step.reports) {
+    RankSample s;
+    s.rank = r.rank;
+    s.loss = r.loss;
+    s.grad_norm = r.grad_norm;
+    if (same_dim) s.sketch = r.sketch;
+    samples.push_back(s);
+  }
+  StepStatistics stats = ComputeStepStatistics(samples);
+  if (!same_dim) {
+    // A sketch re-tune crossed this step: cosines across different sketches mean nothing.
+    stats.grad_cosine_mean = std::nan("");
+    for (RankStatistics& p : stats.per_rank) p.consensus_cosine = std::nan("");
+  }
+  return stats;
+}
+
+StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats) {
+  StepDiagnostics d;
+  const size_t n = step.reports.size();
+  std::vector<RankSignals> signals;
+  std::vector<RankFingerprint> grads, params;
+  std::vector<double> local_norms, reduced_norms, times;
+  signals.reserve(n);
+  local_norms.reserve(n);
+  times.reserve(n);
+  d.replica_ok.reserve(n);
+  d.extras.reserve(n);
+  uint32_t batch = 0;
+  bool any_time = false;
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = step.reports[i];
+    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine});
+    if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
+    if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
+    local_norms.push_back(r.grad_norm);
+    if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
+    times.push_back(r.step_time_seconds.value_or(std::nan("")));
+    any_time = any_time || r.step_time_seconds.has_value();
+    batch = std::max(batch, r.local_batch_size);
+  }
+  d.outliers = ComputeOutlierScores(signals);
+  const ReplicaVerdict grad_verdict = CheckReplicas(grads);
+  const ReplicaVerdict param_verdict = CheckReplicas(params);
+  d.replica_checked = grad_verdict.checked || param_verdict.checked;
+  std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
+                 param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),
+                 std::back_inserter(d.replica_divergent));
+  const std::vector<double> time_z =
+      any_time ? StepTimeRobustZ(times) : std::vector<double>(n, std::nan(""));
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = step.reports[i];
+    if (r.reduced_grad_fingerprint || r.param_fingerprint) {
+      d.replica_ok.push_back(
+          !std::binary_search(d.replica_divergent.begin(), d.replica_divergent.end(), r.rank));
+    } else {
+      d.replica_ok.push_back(std::nullopt);
+    }
+    RankExtras e;
+    e.outlier_score = d.outliers[i].score;
+    e.step_time_seconds = times[i];
+    e.step_time_z = time_z[i];
+    d.extras.push_back(e);
+    if (d.outliers[i].flagged) d.flagged_ranks.push_back(r.rank);
+  }
+  if (!reduced_norms.empty()) {
+    // Every rank holds the same reduced gradient; take the median against a stray value.
+    std::nth_element(reduced_norms.begin(), reduced_norms.begin() + reduced_norms.size() / 2,
+                     reduced_norms.end());
+    d.grad_noise_scale =
+        GradientNoiseScale(local_norms, reduced_norms[reduced_norms.size() / 2], batch);
+  }
+  return d;
+}
+
+AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
+  AnalyzedStep out;
+  out.stats = ComputeJoinedStepStatistics(step);
+  out.diag = DiagnoseStep(step, out.stats);
+  // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
+  auto& streaks = outlier_streaks_[step.job];
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    const uint32_t rank = step.reports[i].rank;
+    if (out.diag.outliers[i].flagged) {
+      if (++streaks[rank] >= kOutlierPersistence) out.outlier_ranks.push_back(rank);
+    } else {
+      streaks.erase(rank);
+    }
+  }
+  if (streaks.empty()) outlier_streaks_.erase(step.job);
+  return out;
+}
+
+uint32_t StepAnalyzer::OutlierStreak(const std::string& job, uint32_t rank) const {
+  auto it = outlier_streaks_.find(job);
+  if (it == outlier_streaks_.end()) return 0;
+  auto r = it->second.find(rank);
+  return r == it->second.end() ? 0 : r->second;
+}
+
+RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
+  RankRow row;
+  row.rank = report.rank;
+  row.attempt = report.attempt;
+  row.join_size = join_size;
+  row.loss = report.loss;
+  row.grad_norm = report.grad_norm;
+  row.reduced_grad_fingerprint = report.reduced_grad_fingerprint;
+  row.param_fingerprint = report.param_fingerprint;
+  row.step_time_seconds = report.step_time_seconds;
+  row.received_at = report.received_at;
+  return row;
+}
+
+StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time completed_at) {
+  const StepStatistics& stats = analyzed.stats;
+  const StepDiagnostics& diag = analyzed.diag;
+  StepWrite w;
+  w.job = step.job;
+  w.step = step.step;
+  StepRow row;
+  row.step = step.step;
+  row.attempt = step.attempt;
+  row.ranks = static_cast<uint32_t>(step.reports.size());
+  row.world_size = step.world_size;
+  row.loss_mean = stats.loss_mean;
+  row.loss_std = stats.loss_std;
+  row.loss_range = stats.loss_range;
+  row.grad_norm_mean = stats.grad_norm_mean;
+  row.grad_norm_std = stats.grad_norm_std;
+  row.grad_norm_cv = stats.grad_norm_cv;
+  row.grad_cosine_mean = stats.grad_cosine_mean;
+  row.missing_ranks = step.missing_ranks;
+  row.timed_out = step.reason != JoinedStep::Reason::kComplete;
+  row.completed_at = completed_at;
+  row.grad_noise_scale = diag.grad_noise_scale;
+  row.replica_checked = diag.replica_checked;
+  row.replica_divergent_ranks = diag.replica_divergent;
+  row.outlier_ranks = std::move(analyzed.outlier_ranks);
+  w.stats = std::move(row);
+  const uint32_t join_size = static_cast<uint32_t>(step.reports.size());
+  w.ranks.reserve(step.reports.size());
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    RankRow rank_row = ToRankRow(step.reports[i], join_size);
+    rank_row.grad_cosine = stats.per_rank[i].consensus_cosine;
+    rank_row.loss_z = stats.per_rank[i].loss_z;
+    rank_row.grad_norm_z = stats.per_rank[i].grad_norm_z;
+    rank_row.replica_ok = diag.replica_ok[i];
+    rank_row.outlier_score = diag.outliers[i].score;
+    if (!std::isnan(diag.extras[i].step_time_z)) rank_row.step_time_z = diag.extras[i].step_time_z;
+    w.ranks.push_back(std::move(rank_row));
+  }
+  return w;
+}
+
+}  // namespace rankscope::collector

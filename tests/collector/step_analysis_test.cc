@@ -1,0 +1,248 @@
+#include "collector/step_analysis.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "collector/rank_diagnostics.h"
+#include "collector/step_joiner.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rankscope::collector {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using Reason = JoinedStep::Reason;
+
+const absl::Time kT0 = absl::FromUnixSeconds(1'700'000'000);
+
+// Rank r's report: loss 1 + r/100, grad norm 2 + r/100, a sketch along the first axis of `dim`
+// values (all ranks agree: consensus cosine 1), received r ms after kT0.
+RankReport Report(uint32_t rank, uint64_t step, size_t dim = 4) {
+  RankReport r;
+  r.rank = rank;
+  r.step = step;
+  r.attempt = 2;
+  r.loss = 1.0 + rank / 100.0;
+  r.grad_norm = 2.0 + rank / 100.0;
+  r.sketch.assign(dim, 0.0f);
+  r.sketch[0] = 1.0f + rank / 1000.0f;
+  r.sketch[1] = 0.01f * static_cast<float>(rank % 3);
+  r.received_at = kT0 + absl::Milliseconds(rank);
+  return r;
+}
+
+JoinedStep Step(uint64_t step, uint32_t world, const std::vector<uint32_t>& ranks,
+                Reason reason = Reason::kComplete) {
+  JoinedStep js;
+  js.job = "exp-42";
+  js.step = step;
+  js.attempt = 2;
+  js.world_size = world;
+  js.reason = reason;
+  for (uint32_t r = 0, i = 0; r < world; ++r) {
+    if (i < ranks.size() && ranks[i] == r) {
+      js.reports.push_back(Report(r, step));
+      ++i;
+    } else {
+      js.missing_ranks.push_back(r);
+    }
+  }
+  return js;
+}
+
+std::vector<uint32_t> AllRanks(uint32_t world) {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < world; ++r) out.push_back(r);
+  return out;
+}
+
+std::vector<uint32_t> RowRanks(const StepWrite& w) {
+  std::vector<uint32_t> out;
+  for (const RankRow& r : w.ranks) out.push_back(r.rank);
+  return out;
+}
+
+TEST(StepAnalysisTest, CompleteStepRows) {
+  StepAnalyzer analyzer;
+  const JoinedStep js = Step(7, 4, AllRanks(4));
+  AnalyzedStep a = analyzer.Analyze(js);
+  const absl::Time done = kT0 + absl::Seconds(1);
+  const StepWrite w = StepRows(js, std::move(a), done);
+
+  EXPECT_EQ(w.job, "exp-42");
+  EXPECT_EQ(w.step, 7u);
+  ASSERT_TRUE(w.stats.has_value());
+  const StepRow& s = *w.stats;
+  EXPECT_EQ(s.step, 7u);
+  EXPECT_EQ(s.attempt, 2u);
+  EXPECT_EQ(s.ranks, 4u);
+  EXPECT_EQ(s.world_size, 4u);
+  EXPECT_FALSE(s.timed_out);
+  EXPECT_THAT(s.missing_ranks, IsEmpty());
+  EXPECT_EQ(s.completed_at, done);
+  EXPECT_NEAR(s.loss_mean, 1.015, 1e-12);
+  EXPECT_NEAR(s.loss_range, 0.03, 1e-12);
+  EXPECT_NEAR(s.loss_std, std::sqrt(0.000125), 1e-12);  // population std of 1.00 .. 1.03
+  EXPECT_NEAR(s.grad_norm_mean, 2.015, 1e-12);
+  EXPECT_GT(s.grad_cosine_mean, 0.99);
+  EXPECT_LE(s.grad_cosine_mean, 1.0 + 1e-9);
+  EXPECT_FALSE(s.replica_checked);
+  EXPECT_THAT(s.replica_divergent_ranks, IsEmpty());
+  EXPECT_THAT(s.outlier_ranks, IsEmpty());
+  EXPECT_TRUE(std::isnan(s.grad_noise_scale));  // no reduced norm reported
+
+  EXPECT_THAT(RowRanks(w), ElementsAre(0, 1, 2, 3));
+  for (const RankRow& r : w.ranks) {
+    EXPECT_EQ(r.attempt, 2u);
+    EXPECT_EQ(r.join_size, 4u);
+    EXPECT_DOUBLE_EQ(r.loss, 1.0 + r.rank / 100.0);
+    EXPECT_DOUBLE_EQ(r.grad_norm, 2.0 + r.rank / 100.0);
+    EXPECT_EQ(r.received_at, kT0 + absl::Milliseconds(r.rank));
+    ASSERT_TRUE(r.grad_cosine.has_value());
+    EXPECT_GT(*r.grad_cosine, 0.99);
+    ASSERT_TRUE(r.loss_z.has_value());
+    ASSERT_TRUE(r.outlier_score.has_value());
+    EXPECT_LT(*r.outlier_score, kOutlierThreshold);
+    EXPECT_FALSE(r.replica_ok.has_value());  // no fingerprint sent
+    EXPECT_FALSE(r.step_time_z.has_value());
+  }
+  // The loss z-scores are ordered like the losses.
+  EXPECT_LT(*w.ranks[0].loss_z, 0.0);
+  EXPECT_GT(*w.ranks[3].loss_z, 0.0);
+}
+
+TEST(StepAnalysisTest, StepWithAMissingRankNamesItAndJoinsTheOthers) {
+  StepAnalyzer analyzer;
+  const JoinedStep js = Step(8, 4, {0, 1, 3}, Reason::kTimedOut);
+  const StepWrite w = StepRows(js, analyzer.Analyze(js), kT0);
+  ASSERT_TRUE(w.stats.has_value());
+  EXPECT_EQ(w.stats->ranks, 3u);
+  EXPECT_EQ(w.stats->world_size, 4u);
+  EXPECT_TRUE(w.stats->timed_out);
+  EXPECT_THAT(w.stats->missing_ranks, ElementsAre(2));
+  EXPECT_NEAR(w.stats->loss_mean, (1.00 + 1.01 + 1.03) / 3, 1e-12);
+  EXPECT_THAT(RowRanks(w), ElementsAre(0, 1, 3));
+  for (const RankRow& r : w.ranks) EXPECT_EQ(r.join_size, 3u);
+}
+
+TEST(StepAnalysisTest, MixedSketchDimsMaskEveryCosine) {
+  JoinedStep js = Step(9, 4, AllRanks(4));
+  // Ranks 2 and 3 already applied a control's re-tuned sketch (8 values instead of 4).
+  js.reports[2].sketch = Report(2, 9, 8).sketch;
+  js.reports[3].sketch = Report(3, 9, 8).sketch;
+  StepAnalyzer analyzer;
+  const StepWrite w = StepRows(js, analyzer.Analyze(js), kT0);
+  ASSERT_TRUE(w.stats.has_value());
+  EXPECT_TRUE(std::isnan(w.stats->grad_cosine_mean));
+  EXPECT_NEAR(w.stats->loss_mean, 1.015, 1e-12);  // the rest is still computed
+  ASSERT_EQ(w.ranks.size(), 4u);
+  for (const RankRow& r : w.ranks) {
+    ASSERT_TRUE(r.grad_cosine.has_value());
+    EXPECT_TRUE(std::isnan(*r.grad_cosine)) << "rank " << r.rank;
+    EXPECT_TRUE(r.loss_z.has_value());
+  }
+
+  // The same step with one sketch length has its cosines.
+  const JoinedStep same = Step(9, 4, AllRanks(4));
+  const StepWrite ok = StepRows(same, analyzer.Analyze(same), kT0);
+  EXPECT_FALSE(std::isnan(ok.stats->grad_cosine_mean));
+}
+
+TEST(StepAnalysisTest, OutlierStreakReachesThePersistenceRuleOnTheThirdStep) {
+  static_assert(kOutlierPersistence == 3);
+  StepAnalyzer analyzer;
+  auto step_with_outlier = [](uint64_t step, const std::vector<uint32_t>& ranks) {
+    JoinedStep js = Step(step, 8, ranks);
+    for (RankReport& r : js.reports) {
+      if (r.rank == 5) r.loss = 50.0;  // far outside the others' 1.00 .. 1.07
+    }
+    return js;
+  };
+
+  // Steps 1 and 2: rank 5 is flagged but not yet a persistent outlier.
+  for (uint64_t step = 1; step <= 2; ++step) {
+    const JoinedStep js = step_with_outlier(step, AllRanks(8));
+    AnalyzedStep a = analyzer.Analyze(js);
+    EXPECT_THAT(a.diag.flagged_ranks, ElementsAre(5)) << "step " << step;
+    EXPECT_THAT(a.outlier_ranks, IsEmpty()) << "step " << step;
+    EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), step);
+    const StepWrite w = StepRows(js, std::move(a), kT0);
+    EXPECT_THAT(w.stats->outlier_ranks, IsEmpty());
+    EXPECT_GT(*w.ranks[5].outlier_score, kOutlierThreshold);
+  }
+
+  // A step rank 5 did not report neither breaks nor extends its streak.
+  {
+    const JoinedStep js = step_with_outlier(3, {0, 1, 2, 3, 4, 6, 7});
+    const AnalyzedStep a = analyzer.Analyze(js);
+    EXPECT_THAT(a.outlier_ranks, IsEmpty());
+    EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), 2u);
+  }
+
+  // The third flagged step it reported makes it a persistent outlier, stored in step_stats.
+  {
+    const JoinedStep js = step_with_outlier(4, AllRanks(8));
+    const StepWrite w = StepRows(js, analyzer.Analyze(js), kT0);
+    EXPECT_THAT(w.stats->outlier_ranks, ElementsAre(5));
+    EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), 3u);
+  }
+  // And every further flagged step keeps it one.
+  {
+    const JoinedStep js = step_with_outlier(5, AllRanks(8));
+    EXPECT_THAT(analyzer.Analyze(js).outlier_ranks, ElementsAre(5));
+  }
+
+  // A healthy step it reports ends the streak; another job's streaks are separate.
+  {
+    JoinedStep other = step_with_outlier(6, AllRanks(8));
+    other.job = "exp-43";
+    EXPECT_THAT(analyzer.Analyze(other).outlier_ranks, IsEmpty());
+    EXPECT_EQ(analyzer.OutlierStreak("exp-43", 5), 1u);
+
+    const JoinedStep healthy = Step(6, 8, AllRanks(8));
+    const AnalyzedStep a = analyzer.Analyze(healthy);
+    EXPECT_THAT(a.diag.flagged_ranks, IsEmpty());
+    EXPECT_THAT(a.outlier_ranks, IsEmpty());
+    EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), 0u);
+  }
+}
+
+TEST(StepAnalysisTest, DivergentReplicaFingerprintIsNamedInRows) {
+  JoinedStep js = Step(10, 4, AllRanks(4));
+  for (RankReport& r : js.reports) {
+    r.param_fingerprint = r.rank == 1 ? 99 : 42;
+    r.reduced_grad_norm = 1.5;
+    r.local_batch_size = 8;
+  }
+  StepAnalyzer analyzer;
+  const StepWrite w = StepRows(js, analyzer.Analyze(js), kT0);
+  EXPECT_TRUE(w.stats->replica_checked);
+  EXPECT_THAT(w.stats->replica_divergent_ranks, ElementsAre(1));
+  ASSERT_EQ(w.ranks.size(), 4u);
+  for (const RankRow& r : w.ranks) {
+    EXPECT_EQ(r.param_fingerprint, r.rank == 1 ? 99u : 42u);
+    ASSERT_TRUE(r.replica_ok.has_value());
+    EXPECT_EQ(*r.replica_ok, r.rank != 1);
+  }
+}
+
+TEST(StepAnalysisTest, LateReportRowCarriesOnlyTheReport) {
+  RankReport r = Report(3, 11);
+  r.step_time_seconds = 0.25;
+  const RankRow row = ToRankRow(r, 1);
+  EXPECT_EQ(row.rank, 3u);
+  EXPECT_EQ(row.attempt, 2u);
+  EXPECT_EQ(row.join_size, 1u);
+  EXPECT_DOUBLE_EQ(row.loss, 1.03);
+  EXPECT_EQ(row.step_time_seconds, 0.25);
+  EXPECT_FALSE(row.grad_cosine.has_value());
+  EXPECT_FALSE(row.outlier_score.has_value());
+}
+
+}  // namespace
+}  // namespace rankscope::collector
