@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <exception>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/tls_files.h"
@@ -52,9 +53,13 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   if (!writer_store.ok()) return writer_store.status();
   StoreOptions read_only;
   read_only.read_only = true;
-  auto reader_store = SqliteStore::Open(options.db_path, read_only);
-  if (!reader_store.ok()) return reader_store.status();
-  auto known_jobs = (*reader_store)->ListJobs();
+  std::vector<std::unique_ptr<SqliteStore>> readers;
+  for (size_t i = 0; i < std::max<size_t>(options.query_threads, 1); ++i) {
+    auto reader_store = SqliteStore::Open(options.db_path, read_only);
+    if (!reader_store.ok()) return reader_store.status();
+    readers.push_back(std::move(*reader_store));
+  }
+  auto known_jobs = readers.front()->ListJobs();
   if (!known_jobs.ok()) return known_jobs.status();
 
   c->health_ = std::make_unique<HealthMetrics>();
@@ -64,7 +69,10 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   c->ingest_ =
       std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams,
                                       static_cast<size_t>(std::max(options.max_message_bytes, 0)));
-  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), std::move(*reader_store),
+  StoreReaderPoolOptions reader_options;
+  reader_options.max_queued = options.max_queued_queries;
+  c->readers_ = std::make_unique<StoreReaderPool>(std::move(readers), reader_options);
+  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), c->readers_.get(),
                                              options.pipeline.auth_token);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -111,6 +119,9 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
+  // After the server: no query arrives any more; the ones queued are finished, then the reader
+  // threads end (before the pipeline stops: ListJobs reads it).
+  if (readers_ != nullptr) readers_->Stop();
   // Start() may have failed before the pipeline existed (e.g. the database could not be opened).
   if (pipeline_ != nullptr) shutdown_status_ = pipeline_->Stop(timeout / 2);
   return shutdown_status_;

@@ -4,10 +4,12 @@
 //   HTTP /metrics (prometheus-cpp Exposer) ◄─ JobMetrics + HealthMetrics registry
 //
 // Start() binds everything (port 0 picks free ports, see grpc_port()/metrics_port()) and
-// returns once it serves. Shutdown() stops accepting, ends the streams, closes the open steps
-// and commits what it has.
+// returns once it serves. Shutdown() stops accepting, ends the streams and queries, stops the
+// query readers, closes the open steps and commits what it has.
 //
-// Thread safety: Shutdown and the accessors are thread-safe.
+// Thread safety: Shutdown and the accessors are thread-safe. Threads: gRPC's callback threads
+// (Ingest and Query reactions), the pipeline's step thread, the StoreWriter thread,
+// `query_threads` StoreReaderPool threads (Query reads), prometheus-cpp's HTTP threads.
 #ifndef RANKSCOPE_COLLECTOR_COLLECTOR_H_
 #define RANKSCOPE_COLLECTOR_COLLECTOR_H_
 
@@ -22,6 +24,7 @@
 #include "collector/pipeline.h"
 #include "collector/prometheus_export.h"
 #include "collector/query_service.h"
+#include "collector/store_reader_pool.h"
 #include "common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
@@ -54,6 +57,10 @@ struct CollectorOptions {
   std::string db_path = "rankscope.db";
   PipelineOptions pipeline;
   ExportOptions export_options;
+  // Threads serving the Query service's SQLite reads, each with its own read-only connection,
+  // and the queries that may wait for them before more are refused with RESOURCE_EXHAUSTED.
+  size_t query_threads = 2;
+  size_t max_queued_queries = 256;
   size_t max_streams = 10'000;
   int max_message_bytes = 8 << 20;
   ServerTlsOptions tls;
@@ -80,6 +87,7 @@ class Collector {
 
   StepPipeline& pipeline() { return *pipeline_; }
   HealthMetrics& health() { return *health_; }
+  StoreReaderPool& query_readers() { return *readers_; }
   std::shared_ptr<JobMetrics> job_metrics() { return metrics_; }
 
  private:
@@ -90,6 +98,7 @@ class Collector {
   std::shared_ptr<JobMetrics> metrics_;
   std::unique_ptr<StepPipeline> pipeline_;
   std::unique_ptr<IngestService> ingest_;
+  std::unique_ptr<StoreReaderPool> readers_;
   std::unique_ptr<QueryService> query_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "collector/row_proto.h"
 #include "collector/validation.h"
+#include "common/tsan.h"
 
 namespace rankscope::collector {
 namespace {
@@ -21,15 +22,29 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc::Status& s) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RANKSCOPE_TSAN_RELEASE(reactor);  // gRPC reads the response written on this thread
   reactor->Finish(s);
   return reactor;
 }
 
 }  // namespace
 
-QueryService::QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader,
-                           std::string auth_token)
-    : pipeline_(pipeline), auth_token_(std::move(auth_token)), reader_(std::move(reader)) {}
+QueryService::QueryService(StepPipeline* pipeline, StoreReaderPool* readers, std::string auth_token)
+    : pipeline_(pipeline), readers_(readers), auth_token_(std::move(auth_token)) {}
+
+grpc::ServerUnaryReactor* QueryService::FinishOnReader(
+    grpc::CallbackServerContext* context, std::function<grpc::Status(SqliteStore&)> read) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RANKSCOPE_TSAN_RELEASE(reactor);  // the pool's thread reads the request
+  absl::Status queued = readers_->Submit([reactor, read = std::move(read)](SqliteStore& reader) {
+    RANKSCOPE_TSAN_ACQUIRE(reactor);
+    const grpc::Status status = read(reader);
+    RANKSCOPE_TSAN_RELEASE(reactor);
+    reactor->Finish(status);
+  });
+  if (!queued.ok()) reactor->Finish(ToGrpc(queued));
+  return reactor;
+}
 
 grpc::Status QueryService::CheckToken(const grpc::CallbackServerContext* context) const {
   if (auth_token_.empty()) return grpc::Status::OK;
@@ -48,11 +63,15 @@ grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* co
                                                  const v1::ListJobsRequest* request,
                                                  v1::ListJobsResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
+  return FinishOnReader(
+      context, [this, response](SqliteStore& reader) { return ListJobsOn(reader, response); });
+}
+
+grpc::Status QueryService::ListJobsOn(SqliteStore& reader, v1::ListJobsResponse* response) {
   absl::flat_hash_map<std::string, v1::JobInfo> jobs;
   {
-    MutexLock lock(&mu_);
-    auto stored = reader_->ListJobs();
-    if (!stored.ok()) return Done(context, ToGrpc(stored.status()));
+    auto stored = reader.ListJobs();
+    if (!stored.ok()) return ToGrpc(stored.status());
     for (const JobRow& row : *stored) {
       v1::JobInfo& info = jobs[row.job];
       info.set_job(row.job);
@@ -84,7 +103,7 @@ grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* co
   for (const auto& [name, info] : jobs) names.push_back(name);
   std::sort(names.begin(), names.end());
   for (const std::string& name : names) *response->add_jobs() = std::move(jobs[name]);
-  return Done(context, grpc::Status::OK);
+  return grpc::Status::OK;
 }
 
 grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext* context,
@@ -96,11 +115,12 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
                                       "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
   }
   int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
-  MutexLock lock(&mu_);
-  auto rows = reader_->RecentSteps(request->job(), limit);
-  if (!rows.ok()) return Done(context, ToGrpc(rows.status()));
-  for (const StepRow& row : *rows) FillStepStats(row, response->add_steps());
-  return Done(context, grpc::Status::OK);
+  return FinishOnReader(context, [request, response, limit](SqliteStore& reader) {
+    auto rows = reader.RecentSteps(request->job(), limit);
+    if (!rows.ok()) return ToGrpc(rows.status());
+    for (const StepRow& row : *rows) FillStepStats(row, response->add_steps());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* context,
@@ -120,25 +140,26 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
   }
   const int limit =
       request->limit() == 0 ? 10000 : static_cast<int>(std::min(request->limit(), 1000000u));
-  MutexLock lock(&mu_);
-  // One more than the limit tells whether the response is truncated.
-  auto steps = reader_->StepRange(request->job(), request->first_step(), last, limit + 1);
-  if (!steps.ok()) return Done(context, ToGrpc(steps.status()));
-  if (steps->size() > static_cast<size_t>(limit)) {
-    steps->resize(limit);
-    response->set_truncated(true);
-  }
-  for (const StepRow& row : *steps) FillStepStats(row, response->add_steps());
-  if (request->include_ranks()) {
-    auto ranks = reader_->RankRowsInRange(request->job(), request->first_step(), last, limit + 1);
-    if (!ranks.ok()) return Done(context, ToGrpc(ranks.status()));
-    if (ranks->size() > static_cast<size_t>(limit)) {
-      ranks->resize(limit);
+  return FinishOnReader(context, [request, response, last, limit](SqliteStore& reader) {
+    // One more than the limit tells whether the response is truncated.
+    auto steps = reader.StepRange(request->job(), request->first_step(), last, limit + 1);
+    if (!steps.ok()) return ToGrpc(steps.status());
+    if (steps->size() > static_cast<size_t>(limit)) {
+      steps->resize(limit);
       response->set_truncated(true);
     }
-    for (const StepRankRow& row : *ranks) FillRankStep(row, response->add_ranks());
-  }
-  return Done(context, grpc::Status::OK);
+    for (const StepRow& row : *steps) FillStepStats(row, response->add_steps());
+    if (request->include_ranks()) {
+      auto ranks = reader.RankRowsInRange(request->job(), request->first_step(), last, limit + 1);
+      if (!ranks.ok()) return ToGrpc(ranks.status());
+      if (ranks->size() > static_cast<size_t>(limit)) {
+        ranks->resize(limit);
+        response->set_truncated(true);
+      }
+      for (const StepRankRow& row : *ranks) FillRankStep(row, response->add_ranks());
+    }
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* QueryService::SetControl(grpc::CallbackServerContext* context,

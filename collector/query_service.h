@@ -1,26 +1,34 @@
 // QueryService: read-only queries and operator control (rankscope.v1.Query), callback API.
 //
 // ListJobs merges live state (connected ranks) with the SQLite jobs table; RecentSteps reads
-// SQLite through the service's own read connection (WAL lets it run beside the writer);
-// StepRange reads step and rank rows of a step range the same way (export, report, the worst
-// ranks of `show`); SetControl asks the pipeline to push a control message to every rank of a job.
+// SQLite through a read-only connection (WAL lets it run beside the writer); StepRange reads step
+// and rank rows of a step range the same way (export, report, the worst ranks of `show`);
+// SetControl asks the pipeline to push a control message to every rank of a job.
+//
+// Reads never run on gRPC's callback threads: a reaction checks the token and the request, then
+// hands the read to a StoreReaderPool and returns; the pool's thread reads, fills the response
+// and Finishes the call. When the pool's queue is full the call ends at once with
+// RESOURCE_EXHAUSTED (retry with backoff); every other status is the store's or the request
+// check's, as it was when reads ran on the reaction.
 //
 // Authentication: when the collector has a shared token (--auth_token_file), every call must
 // carry it as "authorization: Bearer <token>" metadata (UNAUTHENTICATED otherwise), as agents
 // carry it in their hello; with mutual TLS, gRPC has verified the client's certificate before
 // any call reaches the service.
 //
-// Thread safety: thread-safe; the read connection is guarded by mu_.
+// Thread safety: thread-safe, and holds no lock of its own. Reactions run on gRPC's callback
+// threads; ListJobs, RecentSteps and StepRange finish on a StoreReaderPool thread, which owns the
+// connection it reads (ListJobs also takes the pipeline's lock there, briefly). SetControl runs
+// and finishes on the reaction (the pipeline's lock, no SQLite).
 #ifndef RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
 #define RANKSCOPE_COLLECTOR_QUERY_SERVICE_H_
 
-#include <memory>
+#include <functional>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "collector/pipeline.h"
 #include "collector/sqlite_store.h"
-#include "common/mutex.h"
+#include "collector/store_reader_pool.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
 namespace rankscope::collector {
@@ -28,8 +36,8 @@ namespace rankscope::collector {
 class QueryService final : public v1::Query::CallbackService {
  public:
   // `auth_token`: empty, or the shared token every call must carry.
-  QueryService(StepPipeline* pipeline, std::unique_ptr<SqliteStore> reader,
-               std::string auth_token = "");
+  // `readers` must outlive the service's calls (the Collector stops it after the server).
+  QueryService(StepPipeline* pipeline, StoreReaderPool* readers, std::string auth_token = "");
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
                                      const v1::ListJobsRequest* request,
@@ -47,11 +55,16 @@ class QueryService final : public v1::Query::CallbackService {
  private:
   // OK when no token is required or the call carries it; else UNAUTHENTICATED.
   grpc::Status CheckToken(const grpc::CallbackServerContext* context) const;
+  // Runs `read` on a reader thread and Finishes the call with its status; Finishes at once with
+  // the pool's refusal (RESOURCE_EXHAUSTED when full) if it cannot be queued.
+  // ListJobs' work on a reader thread: the stored jobs merged with the pipeline's live ones.
+  grpc::Status ListJobsOn(SqliteStore& reader, v1::ListJobsResponse* response);
+  grpc::ServerUnaryReactor* FinishOnReader(grpc::CallbackServerContext* context,
+                                           std::function<grpc::Status(SqliteStore&)> read);
 
   StepPipeline* const pipeline_;
+  StoreReaderPool* const readers_;
   const std::string auth_token_;
-  Mutex mu_;
-  std::unique_ptr<SqliteStore> reader_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace rankscope::collector

@@ -15,7 +15,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -23,63 +22,30 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/sqlite_schema.h"
+#include "collector/sqlite_statement.h"
 
 namespace rankscope::collector {
+
+using sqlite::Binder;
+using sqlite::CodeFor;
+using sqlite::ColumnBits;
+using sqlite::ColumnDouble;
+using sqlite::ColumnInt;
+using sqlite::ColumnOptionalBits;
+using sqlite::ColumnOptionalDouble;
+using sqlite::ColumnText;
+using sqlite::ColumnTime;
+using sqlite::ColumnU32;
+using sqlite::IsNull;
+using sqlite::Quote;
+using sqlite::ScopedReset;
+using sqlite::StepToDone;
+using sqlite::Stmt;
+
 namespace {
 
-// Constant DDL, run once in Open. Every statement that carries a value is prepared and bound.
-constexpr char kCreateSchema[] = R"sql(
-CREATE TABLE IF NOT EXISTS jobs(
-  job TEXT NOT NULL PRIMARY KEY,
-  world_size INTEGER NOT NULL,
-  sketch_dim INTEGER NOT NULL,
-  sketch_seed INTEGER NOT NULL,  -- uint64 bit pattern
-  first_seen REAL NOT NULL,
-  last_seen REAL NOT NULL,
-  last_step INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS rank_steps(
-  job TEXT NOT NULL,
-  step INTEGER NOT NULL,
-  rank INTEGER NOT NULL,
-  attempt INTEGER NOT NULL,
-  join_size INTEGER NOT NULL,
-  loss REAL,
-  grad_norm REAL,
-  grad_cosine REAL,
-  loss_z REAL,
-  grad_norm_z REAL,
-  nonfinite INTEGER NOT NULL DEFAULT 0,
-  reduced_grad_fingerprint INTEGER,  -- uint64 bit pattern
-  param_fingerprint INTEGER,         -- uint64 bit pattern
-  step_time_seconds REAL,
-  received_at REAL NOT NULL,
-  replica_ok INTEGER,                -- 1, 0, or NULL when no fingerprint was checked
-  outlier_score REAL,
-  step_time_z REAL,
-  PRIMARY KEY(job, step, rank)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS step_stats(
-  job TEXT NOT NULL,
-  step INTEGER NOT NULL,
-  attempt INTEGER NOT NULL,
-  ranks INTEGER NOT NULL,
-  world_size INTEGER NOT NULL,
-  loss_mean REAL,
-  loss_std REAL,
-  loss_range REAL,
-  grad_norm_mean REAL,
-  grad_norm_std REAL,
-  grad_norm_cv REAL,
-  grad_cosine_mean REAL,
-  missing_ranks TEXT NOT NULL DEFAULT '',
-  timed_out INTEGER NOT NULL DEFAULT 0,
-  completed_at REAL NOT NULL,
-  grad_noise_scale REAL,
-  replica_checked INTEGER NOT NULL DEFAULT 0,
-  replica_divergent_ranks TEXT NOT NULL DEFAULT '',
-  outlier_ranks TEXT NOT NULL DEFAULT '',
-  PRIMARY KEY(job, step)) WITHOUT ROWID;
-)sql";
-
+// Every statement that carries a value is prepared and bound.
 constexpr char kUpsertJob[] = R"sql(
 INSERT INTO jobs(job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step)
 VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)
@@ -176,155 +142,6 @@ constexpr char kRankRowsInRange[] =
 
 constexpr int64_t kMaxStep = std::numeric_limits<int64_t>::max();
 
-struct StmtDeleter {
-  void operator()(sqlite3_stmt* stmt) const { sqlite3_finalize(stmt); }
-};
-using Stmt = std::unique_ptr<sqlite3_stmt, StmtDeleter>;
-
-// Resets a statement and clears its bindings when a use of it ends, however it ends, so the
-// next use starts clean and no read transaction is left open by an unfinished SELECT.
-class ScopedReset {
- public:
-  explicit ScopedReset(sqlite3_stmt* stmt) : stmt_(stmt) {}
-  ~ScopedReset() {
-    sqlite3_reset(stmt_);
-    sqlite3_clear_bindings(stmt_);
-  }
-  ScopedReset(const ScopedReset&) = delete;
-  ScopedReset& operator=(const ScopedReset&) = delete;
-
- private:
-  sqlite3_stmt* stmt_;
-};
-
-absl::StatusCode CodeFor(int rc) {
-  switch (rc & 0xff) {
-    case SQLITE_FULL:
-    case SQLITE_NOMEM:
-      return absl::StatusCode::kResourceExhausted;
-    case SQLITE_BUSY:
-    case SQLITE_LOCKED:
-    case SQLITE_IOERR:
-    case SQLITE_CANTOPEN:
-    case SQLITE_PROTOCOL:
-      return absl::StatusCode::kUnavailable;
-    case SQLITE_READONLY:
-    case SQLITE_PERM:
-    case SQLITE_AUTH:
-      return absl::StatusCode::kPermissionDenied;
-    case SQLITE_CORRUPT:
-    case SQLITE_NOTADB:
-      return absl::StatusCode::kDataLoss;
-    default:
-      return absl::StatusCode::kInternal;
-  }
-}
-
-// Job names come from the network: quote them escaped in messages.
-std::string Quote(absl::string_view job) { return absl::StrCat("'", absl::CHexEscape(job), "'"); }
-
-// Unix seconds with microsecond precision: at today's ~1.7e9 s a double's ulp is ~0.24 us, so
-// rounding back to whole microseconds recovers the value exactly.
-double ToUnixSecondsReal(absl::Time t) {
-  if (t == absl::InfiniteFuture()) return std::numeric_limits<double>::infinity();
-  if (t == absl::InfinitePast()) return -std::numeric_limits<double>::infinity();
-  return static_cast<double>(absl::ToUnixMicros(t)) / 1e6;
-}
-
-absl::Time FromUnixSecondsReal(double seconds) {
-  if (std::isnan(seconds)) return absl::UnixEpoch();
-  const double micros = std::round(seconds * 1e6);
-  constexpr double kTwoTo63 = 9223372036854775808.0;  // the first value an int64 cannot hold
-  if (micros >= kTwoTo63) return absl::InfiniteFuture();
-  if (micros <= -kTwoTo63) return absl::InfinitePast();
-  return absl::FromUnixMicros(static_cast<int64_t>(micros));
-}
-
-// Binds parameters ?1, ?2, ... in order and keeps the first error. Text is bound without a
-// copy (SQLITE_STATIC): it must outlive the statement's step.
-class Binder {
- public:
-  explicit Binder(sqlite3_stmt* stmt) : stmt_(stmt) {}
-
-  Binder& Text(absl::string_view text) {
-    // A null data() would bind SQL NULL; an empty string_view is the empty string.
-    return Check(sqlite3_bind_text(stmt_, index_, text.data() != nullptr ? text.data() : "",
-                                   static_cast<int>(text.size()), SQLITE_STATIC));
-  }
-  Binder& Int(int64_t value) { return Check(sqlite3_bind_int64(stmt_, index_, value)); }
-  // A uint64 is stored as the int64 with the same bits.
-  Binder& Bits(uint64_t value) { return Int(static_cast<int64_t>(value)); }
-  Binder& Bits(const std::optional<uint64_t>& value) {
-    return value.has_value() ? Bits(*value) : Null();
-  }
-  // NaN becomes NULL; +/-Inf is stored as REAL +/-Inf.
-  Binder& Double(double value) {
-    return std::isnan(value) ? Null() : Check(sqlite3_bind_double(stmt_, index_, value));
-  }
-  Binder& Double(const std::optional<double>& value) {
-    return value.has_value() ? Double(*value) : Null();
-  }
-  Binder& Time(absl::Time t) {
-    return Check(sqlite3_bind_double(stmt_, index_, ToUnixSecondsReal(t)));
-  }
-  Binder& OptionalBool(const std::optional<bool>& value) {
-    return value.has_value() ? Int(*value ? 1 : 0) : Null();
-  }
-  Binder& Null() { return Check(sqlite3_bind_null(stmt_, index_)); }
-
-  // SQLITE_OK, or the first binding's error (SQLITE_TOOBIG for a huge string).
-  int rc() const { return rc_; }
-
- private:
-  Binder& Check(int rc) {
-    if (rc_ == SQLITE_OK) rc_ = rc;
-    ++index_;
-    return *this;
-  }
-  sqlite3_stmt* stmt_;
-  int index_ = 1;
-  int rc_ = SQLITE_OK;
-};
-
-// --- Reading columns. Indexes are 0-based, as in sqlite3_column_*. ---------------------------
-
-std::string ColumnText(sqlite3_stmt* stmt, int col) {
-  const auto* text = reinterpret_cast<const char*>(sqlite3_column_text(stmt, col));
-  if (text == nullptr) return std::string();
-  return std::string(text, static_cast<size_t>(sqlite3_column_bytes(stmt, col)));
-}
-
-bool IsNull(sqlite3_stmt* stmt, int col) { return sqlite3_column_type(stmt, col) == SQLITE_NULL; }
-
-int64_t ColumnInt(sqlite3_stmt* stmt, int col) { return sqlite3_column_int64(stmt, col); }
-
-uint32_t ColumnU32(sqlite3_stmt* stmt, int col) {
-  return static_cast<uint32_t>(sqlite3_column_int64(stmt, col));
-}
-
-uint64_t ColumnBits(sqlite3_stmt* stmt, int col) {
-  return static_cast<uint64_t>(sqlite3_column_int64(stmt, col));
-}
-
-std::optional<uint64_t> ColumnOptionalBits(sqlite3_stmt* stmt, int col) {
-  if (IsNull(stmt, col)) return std::nullopt;
-  return ColumnBits(stmt, col);
-}
-
-double ColumnDouble(sqlite3_stmt* stmt, int col) {
-  if (IsNull(stmt, col)) return std::numeric_limits<double>::quiet_NaN();
-  return sqlite3_column_double(stmt, col);
-}
-
-std::optional<double> ColumnOptionalDouble(sqlite3_stmt* stmt, int col) {
-  if (IsNull(stmt, col)) return std::nullopt;
-  return sqlite3_column_double(stmt, col);
-}
-
-absl::Time ColumnTime(sqlite3_stmt* stmt, int col) {
-  return FromUnixSecondsReal(sqlite3_column_double(stmt, col));
-}
-
 std::string JoinRanks(const std::vector<uint32_t>& ranks) { return absl::StrJoin(ranks, ","); }
 
 bool ParseRanks(absl::string_view text, std::vector<uint32_t>* ranks) {
@@ -376,108 +193,6 @@ struct SqliteStore::Statements {
   Stmt rank_rows_in_range;
 };
 
-namespace {
-
-// Sets the connection's pragmas and creates (or checks) the schema. Errors name `path`; the
-// caller closes `db` on failure.
-absl::Status Configure(const std::string& path, const StoreOptions& options, sqlite3* db) {
-  const auto fail = [&](int rc, absl::string_view what) {
-    return absl::Status(CodeFor(rc), absl::StrFormat("sqlite_store %s: %s: %s [sqlite code %d]",
-                                                     path, what, sqlite3_errmsg(db), rc));
-  };
-  const auto exec = [&](const std::string& sql, absl::string_view what = {}) -> absl::Status {
-    int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr);
-    if (rc != SQLITE_OK) return fail(rc, what.empty() ? absl::string_view(sql) : what);
-    return absl::OkStatus();
-  };
-  // Runs a statement that returns one row and returns its first column as text.
-  const auto query = [&](const char* sql, std::string* result) -> absl::Status {
-    sqlite3_stmt* raw = nullptr;
-    int rc = sqlite3_prepare_v2(db, sql, -1, &raw, nullptr);
-    Stmt stmt(raw);
-    if (rc != SQLITE_OK) return fail(rc, sql);
-    rc = sqlite3_step(stmt.get());
-    if (rc != SQLITE_ROW) return fail(rc, sql);
-    *result = ColumnText(stmt.get(), 0);
-    return absl::OkStatus();
-  };
-
-  sqlite3_extended_result_codes(db, 1);
-  const int64_t busy_ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(options.busy_timeout), 0,
-                                              std::numeric_limits<int>::max());
-  sqlite3_busy_timeout(db, static_cast<int>(busy_ms));  // 0: fail at once with SQLITE_BUSY
-
-  if (options.read_only) {
-    std::string version;
-    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
-    if (version == "0") {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "sqlite_store %s: no rankscope schema (open it read-write once first)", path));
-    }
-    int v = 0;
-    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
-                          version, SqliteStore::kSchemaVersion));
-    }
-    return absl::OkStatus();
-  }
-
-  // journal_mode=WAL is persistent in the file; readers do not block the writer.
-  std::string mode;
-  if (absl::Status s = query("PRAGMA journal_mode=WAL", &mode); !s.ok()) return s;
-  if (mode != "wal" && mode != "memory") {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "sqlite_store %s: could not enable WAL (journal_mode is '%s')", path, mode));
-  }
-  // NORMAL in WAL mode: a commit survives a process crash; only power loss or an OS crash can
-  // lose the newest commits (never corrupting the file). FULL fsyncs every commit.
-  if (absl::Status s =
-          exec(options.synchronous_full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
-      !s.ok()) {
-    return s;
-  }
-  if (options.max_size_bytes > 0) {
-    std::string page_size;
-    if (absl::Status s = query("PRAGMA page_size", &page_size); !s.ok()) return s;
-    int64_t bytes_per_page = 4096;
-    if (!absl::SimpleAtoi(page_size, &bytes_per_page) || bytes_per_page <= 0) {
-      bytes_per_page = 4096;
-    }
-    const int64_t pages = std::max<int64_t>(1, options.max_size_bytes / bytes_per_page);
-    if (absl::Status s = exec(absl::StrCat("PRAGMA max_page_count=", pages)); !s.ok()) return s;
-  }
-
-  // Schema creation and the version check in one write transaction, so two processes opening a
-  // new file at once do not race.
-  if (absl::Status s = exec("BEGIN IMMEDIATE"); !s.ok()) return s;
-  absl::Status status = [&]() -> absl::Status {
-    std::string version;
-    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
-    int v = 0;
-    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
-                          version, SqliteStore::kSchemaVersion));
-    }
-    if (absl::Status s = exec(kCreateSchema, "create schema"); !s.ok()) return s;
-    // Migrations from older versions go here, one step at a time.
-    if (v < SqliteStore::kSchemaVersion) {
-      if (absl::Status s = exec(absl::StrCat("PRAGMA user_version=", SqliteStore::kSchemaVersion));
-          !s.ok()) {
-        return s;
-      }
-    }
-    return exec("COMMIT");
-  }();
-  if (!status.ok() && sqlite3_get_autocommit(db) == 0) {
-    sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
-  }
-  return status;
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string& path) {
   return Open(path, StoreOptions());
 }
@@ -497,7 +212,7 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string
     sqlite3_close(db);
     return status;
   }
-  if (absl::Status s = Configure(path, options, db); !s.ok()) {
+  if (absl::Status s = sqlite::ConfigureConnection(path, options, db); !s.ok()) {
     sqlite3_close(db);
     return s;
   }
@@ -539,19 +254,10 @@ SqliteStore::~SqliteStore() {
 }
 
 absl::Status SqliteStore::SqlError(int rc, absl::string_view what) const {
-  return absl::Status(CodeFor(rc), absl::StrFormat("sqlite_store %s: %s: %s [sqlite code %d]",
-                                                   path_, what, sqlite3_errmsg(db_), rc));
+  return sqlite::SqlStatus(rc, path_, what, db_);
 }
 
 namespace {
-
-// Steps `stmt` (bound, no result rows) to completion. Returns SQLITE_DONE or the error code;
-// the caller builds the Status before anything else touches the connection's error message.
-int StepToDone(sqlite3_stmt* stmt) {
-  int rc = sqlite3_step(stmt);
-  while (rc == SQLITE_ROW) rc = sqlite3_step(stmt);
-  return rc;
-}
 
 absl::Status ValidateBatch(const StoreBatch& batch) {
   for (const JobRow& job : batch.jobs) {

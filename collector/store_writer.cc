@@ -61,11 +61,18 @@ bool IsRetryable(const absl::Status& s) {
 // one interval more, and Flush() may take up to one interval longer.
 constexpr absl::Duration kCommitInterval = absl::Milliseconds(50);
 
+StoreWriterOptions WithDefaultClock(StoreWriterOptions options) {
+  if (!options.clock) options.clock = [] { return absl::Now(); };
+  return options;
+}
+
 }  // namespace
 
 StoreWriter::StoreWriter(std::unique_ptr<SqliteStore> store, StoreWriterOptions options,
                          StoreWriterHooks hooks)
-    : options_(options), hooks_(std::move(hooks)), store_(std::move(store)) {
+    : options_(WithDefaultClock(std::move(options))),
+      hooks_(std::move(hooks)),
+      store_(std::move(store)) {
   thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "rs-store-writer");  // for top -H, perf and the bench
     Run();
@@ -113,7 +120,7 @@ absl::Status StoreWriter::Stop(absl::Duration timeout) {
     MutexLock lock(&mu_);
     if (!stopping_) {
       stopping_ = true;
-      stop_deadline_ = absl::Now() + timeout;
+      stop_deadline_ = options_.clock() + timeout;
     }
   }
   if (thread_.joinable()) thread_.join();
@@ -144,11 +151,11 @@ void StoreWriter::Run() {
         return pending_.size() >= std::max<size_t>(options_.max_batch_items, 1) || stopping_;
       };
       const absl::Time next_commit = last_commit + kCommitInterval;
-      if (!full() && absl::Now() < next_commit) {
-        mu_.AwaitWithDeadline(absl::Condition(&full), next_commit);
+      if (const absl::Time now = options_.clock(); !full() && now < next_commit) {
+        mu_.AwaitWithTimeout(absl::Condition(&full), next_commit - now);
       }
-      last_commit = absl::Now();
-      if (pending_.empty() || (stopping_ && absl::Now() >= stop_deadline_)) {
+      last_commit = options_.clock();
+      if (pending_.empty() || (stopping_ && options_.clock() >= stop_deadline_)) {
         stopped_ = true;
         return;
       }
@@ -161,10 +168,10 @@ void StoreWriter::Run() {
     }
     StoreBatch batch;
     for (WriteItem& item : items) Append(batch, std::move(item.batch));
-    const absl::Time start = absl::Now();
+    const absl::Time start = options_.clock();
     absl::Status status = batch.empty() ? absl::OkStatus() : store_->Write(batch);
     if (status.ok()) {
-      const absl::Duration commit_time = absl::Now() - start;  // the commit, not the acks
+      const absl::Duration commit_time = options_.clock() - start;  // the commit, not the acks
       SendAcks(items);
       if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
       MutexLock lock(&mu_);
@@ -199,7 +206,7 @@ void StoreWriter::Run() {
     pending_.push_front(std::move(retry));
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
     mu_.AwaitWithTimeout(absl::Condition(&stop), options_.retry_backoff);
-    if (stopping_ && absl::Now() >= stop_deadline_) {
+    if (stopping_ && options_.clock() >= stop_deadline_) {
       stopped_ = true;
       return;
     }

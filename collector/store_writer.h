@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/ack.h"
 #include "collector/sqlite_store.h"
@@ -58,6 +59,11 @@ struct StoreWriterOptions {
   size_t max_batch_items = 1024;
   size_t max_pending_items = 200'000;
   absl::Duration retry_backoff = absl::Seconds(1);
+  // The writer's only source of time: the group-commit interval, the commit time reported to
+  // on_commit, and Stop's deadline. Waits between those instants are real (absl::Mutex waits), so
+  // a test clock decides when the writer thinks an instant has come, not how long it sleeps.
+  // Called on the writer thread and the thread calling Stop; must be thread-safe.
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
 };
 
 class StoreWriter {

@@ -220,5 +220,65 @@ TEST_F(StoreWriterTest, PermanentFailureDropsTheBatchAbandonsItsSinksAndTheQueue
   EXPECT_EQ(dropped_[0].why.code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A test clock that moves `tick` forward on every reading (thread-safe).
+class TickingClock {
+ public:
+  explicit TickingClock(absl::Duration tick) : tick_(tick) {}
+  absl::Time Now() {
+    absl::MutexLock lock(&mu_);
+    now_ += tick_;
+    return now_;
+  }
+
+ private:
+  const absl::Duration tick_;
+  absl::Mutex mu_;
+  absl::Time now_ ABSL_GUARDED_BY(mu_) = absl::FromUnixSeconds(1'700'000'000);
+};
+
+TEST_F(StoreWriterTest, CommitTimeIsMeasuredWithTheInjectedClock) {
+  auto clock = std::make_shared<TickingClock>(absl::Seconds(1));
+  StoreWriterOptions options;
+  options.clock = [clock] { return clock->Now(); };
+  auto store = SqliteStore::Open(path_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  absl::Mutex mu;
+  std::vector<absl::Duration> commit_times;
+  StoreWriterHooks hooks;
+  hooks.on_commit = [&](absl::Duration commit_time, size_t) {
+    absl::MutexLock lock(&mu);
+    commit_times.push_back(commit_time);
+  };
+  StoreWriter writer(std::move(*store), options, std::move(hooks));
+  auto sink = std::make_shared<RecordingSink>();
+  writer.Enqueue(RankItem("clock", 1, 0, sink, 1));
+  ASSERT_TRUE(writer.Flush(absl::Seconds(30)));
+  ASSERT_TRUE(writer.Stop(absl::Seconds(30)).ok());
+  EXPECT_THAT(sink->acked(), ElementsAre(1));
+  // Only the writer thread reads the clock around a commit: one reading before, one after.
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(commit_times, ElementsAre(absl::Seconds(1)));
+}
+
+TEST_F(StoreWriterTest, StopDeadlineIsReadFromTheInjectedClock) {
+  // Every reading is two hours after the previous one: a Stop(1 h) deadline has passed by the
+  // writer's next reading, so a writer held by a locked file gives up at once instead of
+  // retrying for an hour of real time.
+  auto clock = std::make_shared<TickingClock>(absl::Hours(2));
+  StoreWriterOptions options;
+  options.retry_backoff = absl::Milliseconds(10);
+  options.clock = [clock] { return clock->Now(); };
+  auto writer = MakeWriter(options);
+  Lock();
+  auto sink = std::make_shared<RecordingSink>();
+  writer->Enqueue(RankItem("deadline", 1, 0, sink, 1));
+  ASSERT_TRUE(testing::WaitFor([&] { return ErrorCount() >= 1; }));
+  const absl::Status stopped = writer->Stop(absl::Hours(1));
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kDataLoss) << stopped;
+  EXPECT_THAT(stopped.message(), HasSubstr("1 store items were not committed at shutdown"));
+  EXPECT_THAT(sink->acked(), IsEmpty());
+  Unlock();
+}
+
 }  // namespace
 }  // namespace rankscope::collector
