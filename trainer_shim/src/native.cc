@@ -146,9 +146,9 @@ class PySketch {
 // (fingerprint, sum of squares) of segments of the buffer at `base`: segment k is counts[k]
 // elements from element starts[k], at global indices from global_offsets[k]. The kernel is
 // rankscope/fingerprint.h; `dtype` is a ScalarType code or kFingerprintFloat64.
-py::tuple FingerprintSegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
-                              const std::vector<size_t>& counts,
-                              const std::vector<uint64_t>& global_offsets) {
+py::tuple PyFingerprintSegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
+                                const std::vector<size_t>& counts,
+                                const std::vector<uint64_t>& global_offsets) {
   absl::StatusOr<ReplicaFingerprint> result;
   {
     py::gil_scoped_release release;  // the checks read only these vectors
@@ -343,7 +343,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DTYPE_FLOAT16") = static_cast<int>(ScalarType::kFloat16);
   m.attr("AGENT_VERSION") = kAgentVersion;
   m.attr("DTYPE_FLOAT64") = kFingerprintFloat64;
-  m.def("fingerprint_segments", &FingerprintSegments, py::arg("base_address"), py::arg("dtype"),
+  m.def("fingerprint_segments", &PyFingerprintSegments, py::arg("base_address"), py::arg("dtype"),
         py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
         "Replica fingerprint (uint64) and exact sum of squares (float) of segments of CPU "
         "memory; see rankscope/fingerprint.py. dtype 0 float32, 1 bfloat16, 2 float16, 3 "
