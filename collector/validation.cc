@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
 
 namespace rankscope::collector {
 namespace {
@@ -15,21 +16,15 @@ Rejection Reject(absl::Status status, RejectReason reason) {
 }  // namespace
 
 bool IsValidJobName(absl::string_view job, size_t max_length) {
-  if (job.empty() || job.size() > max_length) return false;
-  for (char c : job) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == ':' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
+  return rankscope::IsValidJobName(job, max_length);
 }
 
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
-  if (!IsValidJobName(hello.job(), limits.max_job_name_length)) {
-    return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "job name must be 1-", limits.max_job_name_length,
-                      " characters of [A-Za-z0-9_.:-], got ", hello.job().size(), " characters")),
-                  RejectReason::kBadHello);
+  // The name's bytes came over the wire: the message gives its length, never the bytes.
+  if (absl::Status name =
+          ValidateJobName(hello.job(), JobNameEcho::kLengthOnly, limits.max_job_name_length);
+      !name.ok()) {
+    return Reject(std::move(name), RejectReason::kBadHello);
   }
   if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("world_size ", hello.world_size(),

@@ -1,5 +1,6 @@
 // gRPC channel credentials of a collector client (agent, CLI, Python control calls): plaintext,
-// TLS verifying the collector, or mutual TLS with a client certificate.
+// TLS verifying the collector, or mutual TLS with a client certificate, from the options in
+// common/client_tls_files.h.
 //
 // Thread-safe (pure functions).
 #ifndef RANKSCOPE_COMMON_CLIENT_TLS_H_
@@ -9,25 +10,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/client_tls_files.h"
 #include "grpcpp/grpcpp.h"
 
 namespace rankscope::tls {
-
-struct ClientTlsFiles {
-  std::string ca_file;      // PEM CA bundle that signs the collector's certificate; empty: the
-                            // system's roots (when TLS is on)
-  std::string cert_file;    // PEM client certificate (mutual TLS); requires key_file
-  std::string key_file;     // its PEM private key
-  std::string target_name;  // checked against the collector's certificate instead of the host
-                            // of the address (e.g. "collector.internal" when dialing an IP)
-  // Names for messages (the flags, options or environment variables the person set).
-  std::string ca_name = "tls_ca_file";
-  std::string cert_name = "tls_cert_file";
-  std::string key_name = "tls_key_file";
-
-  // TLS is on when a CA, a certificate or a key is given; target_name alone changes nothing.
-  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
-};
 
 // Reads and checks the files (common/tls_files.h) and returns the credentials: insecure when
 // !files.enabled(). Errors: NotFound / InvalidArgument naming the file (not retryable).

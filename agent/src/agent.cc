@@ -1,15 +1,17 @@
-// The agent's implementation: a ReportRing fed by Record(); per agent, one gRPC stream on the
+// The agent's orchestration: a ReportRing fed by Record(); per agent, one gRPC stream on the
 // callback API (StreamCall) whose reactions, on gRPC's threads, chain writes while reports wait
 // and apply acks and controls, and one sender thread that opens the stream, waits for its end
-// and reconnects with backoff; per process, one SendPoller thread that starts writing on idle
-// streams whose ring holds reports.
+// and reconnects with backoff; per process, one SendPoller thread (send_poller.h) that starts
+// writing on idle streams whose ring holds reports. Sent reports wait for their ack in an
+// UnackedBuffer (unacked_buffer.h); messages are built by wire.h.
 //
 // Thread safety: every field shared between the training thread, the sender thread, the poller
 // and the reactions is guarded by mu_; the sender's sleep has its own wake_mu_ (never held with
 // mu_). A StreamCall is created, cancelled and destroyed by the sender thread; the poller starts
 // writes on it only while it is live_call_ (the sender waits for poller_starting_ == 0 before it
 // lets the call end). No gRPC call (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may
-// run reactions inline in them, and reactions take mu_.
+// run reactions inline in them, and reactions take mu_. Lock order: the SendPoller's mu_ (held
+// across PollSend) before mu_; wake_mu_ and the poller's wake_mu_ are leaves.
 //
 // Cost (docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
 // preallocated ring slot and returns. It makes no syscall and wakes no thread (except the poller
@@ -28,7 +30,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,31 +43,23 @@
 #include "absl/time/clock.h"
 #include "backoff.h"
 #include "common/client_tls.h"
+#include "common/job_name.h"
 #include "common/mutex.h"
 #include "common/tsan.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 #include "report_queue.h"
+#include "send_poller.h"
+#include "unacked_buffer.h"
+#include "wire.h"
 
 namespace rankscope {
 namespace {
 
 namespace v1 = ::rankscope::v1;
 
-// How often the SendPoller looks at the rings: a report recorded while its stream is idle is sent
-// within kMinSendPoll while reports flow and within kMaxSendPoll after a pause.
-constexpr absl::Duration kMinSendPoll = absl::Milliseconds(5);
-constexpr absl::Duration kMaxSendPoll = absl::Milliseconds(50);
-
-bool ValidJobName(const std::string& job) {
-  if (job.empty() || job.size() > 128) return false;
-  for (char c : job) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '_' || c == '.' || c == ':' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
+using internal::MessagePtr;
+using internal::SendPoller;
 
 std::string Hostname() {
   char buf[256] = {0};
@@ -74,61 +67,12 @@ std::string Hostname() {
   return buf;
 }
 
-class AgentImpl;
-
-// The process's one poller thread: it looks at every agent's ring and starts a write on each
-// stream that is idle while a report waits (AgentImpl::PollSend). Record() therefore wakes no
-// thread, and a process with many agents (loadgen, tests) pays one wake-up per poll, not one per
-// agent or per report. It polls every kMinSendPoll while writes are being started and backs off
-// to kMaxSendPoll when none is; Wake() polls at once (a ring got half full).
-//
-// Thread safety: thread-safe. Unregister() returns once the poller no longer touches the agent.
-// Lock order: mu_ (held through a sweep) before any agent's mutex; wake_mu_ is a leaf.
-class SendPoller {
+class AgentImpl final : public Agent, private SendPoller::Client {
  public:
-  static SendPoller& Get() {
-    static SendPoller* const poller = new SendPoller();  // and its thread: never destroyed
-    return *poller;
-  }
-
-  void Register(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
-    MutexLock lock(&mu_);
-    agents_.push_back(agent);
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] {
-        pthread_setname_np(pthread_self(), "rs-agent-poll");
-        Run();
-      });
-    }
-  }
-
-  void Unregister(AgentImpl* agent) ABSL_LOCKS_EXCLUDED(mu_) {
-    MutexLock lock(&mu_);
-    agents_.erase(std::remove(agents_.begin(), agents_.end(), agent), agents_.end());
-  }
-
-  void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    MutexLock lock(&wake_mu_);
-    wake_ = true;
-  }
-
- private:
-  SendPoller() = default;
-  void Run();
-
-  Mutex mu_;
-  std::vector<AgentImpl*> agents_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_ ABSL_GUARDED_BY(mu_);
-  Mutex wake_mu_;
-  bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
-};
-
-class AgentImpl final : public Agent {
- public:
-  friend class SendPoller;  // PollSend
   AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
       : options_(std::move(options)),
         ring_(options_.queue_capacity, options_.sketch_dim),
+        unacked_(options_.max_unacked),
         backoff_(options_.initial_backoff, options_.max_backoff,
                  static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
                      (static_cast<uint64_t>(options_.rank) << 32)) {
@@ -144,9 +88,7 @@ class AgentImpl final : public Agent {
     // Each agent owns its connection, as a rank in its own process does; agents created in one
     // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    if (options_.tls.enabled() && !options_.tls.target_name.empty()) {
-      args.SetSslTargetNameOverride(options_.tls.target_name);
-    }
+    tls::ApplyTargetName(options_.tls, &args);
     channel_ = grpc::CreateCustomChannel(options_.collector_address, credentials, args);
     stub_ = v1::Ingest::NewStub(channel_);
     sender_ = std::thread([this] {
@@ -180,8 +122,8 @@ class AgentImpl final : public Agent {
       ++stats_.recorded;
       ++outstanding_;
       // No thread is woken for a report (a wake-up is a syscall, and an IPI, on the training
-      // thread): the SendPoller finds it within kMinSendPoll..kMaxSendPoll, or at once when the
-      // ring gets half full.
+      // thread): the SendPoller finds it within kMinSendPoll..kMaxSendPoll (send_poller.h), or
+      // at once when the ring gets half full.
       wake = ring_.size() == wake_threshold_;
     }
     if (wake) SendPoller::Get().Wake();
@@ -242,43 +184,6 @@ class AgentImpl final : public Agent {
   const AgentOptions& options() const override { return options_; }
 
  private:
-  using MessagePtr = std::shared_ptr<const v1::AgentMessage>;
-
-  // Builds the wire message for one report (on the sender thread: it allocates).
-  MessagePtr BuildMessage(const internal::QueuedReport& q, uint64_t seq, uint64_t dropped) {
-    auto msg = std::make_shared<v1::AgentMessage>();
-    v1::StepReport* r = msg->mutable_report();
-    r->set_seq(seq);
-    r->set_step(q.step);
-    r->set_loss(q.loss);
-    r->set_grad_norm(q.grad_norm);
-    r->mutable_sketch()->Add(q.sketch.begin(), q.sketch.end());
-    r->set_recorded_unix_nanos(q.recorded_unix_nanos);
-    r->set_dropped_total(dropped);
-    if (q.reduced_grad_fingerprint) r->set_reduced_grad_fingerprint(*q.reduced_grad_fingerprint);
-    if (q.param_fingerprint) r->set_param_fingerprint(*q.param_fingerprint);
-    if (q.reduced_grad_norm) r->set_reduced_grad_norm(*q.reduced_grad_norm);
-    if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
-    r->set_local_batch_size(q.local_batch_size);
-    return msg;
-  }
-
-  v1::AgentMessage HelloMessage() const {
-    v1::AgentMessage msg;
-    v1::Hello* h = msg.mutable_hello();
-    h->set_job(options_.job);
-    h->set_rank(options_.rank);
-    h->set_world_size(options_.world_size);
-    h->set_sketch_dim(options_.sketch_dim);
-    h->set_sketch_seed(options_.sketch_seed);
-    h->set_attempt(options_.attempt);
-    h->set_host(options_.host);
-    h->set_agent_version(kAgentVersion);
-    h->set_framework_version(options_.framework_version);
-    h->set_auth_token(options_.auth_token);
-    return msg;
-  }
-
   // One stream (one Ingest.Stream call) on gRPC's callback API. Created, cancelled and destroyed
   // by the sender thread; its reactions run on gRPC's threads (or inline in a Start* call made
   // by the sender thread, so no Start* or TryCancel is ever called with mu_ held).
@@ -359,12 +264,12 @@ class AgentImpl final : public Agent {
 
   // True when a write could be started: an unacked report to resend or a report in the ring.
   bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return (resend_next_ < resend_end_ && !unacked_.empty()) || !ring_.empty();
+    return unacked_.HasResend() || !ring_.empty();
   }
 
   // Poller thread: starts a write if the stream is live and idle and a report waits. Returns
   // whether it did.
-  bool PollSend() {
+  bool PollSend() override {
     StreamCall* call;
     {
       MutexLock lock(&mu_);
@@ -400,10 +305,9 @@ class AgentImpl final : public Agent {
       stream_done_ = false;
       writing_ = true;  // the hello
       // Every report sent before this stream and not acked is resent first, in seq order.
-      resend_next_ = 0;
-      resend_end_ = next_seq_;
+      unacked_.StartResend(next_seq_);
     }
-    call->hello = HelloMessage();
+    call->hello = internal::HelloMessage(options_);
     stub_->async()->Stream(&call->context, call.get());
     RANKSCOPE_TSAN_RELEASE(call.get());
     call->StartWrite(&call->hello);
@@ -523,26 +427,17 @@ class AgentImpl final : public Agent {
     {
       MutexLock lock(&mu_);
       if (stopping_ || stream_broken_) return nullptr;
-      if (resend_next_ < resend_end_) {
-        auto it = unacked_.lower_bound(resend_next_);
-        if (it != unacked_.end() && it->first < resend_end_) {
-          resend_next_ = it->first + 1;
-          return it->second;
-        }
-        resend_next_ = resend_end_;
-      }
+      if (MessagePtr resend = unacked_.NextResend()) return resend;
       if (!ring_.Pop(&scratch_)) return nullptr;
       seq = next_seq_++;
       dropped = stats_.dropped;
     }
-    MessagePtr msg = BuildMessage(scratch_, seq, dropped);  // allocates: outside the lock
+    MessagePtr msg = internal::ReportMessage(scratch_, seq, dropped);  // allocates: outside mu_
     MutexLock lock(&mu_);
-    if (unacked_.size() >= std::max<size_t>(options_.max_unacked, 1)) {
-      unacked_.erase(unacked_.begin());  // oldest
+    if (unacked_.Add(seq, msg)) {  // the oldest unacked report was forgotten
       ++stats_.dropped;
       --outstanding_;
     }
-    unacked_.emplace(seq, msg);
     return msg;
   }
 
@@ -605,22 +500,15 @@ class AgentImpl final : public Agent {
         case v1::CollectorMessage::kAck:
           break;  // below, without holding mu_ throughout
         case v1::CollectorMessage::kRejection:
-          if (unacked_.erase(msg.rejection().seq()) > 0) {
+          if (unacked_.Reject(msg.rejection().seq())) {
             ++stats_.rejected;
             --outstanding_;
           }
           break;
         case v1::CollectorMessage::kControl: {
-          const v1::Control& c = msg.control();
-          if (!control_ || c.generation() > control_->generation) {
-            AgentControl ctl;
-            ctl.generation = c.generation();
-            ctl.apply_at_step = c.apply_at_step();
-            ctl.enabled = c.enabled();
-            ctl.every = std::max<uint32_t>(c.every(), 1);
-            ctl.sketch_dim = c.sketch_dim();
+          if (std::optional<AgentControl> ctl = internal::NewerControl(msg.control(), control_)) {
             control_ = ctl;
-            if (ctl.sketch_dim != 0) current_sketch_dim_ = ctl.sketch_dim;
+            if (ctl->sketch_dim != 0) current_sketch_dim_ = ctl->sketch_dim;
           }
           break;
         }
@@ -645,10 +533,9 @@ class AgentImpl final : public Agent {
       {
         MutexLock lock(&mu_);
         for (int i = begin; i < end; ++i) {
-          auto it = unacked_.find(seqs.Get(i));
-          if (it == unacked_.end()) continue;
-          acked.push_back(std::move(it->second));
-          unacked_.erase(it);
+          MessagePtr message = unacked_.Ack(seqs.Get(i));
+          if (message == nullptr) continue;
+          acked.push_back(std::move(message));
           ++stats_.acked;
           --outstanding_;
         }
@@ -673,7 +560,7 @@ class AgentImpl final : public Agent {
 
   mutable Mutex mu_;
   internal::ReportRing ring_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, MessagePtr> unacked_ ABSL_GUARDED_BY(mu_);
+  internal::UnackedBuffer unacked_ ABSL_GUARDED_BY(mu_);
   internal::Backoff backoff_ ABSL_GUARDED_BY(mu_);
   AgentStats stats_ ABSL_GUARDED_BY(mu_);
   std::optional<AgentControl> control_ ABSL_GUARDED_BY(mu_);
@@ -681,9 +568,6 @@ class AgentImpl final : public Agent {
   // Reports recorded and neither acked, rejected nor dropped yet.
   uint64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  // Unacked seqs in [resend_next_, resend_end_) are still to be resent on the current stream.
-  uint64_t resend_next_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t resend_end_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;             // the write token: a write is in flight
   StreamCall* live_call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the poller may start writes on it
   int poller_starting_ ABSL_GUARDED_BY(mu_) = 0;          // PollSend calls past live_call_
@@ -707,29 +591,11 @@ class AgentImpl final : public Agent {
   std::thread sender_;
 };
 
-void SendPoller::Run() {
-  absl::Duration poll = kMinSendPoll;
-  while (true) {
-    {
-      MutexLock lock(&wake_mu_);
-      wake_mu_.AwaitWithTimeout(absl::Condition(&wake_), poll);
-      wake_ = false;
-    }
-    bool started = false;
-    {
-      MutexLock lock(&mu_);
-      for (AgentImpl* agent : agents_) started |= agent->PollSend();
-    }
-    poll = started ? kMinSendPoll : std::min(2 * poll, kMaxSendPoll);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
-  if (!ValidJobName(options.job)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job name '", options.job, "' must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  if (absl::Status name = ValidateJobName(options.job, JobNameEcho::kQuote); !name.ok()) {
+    return name;
   }
   if (options.world_size == 0) {
     return absl::InvalidArgumentError("world_size must be >= 1");
@@ -750,11 +616,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
     return absl::InvalidArgumentError(
         "tls_target_name is set but TLS is off: give tls_ca_file (or a client certificate)");
   }
-  tls::ClientTlsFiles files;
-  files.ca_file = options.tls.ca_file;
-  files.cert_file = options.tls.cert_file;
-  files.key_file = options.tls.key_file;
-  auto credentials = tls::ChannelCredentials(files);
+  auto credentials = tls::ChannelCredentials(options.tls);
   if (!credentials.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("agent TLS options: ", credentials.status().message()));

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -34,6 +33,7 @@
 #include "common/query_client.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/agent.h"
+#include "rankscope/fingerprint.h"
 #include "rankscope/sketch.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
@@ -144,92 +144,19 @@ class PySketch {
   std::vector<float> floats_;
 };
 
-// Replica fingerprint of CPU memory (rankscope/fingerprint.py defines it; the torch-op version
-// there runs on devices): F = sum (bits_i + 1) * (2 g_i + 1) mod 2^64, bits_i the element's bit
-// pattern sign-extended from its width, g_i its global flat index; plus the exact sum of squares
-// of the values in double. One pass, no temporaries. `dtype` is a ScalarType code, or
-// kFingerprintFloat64 (64-bit patterns).
-constexpr int kFingerprintFloat64 = 3;
-
-template <typename Bits, typename Decode>
-void FoldRange(const Bits* p, size_t n, uint64_t offset, Decode decode, uint64_t* fp, double* ss) {
-  uint64_t acc = 0;
-  uint64_t w = 2 * offset + 1;
-  double sum = 0.0;
-  for (size_t i = 0; i < n; ++i, w += 2) {
-    const uint64_t term = static_cast<uint64_t>(static_cast<int64_t>(p[i])) + 1;
-    acc += term * w;
-    const double v = decode(p[i]);
-    sum += v * v;
-  }
-  *fp += acc;
-  *ss += sum;
-}
-
-void FoldSegment(uintptr_t address, int dtype, size_t n, uint64_t offset, uint64_t* fp,
-                 double* ss) {
-  switch (dtype) {
-    case static_cast<int>(ScalarType::kFloat32):
-      FoldRange(
-          reinterpret_cast<const int32_t*>(address), n, offset,
-          [](int32_t b) {
-            float f;
-            std::memcpy(&f, &b, sizeof(f));
-            return static_cast<double>(f);
-          },
-          fp, ss);
-      return;
-    case static_cast<int>(ScalarType::kBFloat16):
-      FoldRange(
-          reinterpret_cast<const int16_t*>(address), n, offset,
-          [](int16_t b) { return static_cast<double>(BFloat16ToFloat(static_cast<uint16_t>(b))); },
-          fp, ss);
-      return;
-    case static_cast<int>(ScalarType::kFloat16):
-      FoldRange(
-          reinterpret_cast<const int16_t*>(address), n, offset,
-          [](int16_t b) { return static_cast<double>(Float16ToFloat(static_cast<uint16_t>(b))); },
-          fp, ss);
-      return;
-    default:  // kFingerprintFloat64
-      FoldRange(
-          reinterpret_cast<const int64_t*>(address), n, offset,
-          [](int64_t b) {
-            double d;
-            std::memcpy(&d, &b, sizeof(d));
-            return d;
-          },
-          fp, ss);
-  }
-}
-
-size_t ElementSize(int dtype) {
-  if (dtype == kFingerprintFloat64) return 8;
-  return dtype == static_cast<int>(ScalarType::kFloat32) ? 4 : 2;
-}
-
 // (fingerprint, sum of squares) of segments of the buffer at `base`: segment k is counts[k]
-// elements from element starts[k], at global indices from global_offsets[k].
-py::tuple FingerprintSegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
-                              const std::vector<size_t>& counts,
-                              const std::vector<uint64_t>& global_offsets) {
-  if (dtype < 0 || dtype > kFingerprintFloat64) {
-    throw py::value_error("dtype must be 0 (float32), 1 (bfloat16), 2 (float16) or 3 (float64)");
-  }
-  if (starts.size() != counts.size() || counts.size() != global_offsets.size()) {
-    throw py::value_error("starts, counts and global_offsets differ in length");
-  }
-  if (base == 0 && !counts.empty()) throw py::value_error("null address");
-  uint64_t fp = 0;
-  double ss = 0.0;
+// elements from element starts[k], at global indices from global_offsets[k]. The kernel is
+// rankscope/fingerprint.h; `dtype` is a ScalarType code or kFingerprintFloat64.
+py::tuple PyFingerprintSegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
+                                const std::vector<size_t>& counts,
+                                const std::vector<uint64_t>& global_offsets) {
+  absl::StatusOr<ReplicaFingerprint> result;
   {
-    py::gil_scoped_release release;
-    const size_t size = ElementSize(dtype);
-    for (size_t k = 0; k < counts.size(); ++k) {
-      FoldSegment(base + starts[k] * size, dtype, counts[k], global_offsets[k], &fp, &ss);
-    }
+    py::gil_scoped_release release;  // the checks read only these vectors
+    result = rankscope::FingerprintSegments(AsPointer(base), dtype, starts, counts, global_offsets);
   }
-  return py::make_tuple(fp, ss);
+  if (!result.ok()) throw py::value_error(std::string(result.status().message()));
+  return py::make_tuple(result->fingerprint, result->sum_squares);
 }
 
 class PyAgent {
@@ -414,7 +341,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DTYPE_FLOAT16") = static_cast<int>(ScalarType::kFloat16);
   m.attr("AGENT_VERSION") = kAgentVersion;
   m.attr("DTYPE_FLOAT64") = kFingerprintFloat64;
-  m.def("fingerprint_segments", &FingerprintSegments, py::arg("base_address"), py::arg("dtype"),
+  m.def("fingerprint_segments", &PyFingerprintSegments, py::arg("base_address"), py::arg("dtype"),
         py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
         "Replica fingerprint (uint64) and exact sum of squares (float) of segments of CPU "
         "memory; see rankscope/fingerprint.py. dtype 0 float32, 1 bfloat16, 2 float16, 3 "

@@ -41,24 +41,20 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/client_tls_files.h"
 #include "rankscope/sketch.h"
 
 namespace rankscope {
 
 inline constexpr char kAgentVersion[] = "0.1.0";
 
-// TLS to the collector. Plaintext unless ca_file, cert_file or key_file is set. Files are read
-// and checked by Agent::Create (a missing, unreadable or non-PEM file, or a key that does not
-// match its certificate, is an InvalidArgument there, not a silent retry loop later).
-struct ClientTlsOptions {
-  std::string ca_file;      // PEM CA bundle that signs the collector's certificate; empty with
-                            // TLS on: the system's root certificates
-  std::string cert_file;    // PEM client certificate (mutual TLS); requires key_file
-  std::string key_file;     // its PEM private key (unencrypted)
-  std::string target_name;  // name to check in the collector's certificate instead of the
-                            // address's host (e.g. "rankscope-collector" when dialing an IP)
-  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
-};
+// TLS to the collector: the options every collector client shares (common/client_tls_files.h).
+// Plaintext unless ca_file, cert_file or key_file is set; target_name is the name to check in the
+// collector's certificate instead of the address's host (e.g. "rankscope-collector" when dialing
+// an IP). Files are read and checked by Agent::Create (a missing, unreadable or non-PEM file, or a
+// key that does not match its certificate, is an InvalidArgument there, not a silent retry loop
+// later).
+using ClientTlsOptions = tls::ClientTlsFiles;
 
 struct AgentOptions {
   std::string collector_address = "127.0.0.1:50051";

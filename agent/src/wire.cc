@@ -1,0 +1,54 @@
+#include "wire.h"
+
+#include <algorithm>
+#include <memory>
+
+namespace rankscope::internal {
+
+v1::AgentMessage HelloMessage(const AgentOptions& options) {
+  v1::AgentMessage msg;
+  v1::Hello* h = msg.mutable_hello();
+  h->set_job(options.job);
+  h->set_rank(options.rank);
+  h->set_world_size(options.world_size);
+  h->set_sketch_dim(options.sketch_dim);
+  h->set_sketch_seed(options.sketch_seed);
+  h->set_attempt(options.attempt);
+  h->set_host(options.host);
+  h->set_agent_version(kAgentVersion);
+  h->set_framework_version(options.framework_version);
+  h->set_auth_token(options.auth_token);
+  return msg;
+}
+
+MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_total) {
+  auto msg = std::make_shared<v1::AgentMessage>();
+  v1::StepReport* r = msg->mutable_report();
+  r->set_seq(seq);
+  r->set_step(q.step);
+  r->set_loss(q.loss);
+  r->set_grad_norm(q.grad_norm);
+  r->mutable_sketch()->Add(q.sketch.begin(), q.sketch.end());
+  r->set_recorded_unix_nanos(q.recorded_unix_nanos);
+  r->set_dropped_total(dropped_total);
+  if (q.reduced_grad_fingerprint) r->set_reduced_grad_fingerprint(*q.reduced_grad_fingerprint);
+  if (q.param_fingerprint) r->set_param_fingerprint(*q.param_fingerprint);
+  if (q.reduced_grad_norm) r->set_reduced_grad_norm(*q.reduced_grad_norm);
+  if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
+  r->set_local_batch_size(q.local_batch_size);
+  return msg;
+}
+
+std::optional<AgentControl> NewerControl(const v1::Control& c,
+                                         const std::optional<AgentControl>& current) {
+  if (current && c.generation() <= current->generation) return std::nullopt;
+  AgentControl ctl;
+  ctl.generation = c.generation();
+  ctl.apply_at_step = c.apply_at_step();
+  ctl.enabled = c.enabled();
+  ctl.every = std::max<uint32_t>(c.every(), 1);
+  ctl.sketch_dim = c.sketch_dim();
+  return ctl;
+}
+
+}  // namespace rankscope::internal

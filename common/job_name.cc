@@ -1,0 +1,31 @@
+#include "common/job_name.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace rankscope {
+
+bool IsValidJobName(absl::string_view job, size_t max_length) {
+  if (job.empty() || job.size() > max_length) return false;
+  for (char c : job) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == ':' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+absl::Status ValidateJobName(absl::string_view job, JobNameEcho echo, size_t max_length) {
+  if (IsValidJobName(job, max_length)) return absl::OkStatus();
+  switch (echo) {
+    case JobNameEcho::kQuote:
+      return absl::InvalidArgumentError(absl::StrCat("job name '", job, "' must be 1-", max_length,
+                                                     " characters of [A-Za-z0-9_.:-]"));
+    case JobNameEcho::kLengthOnly:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("job name must be 1-", max_length,
+                                                 " characters of [A-Za-z0-9_.:-], got ", job.size(),
+                                                 " characters"));
+}
+
+}  // namespace rankscope

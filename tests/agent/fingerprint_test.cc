@@ -1,0 +1,195 @@
+// The replica fingerprint kernel against a straightforward reference, and its properties.
+#include "rankscope/fingerprint.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace rankscope {
+namespace {
+
+// The definition, written out independently of the kernel: each element's bits read as a signed
+// integer of its width (the dtype's width in bytes), sign-extended, plus one, times 2g + 1, summed
+// mod 2^64 (unsigned arithmetic wraps).
+uint64_t ReferenceFingerprint(const void* data, size_t width, size_t n, uint64_t offset) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  uint64_t f = 0;
+  for (size_t i = 0; i < n; ++i) {
+    int64_t bits = 0;
+    if (width == 2) {
+      int16_t b;
+      std::memcpy(&b, bytes + i * width, 2);
+      bits = b;
+    } else if (width == 4) {
+      int32_t b;
+      std::memcpy(&b, bytes + i * width, 4);
+      bits = b;
+    } else {
+      std::memcpy(&bits, bytes + i * width, 8);
+    }
+    const uint64_t g = offset + i;
+    f += (static_cast<uint64_t>(bits) + 1) * (2 * g + 1);
+  }
+  return f;
+}
+
+uint16_t Bits16(uint16_t b) { return b; }
+
+ReplicaFingerprint Whole(const void* data, int dtype, size_t n, uint64_t offset = 0) {
+  const std::vector<size_t> starts = {0}, counts = {n};
+  const std::vector<uint64_t> offsets = {offset};
+  absl::StatusOr<ReplicaFingerprint> r = FingerprintSegments(data, dtype, starts, counts, offsets);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : ReplicaFingerprint{};
+}
+
+TEST(FingerprintTest, HeaderTestVector) {
+  const float v[] = {1.0f, -2.0f};
+  const ReplicaFingerprint r = Whole(v, 0, 2);
+  EXPECT_EQ(r.fingerprint, 0xFFFFFFFF7F800004ull);
+  EXPECT_EQ(r.sum_squares, 5.0);
+}
+
+TEST(FingerprintTest, HandComputedVectors) {
+  // float32 zero has bits 0: its term is 1 * (2g + 1).
+  const float zeros[3] = {0.0f, 0.0f, 0.0f};
+  EXPECT_EQ(Whole(zeros, 0, 3).fingerprint, 1u + 3u + 5u);
+  EXPECT_EQ(Whole(zeros, 0, 3, 10).fingerprint, 21u + 23u + 25u);
+  // -0.0f is 0x80000000: sign-extended -2^31, term (1 - 2^31) * 1, wrapped.
+  const float negzero = -0.0f;
+  EXPECT_EQ(Whole(&negzero, 0, 1).fingerprint,
+            static_cast<uint64_t>(int64_t{1} - (int64_t{1} << 31)));
+  // bfloat16 1.0 is 0x3F80 (term 0x3F81); float16 -2.0 is 0xC000 (sign-extended -16384).
+  const uint16_t bf16_one = Bits16(0x3F80);
+  EXPECT_EQ(Whole(&bf16_one, 1, 1, 2).fingerprint, 0x3F81u * 5u);
+  EXPECT_EQ(Whole(&bf16_one, 1, 1).sum_squares, 1.0);
+  const uint16_t f16_minus_two = Bits16(0xC000);
+  EXPECT_EQ(Whole(&f16_minus_two, 2, 1).fingerprint, static_cast<uint64_t>(int64_t{-16383}));
+  EXPECT_EQ(Whole(&f16_minus_two, 2, 1).sum_squares, 4.0);
+  // float64 0.5 is 0x3FE0000000000000.
+  const double half = 0.5;
+  EXPECT_EQ(Whole(&half, kFingerprintFloat64, 1, 1).fingerprint, (0x3FE0000000000000ull + 1) * 3);
+  EXPECT_EQ(Whole(&half, kFingerprintFloat64, 1).sum_squares, 0.25);
+}
+
+TEST(FingerprintTest, MatchesTheReferenceForEveryDtype) {
+  std::mt19937_64 rng(42);
+  const size_t n = 1000;
+  const uint64_t offset = 123456789;
+  std::vector<float> f32(n);
+  std::vector<uint16_t> b16(n);
+  std::vector<double> f64(n);
+  for (size_t i = 0; i < n; ++i) {
+    f32[i] = std::ldexp(static_cast<float>(rng() % 2001) - 1000.0f, -4);
+    b16[i] = static_cast<uint16_t>(rng());  // any bits, NaN and infinities included
+    f64[i] = std::ldexp(static_cast<double>(rng() % 2001) - 1000.0, -8);
+  }
+  double f32_ss = 0.0, f64_ss = 0.0;  // the values are k/16 and k/256: every square is exact
+  for (size_t i = 0; i < n; ++i) {
+    f32_ss += static_cast<double>(f32[i]) * f32[i];
+    f64_ss += f64[i] * f64[i];
+  }
+  const ReplicaFingerprint r32 = Whole(f32.data(), 0, n, offset);
+  EXPECT_EQ(r32.fingerprint, ReferenceFingerprint(f32.data(), 4, n, offset));
+  EXPECT_EQ(r32.sum_squares, f32_ss);
+  EXPECT_EQ(Whole(b16.data(), 1, n, offset).fingerprint,
+            ReferenceFingerprint(b16.data(), 2, n, offset));
+  EXPECT_EQ(Whole(b16.data(), 2, n, offset).fingerprint,
+            ReferenceFingerprint(b16.data(), 2, n, offset));
+  const ReplicaFingerprint r64 = Whole(f64.data(), kFingerprintFloat64, n, offset);
+  EXPECT_EQ(r64.fingerprint, ReferenceFingerprint(f64.data(), 8, n, offset));
+  EXPECT_EQ(r64.sum_squares, f64_ss);
+}
+
+TEST(FingerprintTest, SixteenBitSumOfSquaresDecodesPerDtype) {
+  // 0x4000 is 2.0 both as bfloat16 and as float16; 0x3C00 is 1.0 as float16 and 2^-7 as
+  // bfloat16 (float bits 0x3C000000).
+  const uint16_t v[] = {Bits16(0x4000), Bits16(0x3C00)};
+  EXPECT_EQ(Whole(v, 2, 2).sum_squares, 4.0 + 1.0);
+  EXPECT_EQ(Whole(v, 1, 2).sum_squares, 4.0 + std::ldexp(1.0, -14));
+  // Same bits, same fingerprint: it reads bits, not values.
+  EXPECT_EQ(Whole(v, 1, 2).fingerprint, Whole(v, 2, 2).fingerprint);
+}
+
+TEST(FingerprintTest, SegmentsInAnyOrderAndAnySplitGiveTheSameResult) {
+  std::mt19937_64 rng(7);
+  std::vector<float> values(64);
+  for (float& v : values) v = static_cast<float>(static_cast<int>(rng() % 201) - 100) / 8.0f;
+  const ReplicaFingerprint whole = Whole(values.data(), 0, values.size(), 1000);
+
+  // The buffer holds the vector's parts out of order: [40, 64) at element 0, [0, 15) at 24,
+  // [15, 40) at 39; global offsets say where each belongs.
+  std::vector<float> buffer(64);
+  std::copy(values.begin() + 40, values.end(), buffer.begin());
+  std::copy(values.begin(), values.begin() + 15, buffer.begin() + 24);
+  std::copy(values.begin() + 15, values.begin() + 40, buffer.begin() + 39);
+  const std::vector<size_t> starts = {0, 24, 39}, counts = {24, 15, 25};
+  const std::vector<uint64_t> offsets = {1040, 1000, 1015};
+  absl::StatusOr<ReplicaFingerprint> split =
+      FingerprintSegments(buffer.data(), 0, starts, counts, offsets);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(split->fingerprint, whole.fingerprint);
+  EXPECT_EQ(split->sum_squares, whole.sum_squares);  // squares of k/8: exact in any order
+
+  // Folding parts one by one in reverse order and adding: the same again.
+  ReplicaFingerprint acc;
+  FoldFingerprint(values.data() + 40, 0, 24, 1040, &acc);
+  FoldFingerprint(values.data() + 15, 0, 25, 1015, &acc);
+  FoldFingerprint(values.data(), 0, 15, 1000, &acc);
+  EXPECT_EQ(acc.fingerprint, whole.fingerprint);
+  EXPECT_EQ(acc.sum_squares, whole.sum_squares);
+}
+
+TEST(FingerprintTest, PositionAndOneBitMatter) {
+  std::vector<float> v = {1.0f, 2.0f, 3.0f, 4.0f};
+  const uint64_t f = Whole(v.data(), 0, v.size()).fingerprint;
+  std::swap(v[1], v[2]);
+  EXPECT_NE(Whole(v.data(), 0, v.size()).fingerprint, f);
+  std::swap(v[1], v[2]);
+  uint32_t bits;
+  std::memcpy(&bits, &v[3], 4);
+  bits ^= 1;  // one ulp
+  std::memcpy(&v[3], &bits, 4);
+  EXPECT_NE(Whole(v.data(), 0, v.size()).fingerprint, f);
+  EXPECT_NE(Whole(v.data(), 0, v.size(), 1).fingerprint, f);
+}
+
+TEST(FingerprintTest, ElementSizes) {
+  EXPECT_EQ(FingerprintElementSize(0), 4u);
+  EXPECT_EQ(FingerprintElementSize(1), 2u);
+  EXPECT_EQ(FingerprintElementSize(2), 2u);
+  EXPECT_EQ(FingerprintElementSize(kFingerprintFloat64), 8u);
+}
+
+TEST(FingerprintTest, RefusesBadArgumentsWithoutReading) {
+  const float v = 1.0f;
+  const std::vector<size_t> one = {0}, count = {1};
+  const std::vector<uint64_t> offset = {0};
+  absl::StatusOr<ReplicaFingerprint> r = FingerprintSegments(&v, 4, one, count, offset);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(),
+            "dtype must be 0 (float32), 1 (bfloat16), 2 (float16) or 3 (float64)");
+  EXPECT_EQ(FingerprintSegments(&v, -1, one, count, offset).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  r = FingerprintSegments(&v, 0, one, {}, offset);
+  EXPECT_EQ(r.status().message(), "starts, counts and global_offsets differ in length");
+  r = FingerprintSegments(nullptr, 0, one, count, offset);
+  EXPECT_EQ(r.status().message(), "null address");
+  // No segments: a null base is fine, and the result is the empty sum.
+  r = FingerprintSegments(nullptr, 0, {}, {}, {});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->fingerprint, 0u);
+  EXPECT_EQ(r->sum_squares, 0.0);
+  // A zero-length segment contributes nothing.
+  const std::vector<size_t> zero = {0};
+  r = FingerprintSegments(&v, 0, one, zero, offset);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->fingerprint, 0u);
+}
+
+}  // namespace
+}  // namespace rankscope
