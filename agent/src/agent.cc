@@ -45,6 +45,7 @@
 #include "common/client_tls.h"
 #include "common/job_name.h"
 #include "common/mutex.h"
+#include "common/sketch_dim.h"
 #include "common/tsan.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
@@ -75,7 +76,8 @@ class AgentImpl final : public Agent, private SendPoller::Client {
         unacked_(options_.max_unacked),
         backoff_(options_.initial_backoff, options_.max_backoff,
                  static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
-                     (static_cast<uint64_t>(options_.rank) << 32)) {
+                     (static_cast<uint64_t>(options_.rank) << 32)),
+        sketch_dims_{options_.sketch_dim} {
     if (options_.host.empty()) options_.host = Hostname();
     grpc::ChannelArguments args;
     // Keep the channel's own reconnect quick; our backoff governs stream attempts.
@@ -108,8 +110,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
       if (closed_) {
         return absl::FailedPreconditionError("rankscope agent is closed");
       }
-      if (report.sketch.size() != options_.sketch_dim &&
-          (!current_sketch_dim_ || report.sketch.size() != *current_sketch_dim_)) {
+      if (!SketchDimAccepted(sketch_dims_, report.sketch.size())) {
         ++stats_.invalid;
         return absl::InvalidArgumentError(absl::StrCat("sketch has ", report.sketch.size(),
                                                        " values, agent uses sketch_dim ",
@@ -508,7 +509,10 @@ class AgentImpl final : public Agent, private SendPoller::Client {
         case v1::CollectorMessage::kControl: {
           if (std::optional<AgentControl> ctl = internal::NewerControl(msg.control(), control_)) {
             control_ = ctl;
-            if (ctl->sketch_dim != 0) current_sketch_dim_ = ctl->sketch_dim;
+            if (ctl->sketch_dim != 0) {
+              sketch_dims_.retuned_dim = ctl->sketch_dim;
+              sketch_dims_.apply_at_step = ctl->apply_at_step;
+            }
           }
           break;
         }
@@ -564,7 +568,8 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   internal::Backoff backoff_ ABSL_GUARDED_BY(mu_);
   AgentStats stats_ ABSL_GUARDED_BY(mu_);
   std::optional<AgentControl> control_ ABSL_GUARDED_BY(mu_);
-  std::optional<uint32_t> current_sketch_dim_ ABSL_GUARDED_BY(mu_);
+  // The sketch lengths Record accepts: the hello's, and a control's re-tuned one.
+  SketchDimSchedule sketch_dims_ ABSL_GUARDED_BY(mu_);
   // Reports recorded and neither acked, rejected nor dropped yet.
   uint64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
