@@ -355,6 +355,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   exported.grad_noise_scale = analyzed.diag.grad_noise_scale;
   exported.replica_checked = analyzed.diag.replica_checked;
   exported.replica_divergent_ranks = analyzed.diag.replica_divergent;
+  exported.duplicate_ranks = CountDuplicateRanks(analyzed.duplicates);
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

@@ -58,6 +58,8 @@ enum Family : size_t {
   kReplicaChecksTotal,
   kReplicaDivergentStepsTotal,
   kRankReplicaDivergent,
+  kDuplicateRanks,
+  kDuplicateStepsTotal,
   kFamilyCount,
 };
 
@@ -167,6 +169,13 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
     {"rankscope_rank_replica_divergent",
      "1 for each rank whose replica fingerprint differed in a step of the spike window (capped).",
      MetricType::Gauge},
+    {"rankscope_duplicate_ranks",
+     "Ranks whose local gradient was identical or nearly so (sketch cosine >= 0.999) to another "
+     "rank's at the latest step: ranks that train on the same data.",
+     MetricType::Gauge},
+    {"rankscope_duplicate_steps_total",
+     "Steps in which two or more ranks had identical or near-identical local gradients.",
+     MetricType::Counter},
 };
 
 void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, double value) {
@@ -364,6 +373,8 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   ++state.steps_total;
   if (step.timed_out) ++state.steps_timed_out_total;
   if (IsNonfinite(latest)) ++state.steps_nonfinite_total;
+  state.duplicate_ranks = step.duplicate_ranks;
+  if (step.duplicate_ranks > 0) ++state.duplicate_steps_total;
   state.latest = latest;
   state.top_ranks = std::move(top_ranks);
   state.missing = std::move(missing);
@@ -444,6 +455,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kStepsTotal, static_cast<double>(state.steps_total));
       add(kStepsTimedOutTotal, static_cast<double>(state.steps_timed_out_total));
       add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
+      add(kDuplicateStepsTotal, static_cast<double>(state.duplicate_steps_total));
       add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
       if (!state.has_step) continue;
 
@@ -457,6 +469,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradNormStd, s.grad_norm_std);
       add(kGradNormCv, s.grad_norm_cv);
       add(kGradCosineMean, s.grad_cosine_mean);
+      add(kDuplicateRanks, state.duplicate_ranks);
 
       WindowPoint worst{now,
                         s.loss_std,

@@ -82,6 +82,8 @@ struct ExportedStep {
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
   bool replica_checked = false;
   absl::Span<const uint32_t> replica_divergent_ranks;
+  // Ranks in a group of identical or near-identical gradients (duplicate_ranks.h).
+  uint32_t duplicate_ranks = 0;
 };
 
 class JobMetrics : public prometheus::Collectable {
@@ -114,7 +116,9 @@ class JobMetrics : public prometheus::Collectable {
   //     rankscope_replica_divergent_steps_total{train_job} (counters),
   //     rankscope_rank_replica_divergent{train_job,rank} (1 for each rank divergent in a step of
   //     the spike window, capped);
-  //   rankscope_grad_noise_scale{train_job}: B_simple of the latest step where it was defined.
+  //   rankscope_grad_noise_scale{train_job}: B_simple of the latest step where it was defined;
+  //   duplicate data: rankscope_duplicate_ranks{train_job} (gauge: ranks in a duplicate group at
+  //     the latest step) and rankscope_duplicate_steps_total{train_job} (counter: steps with one).
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
@@ -147,6 +151,8 @@ class JobMetrics : public prometheus::Collectable {
     double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
     uint64_t replica_checks_total = 0;
     uint64_t replica_divergent_steps_total = 0;
+    uint32_t duplicate_ranks = 0;
+    uint64_t duplicate_steps_total = 0;
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank

@@ -22,6 +22,7 @@ void FillStepStats(const StepRow& row, v1::StepStats* s) {
   s->mutable_replica_divergent_ranks()->Add(row.replica_divergent_ranks.begin(),
                                             row.replica_divergent_ranks.end());
   s->mutable_outlier_ranks()->Add(row.outlier_ranks.begin(), row.outlier_ranks.end());
+  s->set_duplicate_groups(row.duplicate_groups);
 }
 
 void FillRankStep(const StepRankRow& in, v1::RankStep* out) {

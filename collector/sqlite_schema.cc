@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS step_stats(
   replica_checked INTEGER NOT NULL DEFAULT 0,
   replica_divergent_ranks TEXT NOT NULL DEFAULT '',
   outlier_ranks TEXT NOT NULL DEFAULT '',
+  duplicate_groups TEXT NOT NULL DEFAULT '',  -- "0,2;1,3": ranks with identical gradients
   PRIMARY KEY(job, step)) WITHOUT ROWID;
 )sql";
 
@@ -112,6 +113,12 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
           absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
                           version, SqliteStore::kSchemaVersion));
     }
+    if (v < SqliteStore::kSchemaVersion) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "sqlite_store %s: schema_version %s is older than this build's %d (start this build's "
+          "collector on it once to migrate it)",
+          path, version, SqliteStore::kSchemaVersion));
+    }
     return absl::OkStatus();
   }
 
@@ -152,8 +159,16 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
           absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
                           version, SqliteStore::kSchemaVersion));
     }
+    // Migrations from older versions, one step at a time (v == 0: a new file, created whole).
+    if (v == 1) {
+      if (absl::Status s = exec("ALTER TABLE step_stats ADD COLUMN duplicate_groups TEXT NOT NULL "
+                                "DEFAULT ''",
+                                "migrate schema 1 -> 2");
+          !s.ok()) {
+        return s;
+      }
+    }
     if (absl::Status s = exec(kCreateSchema, "create schema"); !s.ok()) return s;
-    // Migrations from older versions go here, one step at a time.
     if (v < SqliteStore::kSchemaVersion) {
       if (absl::Status s = exec(absl::StrCat("PRAGMA user_version=", SqliteStore::kSchemaVersion));
           !s.ok()) {

@@ -88,8 +88,9 @@ constexpr char kUpsertStep[] = R"sql(
 INSERT INTO step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
                        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean,
                        missing_ranks, timed_out, completed_at, grad_noise_scale,
-                       replica_checked, replica_divergent_ranks, outlier_ranks)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)
+                       replica_checked, replica_divergent_ranks, outlier_ranks,
+                       duplicate_groups)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)
 ON CONFLICT(job, step) DO UPDATE SET
   attempt = excluded.attempt,
   ranks = excluded.ranks,
@@ -107,7 +108,8 @@ ON CONFLICT(job, step) DO UPDATE SET
   grad_noise_scale = excluded.grad_noise_scale,
   replica_checked = excluded.replica_checked,
   replica_divergent_ranks = excluded.replica_divergent_ranks,
-  outlier_ranks = excluded.outlier_ranks
+  outlier_ranks = excluded.outlier_ranks,
+  duplicate_groups = excluded.duplicate_groups
 WHERE excluded.attempt > step_stats.attempt
    OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
 )sql";
@@ -115,7 +117,7 @@ WHERE excluded.attempt > step_stats.attempt
 #define RANKSCOPE_STEP_COLUMNS                                                              \
   "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "     \
   "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, " \
-  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks"
+  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups"
 
 constexpr char kListJobs[] =
     "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step "
@@ -170,6 +172,7 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   row->completed_at = ColumnTime(stmt, 13);
   row->grad_noise_scale = ColumnDouble(stmt, 14);
   row->replica_checked = ColumnInt(stmt, 15) != 0;
+  row->duplicate_groups = ColumnText(stmt, 18);
   return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks) &&
          ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&
          ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks);
@@ -350,6 +353,7 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Int(row.replica_checked ? 1 : 0)
                    .Text(divergent)
                    .Text(outliers)
+                   .Text(row.duplicate_groups)
                    .rc();
       if (rc == SQLITE_OK) rc = StepToDone(stmt);
       if (rc != SQLITE_DONE) {

@@ -105,6 +105,7 @@ struct StepRow {
   std::vector<uint32_t> replica_divergent_ranks;  // ranks whose fingerprint differs
   std::vector<uint32_t> outlier_ranks;            // ranks above the outlier threshold on their last
                                                   // kOutlierPersistence steps (rank_diagnostics.h)
+  std::string duplicate_groups;  // ranks with identical gradients, "0,2;1,3" (duplicate_ranks.h)
 };
 
 // A rank row with its step (range queries).
@@ -146,7 +147,8 @@ struct StoreOptions {
 class SqliteStore {
  public:
   // The schema this build writes (PRAGMA user_version).
-  static constexpr int kSchemaVersion = 1;
+  // 1: the first release. 2: step_stats.duplicate_groups.
+  static constexpr int kSchemaVersion = 2;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:

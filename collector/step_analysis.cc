@@ -7,10 +7,14 @@
 
 namespace rankscope::collector {
 
-StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
-  bool same_dim = true;
+namespace {
+
+// The step's samples, in report order. Their sketches are left empty when the reports' sketches
+// differ in length (*same_dim false): a sketch re-tune crossed this step.
+std::vector<RankSample> JoinedSamples(const JoinedStep& step, bool* same_dim) {
+  *same_dim = true;
   for (const RankReport& r : step.reports) {
-    if (r.sketch.size() != step.reports.front().sketch.size()) same_dim = false;
+    if (r.sketch.size() != step.reports.front().sketch.size()) *same_dim = false;
   }
   std::vector<RankSample> samples;
   samples.reserve(step.reports.size());
@@ -19,16 +23,28 @@ StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
     s.rank = r.rank;
     s.loss = r.loss;
     s.grad_norm = r.grad_norm;
-    if (same_dim) s.sketch = r.sketch;
+    if (*same_dim) s.sketch = r.sketch;
     samples.push_back(s);
   }
+  return samples;
+}
+
+StepStatistics StatisticsOf(absl::Span<const RankSample> samples, bool same_dim) {
   StepStatistics stats = ComputeStepStatistics(samples);
   if (!same_dim) {
-    // A sketch re-tune crossed this step: cosines across different sketches mean nothing.
+    // Cosines across different sketches mean nothing.
     stats.grad_cosine_mean = std::nan("");
     for (RankStatistics& p : stats.per_rank) p.consensus_cosine = std::nan("");
   }
   return stats;
+}
+
+}  // namespace
+
+StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
+  bool same_dim = true;
+  const std::vector<RankSample> samples = JoinedSamples(step, &same_dim);
+  return StatisticsOf(samples, same_dim);
 }
 
 StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats) {
@@ -91,7 +107,11 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
 
 AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   AnalyzedStep out;
-  out.stats = ComputeJoinedStepStatistics(step);
+  bool same_dim = true;
+  const std::vector<RankSample> samples = JoinedSamples(step, &same_dim);
+  out.stats = StatisticsOf(samples, same_dim);
+  // Sketches of different lengths are never compared (their sketches are empty here).
+  out.duplicates = FindDuplicateRanks(samples);
   out.diag = DiagnoseStep(step, out.stats);
   // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
   auto& streaks = outlier_streaks_[step.job];
@@ -153,6 +173,7 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
   row.replica_checked = diag.replica_checked;
   row.replica_divergent_ranks = diag.replica_divergent;
   row.outlier_ranks = std::move(analyzed.outlier_ranks);
+  row.duplicate_groups = FormatDuplicateGroups(analyzed.duplicates);
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(step.reports.size());
   w.ranks.reserve(step.reports.size());

@@ -22,6 +22,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "collector/duplicate_ranks.h"
 #include "collector/rank_diagnostics.h"
 #include "collector/rank_report.h"
 #include "collector/sqlite_store.h"
@@ -49,6 +50,9 @@ struct AnalyzedStep {
   // Ranks flagged on this step and on the kOutlierPersistence - 1 steps before it that they
   // reported, in the order of JoinedStep::reports.
   std::vector<uint32_t> outlier_ranks;
+  // Groups of ranks whose local gradients are identical or nearly so (duplicate_ranks.h):
+  // ranks that train on the same data.
+  std::vector<DuplicateGroup> duplicates;
 };
 
 // The statistics of a joined step; direction consistency and consensus cosines are NaN when its

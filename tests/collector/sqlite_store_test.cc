@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -346,7 +347,7 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
                           "loss_range", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
                           "grad_cosine_mean", "missing_ranks", "timed_out", "completed_at",
                           "grad_noise_scale", "replica_checked", "replica_divergent_ranks",
-                          "outlier_ranks"));
+                          "outlier_ranks", "duplicate_groups"));
   EXPECT_THAT(stats.primary_key, ElementsAre("job", "step"));
 }
 
@@ -357,7 +358,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 1);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 2);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -384,12 +385,50 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 2");
+  RawDb(path_).Exec("PRAGMA user_version = 3");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 2"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 3"));
+}
+
+// A file the first release (schema 1) wrote: a read-only open refuses it and says how to
+// migrate; a read-write open migrates it in place, keeps its rows and takes new ones.
+TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
+  std::ifstream in(std::string(RANKSCOPE_SOURCE_DIR) + "/tests/collector/testdata/schema_v1.sql");
+  ASSERT_TRUE(in.good());
+  std::stringstream sql;
+  sql << in.rdbuf();
+  RawDb(path_).Exec(sql.str());
+
+  StoreOptions read_only;
+  read_only.read_only = true;
+  auto early = SqliteStore::Open(path_, read_only);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(early.status().message(), HasSubstr("schema_version 1 is older"));
+
+  auto store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 2);
+  auto old = store->GetStep("old-job", 41);
+  ASSERT_TRUE(old.ok()) << old.status();
+  ASSERT_TRUE(old->has_value());
+  EXPECT_EQ((*old)->ranks, 2u);
+  EXPECT_EQ((*old)->loss_mean, 1.5);
+  EXPECT_THAT((*old)->outlier_ranks, ElementsAre(1));
+  EXPECT_EQ((*old)->duplicate_groups, "");
+  EXPECT_EQ(*store->CountRankRows("old-job"), 2);
+
+  StoreBatch batch = Batch({MakeStep("old-job", 42, 0, 2)}, {});
+  batch.steps[0].stats->duplicate_groups = "0,1";
+  ASSERT_TRUE(store->Write(batch).ok());
+  auto fresh = store->GetStep("old-job", 42);
+  ASSERT_TRUE(fresh.ok() && fresh->has_value());
+  EXPECT_EQ((*fresh)->duplicate_groups, "0,1");
+  auto reader = SqliteStore::Open(path_, read_only);  // migrated: readers open it now
+  EXPECT_TRUE(reader.ok()) << reader.status();
 }
 
 TEST_F(SqliteStoreTest, OpenErrorsNameThePath) {

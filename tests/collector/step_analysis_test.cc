@@ -244,5 +244,25 @@ TEST(StepAnalysisTest, LateReportRowCarriesOnlyTheReport) {
   EXPECT_FALSE(row.outlier_score.has_value());
 }
 
+// Ranks 1 and 3 computed the same gradient (the same data); ranks 0 and 2 point elsewhere. The
+// step row names the group; a step that mixes sketch lengths compares nothing.
+TEST(StepAnalysisTest, DuplicateRanksAreNamedInTheStepRow) {
+  JoinedStep js = Step(7, 4, AllRanks(4));
+  const std::vector<std::vector<float>> sketches = {
+      {1, 0, 0, 0}, {0, 1, 1, 0}, {0, 0, 0, 1}, {0, 1, 1, 0}};
+  for (size_t i = 0; i < 4; ++i) js.reports[i].sketch = sketches[i];
+  StepAnalyzer analyzer;
+  AnalyzedStep analyzed = analyzer.Analyze(js);
+  ASSERT_EQ(analyzed.duplicates.size(), 1u);
+  EXPECT_THAT(analyzed.duplicates[0].ranks, ElementsAre(1, 3));
+  EXPECT_TRUE(analyzed.duplicates[0].exact);
+  const StepWrite w = StepRows(js, std::move(analyzed), kT0);
+  ASSERT_TRUE(w.stats.has_value());
+  EXPECT_EQ(w.stats->duplicate_groups, "1,3");
+
+  js.reports[2].sketch.assign(8, 0.5f);  // a re-tune crossed this step
+  EXPECT_THAT(analyzer.Analyze(js).duplicates, IsEmpty());
+}
+
 }  // namespace
 }  // namespace rankscope::collector

@@ -236,17 +236,18 @@ int ShowOnce(const Cli& cli, const std::string& job) {
   if (!recent.ok()) return Fail(cli.config, recent.status());
   const v1::RecentStepsResponse& resp = *recent;
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
-  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %s\n", "STEP", "RANKS",
+  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n", "STEP", "RANKS",
               "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "NOISE_B",
-              "DIVERGENT", "OUTLIERS", "MISSING");
+              "DIVERGENT", "OUTLIERS", "DUPLICATES", "MISSING");
   for (const v1::StepStats& st : resp.steps()) {
-    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %s\n",
+    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n",
                 static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
                 Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(),
                 Num(st.grad_norm_mean()).c_str(), Num(st.grad_norm_cv()).c_str(),
                 Num(st.grad_cosine_mean(), 3).c_str(), Num(st.grad_noise_scale()).c_str(),
                 st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
                 Ranks(st.outlier_ranks(), "-").c_str(),
+                st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
                 absl::StrJoin(st.missing_ranks(), ",").c_str());
   }
   if (resp.steps_size() == 0 || cli.config.worst <= 0) return 0;
@@ -448,9 +449,12 @@ int Export(const Cli& cli, const std::string& job) {
     std::printf(
         "step,ranks,world_size,loss_mean,loss_std,loss_range,grad_norm_mean,grad_norm_std,"
         "grad_norm_cv,grad_cosine_mean,grad_noise_scale,timed_out,missing_ranks,replica_checked,"
-        "replica_divergent_ranks,outlier_ranks\n");
+        "replica_divergent_ranks,outlier_ranks,duplicate_groups\n");
     for (const v1::StepStats& st : data.steps()) {
-      std::printf("%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d,%s,%s\n",
+      // duplicate_groups ("0,2;1,3") holds commas: quoted when not empty.
+      const std::string duplicates =
+          st.duplicate_groups().empty() ? "" : absl::StrCat("\"", st.duplicate_groups(), "\"");
+      std::printf("%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d,%s,%s,%s\n",
                   static_cast<unsigned long long>(st.step()), st.ranks(), st.world_size(),
                   Csv(st.loss_mean()).c_str(), Csv(st.loss_std()).c_str(),
                   Csv(st.loss_range()).c_str(), Csv(st.grad_norm_mean()).c_str(),
@@ -459,7 +463,7 @@ int Export(const Cli& cli, const std::string& job) {
                   st.timed_out() ? 1 : 0, absl::StrJoin(st.missing_ranks(), ";").c_str(),
                   st.replica_checked() ? 1 : 0,
                   absl::StrJoin(st.replica_divergent_ranks(), ";").c_str(),
-                  absl::StrJoin(st.outlier_ranks(), ";").c_str());
+                  absl::StrJoin(st.outlier_ranks(), ";").c_str(), duplicates.c_str());
     }
     return 0;
   }
