@@ -33,6 +33,8 @@ bool JobRegistry::Restore(const JobRow& row, absl::Time now) {
   if (now - row.last_seen > identity_ttl_) return false;
   Job& job = jobs_[row.job];
   job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed};
+  job.epoch = row.attempt;
+  job.max_attempt = row.attempt;
   job.first_seen = row.first_seen;
   job.last_seen = row.last_seen;
   job.newest_step = row.last_step;
@@ -59,41 +61,86 @@ Rejection JobRegistry::CheckRoomForJob(const v1::Hello& hello) const {
 }
 
 Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
-                              const std::shared_ptr<AgentStream>& stream,
-                              std::optional<v1::Control>* control) {
+                              const std::shared_ptr<AgentStream>& stream, Attached* attached) {
   auto it = jobs_.find(hello.job());
+  bool restart = false;
   if (it == jobs_.end()) {
     Job job;
     job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+    job.epoch = hello.attempt();
+    job.max_attempt = hello.attempt();
     job.first_seen = now;
     job.last_seen = now;
     it = jobs_.emplace(hello.job(), std::move(job)).first;
   } else {
-    Rejection r = CheckJobIdentity(hello, it->second.identity);
-    if (!r.status.ok()) return r;
-    auto claim = it->second.claims.find(hello.rank());
-    if (claim != it->second.claims.end() && claim->second.attempt == hello.attempt() &&
-        claim->second.host != hello.host()) {
+    Job& job = it->second;
+    auto held = job.claims.find(hello.rank());
+    const RankClaim* claim = held == job.claims.end() ? nullptr : &held->second;
+    // Agents that state no instance are told apart by host, as before instance ids existed.
+    const bool same_instance =
+        claim != nullptr && (hello.instance_id().empty() && claim->instance_id.empty()
+                                 ? claim->host == hello.host()
+                                 : claim->instance_id == hello.instance_id());
+    if (claim != nullptr && claim->streams > 0 && claim->attempt == hello.attempt() &&
+        !same_instance) {
       return Rejection{
           absl::AlreadyExistsError(absl::StrCat(
               "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
-              ") is already connected from host '", absl::CHexEscape(claim->second.host),
-              "'; this hello from host '", absl::CHexEscape(hello.host()),
-              "' claims it too: two runs share a job name (give each its own) or two "
-              "processes were given the same rank")),
+              ") is held by a live stream from host '", absl::CHexEscape(claim->host), "' pid ",
+              claim->pid, " (instance '", absl::CHexEscape(claim->instance_id),
+              "'); this hello from host '", absl::CHexEscape(hello.host()), "' pid ", hello.pid(),
+              " claims it too: two runs or two models share a job name and group (give each "
+              "its own job name, or attach with group=...), or two processes were given the "
+              "same rank")),
           RejectReason::kRankTaken};
+    }
+    restart = hello.attempt() > job.max_attempt ||
+              (claim != nullptr && !same_instance && !hello.instance_id().empty() &&
+               claim->epoch == job.epoch && hello.attempt() == job.max_attempt);
+    if (!restart) {
+      Rejection r = CheckJobIdentity(hello, job.identity);
+      if (!r.status.ok()) return r;
     }
   }
   Job& job = it->second;
-  RankClaim& claim = job.claims[hello.rank()];
+  if (restart) {
+    const JobIdentity identity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+    attached->resized = identity.world_size != job.identity.world_size ||
+                        identity.sketch_dim != job.identity.sketch_dim ||
+                        identity.sketch_seed != job.identity.sketch_seed;
+    job.identity = identity;
+    job.epoch = std::max(job.epoch + 1, hello.attempt());
+    job.max_attempt = std::max(job.max_attempt, hello.attempt());
+    if (attached->resized) job.dropped_forwarded.clear();
+  }
+  auto [held, first_claim] = job.claims.try_emplace(hello.rank());
+  RankClaim& claim = held->second;
+  const bool same_process = !first_claim && claim.attempt == hello.attempt() &&
+                            (hello.instance_id().empty() && claim.instance_id.empty()
+                                 ? claim.host == hello.host()
+                                 : claim.instance_id == hello.instance_id());
+  if (restart) {
+    attached->epoch = job.epoch;
+  } else if (same_process) {
+    attached->epoch = claim.epoch;  // a reconnect: its reports keep their epoch
+  } else if (hello.attempt() < job.max_attempt) {
+    // A process of an older attempt: its reports lose against the current one's.
+    attached->epoch = std::min(job.epoch, hello.attempt());  // < job.epoch
+  } else {
+    attached->epoch = job.epoch;
+  }
+  attached->restarted = restart;
+  claim.instance_id = hello.instance_id();
   claim.host = hello.host();
+  claim.pid = hello.pid();
   claim.attempt = hello.attempt();
+  claim.epoch = attached->epoch;
   ++claim.streams;
   ++job.connected;
   job.last_seen = now;
   job.streams.insert(stream);
   if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
-  *control = job.control;
+  attached->control = job.control;
   return {};
 }
 
@@ -105,9 +152,14 @@ bool JobRegistry::Detach(const v1::Hello& hello, const std::shared_ptr<AgentStre
   if (job.streams.erase(stream) == 0) return false;
   if (job.connected > 0) --job.connected;
   auto claim = job.claims.find(hello.rank());
-  if (claim != job.claims.end() && --claim->second.streams == 0) job.claims.erase(claim);
+  if (claim != job.claims.end() && claim->second.streams > 0) --claim->second.streams;
   job.last_seen = now;
   return true;
+}
+
+uint32_t JobRegistry::Epoch(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.epoch;
 }
 
 SketchDimSchedule JobRegistry::SketchDims(const v1::Hello& hello) const {
@@ -143,6 +195,7 @@ std::optional<JobRow> JobRegistry::StoredRow(const std::string& job) const {
   row.world_size = it->second.identity.world_size;
   row.sketch_dim = it->second.identity.sketch_dim;
   row.sketch_seed = it->second.identity.sketch_seed;
+  row.attempt = it->second.epoch;
   row.first_seen = it->second.first_seen;
   row.last_seen = it->second.last_seen;
   return row;

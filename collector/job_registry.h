@@ -4,10 +4,22 @@
 //   identity of that hello (world size, sketch dim and seed), which later hellos must match
 //   while the job is tracked. A job with no stream attached and not seen for identity_ttl is
 //   forgotten on its next hello (the name may be reused by a new run of another shape).
-// - Rank claims: one rank, one identity. While a stream of (job, rank) is attached, a hello for
-//   the same rank and attempt from another host is refused with ALREADY_EXISTS (reason
-//   rank_taken); the same host (an agent reconnecting before its old stream was noticed dead) and
-//   another attempt (a restart) are accepted and take the claim over.
+// - Jobs here are a job's data-parallel groups: the pipeline passes the group key
+//   (common/job_name.h GroupKey) as the hello's job, so each group is admitted, claimed and
+//   controlled on its own. Rank numbers are ranks in the group.
+// - Rank claims: one rank, one process. While a stream of (job, rank) is attached, a hello for
+//   the same rank and attempt from another agent instance (Hello.instance_id; for agents that
+//   state none, from another host) is refused with ALREADY_EXISTS (reason rank_taken), naming
+//   the holder's host, pid and instance. The same instance (an agent reconnecting before its old
+//   stream was noticed dead) and a higher attempt (a torchelastic restart) are accepted.
+// - Epochs: every report joins under its stream's epoch, the "attempt" the joiner and the store
+//   compare (the newest epoch wins). A job's epoch starts at its first hello's attempt and moves
+//   on (to max(epoch + 1, attempt)) when the job restarts: a hello with a higher attempt than any
+//   before, or a new instance for a rank whose previous instance had the current epoch (a restart
+//   with no restart counter: a Slurm requeue, a manual resume). The other ranks of the restarted
+//   run join the new epoch without moving it again; a surviving instance of the old run keeps
+//   its own, older epoch (its reports lose). A restart may change the job's world size and
+//   sketch (an elastic resize); within an epoch they are fixed.
 // - Per-job controls (rankscope ctl) and the streams to push them to; the job's sketch-dimension
 //   schedule (common/sketch_dim.h) follows from its identity and its control.
 // - Bookkeeping for ListJobs (first/last seen, newest step, connected streams) and for the
@@ -80,13 +92,21 @@ class JobRegistry {
   // too_many_jobs, otherwise).
   Rejection CheckRoomForJob(const v1::Hello& hello) const;
 
+  // What Attach decided for an accepted stream.
+  struct Attached {
+    uint32_t epoch = 0;      // the attempt this stream's reports join and are stored under
+    bool resized = false;    // the job restarted with another identity (world size, sketch)
+    bool restarted = false;  // this hello moved the job to a new epoch
+    std::optional<v1::Control> control;  // the job's current control, if any
+  };
+
   // Attaches `stream` of a validated hello to its job, tracking the job with the hello's
   // identity if it is not tracked yet (the caller checked CheckRoomForJob). For a tracked job
-  // the hello must match its identity (CheckJobIdentity) and may not take a rank claimed by
-  // another host in the same attempt (ALREADY_EXISTS, reason rank_taken). On success the job's
-  // current control, if any, is in *control.
+  // the hello may not take a rank held by another live instance in the same attempt
+  // (ALREADY_EXISTS, reason rank_taken) and must match the job's identity (CheckJobIdentity)
+  // unless it restarts the job (see "Epochs" above).
   Rejection Attach(const v1::Hello& hello, absl::Time now,
-                   const std::shared_ptr<AgentStream>& stream, std::optional<v1::Control>* control);
+                   const std::shared_ptr<AgentStream>& stream, Attached* attached);
 
   // Detaches the stream of an accepted hello. Returns false (nothing changed) if the stream was
   // not attached (its job was forgotten meanwhile, or it was detached already).
@@ -101,6 +121,9 @@ class JobRegistry {
   // recorded for the rank since its hello (JobMetrics::OnAgentDropped needs only those).
   bool NoteReport(const v1::Hello& hello, uint64_t step, uint64_t dropped_total, absl::Time now,
                   bool* dropped_changed);
+
+  // The current epoch of a tracked job (0 for an unknown one).
+  uint32_t Epoch(const std::string& job) const;
 
   // The jobs row of a tracked job (last_step left 0), or nullopt.
   std::optional<JobRow> StoredRow(const std::string& job) const;
@@ -119,14 +142,21 @@ class JobRegistry {
   std::vector<JobSummary> Summaries() const;
 
  private:
-  // Who holds a rank of a job: the newest accepted hello's host and attempt, and its open streams.
+  // Who holds, or last held, a rank of a job: the newest accepted hello's instance, host, pid,
+  // attempt and epoch, and its open streams. Kept after the streams close (a later hello from
+  // another instance is then a restart); at most one per rank that ever connected.
   struct RankClaim {
+    std::string instance_id;
     std::string host;
+    uint32_t pid = 0;
     uint32_t attempt = 0;
+    uint32_t epoch = 0;
     uint32_t streams = 0;
   };
   struct Job {
     JobIdentity identity;
+    uint32_t epoch = 0;        // see "Epochs"
+    uint32_t max_attempt = 0;  // the highest Hello.attempt accepted
     absl::Time first_seen;
     absl::Time last_seen;
     uint64_t newest_step = 0;
@@ -134,7 +164,7 @@ class JobRegistry {
     uint32_t connected = 0;
     std::optional<v1::Control> control;
     absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
-    absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks with an open stream
+    absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks that ever connected
     // By rank: the dropped_total last passed to JobMetrics::OnAgentDropped, which only the
     // reports whose count differs from it need (JobMetrics keeps the same last value per rank, so
     // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
 
 namespace rankscope::collector {
 namespace {
@@ -165,13 +166,15 @@ void StepPipeline::EnqueueClosedLocked(std::vector<JoinedStep>& steps) {
   }
 }
 
-Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<AgentStream> stream) {
+Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStream> stream) {
   Rejection r = ValidateHello(hello, options_.limits);
   if (!r.status.ok()) return r;
   r = CheckAuthToken(hello, options_.auth_token);
   if (!r.status.ok()) return r;
   const absl::Time now = options_.clock();
-  std::optional<v1::Control> control;
+  // From here on the group is the unit: joined, stored and exported under its key.
+  if (!hello.group().empty()) hello.set_job(GroupKey(hello.job(), hello.group()));
+  JobRegistry::Attached attached;
   {
     MutexLock lock(&mu_);
     if (registry_.ForgetIfIdle(hello.job(), now)) {
@@ -187,22 +190,54 @@ Rejection StepPipeline::AcceptHello(const v1::Hello& hello, std::shared_ptr<Agen
       absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
       if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
     }
-    r = registry_.Attach(hello, now, stream, &control);
-    if (!r.status.ok()) return r;
+    r = registry_.Attach(hello, now, stream, &attached);
+    if (!r.status.ok()) {
+      LogRefusalOnceLocked(hello.job(), r);
+      return r;
+    }
+    if (attached.resized) {
+      // An elastic resize (or a restart with another sketch): the old epoch's open steps are
+      // closed and stored as they are; steps from now on are joined at the new size.
+      std::vector<JoinedStep> old_steps;
+      joiner_.ForgetJob(hello.job(), &old_steps);
+      EnqueueClosedLocked(old_steps);
+      joiner_.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
+    }
   }
+  if (attached.restarted) {
+    std::fprintf(stderr,
+                 "rankscope-collector: job %s restarted (rank %u came back as a new process or "
+                 "attempt %u; world size %u): its reports from now on replace the old run's\n",
+                 hello.job().c_str(), hello.rank(), hello.attempt(), hello.world_size());
+  }
+  hello.set_attempt(attached.epoch);
   metrics_->OnAgentConnected(hello.job(), hello.world_size());
-  if (control) stream->SendControl(*control);
+  if (attached.control) stream->SendControl(*attached.control);
   JobRow row;
   row.job = hello.job();
   row.world_size = hello.world_size();
   row.sketch_dim = hello.sketch_dim();
   row.sketch_seed = hello.sketch_seed();
+  row.attempt = attached.epoch;
   row.first_seen = now;
   row.last_seen = now;
   WriteItem item;
   item.batch.jobs.push_back(std::move(row));
   writer_.Enqueue(std::move(item));
   return {};
+}
+
+void StepPipeline::LogRefusalOnceLocked(const std::string& job, const Rejection& r) {
+  if (r.reason != RejectReason::kRankTaken && r.reason != RejectReason::kWorldSizeChanged &&
+      r.reason != RejectReason::kSketchMismatch) {
+    return;
+  }
+  if (refusals_logged_.size() >= kMaxRefusalsLogged) return;
+  if (!refusals_logged_.emplace(job, r.reason).second) return;
+  std::fprintf(stderr,
+               "rankscope-collector: refused a stream of job %s: %s (logged once per job "
+               "and reason; rankscope_reports_rejected_total counts every one)\n",
+               job.c_str(), std::string(r.status.message()).c_str());
 }
 
 void StepPipeline::StreamClosed(const v1::Hello& hello,

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -74,15 +75,20 @@ class StepPipeline {
                const std::vector<JobRow>& known_jobs, JobMetrics* metrics, HealthMetrics* health);
   ~StepPipeline();  // Stop(absl::Seconds(5)) if not stopped.
 
-  // Validates and registers a stream's hello. On success the stream is attached to its job and
-  // receives the job's current control message, if any.
+  // Validates and registers a stream's hello. On success the stream is attached to its job's
+  // group and receives the job's current control message, if any, and *hello becomes the
+  // stream's identity as the pipeline knows it, to pass to OnReport and StreamClosed: job is the
+  // group key (common/job_name.h GroupKey; the job's name for an agent that states no group) and
+  // attempt is the epoch the stream's reports join under (JobRegistry "Epochs").
   //
-  // One rank, one identity: while a stream of (job, rank) is open, a hello for the same rank with
-  // the same attempt from another host is refused with ALREADY_EXISTS (two runs share a job
-  // name, or two processes were given the same rank). The same host (an agent reconnecting
-  // before the collector noticed its old stream die) and another attempt (a restart: the newest
-  // attempt wins in the joiner) are accepted.
-  Rejection AcceptHello(const v1::Hello& hello, std::shared_ptr<AgentStream> stream);
+  // One rank, one process: while a stream of (job, group, rank) is open, a hello for it with the
+  // same attempt from another agent instance is refused with ALREADY_EXISTS naming the holder
+  // (two runs or two models share a job name, or two processes were given the same rank). The
+  // same instance (an agent reconnecting before the collector noticed its old stream die), a
+  // higher attempt and a new instance after the old stream closed (restarts: the newest wins)
+  // are accepted. A restart may change the world size (an elastic resize). Refusals of a rank's
+  // identity are logged once per job and reason.
+  Rejection AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStream> stream);
   // The stream of an accepted hello ended.
   void StreamClosed(const v1::Hello& hello, const std::shared_ptr<AgentStream>& stream);
 
@@ -119,6 +125,9 @@ class StepPipeline {
   // Queues closed steps for the step thread.
   void EnqueueClosedLocked(std::vector<JoinedStep>& steps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
+  // Logs a refused hello's identity conflict (rank taken, shape changed) once per job and reason.
+  void LogRefusalOnceLocked(const std::string& job, const Rejection& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The store writer dropped these rows unstored: the joiner forgets that their steps were
   // closed, so that the agents' resends are joined and stored again, not taken for duplicates.
   void ForgetDroppedSteps(const StoreBatch& rows);
@@ -138,6 +147,8 @@ class StepPipeline {
   uint64_t closed_processed_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  static constexpr size_t kMaxRefusalsLogged = 10'000;
+  absl::flat_hash_set<std::pair<std::string, RejectReason>> refusals_logged_ ABSL_GUARDED_BY(mu_);
   StepAnalyzer analyzer_;  // step thread only
   std::thread step_thread_;
 };

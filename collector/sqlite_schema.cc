@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS jobs(
   sketch_seed INTEGER NOT NULL,  -- uint64 bit pattern
   first_seen REAL NOT NULL,
   last_seen REAL NOT NULL,
-  last_step INTEGER NOT NULL DEFAULT 0);
+  last_step INTEGER NOT NULL DEFAULT 0,
+  attempt INTEGER NOT NULL DEFAULT 0);  -- the job's current epoch: rows of older ones lose
 CREATE TABLE IF NOT EXISTS rank_steps(
   job TEXT NOT NULL,
   step INTEGER NOT NULL,
@@ -164,6 +165,13 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
       if (absl::Status s = exec("ALTER TABLE step_stats ADD COLUMN duplicate_groups TEXT NOT NULL "
                                 "DEFAULT ''",
                                 "migrate schema 1 -> 2");
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (v >= 1 && v <= 2) {
+      if (absl::Status s = exec("ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 0",
+                                "migrate schema 2 -> 3");
           !s.ok()) {
         return s;
       }

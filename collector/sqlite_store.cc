@@ -47,9 +47,11 @@ namespace {
 
 // Every statement that carries a value is prepared and bound.
 constexpr char kUpsertJob[] = R"sql(
-INSERT INTO jobs(job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)
+INSERT INTO jobs(job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step,
+                 attempt)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
 ON CONFLICT(job) DO UPDATE SET
+  attempt = max(jobs.attempt, excluded.attempt),
   world_size = excluded.world_size,
   sketch_dim = excluded.sketch_dim,
   sketch_seed = excluded.sketch_seed,
@@ -120,7 +122,7 @@ WHERE excluded.attempt > step_stats.attempt
   "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups"
 
 constexpr char kListJobs[] =
-    "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step "
+    "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step, attempt "
     "FROM jobs ORDER BY job";
 constexpr char kRecentSteps[] =
     "SELECT " RANKSCOPE_STEP_COLUMNS " FROM step_stats WHERE job = ?1 ORDER BY step DESC LIMIT ?2";
@@ -320,6 +322,7 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                  .Time(job.first_seen)
                  .Time(job.last_seen)
                  .Int(static_cast<int64_t>(job.last_step))
+                 .Int(job.attempt)
                  .rc();
     if (rc == SQLITE_OK) rc = StepToDone(stmt);
     if (rc != SQLITE_DONE) return SqlError(rc, absl::StrCat("upsert jobs ", Quote(job.job)));
@@ -432,6 +435,7 @@ absl::StatusOr<std::vector<JobRow>> SqliteStore::ListJobs() {
     row.first_seen = ColumnTime(stmt, 4);
     row.last_seen = ColumnTime(stmt, 5);
     row.last_step = static_cast<uint64_t>(ColumnInt(stmt, 6));
+    row.attempt = ColumnU32(stmt, 7);
   }
   if (rc != SQLITE_DONE) return SqlError(rc, "list jobs");
   return jobs;

@@ -2,7 +2,11 @@
 //
 // Schema (created on Open, idempotently; extra columns beyond DESIGN.md are rankscope's own):
 //   jobs(job TEXT PRIMARY KEY, world_size, sketch_dim, sketch_seed, first_seen, last_seen,
-//        last_step)
+//        last_step, attempt)
+// `job` is the group key (common/job_name.h GroupKey): the job's name, or "JOB/GROUP" for a
+// data-parallel group of a job with several. `attempt` is the epoch (JobRegistry "Epochs"): in
+// jobs the job's current one, in rank_steps and step_stats the one the row was joined under
+// (a row is replaced only by one of a higher epoch, or of the same epoch and a larger join).
 //   rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z,
 //        grad_norm_z, nonfinite, reduced_grad_fingerprint, param_fingerprint, step_time_seconds,
 //        received_at, replica_ok, outlier_score, step_time_z, PRIMARY KEY(job, step, rank))
@@ -65,6 +69,7 @@ struct JobRow {
   absl::Time first_seen = absl::UnixEpoch();  // on upsert, the earliest is kept
   absl::Time last_seen = absl::UnixEpoch();   // on upsert, the latest is kept
   uint64_t last_step = 0;                     // on upsert, the largest is kept
+  uint32_t attempt = 0;  // the job's current epoch (JobRegistry); on upsert, the largest is kept
 };
 
 struct RankRow {
@@ -148,7 +153,7 @@ class SqliteStore {
  public:
   // The schema this build writes (PRAGMA user_version).
   // 1: the first release. 2: step_stats.duplicate_groups.
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:

@@ -26,6 +26,16 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
       !name.ok()) {
     return Reject(std::move(name), RejectReason::kBadHello);
   }
+  if (absl::Status group = ValidateGroupName(hello.group(), JobNameEcho::kLengthOnly);
+      !group.ok()) {
+    return Reject(std::move(group), RejectReason::kBadHello);
+  }
+  if (hello.instance_id().size() > kMaxInstanceIdLength) {
+    return Reject(
+        absl::InvalidArgumentError(absl::StrCat("instance_id has ", hello.instance_id().size(),
+                                                " bytes; at most ", kMaxInstanceIdLength)),
+        RejectReason::kBadHello);
+  }
   if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("world_size ", hello.world_size(),
                                                           " must be in [1, ", limits.max_world_size,

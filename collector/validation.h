@@ -25,6 +25,8 @@ struct IngestLimits {
   size_t max_job_name_length = 128;
 };
 
+inline constexpr size_t kMaxInstanceIdLength = 128;
+
 // What a job is fixed to once its first hello was accepted.
 struct JobIdentity {
   uint32_t world_size = 0;
@@ -41,8 +43,8 @@ struct Rejection {
 // True iff `job` is 1..max characters of [A-Za-z0-9_.:-].
 bool IsValidJobName(absl::string_view job, size_t max_length);
 
-// Checks a hello on its own: job name, 1 <= world_size <= max, rank < world_size,
-// 1 <= sketch_dim <= max. An OK status (empty reason) on success.
+// Checks a hello on its own: job and group names, instance id length, 1 <= world_size <= max,
+// rank < world_size, 1 <= sketch_dim <= max. An OK status (empty reason) on success.
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 
 // Checks a hello against the identity its job already has: world size, sketch dim and seed must

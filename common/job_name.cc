@@ -28,4 +28,27 @@ absl::Status ValidateJobName(absl::string_view job, JobNameEcho echo, size_t max
                                                  " characters"));
 }
 
+absl::Status ValidateGroupName(absl::string_view group, JobNameEcho echo) {
+  if (group.empty() || IsValidJobName(group, kMaxGroupNameLength)) return absl::OkStatus();
+  if (echo == JobNameEcho::kQuote) {
+    return absl::InvalidArgumentError(absl::StrCat("group name '", group, "' must be 0-",
+                                                   kMaxGroupNameLength,
+                                                   " characters of [A-Za-z0-9_.:-]"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("group name must be 0-", kMaxGroupNameLength,
+                                                 " characters of [A-Za-z0-9_.:-], got ",
+                                                 group.size(), " characters"));
+}
+
+std::string GroupKey(absl::string_view job, absl::string_view group) {
+  if (group.empty()) return std::string(job);
+  return absl::StrCat(job, "/", group);
+}
+
+std::pair<absl::string_view, absl::string_view> SplitGroupKey(absl::string_view key) {
+  const size_t slash = key.find('/');
+  if (slash == absl::string_view::npos) return {key, absl::string_view()};
+  return {key.substr(0, slash), key.substr(slash + 1)};
+}
+
 }  // namespace rankscope

@@ -8,6 +8,8 @@
 #define RANKSCOPE_COMMON_JOB_NAME_H_
 
 #include <cstddef>
+#include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -33,6 +35,22 @@ enum class JobNameEcho {
 // OK iff IsValidJobName(job, max_length); else InvalidArgument with the message `echo` selects.
 absl::Status ValidateJobName(absl::string_view job, JobNameEcho echo,
                              size_t max_length = kMaxJobNameLength);
+
+// A data-parallel group's name (docs/DESIGN.md "Who a rank is"): 0..kMaxGroupNameLength
+// characters of the same set; empty is the job's only group.
+inline constexpr size_t kMaxGroupNameLength = 64;
+
+// OK iff `group` is empty or 1..kMaxGroupNameLength characters of [A-Za-z0-9_.:-]; else
+// InvalidArgument with the message `echo` selects.
+absl::Status ValidateGroupName(absl::string_view group, JobNameEcho echo);
+
+// The name under which the collector joins, stores and exports one data-parallel group of a job:
+// the job's name when `group` is empty (the job's only group), else "JOB/GROUP". '/' is in
+// neither name's character set, so the key splits back unambiguously (SplitGroupKey).
+std::string GroupKey(absl::string_view job, absl::string_view group);
+
+// The (job, group) of a GroupKey; group is empty for a key without '/'.
+std::pair<absl::string_view, absl::string_view> SplitGroupKey(absl::string_view key);
 
 }  // namespace rankscope
 

@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -68,6 +69,23 @@ std::string Hostname() {
   return buf;
 }
 
+// "host:pid:16 hex digits": unique per agent, stable across its reconnects.
+std::string NewInstanceId(const std::string& host) {
+  std::random_device device;
+  const uint64_t random = (static_cast<uint64_t>(device()) << 32) ^ device() ^
+                          static_cast<uint64_t>(absl::GetCurrentTimeNanos());
+  return absl::StrCat(host.substr(0, 64), ":", getpid(), ":", absl::Hex(random, absl::kZeroPad16));
+}
+
+// True for the codes that mean the collector will refuse this stream again, whatever the
+// backoff: another process holds the rank (ALREADY_EXISTS), the job's shape differs
+// (FAILED_PRECONDITION), or this rank may not report (PERMISSION_DENIED).
+bool IsPermanentRefusal(grpc::StatusCode code) {
+  return code == grpc::StatusCode::ALREADY_EXISTS ||
+         code == grpc::StatusCode::FAILED_PRECONDITION ||
+         code == grpc::StatusCode::PERMISSION_DENIED;
+}
+
 class AgentImpl final : public Agent, private SendPoller::Client {
  public:
   AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
@@ -79,6 +97,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
                      (static_cast<uint64_t>(options_.rank) << 32)),
         sketch_dims_{options_.sketch_dim} {
     if (options_.host.empty()) options_.host = Hostname();
+    if (options_.instance_id.empty()) options_.instance_id = NewInstanceId(options_.host);
     grpc::ChannelArguments args;
     // Keep the channel's own reconnect quick; our backoff governs stream attempts.
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -109,6 +128,11 @@ class AgentImpl final : public Agent, private SendPoller::Client {
       MutexLock lock(&mu_);
       if (closed_) {
         return absl::FailedPreconditionError("rankscope agent is closed");
+      }
+      if (refused_) {
+        ++stats_.rejected;
+        return absl::FailedPreconditionError(
+            absl::StrCat("the collector refused this rank: ", last_error_));
       }
       if (!SketchDimAccepted(sketch_dims_, report.sketch.size())) {
         ++stats_.invalid;
@@ -174,6 +198,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
     s.queued = ring_.size();
     s.unacked = unacked_.size();
     s.last_error = last_error_;
+    s.refused = refused_;
     return s;
   }
 
@@ -231,7 +256,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
       absl::Duration delay;
       {
         MutexLock lock(&mu_);
-        if (stopping_) break;
+        if (stopping_ || refused_) break;
         delay = backoff_.Next();
       }
       {
@@ -240,7 +265,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
         wake_mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), delay);
       }
       MutexLock lock(&mu_);
-      if (stopping_) break;
+      if (stopping_ || refused_) break;
       ++stats_.reconnects;
     }
     MutexLock lock(&mu_);
@@ -352,6 +377,11 @@ class AgentImpl final : public Agent, private SendPoller::Client {
     }
     call.reset();
     MutexLock lock(&mu_);
+    if (!status.ok() && !stopping_ && IsPermanentRefusal(status.error_code())) {
+      last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
+      RefuseLocked();
+      return;
+    }
     if (!status.ok() && !stopping_) {
       last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
       // Log once per outage, quietly: the training job must not be spammed.
@@ -364,6 +394,21 @@ class AgentImpl final : public Agent, private SendPoller::Client {
                      last_error_.c_str(), TransportHint(status).c_str());
       }
     }
+  }
+
+  // The collector refused this rank for good: stop reconnecting, say so once, plainly, and
+  // let go of every held report (counted as rejected), so Flush and Close return at once.
+  void RefuseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    refused_ = true;
+    stats_.rejected += outstanding_;
+    outstanding_ = 0;
+    ring_.Clear();
+    unacked_.Clear();
+    std::fprintf(stderr,
+                 "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
+                 "rank stops reporting to it, training continues\n",
+                 options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
+                 options_.rank, last_error_.c_str());
   }
 
   static const char* DescribeFailure(grpc::StatusCode code) {
@@ -583,6 +628,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool sender_done_ ABSL_GUARDED_BY(mu_) = false;
   bool warned_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool refused_ ABSL_GUARDED_BY(mu_) = false;  // a permanent refusal: see AgentStats::refused
   const size_t wake_threshold_ = std::max<size_t>(options_.queue_capacity / 2, 1);
 
   // The sender thread's sleep. Separate from mu_ so that Record(), which takes mu_, normally
@@ -612,6 +658,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   if (options.sketch_dim == 0 || options.sketch_dim > kMaxSketchDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("sketch_dim ", options.sketch_dim, " must be in [1, ", kMaxSketchDim, "]"));
+  }
+  if (absl::Status group = ValidateGroupName(options.group, JobNameEcho::kQuote); !group.ok()) {
+    return group;
+  }
+  if (options.instance_id.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("instance_id has ", options.instance_id.size(), " characters; at most 128"));
   }
   if (options.collector_address.empty()) {
     return absl::InvalidArgumentError("collector_address is empty");

@@ -42,6 +42,12 @@ class ReportRing {
   // Moves the oldest report into *out (swapping buffers). Returns false when empty.
   bool Pop(QueuedReport* out);
 
+  // Forgets every queued report; the slots keep their buffers.
+  void Clear() {
+    head_ = 0;
+    size_ = 0;
+  }
+
   size_t size() const { return size_; }
   size_t capacity() const { return slots_.size(); }
   bool empty() const { return size_ == 0; }

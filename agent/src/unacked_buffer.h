@@ -50,6 +50,12 @@ class UnackedBuffer {
   // The lowest held seq marked for resending and not handed out yet, unmarked; null when none.
   MessagePtr NextResend();
 
+  // Forgets every held report (the collector refused the rank for good).
+  void Clear() {
+    messages_.clear();
+    resend_next_ = resend_end_;
+  }
+
   size_t size() const { return messages_.size(); }
   bool empty() const { return messages_.empty(); }
   size_t capacity() const { return capacity_; }

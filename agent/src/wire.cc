@@ -1,5 +1,7 @@
 #include "wire.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <memory>
 
@@ -18,6 +20,10 @@ v1::AgentMessage HelloMessage(const AgentOptions& options) {
   h->set_agent_version(kAgentVersion);
   h->set_framework_version(options.framework_version);
   h->set_auth_token(options.auth_token);
+  h->set_group(options.group);
+  if (options.global_rank) h->set_global_rank(*options.global_rank);
+  h->set_instance_id(options.instance_id);
+  h->set_pid(static_cast<uint32_t>(getpid()));
   return msg;
 }
 

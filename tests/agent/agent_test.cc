@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collector/collector.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rankscope/agent_c.h"
 #include "tests/testing/test_util.h"
@@ -151,8 +152,17 @@ TEST(AgentTest, HelloRejectedForMismatchedSketchIsNotAcked) {
   auto second = Agent::Create(b);
   ASSERT_TRUE(second.ok());
   ASSERT_TRUE((*second)->Record(Report(1, sketch)).ok());
-  EXPECT_EQ((*second)->Flush(absl::Milliseconds(300)).code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ((*second)->stats().acked, 0u);
+  // FAILED_PRECONDITION is a permanent refusal: the agent stops retrying, says why, lets go of
+  // what it held (rejected, never acked) and refuses further reports.
+  ASSERT_TRUE(testing::WaitFor([&] { return (*second)->stats().refused; }));
+  const AgentStats refused = (*second)->stats();
+  EXPECT_EQ(refused.acked, 0u);
+  EXPECT_EQ(refused.rejected, 1u);
+  EXPECT_EQ(refused.unacked + refused.queued, 0u);
+  EXPECT_THAT(refused.last_error, ::testing::HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_TRUE((*second)->Flush(absl::Milliseconds(300)).ok());  // nothing is held
+  EXPECT_EQ((*second)->Record(Report(2, sketch)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*second)->stats().reconnects, 0u);
   (*second)->Close(absl::ZeroDuration()).IgnoreError();
   (*first)->Close(absl::ZeroDuration()).IgnoreError();
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -41,12 +42,13 @@ TEST(JobRegistryTest, RankClaimedByAnotherHostIsAlreadyExists) {
   JobRegistry registry(10, absl::Hours(1));
   auto a = std::make_shared<NullStream>();
   auto b = std::make_shared<NullStream>();
-  std::optional<v1::Control> control;
+  JobRegistry::Attached control;
   ASSERT_TRUE(registry.Attach(Hello(1), kT0, a, &control).status.ok());
   const Rejection r = registry.Attach(Hello(1, "node-b"), kT0, b, &control);
   EXPECT_EQ(r.status.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(ReasonLabel(r.reason), "rank_taken");
-  EXPECT_THAT(std::string(r.status.message()), HasSubstr("already connected from host 'node-a'"));
+  EXPECT_THAT(std::string(r.status.message()),
+              HasSubstr("held by a live stream from host 'node-a'"));
   // The same host, or another attempt, takes the claim over.
   EXPECT_TRUE(registry.Attach(Hello(1), kT0, b, &control).status.ok());
   auto c = std::make_shared<NullStream>();
@@ -61,10 +63,100 @@ TEST(JobRegistryTest, RankClaimedByAnotherHostIsAlreadyExists) {
   EXPECT_TRUE(registry.Attach(Hello(1, "node-d"), kT0, a, &control).status.ok());
 }
 
+v1::Hello Instance(uint32_t rank, const std::string& instance, uint32_t attempt = 0) {
+  v1::Hello h = Hello(rank, "node-a", attempt);
+  h.set_instance_id(instance);
+  h.set_pid(100 + rank);
+  return h;
+}
+
+// Two processes on one host (two runs, or two models with one job name) are told apart by
+// instance: the second is refused while the first's stream is live, with the holder named.
+TEST(JobRegistryTest, AnotherInstanceOnTheSameHostIsAlreadyExists) {
+  JobRegistry registry(10, absl::Hours(1));
+  auto a = std::make_shared<NullStream>();
+  auto b = std::make_shared<NullStream>();
+  JobRegistry::Attached attached;
+  ASSERT_TRUE(registry.Attach(Instance(2, "run-a"), kT0, a, &attached).status.ok());
+  const Rejection r = registry.Attach(Instance(2, "run-b"), kT0, b, &attached);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(r.status.message()),
+              HasSubstr("host 'node-a' pid 102 (instance 'run-a')"));
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("group="));
+  // The same instance reconnecting before its old stream was noticed dead is accepted.
+  EXPECT_TRUE(registry.Attach(Instance(2, "run-a"), kT0, b, &attached).status.ok());
+  EXPECT_EQ(attached.epoch, 0u);
+  EXPECT_FALSE(attached.restarted);
+}
+
+// A run resumed with no restart counter: every rank comes back as a new instance after the old
+// streams closed. The first one moves the job to a new epoch, the others join it, a survivor of
+// the old run keeps the old epoch (its reports lose), and the epoch is in the jobs row.
+TEST(JobRegistryTest, NewInstancesAfterTheOldStreamsClosedAreARestart) {
+  JobRegistry registry(10, absl::Hours(1));
+  std::vector<std::shared_ptr<AgentStream>> old_run, new_run;
+  JobRegistry::Attached attached;
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    old_run.push_back(std::make_shared<NullStream>());
+    ASSERT_TRUE(
+        registry.Attach(Instance(rank, absl::StrCat("old-", rank)), kT0, old_run.back(), &attached)
+            .status.ok());
+    EXPECT_EQ(attached.epoch, 0u);
+  }
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    ASSERT_TRUE(registry.Detach(Instance(rank, absl::StrCat("old-", rank)), old_run[rank], kT0));
+  }
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    new_run.push_back(std::make_shared<NullStream>());
+    ASSERT_TRUE(
+        registry.Attach(Instance(rank, absl::StrCat("new-", rank)), kT0, new_run.back(), &attached)
+            .status.ok());
+    EXPECT_EQ(attached.epoch, 1u) << rank;
+    EXPECT_EQ(attached.restarted, rank == 0) << rank;
+  }
+  EXPECT_EQ(registry.Epoch("exp-42"), 1u);
+  // Rank 3 of the old run is still connected: a new instance of it in the same attempt waits.
+  EXPECT_EQ(ReasonLabel(registry.Attach(Instance(3, "new-3"), kT0, new_run[0], &attached).reason),
+            "rank_taken");
+  // The old process of rank 3 reconnects: it keeps its old epoch.
+  ASSERT_TRUE(registry.Attach(Instance(3, "old-3"), kT0, old_run[3], &attached).status.ok());
+  EXPECT_EQ(attached.epoch, 0u);
+  ASSERT_TRUE(registry.StoredRow("exp-42").has_value());
+  EXPECT_EQ(registry.StoredRow("exp-42")->attempt, 1u);
+  // A collector restart restores the epoch from the jobs row.
+  JobRegistry restored(10, absl::Hours(1));
+  ASSERT_TRUE(restored.Restore(*registry.StoredRow("exp-42"), kT0));
+  EXPECT_EQ(restored.Epoch("exp-42"), 1u);
+}
+
+// An elastic resize: a higher attempt may change the world size; the same attempt may not.
+TEST(JobRegistryTest, ANewAttemptMayResizeTheJob) {
+  JobRegistry registry(10, absl::Hours(1));
+  auto s = std::make_shared<NullStream>();
+  JobRegistry::Attached attached;
+  ASSERT_TRUE(registry.Attach(Instance(0, "a"), kT0, s, &attached).status.ok());
+  v1::Hello smaller = Instance(0, "b", 1);
+  smaller.set_world_size(2);
+  ASSERT_TRUE(registry.Attach(smaller, kT0, s, &attached).status.ok());
+  EXPECT_TRUE(attached.resized);
+  EXPECT_TRUE(attached.restarted);
+  EXPECT_EQ(attached.epoch, 1u);
+  EXPECT_EQ(registry.StoredRow("exp-42")->world_size, 2u);
+  v1::Hello same_attempt = Instance(1, "c", 1);
+  same_attempt.set_world_size(4);
+  EXPECT_EQ(ReasonLabel(registry.Attach(same_attempt, kT0, s, &attached).reason),
+            "world_size_changed");
+  // An older attempt's process is accepted but joins an epoch below the current one.
+  v1::Hello old = Instance(1, "d", 0);
+  old.set_world_size(2);
+  ASSERT_TRUE(registry.Attach(old, kT0, s, &attached).status.ok());
+  EXPECT_EQ(attached.epoch, 0u);
+}
+
 TEST(JobRegistryTest, IdentityTtlAndMaxJobs) {
   JobRegistry registry(1, absl::Hours(1));
   auto s = std::make_shared<NullStream>();
-  std::optional<v1::Control> control;
+  JobRegistry::Attached control;
   ASSERT_TRUE(registry.Attach(Hello(0), kT0, s, &control).status.ok());
   v1::Hello other = Hello(0);
   other.set_job("exp-43");
@@ -84,9 +176,9 @@ TEST(JobRegistryTest, IdentityTtlAndMaxJobs) {
 TEST(JobRegistryTest, ControlRetunesTheSketchSchedule) {
   JobRegistry registry(10, absl::Hours(1));
   auto s = std::make_shared<NullStream>();
-  std::optional<v1::Control> control;
+  JobRegistry::Attached control;
   ASSERT_TRUE(registry.Attach(Hello(0), kT0, s, &control).status.ok());
-  EXPECT_FALSE(control.has_value());
+  EXPECT_FALSE(control.control.has_value());
   bool dropped_changed = false;
   ASSERT_TRUE(registry.NoteReport(Hello(0), 40, 0, kT0, &dropped_changed));
   EXPECT_TRUE(dropped_changed);  // the first count of a stream is always forwarded

@@ -213,6 +213,7 @@ void ExpectJobEq(const JobRow& want, const JobRow& got) {
   EXPECT_EQ(want.first_seen, got.first_seen);
   EXPECT_EQ(want.last_seen, got.last_seen);
   EXPECT_EQ(want.last_step, got.last_step);
+  EXPECT_EQ(want.attempt, got.attempt);
 }
 
 void ExpectStepEq(const StepRow& want, const StepRow& got) {
@@ -325,7 +326,7 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
                                         "first_seen", "last_seen"}));
   // ...and exactly the header's schema.
   EXPECT_THAT(jobs.names, ElementsAre("job", "world_size", "sketch_dim", "sketch_seed",
-                                      "first_seen", "last_seen", "last_step"));
+                                      "first_seen", "last_seen", "last_step", "attempt"));
   EXPECT_THAT(jobs.primary_key, ElementsAre("job"));
 
   ColumnInfo ranks = TableInfo(raw, "rank_steps");
@@ -358,7 +359,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 2);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 3);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -385,12 +386,12 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 3");
+  RawDb(path_).Exec("PRAGMA user_version = 4");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 3"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 4"));
 }
 
 // A file the first release (schema 1) wrote: a read-only open refuses it and says how to
@@ -411,7 +412,7 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
 
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 2);
+  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 3);
   auto old = store->GetStep("old-job", 41);
   ASSERT_TRUE(old.ok()) << old.status();
   ASSERT_TRUE(old->has_value());
@@ -427,6 +428,16 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
   auto fresh = store->GetStep("old-job", 42);
   ASSERT_TRUE(fresh.ok() && fresh->has_value());
   EXPECT_EQ((*fresh)->duplicate_groups, "0,1");
+  // Schema 3: the jobs row carries the job's epoch (JobRegistry), 0 for the old job.
+  auto jobs = store->ListJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  for (const JobRow& job : *jobs) EXPECT_EQ(job.attempt, 0u) << job.job;
+  JobRow restarted = MakeJob("old-job", 42);
+  restarted.attempt = 2;
+  ASSERT_TRUE(store->Write(Batch({}, {restarted})).ok());
+  jobs = store->ListJobs();
+  ASSERT_TRUE(jobs.ok() && !jobs->empty());
+  EXPECT_EQ(jobs->front().attempt, 2u);
   auto reader = SqliteStore::Open(path_, read_only);  // migrated: readers open it now
   EXPECT_TRUE(reader.ok()) << reader.status();
 }

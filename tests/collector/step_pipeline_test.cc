@@ -54,7 +54,7 @@ class StepPipelineTest : public ::testing::Test {
     h.set_sketch_seed(1);
     return h;
   }
-  void Connect(const v1::Hello& hello) {
+  void Connect(v1::Hello hello) {
     ASSERT_TRUE(pipeline_->AcceptHello(hello, std::make_shared<NullStream>()).status.ok());
   }
   void Report(const v1::Hello& hello, uint64_t step, uint64_t dropped_total) {

@@ -472,8 +472,8 @@ TEST_F(BadInputTest, ARankConnectedFromAnotherHostWithTheSameAttemptIsAlreadyExi
   ASSERT_TRUE(owner.AwaitAck(1));
   ExpectRefused([&] { return Stream({Bytes(Hello("claimed", 0, 1, kDim, "host-b"))}); },
                 grpc::StatusCode::ALREADY_EXISTS,
-                "rank 0 of job claimed (attempt 0) is already connected from host 'host-a'; "
-                "this hello from host 'host-b' claims it too");
+                "rank 0 of job claimed (attempt 0) is held by a live stream from host 'host-a' "
+                "pid 0 (instance ''); this hello from host 'host-b' pid 0 claims it too");
   EXPECT_EQ(Metric("rankscope_reports_rejected_total", "reason=\"rank_taken\""), 1);
   // The same host (a reconnect the collector has not noticed yet) is accepted ...
   RawStream reconnect(stub_);

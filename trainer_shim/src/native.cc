@@ -231,6 +231,7 @@ class PyAgent {
     d["queued"] = s.queued;
     d["unacked"] = s.unacked;
     d["last_error"] = s.last_error;
+    d["refused"] = s.refused;
     return d;
   }
 
@@ -247,6 +248,9 @@ class PyAgent {
   }
 
   std::unique_ptr<Agent> agent_;
+
+ public:
+  const AgentOptions& options() const { return agent_->options(); }
 };
 
 AgentOptions MakeAgentOptions(const std::string& collector, const std::string& job, uint32_t rank,
@@ -256,8 +260,12 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
                               size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
                               double max_backoff_s, const std::string& tls_ca_file,
                               const std::string& tls_cert_file, const std::string& tls_key_file,
-                              const std::string& tls_target_name) {
+                              const std::string& tls_target_name, const std::string& group,
+                              int64_t global_rank, const std::string& instance_id) {
   AgentOptions o;
+  o.group = group;
+  if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
+  o.instance_id = instance_id;
   o.collector_address = collector;
   o.job = job;
   o.rank = rank;
@@ -415,11 +423,13 @@ PYBIND11_MODULE(_native, m) {
                        size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
                        double max_backoff_s, const std::string& tls_ca_file,
                        const std::string& tls_cert_file, const std::string& tls_key_file,
-                       const std::string& tls_target_name) {
+                       const std::string& tls_target_name, const std::string& group,
+                       int64_t global_rank, const std::string& instance_id) {
              return std::make_unique<PyAgent>(MakeAgentOptions(
                  collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
                  framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
-                 max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name));
+                 max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name, group,
+                 global_rank, instance_id));
            }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
@@ -428,7 +438,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_unacked") = 8192, py::arg("initial_backoff_s") = 0.1,
            py::arg("max_backoff_s") = 10.0, py::arg("tls_ca_file") = "",
            py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
-           py::arg("tls_target_name") = "")
+           py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
+           py::arg("instance_id") = "")
+      .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),

@@ -63,8 +63,16 @@ struct AgentOptions {
   uint32_t world_size = 1;  // required, >= 1
   uint32_t sketch_dim = kDefaultSketchDim;
   uint64_t sketch_seed = kDefaultSketchSeed;
-  uint32_t attempt = 0;           // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
-  std::string host;               // default: gethostname()
+  uint32_t attempt = 0;  // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
+  std::string host;      // default: gethostname()
+  // Who this rank is beyond (job, rank): its data-parallel group ([A-Za-z0-9_.:-]{0,64}, empty =
+  // the job's only group; rank and world_size are then the rank's index in and the size of the
+  // group) and its rank in the whole job (torch.distributed's global rank), shown in alerts.
+  std::string group;
+  std::optional<uint32_t> global_rank;
+  // This agent's identity across its reconnects; default: host, pid and 64 random bits. A second
+  // live stream for the same (job, group, rank) from another instance is refused (ALREADY_EXISTS).
+  std::string instance_id;
   std::string framework_version;  // e.g. "torch 1.13.1"
   std::string auth_token;         // sent in the hello when non-empty
   ClientTlsOptions tls;           // plaintext by default
@@ -101,6 +109,11 @@ struct AgentStats {
   // Why the newest failed stream ended ("UNAUTHENTICATED: ...", "UNAVAILABLE: ... handshake
   // ..."); empty until a stream fails. Kept after the agent reconnects.
   std::string last_error;
+  // The collector refused this rank for good (ALREADY_EXISTS, FAILED_PRECONDITION or
+  // PERMISSION_DENIED: another process holds the rank, the job's shape differs, or this rank may
+  // not report): the agent stopped reconnecting, dropped what it held (counted as rejected) and
+  // refuses further Record() calls. last_error says why.
+  bool refused = false;
 
   // Adds other's counters (recorded through unacked) into this one: the totals of several agents.
   // connected and last_error are per agent and left unchanged.

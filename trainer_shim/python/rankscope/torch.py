@@ -72,6 +72,28 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _group_ranks(pg) -> list:
+    """The global ranks a process group spans, sorted; read locally, no communication."""
+    if hasattr(dist, "get_process_group_ranks"):  # torch >= 2.0
+        return sorted(dist.get_process_group_ranks(pg))
+    from torch.distributed import distributed_c10d as c10d
+    return sorted(c10d._pg_group_ranks[pg].keys())
+
+
+def data_parallel_group(pg) -> str:
+    """The name rankscope gives a DDP model's process group: "" (the job's only group) when it
+    spans every rank of the job, else ``dp<lowest global rank>``, e.g. "dp1" for the odd ranks of
+    a job laid out with tensor parallelism 2. Data-parallel groups of one model are disjoint, so
+    their lowest ranks tell them apart; every rank of a group derives the same name."""
+    if pg is None or dist.get_world_size(pg) == dist.get_world_size():
+        return ""
+    return f"dp{_group_ranks(pg)[0]}"
+
+
+# (collector, job, group, rank) -> the live Monitor of this process that reports it.
+_ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
 def attach(model: "torch.nn.parallel.DistributedDataParallel",
            collector: Optional[str] = None,
            job: Optional[str] = None,
@@ -96,7 +118,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            warn_after: float = 10.0,
            max_backoff: float = 10.0,
            control_margin: float = 2.0,
-           close_timeout: float = 2.0) -> "Monitor":
+           close_timeout: float = 2.0,
+           group: Optional[str] = None) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -133,11 +156,17 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       control_margin: seconds of steps between the first rank seeing a control message and the
         step it applies at, when the collector's proposed step is too close or past.
       close_timeout: seconds ``close`` (and interpreter exit) waits for unacked reports.
+      group: the model's data-parallel group ([A-Za-z0-9_.:-], at most 64 characters). Default:
+        derived from the DDP model's process group without any communication ("" when it spans
+        the whole job, else ``dp<lowest global rank>``). Ranks are compared only within their
+        group; give two models of one process (a GAN's generator and discriminator) distinct
+        groups, or distinct job names.
     Returns:
       the Monitor; call ``mon.step(loss)`` once per optimizer step.
     Raises:
       TypeError if ``model`` is not DDP; ValueError on a bad job name or option (a TLS file
-      that is missing, not PEM, or a key that does not match its certificate); RuntimeError if
+      that is missing, not PEM, or a key that does not match its certificate), or when this
+      process already reports the same (job, group, rank) for another model; RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -155,7 +184,17 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         raise ValueError(f"every must be >= 1, got {every}")
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
-    monitor = Monitor(model, collector=collector, job=job, sketch_dim=int(sketch_dim),
+    group = data_parallel_group(model.process_group) if group is None else str(group)
+    key = (collector, job, group, dist.get_rank(model.process_group))
+    holder = _ATTACHED.get(key)
+    if holder is not None and not holder._closed:
+        raise ValueError(
+            f"rankscope.torch.attach: this process already reports job {job!r} group {group!r} "
+            f"rank {key[3]} for another model; the collector would refuse (or mix) the two. "
+            "Pass group=... (e.g. group='generator' and group='discriminator') or another job "
+            "name to one of them")
+    monitor = Monitor(model, collector=collector, job=job, group=group,
+                      sketch_dim=int(sketch_dim),
                       every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
@@ -174,6 +213,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             "rankscope.torch.attach: DDP refused the comm hook (a model takes one hook, "
             "registered once; pass your own hook to attach(comm_hook=...) instead of "
             f"registering it): {e}") from e
+    _ATTACHED[key] = monitor
     return monitor
 
 
@@ -217,7 +257,8 @@ def _rankscope_comm_hook(state: _HookState,
 class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
-    def __init__(self, model, *, collector, job, sketch_dim, every, enabled, start_step,
+    def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
+                 start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
                  param_check_every=50,
                  fingerprints=True, queue_capacity, max_unacked,
@@ -225,7 +266,9 @@ class Monitor:
         pg = model.process_group
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
+        self.global_rank = dist.get_rank()
         self.job = job
+        self.group = group
         self.collector = collector
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self._local_batch_size = local_batch_size
@@ -238,11 +281,13 @@ class Monitor:
             framework_version=f"torch {torch.__version__}", auth_token=auth_token,
             queue_capacity=queue_capacity, max_unacked=max_unacked,
             initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff,
-            **(tls_options or {}))
+            group=group, global_rank=self.global_rank, **(tls_options or {}))
+        self.instance_id = self._agent.instance_id()
 
         self._every = every
         self._enabled = enabled
         self._closed = False
+        self._refused = False  # the collector refused this rank for good (stats()["refused"])
         self.counters = collections.Counter()
         self._warned = set()
         # The four parts behind the monitor: the hook's sketching and fingerprinting, the
@@ -255,7 +300,8 @@ class Monitor:
                                         warn_once, on_restart=self._replica.reset)
         self.num_coordinates = self._sketcher.num_coordinates
         self._deferred = DeferredReports(self._agent, self.counters)
-        self._controls = ControlAgreement(job, self.attempt, self.rank, control_margin,
+        self._controls = ControlAgreement(f"{job}/{group}" if group else job, self.attempt,
+                                          self.rank, control_margin,
                                           self.counters, warn_once)
 
         self._step = start_step
@@ -409,7 +455,8 @@ class Monitor:
     # ---- step side --------------------------------------------------------------------------
 
     def _decide(self, step: int) -> bool:
-        return self._enabled and not self._closed and step % self._every == 0
+        return (self._enabled and not self._closed and not self._refused
+                and step % self._every == 0)
 
     def _step_time(self):
         t_first_hook = self._sketcher.t_first_hook
@@ -469,9 +516,17 @@ class Monitor:
 
     def _check_health(self, now: float) -> None:
         self._next_health_check = now + self._health_interval
+        s = self._agent.stats()
+        if s.get("refused"):
+            self._warn_once("refused", f"rankscope: the collector at {self.collector} refused "
+                            f"job {self.job} group {self.group!r} rank {self.rank} for good "
+                            f"({s['last_error']}); this rank stops reporting, training "
+                            "continues")
+            self._active = False
+            self._refused = True
+            return
         if now - self._t_attach < self._warn_after:
             return
-        s = self._agent.stats()
         if not s["connected"]:
             why = f" ({s['last_error']})" if s.get("last_error") else ""
             self._warn_once("down", f"rankscope: no connection to the collector at "
