@@ -221,8 +221,18 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   row.attempt = attached.epoch;
   row.first_seen = now;
   row.last_seen = now;
+  RankIdentityRow who;
+  who.job = hello.job();
+  who.rank = hello.rank();
+  if (hello.has_global_rank()) who.global_rank = hello.global_rank();
+  who.host = hello.host();
+  who.instance_id = hello.instance_id();
+  who.pid = hello.pid();
+  who.attempt = attached.epoch;
+  who.seen = now;
   WriteItem item;
   item.batch.jobs.push_back(std::move(row));
+  item.batch.rank_identities.push_back(std::move(who));
   writer_.Enqueue(std::move(item));
   return {};
 }

@@ -28,6 +28,17 @@ CREATE TABLE IF NOT EXISTS jobs(
   last_seen REAL NOT NULL,
   last_step INTEGER NOT NULL DEFAULT 0,
   attempt INTEGER NOT NULL DEFAULT 0);  -- the job's current epoch: rows of older ones lose
+CREATE TABLE IF NOT EXISTS rank_identities(
+  job TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  global_rank INTEGER,  -- NULL when the agent did not state it
+  host TEXT NOT NULL,
+  instance_id TEXT NOT NULL,
+  pid INTEGER NOT NULL,
+  attempt INTEGER NOT NULL,
+  first_seen REAL NOT NULL,
+  last_seen REAL NOT NULL,
+  PRIMARY KEY(job, rank)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS rank_steps(
   job TEXT NOT NULL,
   step INTEGER NOT NULL,

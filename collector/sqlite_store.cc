@@ -60,6 +60,19 @@ ON CONFLICT(job) DO UPDATE SET
   last_step = max(jobs.last_step, excluded.last_step)
 )sql";
 
+constexpr char kUpsertRankIdentity[] = R"sql(
+INSERT INTO rank_identities(job, rank, global_rank, host, instance_id, pid, attempt, first_seen,
+                            last_seen)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8)
+ON CONFLICT(job, rank) DO UPDATE SET
+  global_rank = excluded.global_rank,
+  host = excluded.host,
+  instance_id = excluded.instance_id,
+  pid = excluded.pid,
+  attempt = excluded.attempt,
+  last_seen = excluded.last_seen
+)sql";
+
 constexpr char kUpsertRank[] = R"sql(
 INSERT INTO rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine,
                        loss_z, grad_norm_z, nonfinite, reduced_grad_fingerprint,
@@ -187,6 +200,7 @@ struct SqliteStore::Statements {
   Stmt commit;
   Stmt rollback;
   Stmt upsert_job;
+  Stmt upsert_rank_identity;
   Stmt upsert_rank;
   Stmt upsert_step;
   Stmt list_jobs;
@@ -231,6 +245,7 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string
       {&store->stmts_->commit, "COMMIT"},
       {&store->stmts_->rollback, "ROLLBACK"},
       {&store->stmts_->upsert_job, kUpsertJob},
+      {&store->stmts_->upsert_rank_identity, kUpsertRankIdentity},
       {&store->stmts_->upsert_rank, kUpsertRank},
       {&store->stmts_->upsert_step, kUpsertStep},
       {&store->stmts_->list_jobs, kListJobs},
@@ -326,6 +341,23 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                  .rc();
     if (rc == SQLITE_OK) rc = StepToDone(stmt);
     if (rc != SQLITE_DONE) return SqlError(rc, absl::StrCat("upsert jobs ", Quote(job.job)));
+  }
+  for (const RankIdentityRow& who : batch.rank_identities) {
+    sqlite3_stmt* stmt = stmts_->upsert_rank_identity.get();
+    ScopedReset reset(stmt);
+    Binder b(stmt);
+    b.Text(who.job).Int(who.rank);
+    if (who.global_rank) {
+      b.Int(*who.global_rank);
+    } else {
+      b.Null();
+    }
+    int rc =
+        b.Text(who.host).Text(who.instance_id).Int(who.pid).Int(who.attempt).Time(who.seen).rc();
+    if (rc == SQLITE_OK) rc = StepToDone(stmt);
+    if (rc != SQLITE_DONE) {
+      return SqlError(rc, absl::StrCat("upsert rank_identities ", Quote(who.job)));
+    }
   }
   for (const StepWrite& write : batch.steps) {
     const auto step = static_cast<int64_t>(write.step);

@@ -3,6 +3,8 @@
 // Schema (created on Open, idempotently; extra columns beyond DESIGN.md are rankscope's own):
 //   jobs(job TEXT PRIMARY KEY, world_size, sketch_dim, sketch_seed, first_seen, last_seen,
 //        last_step, attempt)
+//   rank_identities(job, rank, global_rank, host, instance_id, pid, attempt, first_seen,
+//        last_seen, PRIMARY KEY(job, rank)): who holds each rank (its newest accepted hello)
 // `job` is the group key (common/job_name.h GroupKey): the job's name, or "JOB/GROUP" for a
 // data-parallel group of a job with several. `attempt` is the epoch (JobRegistry "Epochs"): in
 // jobs the job's current one, in rank_steps and step_stats the one the row was joined under
@@ -127,11 +129,24 @@ struct StepWrite {
   std::vector<RankRow> ranks;
 };
 
+// Who reports (or last reported) a rank of a job's group: its newest accepted hello.
+struct RankIdentityRow {
+  std::string job;  // the group key
+  uint32_t rank = 0;
+  std::optional<uint32_t> global_rank;
+  std::string host;
+  std::string instance_id;
+  uint32_t pid = 0;
+  uint32_t attempt = 0;                      // the epoch its reports join under
+  absl::Time seen = absl::UnixEpoch();       // first_seen on insert, last_seen always
+};
+
 // Everything written in one transaction.
 struct StoreBatch {
   std::vector<JobRow> jobs;
+  std::vector<RankIdentityRow> rank_identities;
   std::vector<StepWrite> steps;
-  bool empty() const { return jobs.empty() && steps.empty(); }
+  bool empty() const { return jobs.empty() && rank_identities.empty() && steps.empty(); }
 };
 
 struct StoreOptions {

@@ -15,6 +15,8 @@ namespace {
 
 void Append(StoreBatch& into, StoreBatch&& from) {
   std::move(from.jobs.begin(), from.jobs.end(), std::back_inserter(into.jobs));
+  std::move(from.rank_identities.begin(), from.rank_identities.end(),
+            std::back_inserter(into.rank_identities));
   std::move(from.steps.begin(), from.steps.end(), std::back_inserter(into.steps));
 }
 

@@ -339,6 +339,11 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
                           "received_at", "replica_ok", "outlier_score", "step_time_z"));
   EXPECT_THAT(ranks.primary_key, ElementsAre("job", "step", "rank"));
 
+  ColumnInfo who = TableInfo(raw, "rank_identities");
+  EXPECT_THAT(who.names, ElementsAre("job", "rank", "global_rank", "host", "instance_id", "pid",
+                                     "attempt", "first_seen", "last_seen"));
+  EXPECT_THAT(who.primary_key, ElementsAre("job", "rank"));
+
   ColumnInfo stats = TableInfo(raw, "step_stats");
   EXPECT_THAT(stats.names, IsSupersetOf({"job", "step", "ranks", "loss_mean", "loss_std",
                                          "loss_range", "grad_norm_mean", "grad_norm_std",
@@ -904,7 +909,7 @@ TEST_F(SqliteStoreTest, InjectionLookingJobNamesAreStoredVerbatim) {
   EXPECT_EQ(*store->CountRankRows("aXbYc"), 0);
   EXPECT_EQ(*store->CountRankRows("nul"), 0);
   RawDb raw(path_);
-  EXPECT_EQ(raw.Int("SELECT count(*) FROM sqlite_schema WHERE type = 'table'"), 3);
+  EXPECT_EQ(raw.Int("SELECT count(*) FROM sqlite_schema WHERE type = 'table'"), 4);
 }
 
 // --- Concurrency with other connections. ------------------------------------------------------

@@ -187,7 +187,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
     group = data_parallel_group(model.process_group) if group is None else str(group)
     key = (collector, job, group, dist.get_rank(model.process_group))
     holder = _ATTACHED.get(key)
-    if holder is not None and not holder._closed:
+    # The same model again is DDP's refusal (one comm hook per model), said below.
+    if holder is not None and not holder._closed and holder._model_id != id(model):
         raise ValueError(
             f"rankscope.torch.attach: this process already reports job {job!r} group {group!r} "
             f"rank {key[3]} for another model; the collector would refuse (or mix) the two. "
@@ -269,6 +270,7 @@ class Monitor:
         self.global_rank = dist.get_rank()
         self.job = job
         self.group = group
+        self._model_id = id(model)
         self.collector = collector
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self._local_batch_size = local_batch_size
