@@ -455,6 +455,12 @@ class AgentImpl final : public Agent, private SendPoller::Client {
         return "RESOURCE_EXHAUSTED";
       case grpc::StatusCode::FAILED_PRECONDITION:
         return "FAILED_PRECONDITION";
+      case grpc::StatusCode::ALREADY_EXISTS:
+        return "ALREADY_EXISTS";
+      case grpc::StatusCode::NOT_FOUND:
+        return "NOT_FOUND";
+      case grpc::StatusCode::INTERNAL:
+        return "INTERNAL";
       case grpc::StatusCode::UNAVAILABLE:
         return "UNAVAILABLE";
       case grpc::StatusCode::UNAUTHENTICATED:
