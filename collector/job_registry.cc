@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace rankscope::collector {
@@ -205,11 +206,33 @@ absl::StatusOr<v1::Control> JobRegistry::UpdateControl(
     const std::string& job, std::optional<bool> enabled, std::optional<uint32_t> every,
     std::optional<uint32_t> sketch_dim, uint32_t lead_steps, absl::Time now,
     std::vector<std::shared_ptr<AgentStream>>* streams) {
-  auto it = jobs_.find(job);
-  if (it == jobs_.end()) {
+  std::vector<Job*> targets;
+  if (auto it = jobs_.find(job); it != jobs_.end()) {
+    targets.push_back(&it->second);
+  } else {
+    // A job of several data-parallel groups: the control goes to every group ("JOB/GROUP").
+    const std::string prefix = absl::StrCat(job, "/");
+    for (auto& [key, j] : jobs_) {
+      if (absl::StartsWith(key, prefix)) targets.push_back(&j);
+    }
+  }
+  if (targets.empty()) {
     return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
   }
-  Job& j = it->second;
+  std::optional<v1::Control> first;
+  for (Job* j : targets) {
+    v1::Control control = NextControl(*j, enabled, every, sketch_dim, lead_steps, now);
+    j->control = control;
+    streams->insert(streams->end(), j->streams.begin(), j->streams.end());
+    if (!first) first = control;
+  }
+  return *first;
+}
+
+v1::Control JobRegistry::NextControl(const Job& j, std::optional<bool> enabled,
+                                     std::optional<uint32_t> every,
+                                     std::optional<uint32_t> sketch_dim, uint32_t lead_steps,
+                                     absl::Time now) {
   v1::Control control;
   if (j.control) {
     control = *j.control;
@@ -225,8 +248,6 @@ absl::StatusOr<v1::Control> JobRegistry::UpdateControl(
   if (enabled) control.set_enabled(*enabled);
   if (every) control.set_every(*every);
   if (sketch_dim) control.set_sketch_dim(*sketch_dim);
-  j.control = control;
-  streams->insert(streams->end(), j.streams.begin(), j.streams.end());
   return control;
 }
 

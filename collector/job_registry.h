@@ -131,7 +131,9 @@ class JobRegistry {
   // Updates the job's control (fields not given keep their value; a job without one starts from
   // enabled, every 1) to apply `lead_steps` (at least 1) after its newest step, with a generation
   // of max(previous + 1, `now` in Unix microseconds) so that generations keep increasing across
-  // collector restarts. Appends the job's streams to *streams. NOT_FOUND for an unknown job.
+  // collector restarts. Appends the job's streams to *streams. A job name that is no group key
+  // but the name of a job with several groups updates every group ("JOB/GROUP"), each from its
+  // own newest step; the first group's control is returned. NOT_FOUND for an unknown job.
   absl::StatusOr<v1::Control> UpdateControl(const std::string& job, std::optional<bool> enabled,
                                             std::optional<uint32_t> every,
                                             std::optional<uint32_t> sketch_dim, uint32_t lead_steps,
@@ -171,6 +173,11 @@ class JobRegistry {
     // state that may have expired meanwhile) sees its first count.
     std::vector<std::optional<uint64_t>> dropped_forwarded;
   };
+
+  // The control that follows j's current one (see UpdateControl).
+  static v1::Control NextControl(const Job& j, std::optional<bool> enabled,
+                                 std::optional<uint32_t> every, std::optional<uint32_t> sketch_dim,
+                                 uint32_t lead_steps, absl::Time now);
 
   const size_t max_jobs_;
   const absl::Duration identity_ttl_;

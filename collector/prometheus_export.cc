@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_name.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_type.h"
 
@@ -177,6 +178,21 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
      "Steps in which two or more ranks had identical or near-identical local gradients.",
      MetricType::Counter},
 };
+
+// The labels of a group key's series: {train_job} for a job with one group (its name), else
+// {train_job, group} (common/job_name.h SplitGroupKey).
+std::vector<ClientMetric::Label> JobLabels(const std::string& key) {
+  const auto [job, group] = SplitGroupKey(key);
+  std::vector<ClientMetric::Label> labels = {{"train_job", std::string(job)}};
+  if (!group.empty()) labels.push_back({"group", std::string(group)});
+  return labels;
+}
+
+std::vector<ClientMetric::Label> RankLabels(const std::string& key, uint32_t rank) {
+  std::vector<ClientMetric::Label> labels = JobLabels(key);
+  labels.push_back({"rank", absl::StrCat(rank)});
+  return labels;
+}
 
 void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, double value) {
   ClientMetric metric;
@@ -447,7 +463,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
     for (const auto* entry : live) {
       const std::string& job = entry->first;
       const JobState& state = entry->second;
-      const std::vector<ClientMetric::Label> job_labels = {{"train_job", job}};
+      const std::vector<ClientMetric::Label> job_labels = JobLabels(job);
       auto add = [&](Family f, double value) { AddSample(families[f], job_labels, value); };
 
       if (state.world_size > 0) add(kWorldSize, state.world_size);
@@ -491,8 +507,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradCosineMeanMinWindow, worst.grad_cosine_mean);
 
       for (const RankPoint& r : state.top_ranks) {
-        std::vector<ClientMetric::Label> labels = {{"train_job", job},
-                                                   {"rank", absl::StrCat(r.rank)}};
+        std::vector<ClientMetric::Label> labels = RankLabels(job, r.rank);
         AddSample(families[kRankGradCosine], labels, r.grad_cosine);
         AddSample(families[kRankLossZ], labels, r.loss_z);
         AddSample(families[kRankGradNormZ], labels, r.grad_norm_z);
@@ -517,12 +532,11 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
           divergent.resize(options_.per_rank_series_limit);
         }
         for (uint32_t rank : divergent) {
-          AddSample(families[kRankReplicaDivergent],
-                    {{"train_job", job}, {"rank", absl::StrCat(rank)}}, 1);
+          AddSample(families[kRankReplicaDivergent], RankLabels(job, rank), 1);
         }
       }
       for (uint32_t rank : state.missing) {
-        AddSample(families[kRankMissing], {{"train_job", job}, {"rank", absl::StrCat(rank)}}, 1);
+        AddSample(families[kRankMissing], RankLabels(job, rank), 1);
       }
     }
   }

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "collector/row_proto.h"
 #include "collector/validation.h"
+#include "common/job_name.h"
 #include "common/tsan.h"
 
 namespace rankscope::collector {
@@ -110,9 +111,12 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
                                                     const v1::RecentStepsRequest* request,
                                                     v1::RecentStepsResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
-  if (!IsValidJobName(request->job(), 128)) {
-    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                      "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  if (!IsValidGroupKey(request->job())) {
+    return Done(
+        context,
+        grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "job must be 1-128 characters of [A-Za-z0-9_.:-], or JOB/GROUP with a group of 1-64"));
   }
   int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
   return FinishOnReader(context, [request, response, limit](SqliteStore& reader) {
@@ -127,9 +131,12 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
                                                   const v1::StepRangeRequest* request,
                                                   v1::StepRangeResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
-  if (!IsValidJobName(request->job(), 128)) {
-    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                      "job must be 1-128 characters of [A-Za-z0-9_.:-]"));
+  if (!IsValidGroupKey(request->job())) {
+    return Done(
+        context,
+        grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "job must be 1-128 characters of [A-Za-z0-9_.:-], or JOB/GROUP with a group of 1-64"));
   }
   const uint64_t last =
       request->last_step() == 0 ? std::numeric_limits<uint64_t>::max() : request->last_step();

@@ -137,8 +137,8 @@ struct RankIdentityRow {
   std::string host;
   std::string instance_id;
   uint32_t pid = 0;
-  uint32_t attempt = 0;                      // the epoch its reports join under
-  absl::Time seen = absl::UnixEpoch();       // first_seen on insert, last_seen always
+  uint32_t attempt = 0;                 // the epoch its reports join under
+  absl::Time seen = absl::UnixEpoch();  // first_seen on insert, last_seen always
 };
 
 // Everything written in one transaction.

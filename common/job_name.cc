@@ -45,6 +45,12 @@ std::string GroupKey(absl::string_view job, absl::string_view group) {
   return absl::StrCat(job, "/", group);
 }
 
+bool IsValidGroupKey(absl::string_view key) {
+  const auto [job, group] = SplitGroupKey(key);
+  if (!IsValidJobName(job)) return false;
+  return key.size() == job.size() || IsValidJobName(group, kMaxGroupNameLength);
+}
+
 std::pair<absl::string_view, absl::string_view> SplitGroupKey(absl::string_view key) {
   const size_t slash = key.find('/');
   if (slash == absl::string_view::npos) return {key, absl::string_view()};

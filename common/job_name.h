@@ -49,6 +49,10 @@ absl::Status ValidateGroupName(absl::string_view group, JobNameEcho echo);
 // neither name's character set, so the key splits back unambiguously (SplitGroupKey).
 std::string GroupKey(absl::string_view job, absl::string_view group);
 
+// True iff `key` is a valid job name, or "JOB/GROUP" with a valid job name and a non-empty
+// valid group name: what a query may name.
+bool IsValidGroupKey(absl::string_view key);
+
 // The (job, group) of a GroupKey; group is empty for a key without '/'.
 std::pair<absl::string_view, absl::string_view> SplitGroupKey(absl::string_view key);
 
