@@ -83,6 +83,9 @@ struct RankRow {
   std::optional<bool> replica_ok;       // nullopt: no fingerprint of this rank was checked
   std::optional<double> outlier_score;  // see rank_diagnostics.h
   std::optional<double> step_time_z;    // robust z of the rank's step time
+  // A value of the rank's sketch was NaN or +/-Inf (the sketch itself is not stored). The stored
+  // `nonfinite` column is 1 when this is set or loss or grad_norm is not finite.
+  bool sketch_nonfinite = false;
 };
 
 struct StepRow {

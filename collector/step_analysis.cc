@@ -145,6 +145,8 @@ RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
   row.param_fingerprint = report.param_fingerprint;
   row.step_time_seconds = report.step_time_seconds;
   row.received_at = report.received_at;
+  row.sketch_nonfinite = std::any_of(report.sketch.begin(), report.sketch.end(),
+                                     [](float v) { return !std::isfinite(v); });
   return row;
 }
 
