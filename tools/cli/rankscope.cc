@@ -41,6 +41,7 @@
 #include "collector/row_proto.h"
 #include "collector/sqlite_store.h"
 #include "common/client_tls.h"
+#include "common/flag_help.h"
 #include "common/query_client.h"
 #include "google/protobuf/util/json_util.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
@@ -598,7 +599,8 @@ const char* VerbHelp(const std::string& verb) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  // `rankscope VERB --help`: the verb's own help (absl's --help lists every flag).
+  // `rankscope VERB --help`: the verb's own help; `rankscope --help`: the usage and the CLI's own
+  // flags (common/flag_help.h), exit 0.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg != "--help" && arg != "-h" && arg != "-help") continue;
@@ -609,6 +611,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  rankscope::HandleHelpFlag(argc, argv, "cli/rankscope.cc");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
     std::fprintf(stderr, "%s\n", kUsage);
