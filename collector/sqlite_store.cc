@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/rank_ranges.h"
 #include "collector/sqlite_schema.h"
 #include "collector/sqlite_statement.h"
 
@@ -173,7 +174,9 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   row->grad_noise_scale = ColumnDouble(stmt, 14);
   row->replica_checked = ColumnInt(stmt, 15) != 0;
   row->duplicate_groups = ColumnText(stmt, 18);
-  return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks) &&
+  row->missing_ranks = ColumnText(stmt, 11);
+  RankRanges missing;
+  return ParseRankRanges(row->missing_ranks, &missing) &&
          ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&
          ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks);
 }
@@ -330,7 +333,6 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
       const StepRow& row = *write.stats;
       sqlite3_stmt* stmt = stmts_->upsert_step.get();
       ScopedReset reset(stmt);
-      const std::string missing = JoinRanks(row.missing_ranks);
       const std::string divergent = JoinRanks(row.replica_divergent_ranks);
       const std::string outliers = JoinRanks(row.outlier_ranks);
       int rc = Binder(stmt)
@@ -346,7 +348,7 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Double(row.grad_norm_std)
                    .Double(row.grad_norm_cv)
                    .Double(row.grad_cosine_mean)
-                   .Text(missing)
+                   .Text(row.missing_ranks)
                    .Int(row.timed_out ? 1 : 0)
                    .Time(row.completed_at)
                    .Double(row.grad_noise_scale)

@@ -721,6 +721,64 @@ TEST(HelloTimeoutTest, ThousandsOfSilentStreamsAreEndedAndARealAgentGetsIn) {
   EXPECT_TRUE(collector.Shutdown(absl::Seconds(10)).ok());
 }
 
+// Issue 12.3: one rank claiming a world size of 1,000,000 made every step store (and
+// RecentSteps return) a 7 MB missing_ranks list, more than a default gRPC client reads. The
+// ranks are stored and sent as ranges, with the full count beside them.
+TEST(WorldSizeAmplificationTest, AMillionMissingRanksAreStoredAndSentCompactly) {
+  const std::string dir = testing::MakeTempDir();
+  CollectorOptions o;
+  o.grpc_address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.db_path = dir + "/rankscope.db";
+  o.pipeline.joiner.step_timeout = absl::Milliseconds(200);  // steps close by timeout
+  auto c = Collector::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Collector& collector = **c;
+  auto channel = grpc::CreateChannel(collector.grpc_target(), grpc::InsecureChannelCredentials());
+  {
+    grpc::GenericStub stub(channel);
+    RawStream s(&stub);
+    ASSERT_TRUE(s.Write(Hello("huge-world", 5, 1'000'000)));
+    for (uint64_t step = 1; step <= 3; ++step) {
+      ASSERT_TRUE(s.Write(Report(step, step)));
+      ASSERT_TRUE(s.AwaitAck(step)) << "acked once its step closed by timeout and was stored";
+    }
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(o.db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(db, "SELECT missing_ranks FROM step_stats WHERE job = 'huge-world'",
+                               -1, &stmt, nullptr),
+            SQLITE_OK);
+  int rows = 0;
+  while (sqlite3_step(stmt) == SQLITE_ROW) {
+    ++rows;
+    EXPECT_STREQ(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0)), "0-4,6-999999");
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  EXPECT_EQ(rows, 3);
+
+  // A default client (4 MiB receive limit) reads them back.
+  auto query = v1::Query::NewStub(channel);
+  grpc::ClientContext ctx;
+  v1::RecentStepsRequest request;
+  request.set_job("huge-world");
+  v1::RecentStepsResponse response;
+  const grpc::Status status = query->RecentSteps(&ctx, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.steps_size(), 3);
+  EXPECT_LT(response.ByteSizeLong(), 32u << 10);
+  for (const v1::StepStats& st : response.steps()) {
+    EXPECT_EQ(st.missing_rank_ranges(), "0-4,6-999999");
+    EXPECT_EQ(st.missing_count(), 999'999u);
+    ASSERT_EQ(st.missing_ranks_size(), 1024);  // the first ones, for older readers
+    EXPECT_EQ(st.missing_ranks(4), 4u);
+    EXPECT_EQ(st.missing_ranks(5), 6u);
+  }
+  EXPECT_TRUE(collector.Shutdown(absl::Seconds(10)).ok());
+}
+
 TEST(BadDatabaseTest, ACollectorOnAFileThatIsNotADatabaseFailsToStartCleanly) {
   const std::string path = testing::MakeTempDir() + "/rankscope.db";
   std::ofstream(path) << std::string(8192, 'x');
