@@ -391,7 +391,7 @@ void IngestService::WatchHello(std::weak_ptr<StreamHandle> stream) {
 
 void IngestService::WatchLoop() {
   pthread_setname_np(pthread_self(), "rs-hello-watch");
-  MutexLock lock(&watch_mu_);
+  watch_mu_.Lock();
   // Evaluated by absl with watch_mu_ held.
   auto queued = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) {
     return stopping_ || !watched_.empty();
@@ -416,6 +416,7 @@ void IngestService::WatchLoop() {
     watch_mu_.Lock();
     if (expired) health_->HelloTimedOut();
   }
+  watch_mu_.Unlock();
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
