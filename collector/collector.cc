@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,9 +67,13 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   c->metrics_ = std::make_shared<JobMetrics>(options.export_options);
   c->pipeline_ = std::make_unique<StepPipeline>(options.pipeline, std::move(*writer_store),
                                                 *known_jobs, c->metrics_.get(), c->health_.get());
-  c->ingest_ =
-      std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), options.max_streams,
-                                      static_cast<size_t>(std::max(options.max_message_bytes, 0)));
+  IngestOptions ingest;
+  ingest.max_streams = options.max_streams;
+  ingest.max_message_bytes = static_cast<size_t>(std::max(options.max_message_bytes, 0));
+  ingest.hello_timeout = options.hello_timeout;
+  ingest.max_queued_messages = options.max_queued_messages_per_stream;
+  ingest.max_pending_acks = options.max_pending_acks_per_stream;
+  c->ingest_ = std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), ingest);
   StoreReaderPoolOptions reader_options;
   reader_options.max_queued = options.max_queued_queries;
   c->readers_ = std::make_unique<StoreReaderPool>(std::move(readers), reader_options);
@@ -94,7 +99,14 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
 
   if (!options.metrics_address.empty()) {
     try {
-      c->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_address);
+      // civetweb's options: a connection that has not sent its request within
+      // request_timeout_ms is closed (its default, 30 s, let two connections that never finish
+      // their headers stall every scrape beyond Prometheus' 10 s scrape timeout).
+      c->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+          "listening_ports", options.metrics_address, "num_threads",
+          std::to_string(std::max<size_t>(options.metrics_threads, 1)), "request_timeout_ms",
+          std::to_string(
+              std::max<int64_t>(absl::ToInt64Milliseconds(options.metrics_request_timeout), 1))});
     } catch (const std::exception& e) {
       c->server_->Shutdown();
       c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();

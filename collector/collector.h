@@ -54,6 +54,12 @@ struct ServerTlsOptions {
 struct CollectorOptions {
   std::string grpc_address = "127.0.0.1:50051";
   std::string metrics_address = "127.0.0.1:9464";  // empty: no HTTP endpoint
+  // The HTTP server (civetweb, one thread per connection): its worker threads, and how long one
+  // connection may take to send its request (and read the answer) before it is dropped. Clients
+  // that never finish their headers hold a thread each for at most metrics_request_timeout; with
+  // fewer of them than metrics_threads a scrape is answered at once.
+  size_t metrics_threads = 8;
+  absl::Duration metrics_request_timeout = absl::Seconds(5);
   std::string db_path = "rankscope.db";
   PipelineOptions pipeline;
   ExportOptions export_options;
@@ -63,6 +69,10 @@ struct CollectorOptions {
   size_t max_queued_queries = 256;
   size_t max_streams = 10'000;
   int max_message_bytes = 8 << 20;
+  // See IngestOptions: a stream's first message must come within this; per-stream queue bounds.
+  absl::Duration hello_timeout = absl::Seconds(5);
+  size_t max_queued_messages_per_stream = 1024;
+  size_t max_pending_acks_per_stream = 65'536;
   ServerTlsOptions tls;
 };
 

@@ -67,6 +67,13 @@ HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry
   store_queue_depth_ =
       NewGauge(r, "rankscope_store_queue_depth", "Items waiting for the SQLite writer thread.");
   streams_open_ = NewGauge(r, "rankscope_streams_open", "Agent streams currently open.");
+  streams_hello_timeout_ =
+      NewCounter(r, "rankscope_streams_hello_timeout_total",
+                 "Agent streams ended because no Hello came within --hello_timeout.");
+  streams_overflowed_ =
+      NewCounter(r, "rankscope_streams_overflowed_total",
+                 "Agent streams ended with RESOURCE_EXHAUSTED because the agent did not read the "
+                 "acks and rejections queued for it.");
 }
 
 void HealthMetrics::ReportsReceived(uint64_t count) {
@@ -109,5 +116,7 @@ void HealthMetrics::SetStoreQueueDepth(size_t depth) {
 
 void HealthMetrics::StreamOpened() { streams_open_->Increment(); }
 void HealthMetrics::StreamClosed() { streams_open_->Decrement(); }
+void HealthMetrics::HelloTimedOut() { streams_hello_timeout_->Increment(); }
+void HealthMetrics::StreamOverflowed() { streams_overflowed_->Increment(); }
 
 }  // namespace rankscope::collector

@@ -10,7 +10,9 @@
 //     rankscope_reports_late_total, rankscope_reports_duplicate_total,
 //     rankscope_steps_evicted_total, rankscope_store_errors_total (failed commits, each retry
 //     counted), rankscope_store_dropped_items_total (store items given up unstored; their agents
-//     are made to resend);
+//     are made to resend), rankscope_streams_hello_timeout_total (streams ended because their
+//     first message did not come within --hello_timeout), rankscope_streams_overflowed_total
+//     (streams ended because their agent did not read what it was sent);
 //   histograms (seconds, buckets 100 µs .. 10 s): rankscope_ingest_latency_seconds,
 //     rankscope_store_commit_seconds;
 //   gauges: rankscope_store_queue_depth, rankscope_streams_open, rankscope_store_healthy (1 while
@@ -73,6 +75,10 @@ class HealthMetrics {
   // Agent streams currently open.
   void StreamOpened();
   void StreamClosed();
+  // A stream was ended because no hello came within --hello_timeout.
+  void HelloTimedOut();
+  // A stream was ended because its outbound queue was full (the agent does not read).
+  void StreamOverflowed();
 
   // The histograms' bucket upper bounds, in seconds: 100 µs .. 10 s, 1-2.5-5 per decade.
   static const std::vector<double>& LatencyBuckets();
@@ -91,6 +97,8 @@ class HealthMetrics {
   prometheus::Gauge* store_healthy_;
   prometheus::Gauge* store_queue_depth_;
   prometheus::Gauge* streams_open_;
+  prometheus::Counter* streams_hello_timeout_;
+  prometheus::Counter* streams_overflowed_;
 };
 
 }  // namespace rankscope::collector

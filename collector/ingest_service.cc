@@ -1,12 +1,16 @@
 #include "collector/ingest_service.h"
 
+#include <pthread.h>
+
 #include <deque>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/mutex.h"
 #include "common/tsan.h"
 #include "google/protobuf/arena.h"
@@ -43,6 +47,9 @@ class StreamHandle final : public AgentStream {
   void Ack(absl::Span<const uint64_t> seqs) override;
   void SendControl(const v1::Control& control) override;
   void Abandon(const absl::Status& why) override;
+  // Ends the stream with DEADLINE_EXCEEDED if its first message has not arrived (the hello
+  // watchdog, at the stream's deadline). True if it did.
+  bool ExpireIfNoHello(absl::Duration timeout);
   void Detach() {
     MutexLock lock(&mu_);
     reactor_ = nullptr;
@@ -65,11 +72,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       service_->health_->Rejected(RejectReason::kTooManyStreams);
       RequestFinish(grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("collector has ", service_->max_streams_,
+          absl::StrCat("collector has ", service_->options_.max_streams,
                        " agent streams open (its --max_streams limit); the agent retries with "
                        "backoff, or raise --max_streams / shard jobs across collectors")));
       return;
     }
+    service_->WatchHello(handle_);
     Read();
   }
 
@@ -78,19 +86,25 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // (common/tsan.h).
   void OnReadDone(bool ok) override {
     RANKSCOPE_TSAN_ACQUIRE(this);
-    if (!ok) {  // the agent half-closed or the call was cancelled
-      RequestFinish(grpc::Status::OK);
+    if (!ok) {  // the agent half-closed or the call was cancelled (then OnCancel finishes it)
+      MutexLock lock(&mu_);
+      read_closed_ = true;
+      StartNextWriteLocked();  // finishes with OK once every report handed over is acked
       return;
+    }
+    if (messages_read_ == 0) {
+      MutexLock lock(&mu_);
+      first_message_ = true;
     }
     service_->health_->ReportsReceived();
     ++messages_read_;
-    if (service_->max_message_bytes_ > 0 && in_buf_.Length() > service_->max_message_bytes_) {
+    const size_t max_message_bytes = service_->options_.max_message_bytes;
+    if (max_message_bytes > 0 && in_buf_.Length() > max_message_bytes) {
       service_->health_->Rejected(RejectReason::kMessageTooLarge);
       RequestFinish(grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("message ", messages_read_, " of this stream has ", in_buf_.Length(),
-                       " bytes, more than the collector's --max_message_bytes ",
-                       service_->max_message_bytes_,
+                       " bytes, more than the collector's --max_message_bytes ", max_message_bytes,
                        " (a report carries 4 bytes per sketch value): lower the agents' "
                        "sketch_dim or raise --max_message_bytes")));
       return;
@@ -126,8 +140,18 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       have_hello_ = true;
     } else if (in.kind_case() == v1::AgentMessage::kReport) {
       const v1::StepReport& report = in.report();
+      {
+        // Before the pipeline has it: its ack may come from the store writer before OnReport
+        // returns.
+        MutexLock lock(&mu_);
+        unacked_.insert(report.seq());
+      }
       Rejection r = service_->pipeline_->OnReport(hello_, report, AckHandle{handle_, report.seq()});
       if (!r.status.ok()) {
+        {
+          MutexLock lock(&mu_);
+          unacked_.erase(report.seq());
+        }
         service_->health_->Rejected(r.reason);
         v1::CollectorMessage msg;
         v1::Rejection* rej = msg.mutable_rejection();
@@ -164,6 +188,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     StartNextWriteLocked();
   }
 
+  void OnCancel() override {
+    RANKSCOPE_TSAN_ACQUIRE(this);
+    RequestFinish(grpc::Status::CANCELLED);
+  }
+
   void OnDone() override {
     RANKSCOPE_TSAN_ACQUIRE(this);
     handle_->Detach();
@@ -177,6 +206,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void QueueAcks(absl::Span<const uint64_t> seqs) {
     MutexLock lock(&mu_);
     if (finish_requested_) return;
+    for (uint64_t seq : seqs) unacked_.erase(seq);
+    if (pending_acks_.size() + seqs.size() > service_->options_.max_pending_acks) {
+      OverflowLocked(absl::StrCat(pending_acks_.size() + seqs.size(), " acks"));
+      return;
+    }
     pending_acks_.insert(pending_acks_.end(), seqs.begin(), seqs.end());
     StartNextWriteLocked();
   }
@@ -187,13 +221,33 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Send(v1::CollectorMessage msg) {
     MutexLock lock(&mu_);
     if (finish_requested_) return;
+    if (out_.size() >= service_->options_.max_queued_messages) {
+      OverflowLocked(absl::StrCat(out_.size() + 1, " messages (rejections or controls)"));
+      return;
+    }
     out_.push_back(std::move(msg));
     StartNextWriteLocked();
+  }
+
+  // The hello watchdog, through StreamHandle: see StreamHandle::ExpireIfNoHello.
+  bool ExpireIfNoHello(absl::Duration timeout) {
+    MutexLock lock(&mu_);
+    if (first_message_ || finish_requested_) return false;
+    RequestFinishLocked(grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("no Hello within the collector's --hello_timeout (",
+                     absl::FormatDuration(timeout),
+                     "): the first message of a stream must be a Hello, sent at once")));
+    return true;
   }
 
  private:
   void RequestFinish(grpc::Status status) {
     MutexLock lock(&mu_);
+    RequestFinishLocked(std::move(status));
+  }
+
+  void RequestFinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finish_requested_) return;
     finish_requested_ = true;
     finish_status_ = std::move(status);
@@ -201,9 +255,25 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     StartNextWriteLocked();
   }
 
-  // Starts the next write, or Finish once nothing is left and a finish was requested.
+  // The agent does not read what it is sent: ends the stream rather than queue more.
+  void OverflowLocked(const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    service_->health_->StreamOverflowed();
+    RequestFinishLocked(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("the agent does not read its stream: ", what,
+                     " wait to be written, more than the collector queues for one stream; "
+                     "the agent must read acks and rejections as they come")));
+  }
+
+  // Starts the next write, or Finish once nothing is left and a finish was requested (or the
+  // agent half-closed and every report it handed over has been acked).
   void StartNextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (writing_ || finished_) return;
+    if (!finish_requested_ && read_closed_ && unacked_.empty() && pending_acks_.empty() &&
+        out_.empty()) {
+      finish_requested_ = true;
+      finish_status_ = grpc::Status::OK;
+    }
     if (!finish_requested_) {
       if (!pending_acks_.empty()) {
         ack_.Clear();
@@ -262,6 +332,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool have_hello_ = false;
 
   Mutex mu_;
+  bool first_message_ ABSL_GUARDED_BY(mu_) = false;  // a message was read (hello or not)
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;    // the agent half-closed (or the call ended)
+  // Sequence numbers handed to the pipeline and neither acked nor rejected yet.
+  absl::flat_hash_set<uint64_t> unacked_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::CollectorMessage> out_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
   v1::CollectorMessage ack_ ABSL_GUARDED_BY(mu_);  // reused for every coalesced Ack
@@ -282,6 +356,11 @@ void StreamHandle::Abandon(const absl::Status& why) {
   if (reactor_ != nullptr) reactor_->Abandon(ToGrpc(why));
 }
 
+bool StreamHandle::ExpireIfNoHello(absl::Duration timeout) {
+  MutexLock lock(&mu_);
+  return reactor_ != nullptr && reactor_->ExpireIfNoHello(timeout);
+}
+
 void StreamHandle::SendControl(const v1::Control& control) {
   MutexLock lock(&mu_);
   if (reactor_ == nullptr) return;
@@ -290,18 +369,61 @@ void StreamHandle::SendControl(const v1::Control& control) {
   reactor_->Send(std::move(msg));
 }
 
-IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, size_t max_streams,
-                             size_t max_message_bytes)
-    : pipeline_(pipeline),
-      health_(health),
-      max_streams_(max_streams),
-      max_message_bytes_(max_message_bytes) {}
+IngestService::IngestService(StepPipeline* pipeline, HealthMetrics* health, IngestOptions options)
+    : pipeline_(pipeline), health_(health), options_(options) {
+  if (options_.hello_timeout > absl::ZeroDuration())
+    watcher_ = std::thread([this] { WatchLoop(); });
+}
+
+IngestService::~IngestService() {
+  {
+    MutexLock lock(&watch_mu_);
+    stopping_ = true;
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void IngestService::WatchHello(std::weak_ptr<StreamHandle> stream) {
+  if (options_.hello_timeout <= absl::ZeroDuration()) return;
+  MutexLock lock(&watch_mu_);
+  watched_.emplace_back(absl::Now() + options_.hello_timeout, std::move(stream));
+}
+
+void IngestService::WatchLoop() {
+  pthread_setname_np(pthread_self(), "rs-hello-watch");
+  watch_mu_.Lock();
+  // Evaluated by absl with watch_mu_ held.
+  auto queued = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) {
+    return stopping_ || !watched_.empty();
+  };
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stopping_; };
+  while (!stopping_) {
+    if (watched_.empty()) {
+      watch_mu_.Await(absl::Condition(&queued));
+      continue;
+    }
+    // Entries are in deadline order (one timeout for all): only the front can be due.
+    if (const absl::Time next = watched_.front().first; next > absl::Now()) {
+      watch_mu_.AwaitWithDeadline(absl::Condition(&stopping), next);
+      continue;
+    }
+    std::shared_ptr<StreamHandle> handle = watched_.front().second.lock();
+    watched_.pop_front();
+    if (handle == nullptr) continue;  // the stream has ended
+    watch_mu_.Unlock();               // the stream's locks are never taken under watch_mu_
+    const bool expired = handle->ExpireIfNoHello(options_.hello_timeout);
+    handle.reset();
+    watch_mu_.Lock();
+    if (expired) health_->HelloTimedOut();
+  }
+  watch_mu_.Unlock();
+}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
-  // Counted here, atomically with the check: of N streams arriving at once only max_streams_
+  // Counted here, atomically with the check: of N streams arriving at once only max_streams
   // pass. A refused stream stays counted until its OnDone, like any other.
-  const bool over_limit = open_streams_.fetch_add(1) >= max_streams_;
+  const bool over_limit = open_streams_.fetch_add(1) >= options_.max_streams;
   return new StreamReactor(this, over_limit);
 }
 

@@ -16,12 +16,18 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
+#include "common/flag_help.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
           "Address for agents (Ingest) and the CLI (Query). Loopback by default; binding "
           "elsewhere is your explicit choice.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it.");
+ABSL_FLAG(int, metrics_threads, 8,
+          "HTTP threads of the /metrics endpoint (one per connection being served).");
+ABSL_FLAG(absl::Duration, metrics_request_timeout, absl::Seconds(5),
+          "A /metrics connection that has not sent its request (or read the answer) within this "
+          "is closed, so slow clients cannot starve scrapes.");
 ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created if missing).");
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
@@ -36,6 +42,10 @@ ABSL_FLAG(absl::Duration, spike_window, absl::Seconds(60),
 ABSL_FLAG(int, max_streams, 10000,
           "Concurrent agent streams accepted; one more is refused with RESOURCE_EXHAUSTED (the "
           "agent retries with backoff). The soft file descriptor limit is raised to cover it.");
+ABSL_FLAG(absl::Duration, hello_timeout, absl::Seconds(5),
+          "A stream whose first message (the agent's Hello) has not come this long after it "
+          "opened is ended with DEADLINE_EXCEEDED, so idle connections cannot hold the "
+          "--max_streams slots. 0 disables the deadline.");
 ABSL_FLAG(int, max_jobs, 10000, "Jobs tracked at once.");
 ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
@@ -93,7 +103,9 @@ int main(int argc, char** argv) {
       "rankscope-collector: watches data-parallel training ranks for silent inconsistency.\n"
       "Agents stream per-rank loss, gradient norm and gradient sketch; the collector joins\n"
       "each step, stores it in SQLite (--db_path) and serves Prometheus metrics\n"
-      "(--metrics_address). Stop with SIGTERM or SIGINT: open steps are closed and stored.");
+      "(--metrics_address). Stop with SIGTERM or SIGINT: open steps are closed and stored.\n\n"
+      "usage: rankscope-collector [--flag=value ...]");
+  rankscope::HandleHelpFlag(argc, argv, "collector/main.cc");  // --help: exits 0
   absl::ParseCommandLine(argc, argv);
 
   // A file-size limit (ulimit -f, prlimit --fsize) must fail SQLite's write with EFBIG, which the
@@ -112,6 +124,8 @@ int main(int argc, char** argv) {
   options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.db_path = absl::GetFlag(FLAGS_db_path);
+  options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
+  options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);
   options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
   options.pipeline.joiner.max_open_steps_per_job =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
@@ -123,6 +137,7 @@ int main(int argc, char** argv) {
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
+  options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
   RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));

@@ -28,6 +28,17 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc:
   return reactor;
 }
 
+// Every Query method that names a job checks it first, with the ingest's rule: the name came over
+// the wire, so the refusal never echoes it (any length, any bytes).
+// A job name, or the key of one of its data-parallel groups ("JOB/GROUP", common/job_name.h).
+grpc::Status CheckJobName(const std::string& job) {
+  if (IsValidGroupKey(job)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("job must be 1-128 characters of [A-Za-z0-9_.:-], or "
+                                   "JOB/GROUP with a group of 1-64 (got ",
+                                   job.size(), " bytes)"));
+}
+
 }  // namespace
 
 QueryService::QueryService(StepPipeline* pipeline, StoreReaderPool* readers, std::string auth_token)
@@ -111,13 +122,7 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
                                                     const v1::RecentStepsRequest* request,
                                                     v1::RecentStepsResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
-  if (!IsValidGroupKey(request->job())) {
-    return Done(
-        context,
-        grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            "job must be 1-128 characters of [A-Za-z0-9_.:-], or JOB/GROUP with a group of 1-64"));
-  }
+  if (grpc::Status job = CheckJobName(request->job()); !job.ok()) return Done(context, job);
   int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
   return FinishOnReader(context, [request, response, limit](SqliteStore& reader) {
     auto rows = reader.RecentSteps(request->job(), limit);
@@ -131,13 +136,7 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
                                                   const v1::StepRangeRequest* request,
                                                   v1::StepRangeResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
-  if (!IsValidGroupKey(request->job())) {
-    return Done(
-        context,
-        grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            "job must be 1-128 characters of [A-Za-z0-9_.:-], or JOB/GROUP with a group of 1-64"));
-  }
+  if (grpc::Status job = CheckJobName(request->job()); !job.ok()) return Done(context, job);
   const uint64_t last =
       request->last_step() == 0 ? std::numeric_limits<uint64_t>::max() : request->last_step();
   if (request->first_step() > last) {
@@ -173,6 +172,7 @@ grpc::ServerUnaryReactor* QueryService::SetControl(grpc::CallbackServerContext* 
                                                    const v1::ControlRequest* request,
                                                    v1::ControlResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
+  if (grpc::Status job = CheckJobName(request->job()); !job.ok()) return Done(context, job);
   std::optional<bool> enabled;
   std::optional<uint32_t> every, sketch_dim;
   if (request->has_enabled()) enabled = request->enabled();

@@ -1,8 +1,17 @@
 #include "collector/row_proto.h"
 
+#include <vector>
+
 #include "absl/time/time.h"
+#include "collector/rank_ranges.h"
 
 namespace rankscope::collector {
+namespace {
+
+// StepStats.missing_ranks lists at most this many (the rest: missing_rank_ranges, missing_count).
+constexpr size_t kMaxListedMissingRanks = 1024;
+
+}  // namespace
 
 void FillStepStats(const StepRow& row, v1::StepStats* s) {
   s->set_step(row.step);
@@ -14,7 +23,15 @@ void FillStepStats(const StepRow& row, v1::StepStats* s) {
   s->set_grad_norm_std(row.grad_norm_std);
   s->set_grad_norm_cv(row.grad_norm_cv);
   s->set_grad_cosine_mean(row.grad_cosine_mean);
-  s->mutable_missing_ranks()->Add(row.missing_ranks.begin(), row.missing_ranks.end());
+  // The stored text was checked when read (ReadStepRow).
+  RankRanges missing;
+  if (ParseRankRanges(row.missing_ranks, &missing)) {
+    const std::vector<uint32_t> listed = ListedRanks(missing, kMaxListedMissingRanks);
+    s->mutable_missing_ranks()->Add(listed.begin(), listed.end());
+  }
+  s->set_missing_rank_ranges(row.missing_ranks);
+  s->set_missing_count(row.world_size > row.ranks ? row.world_size - row.ranks
+                                                  : static_cast<uint32_t>(missing.count()));
   s->set_world_size(row.world_size);
   s->set_timed_out(row.timed_out);
   s->set_grad_noise_scale(row.grad_noise_scale);

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/rank_ranges.h"
 #include "collector/sqlite_schema.h"
 #include "collector/sqlite_statement.h"
 
@@ -188,7 +189,9 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   row->grad_noise_scale = ColumnDouble(stmt, 14);
   row->replica_checked = ColumnInt(stmt, 15) != 0;
   row->duplicate_groups = ColumnText(stmt, 18);
-  return ParseRanks(ColumnText(stmt, 11), &row->missing_ranks) &&
+  row->missing_ranks = ColumnText(stmt, 11);
+  RankRanges missing;
+  return ParseRankRanges(row->missing_ranks, &missing) &&
          ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&
          ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks);
 }
@@ -365,7 +368,6 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
       const StepRow& row = *write.stats;
       sqlite3_stmt* stmt = stmts_->upsert_step.get();
       ScopedReset reset(stmt);
-      const std::string missing = JoinRanks(row.missing_ranks);
       const std::string divergent = JoinRanks(row.replica_divergent_ranks);
       const std::string outliers = JoinRanks(row.outlier_ranks);
       int rc = Binder(stmt)
@@ -381,7 +383,7 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Double(row.grad_norm_std)
                    .Double(row.grad_norm_cv)
                    .Double(row.grad_cosine_mean)
-                   .Text(missing)
+                   .Text(row.missing_ranks)
                    .Int(row.timed_out ? 1 : 0)
                    .Time(row.completed_at)
                    .Double(row.grad_noise_scale)
@@ -399,7 +401,8 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
     for (const RankRow& row : write.ranks) {
       sqlite3_stmt* stmt = stmts_->upsert_rank.get();
       ScopedReset reset(stmt);
-      const bool nonfinite = !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
+      const bool nonfinite =
+          row.sketch_nonfinite || !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
       int rc = Binder(stmt)
                    .Text(write.job)
                    .Int(step)

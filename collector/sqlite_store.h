@@ -23,10 +23,12 @@
 // NaN reads back as nullopt). uint64 values (sketch_seed, the fingerprints) are stored as the
 // INTEGER with the same 64-bit pattern (static_cast<int64_t>): a value with the high bit set reads
 // as negative in the sqlite3 shell; cast back to uint64 to compare. Steps are INTEGER and must be
-// <= INT64_MAX (Write rejects larger ones). missing_ranks is a comma-separated list ("3,7"), empty
-// when none. rank_steps and step_stats are WITHOUT ROWID tables clustered on their primary keys,
-// which also serve RecentSteps and RankRows; no other index is needed. The schema version is
-// PRAGMA user_version (kSchemaVersion); Open refuses a file written by a newer schema.
+// <= INT64_MAX (Write rejects larger ones). missing_ranks is the compact text of rank_ranges.h
+// ("0-5,9", at most 64 runs then "+N" for the rest; "3,7" as older versions wrote it), empty when
+// none; world_size - ranks is the full count. rank_steps and step_stats are WITHOUT ROWID tables
+// clustered on their primary keys, which also serve RecentSteps and RankRows; no other index is
+// needed. The schema version is PRAGMA user_version (kSchemaVersion); Open refuses a file written
+// by a newer schema.
 //
 // Durability: WAL with synchronous=NORMAL by default. A commit survives a crash or SIGKILL of the
 // process (it is in the WAL, which the OS holds), so "ack after commit" holds against collector
@@ -90,6 +92,9 @@ struct RankRow {
   std::optional<bool> replica_ok;       // nullopt: no fingerprint of this rank was checked
   std::optional<double> outlier_score;  // see rank_diagnostics.h
   std::optional<double> step_time_z;    // robust z of the rank's step time
+  // A value of the rank's sketch was NaN or +/-Inf (the sketch itself is not stored). The stored
+  // `nonfinite` column is 1 when this is set or loss or grad_norm is not finite.
+  bool sketch_nonfinite = false;
 };
 
 struct StepRow {
@@ -104,7 +109,7 @@ struct StepRow {
   double grad_norm_std = 0.0;
   double grad_norm_cv = 0.0;
   double grad_cosine_mean = 0.0;
-  std::vector<uint32_t> missing_ranks;
+  std::string missing_ranks;  // compact (rank_ranges.h): "0-5,9", "+N" beyond 64 runs
   bool timed_out = false;
   absl::Time completed_at = absl::UnixEpoch();
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();  // NaN: not computable

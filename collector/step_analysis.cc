@@ -5,6 +5,8 @@
 #include <iterator>
 #include <utility>
 
+#include "collector/rank_ranges.h"
+
 namespace rankscope::collector {
 
 namespace {
@@ -145,6 +147,8 @@ RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
   row.param_fingerprint = report.param_fingerprint;
   row.step_time_seconds = report.step_time_seconds;
   row.received_at = report.received_at;
+  row.sketch_nonfinite = std::any_of(report.sketch.begin(), report.sketch.end(),
+                                     [](float v) { return !std::isfinite(v); });
   return row;
 }
 
@@ -166,7 +170,7 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
   row.grad_norm_std = stats.grad_norm_std;
   row.grad_norm_cv = stats.grad_norm_cv;
   row.grad_cosine_mean = stats.grad_cosine_mean;
-  row.missing_ranks = step.missing_ranks;
+  row.missing_ranks = FormatRankRanges(step.missing_ranks);  // bounded whatever world_size
   row.timed_out = step.reason != JoinedStep::Reason::kComplete;
   row.completed_at = completed_at;
   row.grad_noise_scale = diag.grad_noise_scale;

@@ -136,11 +136,15 @@ RANKSCOPE_STATS_INLINE const float* SketchNear(absl::Span<const RankSample> samp
   return samples[std::clamp<ptrdiff_t>(index, 0, last)].sketch.data();
 }
 
-// Pass 1. For each rank: norm2[r] = |v_r|^2, and total += v_r (in rank order), in double.
-// Every sketch has length k.
+// Pass 1. For each rank: norm2[r] = |v_r|^2, and total + total_lo += v_r (in rank order), a
+// double-double sum: each addition's rounding error (Knuth's TwoSum, exact in binary floating
+// point without contraction) goes to total_lo, so total + total_lo holds sum_r v_r to about
+// 2^-100 of its magnitude, and total - v_r + total_lo recovers a tiny rest exactly where v_r
+// dominates (a rank of scale 1 beside one of scale 1e-38: in plain double total - v_r is 0 and
+// the big rank's consensus cosine came out 0). Every sketch has length k.
 template <size_t kLanes>
 RANKSCOPE_STATS_INLINE void NormsAndTotal(absl::Span<const RankSample> samples, size_t k,
-                                          double* norm2, double* total) {
+                                          double* norm2, double* total, double* total_lo) {
   using Doubles = typename Lanes<kLanes>::Doubles;
   constexpr size_t kVectors = Lanes<kLanes>::kVectors;
   const size_t body = k - k % kPartials;
@@ -157,28 +161,38 @@ RANKSCOPE_STATS_INLINE void NormsAndTotal(absl::Span<const RankSample> samples, 
         const size_t at = i + j * kLanes;
         const Doubles x = LoadFloats<kLanes>(v + at);
         squares[j] += x * x;
-        StoreDoubles<kLanes>(total + at, LoadDoubles<kLanes>(total + at) + x);
+        const Doubles a = LoadDoubles<kLanes>(total + at);
+        const Doubles sum = a + x;
+        const Doubles b = sum - a;
+        StoreDoubles<kLanes>(total + at, sum);
+        StoreDoubles<kLanes>(total_lo + at,
+                             LoadDoubles<kLanes>(total_lo + at) + ((a - (sum - b)) + (x - b)));
       }
     }
     double tail = 0.0;
     for (; i < k; ++i) {
       const double x = v[i];
       tail += x * x;
-      total[i] += x;
+      const double a = total[i];
+      const double sum = a + x;
+      const double b = sum - a;
+      total[i] = sum;
+      total_lo[i] += (a - (sum - b)) + (x - b);
     }
     norm2[r] = Fold<kLanes>(squares, tail);
   }
 }
 
-// Pass 2. For each rank with norm2[r] != 0, with w = total - v_r: dot[r] = <v_r, w>,
+// Pass 2. For each rank with norm2[r] != 0, with w = (total - v_r) + total_lo: dot[r] = <v_r, w>,
 // rest2[r] = |w|^2, and units += v_r / |v_r| (in reverse rank order). Forms w explicitly rather
 // than expanding |total - v|^2 = |total|^2 - 2<total, v> + |v|^2, which cancels catastrophically
 // when v dominates the total (e.g. every other rank's sketch is near zero or they cancel). Ranks
 // with norm2[r] == 0 get dot = rest2 = 0 and add nothing to units.
 template <size_t kLanes>
 RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, size_t k,
-                                         const double* norm2, const double* total, double* dot,
-                                         double* rest2, double* units) {
+                                         const double* norm2, const double* total,
+                                         const double* total_lo, double* dot, double* rest2,
+                                         double* units) {
   using Doubles = typename Lanes<kLanes>::Doubles;
   constexpr size_t kVectors = Lanes<kLanes>::kVectors;
   const size_t body = k - k % kPartials;
@@ -203,7 +217,8 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
       for (size_t j = 0; j < kVectors; ++j) {
         const size_t at = i + j * kLanes;
         const Doubles x = LoadFloats<kLanes>(v + at);
-        const Doubles w = LoadDoubles<kLanes>(total + at) - x;
+        const Doubles w =
+            (LoadDoubles<kLanes>(total + at) - x) + LoadDoubles<kLanes>(total_lo + at);
         dots[j] += x * w;
         rests[j] += w * w;
         StoreDoubles<kLanes>(units + at, LoadDoubles<kLanes>(units + at) + x * inv);
@@ -212,7 +227,7 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
     double dot_tail = 0.0, rest_tail = 0.0;
     for (; i < k; ++i) {
       const double x = v[i];
-      const double w = total[i] - x;
+      const double w = (total[i] - x) + total_lo[i];
       dot_tail += x * w;
       rest_tail += w * w;
       units[i] += x * inv_norm;
@@ -225,42 +240,46 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
 // The two passes compiled for one ISA.
 struct Kernels {
   void (*norms_and_total)(absl::Span<const RankSample> samples, size_t k, double* norm2,
-                          double* total);
+                          double* total, double* total_lo);
   void (*dots_with_rest)(absl::Span<const RankSample> samples, size_t k, const double* norm2,
-                         const double* total, double* dot, double* rest2, double* units);
+                         const double* total, const double* total_lo, double* dot, double* rest2,
+                         double* units);
 };
 
 void NormsAndTotalBaseline(absl::Span<const RankSample> samples, size_t k, double* norm2,
-                           double* total) {
-  NormsAndTotal<2>(samples, k, norm2, total);
+                           double* total, double* total_lo) {
+  NormsAndTotal<2>(samples, k, norm2, total, total_lo);
 }
 void DotsWithRestBaseline(absl::Span<const RankSample> samples, size_t k, const double* norm2,
-                          const double* total, double* dot, double* rest2, double* units) {
-  DotsWithRest<2>(samples, k, norm2, total, dot, rest2, units);
+                          const double* total, const double* total_lo, double* dot, double* rest2,
+                          double* units) {
+  DotsWithRest<2>(samples, k, norm2, total, total_lo, dot, rest2, units);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define RANKSCOPE_STATS_X86 1
 __attribute__((target("avx2"))) void NormsAndTotalAvx2(absl::Span<const RankSample> samples,
-                                                       size_t k, double* norm2, double* total) {
-  NormsAndTotal<4>(samples, k, norm2, total);
+                                                       size_t k, double* norm2, double* total,
+                                                       double* total_lo) {
+  NormsAndTotal<4>(samples, k, norm2, total, total_lo);
 }
 __attribute__((target("avx2"))) void DotsWithRestAvx2(absl::Span<const RankSample> samples,
                                                       size_t k, const double* norm2,
-                                                      const double* total, double* dot,
-                                                      double* rest2, double* units) {
-  DotsWithRest<4>(samples, k, norm2, total, dot, rest2, units);
+                                                      const double* total, const double* total_lo,
+                                                      double* dot, double* rest2, double* units) {
+  DotsWithRest<4>(samples, k, norm2, total, total_lo, dot, rest2, units);
 }
 __attribute__((target("avx512f"))) void NormsAndTotalAvx512(absl::Span<const RankSample> samples,
-                                                            size_t k, double* norm2,
-                                                            double* total) {
-  NormsAndTotal<8>(samples, k, norm2, total);
+                                                            size_t k, double* norm2, double* total,
+                                                            double* total_lo) {
+  NormsAndTotal<8>(samples, k, norm2, total, total_lo);
 }
 __attribute__((target("avx512f"))) void DotsWithRestAvx512(absl::Span<const RankSample> samples,
                                                            size_t k, const double* norm2,
-                                                           const double* total, double* dot,
+                                                           const double* total,
+                                                           const double* total_lo, double* dot,
                                                            double* rest2, double* units) {
-  DotsWithRest<8>(samples, k, norm2, total, dot, rest2, units);
+  DotsWithRest<8>(samples, k, norm2, total, total_lo, dot, rest2, units);
 }
 #endif
 
@@ -298,8 +317,8 @@ double SquaredNorm(const double* x, size_t n) {
 }
 
 // Fills grad_cosine_mean and every per_rank[r].consensus_cosine. O(W k) time, O(W + k) memory,
-// two passes over the sketches: the first computes |v_r|^2 and S = sum_r v_r, the second
-// cos(v_r, S - v_r) and U = sum_r u_r (S and U in double).
+// two passes over the sketches: the first computes |v_r|^2 and S = sum_r v_r (double-double),
+// the second cos(v_r, S - v_r) and U = sum_r u_r (U in double).
 void ComputeCosines(absl::Span<const RankSample> samples, const Kernels& kernels,
                     StepStatistics* out) {
   const size_t w = samples.size();
@@ -312,9 +331,10 @@ void ComputeCosines(absl::Span<const RankSample> samples, const Kernels& kernels
     if (s.sketch.size() != k) return set_all_nan();
   }
 
-  std::vector<double> total(k, 0.0);  // S
+  std::vector<double> total(k, 0.0);     // S, rounded
+  std::vector<double> total_lo(k, 0.0);  // S - total (its rounding error)
   std::vector<double> norm2(w);
-  kernels.norms_and_total(samples, k, norm2.data(), total.data());
+  kernels.norms_and_total(samples, k, norm2.data(), total.data(), total_lo.data());
   // Floats squared and summed in double cannot overflow (k <= 2^20), so a non-finite norm means
   // the sketch itself holds NaN or Inf.
   size_t nonzero = 0;
@@ -327,8 +347,8 @@ void ComputeCosines(absl::Span<const RankSample> samples, const Kernels& kernels
   std::vector<double> units(k, 0.0);  // U
   std::vector<double> dot(w);
   std::vector<double> rest2(w);
-  kernels.dots_with_rest(samples, k, norm2.data(), total.data(), dot.data(), rest2.data(),
-                         units.data());
+  kernels.dots_with_rest(samples, k, norm2.data(), total.data(), total_lo.data(), dot.data(),
+                         rest2.data(), units.data());
 
   const double wd = static_cast<double>(w);
   out->grad_cosine_mean = ClampCosine(

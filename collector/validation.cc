@@ -54,6 +54,22 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
                                                           "] for job ", hello.job())),
                   RejectReason::kBadHello);
   }
+  struct TextField {
+    const char* name;
+    const std::string& value;
+    size_t max;
+  };
+  for (const TextField& f :
+       {TextField{"host", hello.host(), limits.max_host_length},
+        TextField{"agent_version", hello.agent_version(), limits.max_version_length},
+        TextField{"framework_version", hello.framework_version(), limits.max_version_length}}) {
+    if (f.value.size() > f.max) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "hello field ", f.name, " has ", f.value.size(), " bytes, more than ",
+                        f.max, " for job ", hello.job(), ": send a shorter ", f.name)),
+                    RejectReason::kBadHello);
+    }
+  }
   return {};
 }
 

@@ -23,6 +23,10 @@ struct IngestLimits {
   uint32_t max_world_size = 1'000'000;
   uint32_t max_sketch_dim = 1u << 20;
   size_t max_job_name_length = 128;
+  // The hello's free-text fields: kept for the stream's life and echoed in logs and refusals, so
+  // bounded (a hello over them is INVALID_ARGUMENT, reason bad_hello).
+  size_t max_host_length = 255;     // a DNS name is at most 253 characters
+  size_t max_version_length = 128;  // agent_version, framework_version
 };
 
 inline constexpr size_t kMaxInstanceIdLength = 128;
@@ -44,7 +48,9 @@ struct Rejection {
 bool IsValidJobName(absl::string_view job, size_t max_length);
 
 // Checks a hello on its own: job and group names, instance id length, 1 <= world_size <= max,
-// rank < world_size, 1 <= sketch_dim <= max. An OK status (empty reason) on success.
+// rank < world_size, 1 <= sketch_dim <= max, host, agent_version and framework_version within
+// their lengths (the message gives the length and the limit, never the bytes). An OK status
+// (empty reason) on success.
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 
 // Checks a hello against the identity its job already has: world size, sketch dim and seed must

@@ -481,7 +481,7 @@ TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   stats.loss_range = 12345.678901234567;
   stats.grad_norm_cv = 0.1;
   stats.grad_cosine_mean = -0.33333333333333331;
-  stats.missing_ranks = {3, 7};
+  stats.missing_ranks = "3,7";
   stats.timed_out = true;
   stats.completed_at = kT0 + absl::Microseconds(1);
   stats.grad_noise_scale = 123.5;

@@ -124,7 +124,7 @@ TEST(StepAnalysisTest, StepWithAMissingRankNamesItAndJoinsTheOthers) {
   EXPECT_EQ(w.stats->ranks, 3u);
   EXPECT_EQ(w.stats->world_size, 4u);
   EXPECT_TRUE(w.stats->timed_out);
-  EXPECT_THAT(w.stats->missing_ranks, ElementsAre(2));
+  EXPECT_EQ(w.stats->missing_ranks, "2");
   EXPECT_NEAR(w.stats->loss_mean, (1.00 + 1.01 + 1.03) / 3, 1e-12);
   EXPECT_THAT(RowRanks(w), ElementsAre(0, 1, 3));
   for (const RankRow& r : w.ranks) EXPECT_EQ(r.join_size, 3u);

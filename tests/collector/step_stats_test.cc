@@ -446,6 +446,33 @@ TEST(StepStatsTest, DominantRankAgainstTinyRest) {
   ExpectMatchesReference(step.samples);
 }
 
+// Issue 12.8b: beside a rank of scale 1e-38, S - v_r cancelled to 0 in double for the big ranks,
+// whose consensus cosine (with the tiny rank's direction) came out 0.0 instead of ~0.54.
+TEST(StepStatsTest, ATinyRankKeepsTheOthersConsensusCosine) {
+  std::mt19937_64 rng(12);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  constexpr size_t kK = 1024;
+  std::vector<float> big(kK), tiny(kK);
+  for (size_t i = 0; i < kK; ++i) {
+    const double a = normal(rng);
+    big[i] = static_cast<float>(a);
+    tiny[i] = static_cast<float>(1e-38 * (0.54 * a + 0.84 * normal(rng)));  // float denormals too
+  }
+  Step step = StepFromSketches({big, tiny});
+  const StepStatistics got = ComputeStepStatistics(step.samples);
+  const std::vector<double> b(big.begin(), big.end()), t(tiny.begin(), tiny.end());
+  const double want = RefCosine(b, t);
+  EXPECT_NEAR(want, 0.54, 0.05);
+  EXPECT_NEAR(got.per_rank[0].consensus_cosine, want, 1e-6);
+  EXPECT_NEAR(got.per_rank[1].consensus_cosine, want, 1e-6);
+  ExpectMatchesReference(step.samples);
+  // Three ranks: two big ones that cancel exactly, and the tiny one.
+  std::vector<float> minus(kK);
+  for (size_t i = 0; i < kK; ++i) minus[i] = -big[i];
+  Step three = StepFromSketches({big, minus, tiny});
+  ExpectMatchesReference(three.samples);
+}
+
 TEST(StepStatsTest, CulpritRankStandsOut) {
   Step step = RandomStep(64, 256, 5);
   // Rank at index 10 points the other way and has a loss spike.
@@ -610,10 +637,13 @@ TEST(StepStatsIsaTest, EveryPathIsBitIdenticalToBaseline) {
   using step_stats_internal::KernelIsa;
   for (size_t w : {1, 2, 3, 64, 257}) {
     for (size_t k : {1, 7, 16, 17, 100, 1000, 1024}) {
-      for (int variant = 0; variant < 3; ++variant) {
+      for (int variant = 0; variant < 4; ++variant) {
         Step step = RandomStep(w, k, static_cast<uint32_t>(w * 1000 + k));
         if (variant == 1) std::fill(step.sketches[w / 2].begin(), step.sketches[w / 2].end(), 0.f);
         if (variant == 2) step.sketches[w - 1][k - 1] = kNaNf;
+        if (variant == 3) {  // one rank 1e-38 times smaller: the compensated total matters
+          for (float& x : step.sketches[w / 2]) x *= 1e-38f;
+        }
         const StepStatistics base =
             ComputeStepStatisticsWithIsa(step.samples, KernelIsa::kBaseline);
         for (KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {

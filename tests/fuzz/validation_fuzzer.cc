@@ -71,7 +71,10 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
   const bool world_ok = hello.world_size() >= 1 && hello.world_size() <= limits.max_world_size;
   const bool rank_ok = hello.rank() < hello.world_size();
   const bool dim_ok = hello.sketch_dim() >= 1 && hello.sketch_dim() <= limits.max_sketch_dim;
-  const bool expected = name_ok && world_ok && rank_ok && dim_ok;
+  const bool text_ok = hello.host().size() <= limits.max_host_length &&
+                       hello.agent_version().size() <= limits.max_version_length &&
+                       hello.framework_version().size() <= limits.max_version_length;
+  const bool expected = name_ok && world_ok && rank_ok && dim_ok && text_ok;
 
   const Rejection r = collector::ValidateHello(hello, limits);
   FUZZ_CHECK(r.status.ok() == expected);

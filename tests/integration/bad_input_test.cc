@@ -6,15 +6,22 @@
 // healthy stream of another job, open throughout, keeps being served (its next report is acked
 // and stored); and nothing stored changed (every row of every table outside the healthy job,
 // before and after, compared as text). The outcomes are tabulated in docs/reliability_cases.md.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sqlite3.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <limits>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +32,8 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "rankscope/agent.h"
+#include "rankscope/v1/rankscope.grpc.pb.h"
 #include "rankscope/v1/rankscope.pb.h"
 #include "tests/testing/test_util.h"
 
@@ -33,6 +42,9 @@ namespace {
 
 using collector::Collector;
 using collector::CollectorOptions;
+using ::rankscope::Agent;
+using ::rankscope::AgentOptions;
+using ::rankscope::StepReport;
 using ::testing::HasSubstr;
 
 constexpr char kMethod[] = "/rankscope.v1.Ingest/Stream";
@@ -69,6 +81,12 @@ class RawStream {
     return Wait();
   }
   bool Write(const v1::AgentMessage& msg) { return WriteBytes(msg.SerializeAsString()); }
+
+  // Half-closes the call: the agent will send nothing more.
+  bool WritesDone() {
+    call_->WritesDone(this);
+    return Wait();
+  }
 
   // Reads the next message from the collector. False at the end of the stream.
   bool Read(v1::CollectorMessage* msg) {
@@ -486,6 +504,279 @@ TEST_F(BadInputTest, ARankConnectedFromAnotherHostWithTheSameAttemptIsAlreadyExi
   ASSERT_TRUE(restarted.Write(Report(3, 3)));
   ASSERT_TRUE(restarted.AwaitAck(3));
   ExpectHealthyServed();
+}
+
+// Issue 12.8a: a NaN or Inf in the sketch alone (loss and grad_norm finite) flags the row.
+TEST_F(BadInputTest, ANonFiniteSketchValueAloneFlagsTheRow) {
+  RawStream s(stub_);
+  ASSERT_TRUE(s.Write(Hello("nonfinite-sketch", 0, 1)));
+  v1::AgentMessage nan = Report(1, 1);
+  nan.mutable_report()->set_sketch(2, std::nanf(""));
+  v1::AgentMessage inf = Report(2, 2);
+  inf.mutable_report()->set_sketch(0, -std::numeric_limits<float>::infinity());
+  ASSERT_TRUE(s.Write(nan));
+  ASSERT_TRUE(s.Write(inf));
+  ASSERT_TRUE(s.Write(Report(3, 3)));
+  ASSERT_TRUE(s.AwaitAck(3));
+  EXPECT_EQ(Query("SELECT step, loss, nonfinite FROM rank_steps WHERE job = "
+                  "'nonfinite-sketch' ORDER BY step"),
+            "1|2.5|1\n2|2.5|1\n3|2.5|0");
+}
+
+// Issue 12.4: the hello's free-text fields are bounded; the refusal gives the length, not the
+// bytes.
+TEST_F(BadInputTest, OverlongHelloTextFieldsAreInvalidArgument) {
+  v1::AgentMessage host = Hello("long-host", 0, 1, kDim, std::string(256, 'h'));
+  ExpectRefused([&] { return Stream({Bytes(host)}); }, grpc::StatusCode::INVALID_ARGUMENT,
+                "hello field host has 256 bytes, more than 255 for job long-host");
+  v1::AgentMessage agent = Hello("long-version", 0, 1);
+  agent.mutable_hello()->set_agent_version(std::string(129, 'v'));
+  ExpectRefused([&] { return Stream({Bytes(agent)}); }, grpc::StatusCode::INVALID_ARGUMENT,
+                "hello field agent_version has 129 bytes, more than 128");
+  v1::AgentMessage framework = Hello("long-version", 0, 1);
+  framework.mutable_hello()->set_framework_version(std::string(60000, 'f'));
+  ExpectRefused([&] { return Stream({Bytes(framework)}); }, grpc::StatusCode::INVALID_ARGUMENT,
+                "hello field framework_version has 60000 bytes, more than 128");
+  EXPECT_EQ(Query("SELECT COUNT(*) FROM jobs WHERE job IN ('long-host', 'long-version')"), "0");
+  // At the limits, accepted.
+  v1::AgentMessage ok = Hello("long-ok", 0, 1, kDim, std::string(255, 'h'));
+  ok.mutable_hello()->set_agent_version(std::string(128, 'v'));
+  ok.mutable_hello()->set_framework_version(std::string(128, 'f'));
+  RawStream s(stub_);
+  ASSERT_TRUE(s.Write(ok));
+  ASSERT_TRUE(s.Write(Report(1, 1)));
+  ASSERT_TRUE(s.AwaitAck(1));
+}
+
+// Issue 12.4: SetControl checks the job name as the other Query methods do, and never echoes it.
+TEST_F(BadInputTest, SetControlRefusesABadJobNameWithoutEchoingIt) {
+  auto query = v1::Query::NewStub(
+      grpc::CreateChannel(collector_->grpc_target(), grpc::InsecureChannelCredentials()));
+  for (const std::string& job :
+       {std::string(100000, 'x'), std::string("bad job\n'; --"), std::string()}) {
+    grpc::ClientContext ctx;
+    v1::ControlRequest request;
+    request.set_job(job);
+    request.set_enabled(false);
+    v1::ControlResponse response;
+    const grpc::Status status = query->SetControl(&ctx, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("job must be 1-128 characters of [A-Za-z0-9_.:-]"));
+    EXPECT_LT(status.error_message().size(), 200u);
+    if (!job.empty()) {
+      EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr(job)));
+    }
+  }
+  ExpectHealthyServed();
+}
+
+// Issue 12.6: an agent that half-closes after sending still gets every stored report acked, and
+// the stream finishes with OK only then.
+TEST_F(BadInputTest, AHalfClosedStreamGetsItsAcksBeforeItsStatus) {
+  constexpr uint64_t kReports = 50;
+  RawStream s(stub_);
+  ASSERT_TRUE(s.Write(Hello("half-close", 0, 1)));
+  for (uint64_t seq = 1; seq <= kReports; ++seq) ASSERT_TRUE(s.Write(Report(seq, seq)));
+  ASSERT_TRUE(s.WritesDone());
+  std::set<uint64_t> acked;
+  v1::CollectorMessage msg;
+  while (s.Read(&msg)) {
+    for (uint64_t seq : msg.ack().seqs()) acked.insert(seq);
+  }
+  const grpc::Status status = s.Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(acked.size(), kReports) << "acks lost when the agent half-closed";
+  EXPECT_EQ(Query("SELECT COUNT(*) FROM rank_steps WHERE job = 'half-close'"),
+            absl::StrCat(kReports));
+  ExpectHealthyServed();
+}
+
+// Issue 12.5: a client that sends refused reports and never reads its stream cannot make the
+// collector queue Rejections without bound: beyond the per-stream bound (1,024 messages) the
+// stream ends with RESOURCE_EXHAUSTED and the collector reads nothing more from it.
+TEST_F(BadInputTest, AStreamThatNeverReadsItsRejectionsEndsWithResourceExhausted) {
+  constexpr int kFlood = 100'000;
+  auto ingest = v1::Ingest::NewStub(
+      grpc::CreateChannel(collector_->grpc_target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto stream = ingest->Stream(&ctx);
+  ASSERT_TRUE(stream->Write(Hello("never-reads", 0, 1)));
+  const double overflowed = Metric("rankscope_streams_overflowed_total");
+  std::atomic<int> written{0};
+  std::thread writer([&] {
+    v1::AgentMessage bad = Report(0, uint64_t{1} << 63);  // each refused: step >= 2^63
+    for (int seq = 1; seq <= kFlood; ++seq) {
+      bad.mutable_report()->set_seq(seq);
+      if (!stream->Write(bad)) break;
+      written = seq;
+    }
+  });
+  // Nothing is read until the collector has given up on the stream.
+  EXPECT_TRUE(testing::WaitFor(
+      [&] { return Metric("rankscope_streams_overflowed_total") >= overflowed + 1; },
+      absl::Seconds(60)))
+      << "the collector kept queueing rejections for a client that never reads";
+  int rejections = 0;
+  v1::CollectorMessage msg;
+  while (stream->Read(&msg)) rejections += msg.has_rejection() ? 1 : 0;
+  writer.join();  // its write fails once the call is over
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the agent does not read its stream"));
+  // What reached the client is what the transport buffered (HTTP/2 windows) plus the bounded
+  // queue; far fewer than the reports sent.
+  EXPECT_LT(rejections, kFlood / 2);
+  EXPECT_LT(written.load(), kFlood) << "the collector kept reading an overflowed stream";
+  ExpectHealthyServed();
+}
+
+// Issue 12.2: connections that never finish their request headers cannot starve /metrics: with
+// six of them held open (the HTTP server had 2 threads and a 30 s request timeout, so two were
+// enough to stall every scrape ~30 s), a scrape is answered at once (bound: 3 s, for a loaded
+// machine; the slow clients would hold for the whole test).
+TEST_F(BadInputTest, SlowHttpClientsDoNotBlockAScrape) {
+  constexpr int kSlow = 6;
+  std::vector<int> slow;
+  for (int i = 0; i < kSlow; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(collector_->metrics_port()));
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string partial = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+    ASSERT_EQ(write(fd, partial.data(), partial.size()), static_cast<ssize_t>(partial.size()));
+    slow.push_back(fd);
+  }
+  const absl::Time start = absl::Now();
+  const std::string text = testing::HttpGet(collector_->metrics_port(), "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_THAT(text, HasSubstr("rankscope_streams_open "));
+  EXPECT_LT(took, absl::Seconds(3)) << "a scrape waited behind slow HTTP clients";
+  for (int fd : slow) close(fd);
+}
+
+// Issue 12.1: streams that never send a hello are ended after --hello_timeout and counted, so
+// thousands of them (as many as --max_streams) cannot lock a real agent out.
+TEST(HelloTimeoutTest, ThousandsOfSilentStreamsAreEndedAndARealAgentGetsIn) {
+  constexpr int kSilent = 2000;
+  const std::string dir = testing::MakeTempDir();
+  CollectorOptions o;
+  o.grpc_address = "127.0.0.1:0";
+  o.metrics_address = "127.0.0.1:0";
+  o.db_path = dir + "/rankscope.db";
+  o.max_streams = kSilent;  // the silent streams alone fill the limit
+  o.hello_timeout = absl::Seconds(2);
+  auto c = Collector::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Collector& collector = **c;
+  int timed_out = 0;
+  int refused = 0;
+  {
+    grpc::GenericStub stub(
+        grpc::CreateChannel(collector.grpc_target(), grpc::InsecureChannelCredentials()));
+    std::vector<std::unique_ptr<RawStream>> silent;
+    for (int i = 0; i < kSilent; ++i) silent.push_back(std::make_unique<RawStream>(&stub));
+
+    // A real agent, retrying with its own backoff, gets its report stored and acked.
+    AgentOptions a;
+    a.collector_address = collector.grpc_target();
+    a.job = "after-silence";
+    a.sketch_dim = kDim;
+    a.initial_backoff = absl::Milliseconds(50);
+    a.max_backoff = absl::Milliseconds(500);
+    auto agent = Agent::Create(a);
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    const std::vector<float> sketch(kDim, 0.25f);
+    StepReport report;
+    report.step = 1;
+    report.loss = 1.0;
+    report.grad_norm = 1.0;
+    report.sketch = sketch;
+    ASSERT_TRUE((*agent)->Record(report).ok());
+    EXPECT_TRUE((*agent)->Flush(absl::Seconds(60)).ok()) << "the silent streams locked it out";
+    EXPECT_TRUE((*agent)->Close(absl::Seconds(5)).ok());
+
+    // Each silent stream ends: at its hello deadline, or at once if it reached the collector
+    // after the agent's stream had taken the last slot (RESOURCE_EXHAUSTED).
+    for (auto& s : silent) {
+      const grpc::Status status = s->Finish();
+      if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        ++refused;
+        continue;
+      }
+      ASSERT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+      ASSERT_THAT(status.error_message(),
+                  HasSubstr("no Hello within the collector's --hello_timeout (2s)"));
+      ++timed_out;
+    }
+  }
+  EXPECT_GE(timed_out, kSilent - 10);
+  EXPECT_EQ(timed_out + refused, kSilent);
+  const std::string metrics = testing::HttpGet(collector.metrics_port(), "/metrics");
+  EXPECT_THAT(metrics,
+              HasSubstr(absl::StrCat("rankscope_streams_hello_timeout_total ", timed_out, "\n")));
+  EXPECT_TRUE(collector.Shutdown(absl::Seconds(10)).ok());
+}
+
+// Issue 12.3: one rank claiming a world size of 1,000,000 made every step store (and
+// RecentSteps return) a 7 MB missing_ranks list, more than a default gRPC client reads. The
+// ranks are stored and sent as ranges, with the full count beside them.
+TEST(WorldSizeAmplificationTest, AMillionMissingRanksAreStoredAndSentCompactly) {
+  const std::string dir = testing::MakeTempDir();
+  CollectorOptions o;
+  o.grpc_address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.db_path = dir + "/rankscope.db";
+  o.pipeline.joiner.step_timeout = absl::Milliseconds(200);  // steps close by timeout
+  auto c = Collector::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Collector& collector = **c;
+  auto channel = grpc::CreateChannel(collector.grpc_target(), grpc::InsecureChannelCredentials());
+  {
+    grpc::GenericStub stub(channel);
+    RawStream s(&stub);
+    ASSERT_TRUE(s.Write(Hello("huge-world", 5, 1'000'000)));
+    for (uint64_t step = 1; step <= 3; ++step) {
+      ASSERT_TRUE(s.Write(Report(step, step)));
+      ASSERT_TRUE(s.AwaitAck(step)) << "acked once its step closed by timeout and was stored";
+    }
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(o.db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(db, "SELECT missing_ranks FROM step_stats WHERE job = 'huge-world'",
+                               -1, &stmt, nullptr),
+            SQLITE_OK);
+  int rows = 0;
+  while (sqlite3_step(stmt) == SQLITE_ROW) {
+    ++rows;
+    EXPECT_STREQ(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0)), "0-4,6-999999");
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  EXPECT_EQ(rows, 3);
+
+  // A default client (4 MiB receive limit) reads them back.
+  auto query = v1::Query::NewStub(channel);
+  grpc::ClientContext ctx;
+  v1::RecentStepsRequest request;
+  request.set_job("huge-world");
+  v1::RecentStepsResponse response;
+  const grpc::Status status = query->RecentSteps(&ctx, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.steps_size(), 3);
+  EXPECT_LT(response.ByteSizeLong(), 32u << 10);
+  for (const v1::StepStats& st : response.steps()) {
+    EXPECT_EQ(st.missing_rank_ranges(), "0-4,6-999999");
+    EXPECT_EQ(st.missing_count(), 999'999u);
+    ASSERT_EQ(st.missing_ranks_size(), 1024);  // the first ones, for older readers
+    EXPECT_EQ(st.missing_ranks(4), 4u);
+    EXPECT_EQ(st.missing_ranks(5), 6u);
+  }
+  EXPECT_TRUE(collector.Shutdown(absl::Seconds(10)).ok());
 }
 
 TEST(BadDatabaseTest, ACollectorOnAFileThatIsNotADatabaseFailsToStartCleanly) {

@@ -75,6 +75,27 @@ def test_help_on_every_verb():
     assert "-o report.png" in cli("report", "-h").stdout
 
 
+@pytest.mark.parametrize("binary,flags", [
+    ("rankscope", ("--collector", "--job", "--format", "--auth_token_file")),
+    ("rankscope-collector", ("--grpc_address", "--metrics_address", "--db_path", "--max_streams",
+                             "--hello_timeout")),
+])
+def test_help_exits_zero_and_lists_only_the_binarys_own_flags(binary, flags):
+    """Issue 12.9: `--help` exits 0 (scripts check it) and shows the binary's own flags, without
+    the source paths absl prints ("Flags from /path/to/main.cc") or the libraries' flags."""
+    path = BUILD_DIR / "bin" / binary
+    if not path.exists():
+        pytest.skip(f"{path} not built")
+    for arg in ("--help", "-h", "--helpshort"):
+        out = subprocess.run([str(path), arg], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"{binary} {arg}: {out.returncode} {out.stderr}"
+        for flag in flags:
+            assert f"  {flag} (default " in out.stdout, (flag, out.stdout)
+        assert "Flags from" not in out.stdout, out.stdout
+        assert ".cc" not in out.stdout, out.stdout
+        assert "--flagfile" not in out.stdout and "--fromenv" not in out.stdout, out.stdout
+
+
 def test_jobs_lists_the_job(job):
     out = cli("jobs", collector=job).stdout
     line = next(l for l in out.splitlines() if l.startswith(JOB + " "))

@@ -35,12 +35,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/row_proto.h"
 #include "collector/sqlite_store.h"
 #include "common/client_tls.h"
+#include "common/flag_help.h"
 #include "common/query_client.h"
 #include "google/protobuf/util/json_util.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
@@ -228,6 +230,15 @@ std::string Ranks(const Container& ranks, const char* none) {
   return ranks.empty() ? std::string(none) : absl::StrJoin(ranks, ",");
 }
 
+// The ranks missing from a step, items separated by `sep`: the collector's compact form ("0-5",
+// "+N" for ranks beyond its cap) when it sends one, else the plain list of an older collector.
+std::string MissingRanks(const v1::StepStats& st, const char* sep) {
+  if (!st.missing_rank_ranges().empty()) {
+    return absl::StrJoin(absl::StrSplit(st.missing_rank_ranges(), ','), sep);
+  }
+  return absl::StrJoin(st.missing_ranks(), sep);
+}
+
 int ShowOnce(const Cli& cli, const std::string& job) {
   v1::RecentStepsRequest req;
   req.set_job(job);
@@ -248,7 +259,7 @@ int ShowOnce(const Cli& cli, const std::string& job) {
                 st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
                 Ranks(st.outlier_ranks(), "-").c_str(),
                 st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
-                absl::StrJoin(st.missing_ranks(), ",").c_str());
+                MissingRanks(st, ",").c_str());
   }
   if (resp.steps_size() == 0 || cli.config.worst <= 0) return 0;
 
@@ -454,16 +465,15 @@ int Export(const Cli& cli, const std::string& job) {
       // duplicate_groups ("0,2;1,3") holds commas: quoted when not empty.
       const std::string duplicates =
           st.duplicate_groups().empty() ? "" : absl::StrCat("\"", st.duplicate_groups(), "\"");
-      std::printf("%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d,%s,%s,%s\n",
-                  static_cast<unsigned long long>(st.step()), st.ranks(), st.world_size(),
-                  Csv(st.loss_mean()).c_str(), Csv(st.loss_std()).c_str(),
-                  Csv(st.loss_range()).c_str(), Csv(st.grad_norm_mean()).c_str(),
-                  Csv(st.grad_norm_std()).c_str(), Csv(st.grad_norm_cv()).c_str(),
-                  Csv(st.grad_cosine_mean()).c_str(), Csv(st.grad_noise_scale()).c_str(),
-                  st.timed_out() ? 1 : 0, absl::StrJoin(st.missing_ranks(), ";").c_str(),
-                  st.replica_checked() ? 1 : 0,
-                  absl::StrJoin(st.replica_divergent_ranks(), ";").c_str(),
-                  absl::StrJoin(st.outlier_ranks(), ";").c_str(), duplicates.c_str());
+      std::printf(
+          "%llu,%u,%u,%s,%s,%s,%s,%s,%s,%s,%s,%d,%s,%d,%s,%s,%s\n",
+          static_cast<unsigned long long>(st.step()), st.ranks(), st.world_size(),
+          Csv(st.loss_mean()).c_str(), Csv(st.loss_std()).c_str(), Csv(st.loss_range()).c_str(),
+          Csv(st.grad_norm_mean()).c_str(), Csv(st.grad_norm_std()).c_str(),
+          Csv(st.grad_norm_cv()).c_str(), Csv(st.grad_cosine_mean()).c_str(),
+          Csv(st.grad_noise_scale()).c_str(), st.timed_out() ? 1 : 0, MissingRanks(st, ";").c_str(),
+          st.replica_checked() ? 1 : 0, absl::StrJoin(st.replica_divergent_ranks(), ";").c_str(),
+          absl::StrJoin(st.outlier_ranks(), ";").c_str(), duplicates.c_str());
     }
     return 0;
   }
@@ -598,7 +608,8 @@ const char* VerbHelp(const std::string& verb) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  // `rankscope VERB --help`: the verb's own help (absl's --help lists every flag).
+  // `rankscope VERB --help`: the verb's own help; `rankscope --help`: the usage and the CLI's own
+  // flags (common/flag_help.h), exit 0.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg != "--help" && arg != "-h" && arg != "-help") continue;
@@ -609,6 +620,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  rankscope::HandleHelpFlag(argc, argv, "cli/rankscope.cc");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
     std::fprintf(stderr, "%s\n", kUsage);
