@@ -67,6 +67,10 @@ HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry
   store_queue_depth_ =
       NewGauge(r, "rankscope_store_queue_depth", "Items waiting for the SQLite writer thread.");
   streams_open_ = NewGauge(r, "rankscope_streams_open", "Agent streams currently open.");
+  attempt_takeovers_ =
+      NewCounter(r, "rankscope_attempt_takeovers_total",
+                 "Hellos of a higher attempt accepted while streams of the job's previous attempt "
+                 "were still connected (a restart, or a client announcing one).");
   streams_hello_timeout_ =
       NewCounter(r, "rankscope_streams_hello_timeout_total",
                  "Agent streams ended because no Hello came within --hello_timeout.");
@@ -117,6 +121,7 @@ void HealthMetrics::SetStoreQueueDepth(size_t depth) {
 void HealthMetrics::StreamOpened() { streams_open_->Increment(); }
 void HealthMetrics::StreamClosed() { streams_open_->Decrement(); }
 void HealthMetrics::HelloTimedOut() { streams_hello_timeout_->Increment(); }
+void HealthMetrics::AttemptTakeover() { attempt_takeovers_->Increment(); }
 void HealthMetrics::StreamOverflowed() { streams_overflowed_->Increment(); }
 
 }  // namespace rankscope::collector

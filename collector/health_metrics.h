@@ -12,7 +12,9 @@
 //     counted), rankscope_store_dropped_items_total (store items given up unstored; their agents
 //     are made to resend), rankscope_streams_hello_timeout_total (streams ended because their
 //     first message did not come within --hello_timeout), rankscope_streams_overflowed_total
-//     (streams ended because their agent did not read what it was sent);
+//     (streams ended because their agent did not read what it was sent),
+//     rankscope_attempt_takeovers_total (hellos of a higher attempt accepted while streams of the
+//     job's previous attempt were still connected: a restart, or a client announcing one);
 //   histograms (seconds, buckets 100 µs .. 10 s): rankscope_ingest_latency_seconds,
 //     rankscope_store_commit_seconds;
 //   gauges: rankscope_store_queue_depth, rankscope_streams_open, rankscope_store_healthy (1 while
@@ -77,6 +79,8 @@ class HealthMetrics {
   void StreamClosed();
   // A stream was ended because no hello came within --hello_timeout.
   void HelloTimedOut();
+  // A higher attempt took a job over while its previous attempt's streams were connected.
+  void AttemptTakeover();
   // A stream was ended because its outbound queue was full (the agent does not read).
   void StreamOverflowed();
 
@@ -98,6 +102,7 @@ class HealthMetrics {
   prometheus::Gauge* store_queue_depth_;
   prometheus::Gauge* streams_open_;
   prometheus::Counter* streams_hello_timeout_;
+  prometheus::Counter* attempt_takeovers_;
   prometheus::Counter* streams_overflowed_;
 };
 

@@ -53,6 +53,25 @@ bool JobRegistry::ForgetIfIdle(const std::string& job, absl::Time now) {
   return true;
 }
 
+std::vector<std::string> JobRegistry::IdleJobsOldestFirst() const {
+  std::vector<std::pair<absl::Time, std::string>> idle;
+  for (const auto& [name, job] : jobs_) {
+    if (job.connected == 0) idle.emplace_back(job.last_seen, name);
+  }
+  std::sort(idle.begin(), idle.end());
+  std::vector<std::string> out;
+  out.reserve(idle.size());
+  for (auto& [seen, name] : idle) out.push_back(std::move(name));
+  return out;
+}
+
+bool JobRegistry::ForgetIdle(const std::string& job) {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end() || it->second.connected != 0) return false;
+  jobs_.erase(it);
+  return true;
+}
+
 Rejection JobRegistry::CheckRoomForJob(const v1::Hello& hello) const {
   if (jobs_.size() < max_jobs_) return {};
   return Rejection{absl::ResourceExhaustedError(
@@ -63,6 +82,7 @@ Rejection JobRegistry::CheckRoomForJob(const v1::Hello& hello) const {
 
 Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
                               const std::shared_ptr<AgentStream>& stream, Attached* attached) {
+  *attached = Attached();
   auto it = jobs_.find(hello.job());
   bool restart = false;
   if (it == jobs_.end()) {
@@ -131,6 +151,15 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
     attached->epoch = job.epoch;
   }
   attached->restarted = restart;
+  attached->new_process = !same_process;
+  if (restart) {
+    for (const auto& [rank, other] : job.claims) {
+      if (other.streams > 0 && other.attempt < hello.attempt()) {
+        attached->takeover = true;
+        break;
+      }
+    }
+  }
   claim.instance_id = hello.instance_id();
   claim.host = hello.host();
   claim.pid = hello.pid();

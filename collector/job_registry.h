@@ -88,6 +88,13 @@ class JobRegistry {
   // `now`. Returns whether it was forgotten (the caller forgets its open joins too).
   bool ForgetIfIdle(const std::string& job, absl::Time now);
 
+  // The tracked jobs with no stream attached, least recently seen first (candidates to forget
+  // when --max_jobs is reached). O(jobs log jobs); called only when the registry is full.
+  std::vector<std::string> IdleJobsOldestFirst() const;
+
+  // Forgets a tracked job with no stream attached, whatever its age. Returns whether it did.
+  bool ForgetIdle(const std::string& job);
+
   // For a job that is not tracked: OK iff one more job fits (RESOURCE_EXHAUSTED, reason
   // too_many_jobs, otherwise).
   Rejection CheckRoomForJob(const v1::Hello& hello) const;
@@ -97,6 +104,10 @@ class JobRegistry {
     uint32_t epoch = 0;      // the attempt this stream's reports join and are stored under
     bool resized = false;    // the job restarted with another identity (world size, sketch)
     bool restarted = false;  // this hello moved the job to a new epoch
+    // A higher attempt was accepted while streams of an older one were still connected (a
+    // restart whose old processes linger, or a client announcing a restart it is not).
+    bool takeover = false;
+    bool new_process = true;             // not a reconnect of the agent that last held the rank
     std::optional<v1::Control> control;  // the job's current control, if any
   };
 

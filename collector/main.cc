@@ -46,7 +46,14 @@ ABSL_FLAG(absl::Duration, hello_timeout, absl::Seconds(5),
           "A stream whose first message (the agent's Hello) has not come this long after it "
           "opened is ended with DEADLINE_EXCEEDED, so idle connections cannot hold the "
           "--max_streams slots. 0 disables the deadline.");
-ABSL_FLAG(int, max_jobs, 10000, "Jobs tracked at once.");
+ABSL_FLAG(int, max_jobs, 10000,
+          "Jobs (data-parallel groups) tracked at once. At the limit, the least recently seen "
+          "job with no stream and no open step is forgotten to make room; when none is, a hello "
+          "for a new job is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(absl::Duration, identity_ttl, absl::Hours(1),
+          "A job's identity (world size, sketch) is enforced while it was seen within this long; "
+          "after that, a job with no stream is forgotten and its name may be reused with another "
+          "shape.");
 ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
 ABSL_FLAG(std::string, auth_token_file, "",
@@ -130,6 +137,7 @@ int main(int argc, char** argv) {
   options.pipeline.joiner.max_open_steps_per_job =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
   options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
+  options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
   options.pipeline.limits.max_world_size =
       static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
   options.export_options.per_rank_series_limit =

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_name.h"
 
@@ -186,6 +187,7 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
     }
     if (!registry_.Contains(hello.job())) {
       r = registry_.CheckRoomForJob(hello);
+      if (!r.status.ok() && ForgetAnIdleJobLocked()) r = registry_.CheckRoomForJob(hello);
       if (!r.status.ok()) return r;
       absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
       if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
@@ -204,6 +206,17 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
       joiner_.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
     }
   }
+  if (attached.takeover) {
+    health_->AttemptTakeover();
+    std::fprintf(stderr,
+                 "rankscope-collector: job %s: rank %u of attempt %u (host %s, pid %u) took over "
+                 "while streams of an older attempt are still connected; its reports win. A real "
+                 "restart whose old processes linger, or a client announcing one: a shared token "
+                 "or mutual TLS is what stops the latter (docs/deploy.md \"Security\")\n",
+                 hello.job().c_str(), hello.rank(), hello.attempt(),
+                 absl::CHexEscape(hello.host()).c_str(), hello.pid());
+  }
+  if (attached.new_process) metrics_->OnAgentStarted(hello.job(), hello.rank());
   if (attached.restarted) {
     std::fprintf(stderr,
                  "rankscope-collector: job %s restarted (rank %u came back as a new process or "
@@ -235,6 +248,17 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   item.batch.rank_identities.push_back(std::move(who));
   writer_.Enqueue(std::move(item));
   return {};
+}
+
+bool StepPipeline::ForgetAnIdleJobLocked() {
+  for (const std::string& job : registry_.IdleJobsOldestFirst()) {
+    if (joiner_.open_steps(job) != 0) continue;  // its open steps still need their identity
+    registry_.ForgetIdle(job);
+    std::vector<JoinedStep> none;
+    joiner_.ForgetJob(job, &none);  // closed-step memory only: no open step
+    return true;
+  }
+  return false;
 }
 
 void StepPipeline::LogRefusalOnceLocked(const std::string& job, const Rejection& r) {

@@ -125,6 +125,9 @@ class StepPipeline {
   // Queues closed steps for the step thread.
   void EnqueueClosedLocked(std::vector<JoinedStep>& steps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
+  // At --max_jobs: forgets the least recently seen job with no stream and no open step (its
+  // identity is then no longer enforced, as after identity_ttl). Returns whether one was.
+  bool ForgetAnIdleJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Logs a refused hello's identity conflict (rank taken, shape changed) once per job and reason.
   void LogRefusalOnceLocked(const std::string& job, const Rejection& r)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

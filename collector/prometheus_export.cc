@@ -338,6 +338,14 @@ void JobMetrics::OnAgentDisconnected(const std::string& job) {
   --TouchLocked(job, now).connected;
 }
 
+void JobMetrics::OnAgentStarted(const std::string& job, uint32_t rank) {
+  const absl::Time now = options_.clock();
+  MutexLock lock(&mu_);
+  JobState& state = TouchLocked(job, now);
+  auto it = state.dropped_by_rank.find(rank);
+  if (it != state.dropped_by_rank.end()) it->second = 0;
+}
+
 void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total) {
   const absl::Time now = options_.clock();
   MutexLock lock(&mu_);

@@ -93,6 +93,9 @@ class JobMetrics : public prometheus::Collectable {
   // A rank of `job` connected (hello accepted) or disconnected.
   void OnAgentConnected(const std::string& job, uint32_t world_size);
   void OnAgentDisconnected(const std::string& job);
+  // A new agent process holds (job, rank) (not a reconnect): its cumulative dropped count starts
+  // from zero, so its first count is counted whole.
+  void OnAgentStarted(const std::string& job, uint32_t rank);
   // The agent of (job, rank) reported its cumulative count of dropped reports.
   void OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total);
   // A step of `job` was joined and its statistics computed.

@@ -17,6 +17,22 @@ bool TestBit(const std::vector<uint64_t>& bits, uint32_t i) {
 
 void SetBit(std::vector<uint64_t>& bits, uint32_t i) { bits[i >> 6] |= uint64_t{1} << (i & 63); }
 
+}  // namespace
+
+bool StepJoiner::OpenStep::Contains(uint32_t rank) const {
+  return present.empty() ? present_sparse.contains(rank) : TestBit(present, rank);
+}
+
+void StepJoiner::OpenStep::Insert(uint32_t rank) {
+  if (present.empty()) {
+    present_sparse.insert(rank);
+  } else {
+    SetBit(present, rank);
+  }
+}
+
+namespace {
+
 // The ranks in [0, world_size) whose bit is clear, ascending. O(world_size / 64 + result).
 std::vector<uint32_t> ClearBits(const std::vector<uint64_t>& bits, uint32_t world_size) {
   std::vector<uint32_t> out;
@@ -109,7 +125,7 @@ AddOutcome StepJoiner::Add(absl::string_view job_name, RankReport& report, absl:
       Open(name, job, report, now, closed);
       return AddOutcome::kAccepted;
     }
-    if (TestBit(open.present, report.rank)) {
+    if (open.Contains(report.rank)) {
       // A resend while the step is open. Linear in the step's reports, but only on this path.
       for (RankReport& held : open.reports) {
         if (held.rank != report.rank) continue;
@@ -120,7 +136,7 @@ AddOutcome StepJoiner::Add(absl::string_view job_name, RankReport& report, absl:
       report.acks.clear();
       return AddOutcome::kDuplicate;
     }
-    SetBit(open.present, report.rank);
+    open.Insert(report.rank);
     open.reports.push_back(std::move(report));
     if (open.reports.size() == job.world_size) {
       closed->push_back(Close(name, job, open_it->first, JoinedStep::Reason::kComplete));
@@ -157,8 +173,8 @@ void StepJoiner::Open(const std::string& job_name, Job& job, RankReport& report,
   OpenStep& open = job.open[step];
   open.attempt = report.attempt;
   open.opened_at = now;
-  open.present.assign(BitsetWords(job.world_size), 0);
-  SetBit(open.present, report.rank);
+  if (job.world_size <= kMaxDenseWorldSize) open.present.assign(BitsetWords(job.world_size), 0);
+  open.Insert(report.rank);
   open.reports.push_back(std::move(report));
   job.open_by_age.emplace(now, step);
   deadlines_.emplace(now, job_name, step);
@@ -183,7 +199,20 @@ JoinedStep StepJoiner::Close(const std::string& job_name, Job& job, uint64_t ste
   std::sort(out.reports.begin(), out.reports.end(),
             [](const RankReport& a, const RankReport& b) { return a.rank < b.rank; });
   if (out.reports.size() < job.world_size) {
-    out.missing_ranks = ClearBits(open.present, job.world_size);
+    if (!open.present.empty()) {
+      out.missing_ranks = ClearBits(open.present, job.world_size);
+    } else {
+      // Sparse: the complement of the (sorted) ranks present. O(world_size), at close only.
+      out.missing_ranks.reserve(job.world_size - out.reports.size());
+      size_t next = 0;
+      for (uint32_t rank = 0; rank < job.world_size; ++rank) {
+        if (next < out.reports.size() && out.reports[next].rank == rank) {
+          ++next;
+        } else {
+          out.missing_ranks.push_back(rank);
+        }
+      }
+    }
   }
 
   job.open_by_age.erase({open.opened_at, step});
@@ -194,7 +223,7 @@ JoinedStep StepJoiner::Close(const std::string& job_name, Job& job, uint64_t ste
     const size_t present = out.reports.size();
     const size_t missing = out.missing_ranks.size();
     RankSet ranks;
-    if (4 * std::min(present, missing) <= 8 * open.present.size()) {
+    if (open.present.empty() || 4 * std::min(present, missing) <= 8 * open.present.size()) {
       if (missing <= present) {
         ranks.form = RankSet::Form::kMissing;
         ranks.ranks = out.missing_ranks;

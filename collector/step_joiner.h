@@ -21,7 +21,9 @@
 // Cost: Add is O(1) expected plus O(log open steps) when it opens or closes a step, plus
 // O(W log W) when it closes one (sorting the reports); merging a duplicate into an open step scans
 // that step's reports (O(W), rare). Expire is O(log n) per step it closes; NextDeadline is O(1).
-// Memory per job: at most max_open_steps_per_job open steps, and at most
+// Memory per job: at most max_open_steps_per_job open steps, each with its reports and the set of
+// their ranks (a world_size-bit bitset up to kMaxDenseWorldSize ranks, else a hash set of the
+// ranks present: a large claimed world size costs nothing by itself), and at most
 // completed_steps_remembered closed steps, each taking min(4 * ranks present, 4 * ranks missing,
 // world_size / 8) bytes for its set of ranks (so a complete step costs a few dozen bytes).
 //
@@ -42,6 +44,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -121,11 +124,18 @@ class StepJoiner {
   size_t remembered_steps(absl::string_view job) const;
 
  private:
+  // Jobs up to this world size keep an open step's ranks in a bitset (at most 8 KiB); larger
+  // ones in a hash set of the ranks present, so that a claimed world size costs nothing until
+  // its ranks report.
+  static constexpr uint32_t kMaxDenseWorldSize = 65'536;
   struct OpenStep {
     uint32_t attempt = 0;
     absl::Time opened_at;
     std::vector<RankReport> reports;  // arrival order while open
-    std::vector<uint64_t> present;    // bitset over ranks [0, world_size)
+    std::vector<uint64_t> present;    // bitset over ranks [0, world_size), dense jobs only
+    absl::flat_hash_set<uint32_t> present_sparse;  // jobs over kMaxDenseWorldSize only
+    bool Contains(uint32_t rank) const;
+    void Insert(uint32_t rank);
   };
   // The set of ranks a closed step included, in whichever form is smallest: the sorted ranks
   // present, the sorted ranks missing, or a bitset over world_size ranks.

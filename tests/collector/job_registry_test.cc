@@ -153,6 +153,49 @@ TEST(JobRegistryTest, ANewAttemptMayResizeTheJob) {
   EXPECT_EQ(attached.epoch, 0u);
 }
 
+// A higher attempt accepted while an older attempt's stream is still connected is a takeover
+// (logged and counted by the pipeline); a restart after the old streams closed is not.
+TEST(JobRegistryTest, AHigherAttemptWhileTheOldOneIsConnectedIsATakeover) {
+  JobRegistry registry(10, absl::Hours(1));
+  auto s0 = std::make_shared<NullStream>();
+  auto s1 = std::make_shared<NullStream>();
+  JobRegistry::Attached attached;
+  ASSERT_TRUE(registry.Attach(Instance(0, "a0"), kT0, s0, &attached).status.ok());
+  ASSERT_TRUE(registry.Attach(Instance(1, "a1"), kT0, s1, &attached).status.ok());
+  ASSERT_TRUE(registry.Attach(Instance(0, "b0", 1), kT0, s0, &attached).status.ok());
+  EXPECT_TRUE(attached.takeover);
+  EXPECT_TRUE(attached.restarted);
+  ASSERT_TRUE(registry.Detach(Instance(0, "a0"), s0, kT0));
+  ASSERT_TRUE(registry.Detach(Instance(1, "a1"), s1, kT0));
+  auto s2 = std::make_shared<NullStream>();
+  ASSERT_TRUE(registry.Attach(Instance(1, "c1", 2), kT0, s2, &attached).status.ok());
+  EXPECT_TRUE(attached.restarted);
+  EXPECT_TRUE(attached.takeover);  // rank 0 of attempt 1 (b0) is still connected
+  JobRegistry quiet(10, absl::Hours(1));
+  ASSERT_TRUE(quiet.Attach(Instance(0, "a0"), kT0, s0, &attached).status.ok());
+  ASSERT_TRUE(quiet.Detach(Instance(0, "a0"), s0, kT0));
+  ASSERT_TRUE(quiet.Attach(Instance(0, "b0", 1), kT0, s0, &attached).status.ok());
+  EXPECT_TRUE(attached.restarted);
+  EXPECT_FALSE(attached.takeover);
+}
+
+TEST(JobRegistryTest, IdleJobsOldestFirst) {
+  JobRegistry registry(3, absl::Hours(1));
+  auto s = std::make_shared<NullStream>();
+  JobRegistry::Attached attached;
+  for (const char* job : {"late", "early", "busy"}) {
+    v1::Hello h = Hello(0);
+    h.set_job(job);
+    const absl::Time at = kT0 + absl::Seconds(std::string(job) == "early" ? 1 : 2);
+    ASSERT_TRUE(registry.Attach(h, at, s, &attached).status.ok());
+    if (std::string(job) != "busy") ASSERT_TRUE(registry.Detach(h, s, at));
+  }
+  EXPECT_THAT(registry.IdleJobsOldestFirst(), ::testing::ElementsAre("early", "late"));
+  EXPECT_FALSE(registry.ForgetIdle("busy"));
+  EXPECT_TRUE(registry.ForgetIdle("early"));
+  EXPECT_FALSE(registry.Contains("early"));
+}
+
 TEST(JobRegistryTest, IdentityTtlAndMaxJobs) {
   JobRegistry registry(1, absl::Hours(1));
   auto s = std::make_shared<NullStream>();

@@ -236,6 +236,25 @@ TEST_F(StepJoinerTest, TimesOutWithMissingRanksNamed) {
   EXPECT_EQ(joiner_.NextDeadline(), absl::InfiniteFuture());
 }
 
+// A job that claims a world size past the dense limit keeps only the ranks present per open
+// step; joins, resends, late reports and the missing list behave as for a small job.
+TEST_F(StepJoinerTest, AHugeClaimedWorldSizeJoinsLikeASmallOne) {
+  constexpr uint32_t kWorld = 1'000'000;
+  ASSERT_TRUE(joiner_.RegisterJob("huge", kWorld).ok());
+  EXPECT_EQ(Add("huge", 999'999, 1), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("huge", 5, 1), AddOutcome::kAccepted);
+  EXPECT_EQ(Add("huge", 999'999, 1), AddOutcome::kDuplicate);  // a resend while open
+  joiner_.Expire(kT0 + absl::Seconds(30), &closed_);
+  ASSERT_EQ(closed_.size(), 1u);
+  EXPECT_THAT(Ranks(closed_[0]), ElementsAre(5u, 999'999u));
+  ASSERT_EQ(closed_[0].missing_ranks.size(), kWorld - 2);
+  EXPECT_EQ(closed_[0].missing_ranks[5], 6u);
+  EXPECT_EQ(closed_[0].missing_ranks.back(), 999'998u);
+  EXPECT_EQ(Add("huge", 5, 1), AddOutcome::kDuplicate);  // remembered as part of the closed step
+  EXPECT_EQ(Add("huge", 7, 1), AddOutcome::kLate);
+  EXPECT_EQ(Add("huge", 7, 1), AddOutcome::kDuplicate);
+}
+
 TEST_F(StepJoinerTest, ExpireWithInfiniteFutureFlushesEverything) {
   ASSERT_TRUE(joiner_.RegisterJob("a", 3).ok());
   for (uint64_t s = 0; s < 5; ++s) Add("a", 1, s);

@@ -99,6 +99,58 @@ TEST_F(StepPipelineTest, DroppedCountsAddUpAcrossRepeatsAndAgentRestarts) {
   Connect(rank1);
   Report(rank1, 4, 2);
   EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 1 + 3);
+  // A new process (a restart, attempt 1) whose count already passed the old one's: counted
+  // whole.
+  v1::Hello restarted = Hello(1);
+  restarted.set_instance_id("second-process");
+  restarted.set_attempt(1);
+  Connect(restarted);
+  Report(restarted, 5, 6);  // +6, not 6 - 2
+  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 1 + 3 + 6);
+}
+
+// At --max_jobs the least recently seen job with no stream and no open step makes room; a job
+// whose step is still open (its identity still matters) does not.
+TEST(StepPipelineJobsTest, AtMaxJobsAnIdleJobMakesRoom) {
+  JobMetrics metrics;
+  HealthMetrics health;
+  auto store = SqliteStore::Open(testing::MakeTempDir() + "/rankscope.db");
+  ASSERT_TRUE(store.ok()) << store.status();
+  PipelineOptions options;
+  options.max_jobs = 1;
+  StepPipeline pipeline(options, std::move(*store), {}, &metrics, &health);
+  auto hello = [](const std::string& job, uint32_t rank) {
+    v1::Hello h;
+    h.set_job(job);
+    h.set_rank(rank);
+    h.set_world_size(2);
+    h.set_sketch_dim(4);
+    return h;
+  };
+  auto report = [](uint64_t step) {
+    v1::StepReport r;
+    r.set_seq(step);
+    r.set_step(step);
+    for (int i = 0; i < 4; ++i) r.add_sketch(1.0f + i);
+    return r;
+  };
+  auto s0 = std::make_shared<NullStream>();
+  auto s1 = std::make_shared<NullStream>();
+  auto s2 = std::make_shared<NullStream>();
+  v1::Hello a0 = hello("a", 0), a1 = hello("a", 1);
+  ASSERT_TRUE(pipeline.AcceptHello(a0, s0).status.ok());
+  ASSERT_TRUE(pipeline.AcceptHello(a1, s1).status.ok());
+  ASSERT_TRUE(pipeline.OnReport(a0, report(1), AckHandle{}).status.ok());  // step 1 stays open
+  pipeline.StreamClosed(a0, s0);
+  pipeline.StreamClosed(a1, s1);
+  v1::Hello b0 = hello("b", 0);
+  EXPECT_EQ(ReasonLabel(pipeline.AcceptHello(b0, s2).reason), "too_many_jobs");
+  ASSERT_TRUE(pipeline.AcceptHello(a1, s1).status.ok());
+  ASSERT_TRUE(pipeline.OnReport(a1, report(1), AckHandle{}).status.ok());  // step 1 complete
+  pipeline.StreamClosed(a1, s1);
+  b0 = hello("b", 0);
+  EXPECT_TRUE(pipeline.AcceptHello(b0, s2).status.ok());
+  ASSERT_TRUE(pipeline.Stop(absl::Seconds(10)).ok());
 }
 
 }  // namespace
