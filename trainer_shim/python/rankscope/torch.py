@@ -65,7 +65,7 @@ from rankscope._control_agreement import ControlAgreement
 from rankscope._deferred import DeferredReports, host_loss
 from rankscope._replica import ReplicaFingerprints
 
-__all__ = ["attach", "Monitor"]
+__all__ = ["attach", "attach_reducer", "Monitor"]
 
 
 def _env_flag(name: str) -> bool:
@@ -169,7 +169,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       process already reports the same (job, group, rank) for another model; RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.
     """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    self_reduced = isinstance(model, _SelfReduced)
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self_reduced:
         raise TypeError("rankscope.torch.attach needs a torch.nn.parallel."
                         f"DistributedDataParallel model, got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -205,6 +206,9 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
                       max_unacked=int(max_unacked), warn_after=float(warn_after),
                       max_backoff=float(max_backoff),
                       control_margin=float(control_margin), close_timeout=float(close_timeout))
+    if self_reduced:  # the trainer hands over its gradients (Monitor.local_gradient)
+        _ATTACHED[key] = monitor
+        return monitor
     state = _HookState(monitor, comm_hook, comm_hook_state, model.process_group)
     try:
         model.register_comm_hook(state, _rankscope_comm_hook)
@@ -216,6 +220,81 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             f"registering it): {e}") from e
     _ATTACHED[key] = monitor
     return monitor
+
+
+def attach_reducer(module: torch.nn.Module, process_group=None, **kwargs) -> "Monitor":
+    """Attaches rankscope to a trainer that reduces gradients itself (Megatron-core's DDP,
+    DeepSpeed, a hand-written bucketed all-reduce): there is no DDP comm hook, so the trainer
+    hands the monitor each step's local gradient just before it is reduced and the reduced one
+    after, with the same sketch, fingerprint and step semantics as ``attach``::
+
+        mon = rst.attach_reducer(model, process_group=dp_group, job="exp-42")
+        for x, y in loader:
+            loss = loss_fn(model(x), y); loss.backward()
+            flat = flatten_grads(model)           # the buffer the trainer all-reduces
+            mon.local_gradient(flat, params)      # before the reduction
+            flat.div_(world); dist.all_reduce(flat, group=dp_group)
+            mon.reduced_gradient(flat)            # after it (same buffer, or a copy)
+            unflatten_into_grads(flat, model); opt.step()
+            mon.step(loss)
+
+    ``module`` is the model (its ``named_parameters()`` order fixes the flat index, as for DDP);
+    ``process_group`` the data-parallel group the trainer reduces over (default: the whole job).
+    Every other argument is ``attach``'s (``comm_hook`` excepted).
+    """
+    if "comm_hook" in kwargs or "comm_hook_state" in kwargs:
+        raise ValueError("attach_reducer: a trainer that reduces gradients itself has no comm "
+                         "hook to chain to")
+    return attach(_SelfReduced(module, process_group), **kwargs)
+
+
+class _SelfReduced:
+    """What Monitor needs of a DDP model, for a trainer that reduces gradients itself."""
+
+    def __init__(self, module, process_group):
+        self.module = module
+        self.process_group = process_group
+
+    def register_forward_pre_hook(self, hook):
+        return self.module.register_forward_pre_hook(lambda _m, args: hook(self, args))
+
+
+class _FlatBucket:
+    """A flat gradient buffer and the parameters it holds, back to back in ``params`` order, in
+    the shape of DDP's GradBucket (what the sketcher and the replica fingerprints read)."""
+
+    def __init__(self, index, buffer, params):
+        self._index = index
+        self._buffer = buffer
+        self._params = list(params)
+        self._grads = []
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            self._grads.append(buffer[offset:offset + n].view(p.shape))
+            offset += n
+        if offset != buffer.numel():
+            raise ValueError(f"the gradient buffer has {buffer.numel()} values, its parameters "
+                             f"{offset}")
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+
+def _flat(gradient) -> torch.Tensor:
+    """One flat buffer: the tensor itself, or the concatenation of a list of tensors."""
+    if isinstance(gradient, torch.Tensor):
+        return gradient.reshape(-1)
+    return torch.cat([g.detach().reshape(-1) for g in gradient])
 
 
 class _HookState:
@@ -290,6 +369,7 @@ class Monitor:
         self._enabled = enabled
         self._closed = False
         self._refused = False  # the collector refused this rank for good (stats()["refused"])
+        self._pending_layouts = {}  # local_gradient index -> replica layout (attach_reducer)
         self.counters = collections.Counter()
         self._warned = set()
         # The four parts behind the monitor: the hook's sketching and fingerprinting, the
@@ -421,6 +501,32 @@ class Monitor:
 
     # ---- hook side --------------------------------------------------------------------------
 
+    def local_gradient(self, gradient, params, index: int = 0) -> None:
+        """For trainers that reduce gradients themselves (``attach_reducer``): this rank's local
+        gradient of ``params`` (in that order, back to back), just before it is reduced; one flat
+        buffer, or a list of tensors (then copied into one). Several buffers per step (buckets)
+        are given distinct ``index`` values. Never raises for a runtime condition."""
+        if not self._active:
+            return
+        try:
+            bucket = _FlatBucket(index, _flat(gradient), params)
+            self._add_bucket(bucket)
+            if self._replica.enabled:
+                self._pending_layouts[index] = self._replica.bucket_layout(bucket,
+                                                                           self._sketcher)
+        except Exception as e:  # monitoring must never break training
+            self._hook_failed(e)
+
+    def reduced_gradient(self, gradient, index: int = 0) -> None:
+        """The reduced (averaged) gradient of the buffer given to ``local_gradient`` with the same
+        ``index``, in the same layout: folded into the step's replica fingerprint."""
+        layout = self._pending_layouts.pop(index, None)
+        if layout is None:
+            return
+        fut = torch.futures.Future()
+        fut.set_result(_flat(gradient))
+        self._replica.fold_reduced(fut, layout)
+
     def _add_bucket(self, bucket) -> None:
         self._sketcher.add_bucket(bucket)
 
@@ -443,6 +549,7 @@ class Monitor:
     def _reset_accumulators(self) -> None:
         self._sketcher.reset()
         self._replica.reset()
+        self._pending_layouts.clear()
 
     def _begin_step(self) -> None:
         if self._sketcher.got_grads or self._sketcher.seen_params:
