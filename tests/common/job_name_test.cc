@@ -39,5 +39,25 @@ TEST(JobNameTest, LengthOnlyNeverEchoesTheBytes) {
             "job name must be 1-4 characters of [A-Za-z0-9_.:-], got 5 characters");
 }
 
+TEST(JobNameTest, GroupNamesAndKeys) {
+  EXPECT_TRUE(ValidateGroupName("", JobNameEcho::kQuote).ok());  // the job's only group
+  EXPECT_TRUE(ValidateGroupName("pp2-tp5", JobNameEcho::kQuote).ok());
+  EXPECT_EQ(ValidateGroupName("a/b", JobNameEcho::kQuote).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateGroupName(std::string(65, 'g'), JobNameEcho::kLengthOnly).message(),
+            "group name must be 0-64 characters of [A-Za-z0-9_.:-], got 65 characters");
+  EXPECT_EQ(GroupKey("exp-42", ""), "exp-42");
+  EXPECT_EQ(GroupKey("exp-42", "dp1"), "exp-42/dp1");
+  EXPECT_EQ(SplitGroupKey("exp-42/dp1").first, "exp-42");
+  EXPECT_EQ(SplitGroupKey("exp-42/dp1").second, "dp1");
+  EXPECT_EQ(SplitGroupKey("exp-42").second, "");
+  EXPECT_TRUE(IsValidGroupKey("exp-42"));
+  EXPECT_TRUE(IsValidGroupKey("exp-42/dp1"));
+  EXPECT_FALSE(IsValidGroupKey("exp-42/"));
+  EXPECT_FALSE(IsValidGroupKey("/dp1"));
+  EXPECT_FALSE(IsValidGroupKey("exp-42/dp1/x"));
+  EXPECT_FALSE(IsValidGroupKey("exp-42/" + std::string(65, 'g')));
+}
+
 }  // namespace
 }  // namespace rankscope

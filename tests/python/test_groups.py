@@ -17,7 +17,9 @@ a resume with no restart counter and an elastic resize.
 import json
 import math
 import os
+import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ pytest.importorskip("rankscope._native")
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from conftest import CLI_BIN  # noqa: E402
 from shim_harness import spawn, write_json  # noqa: E402
 
 STEPS = 24
@@ -193,6 +196,18 @@ def test_label_noise_is_named_in_its_group_only(runs):
     assert {noisy[s] for s in named} == {"2"}  # global rank 5 is rank 2 of dp1
     clean = flags(collector, "megatron/dp0", "outlier_ranks")
     assert all(text == "" for text in clean.values()), clean
+
+
+def test_the_cli_names_the_least_consistent_group(runs):
+    """`rankscope groups`: the groups side by side, the noisy group the least consistent."""
+    collector, _ = runs
+    out = subprocess.run([str(CLI_BIN), f"--collector={collector.address}", "--job=megatron",
+                          f"--limit={STEPS}", "groups"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "job megatron: 2 groups" in out.stdout, out.stdout
+    assert re.search(r"^dp0 +\|", out.stdout, re.M) and re.search(r"^dp1 +\|", out.stdout, re.M)
+    assert "least consistent group: dp1" in out.stdout, out.stdout
 
 
 def test_ulp_nudge_is_named_in_its_group_only(runs):

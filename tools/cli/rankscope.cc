@@ -32,6 +32,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -46,6 +47,7 @@
 #include "common/query_client.h"
 #include "google/protobuf/util/json_util.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
+#include "tools/cli/groups_view.h"
 
 ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
 ABSL_FLAG(std::string, job, "", "Training job name (show, ctl).");
@@ -90,6 +92,7 @@ constexpr char kUsage[] =
     "\n"
     "usage:\n"
     "  rankscope [--collector=HOST:PORT] jobs\n"
+    "  rankscope groups --job=J [--limit=N]\n"
     "  rankscope show --job=J [--once] [--limit=N] [--worst=N]\n"
     "  rankscope export --job=J --format=csv|json [--table=steps|ranks] [--db=PATH]\n"
     "  rankscope report --job=J -o report.png [--db=PATH]\n"
@@ -218,6 +221,35 @@ int Jobs(const Cli& cli) {
                                  absl::FromUnixNanos(j.last_seen_unix_nanos()), absl::UTCTimeZone())
                     .c_str());
   }
+  return 0;
+}
+
+// The data-parallel groups of `job` (keys "JOB/GROUP", or the job itself when stored without
+// groups), their newest --limit steps side by side (tools/cli/groups_view.h).
+int Groups(const Cli& cli, const std::string& job) {
+  absl::StatusOr<v1::ListJobsResponse> jobs = cli.client.ListJobs();
+  if (!jobs.ok()) return Fail(cli.config, jobs.status());
+  std::vector<rankscope::cli::GroupSteps> groups;
+  const std::string prefix = absl::StrCat(job, "/");
+  for (const v1::JobInfo& j : jobs->jobs()) {
+    if (j.job() != job && !absl::StartsWith(j.job(), prefix)) continue;
+    v1::RecentStepsRequest req;
+    req.set_job(j.job());
+    req.set_limit(static_cast<uint32_t>(std::max(1, cli.config.limit)));
+    absl::StatusOr<v1::RecentStepsResponse> recent = cli.client.RecentSteps(req);
+    if (!recent.ok()) return Fail(cli.config, recent.status());
+    rankscope::cli::GroupSteps& g = groups.emplace_back();
+    g.group = j.job() == job ? "" : j.job().substr(prefix.size());
+    g.steps.assign(recent->steps().begin(), recent->steps().end());
+  }
+  if (groups.empty()) {
+    std::fprintf(stderr, "rankscope: the collector knows no job %s nor groups %s*\n", job.c_str(),
+                 prefix.c_str());
+    return 1;
+  }
+  const std::string text =
+      rankscope::cli::RenderGroupsView(job, rankscope::cli::BuildGroupsView(std::move(groups)));
+  std::fputs(text.c_str(), stdout);
   return 0;
 }
 
@@ -570,6 +602,14 @@ const char* VerbHelp(const std::string& verb) {
            "Lists the jobs the collector knows: world size, sketch size, last step, connected\n"
            "ranks, state (active: a rank is connected; idle) and when a rank last reported.\n";
   }
+  if (verb == "groups") {
+    return "rankscope groups --job=J [--limit=N] [--collector=HOST:PORT]\n\n"
+           "The data-parallel groups of job J (stored as J/GROUP) side by side over their newest\n"
+           "N steps: per group its last cosine, the steps with an outlier rank or a divergent\n"
+           "replica and how often it was the least consistent group (lowest mean pairwise\n"
+           "cosine), and a groups x steps picture ('#' least consistent, 'O' outlier, 'X'\n"
+           "divergent replica).\n";
+  }
   if (verb == "show") {
     return "rankscope show --job=J [--once] [--limit=N] [--worst=N] [--collector=HOST:PORT]\n\n"
            "The newest N steps of job J (loss mean/std/range, gradient-norm mean and CV, mean\n"
@@ -645,12 +685,13 @@ int main(int argc, char** argv) {
   const std::string verb = args[1];
   const std::string& job = config.job;
   if (verb == "jobs") return Jobs(cli);
-  if (verb == "show" || verb == "ctl" || verb == "export" || verb == "report") {
+  if (verb == "show" || verb == "ctl" || verb == "export" || verb == "report" || verb == "groups") {
     if (job.empty()) {
       std::fprintf(stderr, "rankscope: %s needs --job\n", verb.c_str());
       return 2;
     }
     if (verb == "show") return Show(cli, job);
+    if (verb == "groups") return Groups(cli, job);
     if (verb == "export") return Export(cli, job);
     if (verb == "report") return Report(cli, job);
     if (args.size() < 3) {
