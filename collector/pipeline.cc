@@ -224,7 +224,12 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
                  hello.job().c_str(), hello.rank(), hello.attempt(), hello.world_size());
   }
   hello.set_attempt(attached.epoch);
-  metrics_->OnAgentConnected(hello.job(), hello.world_size());
+  RankIdentity identity;
+  identity.known = true;
+  identity.rank = hello.rank();
+  if (hello.has_global_rank()) identity.global_rank = hello.global_rank();
+  identity.host = hello.host();
+  metrics_->OnAgentConnected(hello.job(), hello.world_size(), std::move(identity));
   if (attached.control) stream->SendControl(*attached.control);
   JobRow row;
   row.job = hello.job();
@@ -425,6 +430,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   exported.replica_checked = analyzed.diag.replica_checked;
   exported.replica_divergent_ranks = analyzed.diag.replica_divergent;
   exported.duplicate_ranks = CountDuplicateRanks(analyzed.duplicates);
+  exported.outlier_ranks = static_cast<uint32_t>(analyzed.outlier_ranks.size());
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

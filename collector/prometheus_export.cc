@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_name.h"
 #include "prometheus/client_metric.h"
@@ -61,6 +63,11 @@ enum Family : size_t {
   kRankReplicaDivergent,
   kDuplicateRanks,
   kDuplicateStepsTotal,
+  kRankInfo,
+  kJobGroups,
+  kJobGradCosineMeanMin,
+  kJobGroupsWithOutliers,
+  kJobGroupsReplicaDivergent,
   kFamilyCount,
 };
 
@@ -177,6 +184,21 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
     {"rankscope_duplicate_steps_total",
      "Steps in which two or more ranks had identical or near-identical local gradients.",
      MetricType::Counter},
+    {"rankscope_rank_info",
+     "1 for each rank with per-rank series (most deviating, missing, replica-divergent ranks): "
+     "its global rank and host, as its agent stated them.",
+     MetricType::Gauge},
+    {"rankscope_job_groups", "Data-parallel groups of the training job exported.",
+     MetricType::Gauge},
+    {"rankscope_job_grad_cosine_mean_min",
+     "The least consistent data-parallel group's mean pairwise cosine at its latest step.",
+     MetricType::Gauge},
+    {"rankscope_job_groups_with_outliers",
+     "Data-parallel groups of the job with a persistent outlier rank at their latest step.",
+     MetricType::Gauge},
+    {"rankscope_job_groups_replica_divergent",
+     "Data-parallel groups of the job whose latest checked step had a divergent replica.",
+     MetricType::Gauge},
 };
 
 // The labels of a group key's series: {train_job} for a job with one group (its name), else
@@ -322,11 +344,17 @@ JobMetrics::JobState& JobMetrics::TouchLocked(const std::string& job, absl::Time
 }
 
 void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size) {
+  OnAgentConnected(job, world_size, RankIdentity{});
+}
+
+void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size,
+                                  RankIdentity identity) {
   const absl::Time now = options_.clock();
   MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   ++state.connected;
   if (world_size > 0) state.world_size = world_size;
+  if (identity.known) state.identities[identity.rank] = std::move(identity);
 }
 
 void JobMetrics::OnAgentDisconnected(const std::string& job) {
@@ -399,6 +427,8 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   if (IsNonfinite(latest)) ++state.steps_nonfinite_total;
   state.duplicate_ranks = step.duplicate_ranks;
   if (step.duplicate_ranks > 0) ++state.duplicate_steps_total;
+  state.outlier_ranks_latest = step.outlier_ranks;
+  if (step.replica_checked) state.replica_divergent_checked = !step.replica_divergent_ranks.empty();
   state.latest = latest;
   state.top_ranks = std::move(top_ranks);
   state.missing = std::move(missing);
@@ -546,6 +576,51 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       for (uint32_t rank : state.missing) {
         AddSample(families[kRankMissing], RankLabels(job, rank), 1);
       }
+      // Who the ranks with per-rank series are: their global rank and host.
+      absl::flat_hash_set<uint32_t> shown;
+      for (const RankPoint& r : state.top_ranks) shown.insert(r.rank);
+      for (uint32_t rank : state.missing) shown.insert(rank);
+      for (const auto& [rank, at] : state.replica_divergent_at) {
+        if (at >= now - window) shown.insert(rank);
+      }
+      std::vector<uint32_t> ordered(shown.begin(), shown.end());
+      std::sort(ordered.begin(), ordered.end());
+      for (uint32_t rank : ordered) {
+        auto who = state.identities.find(rank);
+        if (who == state.identities.end()) continue;
+        std::vector<ClientMetric::Label> labels = RankLabels(job, rank);
+        labels.push_back({"global_rank", who->second.global_rank
+                                             ? absl::StrCat(*who->second.global_rank)
+                                             : std::string()});
+        labels.push_back({"host", who->second.host});
+        AddSample(families[kRankInfo], std::move(labels), 1);
+      }
+    }
+
+    // Job-level aggregates across the job's data-parallel groups (a job without groups is one).
+    struct JobAggregate {
+      int groups = 0;
+      double cosine_min = kNaN;
+      int with_outliers = 0;
+      int replica_divergent = 0;
+    };
+    std::map<std::string, JobAggregate> by_job;
+    for (const auto* entry : live) {
+      const JobState& state = entry->second;
+      JobAggregate& a = by_job[std::string(SplitGroupKey(entry->first).first)];
+      ++a.groups;
+      if (!state.has_step) continue;
+      a.cosine_min = MinIgnoringNaN(a.cosine_min, state.latest.grad_cosine_mean);
+      a.with_outliers += state.outlier_ranks_latest > 0 ? 1 : 0;
+      a.replica_divergent += state.replica_divergent_checked ? 1 : 0;
+    }
+    for (const auto& [job, a] : by_job) {
+      const std::vector<ClientMetric::Label> labels = {{"train_job", job}};
+      AddSample(families[kJobGroups], labels, a.groups);
+      if (!std::isnan(a.cosine_min))
+        AddSample(families[kJobGradCosineMeanMin], labels, a.cosine_min);
+      AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
+      AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
     }
   }
 

@@ -47,6 +47,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,16 @@ struct ExportedStep {
   absl::Span<const uint32_t> replica_divergent_ranks;
   // Ranks in a group of identical or near-identical gradients (duplicate_ranks.h).
   uint32_t duplicate_ranks = 0;
+  // Ranks named persistent outliers at this step (step_stats.outlier_ranks).
+  uint32_t outlier_ranks = 0;
+};
+
+// Who an agent is, as its hello stated (rankscope_rank_info).
+struct RankIdentity {
+  bool known = false;
+  uint32_t rank = 0;
+  std::optional<uint32_t> global_rank;
+  std::string host;
 };
 
 class JobMetrics : public prometheus::Collectable {
@@ -92,6 +103,9 @@ class JobMetrics : public prometheus::Collectable {
 
   // A rank of `job` connected (hello accepted) or disconnected.
   void OnAgentConnected(const std::string& job, uint32_t world_size);
+  // The same, with the rank's identity (exported as rankscope_rank_info while the rank has
+  // per-rank series).
+  void OnAgentConnected(const std::string& job, uint32_t world_size, RankIdentity identity);
   void OnAgentDisconnected(const std::string& job);
   // A new agent process holds (job, rank) (not a reconnect): its cumulative dropped count starts
   // from zero, so its first count is counted whole.
@@ -122,6 +136,12 @@ class JobMetrics : public prometheus::Collectable {
   //   rankscope_grad_noise_scale{train_job}: B_simple of the latest step where it was defined;
   //   duplicate data: rankscope_duplicate_ranks{train_job} (gauge: ranks in a duplicate group at
   //     the latest step) and rankscope_duplicate_steps_total{train_job} (counter: steps with one).
+  //   who: rankscope_rank_info{train_job,rank,global_rank,host} 1 for each rank with per-rank
+  //     series above (top, missing, replica-divergent ranks) whose identity is known.
+  //   groups: a key "JOB/GROUP" (common/job_name.h) is exported as {train_job=JOB, group=GROUP};
+  //     per train_job, across its groups (a job without groups is one): rankscope_job_groups,
+  //     rankscope_job_grad_cosine_mean_min (the least consistent group's latest cosine),
+  //     rankscope_job_groups_with_outliers, rankscope_job_groups_replica_divergent.
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
@@ -156,6 +176,10 @@ class JobMetrics : public prometheus::Collectable {
     uint64_t replica_divergent_steps_total = 0;
     uint32_t duplicate_ranks = 0;
     uint64_t duplicate_steps_total = 0;
+    uint32_t outlier_ranks_latest = 0;       // persistent outliers at the latest step
+    bool replica_divergent_checked = false;  // the latest checked step had a divergent replica
+    // By rank: who connected (global rank, host). Bounded by the job's ranks that connected.
+    absl::flat_hash_map<uint32_t, RankIdentity> identities;
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank

@@ -336,6 +336,58 @@ TEST(JobMetricsTest, ConnectedAgentsAndWorldSizeBeforeAnyStep) {
   ExpectPromtoolClean(Serialize(families));
 }
 
+// A job of two data-parallel groups: each group's series carry {train_job, group}, the job-level
+// aggregates name the least consistent group's cosine and count groups with outliers, and the
+// ranks with per-rank series say who they are.
+TEST(JobMetricsTest, GroupsAreLabelledAndAggregatedPerJob) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  for (uint32_t r = 0; r < 2; ++r) {
+    RankIdentity who;
+    who.known = true;
+    who.rank = r;
+    who.global_rank = 2 * r + 1;  // the odd ranks: group dp1
+    who.host = absl::StrCat("node-", r);
+    metrics.OnAgentConnected("exp/dp1", 2, who);
+  }
+  metrics.OnAgentConnected("exp/dp0", 2);  // an agent that stated nothing
+  StepStatistics calm = HealthyStats(2);
+  StepStatistics off = HealthyStats(2);
+  off.grad_cosine_mean = 0.1;
+  ExportedStep calm_step = Step(5, calm, 2);
+  ExportedStep off_step = Step(5, off, 2);
+  off_step.outlier_ranks = 1;
+  metrics.OnStep("exp/dp0", calm_step);
+  metrics.OnStep("exp/dp1", off_step);
+  metrics.OnStep("solo", Step(3, calm, 2));
+  const auto families = metrics.Collect();
+  const std::vector<ClientMetric::Label> dp1 = {{"train_job", "exp"}, {"group", "dp1"}};
+  EXPECT_EQ(Value(families, "rankscope_grad_cosine_mean", dp1), 0.1);
+  EXPECT_EQ(Value(families, "rankscope_step", {{"train_job", "exp"}, {"group", "dp0"}}), 5);
+  EXPECT_FALSE(Value(families, "rankscope_step", Labels("exp/dp1")).has_value());
+  EXPECT_EQ(Value(families, "rankscope_rank_grad_cosine",
+                  {{"train_job", "exp"}, {"group", "dp1"}, {"rank", "1"}}),
+            off.per_rank[1].consensus_cosine);
+  EXPECT_EQ(Value(families, "rankscope_job_groups", Labels("exp")), 2);
+  EXPECT_EQ(Value(families, "rankscope_job_grad_cosine_mean_min", Labels("exp")), 0.1);
+  EXPECT_EQ(Value(families, "rankscope_job_groups_with_outliers", Labels("exp")), 1);
+  EXPECT_EQ(Value(families, "rankscope_job_groups_replica_divergent", Labels("exp")), 0);
+  EXPECT_EQ(Value(families, "rankscope_job_groups", Labels("solo")), 1);
+  EXPECT_EQ(Value(families, "rankscope_job_grad_cosine_mean_min", Labels("solo")), 0.8);
+  EXPECT_EQ(Value(families, "rankscope_rank_info",
+                  {{"train_job", "exp"},
+                   {"group", "dp1"},
+                   {"rank", "1"},
+                   {"global_rank", "3"},
+                   {"host", "node-1"}}),
+            1);
+  // dp0's agent stated no identity: no info series for it.
+  const MetricFamily* info = FindFamily(families, "rankscope_rank_info");
+  ASSERT_NE(info, nullptr);
+  EXPECT_EQ(info->metric.size(), 2u);
+  ExpectPromtoolClean(Serialize(families));
+}
+
 TEST(JobMetricsTest, DroppedReportsCounterSumsRanksAndSurvivesAgentRestart) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock));

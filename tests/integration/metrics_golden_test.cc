@@ -106,6 +106,8 @@ TEST(MetricsGoldenTest, ExpositionMatchesTheGoldenFile) {
     o.rank = r;
     o.world_size = kWorld;
     o.sketch_dim = kDim;
+    o.host = "golden-host";  // the machine's name would make the file differ from host to host
+    o.global_rank = 10 + r;
     auto agent = Agent::Create(o);
     ASSERT_TRUE(agent.ok()) << agent.status();
     agents.push_back(std::move(*agent));
