@@ -2,14 +2,15 @@
 """Concurrent agent streams against one collector: memory per stream and delivery, measured.
 
     /usr/bin/python3 bench/stream_load.py --build-dir build [--streams 500,1000,2000]
-        [--duration 20] [--step-interval 1.0] [--sketch-dim 1024]
+        [--duration 20] [--step-interval 1.0] [--sketch-dim 1024] [--groups 1,128]
 
 For each stream count N, a fresh rankscope-collector (temp database, loopback ports) and one
 rankscope-loadgen process simulating one job of N ranks, each rank a real rankscope::Agent with
 its own gRPC channel and TCP connection (loadgen raises its RLIMIT_NOFILE to the hard limit).
 The loadgen waits until all N streams are open (--wait_connected), then every rank sends one
 report every --step-interval seconds for --duration seconds, waits until every report is acked,
-and holds the N streams open for a few more seconds (--hold).
+and holds the N streams open for a few more seconds (--hold). With --groups G,... each N runs
+once per G, side by side: the N ranks form G data-parallel groups of N/G (loadgen --groups).
 
 Measured on the collector process (VmRSS from /proc/PID/status, sampled every 0.25 s):
   idle       before any agent connects;
@@ -63,6 +64,22 @@ def metric(port: int, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+def histogram_quantile(port: int, name: str, q: float) -> float:
+    """The q-quantile of a Prometheus histogram (the upper bound of the bucket that holds it)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    buckets = []
+    for m in re.finditer(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', body, re.M):
+        buckets.append((float(m.group(1)), float(m.group(2))))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    for le, count in buckets:
+        if count >= q * total:
+            return le
+    return float("inf")
+
+
 def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:
@@ -103,7 +120,9 @@ class CollectorProcess:
     def rows(self, job: str) -> int:
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=10)
         try:
-            return con.execute("SELECT COUNT(*) FROM rank_steps WHERE job = ?", (job,)).fetchone()[0]
+            # A job of several data-parallel groups is stored per group, as JOB/GROUP.
+            return con.execute("SELECT COUNT(*) FROM rank_steps WHERE job = ? OR job LIKE ?",
+                               (job, f"{job}/%")).fetchone()[0]
         finally:
             con.close()
 
@@ -119,8 +138,9 @@ class CollectorProcess:
 
 
 def run_streams(build: Path, n: int, duration: float, step_interval: float, sketch_dim: int,
-                hold: float = 3.0, collector_args=()) -> dict:
-    """One measurement: a fresh collector, N streams. Returns the figures (KiB and counts)."""
+                hold: float = 3.0, collector_args=(), groups: int = 1) -> dict:
+    """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
+    Returns the figures (KiB, counts, seconds)."""
     job = f"load-{n}"
     with tempfile.TemporaryDirectory(prefix="rankscope-load-") as tmp:
         c = CollectorProcess(build, Path(tmp), collector_args)
@@ -134,7 +154,7 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
                  f"--job={job}", f"--ranks={n}", f"--duration={duration}s",
                  f"--step_interval={step_interval}s", f"--sketch_dim={sketch_dim}",
                  "--queue_capacity=16", "--step_time=0", "--wait_connected",
-                 f"--hold={hold}s", "--flush_timeout=120s"],
+                 f"--hold={hold}s", "--flush_timeout=120s", f"--groups={groups}"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             samples = []
             figures = {"n": n, "idle_kib": idle}
@@ -163,6 +183,10 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
                 elif "holding" in line:
                     t_hold = time.monotonic()
                     figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
+                    figures["ingest_p50_s"] = histogram_quantile(
+                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.5)
+                    figures["ingest_p99_s"] = histogram_quantile(
+                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.99)
                     figures["held_kib"] = c.rss_kib()
             rc = lg.wait()
             figures["loadgen_cpu_s"] = children_cpu_seconds() - children_cpu0
@@ -187,6 +211,8 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
                 f"{figures['acked']} rows of {job}")
         finally:
             c.stop()
+    figures["groups"] = groups
+    figures["reports_per_s"] = figures["acked"] / duration
     figures["kib_per_stream_connected"] = (figures["connected_kib"] - idle) / n
     figures["kib_per_stream_peak"] = (figures["peak_kib"] - idle) / n
     return figures
@@ -201,14 +227,23 @@ def main() -> int:
     ap.add_argument("--step-interval", type=float, default=1.0,
                     help="seconds between one rank's reports")
     ap.add_argument("--sketch-dim", type=int, default=1024)
+    ap.add_argument("--groups", default="1",
+                    help="comma-separated group counts: each N is run once per count, side by "
+                         "side (e.g. 1,128: one group of N ranks, then 128 groups of N/128)")
     args = ap.parse_args()
     build = Path(args.build_dir).resolve()
     print(f"# {os.cpu_count()} CPUs; one report per rank every {args.step_interval} s for "
           f"{args.duration} s; sketch_dim {args.sketch_dim}; fresh collector per N")
     rows = []
-    for n in (int(x) for x in args.streams.split(",")):
-        f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim)
-        print(f"N={n}: idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
+    cases = [(int(n), int(g)) for n in args.streams.split(",") for g in args.groups.split(",")]
+    for n, g in cases:
+        if n % g:
+            print(f"--groups {g} does not divide --streams {n}", file=sys.stderr)
+            return 2
+    for n, g in cases:
+        f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim, groups=g)
+        print(f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
+              f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
               f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
               f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
               f"{f['acked']}, stored {f['rows']}; reports phase max RSS first half "
@@ -220,13 +255,16 @@ def main() -> int:
             return 1
         rows.append(f)
     print()
-    print("| streams | idle RSS | connected RSS | peak RSS | KiB/stream connected | KiB/stream peak |"
-          " reports stored |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"
+          " KiB/stream peak | reports stored | reports/s | ingest p50 | ingest p99 | collector CPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for f in rows:
-        print(f"| {f['n']} | {f['idle_kib'] / 1024:.1f} MiB | {f['connected_kib'] / 1024:.1f} MiB | "
-              f"{f['peak_kib'] / 1024:.1f} MiB | {f['kib_per_stream_connected']:.0f} | "
-              f"{f['kib_per_stream_peak']:.0f} | {f['rows']} / {f['recorded']} |")
+        print(f"| {f['n']} | {f['groups']} | {f['idle_kib'] / 1024:.1f} MiB | "
+              f"{f['connected_kib'] / 1024:.1f} MiB | {f['peak_kib'] / 1024:.1f} MiB | "
+              f"{f['kib_per_stream_connected']:.0f} | {f['kib_per_stream_peak']:.0f} | "
+              f"{f['rows']} / {f['recorded']} | {f['reports_per_s']:.0f} | "
+              f"{f['ingest_p50_s'] * 1e3:.1f} ms | {f['ingest_p99_s'] * 1e3:.1f} ms | "
+              f"{f['collector_cpu_s']:.1f} s |")
     return 0
 
 

@@ -42,6 +42,10 @@ ABSL_FLAG(int, jobs, 1,
           "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
           "and the fault flags apply to each.");
 ABSL_FLAG(int, ranks, 8, "Simulated ranks (world size).");
+ABSL_FLAG(int, groups, 1,
+          "Data-parallel groups the --ranks form (must divide it): global rank r is rank "
+          "r % (ranks/groups) of group g<r / (ranks/groups)>, as a job with tensor or pipeline "
+          "parallelism lays them out; 1: the job's only group. Fault flags name global ranks.");
 ABSL_FLAG(int, rank, -1,
           "Simulate only this rank of the --ranks (one process per rank, as a real job runs); "
           "-1: every rank.");
@@ -142,6 +146,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loadgen: --ranks, --jobs and --sketch_dim must be >= 1\n");
     return 2;
   }
+  const int groups = absl::GetFlag(FLAGS_groups);
+  if (groups < 1 || ranks % groups != 0) {
+    std::fprintf(stderr, "loadgen: --groups %d must be >= 1 and divide --ranks %d\n", groups,
+                 ranks);
+    return 2;
+  }
+  const int group_size = ranks / groups;
   const double cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
   const rlim_t file_limit = RaiseFileLimit();
   if (file_limit != RLIM_INFINITY && static_cast<rlim_t>(ranks) * jobs + 64 > file_limit) {
@@ -186,8 +197,12 @@ int main(int argc, char** argv) {
     o.collector_address = absl::GetFlag(FLAGS_collector);
     o.job = jobs == 1 ? absl::GetFlag(FLAGS_job)
                       : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / local_ranks);
-    o.rank = r;
-    o.world_size = ranks;
+    o.rank = r % group_size;
+    o.world_size = group_size;
+    if (groups > 1) {
+      o.group = absl::StrCat("g", r / group_size);
+      o.global_rank = r;
+    }
     o.sketch_dim = dim;
     o.sketch_seed = absl::GetFlag(FLAGS_sketch_seed);
     o.attempt = absl::GetFlag(FLAGS_attempt);
@@ -290,7 +305,7 @@ int main(int argc, char** argv) {
         report.grad_norm = std::abs(norm);
         report.sketch = sketch;
         report.local_batch_size = static_cast<uint32_t>(absl::GetFlag(FLAGS_local_batch_size));
-        report.reduced_grad_norm = base_norm * std::sqrt(cosine + (1.0 - cosine) / ranks);
+        report.reduced_grad_norm = base_norm * std::sqrt(cosine + (1.0 - cosine) / group_size);
         if (absl::GetFlag(FLAGS_fingerprints)) {
           const bool divergent = r == absl::GetFlag(FLAGS_divergent_rank) &&
                                  step >= absl::GetFlag(FLAGS_divergent_from_step);
