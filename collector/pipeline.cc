@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -70,7 +71,8 @@ RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt
   out.rank = rank;
   out.step = r.step();
   out.attempt = attempt;
-  out.loss = r.loss();
+  out.loss_absent = r.loss_absent();
+  out.loss = r.loss_absent() ? std::numeric_limits<double>::quiet_NaN() : r.loss();
   out.grad_norm = r.grad_norm();
   out.sketch = SketchBufferPool::Get().Take();
   // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
@@ -431,6 +433,8 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   exported.replica_divergent_ranks = analyzed.diag.replica_divergent;
   exported.duplicate_ranks = CountDuplicateRanks(analyzed.duplicates);
   exported.outlier_ranks = static_cast<uint32_t>(analyzed.outlier_ranks.size());
+  exported.loss_absent = std::any_of(js.reports.begin(), js.reports.end(),
+                                     [](const RankReport& r) { return r.loss_absent; });
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

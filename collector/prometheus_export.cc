@@ -231,10 +231,14 @@ void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, do
 double MaxIgnoringNaN(double a, double b) { return std::fmax(a, b); }
 double MinIgnoringNaN(double a, double b) { return std::fmin(a, b); }
 
-bool IsNonfinite(const StepStatistics& s) {
+bool IsNonfinite(const StepStatistics& s, bool loss_absent) {
   if (s.ranks == 0) return false;  // nothing reported: the statistics are empty, not bad
-  for (double v :
-       {s.loss_mean, s.loss_std, s.loss_range, s.grad_norm_mean, s.grad_norm_std, s.grad_norm_cv}) {
+  if (!loss_absent) {
+    for (double v : {s.loss_mean, s.loss_std, s.loss_range}) {
+      if (!std::isfinite(v)) return true;
+    }
+  }
+  for (double v : {s.grad_norm_mean, s.grad_norm_std, s.grad_norm_cv}) {
     if (!std::isfinite(v)) return true;
   }
   return s.ranks >= 2 && !std::isfinite(s.grad_cosine_mean);
@@ -424,7 +428,7 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   state.ranks_reporting = latest.ranks;
   ++state.steps_total;
   if (step.timed_out) ++state.steps_timed_out_total;
-  if (IsNonfinite(latest)) ++state.steps_nonfinite_total;
+  if (IsNonfinite(latest, step.loss_absent)) ++state.steps_nonfinite_total;
   state.duplicate_ranks = step.duplicate_ranks;
   if (step.duplicate_ranks > 0) ++state.duplicate_steps_total;
   state.outlier_ranks_latest = step.outlier_ranks;

@@ -87,6 +87,8 @@ struct ExportedStep {
   uint32_t duplicate_ranks = 0;
   // Ranks named persistent outliers at this step (step_stats.outlier_ranks).
   uint32_t outlier_ranks = 0;
+  // A rank of the step had no loss (a pipeline stage): the loss statistics are NaN, not a fault.
+  bool loss_absent = false;
 };
 
 // Who an agent is, as its hello stated (rankscope_rank_info).

@@ -86,7 +86,7 @@ ReplicaVerdict CheckReplicas(absl::Span<const RankFingerprint> fingerprints) {
 std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks) {
   std::vector<double> losses, norms, cosines;
   for (const RankSignals& r : ranks) {
-    losses.push_back(r.loss);
+    if (!r.loss_absent) losses.push_back(r.loss);
     norms.push_back(r.grad_norm);
     cosines.push_back(r.consensus_cosine);
   }
@@ -98,12 +98,13 @@ std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ran
   for (const RankSignals& r : ranks) {
     OutlierScore s;
     s.rank = r.rank;
-    s.loss_robust_z = RobustZ(r.loss, loss);
+    s.loss_robust_z = r.loss_absent ? 0.0 : RobustZ(r.loss, loss);
     s.grad_norm_robust_z = RobustZ(r.grad_norm, norm);
     // Only a cosine *below* the others' is suspicious; an unknown cosine (W < 2) contributes 0.
     s.cosine_deficit =
         std::isnan(r.consensus_cosine) ? 0.0 : std::max(0.0, -RobustZ(r.consensus_cosine, cos));
-    if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm) || (std::isinf(r.consensus_cosine))) {
+    if ((!r.loss_absent && !std::isfinite(r.loss)) || !std::isfinite(r.grad_norm) ||
+        std::isinf(r.consensus_cosine)) {
       s.score = kNaN;
     } else {
       s.score = std::max({std::abs(s.loss_robust_z), std::abs(s.grad_norm_robust_z),

@@ -79,6 +79,8 @@ struct RankSignals {
   double loss = 0.0;
   double grad_norm = 0.0;
   double consensus_cosine = 0.0;  // NaN when unknown (W < 2)
+  // No loss this step (a pipeline stage before the last): the loss neither scores nor flags.
+  bool loss_absent = false;
 };
 
 struct OutlierScore {

@@ -16,6 +16,7 @@ struct RankReport {
   uint64_t step = 0;
   uint32_t attempt = 0;
   double loss = 0.0;          // may be NaN/Inf
+  bool loss_absent = false;   // no loss this step (a pipeline stage): `loss` is NaN, not a fault
   double grad_norm = 0.0;     // may be NaN/Inf
   std::vector<float> sketch;  // length == the job's sketch_dim
   absl::Time received_at = absl::UnixEpoch();

@@ -401,8 +401,9 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
     for (const RankRow& row : write.ranks) {
       sqlite3_stmt* stmt = stmts_->upsert_rank.get();
       ScopedReset reset(stmt);
-      const bool nonfinite =
-          row.sketch_nonfinite || !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
+      const bool nonfinite = row.sketch_nonfinite ||
+                             (!row.loss_absent && !std::isfinite(row.loss)) ||
+                             !std::isfinite(row.grad_norm);
       int rc = Binder(stmt)
                    .Text(write.job)
                    .Int(step)

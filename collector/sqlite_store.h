@@ -95,6 +95,9 @@ struct RankRow {
   // A value of the rank's sketch was NaN or +/-Inf (the sketch itself is not stored). The stored
   // `nonfinite` column is 1 when this is set or loss or grad_norm is not finite.
   bool sketch_nonfinite = false;
+  // The rank had no loss (a pipeline stage): `loss` is stored NULL and is not counted as
+  // non-finite. Not stored itself (a NULL loss with nonfinite 0 says it).
+  bool loss_absent = false;
 };
 
 struct StepRow {

@@ -64,7 +64,8 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   bool any_time = false;
   for (size_t i = 0; i < n; ++i) {
     const RankReport& r = step.reports[i];
-    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine});
+    signals.push_back(
+        {r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine, r.loss_absent});
     if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
     if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
     local_norms.push_back(r.grad_norm);
@@ -142,6 +143,7 @@ RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
   row.attempt = report.attempt;
   row.join_size = join_size;
   row.loss = report.loss;
+  row.loss_absent = report.loss_absent;
   row.grad_norm = report.grad_norm;
   row.reduced_grad_fingerprint = report.reduced_grad_fingerprint;
   row.param_fingerprint = report.param_fingerprint;

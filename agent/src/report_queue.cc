@@ -20,6 +20,7 @@ bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
   QueuedReport& slot = slots_[(head_ + size_) % slots_.size()];
   slot.step = report.step;
   slot.loss = report.loss;
+  slot.loss_absent = report.loss_absent;
   slot.grad_norm = report.grad_norm;
   // assign() reuses the slot's capacity: no allocation once warm.
   slot.sketch.assign(report.sketch.begin(), report.sketch.end());

@@ -21,6 +21,7 @@ namespace rankscope::internal {
 struct QueuedReport {
   uint64_t step = 0;
   double loss = 0.0;
+  bool loss_absent = false;
   double grad_norm = 0.0;
   std::vector<float> sketch;
   std::optional<uint64_t> reduced_grad_fingerprint;

@@ -42,6 +42,7 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
   if (q.reduced_grad_norm) r->set_reduced_grad_norm(*q.reduced_grad_norm);
   if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
   r->set_local_batch_size(q.local_batch_size);
+  r->set_loss_absent(q.loss_absent);
   return msg;
 }
 

@@ -116,6 +116,30 @@ TEST(OutlierScoreTest, NonFiniteRankIsFlaggedOthersStillScored) {
   }
 }
 
+// A pipeline stage before the last has no loss: its NaN loss neither scores nor flags, while
+// the gradient still names a deviating rank.
+TEST(OutlierScoreTest, AbsentLossesAreIgnoredNotFlagged) {
+  std::vector<RankSignals> ranks = Healthy(8, 4);
+  for (RankSignals& r : ranks) {
+    r.loss = kNaN;
+    r.loss_absent = true;
+  }
+  for (const OutlierScore& s : ComputeOutlierScores(ranks)) {
+    EXPECT_TRUE(std::isfinite(s.score)) << s.rank;
+    EXPECT_FALSE(s.flagged) << s.rank;
+    EXPECT_EQ(s.loss_robust_z, 0.0);
+  }
+  ranks[5].grad_norm *= 40;
+  const std::vector<OutlierScore> scores = ComputeOutlierScores(ranks);
+  EXPECT_TRUE(scores[5].flagged);
+  EXPECT_FALSE(scores[4].flagged);
+  // One rank without a loss beside ranks with one: the others' loss statistics are theirs.
+  ranks = Healthy(8, 4);
+  ranks[2].loss = kNaN;
+  ranks[2].loss_absent = true;
+  for (const OutlierScore& s : ComputeOutlierScores(ranks)) EXPECT_FALSE(s.flagged) << s.rank;
+}
+
 TEST(OutlierScoreTest, IdenticalRanksDoNotExplode) {
   std::vector<RankSignals> ranks(8, RankSignals{0, 2.0, 1.0, 1.0});
   for (uint32_t r = 0; r < 8; ++r) ranks[r].rank = r;

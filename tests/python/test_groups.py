@@ -7,6 +7,8 @@ a resume with no restart counter and an elastic resize.
              ranks); each shard its own parameters and its DDP on its own real subgroup. Global
              rank 5 (rank 2 of group dp1) trains on 100 % label noise from NOISE_ONSET; global
              rank 2 (rank 1 of group dp0) has one parameter nudged by one ulp at NUDGE_STEP.
+  pipeline   4 ranks as 2 pipeline stages x 2 data-parallel ranks: only the last stage has a
+             loss; the first reports gradients only (mon.step() without a loss).
   gan        two DDP models in one process (a generator and a discriminator): one job name
              without groups is refused at attach; with group= each is its own group.
   resume     2 ranks run steps 0..7, then new processes resume at step 4 with other data and no
@@ -38,6 +40,7 @@ STEPS = 24
 NOISE_ONSET = 4
 NUDGE_STEP = 10
 CLASSES = 6
+PIPE_STEPS = 8
 
 
 class Classifier(nn.Module):
@@ -123,6 +126,28 @@ def gan_worker(rank, world_size, collector, out_dir):
                {"refusal": refusal, "g": mon_g.close(timeout=30), "d": mon_d.close(timeout=30)})
 
 
+def pipeline_worker(rank, world_size, collector, out_dir):
+    """4 ranks, pipeline parallelism 2 x data parallelism 2: stage 0 (global ranks 0, 1) has no
+    loss (it would hand activations on), stage 1 (ranks 2, 3) has one. Each stage's own model
+    under DDP on its data-parallel group; only the last stage passes a loss to mon.step."""
+    import rankscope.torch as rst
+
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stage = rank // 2
+    torch.manual_seed(40 + stage)
+    ddp = nn.parallel.DistributedDataParallel(Classifier(), process_group=stages[stage])
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = rst.attach(ddp, collector=collector, job="pipeline", sketch_dim=128)
+    for step in range(PIPE_STEPS):
+        x, y = batch(rank, step)
+        sgd.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        sgd.step()
+        mon.step(loss if stage == 1 else None)
+    write_json(Path(out_dir) / f"pipeline.rank{rank}.json", mon.close(timeout=30))
+
+
 def run_worker(rank, world_size, collector, job, first_step, steps, data_seed, out_dir, tag):
     """`steps` steps from `first_step` on data `data_seed`; writes the losses it reported."""
     import rankscope.torch as rst
@@ -156,6 +181,7 @@ def runs(module_collector, tmp_path_factory):
     addr = module_collector.address
     spawn(megatron_worker, 8, addr, str(out), timeout=300)
     spawn(gan_worker, 2, addr, str(out), timeout=180)
+    spawn(pipeline_worker, 4, addr, str(out), timeout=180)
     spawn(run_worker, 2, addr, "resume", 0, 8, 0, str(out), "resume-a", timeout=180)
     spawn(run_worker, 2, addr, "resume", 4, 8, 500, str(out), "resume-b", timeout=180)
     spawn(run_worker, 4, addr, "elastic", 0, 6, 0, str(out), "elastic-a", timeout=180)
@@ -217,6 +243,27 @@ def test_ulp_nudge_is_named_in_its_group_only(runs):
     assert all(divergent[s] == "" for s in range(NUDGE_STEP)), divergent
     other = flags(collector, "megatron/dp1", "replica_divergent_ranks")
     assert all(text == "" for text in other.values()), other
+
+
+def test_a_pipeline_stage_without_loss_reports_gradients_only(runs):
+    collector, out = runs
+    for rank in range(4):
+        stats = json.loads((Path(out) / f"pipeline.rank{rank}.json").read_text())
+        assert stats["acked"] == PIPE_STEPS and stats["rejected"] == 0, stats
+    cols = "step, ranks, loss_mean, loss_std, grad_norm_mean, grad_cosine_mean, outlier_ranks"
+    first = collector.query(f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp0' "
+                            "ORDER BY step")
+    last = collector.query(f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp2' "
+                           "ORDER BY step")
+    assert [r[0] for r in first] == [r[0] for r in last] == list(range(PIPE_STEPS))
+    for row in first:  # no loss: loss statistics absent, gradients watched, nothing flagged
+        assert row[1] == 2 and row[2] is None and row[3] is None, row
+        assert row[4] > 0 and row[5] is not None and row[6] == "", row
+    for row in last:
+        assert row[1] == 2 and row[2] > 0 and row[3] is not None and row[6] == "", row
+    assert collector.query("SELECT count(*) FROM rank_steps WHERE job = 'pipeline/dp0' AND "
+                           "(loss IS NOT NULL OR nonfinite != 0)") == [(0,)]
+    assert collector.metric("rankscope_steps_nonfinite_total", train_job="pipeline") == 0
 
 
 def test_two_models_in_one_process(runs):
@@ -282,11 +329,11 @@ def test_a_second_run_with_the_same_job_name_is_refused(collector):
 
     first = _native.Agent(collector=collector.address, job="twice", rank=0, world_size=1,
                           sketch_dim=8)
-    second = _native.Agent(collector=collector.address, job="twice", rank=0, world_size=1,
-                           sketch_dim=8)
     sketch = _native.Sketch(8)
     assert first.record_sketch(step=1, loss=1.0, grad_norm=1.0, sketch=sketch) == ""
-    assert first.flush(10.0) == ""
+    assert first.flush(10.0) == "" and first.stats()["acked"] == 1  # it holds rank 0 now
+    second = _native.Agent(collector=collector.address, job="twice", rank=0, world_size=1,
+                           sketch_dim=8)
     # Refused at its hello: whether this report is still queued or already refused is a race.
     second.record_sketch(step=1, loss=2.0, grad_norm=2.0, sketch=sketch)
     deadline = time.monotonic() + 30

@@ -174,10 +174,11 @@ class PyAgent {
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
                            std::optional<uint64_t> param_fingerprint,
-                           std::optional<double> reduced_grad_norm) {
+                           std::optional<double> reduced_grad_norm, bool loss_absent) {
     StepReport r;
     r.step = step;
     r.loss = loss;
+    r.loss_absent = loss_absent;
     r.grad_norm = grad_norm;
     r.sketch = sketch.Floats();
     r.step_time_seconds = step_time_seconds;
@@ -193,10 +194,11 @@ class PyAgent {
                         size_t sketch_len, std::optional<double> step_time_seconds,
                         uint32_t local_batch_size, std::optional<uint64_t> reduced_grad_fingerprint,
                         std::optional<uint64_t> param_fingerprint,
-                        std::optional<double> reduced_grad_norm) {
+                        std::optional<double> reduced_grad_norm, bool loss_absent) {
     StepReport r;
     r.step = step;
     r.loss = loss;
+    r.loss_absent = loss_absent;
     r.grad_norm = grad_norm;
     r.sketch = absl::MakeConstSpan(reinterpret_cast<const float*>(sketch_address), sketch_len);
     r.step_time_seconds = step_time_seconds;
@@ -444,12 +446,14 @@ PYBIND11_MODULE(_native, m) {
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
-           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none())
+           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
+           py::arg("loss_absent") = false)
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
            py::arg("reduced_grad_fingerprint") = py::none(),
-           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none())
+           py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
+           py::arg("loss_absent") = false)
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

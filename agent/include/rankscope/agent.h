@@ -93,6 +93,8 @@ struct StepReport {
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;
+  // No loss this step (a pipeline stage before the last): `loss` is ignored, never flagged.
+  bool loss_absent = false;
 };
 
 struct AgentStats {

@@ -35,7 +35,7 @@ class _Pending:
     """A report whose values are being copied from a device to pinned host memory."""
 
     __slots__ = ("step", "host", "event", "cpu_bins", "cpu_sum_squares", "loss", "step_time",
-                 "batch", "fp_host", "fp_present")
+                 "batch", "fp_host", "fp_present", "loss_absent")
 
     def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch,
                  fp_host=None, fp_present=(None, None, None)):
@@ -51,6 +51,7 @@ class _Pending:
         self.loss = loss
         self.step_time = step_time
         self.batch = batch
+        self.loss_absent = False
 
 
 class DeferredReports:
@@ -116,9 +117,10 @@ class DeferredReports:
             event.record()
         else:  # no portable event: copied when drained (a later step), which waits there
             host, fp_host, event = payload, fp_payload, None
-        self._pending.append(
-            _Pending(step, host, event, cpu_bins, cpu_ss, loss_value, step_time, batch, fp_host,
-                     present))
+        pending = _Pending(step, host, event, cpu_bins, cpu_ss, loss_value, step_time, batch,
+                           fp_host, present)
+        pending.loss_absent = loss is None  # mon.step() without a loss: a pipeline stage
+        self._pending.append(pending)
         if len(self._pending) > MAX_PENDING:
             self._counters["pending_overflow_waits"] += 1
             self.drain(after_record, block=True, limit=1)
@@ -161,7 +163,8 @@ class DeferredReports:
             err = self._agent.record_raw(p.step, loss, math.sqrt(max(ss, 0.0)),
                                          floats.data_ptr(), floats.numel(), p.step_time, p.batch,
                                          reduced_grad_fingerprint=fps[0],
-                                         param_fingerprint=fps[1], reduced_grad_norm=fps[2])
+                                         param_fingerprint=fps[1], reduced_grad_norm=fps[2],
+                                         loss_absent=p.loss_absent)
             after_record(err)
             self._pending.popleft()
             done += 1

@@ -586,7 +586,8 @@ class Monitor:
                 reduced_grad_fingerprint=None if grad_fp is None else _fp.to_uint64(grad_fp),
                 param_fingerprint=None if param_fp is None else _fp.to_uint64(param_fp),
                 reduced_grad_norm=None if reduced_ss is None else math.sqrt(
-                    max(float(reduced_ss), 0.0)))
+                    max(float(reduced_ss), 0.0)),
+                loss_absent=loss is None)
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch)
