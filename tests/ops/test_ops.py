@@ -141,8 +141,9 @@ MUTANTS = [
     ("increase(rankscope_steps_total[2m])) > 0", "increase(rankscope_steps_total[2m])) >= 0"),
     ("rate(rankscope_reports_rejected_total[2m])", "rate(rankscope_reports_rejected_total[10m])"),
     ("rate(rankscope_store_errors_total[2m])", "rate(rankscope_store_errors_total[10m])"),
-    ("unless on (train_job)", "or on (train_job)"),
-    ("max by (train_job, rank) (rankscope_rank_missing) > 0", "max by (train_job, rank) (rankscope_rank_missing) >= 0"),
+    ("unless on (train_job, group)", "or on (train_job, group)"),
+    ("max by (train_job, group, rank) (rankscope_rank_missing) > 0",
+     "max by (train_job, group, rank) (rankscope_rank_missing) >= 0"),
     ("+ 0.2)", "+ 0.1)"),  # share of steps with duplicate ranks
     ("[10m])) >= 5", "[10m])) >= 3"),  # at least 5 duplicate steps
 ]
