@@ -74,7 +74,7 @@ def job():
                      q(f"train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}", "baseline (30 m median)", "C"),
                      q(f"max(rankscope:threshold:grad_cosine_mean_min{{{sel}}})", "alert floor", "T"),
                      q(f"(1 - rankscope:threshold:grad_cosine_mean_drop_ratio{{{sel}}}) "
-                       f"* train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}",
+                       f"* on (train_job) group_right () train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}",
                        "alert below baseline", "U")],
                     unit="none", max_=1,
                     overrides=[dashed_ref("C", "blue"), dashed_ref("T", "red"), dashed_ref("U", "orange")],
