@@ -37,7 +37,7 @@ def job():
                 (4, 4, stat("World size", [q(f"max(rankscope_world_size{{{sel}}})")], graph=False)),
                 (4, 4, stat("Ranks in the latest step", [q(f"max(rankscope_ranks_reporting{{{sel}}})")],
                             graph=False)),
-                (4, 4, stat("Steps/s", [q(f"train_job:rankscope_steps:rate2m{{{sel}}}")])),
+                (4, 4, stat("Steps/s", [q(f"max(train_job:rankscope_steps:rate2m{{{sel}}})")])),
                 (4, 4, stat("Direction consistency", [q(f"max(rankscope_grad_cosine_mean{{{sel}}})")],
                             unit="none")),
                 (4, 4, stat("Firing alerts",
