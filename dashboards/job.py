@@ -37,7 +37,7 @@ def job():
                 (4, 4, stat("World size", [q(f"max(rankscope_world_size{{{sel}}})")], graph=False)),
                 (4, 4, stat("Ranks in the latest step", [q(f"max(rankscope_ranks_reporting{{{sel}}})")],
                             graph=False)),
-                (4, 4, stat("Steps/s", [q(f"train_job:rankscope_steps:rate2m{{{sel}}}")])),
+                (4, 4, stat("Steps/s", [q(f"max(train_job:rankscope_steps:rate2m{{{sel}}})")])),
                 (4, 4, stat("Direction consistency", [q(f"max(rankscope_grad_cosine_mean{{{sel}}})")],
                             unit="none")),
                 (4, 4, stat("Firing alerts",
@@ -74,7 +74,7 @@ def job():
                      q(f"train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}", "baseline (30 m median)", "C"),
                      q(f"max(rankscope:threshold:grad_cosine_mean_min{{{sel}}})", "alert floor", "T"),
                      q(f"(1 - rankscope:threshold:grad_cosine_mean_drop_ratio{{{sel}}}) "
-                       f"* train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}",
+                       f"* on (train_job) group_right () train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}",
                        "alert below baseline", "U")],
                     unit="none", max_=1,
                     overrides=[dashed_ref("C", "blue"), dashed_ref("T", "red"), dashed_ref("U", "orange")],

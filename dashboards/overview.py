@@ -15,7 +15,7 @@ def overview():
             q(f"max by (train_job) (rankscope_world_size{{{sel}}})", ref="A", instant=True, fmt="table"),
             q(f"max by (train_job) (rankscope_ranks_reporting{{{sel}}})", ref="B", instant=True, fmt="table"),
             q(f"max by (train_job) (rankscope_step{{{sel}}})", ref="C", instant=True, fmt="table"),
-            q(f"train_job:rankscope_steps:rate2m{{{sel}}}", ref="D", instant=True, fmt="table"),
+            q(f"max by (train_job) (train_job:rankscope_steps:rate2m{{{sel}}})", ref="D", instant=True, fmt="table"),
             q(f"max by (train_job) (rankscope_loss_mean{{{sel}}})", ref="E", instant=True, fmt="table"),
             q(f"max by (train_job) (rankscope_loss_std_max_window{{{sel}}})", ref="F", instant=True, fmt="table"),
             q(f"max by (train_job) (rankscope_grad_norm_cv_max_window{{{sel}}})", ref="G", instant=True, fmt="table"),

@@ -123,6 +123,37 @@ def test_alerts_have_severity_summary_naming_job_and_rank_and_a_runbook_anchor()
         assert anchor in anchors, f"{name}: docs/runbook.md has no heading for #{anchor}"
 
 
+def test_rules_never_merge_data_parallel_groups():
+    """Ranks of different groups are different processes (docs/DESIGN.md "Who a rank is"): every
+    aggregation that keeps train_job keeps group; joins keep group except against the per-job
+    thresholds, which need group_left/group_right; alerts name the group, per-rank ones the host."""
+    doc = yaml.safe_load(RULES.read_text())
+    for group in doc["groups"]:
+        if group["name"] == "rankscope-thresholds":  # per train_job by design
+            continue
+        for rule in group["rules"]:
+            name, expr = rule.get("alert") or rule["record"], rule["expr"]
+            grouping = set()
+            for by in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+                labels = {label.strip() for label in by.split(",")}
+                grouping |= labels
+                if "train_job" in labels:
+                    assert "group" in labels, f"{name}: by ({by}) merges a job's groups"
+            for m in re.finditer(r"\bon\s*\(([^)]*)\)\s*(group_left|group_right)?", expr):
+                labels = {label.strip() for label in m.group(1).split(",")}
+                if labels == {"train_job"}:
+                    # Only against a per-job threshold, the side holding the groups being the many.
+                    assert m.group(2), f"{name}: on (train_job) without group_left/right: one job's groups collide"
+                elif "train_job" in labels:
+                    assert "group" in labels, f"{name}: on ({m.group(1)}) merges a job's groups"
+            if "alert" in rule and "group" in grouping:
+                ann = rule["annotations"]
+                assert "$labels.group" in ann["summary"] and "$labels.group" in ann["description"], name
+                if "rank" in grouping:
+                    assert "rankscope_rank_info{train_job=%q,group=%q,rank=%q}" in ann["summary"], name
+                    assert "rank_info" not in expr, f"{name}: firing must not depend on rankscope_rank_info"
+
+
 # Each mutant weakens or shifts one rule; the unit tests must fail on every one, i.e. the near
 # misses sit right at the thresholds and `for` durations they claim to test.
 MUTANTS = [
@@ -141,10 +172,20 @@ MUTANTS = [
     ("increase(rankscope_steps_total[2m])) > 0", "increase(rankscope_steps_total[2m])) >= 0"),
     ("rate(rankscope_reports_rejected_total[2m])", "rate(rankscope_reports_rejected_total[10m])"),
     ("rate(rankscope_store_errors_total[2m])", "rate(rankscope_store_errors_total[10m])"),
-    ("unless on (train_job)", "or on (train_job)"),
-    ("max by (train_job, rank) (rankscope_rank_missing) > 0", "max by (train_job, rank) (rankscope_rank_missing) >= 0"),
+    ("unless on (train_job, group)", "or on (train_job, group)"),
+    ("max by (train_job, group, rank) (rankscope_rank_missing) > 0",
+     "max by (train_job, group, rank) (rankscope_rank_missing) >= 0"),
     ("+ 0.2)", "+ 0.1)"),  # share of steps with duplicate ranks
     ("[10m])) >= 5", "[10m])) >= 3"),  # at least 5 duplicate steps
+    # Data-parallel groups merged again (the tests with a two-group job must catch each).
+    ("max by (train_job, group, rank) (rankscope_rank_grad_cosine)", "max by (train_job, rank) (rankscope_rank_grad_cosine)"),
+    ("max by (train_job, group, rank) (abs(rankscope_rank_loss_z))", "max by (train_job, rank) (abs(rankscope_rank_loss_z))"),
+    ("max by (train_job, group) (rankscope_grad_cosine_mean_min_window)", "max by (train_job) (rankscope_grad_cosine_mean_min_window)"),
+    ("expr: max by (train_job, group) (avg_over_time(", "expr: max by (train_job) (avg_over_time("),
+    ("sqrt(max by (train_job, group) (rankscope_ranks_reporting) - 1)", "sqrt(max by (train_job) (rankscope_ranks_reporting) - 1)"),
+    ("and on (train_job, group)\n          max by (train_job, group) (increase(rankscope_steps_total[2m]))",
+     "and on (train_job)\n          max by (train_job) (increase(rankscope_steps_total[2m]))"),
+    ("max by (train_job, group, rank) (rankscope_rank_step_time_z)", "max by (train_job, rank) (rankscope_rank_step_time_z)"),
 ]
 
 
