@@ -85,7 +85,13 @@ ReplicaVerdict CheckReplicas(absl::Span<const RankFingerprint> fingerprints) {
 
 std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks) {
   std::vector<double> losses, norms, cosines;
+  // Echoes are left out only while at least 3 independent ranks remain to measure against (a
+  // job mostly on the same data is the duplicate-data alert's, not a reason to flag the rest).
+  const size_t independent = static_cast<size_t>(
+      std::count_if(ranks.begin(), ranks.end(), [](const RankSignals& r) { return !r.echo; }));
+  const bool skip_echoes = independent >= 3;
   for (const RankSignals& r : ranks) {
+    if (skip_echoes && r.echo) continue;
     if (!r.loss_absent) losses.push_back(r.loss);
     norms.push_back(r.grad_norm);
     cosines.push_back(r.consensus_cosine);

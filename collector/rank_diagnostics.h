@@ -81,6 +81,10 @@ struct RankSignals {
   double consensus_cosine = 0.0;  // NaN when unknown (W < 2)
   // No loss this step (a pipeline stage before the last): the loss neither scores nor flags.
   bool loss_absent = false;
+  // The rank's gradient duplicates another rank's (same data): it is scored, but left out of the
+  // robust statistics so that a duplicate group counts once (while at least 3 independent ranks
+  // remain; with fewer, every rank counts, as without duplicates).
+  bool echo = false;
 };
 
 struct OutlierScore {

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "collector/rank_ranges.h"
 
 namespace rankscope::collector {
@@ -49,7 +50,11 @@ StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
   return StatisticsOf(samples, same_dim);
 }
 
-StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats) {
+StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
+                             absl::Span<const DuplicateGroup> duplicates) {
+  // Every member of a duplicate group but its lowest rank is an echo of it.
+  absl::flat_hash_set<uint32_t> echoes;
+  for (const DuplicateGroup& g : duplicates) echoes.insert(g.ranks.begin() + 1, g.ranks.end());
   StepDiagnostics d;
   const size_t n = step.reports.size();
   std::vector<RankSignals> signals;
@@ -64,8 +69,8 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   bool any_time = false;
   for (size_t i = 0; i < n; ++i) {
     const RankReport& r = step.reports[i];
-    signals.push_back(
-        {r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine, r.loss_absent});
+    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine,
+                       r.loss_absent, echoes.contains(r.rank)});
     if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
     if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
     local_norms.push_back(r.grad_norm);
@@ -115,7 +120,7 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   out.stats = StatisticsOf(samples, same_dim);
   // Sketches of different lengths are never compared (their sketches are empty here).
   out.duplicates = FindDuplicateRanks(samples);
-  out.diag = DiagnoseStep(step, out.stats);
+  out.diag = DiagnoseStep(step, out.stats, out.duplicates);
   // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
   auto& streaks = outlier_streaks_[step.job];
   for (size_t i = 0; i < step.reports.size(); ++i) {

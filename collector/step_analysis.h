@@ -22,6 +22,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "collector/duplicate_ranks.h"
 #include "collector/rank_diagnostics.h"
 #include "collector/rank_report.h"
@@ -59,8 +60,12 @@ struct AnalyzedStep {
 // reports' sketches differ in length.
 StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step);
 
-// The per-rank diagnostics of a joined step, given its statistics (their consensus cosines).
-StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats);
+// The per-rank diagnostics of a joined step, given its statistics (their consensus cosines) and
+// its duplicate groups: each group of ranks with identical gradients counts once in the robust
+// statistics the outlier scores are measured against (two of four ranks on the same data would
+// otherwise make the median and MAD the pair's, and every other rank an outlier).
+StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
+                             absl::Span<const DuplicateGroup> duplicates = {});
 
 class StepAnalyzer {
  public:

@@ -140,6 +140,29 @@ TEST(OutlierScoreTest, AbsentLossesAreIgnoredNotFlagged) {
   for (const OutlierScore& s : ComputeOutlierScores(ranks)) EXPECT_FALSE(s.flagged) << s.rank;
 }
 
+// Three of six ranks on the same data: counted as many, their identical values would make the
+// median and a MAD near 0 theirs, and the ranks with their own data would be named outliers. A
+// duplicate group counts once (its other members are echoes) while 3 independent ranks remain.
+TEST(OutlierScoreTest, ADuplicateGroupCountsOnce) {
+  std::vector<RankSignals> ranks = {{0, 2.31, 1.10, 0.40}, {1, 2.05, 1.45, 0.95},
+                                    {2, 2.05, 1.45, 0.95}, {3, 2.05, 1.45, 0.95},
+                                    {4, 2.12, 1.30, 0.60}, {5, 2.05, 1.45, 0.95}};
+  EXPECT_TRUE(ComputeOutlierScores(ranks)[0].flagged);  // without knowing the duplicates
+  ranks[2].echo = true;
+  ranks[3].echo = true;
+  ranks[5].echo = true;
+  for (const OutlierScore& s : ComputeOutlierScores(ranks)) EXPECT_FALSE(s.flagged) << s.rank;
+  // Every rank but one on the same data: too few independent ranks to leave echoes out.
+  std::vector<RankSignals> same(4, RankSignals{0, 2.0, 1.0, 1.0});
+  for (uint32_t r = 0; r < 4; ++r) same[r].rank = r;
+  same[0].loss = 2.0001;
+  same[2].echo = same[3].echo = true;
+  const std::vector<OutlierScore> scores = ComputeOutlierScores(same);
+  EXPECT_EQ(scores[1].flagged, ComputeOutlierScores(std::vector<RankSignals>(
+                                   {same[0], same[1], {2, 2.0, 1.0, 1.0}, {3, 2.0, 1.0, 1.0}}))[1]
+                                   .flagged);
+}
+
 TEST(OutlierScoreTest, IdenticalRanksDoNotExplode) {
   std::vector<RankSignals> ranks(8, RankSignals{0, 2.0, 1.0, 1.0});
   for (uint32_t r = 0; r < 8; ++r) ranks[r].rank = r;
