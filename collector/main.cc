@@ -37,6 +37,10 @@ ABSL_FLAG(int, max_open_steps, 256,
           "is closed early.");
 ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
+ABSL_FLAG(int, per_job_group_series_limit, 32,
+          "Data-parallel groups of one job whose Prometheus series are exported (the most "
+          "deviating first: a divergent replica or an outlier rank, then the lowest direction "
+          "consistency); rankscope_job_* aggregates cover every group.");
 ABSL_FLAG(absl::Duration, spike_window, absl::Seconds(60),
           "Window of the *_window metrics (worst value over the steps of this window).");
 ABSL_FLAG(int, max_streams, 10000,
@@ -142,6 +146,8 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
   options.export_options.per_rank_series_limit =
       static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
+  options.export_options.per_job_group_series_limit =
+      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_per_job_group_series_limit)));
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));

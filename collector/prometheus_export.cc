@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/job_name.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_type.h"
@@ -502,7 +503,59 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
     std::sort(live.begin(), live.end(),
               [](const auto* a, const auto* b) { return a->first < b->first; });
 
+    // Job-level aggregates across the job's data-parallel groups (a job without groups is one).
+    struct JobAggregate {
+      int groups = 0;
+      double cosine_min = kNaN;
+      int with_outliers = 0;
+      int replica_divergent = 0;
+    };
+    std::map<std::string, JobAggregate> by_job;
     for (const auto* entry : live) {
+      const JobState& state = entry->second;
+      JobAggregate& a = by_job[std::string(SplitGroupKey(entry->first).first)];
+      ++a.groups;
+      if (!state.has_step) continue;
+      a.cosine_min = MinIgnoringNaN(a.cosine_min, state.latest.grad_cosine_mean);
+      a.with_outliers += state.outlier_ranks_latest > 0 ? 1 : 0;
+      a.replica_divergent += state.replica_divergent_checked ? 1 : 0;
+    }
+    for (const auto& [job, a] : by_job) {
+      const std::vector<ClientMetric::Label> labels = {{"train_job", job}};
+      AddSample(families[kJobGroups], labels, a.groups);
+      if (!std::isnan(a.cosine_min))
+        AddSample(families[kJobGradCosineMeanMin], labels, a.cosine_min);
+      AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
+      AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
+    }
+
+    // A job of more groups than per_job_group_series_limit exports the series of its most
+    // deviating groups only (a divergent replica or an outlier first, then the lowest latest
+    // cosine); the aggregates above cover every group.
+    absl::flat_hash_set<const std::string*> hidden;
+    {
+      std::map<absl::string_view, std::vector<const std::pair<const std::string, JobState>*>>
+          groups_of;
+      for (const auto* entry : live) groups_of[SplitGroupKey(entry->first).first].push_back(entry);
+      const size_t limit = options_.per_job_group_series_limit;
+      for (auto& [job, groups] : groups_of) {
+        if (groups.size() <= limit) continue;
+        auto deviation = [](const JobState& st) {
+          const bool flagged = st.outlier_ranks_latest > 0 || st.replica_divergent_checked;
+          const double cos = st.has_step && !std::isnan(st.latest.grad_cosine_mean)
+                                 ? st.latest.grad_cosine_mean
+                                 : std::numeric_limits<double>::infinity();
+          return std::make_pair(!flagged, cos);
+        };
+        std::stable_sort(groups.begin(), groups.end(), [&](const auto* a, const auto* b) {
+          return deviation(a->second) < deviation(b->second);
+        });
+        for (size_t i = limit; i < groups.size(); ++i) hidden.insert(&groups[i]->first);
+      }
+    }
+
+    for (const auto* entry : live) {
+      if (hidden.contains(&entry->first)) continue;
       const std::string& job = entry->first;
       const JobState& state = entry->second;
       const std::vector<ClientMetric::Label> job_labels = JobLabels(job);
@@ -599,32 +652,6 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
         labels.push_back({"host", who->second.host});
         AddSample(families[kRankInfo], std::move(labels), 1);
       }
-    }
-
-    // Job-level aggregates across the job's data-parallel groups (a job without groups is one).
-    struct JobAggregate {
-      int groups = 0;
-      double cosine_min = kNaN;
-      int with_outliers = 0;
-      int replica_divergent = 0;
-    };
-    std::map<std::string, JobAggregate> by_job;
-    for (const auto* entry : live) {
-      const JobState& state = entry->second;
-      JobAggregate& a = by_job[std::string(SplitGroupKey(entry->first).first)];
-      ++a.groups;
-      if (!state.has_step) continue;
-      a.cosine_min = MinIgnoringNaN(a.cosine_min, state.latest.grad_cosine_mean);
-      a.with_outliers += state.outlier_ranks_latest > 0 ? 1 : 0;
-      a.replica_divergent += state.replica_divergent_checked ? 1 : 0;
-    }
-    for (const auto& [job, a] : by_job) {
-      const std::vector<ClientMetric::Label> labels = {{"train_job", job}};
-      AddSample(families[kJobGroups], labels, a.groups);
-      if (!std::isnan(a.cosine_min))
-        AddSample(families[kJobGradCosineMeanMin], labels, a.cosine_min);
-      AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
-      AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
     }
   }
 

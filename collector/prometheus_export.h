@@ -65,6 +65,9 @@ namespace rankscope::collector {
 
 struct ExportOptions {
   size_t per_rank_series_limit = 32;
+  // Data-parallel groups of one job whose series are exported (the most deviating first); the
+  // job-level aggregates (rankscope_job_*) cover every group.
+  size_t per_job_group_series_limit = 32;
   absl::Duration spike_window = absl::Seconds(60);
   absl::Duration job_expiry = absl::Hours(1);
   std::function<absl::Time()> clock = [] { return absl::Now(); };

@@ -388,6 +388,33 @@ TEST(JobMetricsTest, GroupsAreLabelledAndAggregatedPerJob) {
   ExpectPromtoolClean(Serialize(families));
 }
 
+// Past per_job_group_series_limit groups, only the most deviating groups' series are exported:
+// a group with an outlier first, then the lowest consistency; the aggregates count every group.
+TEST(JobMetricsTest, GroupSeriesAreCappedToTheMostDeviatingGroups) {
+  FakeClock clock;
+  ExportOptions options = OptionsWith(clock);
+  options.per_job_group_series_limit = 2;
+  JobMetrics metrics(options);
+  std::vector<StepStatistics> stats(4, HealthyStats(2));
+  stats[1].grad_cosine_mean = 0.2;  // the least consistent
+  stats[3].grad_cosine_mean = 0.9;  // consistent, but an outlier rank
+  for (int g = 0; g < 4; ++g) {
+    ExportedStep step = Step(9, stats[g], 2);
+    if (g == 3) step.outlier_ranks = 1;
+    metrics.OnStep(absl::StrCat("big/g", g), step);
+  }
+  const auto families = metrics.Collect();
+  auto group = [](int g) {
+    return std::vector<ClientMetric::Label>{{"train_job", "big"}, {"group", absl::StrCat("g", g)}};
+  };
+  EXPECT_TRUE(Value(families, "rankscope_step", group(3)).has_value());
+  EXPECT_TRUE(Value(families, "rankscope_step", group(1)).has_value());
+  EXPECT_FALSE(Value(families, "rankscope_step", group(0)).has_value());
+  EXPECT_FALSE(Value(families, "rankscope_step", group(2)).has_value());
+  EXPECT_EQ(Value(families, "rankscope_job_groups", Labels("big")), 4);
+  EXPECT_EQ(Value(families, "rankscope_job_grad_cosine_mean_min", Labels("big")), 0.2);
+}
+
 TEST(JobMetricsTest, DroppedReportsCounterSumsRanksAndSurvivesAgentRestart) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock));
