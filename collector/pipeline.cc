@@ -184,6 +184,7 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
       std::vector<JoinedStep> forgotten;
       joiner_.ForgetJob(hello.job(), &forgotten);
       EnqueueClosedLocked(forgotten);
+      forgotten_jobs_.push_back(hello.job());
     }
     if (!registry_.Contains(hello.job())) {
       r = registry_.CheckRoomForJob(hello);
@@ -256,6 +257,7 @@ bool StepPipeline::ForgetAnIdleJobLocked() {
     registry_.ForgetIdle(job);
     std::vector<JoinedStep> none;
     joiner_.ForgetJob(job, &none);  // closed-step memory only: no open step
+    forgotten_jobs_.push_back(job);
     return true;
   }
   return false;
@@ -371,6 +373,7 @@ void StepPipeline::EnqueueAcksOnly(std::vector<AckHandle> acks) {
 
 void StepPipeline::StepThread() {
   std::vector<JoinedStep> batch;
+  std::vector<std::string> forgotten;
   while (true) {
     {
       MutexLock lock(&mu_);
@@ -390,6 +393,8 @@ void StepPipeline::StepThread() {
       EnqueueClosedLocked(expired);
       next_deadline_ = joiner_.NextDeadline();
       batch.clear();
+      forgotten.clear();
+      forgotten.swap(forgotten_jobs_);
       while (!closed_.empty()) {
         batch.push_back(std::move(closed_.front()));
         closed_.pop_front();
@@ -405,6 +410,7 @@ void StepPipeline::StepThread() {
     computed.reserve(batch.size());
     for (JoinedStep& s : batch) computed.push_back(AnalyzeAndExport(std::move(s)));
     for (ComputedStep& c : computed) Store(std::move(c));
+    for (const std::string& job : forgotten) analyzer_.ForgetJob(job);
     MutexLock lock(&mu_);
     closed_processed_ += batch.size();
   }
