@@ -431,6 +431,8 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   exported.replica_checked = analyzed.diag.replica_checked;
   exported.replica_divergent_ranks = analyzed.diag.replica_divergent;
   exported.duplicate_ranks = CountDuplicateRanks(analyzed.duplicates);
+  exported.drifting_ranks = analyzed.drifting_ranks;
+  exported.slow_ranks = analyzed.slow_ranks;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();
