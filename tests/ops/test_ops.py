@@ -145,6 +145,8 @@ MUTANTS = [
     ("max by (train_job, rank) (rankscope_rank_missing) > 0", "max by (train_job, rank) (rankscope_rank_missing) >= 0"),
     ("+ 0.2)", "+ 0.1)"),  # share of steps with duplicate ranks
     ("[10m])) >= 5", "[10m])) >= 3"),  # at least 5 duplicate steps
+    ("(rankscope_rank_drift_score) > 1", "(rankscope_rank_drift_score) >= 1"),  # drift threshold
+    ("(rankscope_rank_slow_score) > 1", "(rankscope_rank_slow_score) >= 1"),  # slow threshold
 ]
 
 
