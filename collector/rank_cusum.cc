@@ -50,7 +50,10 @@ std::vector<double> UniformRankScores(absl::Span<const double> values) {
   return out;
 }
 
-std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> ranks) {
+double RankCusum::data_sigma() const { return std::sqrt(y2_sum_ / y2_count_); }
+
+std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> ranks,
+                                         bool exchangeable) {
   const size_t n = ranks.size();
   std::vector<double> loss(n), norm(n), neg_cos(n), time(n);
   for (size_t i = 0; i < n; ++i) {
@@ -63,13 +66,19 @@ std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> rank
   const std::vector<double> u_norm = UniformRankScores(norm);
   const std::vector<double> u_cos = UniformRankScores(neg_cos);
   const std::vector<double> u_time = UniformRankScores(time);
+  std::vector<double> y(n);
+  for (size_t i = 0; i < n; ++i) y[i] = u_loss[i] + u_norm[i] + u_cos[i];
+  if (exchangeable) {
+    for (double v : y) y2_sum_ += v * v;
+    y2_count_ += static_cast<double>(n);
+  }
+  const double sigma = data_sigma();
   std::vector<RankDrift> out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    const double data = (u_loss[i] + u_norm[i] + u_cos[i]) / kSqrt3;
     auto it = state_.find(ranks[i].rank);
     RankDrift d = it == state_.end() ? RankDrift{} : it->second;
-    d.data = Step(d.data, data, 2.0 * h_);
+    if (exchangeable) d.data = Step(d.data, y[i] / sigma, 2.0 * h_);
     d.slow = Step(d.slow, u_time[i], 2.0 * h_);
     d = Flagged(d);
     if (d.data == 0.0 && d.slow == 0.0) {

@@ -17,13 +17,23 @@
 // W = 4 (k = 0.5, h = 8, clipped at 3). Rank scores make the false-alarm rate distribution-free
 // and nearly independent of W, and bound every increment, so a rank that is *always* the worst
 // is named after a fixed number of steps: ceil(h / (u_max - k)), u_max = sqrt(3) (n - 1) / n
-// (W = 4: 11 steps; W = 8: 9; large W: 7).
+// (slow, W = 4: 11 steps; W = 8: 9; W = 10,000: 13).
 //
 // Two statistics per rank:
-//   data drift  x = (u(loss) + u(grad_norm) + u(-consensus_cosine)) / sqrt(3): a higher loss, a
-//               larger local gradient and a gradient that agrees less with the others' all
+//   data drift  y = u(loss) + u(grad_norm) + u(-consensus_cosine), x = y / sigma: a higher loss,
+//               a larger local gradient and a gradient that agrees less with the others' all
 //               count; a signal that is NaN for a rank (or known for fewer than 2 ranks)
-//               contributes 0, so a missing signal only slows detection;
+//               contributes 0, so a missing signal only slows detection. The three signals of a
+//               rank are correlated in real training (a harder batch raises its loss and its
+//               gradient norm together), so y's variance is not 3: sigma^2 is the pooled mean of
+//               y^2 over every rank and step of the job so far (y is centred across the ranks of
+//               each step, so no mean is needed), started from a prior of 3 (independent
+//               signals) with the weight of kCusumPriorRankSteps rank-steps. On i.i.d. signals
+//               sigma^2 ~ 3 and x = y / sqrt(3); on fully correlated ones sigma^2 ~ 9 and x
+//               keeps unit variance, so the false-alarm rate below holds either way. A step on
+//               which the caller says the ranks are not exchangeable (ranks with duplicate data:
+//               their pair agrees with itself, which pushes the others' consensus cosines down)
+//               leaves every data-drift statistic and sigma as they were;
 //   slow        x = u(step_time_seconds): the rank's position in the step's time, i.e. its share
 //               of the step against the others', whatever the noise of the times.
 // Each is S_t = min(2h, max(0, S_{t-1} + x_t - k)), started at 0, updated on the steps the rank
@@ -37,14 +47,15 @@
 // fixed h would give a 10,000-rank job a false alarm every few steps. False alarms on a healthy
 // job, measured with this code on i.i.d. N(0,1) signals (tests/collector/rank_cusum_test.cc; a
 // false alarm is a new crossing of h by any rank, which is what an alert sees):
-//     W (h)                      4 (8.00)   8 (8.69)   64 (10.77)
-//     healthy rank-steps per false alarm, data drift   41,000     36,000     530,000 (3 alarms)
+//     W (h)                                           4 (8.00)   8 (8.69)   64 (10.77)
+//     healthy rank-steps per false alarm, data drift   19,800     30,800     530,000 (3 alarms)
+//       same, W = 4, loss correlated 0.8 with the norm and the cosine deficit: 35,600
 //     healthy rank-steps per false alarm, slow         94,000     53,000     800,000 (2 alarms)
-//     job steps per false alarm, data drift            10,000      4,500       8,300
+//     job steps per false alarm, data drift             4,900      3,800       8,300
 // The per-step rule's false alarms at W = 4 are ~6e-5 per rank-step (one per ~16,000 rank-steps):
 // the CUSUM raises fewer there (at W >= 8 the per-step rule's are rarer still: its per-step flag
-// rate falls fast with W, see rank_diagnostics.h). Detection delay (simulated, mean steps from
-// the shift to the crossing, h = 8): a shift of one standard deviation on all three data signals,
+// rate falls fast with W, see rank_diagnostics.h). Detection delay (simulated with sigma fixed
+// at sqrt(3), mean steps from the shift to the crossing, h = 8): a shift of one standard deviation on all three data signals,
 // 13 steps at W = 4; half of one, 49 at W = 4 and 31 at W = 8. Nothing is tuned to a benchmark.
 //
 // State: per rank of one job, two doubles; ranks at zero are not stored, so a detector holds at
@@ -66,6 +77,8 @@ namespace rankscope::collector {
 
 inline constexpr double kCusumDrift = 0.5;      // k
 inline constexpr double kCusumThreshold = 8.0;  // h at W <= 4
+// Weight of the prior variance of the data-drift sum (in rank-steps).
+inline constexpr double kCusumPriorRankSteps = 64.0;
 
 // h for a job of `world_size` ranks: kCusumThreshold + ln(max(W, 4) / 4), so that the expected
 // steps between false alarms of the whole job (any rank) stay about the same whatever W.
@@ -101,8 +114,13 @@ class RankCusum {
   double threshold() const { return h_; }
 
   // Feeds one step: `ranks` are the ranks that reported it (distinct). Returns each one's
-  // statistics after the step, same order. Ranks absent from the step keep theirs.
-  std::vector<RankDrift> Update(absl::Span<const RankDriftSignals> ranks);
+  // statistics after the step, same order. Ranks absent from the step keep theirs. With
+  // `exchangeable` false (the step has ranks with duplicate data) the data-drift statistics and
+  // sigma are left as they were; the slow statistics are updated.
+  std::vector<RankDrift> Update(absl::Span<const RankDriftSignals> ranks, bool exchangeable = true);
+
+  // sigma of the data-drift sum (see above).
+  double data_sigma() const;
 
   // The rank's current statistics (zero when not stored).
   RankDrift Get(uint32_t rank) const;
@@ -114,6 +132,8 @@ class RankCusum {
   RankDrift Flagged(RankDrift d) const;
 
   double h_;
+  double y2_sum_ = 3.0 * kCusumPriorRankSteps;  // prior: variance 3
+  double y2_count_ = kCusumPriorRankSteps;
   absl::flat_hash_map<uint32_t, RankDrift> state_;
 };
 

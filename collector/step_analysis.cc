@@ -143,7 +143,9 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
     signals.push_back({r.rank, r.loss, r.grad_norm, out.stats.per_rank[i].consensus_cosine,
                        out.diag.extras[i].step_time_seconds});
   }
-  const std::vector<RankDrift> drift = cusum.Update(signals);
+  // Ranks with duplicate data are not exchangeable with the others (the pair's consensus cosines
+  // are high, so the others' rank low): hold the data-drift statistics on such a step.
+  const std::vector<RankDrift> drift = cusum.Update(signals, out.duplicates.empty());
   for (size_t i = 0; i < drift.size(); ++i) {
     out.diag.extras[i].drift_score = drift[i].data / cusum.threshold();
     out.diag.extras[i].slow_score = drift[i].slow / cusum.threshold();
