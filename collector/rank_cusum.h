@@ -55,8 +55,9 @@
 // The per-step rule's false alarms at W = 4 are ~6e-5 per rank-step (one per ~16,000 rank-steps):
 // the CUSUM raises fewer there (at W >= 8 the per-step rule's are rarer still: its per-step flag
 // rate falls fast with W, see rank_diagnostics.h). Detection delay (simulated with sigma fixed
-// at sqrt(3), mean steps from the shift to the crossing, h = 8): a shift of one standard deviation on all three data signals,
-// 13 steps at W = 4; half of one, 49 at W = 4 and 31 at W = 8. Nothing is tuned to a benchmark.
+// at sqrt(3), mean steps from the shift to the crossing, h = 8): a shift of one standard deviation
+// on all three data signals, 13 steps at W = 4; half of one, 49 at W = 4 and 31 at W = 8. Nothing
+// is tuned to a benchmark.
 //
 // State: per rank of one job, two doubles; ranks at zero are not stored, so a detector holds at
 // most world-size entries. The owner (StepAnalyzer) keeps one per job and epoch and frees it with
