@@ -306,5 +306,26 @@ TEST(StepAnalysisTest, DuplicateRanksAreNamedInTheStepRow) {
   EXPECT_THAT(analyzer.Analyze(js).duplicates, IsEmpty());
 }
 
+// With a duplicate pair the ranks are not exchangeable (the pair's consensus cosines are high, the
+// others' low): the data-drift statistics are held on such steps, so ranks 0 and 2 never drift.
+TEST(StepAnalysisTest, StepsWithDuplicateRanksHoldTheDataDriftStatistics) {
+  StepAnalyzer analyzer;
+  const std::vector<std::vector<float>> sketches = {
+      {1, 0, 0, 0}, {0, 1, 1, 0}, {0, 0, 0, 1}, {0, 1, 1, 0}};
+  for (uint64_t step = 1; step <= 40; ++step) {
+    JoinedStep js = Step(step, 4, AllRanks(4));
+    for (size_t i = 0; i < 4; ++i) {
+      js.reports[i].sketch = sketches[i];
+      js.reports[i].loss = 1.0 + 0.01 * ((i + step) % 4);  // nobody is always the worst
+      js.reports[i].grad_norm = 2.0 + 0.01 * ((i * 3 + step) % 4);
+    }
+    const AnalyzedStep a = analyzer.Analyze(js);
+    ASSERT_EQ(a.duplicates.size(), 1u);
+    EXPECT_THAT(a.drifting_ranks, IsEmpty()) << step;
+  }
+  EXPECT_EQ(analyzer.Drift("exp-42", 0).data, 0.0);
+  EXPECT_EQ(analyzer.Drift("exp-42", 2).data, 0.0);
+}
+
 }  // namespace
 }  // namespace rankscope::collector
