@@ -29,9 +29,11 @@ Faults (from the onset step on, on the faulty rank, unless said otherwise):
 
 What is measured, per run, only from what the collector stored (SQLite, table step_stats):
 
-- the flags: every (step, rank) named in `outlier_ranks` or `replica_divergent_ranks`, every
+- the flags: every (step, rank) named in `outlier_ranks`, `replica_divergent_ranks`,
+  `drifting_ranks` or `slow_ranks` (the sequential statistics, collector/rank_cusum.h), every
   (step, group) in `duplicate_groups`;
-- detected: the faulty rank named (outlier or replica) at or after the onset; for `duplicate` the
+- detected: the faulty rank named (outlier, replica, drifting or slow) at or after the onset; for
+  `duplicate` the
   group {faulty rank, partner} named in duplicate_groups at or after the onset;
 - steps to detection: first such step minus the onset step;
 - false flags: a rank flagged that is not faulty (for `duplicate`, not in the group), a group that
@@ -127,16 +129,21 @@ def parse_groups(text) -> list:
 
 def score_run(run: dict, rows) -> dict:
     """Scores one run from its step_stats rows (step, outlier_ranks, replica_divergent_ranks,
-    duplicate_groups). Returns detected, delay (steps after onset), how (which column), and
-    false_flags, a list of (step, column, ranks) for every flag that is wrong."""
+    duplicate_groups[, drifting_ranks, slow_ranks]). Returns detected, delay (steps after onset),
+    how (which column), and false_flags, a list of (step, column, ranks) for every flag that is
+    wrong."""
     faulty = culprit(run)
     onset = run["onset"]
     is_dup = run["fault"] == "duplicate"
     detected_at, how, false_flags = None, None, []
-    for step, outliers, divergent, groups in rows:
+    for row in rows:
+        step, outliers, divergent, groups = row[:4]
+        drifting, slow = (tuple(row[4:6]) + ("", ""))[:2]
         after = onset is not None and step >= onset
         for column, ranks in (("outlier", parse_ranks(outliers)),
-                              ("replica", parse_ranks(divergent))):
+                              ("replica", parse_ranks(divergent)),
+                              ("drifting", parse_ranks(drifting)),
+                              ("slow", parse_ranks(slow))):
             wrong = [r for r in ranks if not (after and r in faulty)]
             if wrong:
                 false_flags.append((step, column, sorted(wrong)))
@@ -362,10 +369,11 @@ def read_run(db: Path, run: dict, steps: int) -> dict:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
     try:
         rows = con.execute(
-            "SELECT step, outlier_ranks, replica_divergent_ranks, duplicate_groups, missing_ranks,"
-            " timed_out FROM step_stats WHERE job = ? ORDER BY step", (run["job"],)).fetchall()
+            "SELECT step, outlier_ranks, replica_divergent_ranks, duplicate_groups, drifting_ranks,"
+            " slow_ranks, missing_ranks, timed_out FROM step_stats WHERE job = ? ORDER BY step",
+            (run["job"],)).fetchall()
         info = {"steps_stored": len(rows),
-                "steps_incomplete": sum(1 for r in rows if r[4] or r[5])}
+                "steps_incomplete": sum(1 for r in rows if r[6] or r[7])}
         if run["rank"] is not None:
             per_step = con.execute(
                 "SELECT step, rank, outlier_score, step_time_z FROM rank_steps WHERE job = ? "
@@ -385,7 +393,7 @@ def read_run(db: Path, run: dict, steps: int) -> dict:
             info["top_step_time_frac"] = top_fraction(2)
     finally:
         con.close()
-    return {"rows": [r[:4] for r in rows], **info}
+    return {"rows": [r[:6] for r in rows], **info}
 
 
 # ---- the driver ----------------------------------------------------------------------------------

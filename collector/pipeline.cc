@@ -186,6 +186,7 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
       std::vector<JoinedStep> forgotten;
       joiner_.ForgetJob(hello.job(), &forgotten);
       EnqueueClosedLocked(forgotten);
+      forgotten_jobs_.push_back(hello.job());
     }
     if (!registry_.Contains(hello.job())) {
       r = registry_.CheckRoomForJob(hello);
@@ -263,6 +264,7 @@ bool StepPipeline::ForgetAnIdleJobLocked() {
     registry_.ForgetIdle(job);
     std::vector<JoinedStep> none;
     joiner_.ForgetJob(job, &none);  // closed-step memory only: no open step
+    forgotten_jobs_.push_back(job);
     return true;
   }
   return false;
@@ -378,6 +380,7 @@ void StepPipeline::EnqueueAcksOnly(std::vector<AckHandle> acks) {
 
 void StepPipeline::StepThread() {
   std::vector<JoinedStep> batch;
+  std::vector<std::string> forgotten;
   while (true) {
     {
       MutexLock lock(&mu_);
@@ -397,6 +400,8 @@ void StepPipeline::StepThread() {
       EnqueueClosedLocked(expired);
       next_deadline_ = joiner_.NextDeadline();
       batch.clear();
+      forgotten.clear();
+      forgotten.swap(forgotten_jobs_);
       while (!closed_.empty()) {
         batch.push_back(std::move(closed_.front()));
         closed_.pop_front();
@@ -412,6 +417,7 @@ void StepPipeline::StepThread() {
     computed.reserve(batch.size());
     for (JoinedStep& s : batch) computed.push_back(AnalyzeAndExport(std::move(s)));
     for (ComputedStep& c : computed) Store(std::move(c));
+    for (const std::string& job : forgotten) analyzer_.ForgetJob(job);
     MutexLock lock(&mu_);
     closed_processed_ += batch.size();
   }
@@ -435,6 +441,8 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   exported.outlier_ranks = static_cast<uint32_t>(analyzed.outlier_ranks.size());
   exported.loss_absent = std::any_of(js.reports.begin(), js.reports.end(),
                                      [](const RankReport& r) { return r.loss_absent; });
+  exported.drifting_ranks = analyzed.drifting_ranks;
+  exported.slow_ranks = analyzed.slow_ranks;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

@@ -145,6 +145,9 @@ class StepPipeline {
   StepJoiner joiner_ ABSL_GUARDED_BY(mu_);
   JobRegistry registry_ ABSL_GUARDED_BY(mu_);
   std::deque<JoinedStep> closed_ ABSL_GUARDED_BY(mu_);
+  // Jobs the registry forgot since the step thread last looked: it frees their analysis state
+  // (StepAnalyzer::ForgetJob) after the closed steps taken with them.
+  std::vector<std::string> forgotten_jobs_ ABSL_GUARDED_BY(mu_);
   absl::Time next_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t closed_enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t closed_processed_ ABSL_GUARDED_BY(mu_) = 0;

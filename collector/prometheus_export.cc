@@ -69,6 +69,10 @@ enum Family : size_t {
   kJobGradCosineMeanMin,
   kJobGroupsWithOutliers,
   kJobGroupsReplicaDivergent,
+  kRankDriftScore,
+  kRankSlowScore,
+  kDriftingRanks,
+  kSlowRanks,
   kFamilyCount,
 };
 
@@ -200,6 +204,23 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
     {"rankscope_job_groups_replica_divergent",
      "Data-parallel groups of the job whose latest checked step had a divergent replica.",
      MetricType::Gauge},
+    {"rankscope_rank_drift_score",
+     "The rank's data-drift CUSUM (loss, gradient norm and consensus cosine rank scores) over "
+     "its threshold at the latest step; above 1 the rank is named drifting (most deviating "
+     "ranks only).",
+     MetricType::Gauge},
+    {"rankscope_rank_slow_score",
+     "The rank's step-time CUSUM over its threshold at the latest step; above 1 the rank is "
+     "named slow (most deviating ranks only).",
+     MetricType::Gauge},
+    {"rankscope_drifting_ranks",
+     "Ranks whose data-drift CUSUM was above its threshold at the latest step "
+     "(step_stats.drifting_ranks).",
+     MetricType::Gauge},
+    {"rankscope_slow_ranks",
+     "Ranks whose step-time CUSUM was above its threshold at the latest step "
+     "(step_stats.slow_ranks): stragglers.",
+     MetricType::Gauge},
 };
 
 // The labels of a group key's series: {train_job} for a job with one group (its name), else
@@ -303,6 +324,10 @@ std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ra
   if (has_extras) {
     rankings.push_back(
         TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].step_time_z); }));
+    rankings.push_back(
+        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].drift_score); }));
+    rankings.push_back(
+        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].slow_score); }));
   }
   std::vector<uint32_t> chosen;
   chosen.reserve(n);
@@ -410,7 +435,8 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
       const RankStatistics& r = s.per_rank[index];
       const RankExtras e = has_extras ? step.extras[index] : RankExtras{};
       top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z, e.outlier_score,
-                           e.step_time_seconds, e.step_time_z, has_extras});
+                           e.step_time_seconds, e.step_time_z, e.drift_score, e.slow_score,
+                           has_extras});
     }
   } else {
     // No statistics: as ComputeStepStatistics({}) gives (ranks 0, cosine NaN, the rest 0).
@@ -431,6 +457,9 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   if (step.timed_out) ++state.steps_timed_out_total;
   if (IsNonfinite(latest, step.loss_absent)) ++state.steps_nonfinite_total;
   state.duplicate_ranks = step.duplicate_ranks;
+  state.has_sequential = !step.extras.empty();
+  state.drifting_ranks = static_cast<uint32_t>(step.drifting_ranks.size());
+  state.slow_ranks = static_cast<uint32_t>(step.slow_ranks.size());
   if (step.duplicate_ranks > 0) ++state.duplicate_steps_total;
   state.outlier_ranks_latest = step.outlier_ranks;
   if (step.replica_checked) state.replica_divergent_checked = !step.replica_divergent_ranks.empty();
@@ -581,6 +610,10 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradNormCv, s.grad_norm_cv);
       add(kGradCosineMean, s.grad_cosine_mean);
       add(kDuplicateRanks, state.duplicate_ranks);
+      if (state.has_sequential) {
+        add(kDriftingRanks, state.drifting_ranks);
+        add(kSlowRanks, state.slow_ranks);
+      }
 
       WindowPoint worst{now,
                         s.loss_std,
@@ -606,7 +639,11 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
         AddSample(families[kRankGradCosine], labels, r.grad_cosine);
         AddSample(families[kRankLossZ], labels, r.loss_z);
         AddSample(families[kRankGradNormZ], labels, r.grad_norm_z);
-        if (r.has_extras) AddSample(families[kRankOutlierScore], labels, r.outlier_score);
+        if (r.has_extras) {
+          AddSample(families[kRankOutlierScore], labels, r.outlier_score);
+          AddSample(families[kRankDriftScore], labels, r.drift_score);
+          AddSample(families[kRankSlowScore], labels, r.slow_score);
+        }
         if (!std::isnan(r.step_time_seconds)) {
           AddSample(families[kRankStepTimeSeconds], labels, r.step_time_seconds);
           AddSample(families[kRankStepTimeZ], std::move(labels), r.step_time_z);

@@ -22,11 +22,12 @@
 //    statistic, so a non-finite step between scrapes is not missed either.
 //
 // Per-rank series (rankscope_rank_outlier_score, rankscope_rank_grad_cosine, rankscope_rank_loss_z,
-// rankscope_rank_grad_norm_z, rankscope_rank_step_time_seconds, rankscope_rank_step_time_z) are
-// exported for at most `per_rank_series_limit` ranks per job, the same ranks in every metric,
-// picked from the latest step round-robin from five rankings: largest outlier score, lowest
-// consensus cosine, largest |loss_z|, largest |grad_norm_z|, largest step-time z (in that
-// priority), so the worst rank by each criterion is always present. NaN counts as the most
+// rankscope_rank_grad_norm_z, rankscope_rank_step_time_seconds, rankscope_rank_step_time_z,
+// rankscope_rank_drift_score, rankscope_rank_slow_score) are exported for at most
+// `per_rank_series_limit` ranks per job, the same ranks in every metric, picked from the latest
+// step round-robin from seven rankings: largest outlier score, lowest consensus cosine, largest
+// |loss_z|, largest |grad_norm_z|, largest step-time z, largest drift score, largest slow score
+// (in that priority), so the worst rank by each criterion is always present. NaN counts as the most
 // deviating; ties go to the lower rank number. (Under step_stats.h a non-finite input makes that
 // statistic NaN for every rank, and with fewer than two ranks every cosine is NaN: the other
 // rankings then decide.) rankscope_rank_missing is exported for at most `per_rank_series_limit`
@@ -92,6 +93,10 @@ struct ExportedStep {
   uint32_t outlier_ranks = 0;
   // A rank of the step had no loss (a pipeline stage): the loss statistics are NaN, not a fault.
   bool loss_absent = false;
+  // Ranks named by the sequential statistics (rank_cusum.h) after this step; exported with
+  // `extras` only.
+  absl::Span<const uint32_t> drifting_ranks;
+  absl::Span<const uint32_t> slow_ranks;
 };
 
 // Who an agent is, as its hello stated (rankscope_rank_info).
@@ -140,7 +145,12 @@ class JobMetrics : public prometheus::Collectable {
   //     the spike window, capped);
   //   rankscope_grad_noise_scale{train_job}: B_simple of the latest step where it was defined;
   //   duplicate data: rankscope_duplicate_ranks{train_job} (gauge: ranks in a duplicate group at
-  //     the latest step) and rankscope_duplicate_steps_total{train_job} (counter: steps with one).
+  //     the latest step) and rankscope_duplicate_steps_total{train_job} (counter: steps with one);
+  //   sequential detection (rank_cusum.h), with diagnostics only:
+  //     rankscope_rank_drift_score, rankscope_rank_slow_score {train_job,rank} (the CUSUM over
+  //     its threshold, capped as above) and rankscope_drifting_ranks, rankscope_slow_ranks
+  //     {train_job} (ranks above it at the latest step: the CUSUM keeps a rank named for many
+  //     steps, so no spike window is needed);
   //   who: rankscope_rank_info{train_job,rank,global_rank,host} 1 for each rank with per-rank
   //     series above (top, missing, replica-divergent ranks) whose identity is known.
   //   groups: a key "JOB/GROUP" (common/job_name.h) is exported as {train_job=JOB, group=GROUP};
@@ -161,6 +171,7 @@ class JobMetrics : public prometheus::Collectable {
     uint32_t rank;
     double grad_cosine, loss_z, grad_norm_z;
     double outlier_score, step_time_seconds, step_time_z;
+    double drift_score, slow_score;
     bool has_extras;  // the step carried RankExtras
   };
   struct JobState {
@@ -185,6 +196,9 @@ class JobMetrics : public prometheus::Collectable {
     bool replica_divergent_checked = false;  // the latest checked step had a divergent replica
     // By rank: who connected (global rank, host). Bounded by the job's ranks that connected.
     absl::flat_hash_map<uint32_t, RankIdentity> identities;
+    bool has_sequential = false;  // the latest step carried RankExtras
+    uint32_t drifting_ranks = 0;
+    uint32_t slow_ranks = 0;
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank

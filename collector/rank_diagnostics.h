@@ -58,6 +58,10 @@ struct RankExtras {
   double outlier_score = std::numeric_limits<double>::quiet_NaN();
   double step_time_seconds = std::numeric_limits<double>::quiet_NaN();  // NaN: not reported
   double step_time_z = std::numeric_limits<double>::quiet_NaN();
+  // Sequential statistics (rank_cusum.h), set by StepAnalyzer: the data-drift and the slow CUSUM
+  // over their threshold h (above 1: named in drifting_ranks / slow_ranks).
+  double drift_score = 0.0;
+  double slow_score = 0.0;
 };
 
 struct RankFingerprint {

@@ -40,6 +40,8 @@ void FillStepStats(const StepRow& row, v1::StepStats* s) {
                                             row.replica_divergent_ranks.end());
   s->mutable_outlier_ranks()->Add(row.outlier_ranks.begin(), row.outlier_ranks.end());
   s->set_duplicate_groups(row.duplicate_groups);
+  s->mutable_drifting_ranks()->Add(row.drifting_ranks.begin(), row.drifting_ranks.end());
+  s->mutable_slow_ranks()->Add(row.slow_ranks.begin(), row.slow_ranks.end());
 }
 
 void FillRankStep(const StepRankRow& in, v1::RankStep* out) {

@@ -80,6 +80,8 @@ CREATE TABLE IF NOT EXISTS step_stats(
   replica_divergent_ranks TEXT NOT NULL DEFAULT '',
   outlier_ranks TEXT NOT NULL DEFAULT '',
   duplicate_groups TEXT NOT NULL DEFAULT '',  -- "0,2;1,3": ranks with identical gradients
+  drifting_ranks TEXT NOT NULL DEFAULT '',    -- "1,5": data-drift CUSUM above h (rank_cusum.h)
+  slow_ranks TEXT NOT NULL DEFAULT '',        -- "3": step-time CUSUM above h
   PRIMARY KEY(job, step)) WITHOUT ROWID;
 )sql";
 
@@ -185,6 +187,16 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
                                 "migrate schema 2 -> 3");
           !s.ok()) {
         return s;
+      }
+    }
+    if (v >= 1 && v <= 3) {
+      for (const char* column : {"drifting_ranks", "slow_ranks"}) {
+        if (absl::Status s = exec(absl::StrCat("ALTER TABLE step_stats ADD COLUMN ", column,
+                                               " TEXT NOT NULL DEFAULT ''"),
+                                  "migrate schema 3 -> 4");
+            !s.ok()) {
+          return s;
+        }
       }
     }
     if (absl::Status s = exec(kCreateSchema, "create schema"); !s.ok()) return s;

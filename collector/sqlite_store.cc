@@ -105,8 +105,9 @@ INSERT INTO step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_st
                        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean,
                        missing_ranks, timed_out, completed_at, grad_noise_scale,
                        replica_checked, replica_divergent_ranks, outlier_ranks,
-                       duplicate_groups)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)
+                       duplicate_groups, drifting_ranks, slow_ranks)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
+       ?21, ?22)
 ON CONFLICT(job, step) DO UPDATE SET
   attempt = excluded.attempt,
   ranks = excluded.ranks,
@@ -125,15 +126,18 @@ ON CONFLICT(job, step) DO UPDATE SET
   replica_checked = excluded.replica_checked,
   replica_divergent_ranks = excluded.replica_divergent_ranks,
   outlier_ranks = excluded.outlier_ranks,
-  duplicate_groups = excluded.duplicate_groups
+  duplicate_groups = excluded.duplicate_groups,
+  drifting_ranks = excluded.drifting_ranks,
+  slow_ranks = excluded.slow_ranks
 WHERE excluded.attempt > step_stats.attempt
    OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
 )sql";
 
-#define RANKSCOPE_STEP_COLUMNS                                                              \
-  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "     \
-  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, " \
-  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups"
+#define RANKSCOPE_STEP_COLUMNS                                                                    \
+  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "           \
+  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, "       \
+  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups, " \
+  "drifting_ranks, slow_ranks"
 
 constexpr char kListJobs[] =
     "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step, attempt "
@@ -193,7 +197,9 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   RankRanges missing;
   return ParseRankRanges(row->missing_ranks, &missing) &&
          ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&
-         ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks);
+         ParseRanks(ColumnText(stmt, 17), &row->outlier_ranks) &&
+         ParseRanks(ColumnText(stmt, 19), &row->drifting_ranks) &&
+         ParseRanks(ColumnText(stmt, 20), &row->slow_ranks);
 }
 
 }  // namespace
@@ -370,6 +376,8 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
       ScopedReset reset(stmt);
       const std::string divergent = JoinRanks(row.replica_divergent_ranks);
       const std::string outliers = JoinRanks(row.outlier_ranks);
+      const std::string drifting = JoinRanks(row.drifting_ranks);
+      const std::string slow = JoinRanks(row.slow_ranks);
       int rc = Binder(stmt)
                    .Text(write.job)
                    .Int(step)
@@ -391,6 +399,8 @@ absl::Status SqliteStore::WriteRows(const StoreBatch& batch) {
                    .Text(divergent)
                    .Text(outliers)
                    .Text(row.duplicate_groups)
+                   .Text(drifting)
+                   .Text(slow)
                    .rc();
       if (rc == SQLITE_OK) rc = StepToDone(stmt);
       if (rc != SQLITE_DONE) {

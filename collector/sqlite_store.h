@@ -15,7 +15,7 @@
 //   step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_std, loss_range,
 //        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks,
 //        timed_out, completed_at, grad_noise_scale, replica_checked, replica_divergent_ranks,
-//        outlier_ranks, PRIMARY KEY(job, step))
+//        outlier_ranks, duplicate_groups, drifting_ranks, slow_ranks, PRIMARY KEY(job, step))
 // Times are Unix seconds as REAL, with microsecond precision (InfiniteFuture/InfinitePast are
 // stored as +/-Inf). NaN is stored as NULL (SQLite's own rule) and flagged by `nonfinite` (1 when
 // the rank's loss or grad_norm was NaN/Inf); +/-Inf is stored as REAL +/-Inf. On reads a NULL
@@ -121,6 +121,10 @@ struct StepRow {
   std::vector<uint32_t> outlier_ranks;            // ranks above the outlier threshold on their last
                                                   // kOutlierPersistence steps (rank_diagnostics.h)
   std::string duplicate_groups;  // ranks with identical gradients, "0,2;1,3" (duplicate_ranks.h)
+  // Ranks whose sequential statistic is above its threshold (rank_cusum.h): data drift (loss,
+  // gradient norm, consensus cosine) and slow (step time). Schema version 4.
+  std::vector<uint32_t> drifting_ranks;
+  std::vector<uint32_t> slow_ranks;
 };
 
 // A rank row with its step (range queries).
@@ -176,7 +180,7 @@ class SqliteStore {
  public:
   // The schema this build writes (PRAGMA user_version).
   // 1: the first release. 2: step_stats.duplicate_groups.
-  static constexpr int kSchemaVersion = 3;
+  static constexpr int kSchemaVersion = 4;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:

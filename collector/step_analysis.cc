@@ -132,7 +132,45 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
     }
   }
   if (streaks.empty()) outlier_streaks_.erase(step.job);
+  // Sequential statistics, per job and epoch.
+  auto it = drift_.find(step.job);
+  if (it == drift_.end() || it->second.attempt != step.attempt ||
+      it->second.world_size != step.world_size) {
+    drift_.erase(step.job);
+    it = drift_
+             .emplace(step.job, JobDrift{step.attempt, step.world_size, RankCusum(step.world_size)})
+             .first;
+  }
+  RankCusum& cusum = it->second.cusum;
+  std::vector<RankDriftSignals> signals;
+  signals.reserve(step.reports.size());
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    const RankReport& r = step.reports[i];
+    signals.push_back({r.rank, r.loss, r.grad_norm, out.stats.per_rank[i].consensus_cosine,
+                       out.diag.extras[i].step_time_seconds});
+  }
+  // Ranks with duplicate data are not exchangeable with the others (the pair's consensus cosines
+  // are high, so the others' rank low): hold the data-drift statistics on such a step.
+  const std::vector<RankDrift> drift = cusum.Update(signals, out.duplicates.empty());
+  for (size_t i = 0; i < drift.size(); ++i) {
+    out.diag.extras[i].drift_score = drift[i].data / cusum.threshold();
+    out.diag.extras[i].slow_score = drift[i].slow / cusum.threshold();
+    if (drift[i].drifting) out.drifting_ranks.push_back(step.reports[i].rank);
+    if (drift[i].is_slow) out.slow_ranks.push_back(step.reports[i].rank);
+  }
+  std::sort(out.drifting_ranks.begin(), out.drifting_ranks.end());
+  std::sort(out.slow_ranks.begin(), out.slow_ranks.end());
   return out;
+}
+
+RankDrift StepAnalyzer::Drift(const std::string& job, uint32_t rank) const {
+  auto it = drift_.find(job);
+  return it == drift_.end() ? RankDrift{} : it->second.cusum.Get(rank);
+}
+
+void StepAnalyzer::ForgetJob(const std::string& job) {
+  outlier_streaks_.erase(job);
+  drift_.erase(job);
 }
 
 uint32_t StepAnalyzer::OutlierStreak(const std::string& job, uint32_t rank) const {
@@ -185,6 +223,8 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
   row.replica_divergent_ranks = diag.replica_divergent;
   row.outlier_ranks = std::move(analyzed.outlier_ranks);
   row.duplicate_groups = FormatDuplicateGroups(analyzed.duplicates);
+  row.drifting_ranks = std::move(analyzed.drifting_ranks);
+  row.slow_ranks = std::move(analyzed.slow_ranks);
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(step.reports.size());
   w.ranks.reserve(step.reports.size());

@@ -4,7 +4,10 @@
 // the joiner closed them) it computes the step statistics (step_stats.h) and the per-rank
 // diagnostics (rank_diagnostics.h: outlier scores, replica fingerprints, step-time z-scores, the
 // gradient noise scale), and tracks per job and rank how many consecutive reported steps a rank
-// was flagged an outlier (kOutlierPersistence of them make it a persistent outlier).
+// was flagged an outlier (kOutlierPersistence of them make it a persistent outlier), and per job
+// and rank the sequential statistics of rank_cusum.h (drifting and slow ranks). Per job it holds
+// at most world-size ranks; a job's state is reset when its epoch or world size changes and freed
+// by ForgetJob.
 //
 // Sketches of different lengths are never compared: when a control's sketch re-tune crosses a
 // step (some ranks already use the new dimension, common/sketch_dim.h), the step's direction
@@ -24,6 +27,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collector/duplicate_ranks.h"
+#include "collector/rank_cusum.h"
 #include "collector/rank_diagnostics.h"
 #include "collector/rank_report.h"
 #include "collector/sqlite_store.h"
@@ -54,6 +58,10 @@ struct AnalyzedStep {
   // Groups of ranks whose local gradients are identical or nearly so (duplicate_ranks.h):
   // ranks that train on the same data.
   std::vector<DuplicateGroup> duplicates;
+  // Ranks whose data-drift / slow CUSUM (rank_cusum.h) is above its threshold after this step,
+  // sorted.
+  std::vector<uint32_t> drifting_ranks;
+  std::vector<uint32_t> slow_ranks;
 };
 
 // The statistics of a joined step; direction consistency and consensus cosines are NaN when its
@@ -75,10 +83,27 @@ class StepAnalyzer {
   // The rank's current streak of consecutive flagged steps in `job` (0 when not flagged).
   uint32_t OutlierStreak(const std::string& job, uint32_t rank) const;
 
+  // The rank's sequential statistics in `job` (zero when none).
+  RankDrift Drift(const std::string& job, uint32_t rank) const;
+
+  // Frees everything kept for `job` (the pipeline forgot it).
+  void ForgetJob(const std::string& job);
+
+  // Jobs with sequential state (for tests of the memory bound).
+  size_t drift_jobs() const { return drift_.size(); }
+
  private:
+  struct JobDrift {
+    uint32_t attempt;
+    uint32_t world_size;
+    RankCusum cusum;
+  };
+
   // Per job, per rank: consecutive steps (of those the rank reported) whose outlier score
   // exceeded the threshold. Ranks at zero, and jobs with none, are not stored.
   absl::flat_hash_map<std::string, absl::flat_hash_map<uint32_t, uint32_t>> outlier_streaks_;
+  // Per job: the CUSUM statistics of its current epoch.
+  absl::flat_hash_map<std::string, JobDrift> drift_;
 };
 
 // A rank's row from its report alone: what a late report (join_size 1) stores; StepRows adds

@@ -1008,6 +1008,35 @@ TEST(JobMetricsDiagnosticsTest, StragglerStepTimeIsExported) {
   ExpectPromtoolClean(Serialize(families));
 }
 
+TEST(JobMetricsDiagnosticsTest, DriftingAndSlowRanksAreExportedWithinTheCap) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/8));
+  const StepStatistics stats = HealthyStats(64);
+  std::vector<RankExtras> extras(64);
+  for (uint32_t r = 0; r < 64; ++r) extras[r].outlier_score = 0.5;
+  extras[12].drift_score = 1.4;  // not extreme by any other ranking
+  extras[30].slow_score = 1.1;
+  const std::vector<uint32_t> drifting = {12}, slow = {30};
+  ExportedStep step = Step(1, stats, 64);
+  step.extras = extras;
+  step.drifting_ranks = drifting;
+  step.slow_ranks = slow;
+  metrics.OnStep("j", step);
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_rank_drift_score", Labels("j", 12)), 1.4);
+  EXPECT_EQ(Value(families, "rankscope_rank_slow_score", Labels("j", 30)), 1.1);
+  // Seven rankings, so with a cap of at least seven the worst by each is present.
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_drift_score", "j").size(), 8u);
+  EXPECT_EQ(Value(families, "rankscope_drifting_ranks", Labels("j")), 1.0);
+  EXPECT_EQ(Value(families, "rankscope_slow_ranks", Labels("j")), 1.0);
+  ExpectPromtoolClean(Serialize(families));
+  // A step without diagnostics exports neither count.
+  metrics.OnStep("j", Step(2, stats, 64));
+  families = metrics.Collect();
+  EXPECT_EQ(FindFamily(families, "rankscope_drifting_ranks"), nullptr);
+  EXPECT_EQ(FindFamily(families, "rankscope_rank_drift_score"), nullptr);
+}
+
 TEST(JobMetricsDiagnosticsTest, ReplicaDivergenceIsHeldForTheWindowAndCounted) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock));  // window 60 s

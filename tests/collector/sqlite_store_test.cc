@@ -236,6 +236,8 @@ void ExpectStepEq(const StepRow& want, const StepRow& got) {
   EXPECT_EQ(want.replica_checked, got.replica_checked);
   EXPECT_EQ(want.replica_divergent_ranks, got.replica_divergent_ranks);
   EXPECT_EQ(want.outlier_ranks, got.outlier_ranks);
+  EXPECT_EQ(want.drifting_ranks, got.drifting_ranks);
+  EXPECT_EQ(want.slow_ranks, got.slow_ranks);
 }
 
 void ExpectRankEq(const RankRow& want, const RankRow& got) {
@@ -353,7 +355,7 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
                           "loss_range", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
                           "grad_cosine_mean", "missing_ranks", "timed_out", "completed_at",
                           "grad_noise_scale", "replica_checked", "replica_divergent_ranks",
-                          "outlier_ranks", "duplicate_groups"));
+                          "outlier_ranks", "duplicate_groups", "drifting_ranks", "slow_ranks"));
   EXPECT_THAT(stats.primary_key, ElementsAre("job", "step"));
 }
 
@@ -364,7 +366,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 3);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 4);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -391,12 +393,12 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 4");
+  RawDb(path_).Exec("PRAGMA user_version = 5");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 4"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 5"));
 }
 
 // A file the first release (schema 1) wrote: a read-only open refuses it and says how to
@@ -417,7 +419,7 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
 
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 3);
+  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 4);
   auto old = store->GetStep("old-job", 41);
   ASSERT_TRUE(old.ok()) << old.status();
   ASSERT_TRUE(old->has_value());
@@ -425,14 +427,20 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
   EXPECT_EQ((*old)->loss_mean, 1.5);
   EXPECT_THAT((*old)->outlier_ranks, ElementsAre(1));
   EXPECT_EQ((*old)->duplicate_groups, "");
+  EXPECT_THAT((*old)->drifting_ranks, IsEmpty());  // schema 4's columns, empty for old rows
+  EXPECT_THAT((*old)->slow_ranks, IsEmpty());
   EXPECT_EQ(*store->CountRankRows("old-job"), 2);
 
   StoreBatch batch = Batch({MakeStep("old-job", 42, 0, 2)}, {});
   batch.steps[0].stats->duplicate_groups = "0,1";
+  batch.steps[0].stats->drifting_ranks = {1};
+  batch.steps[0].stats->slow_ranks = {0, 1};
   ASSERT_TRUE(store->Write(batch).ok());
   auto fresh = store->GetStep("old-job", 42);
   ASSERT_TRUE(fresh.ok() && fresh->has_value());
   EXPECT_EQ((*fresh)->duplicate_groups, "0,1");
+  EXPECT_THAT((*fresh)->drifting_ranks, ElementsAre(1));
+  EXPECT_THAT((*fresh)->slow_ranks, ElementsAre(0, 1));
   // Schema 3: the jobs row carries the job's epoch (JobRegistry), 0 for the old job.
   auto jobs = store->ListJobs();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
@@ -488,6 +496,8 @@ TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   stats.replica_checked = true;
   stats.replica_divergent_ranks = {2};
   stats.outlier_ranks = {0, 2};
+  stats.drifting_ranks = {1};
+  stats.slow_ranks = {2, 5};
   write.stats = stats;
 
   RankRow full = MakeRank(0, 3, 6);

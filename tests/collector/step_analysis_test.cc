@@ -212,6 +212,48 @@ TEST(StepAnalysisTest, OutlierStreakReachesThePersistenceRuleOnTheThirdStep) {
   }
 }
 
+// Sequential statistics (rank_cusum.h): a rank that is always the slowest is named in slow_ranks
+// after ceil(h / (u_max - k)) steps; its state is per job and epoch and freed with the job.
+TEST(StepAnalysisTest, AlwaysTheSlowestRankIsNamedSlowAndItsStateIsFreedWithTheJob) {
+  StepAnalyzer analyzer;
+  // W = 8: h = 8 + ln 2 = 8.69, u_max = sqrt(3) * 7/8 = 1.516: 9 steps of 1.016.
+  auto slow_step = [](uint64_t step) {
+    JoinedStep js = Step(step, 8, AllRanks(8));
+    for (RankReport& r : js.reports) {
+      r.step_time_seconds = 0.1 + 0.001 * ((r.rank * 5) % 8);
+      r.loss = 1.0 + 0.01 * ((r.rank * 3 + step) % 8);  // nobody is always the worst
+      r.grad_norm = 2.0 + 0.01 * ((r.rank * 5 + step) % 8);
+    }
+    js.reports[3].step_time_seconds = 0.3;
+    return js;
+  };
+  for (uint64_t step = 1; step <= 9; ++step) {
+    const JoinedStep js = slow_step(step);
+    AnalyzedStep a = analyzer.Analyze(js);
+    EXPECT_GT(a.diag.extras[3].slow_score, 0.0);
+    if (step < 9) {
+      EXPECT_THAT(a.slow_ranks, IsEmpty()) << step;
+      EXPECT_LT(a.diag.extras[3].slow_score, 1.0) << step;
+    } else {
+      EXPECT_THAT(a.slow_ranks, ElementsAre(3));
+      EXPECT_GT(a.diag.extras[3].slow_score, 1.0);
+      const StepWrite w = StepRows(js, std::move(a), kT0);
+      EXPECT_THAT(w.stats->slow_ranks, ElementsAre(3));
+      EXPECT_THAT(w.stats->drifting_ranks, IsEmpty());
+    }
+  }
+  EXPECT_TRUE(analyzer.Drift("exp-42", 3).is_slow);
+  EXPECT_EQ(analyzer.drift_jobs(), 1u);
+  // A new epoch starts from zero.
+  JoinedStep restarted = slow_step(10);
+  restarted.attempt = 3;
+  EXPECT_THAT(analyzer.Analyze(restarted).slow_ranks, IsEmpty());
+  EXPECT_FALSE(analyzer.Drift("exp-42", 3).is_slow);
+  analyzer.ForgetJob("exp-42");
+  EXPECT_EQ(analyzer.drift_jobs(), 0u);
+  EXPECT_EQ(analyzer.Drift("exp-42", 3).slow, 0.0);
+}
+
 TEST(StepAnalysisTest, DivergentReplicaFingerprintIsNamedInRows) {
   JoinedStep js = Step(10, 4, AllRanks(4));
   for (RankReport& r : js.reports) {
@@ -262,6 +304,27 @@ TEST(StepAnalysisTest, DuplicateRanksAreNamedInTheStepRow) {
 
   js.reports[2].sketch.assign(8, 0.5f);  // a re-tune crossed this step
   EXPECT_THAT(analyzer.Analyze(js).duplicates, IsEmpty());
+}
+
+// With a duplicate pair the ranks are not exchangeable (the pair's consensus cosines are high, the
+// others' low): the data-drift statistics are held on such steps, so ranks 0 and 2 never drift.
+TEST(StepAnalysisTest, StepsWithDuplicateRanksHoldTheDataDriftStatistics) {
+  StepAnalyzer analyzer;
+  const std::vector<std::vector<float>> sketches = {
+      {1, 0, 0, 0}, {0, 1, 1, 0}, {0, 0, 0, 1}, {0, 1, 1, 0}};
+  for (uint64_t step = 1; step <= 40; ++step) {
+    JoinedStep js = Step(step, 4, AllRanks(4));
+    for (size_t i = 0; i < 4; ++i) {
+      js.reports[i].sketch = sketches[i];
+      js.reports[i].loss = 1.0 + 0.01 * ((i + step) % 4);  // nobody is always the worst
+      js.reports[i].grad_norm = 2.0 + 0.01 * ((i * 3 + step) % 4);
+    }
+    const AnalyzedStep a = analyzer.Analyze(js);
+    ASSERT_EQ(a.duplicates.size(), 1u);
+    EXPECT_THAT(a.drifting_ranks, IsEmpty()) << step;
+  }
+  EXPECT_EQ(analyzer.Drift("exp-42", 0).data, 0.0);
+  EXPECT_EQ(analyzer.Drift("exp-42", 2).data, 0.0);
 }
 
 }  // namespace

@@ -186,6 +186,8 @@ MUTANTS = [
     ("and on (train_job, group)\n          max by (train_job, group) (increase(rankscope_steps_total[2m]))",
      "and on (train_job)\n          max by (train_job) (increase(rankscope_steps_total[2m]))"),
     ("max by (train_job, group, rank) (rankscope_rank_step_time_z)", "max by (train_job, rank) (rankscope_rank_step_time_z)"),
+    ("(rankscope_rank_drift_score) > 1", "(rankscope_rank_drift_score) >= 1"),  # drift threshold
+    ("(rankscope_rank_slow_score) > 1", "(rankscope_rank_slow_score) >= 1"),  # slow threshold
 ]
 
 

@@ -12,10 +12,10 @@ _spec.loader.exec_module(detection)
 
 
 def rows(*flags):
-    """(step, outlier_ranks, replica_divergent_ranks, duplicate_groups) for steps 0..9, with
-    `flags` = (step, column, text) set on top of empty rows."""
-    table = {s: [s, "", "", ""] for s in range(10)}
-    col = {"outlier": 1, "replica": 2, "duplicate": 3}
+    """(step, outlier_ranks, replica_divergent_ranks, duplicate_groups, drifting_ranks,
+    slow_ranks) for steps 0..9, with `flags` = (step, column, text) set on top of empty rows."""
+    table = {s: [s, "", "", "", "", ""] for s in range(10)}
+    col = {"outlier": 1, "replica": 2, "duplicate": 3, "drifting": 4, "slow": 5}
     for step, column, text in flags:
         table[step][col[column]] = text
     return [tuple(r) for r in table.values()]
@@ -41,6 +41,18 @@ def test_flags_before_the_onset_or_on_other_ranks_are_false():
     assert s["detected"] and s["delay"] == 1
     assert s["false_flags"] == [(3, "outlier", [2]), (5, "outlier", [1]),
                                 (8, "duplicate", [0, 3])]
+
+
+def test_drifting_and_slow_ranks_name_the_rank_and_can_be_false():
+    s = detection.score_run(run("noise10"), rows((9, "drifting", "2"), (7, "slow", "2")))
+    assert (s["detected"], s["delay"], s["how"], s["false_flags"]) == (True, 3, "slow", [])
+    s = detection.score_run(run("straggler"), rows((3, "slow", "2"), (8, "drifting", "0,2")))
+    assert (s["detected"], s["delay"], s["how"]) == (True, 4, "drifting")
+    assert s["false_flags"] == [(3, "slow", [2]), (8, "drifting", [0])]
+    clean = {"fault": "clean", "rank": None, "onset": None}
+    assert detection.score_run(clean, rows((5, "slow", "1")))["false_flags"] == [(5, "slow", [1])]
+    # Rows of the four older columns still score.
+    assert detection.score_run(run(), [(6, "2", "", "")])["detected"]
 
 
 def test_duplicates_need_the_exact_group():

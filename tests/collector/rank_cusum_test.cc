@@ -1,0 +1,182 @@
+// RankCusum (collector/rank_cusum.h): the rank scores, the CUSUM's arithmetic, its bounded
+// detection delay for a rank that is always the worst, and its false-alarm rate on healthy
+// (i.i.d. N(0,1)) signals, the numbers quoted in the header.
+#include "collector/rank_cusum.h"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rankscope::collector {
+namespace {
+
+using ::testing::DoubleNear;
+using ::testing::ElementsAre;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+const double kSqrt3 = std::sqrt(3.0);
+
+TEST(UniformRankScoresTest, CentredUnitScoresWithTiesAndNaN) {
+  EXPECT_THAT(UniformRankScores({3.0, 1.0, 2.0, 4.0}),
+              ElementsAre(DoubleNear(kSqrt3 * 0.25, 1e-12), DoubleNear(-kSqrt3 * 0.75, 1e-12),
+                          DoubleNear(-kSqrt3 * 0.25, 1e-12), DoubleNear(kSqrt3 * 0.75, 1e-12)));
+  // Ties share their mean position; NaN is not ranked and scores 0.
+  EXPECT_THAT(UniformRankScores({1.0, 1.0, kNaN, 5.0}),
+              ElementsAre(DoubleNear(-kSqrt3 / 3, 1e-12), DoubleNear(-kSqrt3 / 3, 1e-12), 0.0,
+                          DoubleNear(kSqrt3 * 2 / 3, 1e-12)));
+  EXPECT_THAT(UniformRankScores({7.0, 7.0, 7.0}), ElementsAre(0.0, 0.0, 0.0));
+  EXPECT_THAT(UniformRankScores({7.0, kNaN}), ElementsAre(0.0, 0.0));
+  EXPECT_THAT(UniformRankScores({}), ::testing::IsEmpty());
+}
+
+std::vector<RankDriftSignals> Step(uint32_t w, double slowest_time, uint32_t worst,
+                                   bool worst_data) {
+  std::vector<RankDriftSignals> s(w);
+  for (uint32_t r = 0; r < w; ++r) {
+    s[r].rank = r;
+    s[r].loss = 1.0 + 0.01 * r;
+    s[r].grad_norm = 2.0 + 0.01 * ((r * 7) % w);
+    s[r].consensus_cosine = 0.5 - 0.01 * ((r * 3) % w);
+    s[r].step_time_seconds = 0.1 + 0.001 * r;
+  }
+  s[worst].step_time_seconds = slowest_time;
+  if (worst_data) {
+    s[worst].loss = 10.0;
+    s[worst].grad_norm = 10.0;
+    s[worst].consensus_cosine = -1.0;
+  }
+  return s;
+}
+
+TEST(RankCusumTest, AlwaysTheSlowestIsNamedAfterAFixedNumberOfSteps) {
+  // W = 4: u_max = sqrt(3) * 3/4 = 1.299, increment 0.799: above h = 8 on the 11th step.
+  RankCusum c(4);
+  for (int step = 1; step <= 11; ++step) {
+    const std::vector<RankDrift> d = c.Update(Step(4, 1.0, 2, false));
+    EXPECT_EQ(d[2].is_slow, step == 11) << step;
+    EXPECT_FALSE(d[2].drifting);
+    for (uint32_t r : {0u, 1u, 3u}) EXPECT_FALSE(d[r].is_slow);
+  }
+  EXPECT_THAT(c.Get(2).slow, DoubleNear(11 * (kSqrt3 * 0.75 - kCusumDrift), 1e-9));
+}
+
+TEST(RankCusumTest, AlwaysTheWorstOnEveryDataSignalIsNamedInAFewStepsAtW4) {
+  // y = 3 * 1.299 = 3.90 a step; sigma grows from sqrt(3) towards 3 * sqrt(15/16) = 2.90 as the
+  // perfectly correlated steps come in (weight 64 rank-steps of prior), so x falls from 2.25
+  // towards 1.34: above h = 8 on the 6th step.
+  RankCusum c(4);
+  int named_at = 0;
+  for (int step = 1; step <= 20 && named_at == 0; ++step) {
+    if (c.Update(Step(4, 0.1, 1, true))[1].drifting) named_at = step;
+  }
+  EXPECT_EQ(named_at, 6);
+}
+
+TEST(RankCusumTest, CappedAbsentRanksKeepTheirStateAndHealthyRanksRecover) {
+  RankCusum c(4);
+  for (int step = 0; step < 100; ++step) c.Update(Step(4, 1.0, 3, true));
+  EXPECT_DOUBLE_EQ(c.Get(3).data, 2 * kCusumThreshold);
+  EXPECT_DOUBLE_EQ(c.Get(3).slow, 2 * kCusumThreshold);
+  // A step without rank 3 leaves it alone.
+  std::vector<RankDriftSignals> three = Step(4, 0.1, 0, false);
+  three.pop_back();
+  c.Update(three);
+  EXPECT_DOUBLE_EQ(c.Get(3).data, 2 * kCusumThreshold);
+  // Best on every signal from now on: it falls by at least k a step and stops being named.
+  int steps = 0;
+  while (c.Get(3).drifting || c.Get(3).is_slow) {
+    std::vector<RankDriftSignals> s = Step(4, 0.1, 0, false);
+    s[3].loss = 0.0;
+    s[3].grad_norm = 0.0;
+    s[3].consensus_cosine = 1.0;
+    s[3].step_time_seconds = 0.01;
+    c.Update(s);
+    ++steps;
+  }
+  EXPECT_LE(steps, 8);
+  EXPECT_LE(c.size(), 4u);
+}
+
+TEST(RankCusumTest, ThresholdGrowsWithTheLogOfTheWorldSize) {
+  EXPECT_DOUBLE_EQ(CusumThreshold(1), kCusumThreshold);
+  EXPECT_DOUBLE_EQ(CusumThreshold(4), kCusumThreshold);
+  EXPECT_NEAR(CusumThreshold(64), kCusumThreshold + std::log(16.0), 1e-12);
+  EXPECT_DOUBLE_EQ(RankCusum(8).threshold(), CusumThreshold(8));
+}
+
+// Healthy rank-steps per new crossing of h (what an alert sees), on i.i.d. N(0,1) signals.
+struct FalseAlarms {
+  double data_rank_steps_per_alarm;
+  double slow_rank_steps_per_alarm;
+};
+
+FalseAlarms Simulate(uint32_t w, int steps, uint64_t seed, bool correlated = false) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal;
+  RankCusum c(w);
+  std::vector<RankDrift> last(w);
+  int data_alarms = 0, slow_alarms = 0;
+  std::vector<RankDriftSignals> s(w);
+  for (int step = 0; step < steps; ++step) {
+    for (uint32_t r = 0; r < w; ++r) {
+      s[r] = {r, normal(gen), normal(gen), normal(gen), normal(gen)};
+      if (correlated) {  // a harder batch: loss, norm and cosine deficit move together
+        s[r].grad_norm = 0.8 * s[r].loss + 0.6 * s[r].grad_norm;
+        s[r].consensus_cosine = -0.8 * s[r].loss + 0.6 * s[r].consensus_cosine;
+      }
+    }
+    const std::vector<RankDrift> d = c.Update(s);
+    for (uint32_t r = 0; r < w; ++r) {
+      data_alarms += d[r].drifting && !last[r].drifting;
+      slow_alarms += d[r].is_slow && !last[r].is_slow;
+      last[r] = d[r];
+    }
+  }
+  const double rank_steps = static_cast<double>(w) * steps;
+  return {rank_steps / std::max(data_alarms, 1), rank_steps / std::max(slow_alarms, 1)};
+}
+
+TEST(RankCusumTest, FalseAlarmsOnHealthyGaussianRanksAreRarerThanThePerStepRule) {
+  // The per-step rule (3 consecutive scores above 6) raises ~6e-5 per rank-step at W = 4, one
+  // per ~16,000 rank-steps. The CUSUM must do no worse at any W.
+  for (auto [w, steps] : {std::pair<uint32_t, int>{4, 400000}, {8, 200000}, {64, 25000}}) {
+    const FalseAlarms f = Simulate(w, steps, 18 + w);
+    std::printf(
+        "W=%u (h=%.2f): data drift %.0f, slow %.0f healthy rank-steps per false alarm; "
+        "job steps per false alarm %.0f, %.0f\n",
+        w, CusumThreshold(w), f.data_rank_steps_per_alarm, f.slow_rank_steps_per_alarm,
+        f.data_rank_steps_per_alarm / w, f.slow_rank_steps_per_alarm / w);
+    EXPECT_GT(f.data_rank_steps_per_alarm, 16000.0) << w;
+    EXPECT_GT(f.slow_rank_steps_per_alarm, 16000.0) << w;
+  }
+  // Correlated signals (correlation 0.8 between loss and each other signal): sigma adapts, so the
+  // rate holds. Without it (y / sqrt(3)) the data-drift rate would be several times higher.
+  const FalseAlarms f = Simulate(4, 400000, 99, /*correlated=*/true);
+  std::printf("W=4 correlated: data drift %.0f healthy rank-steps per false alarm\n",
+              f.data_rank_steps_per_alarm);
+  EXPECT_GT(f.data_rank_steps_per_alarm, 16000.0);
+}
+
+TEST(RankCusumTest, SigmaAdaptsToCorrelatedSignalsAndNonExchangeableStepsAreHeld) {
+  RankCusum c(4);
+  EXPECT_NEAR(c.data_sigma(), std::sqrt(3.0), 1e-12);
+  // Ranks ordered the same way on every signal: y = 3u, y^2 averages 9 (n^2-1)/n^2.
+  std::vector<RankDriftSignals> s(4);
+  for (uint32_t r = 0; r < 4; ++r) s[r] = {r, 1.0 * r, 1.0 * r, -1.0 * r, 0.1};
+  for (int i = 0; i < 10000; ++i) c.Update(s);
+  EXPECT_NEAR(c.data_sigma(), 3.0 * std::sqrt(15.0 / 16.0), 0.01);
+  const double held = c.Get(3).data;
+  const double sigma = c.data_sigma();
+  s[0].loss = 100.0;  // a different order: would change everything
+  c.Update(s, /*exchangeable=*/false);
+  EXPECT_EQ(c.Get(3).data, held);
+  EXPECT_EQ(c.data_sigma(), sigma);
+}
+
+}  // namespace
+}  // namespace rankscope::collector
