@@ -181,8 +181,10 @@ Request Parse(absl::string_view bytes) {
   return request;
 }
 
+// A job name or a data-parallel group's key ("JOB/GROUP", common/job_name.h) is what a query may
+// name; anything else is refused before any work.
 void ExpectJobChecked(const std::string& job, const grpc::Status& status) {
-  if (!IsValidJobName(job)) FUZZ_CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  if (!IsValidGroupKey(job)) FUZZ_CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 std::unique_ptr<grpc::ClientContext> Context() {
