@@ -413,6 +413,10 @@ def describe(run: dict) -> str:
     return s
 
 
+# Seconds the ranks of a world may take to exit after their last run reported.
+EXIT_GRACE_S = 30.0
+
+
 def run_world(world_size, runs, opts, collector, db, out_dir, done_count, total, results):
     """Spawns the world's ranks once; scores and prints each run as rank 0 reports it done."""
     import torch.multiprocessing as mp
@@ -449,6 +453,13 @@ def run_world(world_size, runs, opts, collector, db, out_dir, done_count, total,
                       f"seeds {run['data_seed']}/{run['model_seed']}; {truth['seconds']:.1f} s",
                       flush=True)
             if finished:
+                break
+            if k == len(runs) and time.monotonic() - last > EXIT_GRACE_S:
+                # Every run is scored; ranks that do not exit (seen rarely: a rank stuck at
+                # interpreter exit after its last run) are killed below, with a note.
+                alive = [p.pid for p in ctx.processes if p.is_alive()]
+                print(f"W={world_size}: every run reported, but ranks {alive} had not exited "
+                      f"{EXIT_GRACE_S:.0f} s later; killed", file=sys.stderr, flush=True)
                 break
             if time.monotonic() - last > opts["run_timeout"]:
                 raise SystemExit(f"W={world_size}: no run finished for {opts['run_timeout']} s")

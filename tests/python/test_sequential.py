@@ -30,8 +30,8 @@ def runs(tmp_path_factory):
     r = subprocess.run(
         [sys.executable, str(REPO / "bench" / "detection.py"), "--build-dir", str(BUILD_DIR),
          "--world-sizes", "4", "--faults", "clean,noise10,straggler", "--runs-per-fault", "3",
-         "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=300)
+         "--run-timeout", "120", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())["runs"]
 
