@@ -35,19 +35,12 @@
 #include "grpcpp/grpcpp.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 #include "tests/fuzz/byte_reader.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace rankscope::fuzz {
 namespace {
 
 namespace v1 = ::rankscope::v1;
-
-#define FUZZ_CHECK(cond)                                                            \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 constexpr char kJob[] = "seeded";
 constexpr uint64_t kSteps = 40;

@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "collector/step_joiner.h"
 #include "tests/fuzz/byte_reader.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace rankscope::fuzz {
 namespace {
@@ -41,14 +42,6 @@ using collector::JoinerOptions;
 using collector::RankReport;
 using collector::StepJoiner;
 using Reason = JoinedStep::Reason;
-
-#define FUZZ_CHECK(cond)                                                            \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 const char* const kJobs[] = {"job-a", "job-b", "job-c"};
 

@@ -25,20 +25,13 @@
 #include "absl/types/span.h"
 #include "collector/step_stats.h"
 #include "tests/fuzz/byte_reader.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace rankscope::fuzz {
 namespace {
 
 using collector::RankSample;
 using collector::StepStatistics;
-
-#define FUZZ_CHECK(cond)                                                            \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();

@@ -26,6 +26,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "rankscope/v1/rankscope.pb.h"
 #include "tests/fuzz/byte_reader.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace rankscope::fuzz {
 namespace {
@@ -34,14 +35,6 @@ namespace v1 = ::rankscope::v1;
 using collector::IngestLimits;
 using collector::JobIdentity;
 using collector::Rejection;
-
-#define FUZZ_CHECK(cond)                                                            \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 bool ReferenceJobName(const std::string& job, size_t max_length) {
   static constexpr absl::string_view kAllowed =
