@@ -7,6 +7,8 @@
 //   rankscope report --job J -o report.png [--db PATH]
 //   rankscope ctl enable|disable --job J    switch a dormant/active job's ranks on or off
 //   rankscope ctl set --job J [--every N] [--sketch_dim K]
+//   rankscope attach --job J [--dormant] PID... | --all-local
+//                                           attach to live processes started without rankscope
 //
 // Every verb talks to the collector's Query service at --collector; export and report read a
 // SQLite file directly instead with --db. report runs /usr/bin/python3 -m rankscope.report on
@@ -99,6 +101,7 @@ constexpr char kUsage[] =
     "  rankscope ctl enable --job=J [--lead_steps=N]\n"
     "  rankscope ctl disable --job=J [--lead_steps=N]\n"
     "  rankscope ctl set --job=J [--every=N] [--sketch_dim=K] [--lead_steps=N]\n"
+    "  rankscope attach --job=J [--collector=HOST:PORT] [--dormant] PID... | --all-local\n"
     "\n"
     "ctl changes are applied by every rank of the job at the same future step (the job's newest\n"
     "step + lead_steps), so the ranks' sketches stay comparable.";
@@ -594,6 +597,35 @@ int Report(const Cli& cli, const std::string& job) {
   return 0;
 }
 
+// ---- attach -----------------------------------------------------------------------------------
+
+// `rankscope attach ...`: runs /usr/bin/python3 -m rankscope.attach (the package beside the
+// binary) with every argument but the verb, in order; it has its own flags (--dormant,
+// --all-local, PIDs), so it is handed over before absl parses anything. Returns only on failure.
+int Attach(int argc, char** argv, int verb_index) {
+  const std::string pydir = PythonDir();
+  if (access((pydir + "/rankscope/attach.py").c_str(), R_OK) != 0) {
+    std::fprintf(stderr,
+                 "rankscope: %s/rankscope/attach.py not found (attach needs the rankscope "
+                 "Python package beside the binary, as the build lays it out)\n",
+                 pydir.c_str());
+    return 1;
+  }
+  const char* python = "/usr/bin/python3";
+  std::vector<char*> args = {const_cast<char*>(python), const_cast<char*>("-m"),
+                             const_cast<char*>("rankscope.attach")};
+  for (int i = 1; i < argc; ++i) {
+    if (i != verb_index) args.push_back(argv[i]);
+  }
+  args.push_back(nullptr);
+  const char* old = std::getenv("PYTHONPATH");
+  const std::string pythonpath = old && *old ? pydir + ":" + old : pydir;
+  setenv("PYTHONPATH", pythonpath.c_str(), 1);
+  execv(python, args.data());
+  std::fprintf(stderr, "rankscope: cannot run %s: %s\n", python, std::strerror(errno));
+  return 127;
+}
+
 // ---- help -------------------------------------------------------------------------------------
 
 const char* VerbHelp(const std::string& verb) {
@@ -648,6 +680,11 @@ const char* VerbHelp(const std::string& verb) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-') continue;
+    if (std::string(argv[i]) == "attach") return Attach(argc, argv, i);
+    break;
+  }
   // `rankscope VERB --help`: the verb's own help; `rankscope --help`: the usage and the CLI's own
   // flags (common/flag_help.h), exit 0.
   for (int i = 1; i < argc; ++i) {

@@ -610,6 +610,16 @@ class Monitor:
         self.counters["record_errors"] += 1
         self._warn_once("record", f"rankscope: the agent refused a report: {err}")
 
+    def _start_at(self, step: int, enabled: bool) -> None:
+        """(rankscope._autoattach) Numbers the step about to start ``step`` and switches the
+        monitor on or leaves it dormant: called at the forward of the step every rank of the group
+        agreed to start at, so that step numbers and the first reported step match across ranks."""
+        self._step = int(step)
+        self._enabled = bool(enabled)
+        self._active = self._decide(self._step)
+        if self._active:
+            self._begin_step()
+
     # ---- control ------------------------------------------------------------------------------
 
     def _poll_control(self) -> None:
