@@ -13,8 +13,8 @@ gradient norms and exact mean pairwise cosine. Every rank writes D/pid.R at star
 
 Stops after --total steps, or, without it, once D/stop exists (holding a number K): rank 0 reads
 it each step and every rank stops K steps after rank 0 saw it (one broadcast per step).
---skip-shard-at STEP (with --zero): rank 1 keeps its old copy of rank 0's shard after that step,
-as if it had missed the shard's broadcast (replicas diverge).
+--skip-shard-at STEP (with --zero): rank 1 keeps its old copy of rank 0's shard after that step
+(or the first step after D/skip appears), as if it had missed the shard's broadcast.
 --framework: DDP is built inside a "Trainer" class, as HF Trainer or Lightning do.
 """
 
@@ -51,6 +51,21 @@ class Trainer:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
 
 
+def missed_shard_sync(opt, owner):
+    """ZeroRedundancyOptimizer's parameter sync, after which this rank keeps its old copy of
+    ``owner``'s shard (it takes part in every broadcast, so no rank hangs)."""
+    sync = type(opt)._sync_params
+
+    def faulty():
+        old = [(p, p.detach().clone()) for p, r in opt._param_to_rank.items() if r == owner]
+        sync(opt)
+        with torch.no_grad():
+            for p, v in old:
+                p.copy_(v)
+
+    return faulty
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -77,6 +92,7 @@ def main():
     ddp, opt = trainer.model, trainer.opt
 
     expected = {}
+    skipped = False
     stop_at = args.total if args.total else -1
     step = 0
     while stop_at < 0 or step < stop_at:
@@ -97,14 +113,13 @@ def main():
                     lm_loss(ddp, x, y).backward()
             else:
                 lm_loss(ddp, x, y).backward()
-        saved = None
-        if args.zero and step == args.skip_shard_at and args.rank == 1:
-            saved = [(p, p.detach().clone()) for p, r in opt._param_to_rank.items() if r == 0]
+        skip = args.zero and args.rank == 1 and not skipped and (
+            step == args.skip_shard_at or (out / "skip").exists())
+        if skip:  # within this step, rank 1 "misses" rank 0's broadcast of its shard
+            skipped = True
+            opt._sync_params = missed_shard_sync(opt, 0)
         opt.step()
-        if saved:  # rank 1 "missed" rank 0's broadcast of its shard
-            with torch.no_grad():
-                for p, old in saved:
-                    p.copy_(old)
+        opt.__dict__.pop("_sync_params", None)
 
         gathered = [torch.zeros_like(g) for _ in range(args.world)]
         dist.all_gather(gathered, g)

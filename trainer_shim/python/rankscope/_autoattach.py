@@ -149,7 +149,9 @@ class AttachedModel:
                 self._last_iteration if self._last_iteration is not None else n):
             self._boundary()
         self._last_iteration = n
-        if self.state == "reporting" and self.step_boundary != "forward":
+        # The parameter hooks need each forward's no_sync() state; the forward boundary needs
+        # every forward; otherwise the pre-hook's work is done.
+        if self.state == "reporting" and self.step_boundary != "forward" and not self._params:
             self._pre_hook.remove()
             self._pre_hook = None
 
