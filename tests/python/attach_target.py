@@ -9,7 +9,8 @@ deterministic batches. Next to each DDP step it computes the rank's exact local 
 gradient from a reference replica and gathers them to rank 0 (collectives the test pays, the same
 with or without rankscope), who writes D/expected.json at the end: per step, the ranks' losses,
 gradient norms and exact mean pairwise cosine. Every rank writes D/pid.R at start, D/final.R
-(a hash of its final parameters) at the end; rank 0 writes D/progress (the last finished step).
+(a hash of its final parameters) at the end; rank 0 writes D/progress (the last finished step)
+and, at the end, D/times.json (the wall time of every iteration).
 
 Stops after --total steps, or, without it, once D/stop exists (holding a number K): rank 0 reads
 it each step and every rank stops K steps after rank 0 saw it (one broadcast per step).
@@ -92,10 +93,12 @@ def main():
     ddp, opt = trainer.model, trainer.opt
 
     expected = {}
+    times = []  # rank 0: wall time of each whole iteration (what an attach pause lengthens)
     skipped = False
     stop_at = args.total if args.total else -1
     step = 0
     while stop_at < 0 or step < stop_at:
+        t_iter = time.monotonic()
         ref.load_state_dict(ddp.module.state_dict())
         ref.zero_grad(set_to_none=True)
         ref_losses = []
@@ -146,6 +149,7 @@ def main():
                 stop_at = int(flag[0])
         step += 1
         time.sleep(args.pace)  # the job's own pace (data loading), not a test wait
+        times.append(time.monotonic() - t_iter)
 
     digest = hashlib.sha256()
     for _, p in ddp.module.named_parameters():
@@ -154,6 +158,7 @@ def main():
                                                         "steps": step}))
     if args.rank == 0:
         (out / "expected.json").write_text(json.dumps(expected))
+        (out / "times.json").write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()
 
