@@ -1,10 +1,10 @@
 """A DDP training job that knows nothing of rankscope (tests of `rankscope attach --pid` and of
 the zero-code launch; it never imports rankscope). One process per rank:
 
-    attach_target.py --rank R --world W --port P --dir D [--total N] [--accum A] [--zero]
+    attach_target.py [--rank R --world W --port P] --dir D [--total N] [--accum A] [--zero]
                      [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S]
 
-Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
+(Without --rank, torchrun's environment says who the rank is.) Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
 deterministic batches. Next to each DDP step it computes the rank's exact local loss and
 gradient from a reference replica and gathers them to rank 0 (collectives the test pays, the same
 with or without rankscope), who writes D/expected.json at the end: per step, the ranks' losses,
@@ -69,9 +69,9 @@ def missed_shard_sync(opt, owner):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--rank", type=int, help="default: $RANK (torchrun)")
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--total", type=int, default=0)
     ap.add_argument("--accum", type=int, default=1)
@@ -83,8 +83,12 @@ def main():
     args = ap.parse_args()
     out = Path(args.dir)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                            rank=args.rank, world_size=args.world)
+    if args.rank is None:  # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        dist.init_process_group("gloo")
+        args.rank, args.world = dist.get_rank(), dist.get_world_size()
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=args.rank, world_size=args.world)
     (out / f"pid.{args.rank}").write_text(str(os.getpid()))
     torch.manual_seed(7)
     model = TinyLM()

@@ -286,3 +286,40 @@ def test_attach_to_zero_job_names_the_rank_that_missed_a_shard(module_collector,
         "ORDER BY step", ("live-zero", first))
     named = [(s, r) for s, r in rows if r]
     assert [r for _, r in named] == ["1"], rows
+
+
+def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_path):
+    """`torchrun -m rankscope.run` (dormant by default) -> `rankscope attach --all-local` finds
+    both ranks and says they are already attached -> `ctl enable` starts the reports."""
+    work = tmp_path / "torchrun"
+    work.mkdir()
+    env = target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+                      "RANKSCOPE_COLLECTOR": module_collector.address, "OMP_NUM_THREADS": "1"})
+    launcher = subprocess.Popen(
+        [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+         # torch 1.13 on Python 3.11 cannot parse its own default "0", nor 3 (Python 3.11 iterates only single-bit flags)
+         "--redirects=1", "--tee=1", f"--log_dir={work / 'logs'}",
+         "-m", "rankscope.run", "--job=torchrun-job", str(TARGET), "--dir", str(work)],
+        stdout=open(work / "torchrun.log", "w"), stderr=subprocess.STDOUT, env=env)
+    job = Job.__new__(Job)
+    job.dir, job.world, job.procs = work, 2, []
+    try:
+        wait_until(lambda: launcher.poll() is None and job.progress() >= 3, 120,
+                   "the torchrun job to train")
+        out = attach(module_collector, "torchrun-job", [], "--all-local")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count("already attached") == 2, out.stdout
+        wait_until(lambda: module_collector.query("SELECT 1 FROM jobs WHERE job = ?",
+                                                  ("torchrun-job",)), 60, "the dormant hello")
+        assert module_collector.step_rows("torchrun-job") == {}
+        module_collector.ctl("enable", "torchrun-job", "--lead_steps=3")
+        wait_until(lambda: len(module_collector.step_rows("torchrun-job")) >= 5, 60,
+                   "5 steps reported after ctl enable")
+        job.stop_after(3)
+        assert launcher.wait(timeout=120) == 0, (work / "torchrun.log").read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    for step, r in module_collector.step_rows("torchrun-job").items():
+        assert r["ranks"] == 2 and r["missing_ranks"] == "", (step, r)
