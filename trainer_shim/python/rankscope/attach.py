@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sketch_dim", type=int, default=0, help="count sketch size (default 1024)")
     ap.add_argument("--every", type=int, default=0, help="report every N steps (default 1)")
     ap.add_argument("--param_check_every", type=int, default=-1,
-                    help="fingerprint the parameters every N steps (default 50; 0 never)")
+                    help="fingerprint the parameters every N steps (default 5; 0 never)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for each process to run the payload and for the "
                          "ranks to agree on a first step (default 60)")

@@ -67,6 +67,12 @@ from rankscope._replica import ReplicaFingerprints
 
 __all__ = ["attach", "attach_reducer", "Monitor"]
 
+# Default parameter-fingerprint interval, from its measured cost (docs/PERFORMANCE.md, "Replica
+# fingerprints"): one check costs 0.28-0.34 % of a CPU step (bench/fingerprint_overhead.py), so
+# checking every 5 steps keeps it under 0.1 % of a step (0.07 %) while a diverged replica is named
+# at most 4 steps after it diverged (50, the earlier default, took up to 49).
+PARAM_CHECK_EVERY = 5
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -104,7 +110,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            start_step: int = 0,
            sketch_seed: int = _native.DEFAULT_SKETCH_SEED,
            local_batch_size: int = 0,
-           param_check_every: int = 50,
+           param_check_every: int = PARAM_CHECK_EVERY,
            fingerprints: bool = True,
            comm_hook: Optional[Callable] = None,
            comm_hook_state=None,
@@ -340,7 +346,7 @@ class Monitor:
     def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
-                 param_check_every=50,
+                 param_check_every=PARAM_CHECK_EVERY,
                  fingerprints=True, queue_capacity, max_unacked,
                  warn_after, max_backoff, control_margin, close_timeout):
         pg = model.process_group
