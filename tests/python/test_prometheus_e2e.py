@@ -372,6 +372,7 @@ EXPRESSIONS = extract_promql.all_expressions()
 VARIABLES = {
     "train_job": [".+", "outlier", "silent", "incoherent", "healthy"],
     "instance": [".+"],
+    "group": [".*"],
     "__rate_interval": ["30s"],
     "__interval": ["15s"],
 }

@@ -282,17 +282,18 @@ int ShowOnce(const Cli& cli, const std::string& job) {
   if (!recent.ok()) return Fail(cli.config, recent.status());
   const v1::RecentStepsResponse& resp = *recent;
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
-  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n", "STEP", "RANKS",
-              "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "NOISE_B",
-              "DIVERGENT", "OUTLIERS", "DUPLICATES", "MISSING");
+  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n", "STEP",
+              "RANKS", "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE",
+              "NOISE_B", "DIVERGENT", "OUTLIERS", "DRIFTING", "SLOW", "DUPLICATES", "MISSING");
   for (const v1::StepStats& st : resp.steps()) {
-    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n",
+    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n",
                 static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
                 Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(),
                 Num(st.grad_norm_mean()).c_str(), Num(st.grad_norm_cv()).c_str(),
                 Num(st.grad_cosine_mean(), 3).c_str(), Num(st.grad_noise_scale()).c_str(),
                 st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
-                Ranks(st.outlier_ranks(), "-").c_str(),
+                Ranks(st.outlier_ranks(), "-").c_str(), Ranks(st.drifting_ranks(), "-").c_str(),
+                Ranks(st.slow_ranks(), "-").c_str(),
                 st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
                 MissingRanks(st, ",").c_str());
   }
@@ -646,7 +647,8 @@ const char* VerbHelp(const std::string& verb) {
     return "rankscope show --job=J [--once] [--limit=N] [--worst=N] [--collector=HOST:PORT]\n\n"
            "The newest N steps of job J (loss mean/std/range, gradient-norm mean and CV, mean\n"
            "pairwise cosine, gradient noise scale, ranks whose replica fingerprints diverged,\n"
-           "outlier ranks, missing ranks), then the --worst ranks of the newest step by outlier\n"
+           "outlier ranks, ranks whose sequential detector says drifting or slow, duplicate\n"
+           "groups, missing ranks), then the --worst ranks of the newest step by outlier\n"
            "score (loss, norm, consensus cosine, loss z, step time and its z, replica check).\n"
            "Refreshes every 2 s until interrupted; --once prints once (for scripts).\n";
   }
