@@ -209,7 +209,8 @@ def inject_gdb(pid: int, folder: Path, gdb: str, timeout: float) -> dict:
     # bound of the time the process was stopped. --readnever: no debug information is read (the
     # ELF symbol tables that name mmap, dlopen and dlsym are enough).
     cmd = [gdb, "-nx", "-batch", "--readnever", "-iex",
-           "python import time; print('RANKSCOPE_T_BEGIN %.6f' % time.time())", "-iex", "set auto-solib-add off", "-iex", "set pagination off",
+           "python import time; print('RANKSCOPE_T_BEGIN %.6f' % time.time())",
+           "-iex", "set auto-solib-add off", "-iex", "set pagination off",
            "-iex", "set confirm off", "-p", str(pid), "-x", str(script_path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
