@@ -115,9 +115,20 @@
     outlier: { label: "outlier score", stops: OUTLIER, t: (v) => v / (2 * OUTLIER_THRESHOLD),
                lo: "0", hi: String(2 * OUTLIER_THRESHOLD) + "+" },
   };
-  const MARK = { missing: [120, 120, 120], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
-  const MARK_CSS = { missing: "#787878", nonfinite: "#000", divergent: "#8e24aa",
+  // Cells: a missing rank light grey, non-finite black, a divergent replica purple. Ticks in the
+  // marks gutter (and the flagged list) use MARK_CSS.
+  const MARK = { missing: [200, 200, 200], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
+  const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
                      outlier: "#e08a00" };
+  // A colour per 1/1023 of a metric's range, so a 1,024 x 120 heatmap needs no per-cell ramp().
+  function lut(stops) {
+    const t = new Uint8ClampedArray(1024 * 3);
+    for (let i = 0; i < 1024; i++) {
+      const [r, g, b] = ramp(stops, i / 1023);
+      t[i * 3] = r; t[i * 3 + 1] = g; t[i * 3 + 2] = b;
+    }
+    return t;
+  }
 
   // ---- canvas line charts ----------------------------------------------------------------
   function sizeCanvas(canvas, cssW, cssH) {
@@ -449,15 +460,21 @@
       if (cell) selectRank(cell.rank);
     });
     every(async () => {
+      const f0 = performance.now();
       const [steps, matrix] = await Promise.all([
         api("/jobs/" + enc(key) + "/steps"), api("/jobs/" + enc(key) + "/ranks")]);
+      state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
       state.steps = steps.steps;
       state.matrix = matrix;
       state.lastStep = steps.steps.length ? steps.steps[steps.steps.length - 1].step : null;
       drawCharts();
       const t0 = performance.now();
       drawHeatmap();
-      state.heatmapMs = performance.now() - t0;
+      state.heatmapMs = performance.now() - t0;  // the heatmap and its flagged list, drawn
+      // From navigation start to the first heatmap on screen (performance.now() counts from it).
+      if (state.firstHeatmapAt === undefined && matrix.steps.length) {
+        state.firstHeatmapAt = performance.now();
+      }
       if (state.selectedRank !== null) await loadRank(state.selectedRank);
     });
   }
@@ -483,14 +500,14 @@
     const rowH = Math.max(1, Math.min(14, Math.floor(720 / Math.max(W, 1))));
     const gutter = 56, marks = 12;
     const plotW = Math.max(320, Math.min(1000, S * 8));
-    return { rowH, gutter, marks, plotW, colW: plotW / Math.max(S, 1),
-             cssW: gutter + marks + plotW + 4, cssH: W * rowH + 24 };
+    return { rowH, gutter, marks, plotW, colW: plotW / Math.max(S, 1), top: 8,
+             cssW: gutter + marks + plotW + 4, cssH: W * rowH + 8 + 24 };
   }
 
   function heatCell(ev) {
     if (!state.matrix || !state.layout) return null;
     const r = $("heatmap").getBoundingClientRect(), lay = state.layout;
-    const x = ev.clientX - r.left - lay.gutter - lay.marks, y = ev.clientY - r.top;
+    const x = ev.clientX - r.left - lay.gutter - lay.marks, y = ev.clientY - r.top - lay.top;
     const rank = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
     if (x < 0 || rank < 0 || rank >= state.matrix.world_size || col < 0 ||
         col >= state.matrix.steps.length) return null;
@@ -513,7 +530,6 @@
     for (const s of state.steps || []) {
       if (!inWindow.has(s.step)) continue;
       for (const r of s.outlier_ranks) bump(kinds.outlier, r);
-      for (const r of s.divergent_ranks) if (!s.divergent_ranks.length) bump(kinds.divergent, r);
     }
     return kinds;
   }
@@ -530,6 +546,8 @@
     const x0 = lay.gutter + lay.marks, pw = Math.round(lay.plotW), ph = W * lay.rowH;
     const img = ctx.createImageData(pw, ph), px = img.data;
     const metric = METRICS[state.metric];
+    if (!metric.lut) metric.lut = lut(metric.stops);
+    const table = metric.lut;
     const colOf = new Int32Array(pw);
     for (let x = 0; x < pw; x++) colOf[x] = Math.min(S - 1, Math.floor(x / lay.colW));
     // Per step: the colour of every rank (r, g, b), then spread over its columns.
@@ -538,8 +556,12 @@
       const s = m.steps[c], vals = s[state.metric];
       for (let r = 0; r < W; r++) {
         const v = vals[r], o = (c * W + r) * 3;
-        const col = v === null ? MARK.missing : ramp(metric.stops, metric.t(v));
-        rgb[o] = col[0]; rgb[o + 1] = col[1]; rgb[o + 2] = col[2];
+        if (v === null) {
+          rgb[o] = MARK.missing[0]; rgb[o + 1] = MARK.missing[1]; rgb[o + 2] = MARK.missing[2];
+          continue;
+        }
+        const i = Math.round(Math.max(0, Math.min(1, metric.t(v))) * 1023) * 3;
+        rgb[o] = table[i]; rgb[o + 1] = table[i + 1]; rgb[o + 2] = table[i + 2];
       }
       for (const [kind, list] of [["nonfinite", s.nonfinite], ["divergent", s.divergent],
                                   ["missing", s.missing]]) {
@@ -561,20 +583,8 @@
         px[p] = rgb[o]; px[p + 1] = rgb[o + 1]; px[p + 2] = rgb[o + 2]; px[p + 3] = 255;
       }
     }
-    ctx.putImageData(img, x0, 0);
-    // Rank axis: a label every `every` ranks.
-    ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#1d232b";
-    ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    const every = Math.max(1, Math.ceil(14 / lay.rowH));
-    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096].find((k) => k >= every) || every;
-    for (let r = 0; r < W; r += step) ctx.fillText("rank " + r, lay.gutter - 4, r * lay.rowH + lay.rowH / 2);
-    // Step axis.
-    ctx.textAlign = "center"; ctx.textBaseline = "top";
-    for (let i = 0; i <= 5 && S; i++) {
-      const c = Math.min(S - 1, Math.round(((S - 1) * i) / 5));
-      ctx.fillText(String(m.steps[c].step), x0 + (c + 0.5) * lay.colW, ph + 6);
-    }
-    // Marks gutter: each flagged rank gets a tick at least 3 px tall, so one rank of 1,024 shows.
+    const top = lay.top;
+    ctx.putImageData(img, x0, top);
     const kinds = flaggedRanks();
     const order = ["outlier", "divergent", "nonfinite", "missing"];
     const flagged = new Map();
@@ -584,15 +594,39 @@
         flagged.get(r).push([kind, n]);
       }
     }
+    const yOf = (r) => top + r * lay.rowH + lay.rowH / 2;
+    // Rank axis: a label every `step` ranks, and every flagged rank labelled in its mark's colour
+    // (regular labels that would overlap one are left out).
+    ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    const every = Math.max(1, Math.ceil(14 / lay.rowH));
+    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096].find((k) => k >= every) || every;
+    const flaggedY = [...flagged.keys()].map(yOf);
+    ctx.fillStyle = "#1d232b";
+    for (let r = 0; r < W; r += step) {
+      if (lay.rowH < 12 && flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
+      ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
+    }
+    ctx.font = "bold 11px system-ui, sans-serif";
     for (const [r, list] of flagged) {
-      const kind = list[list.length - 1][0];
-      ctx.fillStyle = MARK_CSS[kind];
-      const h = Math.max(3, lay.rowH);
-      ctx.fillRect(lay.gutter + 2, r * lay.rowH + lay.rowH / 2 - h / 2, lay.marks - 4, h);
+      ctx.fillStyle = MARK_CSS[list[0][0]];
+      ctx.fillText(String(r), lay.gutter - 4, yOf(r));
+    }
+    ctx.font = "11px system-ui, sans-serif";
+    // Step axis.
+    ctx.fillStyle = "#1d232b"; ctx.textAlign = "center"; ctx.textBaseline = "top";
+    for (let i = 0; i <= 5 && S; i++) {
+      const c = Math.min(S - 1, Math.round(((S - 1) * i) / 5));
+      ctx.fillText(String(m.steps[c].step), x0 + (c + 0.5) * lay.colW, top + ph + 6);
+    }
+    // Marks gutter: each flagged rank gets a tick at least 4 px tall, so one rank of 1,024 shows.
+    for (const [r, list] of flagged) {
+      ctx.fillStyle = MARK_CSS[list[0][0]];
+      const h = Math.max(4, lay.rowH);
+      ctx.fillRect(lay.gutter + 1, yOf(r) - h / 2, lay.marks - 2, h);
     }
     if (state.selectedRank !== null && state.selectedRank < W) {
       ctx.strokeStyle = "#0b5cad"; ctx.lineWidth = 1;
-      ctx.strokeRect(x0 - 0.5, state.selectedRank * lay.rowH - 0.5, pw + 1, lay.rowH + 1);
+      ctx.strokeRect(x0 - 0.5, top + state.selectedRank * lay.rowH - 0.5, pw + 1, lay.rowH + 1);
     }
     state.flagged = {};
     for (const kind of order) state.flagged[kind] = [...kinds[kind].keys()].sort((a, b) => a - b);
