@@ -1,16 +1,23 @@
 #include "collector/web_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "collector/job_listing.h"
 #include "collector/query_checks.h"
 #include "collector/web_api.h"
@@ -129,6 +136,25 @@ absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& read
   return RanksJson(request.job, window, job->world_size(), *rows, truncated);
 }
 
+// Opens and closes one TCP connection to the server listening on `address` (civetweb syntax,
+// "host:port" or "port") at `port`; a wildcard host is reached on 127.0.0.1. Best effort.
+void PokeListener(const std::string& address, int port) {
+  std::string host = "127.0.0.1";
+  const size_t colon = address.rfind(':');
+  if (colon != std::string::npos && colon > 0) {
+    host = address.substr(0, colon);
+    if (host == "0.0.0.0") host = "127.0.0.1";
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  (void)connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  close(fd);
+}
+
 }  // namespace
 
 WebServer::WebServer(WebServerOptions options, const StepPipeline* pipeline,
@@ -171,7 +197,21 @@ WebServer::~WebServer() { Stop(); }
 
 void WebServer::Stop() {
   if (context_ == nullptr) return;
-  mg_stop(context_);
+  // civetweb's listening thread sees the stop flag only when its poll() returns: every 2 s, or
+  // when a connection arrives. mg_stop runs on its own thread while this one connects to the
+  // server until it has stopped, so a stop takes milliseconds, not 2 s. When the address cannot
+  // be reached that way (an IPv6 or a non-local address), the stop takes up to the 2 s.
+  std::atomic<bool> stopped{false};
+  std::thread stopper([this, &stopped] {
+    mg_stop(context_);
+    stopped.store(true);
+  });
+  const absl::Time give_up = absl::Now() + absl::Seconds(3);
+  while (!stopped.load() && absl::Now() < give_up) {
+    PokeListener(options_.address, port_);
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  stopper.join();
   context_ = nullptr;
   mg_exit_library();
 }

@@ -310,8 +310,12 @@
       return;
     }
     if (!keys.length) {
+      // Not (yet) known: a page opened before the job's first hello shows it once it arrives.
       $("main").replaceChildren(el("p", { class: "error", id: "not-found",
-        text: "No job " + job + " on this collector." }), el("a", { href: "/", text: "all jobs" }));
+        text: "No job " + job + " on this collector yet; waiting for it." }),
+        el("a", { href: "/", text: "all jobs" }));
+      setStatus("waiting for job " + job);
+      setTimeout(() => jobPage(job, group), REFRESH_MS);
       return;
     }
     const grouped = keys.length > 1 || keys[0].group !== "";
