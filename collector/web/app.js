@@ -115,9 +115,9 @@
     outlier: { label: "outlier score", stops: OUTLIER, t: (v) => v / (2 * OUTLIER_THRESHOLD),
                lo: "0", hi: String(2 * OUTLIER_THRESHOLD) + "+" },
   };
-  // Cells: a missing rank light grey, non-finite black, a divergent replica purple. Ticks in the
-  // marks gutter (and the flagged list) use MARK_CSS.
-  const MARK = { missing: [200, 200, 200], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
+  // Cells: a missing rank mid grey (apart from both colour ramps), non-finite black, a divergent
+  // replica purple. Ticks in the marks gutter (and the flagged list) use MARK_CSS.
+  const MARK = { missing: [150, 150, 150], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
   const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
                      outlier: "#e08a00" };
   // A colour per 1/1023 of a metric's range, so a 1,024 x 120 heatmap needs no per-cell ramp().
@@ -418,6 +418,8 @@
          chartBox("chart-cv", "gradient-norm CV (std / mean)"),
          chartBox("chart-cos", "direction consistency (mean pairwise cosine)"),
          chartBox("chart-noise", "gradient noise scale B_simple")),
+      el("p", { class: "muted", text: "Vertical lines: steps that closed with ranks missing " +
+        "(red) or with divergent replicas (purple)." }),
       el("h2", { text: "Ranks × steps" }),
       el("div", { class: "heat-controls" },
          el("label", null, "colour: ", el("select", { id: "metric" },
@@ -653,8 +655,10 @@
   }
 
   async function loadRank(rank) {
-    const first = state.steps.length ? state.steps[0].step : 0;
-    const last = state.lastStep === null ? 0 : state.lastStep;
+    // The heatmap's window: the series reads that many steps of every rank's rows.
+    const ms = state.matrix ? state.matrix.steps : [];
+    const first = ms.length ? ms[0].step : 0;
+    const last = ms.length ? ms[ms.length - 1].step : (state.lastStep || 0);
     const data = await api("/jobs/" + enc(state.key) + "/ranks?rank=" + rank + "&first=" + first +
                            "&last=" + last);
     state.rankSeries = data;
