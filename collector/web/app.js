@@ -320,7 +320,8 @@
     }
     const grouped = keys.length > 1 || keys[0].group !== "";
     if (grouped && group === null) return groupsPage(job, keys);
-    const key = group === null ? keys[0].key : job + "/" + group;
+    // A job's only group (or, beside named groups, its unnamed one) is the job's own key.
+    const key = group ? job + "/" + group : job;
     if (!keys.some((k) => k.key === key)) {
       $("main").replaceChildren(el("p", { class: "error", id: "not-found",
         text: "Job " + job + " has no group " + group + "." }));
@@ -358,7 +359,7 @@
       $("groups-list").replaceChildren(...state.groups.map((g) =>
         el("li", { "data-group": g.group, "data-worst": String(worst === g) },
            el("a", { href: "/job/" + encodeURIComponent(job) + "?group=" + encodeURIComponent(g.group),
-                     text: g.group }),
+                     text: g.group || "(default)" }),
            el("span", { text: "  latest direction consistency " + fmt(g.latest, 3) +
                         (worst === g && state.groups.length > 1 ? " (least consistent)" : "") }))));
     });
@@ -375,7 +376,7 @@
     ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "right";
     groups.forEach((g, r) => {
       ctx.fillStyle = "#1d232b";
-      if (rowH >= 10) ctx.fillText(g.group, labelW - 6, r * rowH + rowH / 2);
+      if (rowH >= 10) ctx.fillText(g.group || "(default)", labelW - 6, r * rowH + rowH / 2);
       ctx.fillStyle = "#eee"; ctx.fillRect(labelW, r * rowH, plotW, rowH - (rowH > 8 ? 1 : 0));
       g.steps.forEach((s, i) => {
         const v = g.cosine[i];

@@ -310,5 +310,21 @@ TEST_F(WebServerTest, ReadsGoThroughTheReaderPoolAndAFullQueueAnswers503) {
       testing::WaitFor([&] { return Http(c->http_port(), "GET", "/api/v1/jobs").status == 200; }));
 }
 
+TEST_F(WebServerTest, AnAddressInUseFailsTheStartNamingTheFlag) {
+  auto first = Start();
+  ASSERT_NE(first, nullptr);
+  CollectorOptions o;
+  o.grpc_address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.http_address = absl::StrCat("127.0.0.1:", first->http_port());
+  o.db_path = testing::MakeTempDir() + "/other.db";
+  auto second = Collector::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr("--http_address"));
+  // The first one still serves.
+  EXPECT_EQ(Http(first->http_port(), "GET", "/api/v1/jobs").status, 200);
+}
+
 }  // namespace
 }  // namespace rankscope::collector

@@ -122,7 +122,8 @@ class Browser:
         self.page("Page.navigate", url=url)
 
     def eval(self, expression: str):
-        """The value of a JavaScript expression in the page (promises awaited)."""
+        """The value of a JavaScript expression in the page (promises awaited). A DOM node comes
+        back as {} (falsy): test for it with ``!!`` or compare with null."""
         r = self.page("Runtime.evaluate", expression=expression, returnByValue=True,
                       awaitPromise=True)
         if "exceptionDetails" in r:

@@ -200,3 +200,28 @@ def test_1024_rank_job_renders(web_collector, browser):
                    "ranks": 1024, "steps": 120}
     (ARTIFACTS / "render_1024.json").write_text(json.dumps(measurement, indent=2) + "\n")
     print("1,024-rank render:", json.dumps(measurement))
+
+
+def test_token_is_asked_for_and_sent(tmp_path, browser):
+    """With --auth_token_file the API refuses the page until the person gives the token, which
+    the page then sends with every request (the pages themselves hold no data)."""
+    token = tmp_path / "token"
+    token.write_text("web-s3cret\n")
+    c = Collector(tmp_path, step_timeout="1s", extra_args=[f"--auth_token_file={token}"]).start()
+    try:
+        finish([loadgen(c, "web-token", "--ranks=4", "--steps=10",
+                        f"--auth_token_file={token}")])
+        browser.goto(url(c, "/"))
+        browser.wait_for("!!document.getElementById('token-form')", 30, "the token form")
+        assert browser.eval("document.querySelectorAll('#jobs-body tr[data-key]').length") == 0
+        browser.eval("document.getElementById('token-input').value = 'wrong'; "
+                     "document.querySelector('#token-form button').click()")
+        browser.wait_for("document.getElementById('token-form') && "
+                         "document.getElementById('token-form').textContent.includes('refused')",
+                         30, "the wrong token refused")
+        browser.eval("document.getElementById('token-input').value = 'web-s3cret'; "
+                     "document.querySelector('#token-form button').click()")
+        browser.wait_for("!!document.querySelector('#jobs-body tr[data-key=\"web-token\"]')", 30,
+                         "the job listed once the token is given")
+    finally:
+        c.stop()
