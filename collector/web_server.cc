@@ -183,6 +183,7 @@ absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(WebServerOptions opt
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
   server->context_ = mg_start(&callbacks, nullptr, civet_options);
   if (server->context_ == nullptr) {
+    mg_exit_library();
     return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", server->options_.address,
                                                " (in use, or not a local address?)"));
   }
