@@ -135,7 +135,7 @@ def main():
     db = work / "rankscope.db"
     collector = subprocess.Popen([str(build / "bin" / "rankscope-collector"),
                                   f"--grpc_address=127.0.0.1:{grpc}", "--metrics_address=",
-                                  f"--db_path={db}", "--step_timeout=10s"],
+                                  "--http_address=", f"--db_path={db}", "--step_timeout=10s"],
                                  stdout=open(work / "collector.log", "w"),
                                  stderr=subprocess.STDOUT)
     results = []
