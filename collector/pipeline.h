@@ -24,6 +24,7 @@
 #ifndef RANKSCOPE_COLLECTOR_PIPELINE_H_
 #define RANKSCOPE_COLLECTOR_PIPELINE_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -138,7 +139,8 @@ class StepPipeline {
   const PipelineOptions options_;
   JobMetrics* const metrics_;
   HealthMetrics* const health_;
-  uint64_t store_failures_ = 0;  // store writer thread only: consecutive failed commits
+  uint64_t store_failures_ = 0;           // store writer thread only: consecutive failed commits
+  std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
   StoreWriter writer_;
 
   mutable Mutex mu_;

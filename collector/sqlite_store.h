@@ -59,6 +59,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/rank_windows.h"
+#include "collector/retention.h"
 
 struct sqlite3;
 struct sqlite3_stmt;
@@ -179,8 +181,9 @@ struct StoreOptions {
 class SqliteStore {
  public:
   // The schema this build writes (PRAGMA user_version).
-  // 1: the first release. 2: step_stats.duplicate_groups.
-  static constexpr int kSchemaVersion = 4;
+  // 1: the first release. 2: step_stats.duplicate_groups. 3: jobs.attempt.
+  // 4: step_stats.drifting_ranks, slow_ranks. 5: rank_windows, downsampled, auto_vacuum.
+  static constexpr int kSchemaVersion = 5;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:
@@ -230,6 +233,34 @@ class SqliteStore {
                                                            uint64_t first_step, uint64_t last_step,
                                                            int limit);
 
+  // rank_windows rows of a job overlapping [first_step, last_step], ordered by (first_step,
+  // rank), at most `limit` (rank_windows.h). InvalidArgument when limit < 0.
+  absl::StatusOr<std::vector<RankWindowRow>> RankWindowsInRange(absl::string_view job,
+                                                                uint64_t first_step,
+                                                                uint64_t last_step, int limit);
+  // The job's rank_steps rows below this step were downsampled into rank_windows and deleted,
+  // except those of flagged steps (0: none were).
+  absl::StatusOr<uint64_t> DownsampledBefore(absl::string_view job);
+
+  // --- Retention (sqlite_retention.cc; DESIGN.md "Storage lifecycle", retention.h) ----------
+  // Each call is its own short transaction on the writer's connection. Errors as on Write.
+  absl::StatusOr<StoreUsage> Usage();
+  absl::StatusOr<std::vector<JobExtent>> JobExtents();
+  struct PruneResult {
+    int64_t rank_rows = 0;        // rank_steps rows deleted
+    int64_t rank_rows_kept = 0;   // rank_steps rows of flagged steps kept (kDownsample)
+    int64_t step_rows = 0;        // step_stats rows deleted
+    int64_t window_rows = 0;      // rank_windows rows deleted
+    int64_t windows_written = 0;  // rank_windows rows inserted or merged into
+    int64_t job_rows = 0;         // jobs rows deleted (forgotten jobs)
+    int64_t steps = 0;            // steps the action covered (0: nothing was old enough)
+    int64_t pages_vacuumed = 0;   // kVacuum
+  };
+  // Executes one PruneAction (retention.h). `window_steps` and `outlier_threshold` as in
+  // RetentionOptions.
+  absl::StatusOr<PruneResult> Prune(const PruneAction& action, uint32_t window_steps,
+                                    double outlier_threshold);
+
   const std::string& path() const { return path_; }
 
  private:
@@ -245,6 +276,12 @@ class SqliteStore {
   absl::Status QueryStepRange(sqlite3_stmt* stmt, absl::string_view job, uint64_t first_step,
                               uint64_t last_step, int limit, absl::string_view what,
                               absl::FunctionRef<absl::Status(sqlite3_stmt*)> read_row);
+  absl::StatusOr<PruneResult> Downsample(const PruneAction& action, uint32_t window_steps,
+                                         double outlier_threshold);
+  absl::StatusOr<PruneResult> DropSteps(const PruneAction& action);
+  absl::StatusOr<PruneResult> IncrementalVacuum(int64_t pages);
+  // Runs `body` between BEGIN IMMEDIATE and COMMIT (ROLLBACK on error).
+  absl::Status InTransaction(absl::FunctionRef<absl::Status()> body);
   std::string path_;
   sqlite3* db_;
   std::unique_ptr<Statements> stmts_;
