@@ -346,7 +346,9 @@ TEST_F(RetentionStoreTest, MaxDbBytesPrunesOldestFirstAndNeverTheNewestStep) {
     }
   }
   for (size_t i = 0; i < first_new; ++i) {
-    if (done[i].action.kind != PruneAction::Kind::kVacuum) EXPECT_EQ(done[i].action.job, "old");
+    if (done[i].action.kind != PruneAction::Kind::kVacuum) {
+      EXPECT_EQ(done[i].action.job, "old");
+    }
   }
   for (size_t i = first_drop; i < done.size(); ++i) {
     EXPECT_NE(done[i].action.kind, PruneAction::Kind::kDownsample) << i;
