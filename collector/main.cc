@@ -67,11 +67,11 @@ ABSL_FLAG(std::string, retention_rank_steps, "7d",
           "0 = forever), measured by the wall time each row was received. Older rows are first "
           "downsampled into rank_windows (per rank and --downsample_window_steps steps: "
           "min/mean/max of loss, gradient norm, consensus cosine, outlier score), then deleted, "
-          "except the rows of flagged steps (outlier, replica divergence, missing, non-finite, "
-          "drifting or slow ranks), which are kept until --retention_steps.");
+          "except flagged rows (a rank that was an outlier, diverged, was non-finite, drifting or "
+          "slow at that step), which are kept until --retention_steps.");
 ABSL_FLAG(std::string, retention_steps, "90d",
           "Storage lifecycle: per-step statistics (step_stats), rank_windows and the rank rows of "
-          "flagged steps are kept this long (d, h, m or s; 0 = forever), by the step's "
+          "flagged ranks are kept this long (d, h, m or s; 0 = forever), by the step's "
           "completion time. A job with nothing left that was last seen before then is forgotten.");
 ABSL_FLAG(
     int64_t, max_db_bytes, 0,

@@ -11,8 +11,11 @@
 // Rules, in this order (the first that applies is the next action):
 //  1. Age, per-rank rows (retention_rank_steps > 0): the oldest steps of a job whose rank_steps
 //     rows are older than now - retention_rank_steps are downsampled into rank_windows
-//     (rank_windows.h), then their rows are deleted, except the rows of flagged steps (a rank was
-//     an outlier, diverged, was missing, non-finite, drifting or slow), which stay until rule 2.
+//     (rank_windows.h), then their rows are deleted, except flagged rows (a rank that was an
+//     outlier, diverged, was non-finite, drifting or slow at that step), which stay until rule 2.
+//     The other rows of a flagged step go: keeping whole steps would keep every row of a job
+//     with one chronic straggler (a 1,024-rank loadgen job with one slow rank kept 96% of its
+//     rows that way). Missing ranks have no rows; step_stats names them.
 //  2. Age, steps (retention_steps > 0): step_stats rows completed before now - retention_steps
 //     are deleted with every rank_steps row (flagged or not) and rank_windows row of those steps.
 //     A job with nothing left that was last seen before the cutoff is forgotten (jobs,
@@ -45,7 +48,7 @@ namespace rankscope::collector {
 struct RetentionOptions {
   // Full per-rank rows are kept this long (0: forever). --retention_rank_steps.
   absl::Duration rank_steps = absl::Hours(7 * 24);
-  // step_stats (and rank_windows, and the rank rows of flagged steps) are kept this long
+  // step_stats (and rank_windows, and flagged rank rows) are kept this long
   // (0: forever). --retention_steps.
   absl::Duration steps = absl::Hours(90 * 24);
   // Live database bytes above which the oldest data is pruned (0: no cap). --max_db_bytes.

@@ -41,17 +41,19 @@ int64_t ClampStep(uint64_t step) {
   return step > static_cast<uint64_t>(kMaxStep) ? kMaxStep : static_cast<int64_t>(step);
 }
 
-// Rank rows of these steps outlive the per-rank retention (DESIGN.md "Storage lifecycle"): a
-// step where a rank was a (persistent) outlier, diverged, was missing, drifting or slow, or a
-// rank row that was non-finite, scored as an outlier or failed its replica check.
-// ?1 job, ?2 first step, ?3 last step, ?4 outlier threshold.
-constexpr char kFlaggedSteps[] = R"sql(
-  SELECT step FROM step_stats WHERE job = ?1 AND step >= ?2 AND step <= ?3 AND
-    (outlier_ranks <> '' OR replica_divergent_ranks <> '' OR missing_ranks <> '' OR
-     drifting_ranks <> '' OR slow_ranks <> '')
-  UNION
-  SELECT step FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3 AND
-    (nonfinite <> 0 OR outlier_score >= ?4 OR replica_ok = 0)
+// Flagged rank rows outlive the per-rank retention (DESIGN.md "Storage lifecycle"): the row of a
+// rank that was non-finite, scored as an outlier or failed its replica check at that step, or
+// that its step's step_stats names as a (persistent) outlier, divergent, drifting or slow rank.
+// The other rows of a flagged step are downsampled like any (the step's statistics stay in
+// step_stats): keeping whole steps would keep every row of a job with one chronic straggler.
+// Missing ranks have no row to keep; step_stats.missing_ranks names them.
+// ?1 job, ?4 outlier threshold; evaluated on a rank_steps row.
+constexpr char kRowIsFlagged[] = R"sql(
+  (rank_steps.nonfinite <> 0 OR coalesce(rank_steps.outlier_score >= ?4, 0) OR
+   coalesce(rank_steps.replica_ok = 0, 0) OR
+   EXISTS (SELECT 1 FROM step_stats s WHERE s.job = ?1 AND s.step = rank_steps.step AND
+     instr(',' || s.outlier_ranks || ',' || s.replica_divergent_ranks || ',' ||
+           s.drifting_ranks || ',' || s.slow_ranks || ',', ',' || rank_steps.rank || ',') > 0))
 )sql";
 
 // Folds rank_steps rows of steps ?2..?3 into their windows of ?4 steps (rank_windows.h); a
@@ -296,7 +298,7 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::Downsample(const PruneActi
     {
       const std::string sql =
           absl::StrCat("DELETE FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3 AND ",
-                       "step NOT IN (", kFlaggedSteps, ")");
+                       "NOT ", kRowIsFlagged);
       OneShot q(db_, sql.c_str());
       int rc =
           q.rc == SQLITE_OK

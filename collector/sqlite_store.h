@@ -239,7 +239,7 @@ class SqliteStore {
                                                                 uint64_t first_step,
                                                                 uint64_t last_step, int limit);
   // The job's rank_steps rows below this step were downsampled into rank_windows and deleted,
-  // except those of flagged steps (0: none were).
+  // except flagged rows (retention.h rule 1; 0: none were).
   absl::StatusOr<uint64_t> DownsampledBefore(absl::string_view job);
 
   // --- Retention (sqlite_retention.cc; DESIGN.md "Storage lifecycle", retention.h) ----------
@@ -248,7 +248,7 @@ class SqliteStore {
   absl::StatusOr<std::vector<JobExtent>> JobExtents();
   struct PruneResult {
     int64_t rank_rows = 0;        // rank_steps rows deleted
-    int64_t rank_rows_kept = 0;   // rank_steps rows of flagged steps kept (kDownsample)
+    int64_t rank_rows_kept = 0;   // flagged rank_steps rows kept (kDownsample)
     int64_t step_rows = 0;        // step_stats rows deleted
     int64_t window_rows = 0;      // rank_windows rows deleted
     int64_t windows_written = 0;  // rank_windows rows inserted or merged into

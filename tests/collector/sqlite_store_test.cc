@@ -491,9 +491,9 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
   ASSERT_TRUE(outlier.ok() && outlier->has_value());
   EXPECT_THAT((*outlier)->outlier_ranks, ElementsAre(2));
 
-  // The migrated file is pruned like a new one. In the fixture, steps 3..6 each have a rank with
-  // outlier_score >= 6 (rank 1 at step 3, the outlier rank 2 from step 4), so only steps 1 and 2
-  // lose their rows; all six are folded into the window of steps 0..99.
+  // The migrated file is pruned like a new one. In the fixture, four rows are flagged (outlier
+  // score >= 6: rank 1 at step 3, the outlier rank 2 at steps 4..6) and kept; the other 20 of the
+  // 24 rows are deleted; all of them are folded into the window of steps 0..99.
   RetentionOptions options;
   options.rank_steps = absl::Seconds(1);
   options.steps = absl::ZeroDuration();
@@ -504,8 +504,8 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
   ASSERT_EQ(action.kind, PruneAction::Kind::kDownsample);
   auto pruned = store->Prune(action, options.window_steps, options.outlier_threshold);
   ASSERT_TRUE(pruned.ok()) << pruned.status();
-  EXPECT_EQ(pruned->rank_rows, 2 * 4);
-  EXPECT_EQ(pruned->rank_rows_kept, 4 * 4);
+  EXPECT_EQ(pruned->rank_rows, 20);
+  EXPECT_EQ(pruned->rank_rows_kept, 4);
   auto windows = store->RankWindowsInRange("v4-job", 0, 99, 100);
   ASSERT_TRUE(windows.ok());
   ASSERT_EQ(windows->size(), 4u);

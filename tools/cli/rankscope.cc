@@ -457,7 +457,7 @@ int LoadRange(const Cli& cli, const std::string& job, bool include_ranks,
   if (include_ranks && out->downsampled_before_step() > first) {
     std::fprintf(stderr,
                  "rankscope: job %s: the per-rank rows of steps before %llu were pruned by the "
-                 "collector's retention (--retention_rank_steps; flagged steps keep theirs); "
+                 "collector's retention (--retention_rank_steps; flagged ranks keep theirs); "
                  "%d downsampled rank windows cover them (export --table=windows)\n",
                  job.c_str(), static_cast<unsigned long long>(out->downsampled_before_step()),
                  out->rank_windows_size());

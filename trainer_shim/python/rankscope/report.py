@@ -264,7 +264,7 @@ def plot(data: dict, job: str, output: str) -> None:
             a.axvspan(first - 0.5, min(downsampled, last + 1) - 0.5, color="0.5", alpha=0.12,
                       lw=0)
         axes[2].text(first, -0.5, f" steps < {downsampled}: downsampled rank windows "
-                     "(per-rank rows pruned by retention; flagged steps kept theirs)",
+                     "(per-rank rows pruned by retention; flagged ranks kept theirs)",
                      fontsize=8, va="bottom", ha="left", color="0.25", clip_on=False)
     for a in axes[2:]:
         a.yaxis.set_major_locator(MaxNLocator(integer=True))
