@@ -247,7 +247,7 @@ def plot(data: dict, job: str, output: str) -> None:
         any_event = True
         marker, color = styles[kind]
         ax.scatter([grid.x(c) for c, _ in cells], [grid.y(r) for _, r in cells], s=size,
-                   marker=marker, color=color, label=f"{kind} ({len(cells)} cells)",
+                   marker=marker, color=color, label=f"{kind} ({len(cells)} cell{'s' if len(cells) != 1 else ''})",
                    linewidths=1.0)
     ax.set_ylim(grid.rows * grid.ranks_per_row - 0.5, -0.5)
     if any_event:
@@ -263,9 +263,13 @@ def plot(data: dict, job: str, output: str) -> None:
         for a in axes[2:]:
             a.axvspan(first - 0.5, min(downsampled, last + 1) - 0.5, color="0.5", alpha=0.12,
                       lw=0)
-        axes[2].text(first, -0.5, f" steps < {downsampled}: downsampled rank windows "
-                     "(per-rank rows pruned by retention; flagged ranks kept theirs)",
-                     fontsize=8, va="bottom", ha="left", color="0.25", clip_on=False)
+        windows = sorted({int(w.get("last_step", 0)) - int(w.get("first_step", 0)) + 1
+                          for w in data["rank_windows"]})
+        size = f"{windows[0]}-step " if len(windows) == 1 else ""
+        axes[2].set_title(
+            f"{axes[2].get_title(loc='left')}\nshaded, steps < {downsampled}: per-rank rows pruned "
+            f"by the collector's retention; heatmaps from {size}rank windows (flagged ranks kept "
+            "their rows)", fontsize=9, loc="left")
     for a in axes[2:]:
         a.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
