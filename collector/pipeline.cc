@@ -413,7 +413,8 @@ void StepPipeline::StepThread() {
         const absl::Duration wait =
             next_deadline_ == absl::InfiniteFuture()
                 ? absl::Seconds(1)
-                : std::max(absl::Milliseconds(1), next_deadline_ - options_.clock());
+                : std::max(absl::Milliseconds(1),
+                           (next_deadline_ - options_.clock()) / options_.clock_rate);
         mu_.AwaitWithTimeout(absl::Condition(&ready), std::min(wait, absl::Seconds(1)));
       }
       std::vector<JoinedStep> expired;
@@ -469,7 +470,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   absl::Time last_received = absl::InfinitePast();
   for (const RankReport& r : js.reports) last_received = std::max(last_received, r.received_at);
   if (js.reason == JoinedStep::Reason::kComplete) {
-    health_->ObserveIngestLatency(options_.clock() - last_received);
+    health_->ObserveIngestLatency((options_.clock() - last_received) / options_.clock_rate);
   }
   return ComputedStep{std::move(js), std::move(analyzed)};
 }
@@ -527,7 +528,7 @@ bool StepPipeline::Flush(absl::Duration timeout) {
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) return false;
   }
-  return writer_.Flush(timeout - (options_.clock() - start));
+  return writer_.Flush(timeout - (options_.clock() - start) / options_.clock_rate);
 }
 
 absl::Status StepPipeline::Stop(absl::Duration timeout) {
@@ -537,7 +538,8 @@ absl::Status StepPipeline::Stop(absl::Duration timeout) {
     stopping_ = true;
   }
   if (step_thread_.joinable()) step_thread_.join();
-  return writer_.Stop(std::max(absl::ZeroDuration(), timeout - (options_.clock() - start)));
+  return writer_.Stop(
+      std::max(absl::ZeroDuration(), timeout - (options_.clock() - start) / options_.clock_rate));
 }
 
 }  // namespace rankscope::collector

@@ -66,6 +66,11 @@ struct PipelineOptions {
   // The pipeline's only source of time (receive and completion stamps, step deadlines, control
   // generations, the budget of Flush and Stop).
   std::function<absl::Time()> clock = &absl::Now;
+  // Seconds of `clock` per real second (the collector's --time_scale, for soak benchmarks): the
+  // durations measured with `clock` that are real waits or exported metrics (the ingest latency,
+  // Flush and Stop budgets, the wait for the next step deadline) are divided by it. 1 for a
+  // real clock or a test clock.
+  double clock_rate = 1.0;
 };
 
 class StepPipeline {

@@ -158,7 +158,7 @@ bool StoreWriter::RetentionPass() {
     MutexLock lock(&mu_);
     check = ++retention_checks_;
   }
-  const absl::Time now = options_.clock();
+  const absl::Time now = options_.retention_clock ? options_.retention_clock() : options_.clock();
   PruneAction action;
   absl::Status status = [&]() -> absl::Status {
     auto usage = store_->Usage();

@@ -85,6 +85,9 @@ struct StoreWriterOptions {
   std::function<absl::Time()> clock = [] { return absl::Now(); };
   // The storage lifecycle; nullopt: the writer never prunes (the store grows forever).
   std::optional<RetentionOptions> retention;
+  // The time retention ages are measured against: the clock that stamped the rows (the
+  // pipeline's). Null: `clock`. check_interval is measured with `clock`.
+  std::function<absl::Time()> retention_clock;
 };
 
 class StoreWriter {
