@@ -80,7 +80,7 @@ ABSL_FLAG(
     "newest step. Pruned rows are counted in rankscope_store_pruned_rows_total{table,reason}; "
     "rankscope_store_db_bytes is the file's size.");
 ABSL_FLAG(int, downsample_window_steps, 100, "Storage lifecycle: steps per rank_windows row.");
-ABSL_FLAG(int, retention_batch_rows, 8192,
+ABSL_FLAG(int, retention_batch_rows, 2048,
           "Storage lifecycle: at most this many rank rows per pruning transaction (pruning runs "
           "on the store writer thread between commits, so a commit waits at most one batch).");
 ABSL_FLAG(absl::Duration, retention_check_interval, absl::Seconds(10),

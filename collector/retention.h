@@ -56,7 +56,7 @@ struct RetentionOptions {
   // Steps per rank_windows row (--downsample_window_steps).
   uint32_t window_steps = 100;
   // At most this many rank rows per pruning transaction.
-  int64_t max_rows_per_batch = 8192;
+  int64_t max_rows_per_batch = 2048;
   // At most this many pages per incremental_vacuum.
   int64_t vacuum_pages = 2048;
   // How often an idle writer looks for something to prune (it goes on at once, between
