@@ -193,7 +193,7 @@ def plot(data: dict, job: str, output: str) -> None:
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=8)
-    groups = "" if "/" not in job else " (data-parallel group)"
+    groups = "" if "/" not in job else " (a data-parallel group; ranks within the group)"
     ax.set_title(f"rankscope: job {job}{groups}: {len(steps)} steps "
                  f"{first}..{last}, {world} ranks")
 
@@ -241,21 +241,25 @@ def plot(data: dict, job: str, output: str) -> None:
               "slow": ("v", "purple"), "persistent outlier": ("o", "deeppink")}
     any_event = False
     size = max(4.0, min(30.0, 2000.0 / max(grid.rows, 1)))
-    for kind, cells in events(data, grid).items():
+    # Each kind has its own offset inside a cell's row, so that kinds on the same rank and step
+    # (an outlier that is also drifting) do not hide each other.
+    for k, (kind, cells) in enumerate(events(data, grid).items()):
         if not cells:
             continue
         any_event = True
         marker, color = styles[kind]
-        ax.scatter([grid.x(c) for c, _ in cells], [grid.y(r) for _, r in cells], s=size,
-                   marker=marker, color=color, label=f"{kind} ({len(cells)} cell{'s' if len(cells) != 1 else ''})",
+        dy = (k - (len(styles) - 1) / 2) * 0.8 * grid.ranks_per_row / len(styles)
+        ax.scatter([grid.x(c) for c, _ in cells], [grid.y(r) + dy for _, r in cells], s=size,
+                   marker=marker, color=color,
+                   label=f"{kind} ({len(cells)} cell{'s' if len(cells) != 1 else ''})",
                    linewidths=1.0)
     ax.set_ylim(grid.rows * grid.ranks_per_row - 0.5, -0.5)
     if any_event:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0,
                   markerscale=max(1.0, 20 / size))
     else:
-        _say(ax, "no replica divergence, missing, non-finite, drifting, slow or outlier ranks "
-                 "in these steps")
+        _say(ax, "no replica divergence, missing, non-finite, drifting, slow or persistent "
+                 "outlier ranks in these steps")
     ax.set_xlabel("step")
     ax.set_xlim(grid.first - 0.5, grid.last + 0.5)
 
