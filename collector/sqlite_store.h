@@ -16,6 +16,11 @@
 //        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks,
 //        timed_out, completed_at, grad_noise_scale, replica_checked, replica_divergent_ranks,
 //        outlier_ranks, duplicate_groups, drifting_ranks, slow_ranks, PRIMARY KEY(job, step))
+//   rank_windows(job, first_step, rank, last_step, rows, first_received, last_received, and per
+//        metric (loss, grad_norm, grad_cosine, outlier_score) _n, _sum, _min, _max; nonfinite,
+//        outliers, replica_bad; PRIMARY KEY(job, first_step, rank)): downsampled rank rows
+//        (rank_windows.h), written by the retention pass (retention.h) before it deletes them
+//   downsampled(job PRIMARY KEY, next_step): rank_steps rows of lower steps were downsampled
 // Times are Unix seconds as REAL, with microsecond precision (InfiniteFuture/InfinitePast are
 // stored as +/-Inf). NaN is stored as NULL (SQLite's own rule) and flagged by `nonfinite` (1 when
 // the rank's loss or grad_norm was NaN/Inf); +/-Inf is stored as REAL +/-Inf. On reads a NULL
@@ -28,7 +33,8 @@
 // none; world_size - ranks is the full count. rank_steps and step_stats are WITHOUT ROWID tables
 // clustered on their primary keys, which also serve RecentSteps and RankRows; no other index is
 // needed. The schema version is PRAGMA user_version (kSchemaVersion); Open refuses a file written
-// by a newer schema.
+// by a newer schema and migrates an older one (sqlite_schema.cc; to 5: one VACUUM to switch the
+// file to auto_vacuum=INCREMENTAL, so that pruning shrinks it).
 //
 // Durability: WAL with synchronous=NORMAL by default. A commit survives a crash or SIGKILL of the
 // process (it is in the WAL, which the OS holds), so "ack after commit" holds against collector
