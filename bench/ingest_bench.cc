@@ -35,8 +35,11 @@
 //
 // The run is bounded: a watchdog aborts it (and the load process) after --max_wall_seconds.
 //
+// --retention_rank_steps=D runs the collector with the storage retention pruning rows older than
+// D during the run (the cost of pruning on ingest); the rows it pruned count as stored.
+//
 // Usage: ingest_bench [--seconds=30] [--ranks=1024] [--sketch_dim=1024] [--only=bare|collector]
-//                     [--rate=0] [--inprocess]
+//                     [--rate=0] [--inprocess] [--retention_rank_steps=2s]
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
@@ -102,6 +105,10 @@ ABSL_FLAG(bool, pin, false,
           "Pin the server process to CPU 0 and the load process to CPU 1, so "
           "that the collector has a core of its own as on a dedicated machine (needs 2 CPUs and "
           "the child process).");
+ABSL_FLAG(absl::Duration, retention_rank_steps, absl::ZeroDuration(),
+          "Collector: prune per-rank rows older than this (storage retention, downsampled into "
+          "rank_windows) during the run, checked every 100 ms; 0: no retention. With e.g. 2s the "
+          "store thread prunes as fast as rows arrive: the cost of retention on ingest.");
 ABSL_FLAG(std::string, tmpdir, "", "Directory for the SQLite file (default: $TMPDIR or /tmp).");
 ABSL_FLAG(bool, ignore_deadlock_detection, false,
           "In the server process, turn off absl's Mutex deadlock detection (on by default in "
@@ -336,6 +343,21 @@ double CounterValue(const prometheus::Registry& registry, const std::string& nam
     if (f.name == name && !f.metric.empty()) return f.metric.front().counter.value;
   }
   return -1;
+}
+
+// The sum of a labelled counter family's series whose `label` is `value`; 0 when none.
+double LabeledCounterValue(const prometheus::Registry& registry, const std::string& name,
+                           const std::string& label, const std::string& value) {
+  double total = 0;
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != name) continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == label && l.value == value) total += m.counter.value;
+      }
+    }
+  }
+  return total;
 }
 
 Histogram Delta(const Histogram& after, const Histogram& before) {
@@ -823,6 +845,14 @@ int main(int argc, char** argv) {
     o.grpc_address = "127.0.0.1:0";
     o.metrics_address = "127.0.0.1:0";
     o.db_path = db_path;
+    const absl::Duration retention = absl::GetFlag(FLAGS_retention_rank_steps);
+    if (retention > absl::ZeroDuration()) {
+      rankscope::collector::RetentionOptions r;
+      r.rank_steps = retention;
+      r.steps = absl::ZeroDuration();
+      r.check_interval = absl::Milliseconds(100);
+      o.pipeline.writer.retention = r;
+    }
     auto started = rankscope::collector::Collector::Start(o);
     if (!started.ok()) {
       std::fprintf(stderr, "ingest_bench: %s\n", started.status().ToString().c_str());
@@ -845,16 +875,19 @@ int main(int argc, char** argv) {
         absl::SleepFor(absl::Milliseconds(every));
       }
     });
-    Histogram latency0, commits0;
+    Histogram latency0, commits0, prunes0, prunes;
     run(c.grpc_target(), "bench-collector", &coll, [&](bool start) {
       Histogram h = ReadHistogram(*registry, "rankscope_ingest_latency_seconds");
       Histogram k = ReadHistogram(*registry, "rankscope_store_commit_seconds");
+      Histogram p = ReadHistogram(*registry, "rankscope_store_prune_seconds");
       if (start) {
         latency0 = h;
         commits0 = k;
+        prunes0 = p;
       } else {
         latency = Delta(h, latency0);
         commits = Delta(k, commits0);
+        prunes = Delta(p, prunes0);
       }
     });
     scraping = false;
@@ -865,12 +898,15 @@ int main(int argc, char** argv) {
     const double evicted = CounterValue(*registry, "rankscope_steps_evicted_total");
     const double store_errors = CounterValue(*registry, "rankscope_store_errors_total");
     const absl::Status shut = c.Shutdown(absl::Seconds(10));
+    // Rows the retention pruned (after Shutdown: no pass runs any more) count as stored.
+    const int64_t pruned = static_cast<int64_t>(
+        LabeledCounterValue(*registry, "rankscope_store_pruned_rows_total", "table", "rank_steps"));
     rankscope::collector::StoreOptions ro;
     ro.read_only = true;
     auto store = rankscope::collector::SqliteStore::Open(db_path, ro);
     if (store.ok()) {
       auto n = (*store)->CountRankRows("bench-collector");
-      if (n.ok()) stored = *n;
+      if (n.ok()) stored = *n + pruned;
     }
     stored_ok = flushed && shut.ok() && stored == static_cast<int64_t>(coll.load.acked);
     PrintPhase("collector", coll, inprocess);
@@ -889,6 +925,13 @@ int main(int argc, char** argv) {
         commits.count / std::max(1e-9, coll.load.window_seconds),
         commits.count > 0 ? static_cast<double>(coll.load.window_acked) / commits.count : 0.0,
         commits.count > 0 ? commits.sum / commits.count * 1e3 : 0.0);
+    std::printf(
+        "          SQLite commit p50=%.1f ms p99=%.1f ms; retention %s: %llu pruning "
+        "transactions in the window (p99 %.1f ms), %lld rank rows pruned in all\n",
+        Quantile(commits, 0.5) * 1e3, Quantile(commits, 0.99) * 1e3,
+        retention > absl::ZeroDuration() ? absl::FormatDuration(retention).c_str() : "off",
+        static_cast<unsigned long long>(prunes.count), Quantile(prunes, 0.99) * 1e3,
+        static_cast<long long>(pruned));
     std::printf(
         "          ingest latency (last report of a step -> its metrics updated), %llu steps: "
         "p50=%.1f ms p99=%.1f ms mean=%.1f ms, <= 50 ms: %.2f%%\n",

@@ -78,6 +78,56 @@ HealthMetrics::HealthMetrics() : registry_(std::make_shared<prometheus::Registry
       NewCounter(r, "rankscope_streams_overflowed_total",
                  "Agent streams ended with RESOURCE_EXHAUSTED because the agent did not read the "
                  "acks and rejections queued for it.");
+  auto& pruned = prometheus::BuildCounter()
+                     .Name("rankscope_store_pruned_rows_total")
+                     .Help(
+                         "Rows deleted by the storage retention pass, by table and reason (age: "
+                         "--retention_rank_steps / --retention_steps; size: --max_db_bytes).")
+                     .Register(r);
+  const char* const kReasons[] = {"age", "size"};
+  const char* const kTables[] = {"rank_steps", "step_stats", "rank_windows", "jobs"};
+  for (size_t i = 0; i < 2; ++i) {
+    for (size_t t = 0; t < 4; ++t) {
+      pruned_rows_[i][t] = &pruned.Add({{"reason", kReasons[i]}, {"table", kTables[t]}});
+    }
+  }
+  downsampled_rows_ = NewCounter(r, "rankscope_store_downsampled_rows_total",
+                                 "rank_steps rows folded into rank_windows before being pruned.");
+  vacuumed_bytes_ = NewCounter(r, "rankscope_store_vacuumed_bytes_total",
+                               "Bytes of free pages returned to the file system (incremental "
+                               "vacuum).");
+  prune_errors_ =
+      NewCounter(r, "rankscope_store_prune_errors_total", "Failed storage retention passes.");
+  prune_seconds_ = NewHistogram(r, "rankscope_store_prune_seconds",
+                                "Duration of one storage retention transaction.");
+  db_bytes_ = NewGauge(r, "rankscope_store_db_bytes",
+                       "Size of the SQLite database file (pages x page size, without the WAL).");
+  db_free_bytes_ = NewGauge(r, "rankscope_store_db_free_bytes",
+                            "Free pages of the database file not yet returned by the vacuum.");
+  over_cap_ = NewGauge(r, "rankscope_store_over_cap",
+                       "1 while the database exceeds --max_db_bytes with only each job's newest "
+                       "step left to prune.");
+}
+
+void HealthMetrics::ObservePrune(PruneReason reason, int64_t rank_rows, int64_t step_rows,
+                                 int64_t window_rows, int64_t job_rows, int64_t downsampled_rows,
+                                 int64_t vacuumed_bytes, absl::Duration took) {
+  auto& by_table = pruned_rows_[reason == PruneReason::kAge ? 0 : 1];
+  by_table[0]->Increment(static_cast<double>(rank_rows));
+  by_table[1]->Increment(static_cast<double>(step_rows));
+  by_table[2]->Increment(static_cast<double>(window_rows));
+  by_table[3]->Increment(static_cast<double>(job_rows));
+  downsampled_rows_->Increment(static_cast<double>(downsampled_rows));
+  vacuumed_bytes_->Increment(static_cast<double>(vacuumed_bytes));
+  prune_seconds_->Observe(absl::ToDoubleSeconds(took));
+}
+
+void HealthMetrics::PruneError() { prune_errors_->Increment(); }
+
+void HealthMetrics::SetStoreUsage(int64_t file_bytes, int64_t free_bytes, bool over_cap) {
+  db_bytes_->Set(static_cast<double>(file_bytes));
+  db_free_bytes_->Set(static_cast<double>(free_bytes));
+  over_cap_->Set(over_cap ? 1 : 0);
 }
 
 void HealthMetrics::ReportsReceived(uint64_t count) {

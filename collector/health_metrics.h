@@ -19,6 +19,14 @@
 //     rankscope_store_commit_seconds;
 //   gauges: rankscope_store_queue_depth, rankscope_streams_open, rankscope_store_healthy (1 while
 //     the last SQLite commit succeeded, 0 from a failed one until a commit succeeds again).
+//   storage lifecycle (retention.h): rankscope_store_pruned_rows_total{table,reason} (rows
+//     deleted by the retention pass; table rank_steps|step_stats|rank_windows|jobs, reason
+//     age|size), rankscope_store_downsampled_rows_total (rank_steps rows folded into
+//     rank_windows), rankscope_store_vacuumed_bytes_total, rankscope_store_prune_errors_total,
+//     histogram rankscope_store_prune_seconds (one pruning transaction), gauges
+//     rankscope_store_db_bytes (the database file: pages x page size),
+//     rankscope_store_db_free_bytes (free pages not yet returned), rankscope_store_over_cap (1
+//     while --max_db_bytes is exceeded and only each job's newest step is left to prune).
 //
 // Thread safety: thread-safe; every method may be called from any thread.
 #ifndef RANKSCOPE_COLLECTOR_HEALTH_METRICS_H_
@@ -33,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collector/reject_reason.h"
+#include "collector/retention.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -74,6 +83,13 @@ class HealthMetrics {
   // Reports (or batches) waiting for the SQLite writer thread.
   void SetStoreQueueDepth(size_t depth);
 
+  // Storage lifecycle: one pruning transaction and what it deleted; the store's size.
+  void ObservePrune(PruneReason reason, int64_t rank_rows, int64_t step_rows, int64_t window_rows,
+                    int64_t job_rows, int64_t downsampled_rows, int64_t vacuumed_bytes,
+                    absl::Duration took);
+  void PruneError();
+  void SetStoreUsage(int64_t file_bytes, int64_t free_bytes, bool over_cap);
+
   // Agent streams currently open.
   void StreamOpened();
   void StreamClosed();
@@ -104,6 +120,15 @@ class HealthMetrics {
   prometheus::Counter* streams_hello_timeout_;
   prometheus::Counter* attempt_takeovers_;
   prometheus::Counter* streams_overflowed_;
+  // [reason][table]: age, size x rank_steps, step_stats, rank_windows, jobs.
+  std::array<std::array<prometheus::Counter*, 4>, 2> pruned_rows_;
+  prometheus::Counter* downsampled_rows_;
+  prometheus::Counter* vacuumed_bytes_;
+  prometheus::Counter* prune_errors_;
+  prometheus::Histogram* prune_seconds_;
+  prometheus::Gauge* db_bytes_;
+  prometheus::Gauge* db_free_bytes_;
+  prometheus::Gauge* over_cap_;
 };
 
 }  // namespace rankscope::collector

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
+#include "collector/retention.h"
 #include "common/flag_help.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
@@ -69,6 +71,36 @@ ABSL_FLAG(absl::Duration, identity_ttl, absl::Hours(1),
           "shape.");
 ABSL_FLAG(int, max_world_size, 1000000, "Largest world size accepted in a hello.");
 ABSL_FLAG(int, max_message_bytes, 8 << 20, "Largest message accepted from an agent.");
+ABSL_FLAG(std::string, retention_rank_steps, "7d",
+          "Storage lifecycle: full per-rank rows (rank_steps) are kept this long (d, h, m or s; "
+          "0 = forever), measured by the wall time each row was received. Older rows are first "
+          "downsampled into rank_windows (per rank and --downsample_window_steps steps: "
+          "min/mean/max of loss, gradient norm, consensus cosine, outlier score), then deleted, "
+          "except flagged rows (a rank that was an outlier, diverged, was non-finite, drifting or "
+          "slow at that step), which are kept until --retention_steps.");
+ABSL_FLAG(std::string, retention_steps, "90d",
+          "Storage lifecycle: per-step statistics (step_stats), rank_windows and the rank rows of "
+          "flagged ranks are kept this long (d, h, m or s; 0 = forever), by the step's "
+          "completion time. A job with nothing left that was last seen before then is forgotten.");
+ABSL_FLAG(
+    int64_t, max_db_bytes, 0,
+    "Storage lifecycle: a cap on the live bytes of the database (0 = none). Above it the "
+    "oldest data goes first (per-rank rows downsampled, then whole steps), never a job's "
+    "newest step. Pruned rows are counted in rankscope_store_pruned_rows_total{table,reason}; "
+    "rankscope_store_db_bytes is the file's size.");
+ABSL_FLAG(int, downsample_window_steps, 100, "Storage lifecycle: steps per rank_windows row.");
+ABSL_FLAG(int, retention_batch_rows, 2048,
+          "Storage lifecycle: at most this many rank rows per pruning transaction (pruning runs "
+          "on the store writer thread between commits, so a commit waits at most one batch).");
+ABSL_FLAG(absl::Duration, retention_check_interval, absl::Seconds(10),
+          "Storage lifecycle: how often an idle store looks for data to prune (while there is a "
+          "backlog it prunes one batch after each commit, or continuously when idle).");
+ABSL_FLAG(double, time_scale, 1.0,
+          "Testing and soak benchmarks only: the collector's clock (receive and completion stamps, "
+          "step timeouts, retention ages) runs this many times faster than real time from the "
+          "collector's start, so days of retention pass in minutes. --step_timeout, "
+          "--identity_ttl and the retention ages are in this clock's time; exported latencies, "
+          "--retention_check_interval and the store's commit timing stay in real time.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "If set, every agent must present the shared token stored in this file.");
 ABSL_FLAG(std::string, tls_cert_file, "",
@@ -142,6 +174,38 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   rankscope::collector::CollectorOptions options;
+  rankscope::collector::RetentionOptions retention;
+  for (const auto& [name, flag, into] :
+       {std::tuple{"--retention_rank_steps", absl::GetFlag(FLAGS_retention_rank_steps),
+                   &retention.rank_steps},
+        std::tuple{"--retention_steps", absl::GetFlag(FLAGS_retention_steps), &retention.steps}}) {
+    auto age = rankscope::collector::ParseRetentionAge(flag);
+    if (!age.ok()) {
+      std::fprintf(stderr, "rankscope-collector: %s: %s\n", name,
+                   std::string(age.status().message()).c_str());
+      return 2;
+    }
+    *into = *age;
+  }
+  retention.max_db_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_db_bytes));
+  retention.window_steps =
+      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_downsample_window_steps)));
+  retention.max_rows_per_batch = std::max(1, absl::GetFlag(FLAGS_retention_batch_rows));
+  retention.check_interval = absl::GetFlag(FLAGS_retention_check_interval);
+  if (retention.enabled()) options.pipeline.writer.retention = retention;
+  if (const double scale = absl::GetFlag(FLAGS_time_scale); scale != 1.0) {
+    if (!(scale > 0)) {
+      std::fprintf(stderr, "rankscope-collector: --time_scale must be > 0\n");
+      return 2;
+    }
+    const absl::Time start = absl::Now();
+    auto scaled = [start, scale] { return start + (absl::Now() - start) * scale; };
+    options.pipeline.clock = scaled;
+    options.pipeline.clock_rate = scale;
+    // The writer keeps real time for its commit interval and check interval; the retention ages
+    // are measured on the pipeline's (scaled) clock, which stamped the rows.
+    options.pipeline.writer.retention_clock = scaled;
+  }
   options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.http_address = absl::GetFlag(FLAGS_http_address);

@@ -106,47 +106,68 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
-      writer_(std::move(store), options_.writer,
-              StoreWriterHooks{
-                  .on_commit =
-                      [this](absl::Duration d, size_t) {
-                        health_->ObserveStoreCommit(d);
-                        health_->SetStoreHealthy(true);
-                        if (store_failures_ > 0) {
-                          std::fprintf(stderr,
-                                       "rankscope-collector: SQLite writes recovered after %llu "
-                                       "failed attempts; held reports stored and acked\n",
-                                       static_cast<unsigned long long>(store_failures_));
-                          store_failures_ = 0;
-                        }
-                      },
-                  .on_error =
-                      [this](const absl::Status& error) {
-                        health_->StoreError();
-                        health_->SetStoreHealthy(false);
-                        // The first failure of a run of them, then every 60th (one a minute at the
-                        // default retry backoff): clear, without flooding the log.
-                        if (store_failures_++ % 60 == 0) {
-                          std::fprintf(
-                              stderr,
-                              "rankscope-collector: SQLite write failed (attempt %llu): %s; "
-                              "nothing is acked until a retry commits (agents keep their "
-                              "reports)\n",
-                              static_cast<unsigned long long>(store_failures_),
-                              error.ToString().c_str());
-                        }
-                      },
-                  .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
-                  .on_drop =
-                      [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
-                        health_->StoreDropped(items);
-                        std::fprintf(stderr,
-                                     "rankscope-collector: dropped %zu unstored store items (%s); "
-                                     "their agents' streams are ended so that they resend\n",
-                                     items, why.ToString().c_str());
-                        ForgetDroppedSteps(rows);
-                      },
-              }),
+      writer_(
+          std::move(store), options_.writer,
+          StoreWriterHooks{
+              .on_commit =
+                  [this](absl::Duration d, size_t) {
+                    health_->ObserveStoreCommit(d);
+                    health_->SetStoreHealthy(true);
+                    if (store_failures_ > 0) {
+                      std::fprintf(stderr,
+                                   "rankscope-collector: SQLite writes recovered after %llu "
+                                   "failed attempts; held reports stored and acked\n",
+                                   static_cast<unsigned long long>(store_failures_));
+                      store_failures_ = 0;
+                    }
+                  },
+              .on_error =
+                  [this](const absl::Status& error) {
+                    health_->StoreError();
+                    health_->SetStoreHealthy(false);
+                    // The first failure of a run of them, then every 60th (one a minute at the
+                    // default retry backoff): clear, without flooding the log.
+                    if (store_failures_++ % 60 == 0) {
+                      std::fprintf(stderr,
+                                   "rankscope-collector: SQLite write failed (attempt %llu): %s; "
+                                   "nothing is acked until a retry commits (agents keep their "
+                                   "reports)\n",
+                                   static_cast<unsigned long long>(store_failures_),
+                                   error.ToString().c_str());
+                    }
+                  },
+              .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
+              .on_drop =
+                  [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
+                    health_->StoreDropped(items);
+                    std::fprintf(stderr,
+                                 "rankscope-collector: dropped %zu unstored store items (%s); "
+                                 "their agents' streams are ended so that they resend\n",
+                                 items, why.ToString().c_str());
+                    ForgetDroppedSteps(rows);
+                  },
+              .on_prune =
+                  [this](const PruneAction& action, const SqliteStore::PruneResult& result,
+                         absl::Duration took) {
+                    const bool downsample = action.kind == PruneAction::Kind::kDownsample;
+                    health_->ObservePrune(
+                        action.reason, result.rank_rows, result.step_rows, result.window_rows,
+                        result.job_rows, downsample ? result.rank_rows + result.rank_rows_kept : 0,
+                        result.pages_vacuumed * page_size_.load(std::memory_order_relaxed), took);
+                  },
+              .on_usage =
+                  [this](const StoreUsage& usage, bool over_cap) {
+                    page_size_.store(usage.page_size, std::memory_order_relaxed);
+                    health_->SetStoreUsage(usage.file_bytes(),
+                                           usage.page_size * usage.freelist_count, over_cap);
+                  },
+              .on_prune_error =
+                  [this](const absl::Status& error) {
+                    health_->PruneError();
+                    std::fprintf(stderr, "rankscope-collector: storage retention: %s\n",
+                                 error.ToString().c_str());
+                  },
+          }),
       joiner_(options_.joiner),
       registry_(options_.max_jobs, options_.identity_ttl) {
   const absl::Time now = options_.clock();
@@ -392,7 +413,8 @@ void StepPipeline::StepThread() {
         const absl::Duration wait =
             next_deadline_ == absl::InfiniteFuture()
                 ? absl::Seconds(1)
-                : std::max(absl::Milliseconds(1), next_deadline_ - options_.clock());
+                : std::max(absl::Milliseconds(1),
+                           (next_deadline_ - options_.clock()) / options_.clock_rate);
         mu_.AwaitWithTimeout(absl::Condition(&ready), std::min(wait, absl::Seconds(1)));
       }
       std::vector<JoinedStep> expired;
@@ -448,7 +470,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
   absl::Time last_received = absl::InfinitePast();
   for (const RankReport& r : js.reports) last_received = std::max(last_received, r.received_at);
   if (js.reason == JoinedStep::Reason::kComplete) {
-    health_->ObserveIngestLatency(options_.clock() - last_received);
+    health_->ObserveIngestLatency((options_.clock() - last_received) / options_.clock_rate);
   }
   return ComputedStep{std::move(js), std::move(analyzed)};
 }
@@ -506,7 +528,7 @@ bool StepPipeline::Flush(absl::Duration timeout) {
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) return false;
   }
-  return writer_.Flush(timeout - (options_.clock() - start));
+  return writer_.Flush(timeout - (options_.clock() - start) / options_.clock_rate);
 }
 
 absl::Status StepPipeline::Stop(absl::Duration timeout) {
@@ -516,7 +538,8 @@ absl::Status StepPipeline::Stop(absl::Duration timeout) {
     stopping_ = true;
   }
   if (step_thread_.joinable()) step_thread_.join();
-  return writer_.Stop(std::max(absl::ZeroDuration(), timeout - (options_.clock() - start)));
+  return writer_.Stop(
+      std::max(absl::ZeroDuration(), timeout - (options_.clock() - start) / options_.clock_rate));
 }
 
 }  // namespace rankscope::collector

@@ -24,6 +24,7 @@
 #ifndef RANKSCOPE_COLLECTOR_PIPELINE_H_
 #define RANKSCOPE_COLLECTOR_PIPELINE_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -65,6 +66,11 @@ struct PipelineOptions {
   // The pipeline's only source of time (receive and completion stamps, step deadlines, control
   // generations, the budget of Flush and Stop).
   std::function<absl::Time()> clock = &absl::Now;
+  // Seconds of `clock` per real second (the collector's --time_scale, for soak benchmarks): the
+  // durations measured with `clock` that are real waits or exported metrics (the ingest latency,
+  // Flush and Stop budgets, the wait for the next step deadline) are divided by it. 1 for a
+  // real clock or a test clock.
+  double clock_rate = 1.0;
 };
 
 class StepPipeline {
@@ -138,7 +144,8 @@ class StepPipeline {
   const PipelineOptions options_;
   JobMetrics* const metrics_;
   HealthMetrics* const health_;
-  uint64_t store_failures_ = 0;  // store writer thread only: consecutive failed commits
+  uint64_t store_failures_ = 0;           // store writer thread only: consecutive failed commits
+  std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
   StoreWriter writer_;
 
   mutable Mutex mu_;

@@ -124,6 +124,12 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
         response->set_truncated(true);
       }
       for (const StepRankRow& row : *ranks) FillRankStep(row, response->add_ranks());
+      // Where the full rank rows were pruned, the downsampled rank_windows (and say so).
+      if (absl::Status s =
+              FillRankWindows(reader, request->job(), request->first_step(), last, limit, response);
+          !s.ok()) {
+        return ToGrpc(s);
+      }
     }
     return grpc::Status::OK;
   });

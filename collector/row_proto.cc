@@ -1,5 +1,7 @@
 #include "collector/row_proto.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -61,6 +63,55 @@ void FillRankStep(const StepRankRow& in, v1::RankStep* out) {
   if (r.outlier_score) out->set_outlier_score(*r.outlier_score);
   if (r.step_time_z) out->set_step_time_z(*r.step_time_z);
   out->set_received_at_unix_nanos(absl::ToUnixNanos(r.received_at));
+}
+
+void FillRankWindow(const RankWindowRow& in, v1::RankWindow* w) {
+  w->set_first_step(in.first_step);
+  w->set_last_step(in.last_step);
+  w->set_rank(in.rank);
+  w->set_rows(in.rows);
+  w->set_first_received_unix_nanos(absl::ToUnixNanos(in.first_received));
+  w->set_last_received_unix_nanos(absl::ToUnixNanos(in.last_received));
+  if (in.loss.count > 0) {
+    w->set_loss_min(*in.loss.min);
+    w->set_loss_mean(in.loss.mean());
+    w->set_loss_max(*in.loss.max);
+  }
+  if (in.grad_norm.count > 0) {
+    w->set_grad_norm_min(*in.grad_norm.min);
+    w->set_grad_norm_mean(in.grad_norm.mean());
+    w->set_grad_norm_max(*in.grad_norm.max);
+  }
+  if (in.grad_cosine.count > 0) {
+    w->set_grad_cosine_min(*in.grad_cosine.min);
+    w->set_grad_cosine_mean(in.grad_cosine.mean());
+    w->set_grad_cosine_max(*in.grad_cosine.max);
+  }
+  if (in.outlier_score.count > 0) {
+    w->set_outlier_score_min(*in.outlier_score.min);
+    w->set_outlier_score_mean(in.outlier_score.mean());
+    w->set_outlier_score_max(*in.outlier_score.max);
+  }
+  w->set_nonfinite(in.nonfinite);
+  w->set_outliers(in.outliers);
+  w->set_replica_bad(in.replica_bad);
+}
+
+absl::Status FillRankWindows(SqliteStore& store, absl::string_view job, uint64_t first_step,
+                             uint64_t last_step, int limit, v1::StepRangeResponse* out) {
+  absl::StatusOr<uint64_t> before = store.DownsampledBefore(job);
+  if (!before.ok()) return before.status();
+  out->set_downsampled_before_step(*before);
+  if (*before == 0 || first_step >= *before) return absl::OkStatus();
+  auto windows =
+      store.RankWindowsInRange(job, first_step, std::min(last_step, *before - 1), limit + 1);
+  if (!windows.ok()) return windows.status();
+  if (windows->size() > static_cast<size_t>(limit)) {
+    windows->resize(limit);
+    out->set_truncated(true);
+  }
+  for (const RankWindowRow& w : *windows) FillRankWindow(w, out->add_rank_windows());
+  return absl::OkStatus();
 }
 
 }  // namespace rankscope::collector

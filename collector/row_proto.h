@@ -4,6 +4,8 @@
 #ifndef RANKSCOPE_COLLECTOR_ROW_PROTO_H_
 #define RANKSCOPE_COLLECTOR_ROW_PROTO_H_
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "collector/sqlite_store.h"
 #include "rankscope/v1/rankscope.pb.h"
 
@@ -14,6 +16,15 @@ void FillStepStats(const StepRow& row, v1::StepStats* out);
 
 // Fills *out from a rank_steps row; optional columns that are NULL stay unset.
 void FillRankStep(const StepRankRow& in, v1::RankStep* out);
+
+// Fills *out from a rank_windows row; a metric with no value in the window stays unset.
+void FillRankWindow(const RankWindowRow& in, v1::RankWindow* out);
+
+// Sets out->downsampled_before_step from the store and adds the rank_windows rows overlapping
+// [first_step, min(last_step, downsampled_before_step - 1)] (at most `limit`; more sets
+// truncated). Used with the rank rows of a range (query service, CLI --db).
+absl::Status FillRankWindows(SqliteStore& store, absl::string_view job, uint64_t first_step,
+                             uint64_t last_step, int limit, v1::StepRangeResponse* out);
 
 }  // namespace rankscope::collector
 

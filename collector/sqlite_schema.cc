@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -83,7 +85,52 @@ CREATE TABLE IF NOT EXISTS step_stats(
   drifting_ranks TEXT NOT NULL DEFAULT '',    -- "1,5": data-drift CUSUM above h (rank_cusum.h)
   slow_ranks TEXT NOT NULL DEFAULT '',        -- "3": step-time CUSUM above h
   PRIMARY KEY(job, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rank_windows(
+  job TEXT NOT NULL,
+  first_step INTEGER NOT NULL,  -- the window: first_step .. last_step (retention.h)
+  rank INTEGER NOT NULL,
+  last_step INTEGER NOT NULL,
+  rows INTEGER NOT NULL,        -- rank_steps rows aggregated so far
+  first_received REAL NOT NULL,
+  last_received REAL NOT NULL,
+  loss_n INTEGER NOT NULL, loss_sum REAL, loss_min REAL, loss_max REAL,
+  grad_norm_n INTEGER NOT NULL, grad_norm_sum REAL, grad_norm_min REAL, grad_norm_max REAL,
+  grad_cosine_n INTEGER NOT NULL, grad_cosine_sum REAL, grad_cosine_min REAL,
+  grad_cosine_max REAL,
+  outlier_score_n INTEGER NOT NULL, outlier_score_sum REAL, outlier_score_min REAL,
+  outlier_score_max REAL,
+  nonfinite INTEGER NOT NULL,    -- rows with a non-finite loss, norm or sketch
+  outliers INTEGER NOT NULL,     -- rows with outlier_score >= the outlier threshold
+  replica_bad INTEGER NOT NULL,  -- rows with replica_ok = 0
+  PRIMARY KEY(job, first_step, rank)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS downsampled(
+  job TEXT NOT NULL PRIMARY KEY,
+  next_step INTEGER NOT NULL);  -- rank_steps rows below it were aggregated into rank_windows
 )sql";
+
+// One schema version's migration from the version before it: statements run in the open's
+// write transaction, in order. kCreateSchema runs after all of them (creating new tables), so a
+// migration only alters what already exists. To add version N + 1: append its entry here, bump
+// SqliteStore::kSchemaVersion, extend kCreateSchema, and add a fixture of a version-N file to
+// tests/collector/testdata with a test that opens it.
+struct Migration {
+  int to_version;
+  std::vector<const char*> statements;
+};
+
+const std::vector<Migration>& Migrations() {
+  static const std::vector<Migration>* const kMigrations = new std::vector<Migration>{
+      {2, {"ALTER TABLE step_stats ADD COLUMN duplicate_groups TEXT NOT NULL DEFAULT ''"}},
+      {3, {"ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 0"}},
+      {4,
+       {"ALTER TABLE step_stats ADD COLUMN drifting_ranks TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE step_stats ADD COLUMN slow_ranks TEXT NOT NULL DEFAULT ''"}},
+      // 5: rank_windows and downsampled (created by kCreateSchema), and auto_vacuum=INCREMENTAL
+      // (a VACUUM after the transaction, see ConfigureConnection).
+      {5, {}},
+  };
+  return *kMigrations;
+}
 
 }  // namespace
 
@@ -161,6 +208,14 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
     if (absl::Status s = exec(absl::StrCat("PRAGMA max_page_count=", pages)); !s.ok()) return s;
   }
 
+  // Freed pages go back to the file system in steps (SqliteStore::IncrementalVacuum, run by the
+  // retention pass), so pruning shrinks the file. On a new, empty file this takes effect at once;
+  // a file created before schema 5 needs one VACUUM, below.
+  if (absl::Status s = exec("PRAGMA auto_vacuum=INCREMENTAL"); !s.ok()) return s;
+  // The WAL is truncated back to this after a checkpoint that found it larger, so a burst of
+  // pruning does not leave a large -wal file behind.
+  if (absl::Status s = exec("PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
+
   // Schema creation and the version check in one write transaction, so two processes opening a
   // new file at once do not race.
   if (absl::Status s = exec("BEGIN IMMEDIATE"); !s.ok()) return s;
@@ -174,28 +229,15 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
                           version, SqliteStore::kSchemaVersion));
     }
     // Migrations from older versions, one step at a time (v == 0: a new file, created whole).
-    if (v == 1) {
-      if (absl::Status s = exec("ALTER TABLE step_stats ADD COLUMN duplicate_groups TEXT NOT NULL "
-                                "DEFAULT ''",
-                                "migrate schema 1 -> 2");
-          !s.ok()) {
-        return s;
-      }
-    }
-    if (v >= 1 && v <= 2) {
-      if (absl::Status s = exec("ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 0",
-                                "migrate schema 2 -> 3");
-          !s.ok()) {
-        return s;
-      }
-    }
-    if (v >= 1 && v <= 3) {
-      for (const char* column : {"drifting_ranks", "slow_ranks"}) {
-        if (absl::Status s = exec(absl::StrCat("ALTER TABLE step_stats ADD COLUMN ", column,
-                                               " TEXT NOT NULL DEFAULT ''"),
-                                  "migrate schema 3 -> 4");
-            !s.ok()) {
-          return s;
+    if (v >= 1) {
+      for (const Migration& m : Migrations()) {
+        if (v >= m.to_version) continue;
+        for (const char* sql : m.statements) {
+          if (absl::Status s = exec(sql, absl::StrFormat("migrate schema %d -> %d: %s",
+                                                         m.to_version - 1, m.to_version, sql));
+              !s.ok()) {
+            return s;
+          }
         }
       }
     }
@@ -211,7 +253,20 @@ absl::Status ConfigureConnection(const std::string& path, const StoreOptions& op
   if (!status.ok() && sqlite3_get_autocommit(db) == 0) {
     sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
   }
-  return status;
+  if (!status.ok()) return status;
+  // A file written before schema 5 has auto_vacuum=NONE, which only a VACUUM can change: it
+  // rewrites the whole file once (seconds per GB, the writer waits; readers keep reading), needs
+  // as much free disk as the file, and never runs again on this file. If it fails (e.g. the disk
+  // is too full), the store still works; the file just does not shrink when pruned.
+  std::string auto_vacuum;
+  if (absl::Status s = query("PRAGMA auto_vacuum", &auto_vacuum); !s.ok()) return s;
+  if (auto_vacuum != "2") {
+    if (absl::Status s = exec("VACUUM", "VACUUM (enable auto_vacuum=INCREMENTAL, once)"); !s.ok()) {
+      std::fprintf(stderr, "rankscope-collector: %s (the file will not shrink when pruned)\n",
+                   s.ToString().c_str());
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace rankscope::collector::sqlite

@@ -16,6 +16,11 @@
 //        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks,
 //        timed_out, completed_at, grad_noise_scale, replica_checked, replica_divergent_ranks,
 //        outlier_ranks, duplicate_groups, drifting_ranks, slow_ranks, PRIMARY KEY(job, step))
+//   rank_windows(job, first_step, rank, last_step, rows, first_received, last_received, and per
+//        metric (loss, grad_norm, grad_cosine, outlier_score) _n, _sum, _min, _max; nonfinite,
+//        outliers, replica_bad; PRIMARY KEY(job, first_step, rank)): downsampled rank rows
+//        (rank_windows.h), written by the retention pass (retention.h) before it deletes them
+//   downsampled(job PRIMARY KEY, next_step): rank_steps rows of lower steps were downsampled
 // Times are Unix seconds as REAL, with microsecond precision (InfiniteFuture/InfinitePast are
 // stored as +/-Inf). NaN is stored as NULL (SQLite's own rule) and flagged by `nonfinite` (1 when
 // the rank's loss or grad_norm was NaN/Inf); +/-Inf is stored as REAL +/-Inf. On reads a NULL
@@ -28,7 +33,8 @@
 // none; world_size - ranks is the full count. rank_steps and step_stats are WITHOUT ROWID tables
 // clustered on their primary keys, which also serve RecentSteps and RankRows; no other index is
 // needed. The schema version is PRAGMA user_version (kSchemaVersion); Open refuses a file written
-// by a newer schema.
+// by a newer schema and migrates an older one (sqlite_schema.cc; to 5: one VACUUM to switch the
+// file to auto_vacuum=INCREMENTAL, so that pruning shrinks it).
 //
 // Durability: WAL with synchronous=NORMAL by default. A commit survives a crash or SIGKILL of the
 // process (it is in the WAL, which the OS holds), so "ack after commit" holds against collector
@@ -59,6 +65,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "collector/rank_windows.h"
+#include "collector/retention.h"
 
 struct sqlite3;
 struct sqlite3_stmt;
@@ -179,8 +187,9 @@ struct StoreOptions {
 class SqliteStore {
  public:
   // The schema this build writes (PRAGMA user_version).
-  // 1: the first release. 2: step_stats.duplicate_groups.
-  static constexpr int kSchemaVersion = 4;
+  // 1: the first release. 2: step_stats.duplicate_groups. 3: jobs.attempt.
+  // 4: step_stats.drifting_ranks, slow_ranks. 5: rank_windows, downsampled, auto_vacuum.
+  static constexpr int kSchemaVersion = 5;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:
@@ -230,6 +239,34 @@ class SqliteStore {
                                                            uint64_t first_step, uint64_t last_step,
                                                            int limit);
 
+  // rank_windows rows of a job overlapping [first_step, last_step], ordered by (first_step,
+  // rank), at most `limit` (rank_windows.h). InvalidArgument when limit < 0.
+  absl::StatusOr<std::vector<RankWindowRow>> RankWindowsInRange(absl::string_view job,
+                                                                uint64_t first_step,
+                                                                uint64_t last_step, int limit);
+  // The job's rank_steps rows below this step were downsampled into rank_windows and deleted,
+  // except flagged rows (retention.h rule 1; 0: none were).
+  absl::StatusOr<uint64_t> DownsampledBefore(absl::string_view job);
+
+  // --- Retention (sqlite_retention.cc; DESIGN.md "Storage lifecycle", retention.h) ----------
+  // Each call is its own short transaction on the writer's connection. Errors as on Write.
+  absl::StatusOr<StoreUsage> Usage();
+  absl::StatusOr<std::vector<JobExtent>> JobExtents();
+  struct PruneResult {
+    int64_t rank_rows = 0;        // rank_steps rows deleted
+    int64_t rank_rows_kept = 0;   // flagged rank_steps rows kept (kDownsample)
+    int64_t step_rows = 0;        // step_stats rows deleted
+    int64_t window_rows = 0;      // rank_windows rows deleted
+    int64_t windows_written = 0;  // rank_windows rows inserted or merged into
+    int64_t job_rows = 0;         // jobs rows deleted (forgotten jobs)
+    int64_t steps = 0;            // steps the action covered (0: nothing was old enough)
+    int64_t pages_vacuumed = 0;   // kVacuum
+  };
+  // Executes one PruneAction (retention.h). `window_steps` and `outlier_threshold` as in
+  // RetentionOptions.
+  absl::StatusOr<PruneResult> Prune(const PruneAction& action, uint32_t window_steps,
+                                    double outlier_threshold);
+
   const std::string& path() const { return path_; }
 
  private:
@@ -245,6 +282,12 @@ class SqliteStore {
   absl::Status QueryStepRange(sqlite3_stmt* stmt, absl::string_view job, uint64_t first_step,
                               uint64_t last_step, int limit, absl::string_view what,
                               absl::FunctionRef<absl::Status(sqlite3_stmt*)> read_row);
+  absl::StatusOr<PruneResult> Downsample(const PruneAction& action, uint32_t window_steps,
+                                         double outlier_threshold);
+  absl::StatusOr<PruneResult> DropSteps(const PruneAction& action);
+  absl::StatusOr<PruneResult> IncrementalVacuum(int64_t pages);
+  // Runs `body` between BEGIN IMMEDIATE and COMMIT (ROLLBACK on error).
+  absl::Status InTransaction(absl::FunctionRef<absl::Status()> body);
   std::string path_;
   sqlite3* db_;
   std::unique_ptr<Statements> stmts_;

@@ -139,16 +139,101 @@ absl::Status StoreWriter::health() const {
   return health_;
 }
 
+bool StoreWriter::WaitRetentionIdle(absl::Duration timeout) {
+  if (!options_.retention) return false;
+  MutexLock lock(&mu_);
+  const uint64_t after = retention_checks_;
+  retention_wanted_ = true;  // wakes an idle writer for a check now
+  auto idle = [this, after]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return retention_idle_check_ > after || stopped_;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return retention_idle_check_ > after;
+}
+
+bool StoreWriter::RetentionPass() {
+  const RetentionOptions& retention = *options_.retention;
+  uint64_t check;
+  {
+    MutexLock lock(&mu_);
+    check = ++retention_checks_;
+  }
+  const absl::Time now = options_.retention_clock ? options_.retention_clock() : options_.clock();
+  PruneAction action;
+  absl::Status status = [&]() -> absl::Status {
+    auto usage = store_->Usage();
+    if (!usage.ok()) return usage.status();
+    auto jobs = store_->JobExtents();
+    if (!jobs.ok()) return jobs.status();
+    action = NextPruneAction(retention, now, *usage, *jobs);
+    if (hooks_.on_usage) hooks_.on_usage(*usage, action.over_cap);
+    return absl::OkStatus();
+  }();
+  bool pruned = false;
+  if (status.ok() && action.kind != PruneAction::Kind::kNone) {
+    const absl::Time start = options_.clock();
+    auto result = store_->Prune(action, retention.window_steps, retention.outlier_threshold);
+    if (result.ok()) {
+      if (hooks_.on_prune) hooks_.on_prune(action, *result, options_.clock() - start);
+      pruned = result->steps > 0;
+    } else {
+      status = result.status();
+    }
+  }
+  if (!status.ok() && hooks_.on_prune_error) hooks_.on_prune_error(status);
+  if (!pruned) {
+    MutexLock lock(&mu_);
+    retention_idle_check_ = check;
+  }
+  return pruned;
+}
+
 void StoreWriter::Run() {
   std::vector<WriteItem> items;
   absl::Time last_commit = absl::InfinitePast();
+  // Retention: prune again at once while the last pass pruned, else at the next check.
+  bool backlog = false;
+  absl::Time next_check = absl::InfinitePast();
+  const auto retention_due = [&] {
+    return options_.retention && (backlog || options_.clock() >= next_check);
+  };
+  const auto prune = [&] {
+    backlog = RetentionPass();
+    if (!backlog) next_check = options_.clock() + options_.retention->check_interval;
+  };
   while (true) {
+    if (retention_due()) {
+      bool idle;
+      {
+        MutexLock lock(&mu_);
+        idle = pending_.empty() && !stopping_;
+      }
+      if (idle) {
+        prune();
+        continue;
+      }
+    }
     {
       MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return !pending_.empty() || stopping_;
       };
-      mu_.Await(absl::Condition(&ready));
+      if (options_.retention) {
+        auto ready_or_wanted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !pending_.empty() || stopping_ || retention_wanted_;
+        };
+        const absl::Duration until_check =
+            backlog ? absl::ZeroDuration()
+                    : std::max(absl::ZeroDuration(), next_check - options_.clock());
+        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_wanted), until_check)) continue;
+        if (retention_wanted_) {
+          retention_wanted_ = false;
+          next_check = absl::InfinitePast();
+          if (!ready()) continue;
+        }
+      } else {
+        mu_.Await(absl::Condition(&ready));
+      }
       auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return pending_.size() >= std::max<size_t>(options_.max_batch_items, 1) || stopping_;
       };
@@ -176,10 +261,16 @@ void StoreWriter::Run() {
       const absl::Duration commit_time = options_.clock() - start;  // the commit, not the acks
       SendAcks(items);
       if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
-      MutexLock lock(&mu_);
-      finished_ += items.size();
-      health_ = absl::OkStatus();
-      if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
+      bool stopping;
+      {
+        MutexLock lock(&mu_);
+        finished_ += items.size();
+        health_ = absl::OkStatus();
+        if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
+        stopping = stopping_;
+      }
+      // One pruning transaction between two commits while there is a backlog to prune.
+      if (!stopping && retention_due()) prune();
       continue;
     }
     if (hooks_.on_error) hooks_.on_error(status);

@@ -19,7 +19,16 @@
 // only (a duplicate of something already stored): it is acked after the next commit, which is
 // after the commit of what it duplicates.
 //
-// Thread safety: Enqueue, Flush and Stop are thread-safe. Hooks are called on the writer thread.
+// Retention (StoreWriterOptions::retention, DESIGN.md "Storage lifecycle"): the same thread
+// prunes the store in small transactions (retention.h picks each action, SqliteStore::Prune runs
+// it): one after each commit while the previous one pruned something, else one check every
+// RetentionOptions::check_interval (by the writer's clock). A pruning transaction touches at most
+// RetentionOptions::max_rows_per_batch rank rows, so commits of new rows wait at most one such
+// transaction. Pruning failures are reported through on_prune_error and retried at the next
+// check; they never hold acks back.
+//
+// Thread safety: Enqueue, Flush, WaitRetentionIdle and Stop are thread-safe. Hooks are called on
+// the writer thread.
 #ifndef RANKSCOPE_COLLECTOR_STORE_WRITER_H_
 #define RANKSCOPE_COLLECTOR_STORE_WRITER_H_
 
@@ -28,6 +37,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -36,6 +46,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/ack.h"
+#include "collector/retention.h"
 #include "collector/sqlite_store.h"
 #include "common/mutex.h"
 
@@ -53,6 +64,14 @@ struct StoreWriterHooks {
   // `items` items holding `rows` were dropped unacked for `why`. Called on the writer thread, or
   // for a queue overflow on the thread calling Enqueue (never under the writer's lock).
   std::function<void(const StoreBatch& rows, size_t items, const absl::Status& why)> on_drop;
+  // Retention: one pruning transaction done (`took` by the writer's clock).
+  std::function<void(const PruneAction& action, const SqliteStore::PruneResult& result,
+                     absl::Duration took)>
+      on_prune;
+  // Retention: the store's size at each check; over_cap when max_db_bytes is exceeded and only
+  // each job's newest step is left to prune.
+  std::function<void(const StoreUsage& usage, bool over_cap)> on_usage;
+  std::function<void(const absl::Status& error)> on_prune_error;
 };
 
 struct StoreWriterOptions {
@@ -64,6 +83,11 @@ struct StoreWriterOptions {
   // a test clock decides when the writer thinks an instant has come, not how long it sleeps.
   // Called on the writer thread and the thread calling Stop; must be thread-safe.
   std::function<absl::Time()> clock = [] { return absl::Now(); };
+  // The storage lifecycle; nullopt: the writer never prunes (the store grows forever).
+  std::optional<RetentionOptions> retention;
+  // The time retention ages are measured against: the clock that stamped the rows (the
+  // pipeline's). Null: `clock`. check_interval is measured with `clock`.
+  std::function<absl::Time()> retention_clock;
 };
 
 class StoreWriter {
@@ -84,8 +108,14 @@ class StoreWriter {
   // The most recent commit error, OK once a later commit succeeded.
   absl::Status health() const;
 
+  // Waits until a retention check that started after this call found nothing to prune (true),
+  // or the timeout passed (tests and the soak benchmark). False at once without retention.
+  bool WaitRetentionIdle(absl::Duration timeout);
+
  private:
   void Run();
+  // One retention check and at most one pruning transaction; returns whether it pruned.
+  bool RetentionPass();
 
   const StoreWriterOptions options_;
   const StoreWriterHooks hooks_;
@@ -99,6 +129,10 @@ class StoreWriter {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Status health_ ABSL_GUARDED_BY(mu_);
+  // Retention checks started, and the last one of them that found nothing to prune.
+  uint64_t retention_checks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t retention_idle_check_ ABSL_GUARDED_BY(mu_) = 0;
+  bool retention_wanted_ ABSL_GUARDED_BY(mu_) = false;  // WaitRetentionIdle asks for a check
   std::thread thread_;
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <set>
 #include <utility>
 
 namespace rankscope::query {
@@ -110,6 +111,7 @@ absl::Status QueryClient::StepRangePaged(const StepRangeQuery& query, v1::StepRa
   const uint64_t world = std::max<uint64_t>(1, out->steps(0).world_size());
   const uint64_t chunk = std::max<uint64_t>(1, page_rows / world);
   const uint64_t end = out->steps(out->steps_size() - 1).step();
+  std::set<std::pair<uint64_t, uint32_t>> windows_seen;
   for (uint64_t from = out->steps(0).step(); out->ranks_size() < max_rows;) {
     const uint64_t to = end - from < chunk ? end : from + chunk - 1;
     absl::StatusOr<v1::StepRangeResponse> page =
@@ -121,6 +123,16 @@ absl::Status QueryClient::StepRangePaged(const StepRangeQuery& query, v1::StepRa
         break;
       }
       *out->add_ranks() = std::move(r);
+    }
+    // Downsampled windows overlap several pages: each once.
+    out->set_downsampled_before_step(page->downsampled_before_step());
+    for (v1::RankWindow& w : *page->mutable_rank_windows()) {
+      if (!windows_seen.insert({w.first_step(), w.rank()}).second) continue;
+      if (out->rank_windows_size() >= max_rows) {
+        out->set_truncated(true);
+        break;
+      }
+      *out->add_rank_windows() = std::move(w);
     }
     if (to == end) break;
     from = to + 1;

@@ -62,9 +62,10 @@ class QueryClient {
 
   // Appends the job's step rows in [first_step, last_step], oldest first, at most max_rows of
   // them (page_rows per request), then, with include_ranks, the rank rows of those steps, a few
-  // steps (about page_rows rows) per request, at most max_rows. Every stored row comes exactly
-  // once; out->truncated() is set when max_rows cut either list. On an error `out` holds the
-  // rows read so far.
+  // steps (about page_rows rows) per request, at most max_rows, with the rank_windows of those
+  // steps where the rank rows were downsampled (and downsampled_before_step). Every stored row
+  // comes exactly once; out->truncated() is set when max_rows cut either list. On an error `out`
+  // holds the rows read so far.
   absl::Status StepRangePaged(const StepRangeQuery& query, v1::StepRangeResponse* out);
 
  private:

@@ -366,7 +366,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 4);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 5);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -393,12 +393,12 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 5");
+  RawDb(path_).Exec("PRAGMA user_version = 6");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 5"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 6"));
 }
 
 // A file the first release (schema 1) wrote: a read-only open refuses it and says how to
@@ -419,7 +419,7 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
 
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), 4);
+  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
   auto old = store->GetStep("old-job", 41);
   ASSERT_TRUE(old.ok()) << old.status();
   ASSERT_TRUE(old->has_value());
@@ -452,6 +452,65 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfTheFirstRelease) {
   ASSERT_TRUE(jobs.ok() && !jobs->empty());
   EXPECT_EQ(jobs->front().attempt, 2u);
   auto reader = SqliteStore::Open(path_, read_only);  // migrated: readers open it now
+  EXPECT_TRUE(reader.ok()) << reader.status();
+}
+
+// A file the schema-4 release wrote (tests/collector/testdata/schema_v4.sql, dumped from a real
+// collector fed by loadgen): the migration to 5 keeps every row, adds rank_windows and
+// downsampled, and switches the file to auto_vacuum=INCREMENTAL (one VACUUM), after which
+// pruning it shrinks it.
+TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
+  std::ifstream in(std::string(RANKSCOPE_SOURCE_DIR) + "/tests/collector/testdata/schema_v4.sql");
+  ASSERT_TRUE(in.good());
+  std::stringstream sql;
+  sql << in.rdbuf();
+  RawDb(path_).Exec(sql.str());
+  ASSERT_EQ(RawDb(path_).Int("PRAGMA user_version"), 4);
+  ASSERT_EQ(RawDb(path_).Int("PRAGMA auto_vacuum"), 0);
+  const auto before = DumpAll();
+  ASSERT_FALSE(before.empty());
+
+  StoreOptions read_only;
+  read_only.read_only = true;
+  auto early = SqliteStore::Open(path_, read_only);
+  ASSERT_FALSE(early.ok());
+  EXPECT_THAT(early.status().message(), HasSubstr("schema_version 4 is older"));
+
+  auto store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  {
+    RawDb raw(path_);
+    EXPECT_EQ(raw.Int("PRAGMA user_version"), 5);
+    EXPECT_EQ(raw.Int("PRAGMA auto_vacuum"), 2);  // INCREMENTAL
+    EXPECT_EQ(raw.Int("SELECT count(*) FROM rank_windows"), 0);
+    EXPECT_EQ(raw.Int("SELECT count(*) FROM downsampled"), 0);
+  }
+  EXPECT_EQ(DumpAll(), before);  // every row of jobs, step_stats and rank_steps kept as it was
+  EXPECT_EQ(*store->CountRankRows("v4-job"), 24);
+  auto outlier = store->GetStep("v4-job", 6);
+  ASSERT_TRUE(outlier.ok() && outlier->has_value());
+  EXPECT_THAT((*outlier)->outlier_ranks, ElementsAre(2));
+
+  // The migrated file is pruned like a new one. In the fixture, four rows are flagged (outlier
+  // score >= 6: rank 1 at step 3, the outlier rank 2 at steps 4..6) and kept; the other 20 of the
+  // 24 rows are deleted; all of them are folded into the window of steps 0..99.
+  RetentionOptions options;
+  options.rank_steps = absl::Seconds(1);
+  options.steps = absl::ZeroDuration();
+  auto usage = store->Usage();
+  auto jobs = store->JobExtents();
+  ASSERT_TRUE(usage.ok() && jobs.ok());
+  const PruneAction action = NextPruneAction(options, absl::Now() + absl::Hours(1), *usage, *jobs);
+  ASSERT_EQ(action.kind, PruneAction::Kind::kDownsample);
+  auto pruned = store->Prune(action, options.window_steps, options.outlier_threshold);
+  ASSERT_TRUE(pruned.ok()) << pruned.status();
+  EXPECT_EQ(pruned->rank_rows, 20);
+  EXPECT_EQ(pruned->rank_rows_kept, 4);
+  auto windows = store->RankWindowsInRange("v4-job", 0, 99, 100);
+  ASSERT_TRUE(windows.ok());
+  ASSERT_EQ(windows->size(), 4u);
+  for (const RankWindowRow& w : *windows) EXPECT_EQ(w.rows, 6);
+  auto reader = SqliteStore::Open(path_, read_only);
   EXPECT_TRUE(reader.ok()) << reader.status();
 }
 
@@ -919,7 +978,8 @@ TEST_F(SqliteStoreTest, InjectionLookingJobNamesAreStoredVerbatim) {
   EXPECT_EQ(*store->CountRankRows("aXbYc"), 0);
   EXPECT_EQ(*store->CountRankRows("nul"), 0);
   RawDb raw(path_);
-  EXPECT_EQ(raw.Int("SELECT count(*) FROM sqlite_schema WHERE type = 'table'"), 4);
+  // jobs, rank_identities, rank_steps, step_stats, rank_windows, downsampled: no table dropped.
+  EXPECT_EQ(raw.Int("SELECT count(*) FROM sqlite_schema WHERE type = 'table'"), 6);
 }
 
 // --- Concurrency with other connections. ------------------------------------------------------

@@ -62,8 +62,8 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "RPC deadline.");
 ABSL_FLAG(int, worst, 5, "show: number of worst ranks (by outlier score) of the newest step.");
 ABSL_FLAG(std::string, format, "csv", "export: csv or json.");
 ABSL_FLAG(std::string, table, "steps",
-          "export --format=csv: steps (step_stats) or ranks "
-          "(rank_steps); json has both.");
+          "export --format=csv: steps (step_stats), ranks (rank_steps) or windows "
+          "(rank_windows: downsampled per-rank data); json has all three.");
 ABSL_FLAG(std::string, db, "", "export, report: read this SQLite file instead of the collector.");
 ABSL_FLAG(uint64_t, first_step, 0, "export, report: first step.");
 ABSL_FLAG(uint64_t, last_step, 0, "export, report: last step (0: the newest).");
@@ -443,6 +443,11 @@ int LoadRange(const Cli& cli, const std::string& job, bool include_ranks,
         out->set_truncated(true);
       }
       for (const store::StepRankRow& row : *ranks) FillRankStep(row, out->add_ranks());
+      if (absl::Status s = store::FillRankWindows(**opened, job, first, last, max_rows, out);
+          !s.ok()) {
+        std::fprintf(stderr, "rankscope: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
     }
   }
   if (out->steps_size() == 0 && out->ranks_size() == 0) {
@@ -452,6 +457,14 @@ int LoadRange(const Cli& cli, const std::string& job, bool include_ranks,
   }
   if (out->truncated()) {
     std::fprintf(stderr, "rankscope: more than --max_rows=%d rows; output truncated\n", max_rows);
+  }
+  if (include_ranks && out->downsampled_before_step() > first) {
+    std::fprintf(stderr,
+                 "rankscope: job %s: the per-rank rows of steps before %llu were pruned by the "
+                 "collector's retention (--retention_rank_steps; flagged ranks keep theirs); "
+                 "%d downsampled rank windows cover them (export --table=windows)\n",
+                 job.c_str(), static_cast<unsigned long long>(out->downsampled_before_step()),
+                 out->rank_windows_size());
   }
   return 0;
 }
@@ -471,12 +484,13 @@ int Export(const Cli& cli, const std::string& job) {
     std::fprintf(stderr, "rankscope: --format must be csv or json, not '%s'\n", format.c_str());
     return 2;
   }
-  if (table != "steps" && table != "ranks") {
-    std::fprintf(stderr, "rankscope: --table must be steps or ranks, not '%s'\n", table.c_str());
+  if (table != "steps" && table != "ranks" && table != "windows") {
+    std::fprintf(stderr, "rankscope: --table must be steps, ranks or windows, not '%s'\n",
+                 table.c_str());
     return 2;
   }
   v1::StepRangeResponse data;
-  if (int rc = LoadRange(cli, job, format == "json" || table == "ranks", &data); rc != 0) {
+  if (int rc = LoadRange(cli, job, format == "json" || table != "steps", &data); rc != 0) {
     return rc;
   }
   if (format == "json") {
@@ -510,6 +524,33 @@ int Export(const Cli& cli, const std::string& job) {
           Csv(st.grad_noise_scale()).c_str(), st.timed_out() ? 1 : 0, MissingRanks(st, ";").c_str(),
           st.replica_checked() ? 1 : 0, absl::StrJoin(st.replica_divergent_ranks(), ";").c_str(),
           absl::StrJoin(st.outlier_ranks(), ";").c_str(), duplicates.c_str());
+    }
+    return 0;
+  }
+  if (table == "windows") {
+    // Downsampled per-rank data (rank_windows): min/mean/max per rank and window of steps.
+    std::printf(
+        "first_step,last_step,rank,rows,loss_min,loss_mean,loss_max,grad_norm_min,grad_norm_mean,"
+        "grad_norm_max,grad_cosine_min,grad_cosine_mean,grad_cosine_max,outlier_score_min,"
+        "outlier_score_mean,outlier_score_max,nonfinite,outliers,replica_bad\n");
+    for (const v1::RankWindow& w : data.rank_windows()) {
+      std::printf("%llu,%llu,%u,%lld,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%lld,%lld,%lld\n",
+                  static_cast<unsigned long long>(w.first_step()),
+                  static_cast<unsigned long long>(w.last_step()), w.rank(),
+                  static_cast<long long>(w.rows()), Csv(w.has_loss_min(), w.loss_min()).c_str(),
+                  Csv(w.has_loss_mean(), w.loss_mean()).c_str(),
+                  Csv(w.has_loss_max(), w.loss_max()).c_str(),
+                  Csv(w.has_grad_norm_min(), w.grad_norm_min()).c_str(),
+                  Csv(w.has_grad_norm_mean(), w.grad_norm_mean()).c_str(),
+                  Csv(w.has_grad_norm_max(), w.grad_norm_max()).c_str(),
+                  Csv(w.has_grad_cosine_min(), w.grad_cosine_min()).c_str(),
+                  Csv(w.has_grad_cosine_mean(), w.grad_cosine_mean()).c_str(),
+                  Csv(w.has_grad_cosine_max(), w.grad_cosine_max()).c_str(),
+                  Csv(w.has_outlier_score_min(), w.outlier_score_min()).c_str(),
+                  Csv(w.has_outlier_score_mean(), w.outlier_score_mean()).c_str(),
+                  Csv(w.has_outlier_score_max(), w.outlier_score_max()).c_str(),
+                  static_cast<long long>(w.nonfinite()), static_cast<long long>(w.outliers()),
+                  static_cast<long long>(w.replica_bad()));
     }
     return 0;
   }
@@ -653,11 +694,16 @@ const char* VerbHelp(const std::string& verb) {
            "Refreshes every 2 s until interrupted; --once prints once (for scripts).\n";
   }
   if (verb == "export") {
-    return "rankscope export --job=J [--format=csv|json] [--table=steps|ranks] [--db=PATH]\n"
-           "                 [--first_step=N] [--last_step=N] [--max_rows=N]\n\n"
+    return "rankscope export --job=J [--format=csv|json] [--table=steps|ranks|windows]\n"
+           "                 [--db=PATH] [--first_step=N] [--last_step=N] [--max_rows=N]\n\n"
            "Writes job J's stored rows to stdout, oldest step first: csv of step_stats\n"
-           "(--table=steps, the default) or of rank_steps (--table=ranks), or json with both\n"
-           "({\"steps\": [...], \"ranks\": [...]}, uint64 fingerprints as decimal strings). Reads\n"
+           "(--table=steps, the default), of rank_steps (--table=ranks) or of rank_windows\n"
+           "(--table=windows: per rank and window of steps, min/mean/max of loss, gradient norm,\n"
+           "consensus cosine and outlier score where the collector's retention pruned the full\n"
+           "rank rows), or json with all ({\"steps\": [...], \"ranks\": [...], \"rank_windows\":\n"
+           "[...], \"downsampled_before_step\": N}, uint64 values as decimal strings). A notice "
+           "on\n"
+           "stderr says when rank rows of the range were downsampled. Reads\n"
            "the running collector (--collector) or, with --db, a SQLite file directly (also one\n"
            "a running collector is writing). Lists inside a csv field are separated by ';'.\n";
   }
