@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     log = open(work / "collector.log", "w+")
     collector_cmd = [
         str(bindir / "rankscope-collector"), "--grpc_address=127.0.0.1:0",
-        "--metrics_address=127.0.0.1:0", f"--db_path={db}", f"--time_scale={args.time_scale}",
+        "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={db}",
+        f"--time_scale={args.time_scale}",
         f"--retention_rank_steps={args.retention_rank_steps}",
         f"--retention_steps={args.retention_steps}", f"--max_db_bytes={args.max_db_bytes}",
         # Scaled: a step times out after 1 h of the collector's clock.
