@@ -65,8 +65,8 @@ class SketchBufferPool {
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt,
-                        absl::Time received_at, AckHandle ack) {
+RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32_t rank,
+                        uint32_t attempt, absl::Time received_at, AckHandle ack) {
   RankReport out;
   out.rank = rank;
   out.step = r.step();
@@ -74,13 +74,20 @@ RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt
   out.loss_absent = r.loss_absent();
   out.loss = r.loss_absent() ? std::numeric_limits<double>::quiet_NaN() : r.loss();
   out.grad_norm = r.grad_norm();
-  out.sketch = SketchBufferPool::Get().Take();
-  // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
-  // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
-  // not write it twice.
-  out.sketch.resize(static_cast<size_t>(r.sketch_size()));
-  if (r.sketch_size() > 0) {
-    std::memcpy(out.sketch.data(), r.sketch().data(), out.sketch.size() * sizeof(float));
+  out.sketch_encoding = encoding;
+  if (encoding != SketchEncoding::kFloat32) {
+    // Kept packed: the joiner holds k * bytes-per-bin bytes per rank-step.
+    out.sketch_packed = r.sketch_packed();
+    out.sketch_scale = r.sketch_scale();
+  } else {
+    out.sketch = SketchBufferPool::Get().Take();
+    // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
+    // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
+    // not write it twice.
+    out.sketch.resize(static_cast<size_t>(r.sketch_size()));
+    if (r.sketch_size() > 0) {
+      std::memcpy(out.sketch.data(), r.sketch().data(), out.sketch.size() * sizeof(float));
+    }
   }
   out.received_at = received_at;
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
@@ -297,7 +304,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   const absl::Time now = options_.clock();
   // The hello's sketch dimension is valid at every step, so the common report is validated
   // without job state: only a report of another length needs the job's re-tune (SetControl).
-  const uint32_t sketch_size = static_cast<uint32_t>(report.sketch_size());
+  const uint64_t sketch_size = ReportSketchDim(report, hello);
   SketchDimSchedule dims{hello.sketch_dim()};
   if (!SketchDimAccepted(dims, sketch_size)) {
     MutexLock lock(&mu_);
@@ -306,7 +313,9 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   Rejection r = ValidateReport(report, hello, dims);
   if (!r.status.ok()) return r;
 
-  RankReport rr = ToRankReport(report, hello.rank(), hello.attempt(), now, std::move(ack));
+  RankReport rr = ToRankReport(
+      report, SketchEncodingFromWire(hello.sketch_encoding()).value_or(SketchEncoding::kFloat32),
+      hello.rank(), hello.attempt(), now, std::move(ack));
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
   bool dropped_changed = false;

@@ -90,6 +90,30 @@ def data_parallel_group(pg) -> str:
     return f"dp{_group_ranks(pg)[0]}"
 
 
+# The sketch encoding attach uses when not told (docs/PERFORMANCE.md "Sketch encodings").
+DEFAULT_SKETCH_ENCODING = "float32"
+
+
+def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
+                   sketch_encoding: str) -> int:
+    """The number of bins k from attach's sketch_dim / sketch_bytes / sketch_encoding.
+
+    Raises ValueError on an unknown encoding, both or a bad sketch_bytes."""
+    per_bin = _native.SKETCH_BYTES_PER_BIN.get(sketch_encoding)
+    if per_bin is None:
+        raise ValueError(f"sketch_encoding must be one of "
+                         f"{', '.join(_native.SKETCH_BYTES_PER_BIN)}, got {sketch_encoding!r}")
+    if sketch_bytes is None:
+        return _native.DEFAULT_SKETCH_DIM if sketch_dim is None else int(sketch_dim)
+    if sketch_dim is not None:
+        raise ValueError("give sketch_dim or sketch_bytes, not both")
+    sketch_bytes = int(sketch_bytes)
+    if sketch_bytes < per_bin or sketch_bytes % per_bin != 0:
+        raise ValueError(f"sketch_bytes {sketch_bytes} is not a positive multiple of "
+                         f"{per_bin} bytes ({sketch_encoding} bins)")
+    return sketch_bytes // per_bin
+
+
 # (collector, job, group, rank) -> the live Monitor of this process that reports it.
 _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
@@ -97,7 +121,7 @@ _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 def attach(model: "torch.nn.parallel.DistributedDataParallel",
            collector: Optional[str] = None,
            job: Optional[str] = None,
-           sketch_dim: int = _native.DEFAULT_SKETCH_DIM,
+           sketch_dim: Optional[int] = None,
            every: int = 1,
            dormant: Optional[bool] = None,
            *,
@@ -119,7 +143,9 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            max_backoff: float = 10.0,
            control_margin: float = 2.0,
            close_timeout: float = 2.0,
-           group: Optional[str] = None) -> "Monitor":
+           group: Optional[str] = None,
+           sketch_bytes: Optional[int] = None,
+           sketch_encoding: str = DEFAULT_SKETCH_ENCODING) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -130,7 +156,15 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
         ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
-      sketch_dim: count sketch size k (same on every rank).
+      sketch_dim: count sketch size k, the number of bins (same on every rank). Default: what
+        ``sketch_bytes`` buys in ``sketch_encoding``, else 1,024. Give one of the two.
+      sketch_bytes: the sketch's bytes per rank and step instead of ``sketch_dim``: k is
+        ``sketch_bytes`` divided by the encoding's bytes per bin (4, 2 or 1), which must divide it.
+      sketch_encoding: how the bins travel and are kept (same on every rank of a job):
+        ``"float32"``, ``"float16"`` (a half per bin and a per-report power-of-two scale) or
+        ``"int8"`` (a byte per bin and a per-report scale max|bin|/127, rounded to nearest).
+        The same bytes buy 2x or 4x the bins, and the direction error falls like 1/sqrt(k): see
+        docs/PERFORMANCE.md "Sketch encodings" for the measured errors.
       every: report every N optimizer steps (the steps whose number is a multiple of N).
       dormant: start switched off (the hook only forwards to the all-reduce) until
         ``rankscope ctl enable``; default ``$RANKSCOPE_DORMANT``.
@@ -185,6 +219,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         raise ValueError(f"every must be >= 1, got {every}")
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
+    sketch_dim = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
     group = data_parallel_group(model.process_group) if group is None else str(group)
     key = (collector, job, group, dist.get_rank(model.process_group))
     holder = _ATTACHED.get(key)
@@ -196,7 +231,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             "Pass group=... (e.g. group='generator' and group='discriminator') or another job "
             "name to one of them")
     monitor = Monitor(model, collector=collector, job=job, group=group,
-                      sketch_dim=int(sketch_dim),
+                      sketch_dim=int(sketch_dim), sketch_encoding=sketch_encoding,
                       every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
@@ -338,6 +373,7 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
+                 sketch_encoding=DEFAULT_SKETCH_ENCODING,
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
                  param_check_every=50,
@@ -362,7 +398,9 @@ class Monitor:
             framework_version=f"torch {torch.__version__}", auth_token=auth_token,
             queue_capacity=queue_capacity, max_unacked=max_unacked,
             initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff,
-            group=group, global_rank=self.global_rank, **(tls_options or {}))
+            group=group, global_rank=self.global_rank, sketch_encoding=sketch_encoding,
+            **(tls_options or {}))
+        self.sketch_encoding = sketch_encoding
         self.instance_id = self._agent.instance_id()
 
         self._every = every
