@@ -163,8 +163,9 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
   if (dim > std::numeric_limits<uint32_t>::max() ||
       !SketchDimAccepted(dims, static_cast<uint32_t>(dim))) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "sketch of step ", report.step(), " has ", dim, " ", name, " values, job ",
-                      hello.job(), " uses sketch_dim ", dims.base_dim)),
+                      "sketch of step ", report.step(), " has ", dim,
+                      encoding == SketchEncoding::kFloat32 ? "" : absl::StrCat(" ", name),
+                      " values, job ", hello.job(), " uses sketch_dim ", dims.base_dim)),
                   RejectReason::kSketchLength);
   }
   return {};
