@@ -11,9 +11,13 @@
 //   BM_StepStatisticsEncoding/W/bytes/8/0/encoding: the same at a budget of `bytes` per rank-step
 //   in each sketch encoding (0 float32, 1 float16, 2 int8; common/sketch_encoding.h), so
 //   k = bytes / 4, / 2 or / 1: the kernel reads the packed bins in place.
+//   BM_JoinerMemory/W/open_steps/bytes/encoding: heap bytes per rank-step the joiner holds for open
+//   steps whose sketches take `bytes` in each encoding (so k = bytes / bytes-per-bin).
 //   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
 #include <pthread.h>
 #include <sched.h>
+
+#include <malloc.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -25,6 +29,7 @@
 
 #include "benchmark/benchmark.h"
 #include "collector/rank_diagnostics.h"
+#include "collector/step_joiner.h"
 #include "collector/step_stats.h"
 #include "common/sketch_encoding.h"
 
@@ -153,6 +158,55 @@ void BM_StepStatisticsEncoding(benchmark::State& state) {
 BENCHMARK(BM_StepStatisticsEncoding)
     ->ArgsProduct({{1024}, {4096}, {8}, {0}, {0, 1, 2}})
     ->Unit(benchmark::kMicrosecond);
+
+// Collector memory per open rank-step in the joiner, per encoding: W = range(0) ranks' reports
+// of range(1) open steps with sketches of range(2) bytes in encoding range(3), added to a
+// StepJoiner as the pipeline adds them (RankReport with its sketch kept as received); the heap
+// growth (mallinfo2: bytes in use) divided by the rank-steps held.
+void BM_JoinerMemory(benchmark::State& state) {
+  const size_t w = static_cast<size_t>(state.range(0));
+  const size_t open = static_cast<size_t>(state.range(1));
+  const auto encoding = static_cast<SketchEncoding>(state.range(3));
+  const size_t k = static_cast<size_t>(state.range(2)) / SketchBytesPerBin(encoding);
+  const std::vector<float> values = MakeStep(1, k, 3).sketches[0];
+  const PackedSketch packed = PackSketch(values, encoding);
+  double per_rank_step = 0.0;
+  for (auto _ : state) {
+    JoinerOptions options;
+    options.max_open_steps_per_job = open;
+    options.step_timeout = absl::Hours(1);
+    StepJoiner joiner(options);
+    const size_t before = mallinfo2().uordblks;
+    if (!joiner.RegisterJob("bench", static_cast<uint32_t>(w + 1)).ok()) std::abort();
+    std::vector<JoinedStep> closed;
+    for (size_t step = 0; step < open; ++step) {
+      for (size_t r = 0; r < w; ++r) {  // rank w never reports: every step stays open
+        RankReport report;
+        report.rank = static_cast<uint32_t>(r);
+        report.step = step;
+        report.sketch_encoding = encoding;
+        if (encoding == SketchEncoding::kFloat32) {
+          report.sketch = values;
+        } else {
+          report.sketch_packed = packed.bins;
+          report.sketch_scale = packed.scale;
+        }
+        joiner.Add("bench", report, absl::UnixEpoch(), &closed);
+      }
+    }
+    per_rank_step = static_cast<double>(mallinfo2().uordblks - before) / (w * open);
+    benchmark::DoNotOptimize(joiner.open_steps_total());
+  }
+  state.counters["bytes/rank-step"] = per_rank_step;
+  state.counters["k"] = static_cast<double>(k);
+}
+BENCHMARK(BM_JoinerMemory)
+    ->Args({256, 64, 4096, 0})
+    ->Args({256, 64, 4096, 1})
+    ->Args({256, 64, 4096, 2})
+    ->Args({256, 64, 16384, 0})  // float32 at int8's k = 4096
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 void BM_OutlierScores(benchmark::State& state) {
   const size_t w = static_cast<size_t>(state.range(0));

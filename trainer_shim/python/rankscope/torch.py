@@ -90,28 +90,38 @@ def data_parallel_group(pg) -> str:
     return f"dp{_group_ranks(pg)[0]}"
 
 
-# The sketch encoding attach uses when not told (docs/PERFORMANCE.md "Sketch encodings").
-DEFAULT_SKETCH_ENCODING = "float32"
+# What attach sends when told neither sketch_dim nor sketch_bytes: 4 KiB a rank a step in the
+# most accurate encoding for that budget as measured (docs/PERFORMANCE.md "Sketch encodings":
+# int8 bins, k = 4,096).
+DEFAULT_SKETCH_BYTES = 4096
+DEFAULT_SKETCH_ENCODING = "int8"
 
 
 def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
-                   sketch_encoding: str) -> int:
-    """The number of bins k from attach's sketch_dim / sketch_bytes / sketch_encoding.
+                   sketch_encoding: Optional[str]):
+    """(k, encoding) from attach's sketch_dim / sketch_bytes / sketch_encoding.
 
-    Raises ValueError on an unknown encoding, both or a bad sketch_bytes."""
+    sketch_dim keeps its meaning from before encodings existed: k float32 bins unless an encoding
+    is named. Otherwise k follows from the byte budget (default DEFAULT_SKETCH_BYTES) and the
+    encoding (default DEFAULT_SKETCH_ENCODING). Raises ValueError on an unknown encoding, both
+    sketch_dim and sketch_bytes, or a budget that is not a whole number of bins."""
+    if sketch_encoding is None:
+        sketch_encoding = "float32" if sketch_dim is not None else DEFAULT_SKETCH_ENCODING
     per_bin = _native.SKETCH_BYTES_PER_BIN.get(sketch_encoding)
     if per_bin is None:
         raise ValueError(f"sketch_encoding must be one of "
                          f"{', '.join(_native.SKETCH_BYTES_PER_BIN)}, got {sketch_encoding!r}")
-    if sketch_bytes is None:
-        return _native.DEFAULT_SKETCH_DIM if sketch_dim is None else int(sketch_dim)
     if sketch_dim is not None:
-        raise ValueError("give sketch_dim or sketch_bytes, not both")
+        if sketch_bytes is not None:
+            raise ValueError("give sketch_dim or sketch_bytes, not both")
+        return int(sketch_dim), sketch_encoding
+    if sketch_bytes is None:
+        sketch_bytes = DEFAULT_SKETCH_BYTES
     sketch_bytes = int(sketch_bytes)
     if sketch_bytes < per_bin or sketch_bytes % per_bin != 0:
         raise ValueError(f"sketch_bytes {sketch_bytes} is not a positive multiple of "
                          f"{per_bin} bytes ({sketch_encoding} bins)")
-    return sketch_bytes // per_bin
+    return sketch_bytes // per_bin, sketch_encoding
 
 
 # (collector, job, group, rank) -> the live Monitor of this process that reports it.
@@ -145,7 +155,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            close_timeout: float = 2.0,
            group: Optional[str] = None,
            sketch_bytes: Optional[int] = None,
-           sketch_encoding: str = DEFAULT_SKETCH_ENCODING) -> "Monitor":
+           sketch_encoding: Optional[str] = None) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -156,15 +166,19 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
         ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
-      sketch_dim: count sketch size k, the number of bins (same on every rank). Default: what
-        ``sketch_bytes`` buys in ``sketch_encoding``, else 1,024. Give one of the two.
+      sketch_dim: count sketch size k, the number of bins (same on every rank); without
+        ``sketch_encoding`` these are float32 bins, as before encodings existed. Give
+        ``sketch_dim`` or ``sketch_bytes``, not both.
       sketch_bytes: the sketch's bytes per rank and step instead of ``sketch_dim``: k is
-        ``sketch_bytes`` divided by the encoding's bytes per bin (4, 2 or 1), which must divide it.
+        ``sketch_bytes`` divided by the encoding's bytes per bin (4, 2 or 1), which must divide
+        it. Default (neither given): 4,096.
       sketch_encoding: how the bins travel and are kept (same on every rank of a job):
         ``"float32"``, ``"float16"`` (a half per bin and a per-report power-of-two scale) or
         ``"int8"`` (a byte per bin and a per-report scale max|bin|/127, rounded to nearest).
-        The same bytes buy 2x or 4x the bins, and the direction error falls like 1/sqrt(k): see
-        docs/PERFORMANCE.md "Sketch encodings" for the measured errors.
+        The same bytes buy 2x or 4x the bins, and the direction error falls like 1/sqrt(k).
+        Default: ``"int8"`` (k = 4,096 at the default 4 KiB), the most accurate at that budget
+        (docs/PERFORMANCE.md "Sketch encodings"); ``"float32"`` when only ``sketch_dim`` is
+        given.
       every: report every N optimizer steps (the steps whose number is a multiple of N).
       dormant: start switched off (the hook only forwards to the all-reduce) until
         ``rankscope ctl enable``; default ``$RANKSCOPE_DORMANT``.
@@ -219,7 +233,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         raise ValueError(f"every must be >= 1, got {every}")
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
-    sketch_dim = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
+    sketch_dim, sketch_encoding = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
     group = data_parallel_group(model.process_group) if group is None else str(group)
     key = (collector, job, group, dist.get_rank(model.process_group))
     holder = _ATTACHED.get(key)
@@ -373,7 +387,7 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
-                 sketch_encoding=DEFAULT_SKETCH_ENCODING,
+                 sketch_encoding="float32",
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
                  param_check_every=50,
