@@ -439,9 +439,8 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
     o.rank = static_cast<uint32_t>(r);
     o.world_size = static_cast<uint32_t>(ranks);
     o.sketch_dim = static_cast<uint32_t>(dim);
-    o.sketch_encoding =
-        rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))
-            .value_or(rankscope::SketchEncoding::kFloat32);
+    o.sketch_encoding = rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))
+                            .value_or(rankscope::SketchEncoding::kFloat32);
     o.framework_version = "ingest_bench";
     o.queue_capacity = static_cast<size_t>(absl::GetFlag(FLAGS_queue_capacity));
     o.initial_backoff = absl::Milliseconds(50);

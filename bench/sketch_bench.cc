@@ -236,7 +236,9 @@ int main(int argc, char** argv) {
                                std::pair{rankscope::SketchEncoding::kFloat16, 2048u},
                                std::pair{rankscope::SketchEncoding::kInt8, 4096u}}) {
     std::vector<float> values(dim);
-    for (uint32_t i = 0; i < dim; ++i) values[i] = static_cast<float>((i * 2654435761u) % 2001) - 1000;
+    for (uint32_t i = 0; i < dim; ++i) {
+      values[i] = static_cast<float>((i * 2654435761u) % 2001) - 1000;
+    }
     constexpr int kPacks = 2000;
     std::vector<double> times;
     for (int r = 0; r < opt.reps; ++r) {

@@ -14,10 +14,9 @@
 //   BM_JoinerMemory/W/open_steps/bytes/encoding: heap bytes per rank-step the joiner holds for open
 //   steps whose sketches take `bytes` in each encoding (so k = bytes / bytes-per-bin).
 //   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
+#include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
-
-#include <malloc.h>
 
 #include <algorithm>
 #include <cstdint>

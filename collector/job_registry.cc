@@ -122,7 +122,8 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
       Rejection r = CheckJobIdentity(hello, job.identity);
       if (!r.status.ok()) return r;
       // An identity restored from the store does not know its encoding: the first hello says it.
-      if (!job.identity.sketch_encoding) job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
+      if (!job.identity.sketch_encoding)
+        job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
     }
   }
   Job& job = it->second;

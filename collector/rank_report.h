@@ -17,9 +17,9 @@ struct RankReport {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint32_t attempt = 0;
-  double loss = 0.0;          // may be NaN/Inf
-  bool loss_absent = false;   // no loss this step (a pipeline stage): `loss` is NaN, not a fault
-  double grad_norm = 0.0;     // may be NaN/Inf
+  double loss = 0.0;         // may be NaN/Inf
+  bool loss_absent = false;  // no loss this step (a pipeline stage): `loss` is NaN, not a fault
+  double grad_norm = 0.0;    // may be NaN/Inf
   // The sketch, kept in its wire encoding (common/sketch_encoding.h). float32: the values in
   // `sketch` (length == the job's sketch_dim). float16 / int8: the packed bins as received in
   // `sketch_packed` (sketch_dim * bytes per bin) with their scale, and `sketch` is empty.

@@ -338,8 +338,7 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
     const PrefetchTarget next = SketchNear(samples, static_cast<ptrdiff_t>(r) - 1);
     const PrefetchTarget far = SketchNear(samples, static_cast<ptrdiff_t>(r) - kPrefetchFar);
     WithBins<kLanes>(samples[r].sketch, [&](const auto& bins) {
-      DotWithRest<kLanes>(bins, k, next, far, norm2[r], total, total_lo, &dot[r], &rest2[r],
-                          units);
+      DotWithRest<kLanes>(bins, k, next, far, norm2[r], total, total_lo, &dot[r], &rest2[r], units);
     });
   }
 }

@@ -110,13 +110,12 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
   }
   const std::optional<SketchEncoding> encoding = SketchEncodingFromWire(hello.sketch_encoding());
   if (identity.sketch_encoding && encoding && *encoding != *identity.sketch_encoding) {
-    return Reject(
-        absl::FailedPreconditionError(absl::StrCat(
-            "sketch_encoding ", SketchEncodingName(*encoding), " differs from job ", hello.job(),
-            "'s (", SketchEncodingName(*identity.sketch_encoding),
-            "): a job uses one sketch encoding; attach every rank with the same "
-            "sketch_encoding, or use a new job name")),
-        RejectReason::kSketchMismatch);
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+                      "sketch_encoding ", SketchEncodingName(*encoding), " differs from job ",
+                      hello.job(), "'s (", SketchEncodingName(*identity.sketch_encoding),
+                      "): a job uses one sketch encoding; attach every rank with the same "
+                      "sketch_encoding, or use a new job name")),
+                  RejectReason::kSketchMismatch);
   }
   return {};
 }
@@ -144,19 +143,18 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
     const size_t per_bin = SketchBytesPerBin(encoding);
     const size_t bytes = report.sketch_packed().size();
     if (report.sketch_size() != 0 || bytes % per_bin != 0) {
-      return Reject(
-          absl::InvalidArgumentError(absl::StrCat(
-              "sketch of step ", report.step(), " has ", report.sketch_size(),
-              " float values and ", bytes, " packed bytes; job ", hello.job(), " uses ", name,
-              " (", per_bin, " bytes a bin in sketch_packed, no float values)")),
-          RejectReason::kSketchLength);
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "sketch of step ", report.step(), " has ", report.sketch_size(),
+                        " float values and ", bytes, " packed bytes; job ", hello.job(), " uses ",
+                        name, " (", per_bin, " bytes a bin in sketch_packed, no float values)")),
+                    RejectReason::kSketchLength);
     }
     dim = bytes / per_bin;
     const float scale = report.sketch_scale();
     if (!std::isnan(scale) && !(scale > 0.0f && std::isfinite(scale))) {
       return Reject(absl::InvalidArgumentError(absl::StrCat(
-                        "sketch_scale ", scale, " of step ", report.step(), " of job ",
-                        hello.job(), " must be finite and > 0 (or NaN for a non-finite sketch)")),
+                        "sketch_scale ", scale, " of step ", report.step(), " of job ", hello.job(),
+                        " must be finite and > 0 (or NaN for a non-finite sketch)")),
                     RejectReason::kInvalidReport);
     }
   }

@@ -56,9 +56,9 @@ struct Rejection {
 bool IsValidJobName(absl::string_view job, size_t max_length);
 
 // Checks a hello on its own: job and group names, instance id length, 1 <= world_size <= max,
-// rank < world_size, 1 <= sketch_dim <= max, a known sketch_encoding, host, agent_version and framework_version within
-// their lengths (the message gives the length and the limit, never the bytes). An OK status
-// (empty reason) on success.
+// rank < world_size, 1 <= sketch_dim <= max, a known sketch_encoding, host, agent_version and
+// framework_version within their lengths (the message gives the length and the limit, never the
+// bytes). An OK status (empty reason) on success.
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 
 // Checks a hello against the identity its job already has: world size, sketch dim, seed and

@@ -151,8 +151,7 @@ double SketchView::Value(size_t i) const {
       return static_cast<double>(FloatFromHalf(h)) * static_cast<double>(scale);
     }
     case SketchEncoding::kInt8:
-      return static_cast<double>(static_cast<const int8_t*>(data)[i]) *
-             static_cast<double>(scale);
+      return static_cast<double>(static_cast<const int8_t*>(data)[i]) * static_cast<double>(scale);
   }
   return 0.0;
 }

@@ -150,8 +150,8 @@ TEST(ValidationTest, MixedEncodingsInAJobAreRefused) {
 }
 
 TEST(ValidationTest, PackedReportLengthAndScale) {
-  for (auto [encoding, per_bin] : {std::pair{v1::SKETCH_ENCODING_INT8, 1},
-                                   std::pair{v1::SKETCH_ENCODING_FLOAT16, 2}}) {
+  for (auto [encoding, per_bin] :
+       {std::pair{v1::SKETCH_ENCODING_INT8, 1}, std::pair{v1::SKETCH_ENCODING_FLOAT16, 2}}) {
     const v1::Hello hello = PackedHello(encoding);
     v1::StepReport report;
     report.set_step(5);

@@ -12,9 +12,9 @@
 // Input layout (tests/fuzz/make_corpus.py writes seeds in it): u8 mode (bit 0: raw, bit 1: a
 // rank's sketch may be one value longer, bit 2: every rank's sketch is packed as the agent packs
 // it, common/sketch_encoding.h, in int8 with bit 3 set and float16 without; the reference reads
-// the decoded values, which are exact in double), u8 W, u8 k, then per rank: loss, grad_norm, [u8 extra
-// length in mode bit 1], k (+1) sketch values; a grid value is one byte, a raw one 8 (double) or
-// 4 (float) bytes.
+// the decoded values, which are exact in double), u8 W, u8 k, then per rank: loss, grad_norm, [u8
+// extra length in mode bit 1], k (+1) sketch values; a grid value is one byte, a raw one 8 (double)
+// or 4 (float) bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>

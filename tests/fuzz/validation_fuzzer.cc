@@ -13,12 +13,12 @@
 //   u8 dim_mode         0: reports are checked against the hello's sketch_dim; else the u32 below
 //   u32 sketch_dim
 //   u16 n, then n bytes: the first AgentMessage; the rest: the second AgentMessage
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cmath>
 #include <limits>
 #include <optional>
 #include <string>
@@ -136,10 +136,10 @@ void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t 
     const bool shape_ok = encoding == SketchEncoding::kFloat32
                               ? packed == 0
                               : report.sketch_size() == 0 && packed % per_bin == 0;
-    const char* expected = !step_ok                ? "invalid_report"
-                           : !shape_ok             ? "sketch_length"
-                           : !scale_ok             ? "invalid_report"
-                                                   : "sketch_length";
+    const char* expected = !step_ok    ? "invalid_report"
+                           : !shape_ok ? "sketch_length"
+                           : !scale_ok ? "invalid_report"
+                                       : "sketch_length";
     FUZZ_CHECK(ReasonLabel(r.reason) == expected);
     if (hello_valid) FUZZ_CHECK(Printable(r.status.message()));
   } else {

@@ -696,10 +696,12 @@ TEST_F(BadInputTest, PackedSketchesAreJoinedAndTheirCosinesComputed) {
     ASSERT_TRUE(a.AwaitAck(1));
     ASSERT_TRUE(b.AwaitAck(1));
     EXPECT_EQ(Query(absl::StrCat("SELECT ranks, round(grad_cosine_mean, 9) FROM step_stats "
-                                 "WHERE job = '", name, "'")),
+                                 "WHERE job = '",
+                                 name, "'")),
               "2|1.0");
     EXPECT_EQ(Query(absl::StrCat("SELECT rank, round(grad_cosine, 9), nonfinite FROM rank_steps "
-                                 "WHERE job = '", name, "' ORDER BY rank")),
+                                 "WHERE job = '",
+                                 name, "' ORDER BY rank")),
               "0|1.0|0\n1|1.0|0");
   }
   ExpectHealthyServed();
@@ -743,11 +745,11 @@ TEST_F(BadInputTest, BadPackedReportsAreRejectedAndTheStreamGoesOn) {
                  "sketch of step 2 has 3 int8 values, job packed-bad uses sketch_dim 4"});
   bad.push_back({PackedReport(3, 3, std::string(kDim, '\x10'), 0.0f),
                  "sketch_scale 0 of step 3 of job packed-bad must be finite and > 0"});
-  bad.push_back({PackedReport(4, 4, std::string(kDim, '\x10'), -2.0f),
-                 "sketch_scale -2 of step 4"});
-  bad.push_back({PackedReport(5, 5, std::string(kDim, '\x10'),
-                              std::numeric_limits<float>::infinity()),
-                 "sketch_scale inf of step 5"});
+  bad.push_back(
+      {PackedReport(4, 4, std::string(kDim, '\x10'), -2.0f), "sketch_scale -2 of step 4"});
+  bad.push_back(
+      {PackedReport(5, 5, std::string(kDim, '\x10'), std::numeric_limits<float>::infinity()),
+       "sketch_scale inf of step 5"});
   bad.push_back({Report(6, 6), "sketch of step 6 has 4 float values and 0 packed bytes"});
   for (const Bad& b : bad) {
     v1::Rejection rejection;
@@ -758,8 +760,8 @@ TEST_F(BadInputTest, BadPackedReportsAreRejectedAndTheStreamGoesOn) {
   }
   EXPECT_EQ(Snapshot(), before);
   // A sketch that held NaN/Inf travels with scale NaN: stored and flagged, like a float NaN.
-  ASSERT_TRUE(
-      s.Write(PackedReport(7, 7, std::string(kDim, '\0'), std::numeric_limits<float>::quiet_NaN())));
+  ASSERT_TRUE(s.Write(
+      PackedReport(7, 7, std::string(kDim, '\0'), std::numeric_limits<float>::quiet_NaN())));
   ASSERT_TRUE(s.AwaitAck(7));
   ASSERT_TRUE(s.Write(PackedReport(8, 8, std::string(kDim, '\x10'), 0.25f)));
   ASSERT_TRUE(s.AwaitAck(8));

@@ -385,7 +385,8 @@ PYBIND11_MODULE(_native, m) {
         if (bins.size() % SketchBytesPerBin(*e) != 0) {
           throw py::value_error("packed sketch length is not a multiple of the bin size");
         }
-        return DecodeSketch(SketchView(*e, bins.data(), bins.size() / SketchBytesPerBin(*e), scale));
+        return DecodeSketch(
+            SketchView(*e, bins.data(), bins.size() / SketchBytesPerBin(*e), scale));
       },
       py::arg("bins"), py::arg("encoding"), py::arg("scale"));
   m.attr("DTYPE_FLOAT64") = kFingerprintFloat64;
@@ -456,22 +457,21 @@ PYBIND11_MODULE(_native, m) {
       .def("values", &PySketch::values);
 
   py::class_<PyAgent>(m, "Agent", "One rank's agent (rankscope/agent.h).")
-      .def(py::init([](const std::string& collector, const std::string& job, uint32_t rank,
-                       uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
-                       uint32_t attempt, const std::string& host,
-                       const std::string& framework_version, const std::string& auth_token,
-                       size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
-                       double max_backoff_s, const std::string& tls_ca_file,
-                       const std::string& tls_cert_file, const std::string& tls_key_file,
-                       const std::string& tls_target_name, const std::string& group,
-                       int64_t global_rank, const std::string& instance_id,
-                       const std::string& sketch_encoding) {
-             return std::make_unique<PyAgent>(MakeAgentOptions(
-                 collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
-                 framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
-                 max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name, group,
-                 global_rank, instance_id, sketch_encoding));
-           }),
+      .def(py::init(
+               [](const std::string& collector, const std::string& job, uint32_t rank,
+                  uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed, uint32_t attempt,
+                  const std::string& host, const std::string& framework_version,
+                  const std::string& auth_token, size_t queue_capacity, size_t max_unacked,
+                  double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
+                  const std::string& tls_cert_file, const std::string& tls_key_file,
+                  const std::string& tls_target_name, const std::string& group, int64_t global_rank,
+                  const std::string& instance_id, const std::string& sketch_encoding) {
+                 return std::make_unique<PyAgent>(MakeAgentOptions(
+                     collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
+                     framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
+                     max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name,
+                     group, global_rank, instance_id, sketch_encoding));
+               }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
            py::arg("attempt") = 0, py::arg("host") = "", py::arg("framework_version") = "",
