@@ -18,13 +18,14 @@ float BitsFloat(uint32_t u) {
   return f;
 }
 
-// x rounded to the nearest integer, ties to even, whatever the rounding mode (|x| < 2^52).
-double RoundHalfEven(double x) {
-  const double lo = std::floor(x);
-  const double frac = x - lo;  // exact
-  if (frac > 0.5) return lo + 1.0;
-  if (frac < 0.5) return lo;
-  return std::fmod(lo, 2.0) == 0.0 ? lo : lo + 1.0;
+// x rounded to the nearest integer, ties to even, whatever the floating-point environment's
+// rounding mode (the conversion truncates toward zero by definition). Requires |x| < 2^31.
+int32_t RoundHalfEven(double x) {
+  const int32_t t = static_cast<int32_t>(x);
+  const double frac = x - static_cast<double>(t);  // exact; same sign as x
+  if (frac > 0.5 || (frac == 0.5 && (t & 1))) return t + 1;
+  if (frac < -0.5 || (frac == -0.5 && (t & 1))) return t - 1;
+  return t;
 }
 
 }  // namespace
@@ -118,10 +119,13 @@ PackedSketch PackSketch(absl::Span<const float> values, SketchEncoding encoding)
     // Keep the scale a normal float (a sketch below 2^-111 loses its smallest bins).
     const int scale_exp = std::max(e - 15, -126);
     out.scale = std::ldexp(1.0f, scale_exp);
-    uint16_t* bins = reinterpret_cast<uint16_t*>(out.bins.data());
+    // A power of two in [2^-113, 2^126]: the product is exact unless it is below 2^-126, far
+    // under the half's smallest subnormal (2^-24), where it rounds to zero either way.
+    const float inv = std::ldexp(1.0f, -scale_exp);
+    char* bins = out.bins.data();
     for (size_t i = 0; i < k; ++i) {
-      const uint16_t h = HalfFromFloat(std::ldexp(values[i], -scale_exp));
-      std::memcpy(bins + i, &h, sizeof h);
+      const uint16_t h = HalfFromFloat(values[i] * inv);
+      std::memcpy(bins + 2 * i, &h, sizeof h);
     }
     return out;
   }
@@ -132,7 +136,8 @@ PackedSketch PackSketch(absl::Span<const float> values, SketchEncoding encoding)
   for (size_t i = 0; i < k; ++i) {
     // v * (1/scale) in double: rounding the quotient first moves it by < 2^-44 of itself, which
     // can only change the rounding of a quotient within 2^-44 of a half-integer tie.
-    const double q = std::clamp(RoundHalfEven(static_cast<double>(values[i]) * inv), -127.0, 127.0);
+    // |v / scale| <= 127 * (1 + 2^-23) + rounding: far inside int32.
+    const int32_t q = std::clamp(RoundHalfEven(static_cast<double>(values[i]) * inv), -127, 127);
     out.bins[i] = static_cast<char>(static_cast<int8_t>(q));
   }
   return out;
