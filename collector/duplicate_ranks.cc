@@ -60,11 +60,7 @@ bool SameBits(const SketchView& a, const SketchView& b) {
 }
 
 double Cosine(const Candidate& a, const Candidate& b) {
-  double dot = 0.0;
-  for (size_t i = 0; i < a.sketch.size(); ++i) {
-    dot += a.sketch.Value(i) * b.sketch.Value(i);
-  }
-  return dot / (a.norm * b.norm);
+  return SketchDot(a.sketch, b.sketch) / (a.norm * b.norm);
 }
 
 class UnionFind {
@@ -102,8 +98,7 @@ std::vector<DuplicateGroup> FindDuplicateRanks(absl::Span<const RankSample> samp
     if (s.sketch.empty()) continue;
     if (dim == 0) dim = s.sketch.size();
     if (s.sketch.size() != dim) continue;
-    double sum_sq = 0.0;
-    for (size_t i = 0; i < dim; ++i) sum_sq += s.sketch.Value(i) * s.sketch.Value(i);
+    const double sum_sq = SketchDot(s.sketch, s.sketch);
     if (!std::isfinite(sum_sq) || sum_sq == 0.0) continue;
     candidates.push_back({s.rank, s.sketch, std::sqrt(sum_sq), 0});
   }

@@ -163,8 +163,11 @@ double SketchView::Value(size_t i) const {
 
 bool SketchView::AllFinite() const {
   if (encoding == SketchEncoding::kFloat32) {
+    const auto* bytes = static_cast<const unsigned char*>(data);
     for (size_t i = 0; i < dim; ++i) {
-      if (!std::isfinite(Value(i))) return false;
+      uint32_t bits;
+      std::memcpy(&bits, bytes + i * sizeof bits, sizeof bits);
+      if ((bits & 0x7f800000u) == 0x7f800000u) return false;  // exponent all ones: Inf or NaN
     }
     return true;
   }
@@ -176,6 +179,65 @@ bool SketchView::AllFinite() const {
     }
   }
   return true;
+}
+
+namespace {
+
+// Bin i of a sketch of one encoding, decoded exactly (see SketchView::Value).
+struct Float32At {
+  const char* p;
+  double operator()(size_t i) const {
+    float f;
+    std::memcpy(&f, p + i * sizeof f, sizeof f);
+    return f;
+  }
+};
+struct Float16At {
+  const char* p;
+  double scale;
+  double operator()(size_t i) const {
+    uint16_t h;
+    std::memcpy(&h, p + i * sizeof h, sizeof h);
+    return static_cast<double>(FloatFromHalf(h)) * scale;
+  }
+};
+struct Int8At {
+  const int8_t* p;
+  double scale;
+  double operator()(size_t i) const { return static_cast<double>(p[i]) * scale; }
+};
+
+template <typename Fn>
+double WithDecoder(const SketchView& v, Fn&& fn) {
+  switch (v.encoding) {
+    case SketchEncoding::kFloat16:
+      return fn(Float16At{static_cast<const char*>(v.data), static_cast<double>(v.scale)});
+    case SketchEncoding::kInt8:
+      return fn(Int8At{static_cast<const int8_t*>(v.data), static_cast<double>(v.scale)});
+    case SketchEncoding::kFloat32:
+      break;
+  }
+  return fn(Float32At{static_cast<const char*>(v.data)});
+}
+
+}  // namespace
+
+double SketchDot(const SketchView& a, const SketchView& b) {
+  const size_t k = std::min(a.size(), b.size());
+  if (a.encoding == SketchEncoding::kInt8 && b.encoding == SketchEncoding::kInt8) {
+    const auto* qa = static_cast<const int8_t*>(a.data);
+    const auto* qb = static_cast<const int8_t*>(b.data);
+    int64_t sum = 0;  // |q| <= 128: exact for k < 2^49
+    for (size_t i = 0; i < k; ++i) sum += static_cast<int32_t>(qa[i]) * qb[i];
+    return static_cast<double>(sum) * static_cast<double>(a.scale) * static_cast<double>(b.scale);
+  }
+  return WithDecoder(a, [&](const auto& at_a) {
+    return WithDecoder(b, [&](const auto& at_b) {
+      double sum = 0.0;
+      for (size_t i = 0; i < k; ++i) sum += at_a(i) * at_b(i);
+      return sum;
+    });
+  });
 }
 
 std::vector<double> DecodeSketch(const SketchView& view) {

@@ -106,6 +106,11 @@ struct SketchView {
   }
 };
 
+// sum_i a_i b_i of the decoded values (a.size() == b.size()), summed in double in index order
+// except for two int8 sketches, whose integer products are summed exactly and scaled once. One
+// dispatch on the encodings, not one per bin.
+double SketchDot(const SketchView& a, const SketchView& b);
+
 // The decoded values of `view` as doubles (tests and benchmarks).
 std::vector<double> DecodeSketch(const SketchView& view);
 

@@ -129,6 +129,26 @@ TEST(SketchEncodingTest, NamesAndWireValues) {
   EXPECT_EQ(SketchBytesPerBin(SketchEncoding::kFloat32), 4u);
 }
 
+TEST(SketchDotTest, EqualsTheSumOfDecodedProducts) {
+  const std::vector<float> x = Gaussian(999, 1, 0.3f), y = Gaussian(999, 2, 3.0f);
+  for (SketchEncoding ea :
+       {SketchEncoding::kFloat32, SketchEncoding::kFloat16, SketchEncoding::kInt8}) {
+    for (SketchEncoding eb :
+         {SketchEncoding::kFloat32, SketchEncoding::kFloat16, SketchEncoding::kInt8}) {
+      const PackedSketch pa = PackSketch(x, ea), pb = PackSketch(y, eb);
+      const SketchView a(ea, pa.bins.data(), x.size(), pa.scale);
+      const SketchView b(eb, pb.bins.data(), y.size(), pb.scale);
+      long double exact = 0.0L;
+      for (size_t i = 0; i < x.size(); ++i) {
+        exact += static_cast<long double>(a.Value(i)) * b.Value(i);
+      }
+      EXPECT_NEAR(SketchDot(a, b), static_cast<double>(exact),
+                  1e-12 * std::sqrt(SketchDot(a, a) * SketchDot(b, b)))
+          << SketchEncodingName(ea) << " x " << SketchEncodingName(eb);
+    }
+  }
+}
+
 double Dot(const SketchView& a, const SketchView& b) {
   double s = 0.0;
   for (size_t i = 0; i < a.size(); ++i) s += a.Value(i) * b.Value(i);
