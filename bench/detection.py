@@ -350,7 +350,7 @@ def start_collector(binary: Path, tmp: Path, db: Path = None):
     db, log_path = db or tmp / "rankscope.db", tmp / "collector.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0", "--metrics_address=",
-                             f"--db_path={db}", "--step_timeout=30s"],
+                             "--http_address=", f"--db_path={db}", "--step_timeout=30s"],
                             stdout=log, stderr=subprocess.STDOUT)
     log.close()
     deadline = time.monotonic() + 30

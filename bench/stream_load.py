@@ -98,7 +98,8 @@ class CollectorProcess:
         self._log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(
             [str(build / "bin" / "rankscope-collector"), "--grpc_address=127.0.0.1:0",
-             "--metrics_address=127.0.0.1:0", f"--db_path={self.db}", *extra_args],
+             "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={self.db}",
+             *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
 
         def ports():

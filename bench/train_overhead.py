@@ -186,7 +186,8 @@ def start_collector(build_dir: Path, tmp: Path):
     binary = build_dir / "bin" / "rankscope-collector"
     log = tmp / "collector.log"
     proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0",
-                             "--metrics_address=127.0.0.1:0", f"--db_path={tmp / 'bench.db'}"],
+                             "--metrics_address=127.0.0.1:0", "--http_address=",
+                             f"--db_path={tmp / 'bench.db'}"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -118,6 +118,22 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
     const auto ports = c->exposer_->GetListeningPorts();
     c->metrics_port_ = ports.empty() ? 0 : ports.front();
   }
+  if (!options.http_address.empty()) {
+    WebServerOptions web;
+    web.address = options.http_address;
+    web.threads = options.http_threads;
+    web.request_timeout = options.http_request_timeout;
+    web.auth_token = options.pipeline.auth_token;
+    auto server = WebServer::Start(web, c->pipeline_.get(), c->readers_.get());
+    if (!server.ok()) {
+      c->exposer_.reset();
+      c->server_->Shutdown();
+      c->readers_->Stop();
+      c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
+      return absl::UnavailableError(absl::StrCat("--http_address: ", server.status().message()));
+    }
+    c->web_ = *std::move(server);
+  }
   return c;
 }
 
@@ -131,7 +147,9 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
-  // After the server: no query arrives any more; the ones queued are finished, then the reader
+  // The web view first: its requests wait on the readers.
+  if (web_ != nullptr) web_->Stop();
+  // After the servers: no query arrives any more; the ones queued are finished, then the reader
   // threads end (before the pipeline stops: ListJobs reads it).
   if (readers_ != nullptr) readers_->Stop();
   // Start() may have failed before the pipeline existed (e.g. the database could not be opened).

@@ -2,6 +2,7 @@
 //
 //   gRPC server (Ingest + Query + grpc.health.v1) ─► StepPipeline ─► StoreWriter ─► SQLite
 //   HTTP /metrics (prometheus-cpp Exposer) ◄─ JobMetrics + HealthMetrics registry
+//   HTTP web view + JSON API (WebServer, --http_address) ─► StoreReaderPool ─► SQLite (read-only)
 //
 // Start() binds everything (port 0 picks free ports, see grpc_port()/metrics_port()) and
 // returns once it serves. Shutdown() stops accepting, ends the streams and queries, stops the
@@ -9,7 +10,8 @@
 //
 // Thread safety: Shutdown and the accessors are thread-safe. Threads: gRPC's callback threads
 // (Ingest and Query reactions), the pipeline's step thread, the StoreWriter thread,
-// `query_threads` StoreReaderPool threads (Query reads), prometheus-cpp's HTTP threads.
+// `query_threads` StoreReaderPool threads (Query and web API reads), prometheus-cpp's HTTP
+// threads, the WebServer's civetweb threads.
 #ifndef RANKSCOPE_COLLECTOR_COLLECTOR_H_
 #define RANKSCOPE_COLLECTOR_COLLECTOR_H_
 
@@ -25,6 +27,7 @@
 #include "collector/prometheus_export.h"
 #include "collector/query_service.h"
 #include "collector/store_reader_pool.h"
+#include "collector/web_server.h"
 #include "common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
@@ -60,6 +63,12 @@ struct CollectorOptions {
   // fewer of them than metrics_threads a scrape is answered at once.
   size_t metrics_threads = 8;
   absl::Duration metrics_request_timeout = absl::Seconds(5);
+  // The web view and its JSON API (web_server.h): empty (the default here; the collector's
+  // --http_address flag defaults to 127.0.0.1:9465) serves none. Its own civetweb server, with
+  // the same thread and timeout rules as /metrics; the API's reads share the Query readers.
+  std::string http_address;
+  size_t http_threads = 8;
+  absl::Duration http_request_timeout = absl::Seconds(5);
   std::string db_path = "rankscope.db";
   PipelineOptions pipeline;
   ExportOptions export_options;
@@ -86,6 +95,7 @@ class Collector {
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  int http_port() const { return web_ == nullptr ? 0 : web_->port(); }
   std::string grpc_target() const { return "127.0.0.1:" + std::to_string(grpc_port_); }
 
   // Waits until everything ingested so far is joined-and-stored or still open (tests).
@@ -112,6 +122,7 @@ class Collector {
   std::unique_ptr<QueryService> query_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<WebServer> web_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
   Mutex shutdown_mu_;

@@ -174,6 +174,13 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
   job.last_seen = now;
   job.streams.insert(stream);
   if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
+  // A restarted collector learns the job's control from its agents (each states the newest
+  // control it received); the newest generation wins, so `ctl` continues from what the ranks
+  // apply instead of from the defaults.
+  if (hello.has_control() &&
+      (!job.control || hello.control().generation() > job.control->generation())) {
+    job.control = hello.control();
+  }
   attached->control = job.control;
   return {};
 }
@@ -251,6 +258,18 @@ absl::StatusOr<v1::Control> JobRegistry::UpdateControl(
   }
   if (targets.empty()) {
     return absl::NotFoundError(absl::StrCat("job ", job, " is not known to this collector"));
+  }
+  // A field left out keeps the job's current value; with no control known and no rank connected
+  // to state one (a collector that just restarted), that value is unknown: refuse rather than
+  // fall back to the defaults, which would silently undo an earlier `ctl`.
+  for (const Job* j : targets) {
+    if (!j->control && j->connected == 0 && (!enabled || !every)) {
+      return absl::UnavailableError(absl::StrCat(
+          "no rank of job ", job,
+          " is connected, so its current control is unknown (after a collector restart the "
+          "ranks reconnect within their backoff, 10 s by default); retry then, or give both "
+          "enabled and every"));
+    }
   }
   std::optional<v1::Control> first;
   for (Job* j : targets) {

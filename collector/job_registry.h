@@ -144,7 +144,9 @@ class JobRegistry {
   // of max(previous + 1, `now` in Unix microseconds) so that generations keep increasing across
   // collector restarts. Appends the job's streams to *streams. A job name that is no group key
   // but the name of a job with several groups updates every group ("JOB/GROUP"), each from its
-  // own newest step; the first group's control is returned. NOT_FOUND for an unknown job.
+  // own newest step; the first group's control is returned. NOT_FOUND for an unknown job;
+  // UNAVAILABLE when a field left out would come from the defaults because the job has no
+  // control and no connected rank (a collector that just restarted learns it from their hellos).
   absl::StatusOr<v1::Control> UpdateControl(const std::string& job, std::optional<bool> enabled,
                                             std::optional<uint32_t> every,
                                             std::optional<uint32_t> sketch_dim, uint32_t lead_steps,

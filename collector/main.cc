@@ -28,6 +28,15 @@ ABSL_FLAG(int, metrics_threads, 8,
 ABSL_FLAG(absl::Duration, metrics_request_timeout, absl::Seconds(5),
           "A /metrics connection that has not sent its request (or read the answer) within this "
           "is closed, so slow clients cannot starve scrapes.");
+ABSL_FLAG(std::string, http_address, "127.0.0.1:9465",
+          "Address of the web view (/ lists jobs, /job/NAME shows one live) and its JSON API "
+          "(/api/v1/jobs, /api/v1/jobs/NAME/steps, /api/v1/jobs/NAME/ranks); empty disables it. "
+          "Loopback by default. With --auth_token_file the API requires the same token "
+          "(Authorization: Bearer).");
+ABSL_FLAG(int, http_threads, 8, "HTTP threads of the web view (one per connection being served).");
+ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(5),
+          "A web view connection that has not sent its request (or read the answer) within this "
+          "is closed.");
 ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created if missing).");
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
@@ -114,7 +123,8 @@ int main(int argc, char** argv) {
       "rankscope-collector: watches data-parallel training ranks for silent inconsistency.\n"
       "Agents stream per-rank loss, gradient norm and gradient sketch; the collector joins\n"
       "each step, stores it in SQLite (--db_path) and serves Prometheus metrics\n"
-      "(--metrics_address). Stop with SIGTERM or SIGINT: open steps are closed and stored.\n\n"
+      "(--metrics_address) and a web view with a JSON API (--http_address). Stop with\n"
+      "SIGTERM or SIGINT: open steps are closed and stored.\n\n"
       "usage: rankscope-collector [--flag=value ...]");
   rankscope::HandleHelpFlag(argc, argv, "collector/main.cc");  // --help: exits 0
   absl::ParseCommandLine(argc, argv);
@@ -134,6 +144,9 @@ int main(int argc, char** argv) {
   rankscope::collector::CollectorOptions options;
   options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.http_address = absl::GetFlag(FLAGS_http_address);
+  options.http_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_http_threads)));
+  options.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
   options.db_path = absl::GetFlag(FLAGS_db_path);
   options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
   options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);
@@ -173,13 +186,13 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "rankscope-collector: serving gRPC on 127.0.0.1:%d (%s, %s%s), metrics on "
-               ":%d/metrics, db %s\n",
+               ":%d/metrics, web view on :%d/, db %s\n",
                (*collector)->grpc_port(), options.grpc_address.c_str(),
                !options.tls.enabled() ? "plaintext"
                : options.tls.mutual() ? "mutual TLS"
                                       : "TLS",
                options.pipeline.auth_token.empty() ? "" : ", shared token",
-               (*collector)->metrics_port(), options.db_path.c_str());
+               (*collector)->metrics_port(), (*collector)->http_port(), options.db_path.c_str());
   std::fflush(stderr);
 
   int sig = 0;

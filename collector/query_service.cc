@@ -6,12 +6,11 @@
 #include <string>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "collector/job_listing.h"
+#include "collector/query_checks.h"
 #include "collector/row_proto.h"
-#include "collector/validation.h"
-#include "common/job_name.h"
 #include "common/tsan.h"
 
 namespace rankscope::collector {
@@ -28,16 +27,9 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const grpc:
   return reactor;
 }
 
-// Every Query method that names a job checks it first, with the ingest's rule: the name came over
-// the wire, so the refusal never echoes it (any length, any bytes).
-// A job name, or the key of one of its data-parallel groups ("JOB/GROUP", common/job_name.h).
-grpc::Status CheckJobName(const std::string& job) {
-  if (IsValidGroupKey(job)) return grpc::Status::OK;
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("job must be 1-128 characters of [A-Za-z0-9_.:-], or "
-                                   "JOB/GROUP with a group of 1-64 (got ",
-                                   job.size(), " bytes)"));
-}
+// Every Query method that names a job checks it first, with the rule the HTTP API shares
+// (query_checks.h): a job name, or the key of one of its data-parallel groups ("JOB/GROUP").
+grpc::Status CheckJobName(const std::string& job) { return ToGrpc(CheckQueryJobName(job)); }
 
 }  // namespace
 
@@ -59,16 +51,14 @@ grpc::ServerUnaryReactor* QueryService::FinishOnReader(
 }
 
 grpc::Status QueryService::CheckToken(const grpc::CallbackServerContext* context) const {
-  if (auth_token_.empty()) return grpc::Status::OK;
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
-  if (it != metadata.end() &&
-      std::string(it->second.data(), it->second.size()) == absl::StrCat("Bearer ", auth_token_)) {
-    return grpc::Status::OK;
-  }
+  const absl::string_view authorization =
+      it == metadata.end() ? absl::string_view()
+                           : absl::string_view(it->second.data(), it->second.size());
+  if (CheckBearerToken(authorization, auth_token_) == TokenCheck::kOk) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                      "missing or wrong auth token: the collector requires its shared token "
-                      "(rankscope --auth_token_file)");
+                      std::string(TokenRefusalMessage(TokenCheck::kMissing)));
 }
 
 grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* context,
@@ -80,41 +70,9 @@ grpc::ServerUnaryReactor* QueryService::ListJobs(grpc::CallbackServerContext* co
 }
 
 grpc::Status QueryService::ListJobsOn(SqliteStore& reader, v1::ListJobsResponse* response) {
-  absl::flat_hash_map<std::string, v1::JobInfo> jobs;
-  {
-    auto stored = reader.ListJobs();
-    if (!stored.ok()) return ToGrpc(stored.status());
-    for (const JobRow& row : *stored) {
-      v1::JobInfo& info = jobs[row.job];
-      info.set_job(row.job);
-      info.set_world_size(row.world_size);
-      info.set_sketch_dim(row.sketch_dim);
-      info.set_sketch_seed(row.sketch_seed);
-      info.set_first_seen_unix_nanos(absl::ToUnixNanos(row.first_seen));
-      info.set_last_seen_unix_nanos(absl::ToUnixNanos(row.last_seen));
-      info.set_last_step(row.last_step);
-      info.set_state("idle");
-    }
-  }
-  for (const JobSummary& s : pipeline_->ListJobs()) {
-    v1::JobInfo& info = jobs[s.job];
-    info.set_job(s.job);
-    info.set_world_size(s.identity.world_size);
-    info.set_sketch_dim(s.identity.sketch_dim);
-    info.set_sketch_seed(s.identity.sketch_seed);
-    if (info.first_seen_unix_nanos() == 0) {
-      info.set_first_seen_unix_nanos(absl::ToUnixNanos(s.first_seen));
-    }
-    info.set_last_seen_unix_nanos(
-        std::max(info.last_seen_unix_nanos(), absl::ToUnixNanos(s.last_seen)));
-    info.set_last_step(std::max(info.last_step(), s.newest_step));
-    info.set_connected_ranks(s.connected);
-    info.set_state(s.connected > 0 ? "active" : "idle");
-  }
-  std::vector<std::string> names;
-  for (const auto& [name, info] : jobs) names.push_back(name);
-  std::sort(names.begin(), names.end());
-  for (const std::string& name : names) *response->add_jobs() = std::move(jobs[name]);
+  auto jobs = ListKnownJobs(reader, *pipeline_);
+  if (!jobs.ok()) return ToGrpc(jobs.status());
+  for (v1::JobInfo& info : *jobs) *response->add_jobs() = std::move(info);
   return grpc::Status::OK;
 }
 
@@ -123,7 +81,10 @@ grpc::ServerUnaryReactor* QueryService::RecentSteps(grpc::CallbackServerContext*
                                                     v1::RecentStepsResponse* response) {
   if (grpc::Status auth = CheckToken(context); !auth.ok()) return Done(context, auth);
   if (grpc::Status job = CheckJobName(request->job()); !job.ok()) return Done(context, job);
-  int limit = request->limit() == 0 ? 20 : static_cast<int>(std::min(request->limit(), 10000u));
+  const int limit =
+      request->limit() == 0
+          ? kRecentStepsDefaultLimit
+          : static_cast<int>(std::min<uint32_t>(request->limit(), kRecentStepsMaxLimit));
   return FinishOnReader(context, [request, response, limit](SqliteStore& reader) {
     auto rows = reader.RecentSteps(request->job(), limit);
     if (!rows.ok()) return ToGrpc(rows.status());
@@ -139,13 +100,13 @@ grpc::ServerUnaryReactor* QueryService::StepRange(grpc::CallbackServerContext* c
   if (grpc::Status job = CheckJobName(request->job()); !job.ok()) return Done(context, job);
   const uint64_t last =
       request->last_step() == 0 ? std::numeric_limits<uint64_t>::max() : request->last_step();
-  if (request->first_step() > last) {
-    return Done(context, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                      absl::StrCat("first_step ", request->first_step(),
-                                                   " > last_step ", last)));
+  if (absl::Status range = CheckStepRange(request->first_step(), last); !range.ok()) {
+    return Done(context, ToGrpc(range));
   }
   const int limit =
-      request->limit() == 0 ? 10000 : static_cast<int>(std::min(request->limit(), 1000000u));
+      request->limit() == 0
+          ? kStepRangeDefaultLimit
+          : static_cast<int>(std::min<uint32_t>(request->limit(), kStepRangeMaxLimit));
   return FinishOnReader(context, [request, response, last, limit](SqliteStore& reader) {
     // One more than the limit tells whether the response is truncated.
     auto steps = reader.StepRange(request->job(), request->first_step(), last, limit + 1);

@@ -1,11 +1,14 @@
 """rankscope / Job: one training job: the smooth global loss beside the dispersion it hides,
 the rank that disagrees, replica checks, noise scale and stragglers."""
 from panels import (dashboard, dashed_ref, datasource_var, heatmap, layout, q, row, stat, table,
-                    threshold_steps, timeseries, train_job_var)
+                    threshold_steps, timeseries, train_job_var, group_var)
 
 
 def job():
-    sel = 'train_job="$train_job"'
+    # Series of the chosen data-parallel group(s); a job with one group has no group label,
+    # which the "All" value (.*) matches. Thresholds are per job only (tsel).
+    sel = 'train_job="$train_job", group=~"$group"'
+    tsel = 'train_job="$train_job"'
     per_rank_table = table(
         "Most deviating ranks, latest step (capped to the collector's per-rank series limit)",
         [
@@ -30,7 +33,7 @@ def job():
         "rankscope-job", "rankscope / Job",
         "One training job: the smooth global loss beside the dispersion it hides, the rank that "
         "disagrees, replica checks, noise scale and stragglers.",
-        [datasource_var(), train_job_var(multi=False)],
+        [datasource_var(), train_job_var(multi=False), group_var()],
         layout(
             [
                 (4, 4, stat("Step", [q(f"max(rankscope_step{{{sel}}})")], graph=False)),
@@ -57,14 +60,14 @@ def job():
                     [q(f"max(rankscope_loss_std{{{sel}}})", "std (latest step)", "A"),
                      q(f"max(rankscope_loss_std_max_window{{{sel}}})", "std (worst in 60 s)", "B"),
                      q(f"max(rankscope_loss_range_max_window{{{sel}}})", "range max-min (worst in 60 s)", "C"),
-                     q(f"max(rankscope:threshold:loss_std_max{{{sel}}})", "alert threshold", "T")],
+                     q(f"max(rankscope:threshold:loss_std_max{{{tsel}}})", "alert threshold", "T")],
                     min_=0, overrides=[dashed_ref("T", "red")],
                     description="Population std and range of the ranks' local losses.")),
                 (6, 9, timeseries(
                     "Gradient-norm dispersion",
                     [q(f"max(rankscope_grad_norm_cv{{{sel}}})", "CV (latest step)", "A"),
                      q(f"max(rankscope_grad_norm_cv_max_window{{{sel}}})", "CV (worst in 60 s)", "B"),
-                     q(f"max(rankscope:threshold:grad_norm_cv_max{{{sel}}})", "alert threshold", "T")],
+                     q(f"max(rankscope:threshold:grad_norm_cv_max{{{tsel}}})", "alert threshold", "T")],
                     unit="percentunit", min_=0, overrides=[dashed_ref("T", "red")],
                     description="Coefficient of variation (std/mean) of the exact local gradient norms.")),
                 (6, 9, timeseries(
@@ -72,8 +75,8 @@ def job():
                     [q(f"max(rankscope_grad_cosine_mean{{{sel}}})", "mean pairwise cosine (latest step)", "A"),
                      q(f"max(rankscope_grad_cosine_mean_min_window{{{sel}}})", "worst in 60 s", "B"),
                      q(f"train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}", "baseline (30 m median)", "C"),
-                     q(f"max(rankscope:threshold:grad_cosine_mean_min{{{sel}}})", "alert floor", "T"),
-                     q(f"(1 - rankscope:threshold:grad_cosine_mean_drop_ratio{{{sel}}}) "
+                     q(f"max(rankscope:threshold:grad_cosine_mean_min{{{tsel}}})", "alert floor", "T"),
+                     q(f"(1 - rankscope:threshold:grad_cosine_mean_drop_ratio{{{tsel}}}) "
                        f"* on (train_job) group_right () train_job:rankscope_grad_cosine_mean:median30m{{{sel}}}",
                        "alert below baseline", "U")],
                     unit="none", max_=1,
@@ -92,6 +95,22 @@ def job():
                     [q(f"max by (rank) (rankscope_rank_outlier_score{{{sel}}})", "{{rank}}")],
                     reverse=True, min_=0,
                     description="Robust score combining loss z, grad-norm z and consensus cosine.")),
+            ],
+            [
+                (12, 8, heatmap(
+                    "Drift score per rank (CUSUM)",
+                    [q(f"max by (rank) (rankscope_rank_drift_score{{{sel}}})", "{{rank}}")],
+                    reverse=True, min_=0, max_=2,
+                    description="Sequential (CUSUM) score of a small but persistent shift in the "
+                                "rank's loss, gradient norm or consensus cosine, as a fraction of "
+                                "its threshold: at 1 the rank is named drifting.")),
+                (12, 8, heatmap(
+                    "Slow score per rank (CUSUM)",
+                    [q(f"max by (rank) (rankscope_rank_slow_score{{{sel}}})", "{{rank}}")],
+                    reverse=True, min_=0, max_=2,
+                    description="Sequential (CUSUM) score of the rank's share of the step time, "
+                                "as a fraction of its threshold: at 1 the rank is named slow "
+                                "(a straggler).")),
             ],
             [(24, 9, per_rank_table)],
             [

@@ -232,6 +232,16 @@ def train_job_var(multi):
                      multi, description="The training job (label train_job) reported by the collector.")
 
 
+def group_var():
+    """The data-parallel group(s) of the chosen job; "All" (.*) also matches a job with one group,
+    whose series carry no group label."""
+    return label_var("group", "Data-parallel group",
+                     'label_values(rankscope_world_size{train_job="$train_job"}, group)', True,
+                     all_value=".*",
+                     description="Ranks are compared within a data-parallel group (label group; "
+                                 "absent for a job with one group).")
+
+
 def dashboard(uid, title, description, variables, panels, time_from="now-3h"):
     return {
         "annotations": {"list": [{

@@ -34,7 +34,7 @@ def start_collector(build_dir: Path, db: Path, log: Path, timeout: float = 30.0)
         sys.exit(f"demo: {binary} not found; build first (cmake --build {build_dir})")
     out = open(log, "w")
     proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0",
-                             "--metrics_address=127.0.0.1:0", f"--db_path={db}"],
+                             "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={db}"],
                             stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # rankscope demo: a collector, a healthy simulated job and a faulty one, then what rankscope saw.
 #
-# usage: tools/demo.sh BUILD_DIR
-# Everything runs on 127.0.0.1 with free ports; state goes to BUILD_DIR/demo/.
+# usage: tools/demo.sh BUILD_DIR [--no-wait]
+# Everything runs on 127.0.0.1 with free ports; state goes to BUILD_DIR/demo/. At the end the
+# collector stays up, serving its web view, until Enter is pressed; only when stdin is a terminal
+# and --no-wait (or RANKSCOPE_DEMO_NO_WAIT=1) is not given, so scripts and CI never wait.
 set -euo pipefail
-BUILD_DIR="$(cd "${1:?usage: tools/demo.sh BUILD_DIR}" && pwd)"
+BUILD_DIR="$(cd "${1:?usage: tools/demo.sh BUILD_DIR [--no-wait]}" && pwd)"
+NO_WAIT="${RANKSCOPE_DEMO_NO_WAIT:-0}"
+[[ "${2:-}" == "--no-wait" ]] && NO_WAIT=1
 BIN="$BUILD_DIR/bin"
 WORK="$BUILD_DIR/demo"
 rm -rf "$WORK" && mkdir -p "$WORK"
@@ -12,10 +16,12 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 GRPC_PORT=$(free_port)
 METRICS_PORT=$(free_port)
+HTTP_PORT=$(free_port)
 DB="$WORK/rankscope.db"
 
 "$BIN/rankscope-collector" --grpc_address="127.0.0.1:$GRPC_PORT" \
-  --metrics_address="127.0.0.1:$METRICS_PORT" --db_path="$DB" --step_timeout=2s \
+  --metrics_address="127.0.0.1:$METRICS_PORT" --http_address="127.0.0.1:$HTTP_PORT" \
+  --db_path="$DB" --step_timeout=2s \
   2>"$WORK/collector.log" &
 COLLECTOR_PID=$!
 cleanup() { kill -TERM "$COLLECTOR_PID" 2>/dev/null || true; wait "$COLLECTOR_PID" 2>/dev/null || true; }
@@ -23,6 +29,7 @@ trap cleanup EXIT
 for _ in $(seq 100); do grep -q "serving gRPC" "$WORK/collector.log" 2>/dev/null && break; sleep 0.1; done
 grep -q "serving gRPC" "$WORK/collector.log" || { cat "$WORK/collector.log"; exit 1; }
 echo "== collector on 127.0.0.1:$GRPC_PORT, metrics on http://127.0.0.1:$METRICS_PORT/metrics, db $DB"
+echo "== web view: http://127.0.0.1:$HTTP_PORT/ (open it now to watch the jobs live)"
 
 STEPS=${RANKSCOPE_DEMO_STEPS:-300}
 echo "== two simulated 16-rank jobs, $STEPS steps each, 20 ms a step:"
@@ -87,3 +94,8 @@ for line in text.splitlines():
 PY
 echo
 echo "demo done: state in $WORK (collector.log, rankscope.db)"
+echo "== web view: http://127.0.0.1:$HTTP_PORT/  (jobs; http://127.0.0.1:$HTTP_PORT/job/demo-faulty"
+echo "   shows the outlier rank 5 and the silent rank 11 in the rank x step heatmap)"
+if [[ -t 0 && "$NO_WAIT" != 1 ]]; then
+  read -r -p "   press Enter to stop the demo collector " _ || true
+fi

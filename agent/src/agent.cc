@@ -324,16 +324,18 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   // breaks or the agent stops. Runs on the sender thread.
   void RunStream() {
     auto call = std::make_unique<StreamCall>(this);
+    std::optional<AgentControl> control;  // stated in the hello (a restarted collector's view)
     {
       MutexLock lock(&mu_);
       if (stopping_) return;
+      control = control_;
       stream_broken_ = false;
       stream_done_ = false;
       writing_ = true;  // the hello
       // Every report sent before this stream and not acked is resent first, in seq order.
       unacked_.StartResend(next_seq_);
     }
-    call->hello = internal::HelloMessage(options_);
+    call->hello = internal::HelloMessage(options_, control);
     stub_->async()->Stream(&call->context, call.get());
     RANKSCOPE_TSAN_RELEASE(call.get());
     call->StartWrite(&call->hello);

@@ -7,7 +7,8 @@
 
 namespace rankscope::internal {
 
-v1::AgentMessage HelloMessage(const AgentOptions& options) {
+v1::AgentMessage HelloMessage(const AgentOptions& options,
+                              const std::optional<AgentControl>& control) {
   v1::AgentMessage msg;
   v1::Hello* h = msg.mutable_hello();
   h->set_job(options.job);
@@ -25,6 +26,14 @@ v1::AgentMessage HelloMessage(const AgentOptions& options) {
   h->set_instance_id(options.instance_id);
   h->set_pid(static_cast<uint32_t>(getpid()));
   h->set_sketch_encoding(static_cast<v1::SketchEncoding>(options.sketch_encoding));
+  if (control) {
+    v1::Control* c = h->mutable_control();
+    c->set_generation(control->generation);
+    c->set_apply_at_step(control->apply_at_step);
+    c->set_enabled(control->enabled);
+    c->set_every(control->every);
+    c->set_sketch_dim(control->sketch_dim);
+  }
   return msg;
 }
 

@@ -16,7 +16,8 @@
 namespace rankscope::internal {
 
 // The hello that opens each stream of an agent with `options` (agent_version kAgentVersion).
-v1::AgentMessage HelloMessage(const AgentOptions& options);
+v1::AgentMessage HelloMessage(const AgentOptions& options,
+                              const std::optional<AgentControl>& control = std::nullopt);
 
 // The message carrying one queued report as number `seq`, with the agent's count of dropped
 // reports so far. Allocates: call it without the agent's lock.

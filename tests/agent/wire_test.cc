@@ -33,6 +33,21 @@ TEST(WireTest, HelloCarriesTheOptions) {
   EXPECT_EQ(h.agent_version(), kAgentVersion);
   EXPECT_EQ(h.framework_version(), "torch 1.13.1");
   EXPECT_EQ(h.auth_token(), "secret");
+  EXPECT_FALSE(h.has_control());
+
+  AgentControl control;
+  control.generation = 77;
+  control.apply_at_step = 120;
+  control.enabled = false;
+  control.every = 4;
+  control.sketch_dim = 512;
+  const v1::Hello with = HelloMessage(o, control).hello();
+  ASSERT_TRUE(with.has_control());
+  EXPECT_EQ(with.control().generation(), 77u);
+  EXPECT_EQ(with.control().apply_at_step(), 120u);
+  EXPECT_FALSE(with.control().enabled());
+  EXPECT_EQ(with.control().every(), 4u);
+  EXPECT_EQ(with.control().sketch_dim(), 512u);
 }
 
 TEST(WireTest, PackedEncodingsCarryBytesAndScaleAndTheHelloStatesThem) {

@@ -188,7 +188,9 @@ TEST(JobRegistryTest, IdleJobsOldestFirst) {
     h.set_job(job);
     const absl::Time at = kT0 + absl::Seconds(std::string(job) == "early" ? 1 : 2);
     ASSERT_TRUE(registry.Attach(h, at, s, &attached).status.ok());
-    if (std::string(job) != "busy") ASSERT_TRUE(registry.Detach(h, s, at));
+    if (std::string(job) != "busy") {
+      ASSERT_TRUE(registry.Detach(h, s, at));
+    }
   }
   EXPECT_THAT(registry.IdleJobsOldestFirst(), ::testing::ElementsAre("early", "late"));
   EXPECT_FALSE(registry.ForgetIdle("busy"));
@@ -214,6 +216,39 @@ TEST(JobRegistryTest, IdentityTtlAndMaxJobs) {
   EXPECT_TRUE(registry.ForgetIfIdle("exp-42", kT0 + absl::Hours(1) + absl::Seconds(1)));
   EXPECT_FALSE(registry.Contains("exp-42"));
   EXPECT_TRUE(registry.CheckRoomForJob(other).status.ok());
+}
+
+TEST(JobRegistryTest, ARestartedCollectorContinuesFromTheControlItsAgentsState) {
+  JobRegistry registry(10, absl::Hours(1));  // a fresh collector: it knows no control
+  auto s = std::make_shared<NullStream>();
+  JobRegistry::Attached attached;
+  v1::Hello h0 = Hello(0);
+  v1::Control* c0 = h0.mutable_control();
+  c0->set_generation(1000);
+  c0->set_apply_at_step(30);
+  c0->set_enabled(false);
+  c0->set_every(3);
+  c0->set_sketch_dim(256);
+  ASSERT_TRUE(registry.Attach(h0, kT0, s, &attached).status.ok());
+  ASSERT_TRUE(attached.control.has_value());
+  EXPECT_EQ(attached.control->generation(), 1000u);
+  // Reports at the re-tuned size are accepted again from the control's step.
+  EXPECT_EQ(registry.SketchDims(h0).retuned_dim, 256u);
+  EXPECT_EQ(registry.SketchDims(h0).apply_at_step, 30u);
+  // A rank that states an older control does not roll the job back.
+  v1::Hello h1 = Hello(1);
+  h1.mutable_control()->set_generation(999);
+  h1.mutable_control()->set_enabled(true);
+  ASSERT_TRUE(registry.Attach(h1, kT0, s, &attached).status.ok());
+  EXPECT_EQ(attached.control->generation(), 1000u);
+  // `ctl set --every=5` keeps the job disabled and re-tuned, with a newer generation.
+  std::vector<std::shared_ptr<AgentStream>> streams;
+  auto c = registry.UpdateControl("exp-42", std::nullopt, 5, std::nullopt, 1, kT0, &streams);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->enabled());
+  EXPECT_EQ(c->every(), 5u);
+  EXPECT_EQ(c->sketch_dim(), 256u);
+  EXPECT_GT(c->generation(), 1000u);
 }
 
 TEST(JobRegistryTest, ControlRetunesTheSketchSchedule) {

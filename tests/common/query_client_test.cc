@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collector/collector.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rankscope/agent.h"
 #include "tests/testing/test_util.h"
@@ -160,6 +161,13 @@ TEST_F(QueryClientTest, ListJobsRecentStepsAndSetControl) {
   control.set_job(kJob);
   control.set_enabled(false);
   control.set_lead_steps(5);
+  // The agents closed: the job's current `every` is unknown to this collector, so a control
+  // that leaves it out is refused rather than filled from the defaults...
+  auto unknown = client->SetControl(control);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kUnavailable) << unknown.status();
+  EXPECT_THAT(std::string(unknown.status().message()), ::testing::HasSubstr("is connected"));
+  // ...and one that gives every field is taken (delivered to ranks when they connect).
+  control.set_every(1);
   auto set = client->SetControl(control);
   ASSERT_TRUE(set.ok()) << set.status();
   EXPECT_EQ(set->control().apply_at_step(), kSteps + 5);

@@ -84,6 +84,7 @@ class Collector:
         self.extra_args = list(extra_args)
         self.port = 0
         self.metrics_port = 0
+        self.http_port = 0  # the web view and JSON API
         self.proc = None
         self._log_index = 0
 
@@ -99,7 +100,8 @@ class Collector:
         self._log = open(log_path, "w+")
         self.proc = subprocess.Popen(
             [*self.prefix, str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
-             "--metrics_address=127.0.0.1:0", f"--db_path={self.db_path}",
+             "--metrics_address=127.0.0.1:0", "--http_address=127.0.0.1:0",
+             f"--db_path={self.db_path}",
              f"--step_timeout={self.step_timeout}", *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
         self.log_path = log_path
@@ -108,11 +110,12 @@ class Collector:
             if self.proc.poll() is not None:
                 raise AssertionError(f"collector exited with {self.proc.returncode}: "
                                      f"{log_path.read_text()}")
-            m = re.search(r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)",
-                          log_path.read_text())
-            return m and (int(m.group(1)), int(m.group(2)))
+            m = re.search(r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)\D.*"
+                          r"web view on :(\d+)", log_path.read_text())
+            return m and (int(m.group(1)), int(m.group(2)), int(m.group(3)))
 
-        self.port, self.metrics_port = wait_until(serving, timeout, "the collector to serve")
+        self.port, self.metrics_port, self.http_port = wait_until(serving, timeout,
+                                                                  "the collector to serve")
         return self
 
     def log(self) -> str:

@@ -78,7 +78,9 @@ def test_help_on_every_verb():
 @pytest.mark.parametrize("binary,flags", [
     ("rankscope", ("--collector", "--job", "--format", "--auth_token_file")),
     ("rankscope-collector", ("--grpc_address", "--metrics_address", "--db_path", "--max_streams",
-                             "--hello_timeout")),
+                             "--hello_timeout", "--http_address", "--http_threads",
+                             "--http_request_timeout")),
+    ("rankscope-loadgen", ("--collector", "--ranks", "--groups", "--outlier_rank")),
 ])
 def test_help_exits_zero_and_lists_only_the_binarys_own_flags(binary, flags):
     """Issue 12.9: `--help` exits 0 (scripts check it) and shows the binary's own flags, without

@@ -335,7 +335,7 @@ def test_unwritable_database_is_refused_clearly_and_stored_once_fixed(tmp_path, 
     os.chmod(db_dir, 0o555)
     out = subprocess.run([*nobody, str(Path(BUILD_DIR) / "bin" / "rankscope-collector"),
                           f"--grpc_address=127.0.0.1:{c.port}", "--metrics_address=",
-                          f"--db_path={c.db_path}"],
+                          "--http_address=", f"--db_path={c.db_path}"],
                          capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 1, out
     message = out.stderr.strip().splitlines()[-1]

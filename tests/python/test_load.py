@@ -80,7 +80,9 @@ def test_stream_beyond_max_streams_is_refused_and_the_others_keep_working(tmp_pa
         for a in agents:
             assert a.flush(60) == ""
         s = extra.stats()
-        assert s["recorded"] == 5 and s["acked"] == 0 and not s["connected"], s
+        # (Not `connected`: it is true from the moment a retry's hello is written until the
+        # refusal arrives, so a snapshot may catch it mid-retry.)
+        assert s["recorded"] == 5 and s["acked"] == 0 and s["reconnects"] >= 1, s
         assert c.query("SELECT COUNT(*) FROM rank_steps WHERE job = 'limited' AND rank < ?",
                        (limit,)) == [(limit * 5,)]
         assert c.query("SELECT COUNT(*) FROM rank_steps WHERE rank = ?", (limit,)) == [(0,)]

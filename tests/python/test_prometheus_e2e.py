@@ -132,7 +132,8 @@ class Proc:
 
 def start_collector(tmp, name):
     proc = Proc(name, [COLLECTOR_BIN, "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                       f"--db_path={tmp / (name + '.db')}", "--step_timeout=2s"], tmp)
+                       "--http_address=", f"--db_path={tmp / (name + '.db')}", "--step_timeout=2s"],
+                tmp)
 
     def ports():
         if not proc.alive():
@@ -372,6 +373,7 @@ EXPRESSIONS = extract_promql.all_expressions()
 VARIABLES = {
     "train_job": [".+", "outlier", "silent", "incoherent", "healthy"],
     "instance": [".+"],
+    "group": [".*"],
     "__rate_interval": ["30s"],
     "__interval": ["15s"],
 }

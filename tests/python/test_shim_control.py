@@ -166,3 +166,53 @@ def test_collector_killed_mid_training(collector, tmp_path):
         stats = r["stats"]
         assert stats["acked"] == steps and stats["dropped"] == 0, stats
         assert stats["reconnects"] >= 1, stats
+
+
+def test_controls_survive_collector_restarts(collector, tmp_path):
+    """enable -> restart the collector -> disable -> restart -> `ctl set --every=2`: every control
+    after a restart reaches the ranks, and the last one keeps the job disabled (a restarted
+    collector continues from the control its agents state in their hello, not from defaults)."""
+    job = "ctl-restart"
+    work = tmp_path / "work"
+    work.mkdir()
+    run = Background(shim_harness.control_worker, collector.address, job, str(work), 150,
+                     timeout=200)
+
+    def transitions(rank):
+        return read_json(work / f"rank{rank}.json", [])
+
+    def all_ranks(predicate, what, timeout=60):
+        return wait_until(lambda: run.alive() and all(predicate(transitions(r))
+                                                      for r in range(WORLD)), timeout, what)
+
+    def ctl_once_reconnected(verb, *flags):
+        """`ctl` once every rank reconnected to the restarted collector (each within its
+        backoff; a rank that reconnects after the agreed step would apply the control late, as
+        docs/shim.md says; a control sent before any rank is back is refused, which
+        tests/common/query_client_test.cc checks)."""
+        wait_until(lambda: run.alive() and collector.metric("rankscope_connected_agents",
+                                                            train_job=job) == WORLD,
+                   60, "every rank to reconnect", interval=0.2)
+        return collector.ctl(verb, job, "--lead_steps=5", *flags)
+
+    wait_until(lambda: collector.query("SELECT 1 FROM jobs WHERE job = ?", (job,)), 60,
+               "the dormant job's hello")
+    collector.ctl("enable", job, "--lead_steps=5")
+    all_ranks(lambda t: t[-1][1], "every rank to apply enable")
+
+    collector.stop()
+    collector.restart()
+    out = ctl_once_reconnected("disable")
+    assert "enabled=false" in out, out
+    all_ranks(lambda t: not t[-1][1], "every rank to apply disable after a collector restart")
+
+    collector.stop()
+    collector.restart()
+    out = ctl_once_reconnected("set", "--every=2")
+    assert "enabled=false" in out and "every=2" in out, out
+    all_ranks(lambda t: t[-1][1:3] == [False, 2], "every rank to apply every=2, still disabled")
+    (work / "stop").touch()
+    run.join(60)
+    per_rank = [transitions(r) for r in range(WORLD)]
+    assert all(t == per_rank[0] for t in per_rank), per_rank
+    assert [t[1:3] for t in per_rank[0]] == [[False, 1], [True, 1], [False, 1], [False, 2]]

@@ -201,7 +201,7 @@ def test_collector_refuses_to_start_with_bad_tls_files(tmp_path, pki, flags, mes
     if not COLLECTOR_BIN.exists():
         pytest.skip(f"{COLLECTOR_BIN} not built")
     out = subprocess.run(
-        [str(COLLECTOR_BIN), "--grpc_address=127.0.0.1:0", "--metrics_address=",
+        [str(COLLECTOR_BIN), "--grpc_address=127.0.0.1:0", "--metrics_address=", "--http_address=",
          f"--db_path={tmp_path / 'x.db'}", *[f.format(d=pki) for f in flags]],
         capture_output=True, text=True, timeout=60)
     assert out.returncode != 0

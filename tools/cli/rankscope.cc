@@ -7,6 +7,8 @@
 //   rankscope report --job J -o report.png [--db PATH]
 //   rankscope ctl enable|disable --job J    switch a dormant/active job's ranks on or off
 //   rankscope ctl set --job J [--every N] [--sketch_dim K]
+//   rankscope attach --job J [--dormant] PID... | --all-local
+//                                           attach to live processes started without rankscope
 //
 // Every verb talks to the collector's Query service at --collector; export and report read a
 // SQLite file directly instead with --db. report runs /usr/bin/python3 -m rankscope.report on
@@ -99,6 +101,7 @@ constexpr char kUsage[] =
     "  rankscope ctl enable --job=J [--lead_steps=N]\n"
     "  rankscope ctl disable --job=J [--lead_steps=N]\n"
     "  rankscope ctl set --job=J [--every=N] [--sketch_dim=K] [--lead_steps=N]\n"
+    "  rankscope attach --job=J [--collector=HOST:PORT] [--dormant] PID... | --all-local\n"
     "\n"
     "ctl changes are applied by every rank of the job at the same future step (the job's newest\n"
     "step + lead_steps), so the ranks' sketches stay comparable.";
@@ -279,17 +282,18 @@ int ShowOnce(const Cli& cli, const std::string& job) {
   if (!recent.ok()) return Fail(cli.config, recent.status());
   const v1::RecentStepsResponse& resp = *recent;
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
-  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n", "STEP", "RANKS",
-              "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE", "NOISE_B",
-              "DIVERGENT", "OUTLIERS", "DUPLICATES", "MISSING");
+  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n", "STEP",
+              "RANKS", "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE",
+              "NOISE_B", "DIVERGENT", "OUTLIERS", "DRIFTING", "SLOW", "DUPLICATES", "MISSING");
   for (const v1::StepStats& st : resp.steps()) {
-    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-11s %s\n",
+    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n",
                 static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
                 Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(),
                 Num(st.grad_norm_mean()).c_str(), Num(st.grad_norm_cv()).c_str(),
                 Num(st.grad_cosine_mean(), 3).c_str(), Num(st.grad_noise_scale()).c_str(),
                 st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
-                Ranks(st.outlier_ranks(), "-").c_str(),
+                Ranks(st.outlier_ranks(), "-").c_str(), Ranks(st.drifting_ranks(), "-").c_str(),
+                Ranks(st.slow_ranks(), "-").c_str(),
                 st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
                 MissingRanks(st, ",").c_str());
   }
@@ -594,6 +598,35 @@ int Report(const Cli& cli, const std::string& job) {
   return 0;
 }
 
+// ---- attach -----------------------------------------------------------------------------------
+
+// `rankscope attach ...`: runs /usr/bin/python3 -m rankscope.attach (the package beside the
+// binary) with every argument but the verb, in order; it has its own flags (--dormant,
+// --all-local, PIDs), so it is handed over before absl parses anything. Returns only on failure.
+int Attach(int argc, char** argv, int verb_index) {
+  const std::string pydir = PythonDir();
+  if (access((pydir + "/rankscope/attach.py").c_str(), R_OK) != 0) {
+    std::fprintf(stderr,
+                 "rankscope: %s/rankscope/attach.py not found (attach needs the rankscope "
+                 "Python package beside the binary, as the build lays it out)\n",
+                 pydir.c_str());
+    return 1;
+  }
+  const char* python = "/usr/bin/python3";
+  std::vector<char*> args = {const_cast<char*>(python), const_cast<char*>("-m"),
+                             const_cast<char*>("rankscope.attach")};
+  for (int i = 1; i < argc; ++i) {
+    if (i != verb_index) args.push_back(argv[i]);
+  }
+  args.push_back(nullptr);
+  const char* old = std::getenv("PYTHONPATH");
+  const std::string pythonpath = old && *old ? pydir + ":" + old : pydir;
+  setenv("PYTHONPATH", pythonpath.c_str(), 1);
+  execv(python, args.data());
+  std::fprintf(stderr, "rankscope: cannot run %s: %s\n", python, std::strerror(errno));
+  return 127;
+}
+
 // ---- help -------------------------------------------------------------------------------------
 
 const char* VerbHelp(const std::string& verb) {
@@ -614,7 +647,8 @@ const char* VerbHelp(const std::string& verb) {
     return "rankscope show --job=J [--once] [--limit=N] [--worst=N] [--collector=HOST:PORT]\n\n"
            "The newest N steps of job J (loss mean/std/range, gradient-norm mean and CV, mean\n"
            "pairwise cosine, gradient noise scale, ranks whose replica fingerprints diverged,\n"
-           "outlier ranks, missing ranks), then the --worst ranks of the newest step by outlier\n"
+           "outlier ranks, ranks whose sequential detector says drifting or slow, duplicate\n"
+           "groups, missing ranks), then the --worst ranks of the newest step by outlier\n"
            "score (loss, norm, consensus cosine, loss z, step time and its z, replica check).\n"
            "Refreshes every 2 s until interrupted; --once prints once (for scripts).\n";
   }
@@ -648,6 +682,11 @@ const char* VerbHelp(const std::string& verb) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-') continue;
+    if (std::string(argv[i]) == "attach") return Attach(argc, argv, i);
+    break;
+  }
   // `rankscope VERB --help`: the verb's own help; `rankscope --help`: the usage and the CLI's own
   // flags (common/flag_help.h), exit 0.
   for (int i = 1; i < argc; ++i) {

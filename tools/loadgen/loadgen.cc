@@ -28,6 +28,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "common/flag_help.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -138,6 +139,7 @@ int main(int argc, char** argv) {
       "rankscope-loadgen: simulated ranks of one job streaming to a rankscope collector\n"
       "through the real agent library. Prints a final line:\n"
       "  loadgen: job=J ranks=W recorded=N acked=N dropped=N rejected=N elapsed=S rate=R/s");
+  rankscope::HandleHelpFlag(argc, argv, "loadgen/loadgen.cc");  // --help: its flags, exits 0
   absl::ParseCommandLine(argc, argv);
   const int ranks = absl::GetFlag(FLAGS_ranks);
   const int dim = absl::GetFlag(FLAGS_sketch_dim);

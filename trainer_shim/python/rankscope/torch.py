@@ -67,6 +67,12 @@ from rankscope._replica import ReplicaFingerprints
 
 __all__ = ["attach", "attach_reducer", "Monitor"]
 
+# Default parameter-fingerprint interval, from its measured cost (docs/PERFORMANCE.md, "Replica
+# fingerprints"): one check costs 0.28-0.34 % of a CPU step (bench/fingerprint_overhead.py), so
+# checking every 5 steps keeps it under 0.1 % of a step (0.07 %) while a diverged replica is named
+# at most 4 steps after it diverged (50, the earlier default, took up to 49).
+PARAM_CHECK_EVERY = 5
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -138,7 +144,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            start_step: int = 0,
            sketch_seed: int = _native.DEFAULT_SKETCH_SEED,
            local_batch_size: int = 0,
-           param_check_every: int = 50,
+           param_check_every: int = PARAM_CHECK_EVERY,
            fingerprints: bool = True,
            comm_hook: Optional[Callable] = None,
            comm_hook_state=None,
@@ -390,7 +396,7 @@ class Monitor:
                  sketch_encoding="float32",
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
-                 param_check_every=50,
+                 param_check_every=PARAM_CHECK_EVERY,
                  fingerprints=True, queue_capacity, max_unacked,
                  warn_after, max_backoff, control_margin, close_timeout):
         pg = model.process_group
@@ -661,6 +667,16 @@ class Monitor:
             return
         self.counters["record_errors"] += 1
         self._warn_once("record", f"rankscope: the agent refused a report: {err}")
+
+    def _start_at(self, step: int, enabled: bool) -> None:
+        """(rankscope._autoattach) Numbers the step about to start ``step`` and switches the
+        monitor on or leaves it dormant: called at the forward of the step every rank of the group
+        agreed to start at, so that step numbers and the first reported step match across ranks."""
+        self._step = int(step)
+        self._enabled = bool(enabled)
+        self._active = self._decide(self._step)
+        if self._active:
+            self._begin_step()
 
     # ---- control ------------------------------------------------------------------------------
 

@@ -1,0 +1,702 @@
+// rankscope web view: the jobs list (/) and a job's live page (/job/JOB[?group=G]), drawn with
+// plain canvas from the collector's JSON API (/api/v1/...). No framework, no network beyond the
+// collector. The page's state is kept in window.rankscope (tests read it) and mirrored in the DOM
+// (data-* attributes on the jobs table and the flagged-ranks list).
+"use strict";
+
+(function () {
+  const REFRESH_MS = 2000;
+  const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
+  const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
+  const $ = (id) => document.getElementById(id);
+
+  // ---- API -------------------------------------------------------------------------------
+  function token() { return sessionStorage.getItem("rankscope_token") || ""; }
+
+  class ApiError extends Error {
+    constructor(status, message) { super(message); this.status = status; }
+  }
+
+  async function api(path) {
+    const headers = {};
+    if (token()) headers["Authorization"] = "Bearer " + token();
+    const r = await fetch("/api/v1" + path, { headers, cache: "no-store" });
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) {
+      const msg = body.error ? body.error.message : r.statusText;
+      throw new ApiError(r.status, msg);
+    }
+    return body;
+  }
+
+  function enc(key) { return key.split("/").map(encodeURIComponent).join("%2F"); }
+
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") e.className = v;
+      else if (k === "text") e.textContent = v;
+      else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+      else e.setAttribute(k, v);
+    }
+    for (const c of children) if (c != null) e.append(c);
+    return e;
+  }
+
+  function setStatus(text, isError) {
+    const s = $("status");
+    s.textContent = text;
+    s.className = isError ? "error" : "";
+  }
+
+  function showTokenForm(err) {
+    const main = $("main");
+    main.replaceChildren(el("form", { class: "token-form", id: "token-form" },
+      el("div", { text: err.status === 403 ? "The token was refused." :
+                                             "This collector requires its shared token." }),
+      el("input", { type: "password", id: "token-input", placeholder: "token",
+                    autocomplete: "off" }),
+      el("button", { type: "submit", text: "Open" })));
+    $("token-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      sessionStorage.setItem("rankscope_token", $("token-input").value.trim());
+      location.reload();
+    });
+  }
+
+  // Runs `tick` now and again REFRESH_MS after each run ends (never two at once).
+  function every(tick) {
+    const run = async () => {
+      try {
+        await tick();
+        state.refreshes += 1;
+        setStatus("live · updated " + new Date().toLocaleTimeString());
+      } catch (err) {
+        state.errors += 1;
+        if (err.status === 401 || err.status === 403) { showTokenForm(err); return; }
+        setStatus("error: " + err.message + " (retrying)", true);
+      }
+      setTimeout(run, REFRESH_MS);
+    };
+    run();
+  }
+
+  // ---- formatting and colours ------------------------------------------------------------
+  function fmt(v, digits) {
+    if (v === null || v === undefined) return "–";
+    if (!isFinite(v)) return String(v);
+    const a = Math.abs(v);
+    if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(2);
+    return v.toFixed(digits === undefined ? 3 : digits);
+  }
+  function rankList(ranks) {
+    if (!ranks.length) return "";
+    return ranks.length > 8 ? ranks.slice(0, 8).join(", ") + ", +" + (ranks.length - 8)
+                            : ranks.join(", ");
+  }
+  function lerp(a, b, t) { return a + (b - a) * t; }
+  function ramp(stops, t) {  // stops: [[t, r, g, b], ...]
+    t = Math.max(0, Math.min(1, t));
+    for (let i = 1; i < stops.length; i++) {
+      if (t <= stops[i][0]) {
+        const [t0, r0, g0, b0] = stops[i - 1], [t1, r1, g1, b1] = stops[i];
+        const u = (t - t0) / (t1 - t0 || 1);
+        return [lerp(r0, r1, u), lerp(g0, g1, u), lerp(b0, b1, u)];
+      }
+    }
+    return stops[stops.length - 1].slice(1);
+  }
+  // Consensus cosine -1..1: red (disagrees) through pale yellow (orthogonal) to blue (agrees).
+  const COSINE = [[0, 178, 24, 43], [0.5, 247, 247, 200], [0.75, 146, 197, 222], [1, 5, 48, 97]];
+  // Outlier score 0..2x threshold: white to dark red; the threshold sits at the midpoint.
+  const OUTLIER = [[0, 255, 255, 255], [0.25, 254, 224, 160], [0.5, 244, 109, 67], [1, 120, 0, 20]];
+  const METRICS = {
+    cosine: { label: "consensus cosine", stops: COSINE, t: (v) => (v + 1) / 2, lo: "-1", hi: "1" },
+    outlier: { label: "outlier score", stops: OUTLIER, t: (v) => v / (2 * OUTLIER_THRESHOLD),
+               lo: "0", hi: String(2 * OUTLIER_THRESHOLD) + "+" },
+  };
+  // Cells: a missing rank mid grey (apart from both colour ramps), non-finite black, a divergent
+  // replica purple. Ticks in the marks gutter (and the flagged list) use MARK_CSS.
+  const MARK = { missing: [150, 150, 150], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
+  const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
+                     outlier: "#e08a00" };
+  // A colour per 1/1023 of a metric's range, so a 1,024 x 120 heatmap needs no per-cell ramp().
+  function lut(stops) {
+    const t = new Uint8ClampedArray(1024 * 3);
+    for (let i = 0; i < 1024; i++) {
+      const [r, g, b] = ramp(stops, i / 1023);
+      t[i * 3] = r; t[i * 3 + 1] = g; t[i * 3 + 2] = b;
+    }
+    return t;
+  }
+
+  // ---- canvas line charts ----------------------------------------------------------------
+  function sizeCanvas(canvas, cssW, cssH) {
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(cssW * dpr);
+    canvas.height = Math.round(cssH * dpr);
+    canvas.style.width = cssW + "px";
+    canvas.style.height = cssH + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    return ctx;
+  }
+
+  // series: [{xs, ys, color, band: [lo[], hi[]] (optional)}]; marks: [{x, color}] vertical lines.
+  function lineChart(canvas, series, opts) {
+    const cssW = canvas.parentElement.clientWidth - 16 || 600, cssH = 170;
+    const ctx = sizeCanvas(canvas, cssW, cssH);
+    const L = 56, R = 8, T = 8, B = 22, W = cssW - L - R, H = cssH - T - B;
+    let xmin = Infinity, xmax = -Infinity, ymin = Infinity, ymax = -Infinity;
+    for (const s of series) {
+      s.xs.forEach((x, i) => {
+        const lo = s.band ? s.band[0][i] : s.ys[i], hi = s.band ? s.band[1][i] : s.ys[i];
+        for (const y of [s.ys[i], lo, hi]) {
+          if (y === null || !isFinite(y)) continue;
+          xmin = Math.min(xmin, x); xmax = Math.max(xmax, x);
+          ymin = Math.min(ymin, y); ymax = Math.max(ymax, y);
+        }
+      });
+    }
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.fillStyle = "#6a737d";
+    if (!isFinite(xmin)) { ctx.fillText("no data yet", L + 8, T + 20); return; }
+    if (opts && opts.ymin !== undefined) ymin = Math.min(ymin, opts.ymin);
+    if (opts && opts.ymax !== undefined) ymax = Math.max(ymax, opts.ymax);
+    if (ymax === ymin) { ymax += Math.abs(ymax) * 0.05 || 1; ymin -= Math.abs(ymin) * 0.05 || 1; }
+    const pad = (ymax - ymin) * 0.06; ymin -= pad; ymax += pad;
+    if (xmax === xmin) xmax = xmin + 1;
+    const X = (x) => L + ((x - xmin) / (xmax - xmin)) * W;
+    const Y = (y) => T + (1 - (y - ymin) / (ymax - ymin)) * H;
+    ctx.strokeStyle = "#d9dee3"; ctx.lineWidth = 1;
+    ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    for (let i = 0; i <= 4; i++) {
+      const y = ymin + ((ymax - ymin) * i) / 4;
+      ctx.beginPath(); ctx.moveTo(L, Y(y)); ctx.lineTo(L + W, Y(y)); ctx.stroke();
+      ctx.fillText(fmt(y, 3), L - 4, Y(y));
+    }
+    ctx.textAlign = "center"; ctx.textBaseline = "top";
+    for (let i = 0; i <= 4; i++) {
+      const x = xmin + ((xmax - xmin) * i) / 4;
+      ctx.fillText(String(Math.round(x)), X(x), T + H + 5);
+    }
+    for (const m of (opts && opts.marks) || []) {
+      ctx.strokeStyle = m.color; ctx.beginPath(); ctx.moveTo(X(m.x), T); ctx.lineTo(X(m.x), T + H);
+      ctx.stroke();
+    }
+    for (const s of series) {
+      if (s.band) {
+        ctx.fillStyle = s.bandColor || "rgba(11, 92, 173, 0.18)";
+        ctx.beginPath();
+        let started = false;
+        s.xs.forEach((x, i) => {
+          const y = s.band[1][i]; if (y === null || !isFinite(y)) return;
+          if (!started) { ctx.moveTo(X(x), Y(y)); started = true; } else ctx.lineTo(X(x), Y(y));
+        });
+        for (let i = s.xs.length - 1; i >= 0; i--) {
+          const y = s.band[0][i]; if (y === null || !isFinite(y)) continue;
+          ctx.lineTo(X(s.xs[i]), Y(y));
+        }
+        ctx.closePath(); ctx.fill();
+      }
+      ctx.strokeStyle = s.color; ctx.lineWidth = 1.5; ctx.beginPath();
+      let pen = false;
+      s.xs.forEach((x, i) => {
+        const y = s.ys[i];
+        if (y === null || !isFinite(y)) { pen = false; return; }
+        if (!pen) { ctx.moveTo(X(x), Y(y)); pen = true; } else ctx.lineTo(X(x), Y(y));
+      });
+      ctx.stroke();
+    }
+  }
+
+  function chartBox(id, title) {
+    return el("div", { class: "chart" }, el("div", { class: "title", text: title }),
+              el("canvas", { id }));
+  }
+
+  // ---- jobs page -------------------------------------------------------------------------
+  function alertsOf(latest) {
+    const out = [];
+    if (!latest) return out;
+    if (latest.divergent_ranks.length) out.push(["divergent", "divergent replicas: " + rankList(latest.divergent_ranks), latest.divergent_ranks]);
+    if (latest.outlier_ranks.length) out.push(["outlier", "outlier ranks: " + rankList(latest.outlier_ranks), latest.outlier_ranks]);
+    if (latest.missing_ranks) out.push(["missing", "missing ranks: " + latest.missing_ranks, []]);
+    return out;
+  }
+
+  function jobsPage() {
+    state.page = "jobs";
+    document.title = "rankscope · jobs";
+    $("main").replaceChildren(
+      el("h2", { text: "Jobs" }),
+      el("table", { class: "jobs", id: "jobs" },
+         el("thead", null, el("tr", null,
+            ...["job / group", "state", "world size", "connected", "last step",
+                "direction consistency", "alerts"].map((h) => el("th", { text: h })))),
+         el("tbody", { id: "jobs-body" })),
+      el("p", { class: "muted", text: "Alerts are the latest stored step's: divergent replicas " +
+        "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out)." }));
+    every(async () => {
+      const data = await api("/jobs");
+      state.jobs = data.jobs;
+      const byJob = new Map();
+      for (const j of data.jobs) {
+        if (!byJob.has(j.job)) byJob.set(j.job, []);
+        byJob.get(j.job).push(j);
+      }
+      const rows = [];
+      for (const [job, keys] of byJob) {
+        const grouped = keys.length > 1 || keys[0].group !== "";
+        const active = keys.some((k) => k.state === "active");
+        const alerts = keys.flatMap((k) => alertsOf(k.latest).map((a) =>
+          grouped ? [a[0], k.group + ": " + a[1]] : a));
+        const lastStep = Math.max(...keys.map((k) => k.last_step));
+        const cos = grouped ? Math.min(...keys.map((k) => k.latest ? k.latest.grad_cosine_mean : Infinity))
+                            : (keys[0].latest ? keys[0].latest.grad_cosine_mean : null);
+        rows.push(jobRow({ name: job, href: "/job/" + encodeURIComponent(job),
+          state: active ? "active" : "idle",
+          world: keys.reduce((a, k) => a + k.world_size, 0),
+          connected: keys.reduce((a, k) => a + k.connected_ranks, 0), lastStep,
+          cos: isFinite(cos) ? cos : null, alerts, groups: grouped ? keys.length : 0,
+          key: grouped ? job : keys[0].key, cls: "job" }));
+        if (grouped) {
+          for (const k of keys) {
+            rows.push(jobRow({ name: k.group || "(default)",
+              href: "/job/" + encodeURIComponent(job) + "?group=" + encodeURIComponent(k.group),
+              state: k.state, world: k.world_size, connected: k.connected_ranks,
+              lastStep: k.last_step, cos: k.latest ? k.latest.grad_cosine_mean : null,
+              alerts: alertsOf(k.latest), key: k.key, cls: "group" }));
+          }
+        }
+      }
+      if (!rows.length) {
+        rows.push(el("tr", null, el("td", { colspan: 7, class: "muted",
+          text: "No jobs yet: start agents with RANKSCOPE_COLLECTOR pointing at this collector." })));
+      }
+      $("jobs-body").replaceChildren(...rows);
+    });
+  }
+
+  function jobRow(r) {
+    const alerts = el("td", { class: "alerts" });
+    if (!r.alerts.length) alerts.append(el("span", { class: "ok", text: "none" }));
+    for (const [kind, text] of r.alerts) alerts.append(el("span", { class: "alert " + kind, text }));
+    const name = el("td", { class: "name" }, el("a", { href: r.href, text: r.name }));
+    if (r.groups) name.append(el("span", { class: "muted", text: "  " + r.groups + " groups" }));
+    return el("tr", { class: r.cls, "data-key": r.key, "data-state": r.state,
+                      "data-alerts": [...new Set(r.alerts.map((a) => a[0]))].join(",") },
+      name, el("td", { class: "state-" + r.state, text: r.state }),
+      el("td", { class: "num", text: String(r.world) }),
+      el("td", { class: "num", text: String(r.connected) }),
+      el("td", { class: "num", text: String(r.lastStep) }),
+      el("td", { class: "num", text: fmt(r.cos, 3) }), alerts);
+  }
+
+  // ---- job page --------------------------------------------------------------------------
+  async function jobPage(job, group) {
+    state.page = "job";
+    state.job = job;
+    document.title = "rankscope · " + job;
+    $("crumb").replaceChildren(el("span", { text: "/ " }),
+      el("a", { href: "/job/" + encodeURIComponent(job), text: job }),
+      el("span", { text: group !== null ? " / group " + group : "" }));
+    let keys;
+    try {
+      keys = (await api("/jobs")).jobs.filter((j) => j.job === job);
+    } catch (err) {
+      if (err.status === 401 || err.status === 403) return showTokenForm(err);
+      $("main").replaceChildren(el("p", { class: "error", text: err.message }));
+      return;
+    }
+    if (!keys.length) {
+      // Not (yet) known: a page opened before the job's first hello shows it once it arrives.
+      $("main").replaceChildren(el("p", { class: "error", id: "not-found",
+        text: "No job " + job + " on this collector yet; waiting for it." }),
+        el("a", { href: "/", text: "all jobs" }));
+      setStatus("waiting for job " + job);
+      setTimeout(() => jobPage(job, group), REFRESH_MS);
+      return;
+    }
+    const grouped = keys.length > 1 || keys[0].group !== "";
+    if (grouped && group === null) return groupsPage(job, keys);
+    // A job's only group (or, beside named groups, its unnamed one) is the job's own key.
+    const key = group ? job + "/" + group : job;
+    if (!keys.some((k) => k.key === key)) {
+      $("main").replaceChildren(el("p", { class: "error", id: "not-found",
+        text: "Job " + job + " has no group " + group + "." }));
+      return;
+    }
+    return groupDetail(key);
+  }
+
+  // A job with several data-parallel groups: groups x steps of direction consistency.
+  function groupsPage(job, keys) {
+    state.page = "groups";
+    $("main").replaceChildren(
+      el("h2", { text: "Direction consistency per data-parallel group" }),
+      el("p", { class: "muted", text: "Each row is a group, each column a step; colour is the " +
+        "group's mean pairwise gradient cosine. A group that is off stands out as a redder row." }),
+      el("div", { class: "heat-controls" }, el("canvas", { id: "legend" })),
+      el("canvas", { id: "groups-picture" }),
+      el("h2", { text: "Groups" }),
+      el("ul", { id: "groups-list" }));
+    drawLegend($("legend"), METRICS.cosine);
+    every(async () => {
+      const fresh = (await api("/jobs")).jobs.filter((j) => j.job === job);
+      const series = await Promise.all(fresh.map((k) => api("/jobs/" + enc(k.key) + "/steps")));
+      state.groups = fresh.map((k, i) => ({ group: k.group, key: k.key,
+        steps: series[i].steps.map((s) => s.step),
+        cosine: series[i].steps.map((s) => s.grad_cosine_mean) }));
+      drawGroupsPicture($("groups-picture"), state.groups);
+      let worst = null;
+      for (const g of state.groups) {
+        const last = g.cosine.length ? g.cosine[g.cosine.length - 1] : null;
+        g.latest = last;
+        if (last !== null && (worst === null || last < worst.latest)) worst = g;
+      }
+      state.worstGroup = worst ? worst.group : null;
+      $("groups-list").replaceChildren(...state.groups.map((g) =>
+        el("li", { "data-group": g.group, "data-worst": String(worst === g) },
+           el("a", { href: "/job/" + encodeURIComponent(job) + "?group=" + encodeURIComponent(g.group),
+                     text: g.group || "(default)" }),
+           el("span", { text: "  latest direction consistency " + fmt(g.latest, 3) +
+                        (worst === g && state.groups.length > 1 ? " (least consistent)" : "") }))));
+    });
+  }
+
+  function drawGroupsPicture(canvas, groups) {
+    const steps = [...new Set(groups.flatMap((g) => g.steps))].sort((a, b) => a - b);
+    const labelW = 140, rowH = Math.max(6, Math.min(28, Math.floor(480 / Math.max(groups.length, 1))));
+    const cols = steps.length, plotW = Math.max(300, Math.min(1100, cols * 3));
+    const cssW = labelW + plotW + 10, cssH = groups.length * rowH + 26;
+    const ctx = sizeCanvas(canvas, cssW, cssH);
+    const col = new Map(steps.map((s, i) => [s, i]));
+    const cw = plotW / Math.max(cols, 1);
+    ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "right";
+    groups.forEach((g, r) => {
+      ctx.fillStyle = "#1d232b";
+      if (rowH >= 10) ctx.fillText(g.group || "(default)", labelW - 6, r * rowH + rowH / 2);
+      ctx.fillStyle = "#eee"; ctx.fillRect(labelW, r * rowH, plotW, rowH - (rowH > 8 ? 1 : 0));
+      g.steps.forEach((s, i) => {
+        const v = g.cosine[i];
+        const [R, G, B] = v === null ? MARK.missing : ramp(COSINE, (v + 1) / 2);
+        ctx.fillStyle = `rgb(${R | 0},${G | 0},${B | 0})`;
+        ctx.fillRect(labelW + col.get(s) * cw, r * rowH, Math.ceil(cw), rowH - (rowH > 8 ? 1 : 0));
+      });
+    });
+    ctx.fillStyle = "#6a737d"; ctx.textAlign = "center"; ctx.textBaseline = "top";
+    if (cols) {
+      for (let i = 0; i <= 4; i++) {
+        const c = Math.min(cols - 1, Math.round(((cols - 1) * i) / 4));
+        ctx.fillText(String(steps[c]), labelW + (c + 0.5) * cw, groups.length * rowH + 6);
+      }
+    }
+  }
+
+  function drawLegend(canvas, metric) {
+    const ctx = sizeCanvas(canvas, 360, 30);
+    ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#1d232b"; ctx.textBaseline = "top";
+    ctx.fillText(metric.label + ":", 0, 2);
+    const x0 = 110, w = 160;
+    for (let i = 0; i < w; i++) {
+      const [r, g, b] = ramp(metric.stops, i / (w - 1));
+      ctx.fillStyle = `rgb(${r | 0},${g | 0},${b | 0})`; ctx.fillRect(x0 + i, 2, 1, 12);
+    }
+    ctx.fillStyle = "#1d232b"; ctx.textAlign = "left"; ctx.fillText(metric.lo, x0, 17);
+    ctx.textAlign = "right"; ctx.fillText(metric.hi, x0 + w, 17);
+  }
+
+  function groupDetail(key) {
+    state.page = "job";
+    state.key = key;
+    state.metric = "cosine";
+    state.selectedRank = null;
+    $("main").replaceChildren(
+      el("h2", { text: "Over steps" }),
+      el("div", { class: "charts" },
+         chartBox("chart-loss", "loss mean ± std across ranks"),
+         chartBox("chart-cv", "gradient-norm CV (std / mean)"),
+         chartBox("chart-cos", "direction consistency (mean pairwise cosine)"),
+         chartBox("chart-noise", "gradient noise scale B_simple")),
+      el("p", { class: "muted", text: "Vertical lines: steps that closed with ranks missing " +
+        "(red) or with divergent replicas (purple)." }),
+      el("h2", { text: "Ranks × steps" }),
+      el("div", { class: "heat-controls" },
+         el("label", null, "colour: ", el("select", { id: "metric" },
+            el("option", { value: "cosine", text: "consensus cosine" }),
+            el("option", { value: "outlier", text: "outlier score" }))),
+         el("canvas", { id: "legend" }),
+         el("span", { class: "key" },
+            ...["missing", "nonfinite", "divergent", "outlier"].map((k) => el("span", null,
+              el("i", { class: "swatch-" + k }),
+              { missing: "missing (grey cells)", nonfinite: "non-finite (black)",
+                divergent: "divergent replica (purple)", outlier: "outlier" }[k]))),
+         el("span", { id: "heat-info", class: "muted" })),
+      el("div", { class: "heat-wrap" },
+         el("div", { class: "heat-scroll" }, el("canvas", { id: "heatmap" })),
+         el("div", null, el("div", { class: "title", text: "Flagged ranks (click to open)" }),
+            el("ul", { id: "flagged" }))),
+      el("div", { id: "rank-panel" }),
+      el("div", { id: "tooltip" }));
+    for (const k of Object.keys(MARK_CSS)) {
+      document.querySelectorAll(".swatch-" + k).forEach((i) => { i.style.background = MARK_CSS[k]; });
+    }
+    $("metric").addEventListener("change", (ev) => {
+      state.metric = ev.target.value;
+      drawLegend($("legend"), METRICS[state.metric]);
+      if (state.matrix) drawHeatmap();
+    });
+    drawLegend($("legend"), METRICS.cosine);
+    const heat = $("heatmap");
+    heat.addEventListener("mousemove", (ev) => {
+      const cell = heatCell(ev);
+      const tip = $("tooltip");
+      if (!cell) { tip.style.display = "none"; return; }
+      const s = state.matrix.steps[cell.col];
+      const v = s[state.metric][cell.rank];
+      let what = state.metric + " " + fmt(v, 3);
+      if (s.missing.includes(cell.rank)) what = "missing";
+      if (s.nonfinite.includes(cell.rank)) what += ", non-finite";
+      if (s.divergent.includes(cell.rank)) what += ", divergent replica";
+      tip.textContent = "rank " + cell.rank + " · step " + s.step + " · " + what;
+      tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
+      tip.style.display = "block";
+    });
+    heat.addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+    heat.addEventListener("click", (ev) => {
+      const cell = heatCell(ev);
+      if (cell) selectRank(cell.rank);
+    });
+    every(async () => {
+      const f0 = performance.now();
+      const [steps, matrix] = await Promise.all([
+        api("/jobs/" + enc(key) + "/steps"), api("/jobs/" + enc(key) + "/ranks")]);
+      state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
+      state.steps = steps.steps;
+      state.matrix = matrix;
+      state.lastStep = steps.steps.length ? steps.steps[steps.steps.length - 1].step : null;
+      drawCharts();
+      const t0 = performance.now();
+      drawHeatmap();
+      state.heatmapMs = performance.now() - t0;  // the heatmap and its flagged list, drawn
+      // From navigation start to the first heatmap on screen (performance.now() counts from it).
+      if (state.firstHeatmapAt === undefined && matrix.steps.length) {
+        state.firstHeatmapAt = performance.now();
+      }
+      if (state.selectedRank !== null) await loadRank(state.selectedRank);
+    });
+  }
+
+  function drawCharts() {
+    const st = state.steps, xs = st.map((s) => s.step);
+    const marks = st.filter((s) => s.timed_out || s.divergent_ranks.length)
+      .map((s) => ({ x: s.step, color: s.divergent_ranks.length ? "rgba(142,36,170,0.5)"
+                                                             : "rgba(198,40,40,0.25)" }));
+    lineChart($("chart-loss"), [{ xs, ys: st.map((s) => s.loss_mean), color: "#0b5cad",
+      band: [st.map((s) => s.loss_mean - s.loss_std), st.map((s) => s.loss_mean + s.loss_std)] }],
+      { marks });
+    lineChart($("chart-cv"), [{ xs, ys: st.map((s) => s.grad_norm_cv), color: "#e08a00" }],
+      { ymin: 0, marks });
+    lineChart($("chart-cos"), [{ xs, ys: st.map((s) => s.grad_cosine_mean), color: "#2e7d32" }],
+      { marks });
+    lineChart($("chart-noise"), [{ xs, ys: st.map((s) => s.grad_noise_scale), color: "#6a1b9a" }],
+      { marks });
+  }
+
+  // Layout of the heatmap: rows are ranks (at least 1 px), columns steps.
+  function heatLayout(W, S) {
+    const rowH = Math.max(1, Math.min(14, Math.floor(720 / Math.max(W, 1))));
+    const gutter = 56, marks = 12;
+    const plotW = Math.max(320, Math.min(1000, S * 8));
+    return { rowH, gutter, marks, plotW, colW: plotW / Math.max(S, 1), top: 8,
+             cssW: gutter + marks + plotW + 4, cssH: W * rowH + 8 + 24 };
+  }
+
+  function heatCell(ev) {
+    if (!state.matrix || !state.layout) return null;
+    const r = $("heatmap").getBoundingClientRect(), lay = state.layout;
+    const x = ev.clientX - r.left - lay.gutter - lay.marks, y = ev.clientY - r.top - lay.top;
+    const rank = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
+    if (x < 0 || rank < 0 || rank >= state.matrix.world_size || col < 0 ||
+        col >= state.matrix.steps.length) return null;
+    return { rank, col };
+  }
+
+  // Ranks flagged anywhere in the heatmap's window: kind -> Map(rank -> steps flagged). Outliers
+  // are the collector's own (step_stats.outlier_ranks: above the threshold on consecutive steps),
+  // not single steps whose score crossed it.
+  function flaggedRanks() {
+    const kinds = { missing: new Map(), nonfinite: new Map(), divergent: new Map(),
+                    outlier: new Map() };
+    const bump = (m, r) => m.set(r, (m.get(r) || 0) + 1);
+    const inWindow = new Set(state.matrix.steps.map((s) => s.step));
+    for (const s of state.matrix.steps) {
+      for (const r of s.missing) bump(kinds.missing, r);
+      for (const r of s.nonfinite) bump(kinds.nonfinite, r);
+      for (const r of s.divergent) bump(kinds.divergent, r);
+    }
+    for (const s of state.steps || []) {
+      if (!inWindow.has(s.step)) continue;
+      for (const r of s.outlier_ranks) bump(kinds.outlier, r);
+    }
+    return kinds;
+  }
+
+  function drawHeatmap() {
+    const m = state.matrix, W = m.world_size, S = m.steps.length;
+    const lay = (state.layout = heatLayout(W, S));
+    const canvas = $("heatmap");
+    // Drawn at 1 CSS px = 1 canvas px into an ImageData: one write per pixel, no path per cell.
+    canvas.width = Math.round(lay.cssW); canvas.height = Math.round(lay.cssH);
+    canvas.style.width = lay.cssW + "px"; canvas.style.height = lay.cssH + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const x0 = lay.gutter + lay.marks, pw = Math.round(lay.plotW), ph = W * lay.rowH;
+    const img = ctx.createImageData(pw, ph), px = img.data;
+    const metric = METRICS[state.metric];
+    if (!metric.lut) metric.lut = lut(metric.stops);
+    const table = metric.lut;
+    const colOf = new Int32Array(pw);
+    for (let x = 0; x < pw; x++) colOf[x] = Math.min(S - 1, Math.floor(x / lay.colW));
+    // Per step: the colour of every rank (r, g, b), then spread over its columns.
+    const rgb = new Uint8ClampedArray(S * W * 3);
+    for (let c = 0; c < S; c++) {
+      const s = m.steps[c], vals = s[state.metric];
+      for (let r = 0; r < W; r++) {
+        const v = vals[r], o = (c * W + r) * 3;
+        if (v === null) {
+          rgb[o] = MARK.missing[0]; rgb[o + 1] = MARK.missing[1]; rgb[o + 2] = MARK.missing[2];
+          continue;
+        }
+        const i = Math.round(Math.max(0, Math.min(1, metric.t(v))) * 1023) * 3;
+        rgb[o] = table[i]; rgb[o + 1] = table[i + 1]; rgb[o + 2] = table[i + 2];
+      }
+      for (const [kind, list] of [["nonfinite", s.nonfinite], ["divergent", s.divergent],
+                                  ["missing", s.missing]]) {
+        for (const r of list) {
+          const o = (c * W + r) * 3;
+          rgb[o] = MARK[kind][0]; rgb[o + 1] = MARK[kind][1]; rgb[o + 2] = MARK[kind][2];
+        }
+      }
+    }
+    for (let y = 0; y < ph; y++) {
+      const r = Math.floor(y / lay.rowH);
+      const gap = lay.rowH >= 6 && y % lay.rowH === lay.rowH - 1;
+      let p = y * pw * 4;
+      for (let x = 0; x < pw; x++, p += 4) {
+        const c = colOf[x];
+        const gapX = lay.colW >= 6 && Math.floor((x + 1) / lay.colW) !== Math.floor(x / lay.colW);
+        if (gap || gapX) { px[p] = px[p + 1] = px[p + 2] = 255; px[p + 3] = 255; continue; }
+        const o = (c * W + r) * 3;
+        px[p] = rgb[o]; px[p + 1] = rgb[o + 1]; px[p + 2] = rgb[o + 2]; px[p + 3] = 255;
+      }
+    }
+    const top = lay.top;
+    ctx.putImageData(img, x0, top);
+    const kinds = flaggedRanks();
+    const order = ["outlier", "divergent", "nonfinite", "missing"];
+    const flagged = new Map();
+    for (const kind of order) {
+      for (const [r, n] of kinds[kind]) {
+        if (!flagged.has(r)) flagged.set(r, []);
+        flagged.get(r).push([kind, n]);
+      }
+    }
+    const yOf = (r) => top + r * lay.rowH + lay.rowH / 2;
+    // Rank axis: a label every `step` ranks, and every flagged rank labelled in its mark's colour
+    // (regular labels that would overlap one are left out).
+    ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    const every = Math.max(1, Math.ceil(14 / lay.rowH));
+    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096].find((k) => k >= every) || every;
+    const flaggedY = [...flagged.keys()].map(yOf);
+    ctx.fillStyle = "#1d232b";
+    for (let r = 0; r < W; r += step) {
+      if (lay.rowH < 12 && flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
+      ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
+    }
+    ctx.font = "bold 11px system-ui, sans-serif";
+    for (const [r, list] of flagged) {
+      ctx.fillStyle = MARK_CSS[list[0][0]];
+      ctx.fillText(String(r), lay.gutter - 4, yOf(r));
+    }
+    ctx.font = "11px system-ui, sans-serif";
+    // Step axis.
+    ctx.fillStyle = "#1d232b"; ctx.textAlign = "center"; ctx.textBaseline = "top";
+    for (let i = 0; i <= 5 && S; i++) {
+      const c = Math.min(S - 1, Math.round(((S - 1) * i) / 5));
+      ctx.fillText(String(m.steps[c].step), x0 + (c + 0.5) * lay.colW, top + ph + 6);
+    }
+    // Marks gutter: each flagged rank gets a tick at least 4 px tall, so one rank of 1,024 shows.
+    for (const [r, list] of flagged) {
+      ctx.fillStyle = MARK_CSS[list[0][0]];
+      const h = Math.max(4, lay.rowH);
+      ctx.fillRect(lay.gutter + 1, yOf(r) - h / 2, lay.marks - 2, h);
+    }
+    if (state.selectedRank !== null && state.selectedRank < W) {
+      ctx.strokeStyle = "#0b5cad"; ctx.lineWidth = 1;
+      ctx.strokeRect(x0 - 0.5, top + state.selectedRank * lay.rowH - 0.5, pw + 1, lay.rowH + 1);
+    }
+    state.flagged = {};
+    for (const kind of order) state.flagged[kind] = [...kinds[kind].keys()].sort((a, b) => a - b);
+    const ranks = [...flagged.keys()].sort((a, b) => a - b);
+    $("flagged").replaceChildren(...(ranks.length ? ranks.slice(0, 500).map((r) => el("li", {
+        "data-rank": String(r), "data-kinds": flagged.get(r).map((k) => k[0]).join(","),
+        class: r === state.selectedRank ? "selected" : "", onclick: () => selectRank(r) },
+      el("b", { text: "rank " + r + " " }),
+      ...flagged.get(r).map(([kind, n]) => el("span", { class: "alert " + kind,
+        text: (kind === "nonfinite" ? "non-finite" : kind) + " ×" + n })))) :
+      [el("li", { class: "ok", text: "no rank flagged in this window" })]));
+    $("heat-info").textContent = W + " ranks × " + S + " steps" + (m.truncated ? " (truncated)" : "");
+  }
+
+  async function selectRank(rank) {
+    state.selectedRank = rank;
+    if (state.matrix) drawHeatmap();
+    await loadRank(rank);
+    $("rank-panel").scrollIntoView({ block: "nearest" });
+  }
+
+  async function loadRank(rank) {
+    // The heatmap's window: the series reads that many steps of every rank's rows.
+    const ms = state.matrix ? state.matrix.steps : [];
+    const first = ms.length ? ms[0].step : 0;
+    const last = ms.length ? ms[ms.length - 1].step : (state.lastStep || 0);
+    const data = await api("/jobs/" + enc(state.key) + "/ranks?rank=" + rank + "&first=" + first +
+                           "&last=" + last);
+    state.rankSeries = data;
+    const panel = $("rank-panel");
+    if (!panel.dataset.rank || panel.dataset.rank !== String(rank)) {
+      panel.dataset.rank = String(rank);
+      panel.replaceChildren(el("h2", { text: "Rank " + rank, id: "rank-title" }),
+        el("div", { class: "charts" },
+           chartBox("rank-loss", "loss of rank " + rank + " (blue) and the ranks' mean (grey)"),
+           chartBox("rank-gn", "gradient norm of rank " + rank + " and the ranks' mean (grey)"),
+           chartBox("rank-cos", "consensus cosine of rank " + rank),
+           chartBox("rank-out", "outlier score of rank " + rank + " (threshold " + OUTLIER_THRESHOLD + ")")));
+    }
+    const st = data.steps, xs = st.map((s) => s.step);
+    const mean = state.steps.filter((s) => s.step >= first);
+    lineChart($("rank-loss"), [
+      { xs: mean.map((s) => s.step), ys: mean.map((s) => s.loss_mean), color: "#9aa4ad" },
+      { xs, ys: st.map((s) => s.loss), color: "#0b5cad" }]);
+    lineChart($("rank-gn"), [
+      { xs: mean.map((s) => s.step), ys: mean.map((s) => s.grad_norm_mean), color: "#9aa4ad" },
+      { xs, ys: st.map((s) => s.grad_norm), color: "#e08a00" }]);
+    lineChart($("rank-cos"), [{ xs, ys: st.map((s) => s.cosine), color: "#2e7d32" }]);
+    lineChart($("rank-out"), [{ xs, ys: st.map((s) => s.outlier), color: "#c62828" }],
+      { ymin: 0, ymax: OUTLIER_THRESHOLD });
+  }
+
+  // ---- routing ---------------------------------------------------------------------------
+  const path = location.pathname;
+  if (path.startsWith("/job/")) {
+    // /job/JOB?group=G, or the group key itself (/job/JOB%2FG).
+    let job = decodeURIComponent(path.slice("/job/".length));
+    let group = new URLSearchParams(location.search).get("group");
+    if (job.includes("/")) [job, group] = [job.slice(0, job.indexOf("/")), job.slice(job.indexOf("/") + 1)];
+    jobPage(job, group);
+  } else {
+    jobsPage();
+  }
+})();

@@ -1,0 +1,228 @@
+// The web view's JSON API as pure functions (collector/web_api.h): request parsing with Query's
+// checks, the step window's defaults, and the JSON of each answer.
+#include "collector/web_api.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "collector/query_checks.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rankscope::collector {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(ParseApiRequestTest, Routes) {
+  auto jobs = ParseApiRequest("/jobs", "");
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  EXPECT_EQ(jobs->route, ApiRequest::Route::kJobs);
+
+  auto steps = ParseApiRequest("/jobs/exp-42/steps", "first=3&last=9");
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_EQ(steps->route, ApiRequest::Route::kSteps);
+  EXPECT_EQ(steps->job, "exp-42");
+  EXPECT_EQ(steps->first, 3u);
+  EXPECT_EQ(steps->last, 9u);
+
+  auto ranks = ParseApiRequest("/jobs/exp-42/ranks", "rank=5");
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  EXPECT_EQ(ranks->route, ApiRequest::Route::kRanks);
+  EXPECT_EQ(ranks->rank, 5u);
+  EXPECT_FALSE(ranks->first.has_value());
+}
+
+TEST(ParseApiRequestTest, GroupKeyWithLiteralOrEncodedSlash) {
+  for (const char* path :
+       {"/jobs/exp-42/tp0/steps", "/jobs/exp-42%2Ftp0/steps", "/jobs/exp-42%2ftp0/steps"}) {
+    auto r = ParseApiRequest(path, "");
+    ASSERT_TRUE(r.ok()) << path << ": " << r.status();
+    EXPECT_EQ(r->job, "exp-42/tp0") << path;
+  }
+}
+
+TEST(ParseApiRequestTest, BadNamesAreInvalidArgumentAndNeverEchoed) {
+  const std::string long_name(200, 'a');
+  for (const std::string& name :
+       {std::string("bad%20name"), std::string("a/b/c"), long_name, std::string("%00"),
+        std::string("job/"), std::string("/job"), std::string("<script>")}) {
+    auto r = ParseApiRequest(absl::StrCat("/jobs/", name, "/steps"), "");
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(r.status().message(), Not(HasSubstr(name))) << name;
+  }
+  // The same rule as Query's: a name Query refuses is refused here, with its message.
+  EXPECT_EQ(ParseApiRequest("/jobs/a%20b/ranks", "").status(), CheckQueryJobName("a b"));
+}
+
+TEST(ParseApiRequestTest, BadParametersAreInvalidArgument) {
+  for (const char* query :
+       {"first=abc", "first=-1", "first=1.5", "last=", "first=9223372036854775808",
+        "last=99999999999999999999999", "first=10&last=9", "rank=x", "rank=4294967296", "limit=5",
+        "first=1&&colour=red"}) {
+    auto r = ParseApiRequest("/jobs/exp/ranks", query);
+    ASSERT_FALSE(r.ok()) << query;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << query;
+  }
+  // first > last says both, as Query's StepRange does.
+  EXPECT_EQ(ParseApiRequest("/jobs/exp/steps", "first=10&last=9").status(), CheckStepRange(10, 9));
+  // The largest step the store holds is accepted.
+  EXPECT_TRUE(ParseApiRequest("/jobs/exp/steps", "last=9223372036854775807").ok());
+  EXPECT_EQ(ParseApiRequest("/jobs", "first=1").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseApiRequest("/jobs/exp/steps", std::string(2000, 'a')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ParseApiRequestTest, UnknownPathsAreNotFound) {
+  for (const char* path : {"", "/", "/job", "/jobs/exp", "/jobs/exp/other", "/metrics"}) {
+    EXPECT_EQ(ParseApiRequest(path, "").status().code(), absl::StatusCode::kNotFound) << path;
+  }
+}
+
+TEST(ResolveWindowTest, Defaults) {
+  ApiRequest r;
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).first, 701u);
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).last, 1000u);
+  EXPECT_EQ(ResolveWindow(r, 5, 300).first, 0u);  // clamped
+  r.first = 10;
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).first, 10u);
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).last, 1000u);
+  r.first = 2000;  // beyond the newest step: an empty window, not first > last
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).last, 2000u);
+  r.first.reset();
+  r.last = 50;
+  EXPECT_EQ(ResolveWindow(r, 1000, 300).first, 0u);
+  EXPECT_EQ(ResolveWindow(r, 1000, 30).first, 21u);
+}
+
+StepRow Step(uint64_t step) {
+  StepRow row;
+  row.step = step;
+  row.ranks = 3;
+  row.world_size = 4;
+  row.loss_mean = 2.5;
+  row.loss_std = 0.125;
+  row.grad_cosine_mean = 0.75;
+  row.missing_ranks = "3";
+  row.timed_out = true;
+  row.outlier_ranks = {1};
+  row.completed_at = absl::FromUnixSeconds(100);
+  return row;
+}
+
+TEST(JsonTest, StepsCarryEveryColumnAndNonFiniteIsNull) {
+  StepRow row = Step(7);
+  row.grad_norm_cv = std::numeric_limits<double>::infinity();
+  const std::string json = StepsJson("exp", {5, 9}, {row}, /*truncated=*/true);
+  EXPECT_EQ(json,
+            "{\"job\":\"exp\",\"first\":5,\"last\":9,\"truncated\":true,\"steps\":[{\"step\":7,"
+            "\"ranks\":3,\"world_size\":4,\"loss_mean\":2.5,\"loss_std\":0.125,\"loss_range\":0,"
+            "\"grad_norm_mean\":0,\"grad_norm_std\":0,\"grad_norm_cv\":null,"
+            "\"grad_cosine_mean\":0.75,\"grad_noise_scale\":null,\"missing_ranks\":\"3\","
+            "\"timed_out\":true,\"outlier_ranks\":[1],\"divergent_ranks\":[],"
+            "\"drifting_ranks\":[],\"slow_ranks\":[],\"completed_at\":100}]}");
+}
+
+TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {
+  std::vector<StepRankRow> rows;
+  for (uint32_t r : {0u, 1u, 2u}) {  // rank 3 of 4 is missing
+    StepRankRow row;
+    row.step = 7;
+    row.row.rank = r;
+    row.row.loss = r == 2 ? std::nan("") : 1.0;
+    row.row.grad_norm = 1.0;
+    row.row.grad_cosine = 0.5 + r * 0.125;
+    row.row.outlier_score = r;
+    if (r == 1) row.row.replica_ok = false;
+    rows.push_back(row);
+  }
+  const std::string json = RanksJson("exp", {7, 7}, 4, rows, false);
+  EXPECT_EQ(json,
+            "{\"job\":\"exp\",\"first\":7,\"last\":7,\"truncated\":false,\"world_size\":4,"
+            "\"steps\":[{\"step\":7,\"cosine\":[0.5,0.625,0.75,null],\"outlier\":[0,1,2,null],"
+            "\"missing\":[3],\"nonfinite\":[2],\"divergent\":[1]}]}");
+  // A rank beyond the stated world size widens the matrix and is not "missing".
+  StepRankRow extra = rows[0];
+  extra.row.rank = 5;
+  rows.push_back(extra);
+  EXPECT_THAT(RanksJson("exp", {7, 7}, 4, rows, false),
+              HasSubstr("\"world_size\":6,\"steps\":[{\"step\":7,\"cosine\":[0.5,0.625,0.75,"
+                        "null,null,0.5],"));
+  EXPECT_THAT(RanksJson("exp", {7, 7}, 4, rows, false), HasSubstr("\"missing\":[3]"));
+}
+
+TEST(JsonTest, RankSeriesHoldsOneRank) {
+  std::vector<StepRankRow> rows;
+  for (uint64_t step : {1u, 2u}) {
+    for (uint32_t r : {0u, 1u}) {
+      StepRankRow row;
+      row.step = step;
+      row.row.rank = r;
+      row.row.loss = step * 10.0 + r;
+      row.row.grad_norm = 1.0;
+      rows.push_back(row);
+    }
+  }
+  const std::string json = RankSeriesJson("exp", {1, 2}, 1, rows, false);
+  EXPECT_THAT(json, HasSubstr("\"rank\":1,\"steps\":[{\"step\":1,\"loss\":11,"));
+  EXPECT_THAT(json, HasSubstr("{\"step\":2,\"loss\":21,"));
+  EXPECT_THAT(json, Not(HasSubstr("\"loss\":10,")));
+}
+
+TEST(JsonTest, JobsSplitGroupKeysAndCarryTheLatestStepsAlerts) {
+  JobListEntry a;
+  a.info.set_job("exp/tp1");
+  a.info.set_state("active");
+  a.info.set_world_size(4);
+  a.latest = Step(7);
+  a.latest->replica_divergent_ranks = {2};
+  JobListEntry b;
+  b.info.set_job("solo");
+  b.info.set_state("idle");
+  const std::string json = JobsJson({a, b});
+  EXPECT_THAT(json, HasSubstr("{\"key\":\"exp/tp1\",\"job\":\"exp\",\"group\":\"tp1\","
+                              "\"state\":\"active\",\"world_size\":4,"));
+  EXPECT_THAT(json, HasSubstr("\"outlier_ranks\":[1],\"divergent_ranks\":[2],"));
+  EXPECT_THAT(json, HasSubstr("{\"key\":\"solo\",\"job\":\"solo\",\"group\":\"\","));
+  EXPECT_THAT(json, HasSubstr("\"latest\":null}"));
+}
+
+TEST(JsonTest, StringsAreEscaped) {
+  std::string out;
+  AppendJsonString("a\"b\\c\n\x01<", &out);
+  EXPECT_EQ(out, "\"a\\\"b\\\\c\\n\\u0001\\u003c\"");
+  EXPECT_EQ(ErrorJson(absl::NotFoundError("no job x")),
+            "{\"error\":{\"code\":\"NOT_FOUND\",\"message\":\"no job x\"}}");
+}
+
+TEST(HttpStatusForTest, MapsQueryCodes) {
+  EXPECT_EQ(HttpStatusFor(absl::InvalidArgumentError("")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::UnauthenticatedError("")), 401);
+  EXPECT_EQ(HttpStatusFor(absl::PermissionDeniedError("")), 403);
+  EXPECT_EQ(HttpStatusFor(absl::NotFoundError("")), 404);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError("")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::UnavailableError("")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::DeadlineExceededError("")), 504);
+  EXPECT_EQ(HttpStatusFor(absl::InternalError("")), 500);
+}
+
+TEST(CheckBearerTokenTest, MissingWrongAndRight) {
+  EXPECT_EQ(CheckBearerToken("", ""), TokenCheck::kOk);
+  EXPECT_EQ(CheckBearerToken("Bearer anything", ""), TokenCheck::kOk);
+  EXPECT_EQ(CheckBearerToken("", "s3cret"), TokenCheck::kMissing);
+  EXPECT_EQ(CheckBearerToken("Basic s3cret", "s3cret"), TokenCheck::kMissing);
+  EXPECT_EQ(CheckBearerToken("Bearer s3cre", "s3cret"), TokenCheck::kWrong);
+  EXPECT_EQ(CheckBearerToken("Bearer s3cret!", "s3cret"), TokenCheck::kWrong);
+  EXPECT_EQ(CheckBearerToken("Bearer ", "s3cret"), TokenCheck::kWrong);
+  EXPECT_EQ(CheckBearerToken("Bearer s3cret", "s3cret"), TokenCheck::kOk);
+}
+
+}  // namespace
+}  // namespace rankscope::collector

@@ -1,0 +1,171 @@
+"""A DDP training job that knows nothing of rankscope (tests of `rankscope attach --pid` and of
+the zero-code launch; it never imports rankscope). One process per rank:
+
+    attach_target.py [--rank R --world W --port P] --dir D [--total N] [--accum A] [--zero]
+                     [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S]
+
+(Without --rank, torchrun's environment says who the rank is.) Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
+deterministic batches. Next to each DDP step it computes the rank's exact local loss and
+gradient from a reference replica and gathers them to rank 0 (collectives the test pays, the same
+with or without rankscope), who writes D/expected.json at the end: per step, the ranks' losses,
+gradient norms and exact mean pairwise cosine. Every rank writes D/pid.R at start, D/final.R
+(a hash of its final parameters) at the end; rank 0 writes D/progress (the last finished step)
+and, at the end, D/times.json (the wall time of every iteration).
+
+Stops after --total steps, or, without it, once D/stop exists (holding a number K): rank 0 reads
+it each step and every rank stops K steps after rank 0 saw it (one broadcast per step).
+--skip-shard-at STEP (with --zero): rank 1 keeps its old copy of rank 0's shard after that step
+(or the first step after D/skip appears), as if it had missed the shard's broadcast.
+--framework: DDP is built inside a "Trainer" class, as HF Trainer or Lightning do.
+"""
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shim_harness import TinyLM, batch, flat_grad, lm_loss  # noqa: E402  (no rankscope inside)
+
+
+class Trainer:
+    """What a framework does for the user: builds DDP and the optimizer, runs the steps."""
+
+    def __init__(self, model, args):
+        self.model = nn.parallel.DistributedDataParallel(model)
+        if args.own_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            self.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        if args.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
+                                               optimizer_class=torch.optim.SGD, lr=0.05)
+        else:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+
+def missed_shard_sync(opt, owner):
+    """ZeroRedundancyOptimizer's parameter sync, after which this rank keeps its old copy of
+    ``owner``'s shard (it takes part in every broadcast, so no rank hangs)."""
+    sync = type(opt)._sync_params
+
+    def faulty():
+        old = [(p, p.detach().clone()) for p, r in opt._param_to_rank.items() if r == owner]
+        sync(opt)
+        with torch.no_grad():
+            for p, v in old:
+                p.copy_(v)
+
+    return faulty
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, help="default: $RANK (torchrun)")
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--total", type=int, default=0)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--zero", action="store_true")
+    ap.add_argument("--own-hook", action="store_true")
+    ap.add_argument("--framework", action="store_true")
+    ap.add_argument("--skip-shard-at", type=int, default=-1)
+    ap.add_argument("--pace", type=float, default=0.02)
+    args = ap.parse_args()
+    out = Path(args.dir)
+    torch.set_num_threads(1)
+    if args.rank is None:  # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        dist.init_process_group("gloo")
+        args.rank, args.world = dist.get_rank(), dist.get_world_size()
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=args.rank, world_size=args.world)
+    (out / f"pid.{args.rank}").write_text(str(os.getpid()))
+    torch.manual_seed(7)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    trainer = Trainer(model, args)
+    ddp, opt = trainer.model, trainer.opt
+
+    expected = {}
+    times = []  # rank 0: wall time of each whole iteration (what an attach pause lengthens)
+    skipped = False
+    stop_at = args.total if args.total else -1
+    step = 0
+    while stop_at < 0 or step < stop_at:
+        t_iter = time.monotonic()
+        ref.load_state_dict(ddp.module.state_dict())
+        ref.zero_grad(set_to_none=True)
+        ref_losses = []
+        for micro in range(args.accum):
+            rl = lm_loss(ref, *batch(args.rank, step, micro))
+            rl.backward()
+            ref_losses.append(float(rl))
+        g = flat_grad(ref)
+
+        opt.zero_grad(set_to_none=True)
+        for micro in range(args.accum):
+            x, y = batch(args.rank, step, micro)
+            if micro < args.accum - 1:
+                with ddp.no_sync():
+                    lm_loss(ddp, x, y).backward()
+            else:
+                lm_loss(ddp, x, y).backward()
+        skip = args.zero and args.rank == 1 and not skipped and (
+            step == args.skip_shard_at or (out / "skip").exists())
+        if skip:  # within this step, rank 1 "misses" rank 0's broadcast of its shard
+            skipped = True
+            opt._sync_params = missed_shard_sync(opt, 0)
+        opt.step()
+        opt.__dict__.pop("_sync_params", None)
+
+        gathered = [torch.zeros_like(g) for _ in range(args.world)]
+        dist.all_gather(gathered, g)
+        losses = torch.zeros(args.world, dtype=torch.float64)
+        dist.all_gather(list(losses.split(1)), torch.tensor([sum(ref_losses) / args.accum],
+                                                            dtype=torch.float64))
+        if args.rank == 0:
+            units = [v / v.norm() for v in gathered]
+            pairs = [(i, j) for i in range(args.world) for j in range(i + 1, args.world)]
+            expected[step] = {
+                "losses": [float(v) for v in losses],
+                "norms": [float(v.norm()) for v in gathered],
+                "cosine": sum(float(units[i] @ units[j]) for i, j in pairs) / len(pairs)}
+            (out / "progress.tmp").write_text(str(step))
+            os.replace(out / "progress.tmp", out / "progress")
+        if not args.total:
+            flag = torch.tensor([-1], dtype=torch.int64)
+            if args.rank == 0 and stop_at < 0 and (out / "stop").exists():
+                flag[0] = step + 1 + int((out / "stop").read_text() or 0)
+            if args.rank == 0 and stop_at >= 0:
+                flag[0] = stop_at
+            dist.broadcast(flag, 0)
+            if int(flag[0]) >= 0:
+                stop_at = int(flag[0])
+        step += 1
+        time.sleep(args.pace)  # the job's own pace (data loading), not a test wait
+        times.append(time.monotonic() - t_iter)
+
+    digest = hashlib.sha256()
+    for _, p in ddp.module.named_parameters():
+        digest.update(p.detach().numpy().tobytes())
+    (out / f"final.{args.rank}").write_text(json.dumps({"sha256": digest.hexdigest(),
+                                                        "steps": step}))
+    if args.rank == 0:
+        (out / "expected.json").write_text(json.dumps(expected))
+        (out / "times.json").write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""Watching jobs started without rankscope (issue 10): `rankscope attach --pid` into live gloo DDP
+ranks that never imported rankscope (tests/python/attach_target.py), and the zero-code launch
+(`python -m rankscope.run`, RANKSCOPE_AUTO=1), against a real collector.
+
+Every wait polls a condition against a deadline; the job stops itself a fixed number of steps
+after the test asks (rank 0 decides, one broadcast per step), so no rank ever hangs.
+"""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
+
+from conftest import CLI_BIN, PYTHON_DIR, free_port, wait_until  # noqa: E402
+
+TARGET = Path(__file__).resolve().parent / "attach_target.py"
+PY = "/usr/bin/python3"
+WORLD = 4
+
+
+def target_env(extra=None):
+    """The job's environment: no rankscope on its path (it finds tests/python for the model)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
+    env["PYTHONPATH"] = str(TARGET.parent)
+    env.update(extra or {})
+    return env
+
+
+class Job:
+    """A running attach_target.py job: one process per rank."""
+
+    def __init__(self, work: Path, world=WORLD, args=(), launcher=(), env=None):
+        self.dir = Path(work)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.procs = []
+        for r in range(world):
+            cmd = [PY, *launcher, str(TARGET), "--rank", str(r), "--world", str(world),
+                   "--port", str(port), "--dir", str(self.dir), *args]
+            log = open(self.dir / f"rank{r}.log", "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                               env=env or target_env()))
+        self.world = world
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def progress(self) -> int:
+        try:
+            return int((self.dir / "progress").read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def wait_progress(self, step: int, timeout=120.0):
+        def ok():
+            for r, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    raise AssertionError(f"rank {r} exited {p.returncode}: "
+                                         f"{(self.dir / f'rank{r}.log').read_text()[-2000:]}")
+            return self.progress() >= step
+        wait_until(ok, timeout, f"the job to reach step {step}")
+
+    def stop_after(self, steps: int) -> None:
+        (self.dir / "stop").write_text(str(steps))
+
+    def join(self, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        try:
+            for r, p in enumerate(self.procs):
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            self.kill()
+        for r, p in enumerate(self.procs):
+            assert p.returncode == 0, (f"rank {r} exited {p.returncode}: "
+                                       f"{(self.dir / f'rank{r}.log').read_text()[-3000:]}")
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def finals(self):
+        return [json.loads((self.dir / f"final.{r}").read_text()) for r in range(self.world)]
+
+    def expected(self):
+        return {int(k): v for k, v in json.loads((self.dir / "expected.json").read_text()).items()}
+
+
+def attach(collector, job, pids, *flags, timeout=120):
+    if not CLI_BIN.exists():
+        pytest.skip(f"{CLI_BIN} not built")
+    return subprocess.run([str(CLI_BIN), "attach", f"--job={job}",
+                           f"--collector={collector.address}", *flags,
+                           *[str(p) for p in pids]],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_steps(out: str):
+    return [int(s) for s in re.findall(r"(?:reporting|dormant) from step (\d+)", out)]
+
+
+def check_exact(collector, job, expected, first, last, world=WORLD):
+    rows = collector.step_rows(job)
+    assert sorted(rows) == list(range(first, last + 1)), f"steps stored for {job}"
+    ranks = {}
+    for step, rank, loss, gn, _ in collector.rank_rows(job):
+        ranks.setdefault(step, {})[rank] = (loss, gn)
+    for step in range(first, last + 1):
+        r, e = rows[step], expected[step]
+        assert r["ranks"] == world and r["missing_ranks"] == "", (step, r)
+        assert r["loss_mean"] == pytest.approx(statistics.fmean(e["losses"]), rel=1e-6)
+        assert r["loss_std"] == pytest.approx(statistics.pstdev(e["losses"]), rel=1e-4,
+                                              abs=1e-7)
+        assert r["grad_norm_mean"] == pytest.approx(statistics.fmean(e["norms"]), rel=1e-6)
+        assert [ranks[step][k][1] for k in range(world)] == pytest.approx(e["norms"], rel=1e-6)
+        assert [ranks[step][k][0] for k in range(world)] == pytest.approx(e["losses"], rel=1e-6)
+        assert abs(r["grad_cosine_mean"] - e["cosine"]) < 4 * (2 / 1024) ** 0.5
+
+
+def test_attach_to_running_job_reports_every_step_exactly(module_collector, tmp_path):
+    job = Job(tmp_path / "attached")
+    job.wait_progress(5)
+    out = attach(module_collector, "live-exact", job.pids)
+    assert out.returncode == 0, out.stdout + out.stderr
+    starts = start_steps(out.stdout)
+    assert len(starts) == WORLD and len(set(starts)) == 1, out.stdout
+    assert out.stdout.count("path: comm hook") == WORLD, out.stdout
+    assert len(re.findall(r"pause [\d.]+ s", out.stdout)) == WORLD
+    first = starts[0]
+    assert first > 5
+    job.stop_after(12)
+    job.join()
+    finals = job.finals()
+    last = finals[0]["steps"] - 1
+    assert last >= first + 11
+    check_exact(module_collector, "live-exact", job.expected(), first, last)
+    # The weights are those of the same run without rankscope (power-of-two world size).
+    assert len({f["sha256"] for f in finals}) == 1
+    ref = Job(tmp_path / "reference", args=("--total", str(last + 1)))
+    ref.join()
+    assert ref.finals()[0]["sha256"] == finals[0]["sha256"]
+
+
+def test_second_attach_is_a_noop_and_errors_name_the_fix(module_collector, tmp_path):
+    job = Job(tmp_path / "job", world=2)
+    try:
+        job.wait_progress(3)
+        out = attach(module_collector, "live-twice", job.pids, "--dormant")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count("dormant from step") == 2, out.stdout
+        again = attach(module_collector, "live-twice", job.pids)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert again.stdout.count("already attached") == 2, again.stdout
+
+        # Not a Python process: the collector.
+        out = attach(module_collector, "x", [module_collector.proc.pid])
+        assert out.returncode == 1 and "is not a Python process" in out.stderr, out.stderr
+        # No such process.
+        out = attach(module_collector, "x", [2 ** 22 + 12345])
+        assert out.returncode == 1 and "no such process" in out.stderr, out.stderr
+        # gdb missing.
+        out = attach(module_collector, "x", job.pids[:1], "--gdb=/nonexistent/gdb")
+        assert out.returncode == 1 and "gdb not found" in out.stderr, out.stderr
+        # Not permitted: an unprivileged user attaching to root's process.
+        if os.geteuid() == 0:
+            out = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(CLI_BIN),
+                 "attach", "--job=x", str(job.pids[0])], capture_output=True, text=True,
+                timeout=60)
+            assert out.returncode == 1, out.stderr
+            assert "CAP_SYS_PTRACE" in out.stderr and "shareProcessNamespace" in out.stderr
+    finally:
+        job.stop_after(1)
+        job.join()
+
+
+LOOP = "print('ready', flush=True); [time.sleep(0.05) for _ in range(12000)]"
+PLAIN_PYTHON = {
+    "torch is not imported": "import time; " + LOOP,
+    "torch.distributed is not initialized": "import time, torch; " + LOOP,
+    "no torch.nn.parallel.DistributedDataParallel model":
+        "import time, torch, torch.distributed as dist; "
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, "
+        "world_size=1); " + LOOP,
+    "rankscope is not importable": "import sys, time; sys.modules['rankscope'] = None; " + LOOP,
+}
+
+
+def _assert_running(pid):
+    st = Path(f"/proc/{pid}/status").read_text()
+    assert "TracerPid:\t0" in st and not re.search(r"State:\s+[Tt]", st), st
+
+
+@pytest.mark.parametrize("message", list(PLAIN_PYTHON))
+def test_attach_errors_from_inside_the_process(module_collector, message):
+    code = PLAIN_PYTHON[message]
+    if "%d" in code:
+        code = code % free_port()
+    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=target_env())
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        out = attach(module_collector, "x", [proc.pid])
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert message in out.stderr, out.stderr
+        _assert_running(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_main_thread_that_never_returns_to_python_is_queued_not_run(module_collector):
+    proc = subprocess.Popen([PY, "-c", "import time; print('ready', flush=True); "
+                             "time.sleep(600)"], stdout=subprocess.PIPE, text=True,
+                            env=target_env())
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        out = attach(module_collector, "x", [proc.pid], "--timeout=3")
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "queued, not run" in out.stderr, out.stderr
+        _assert_running(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_zero_code_launch_with_accumulation_and_a_framework(module_collector, tmp_path):
+    """`python -m rankscope.run --enabled train.py`: a DDP built inside a framework class,
+    three micro-batches per step; the reported loss is their mean."""
+    steps = 16
+    job = Job(tmp_path / "run", args=("--framework", "--accum", "3", "--total", str(steps)),
+              launcher=("-m", "rankscope.run", "--job=zero-code", "--enabled",
+                        f"--collector={module_collector.address}"),
+              env=target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}"}))
+    job.join()
+    rows = module_collector.step_rows("zero-code")
+    assert rows, "nothing reported"
+    first = min(rows)
+    assert first <= 6  # agreed at the first forward, plus the agreement's lead
+    check_exact(module_collector, "zero-code", job.expected(), first, steps - 1)
+
+
+def test_auto_env_with_own_comm_hook_uses_parameter_hooks(module_collector, tmp_path):
+    """RANKSCOPE_AUTO=1 with a model that has its own comm hook: per-parameter gradient hooks,
+    with gradient accumulation (the local gradient includes the no_sync micro-batches)."""
+    steps = 14
+    env = target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}", "RANKSCOPE_AUTO": "1",
+                      "RANKSCOPE_JOB": "auto-hooks", "RANKSCOPE_DORMANT": "0",
+                      "RANKSCOPE_COLLECTOR": module_collector.address})
+    job = Job(tmp_path / "auto", args=("--own-hook", "--accum", "2", "--total", str(steps)),
+              env=env)
+    job.join()
+    rows = module_collector.step_rows("auto-hooks")
+    assert rows, "nothing reported"
+    check_exact(module_collector, "auto-hooks", job.expected(), min(rows), steps - 1)
+
+
+def test_attach_to_zero_job_names_the_rank_that_missed_a_shard(module_collector, tmp_path):
+    """DDP + ZeroRedundancyOptimizer: attach works, and rank 1 keeping its old copy of rank 0's
+    shard after one step (the replicas diverge) is named by the parameter fingerprint. ZeRO
+    broadcasts every shard again at the next step, which heals this fault, so the parameters are
+    checked at every step here."""
+    job = Job(tmp_path / "zero", args=("--zero", "--skip-shard-at", "-1"))
+    try:
+        job.wait_progress(3)
+        out = attach(module_collector, "live-zero", job.pids, "--param_check_every=1")
+        assert out.returncode == 0, out.stdout + out.stderr
+        first = start_steps(out.stdout)[0]
+        (job.dir / "skip").write_text("now")
+        job.stop_after(12)
+    finally:
+        job.join()
+    rows = module_collector.query(
+        "SELECT step, replica_divergent_ranks FROM step_stats WHERE job = ? AND step >= ? "
+        "ORDER BY step", ("live-zero", first))
+    named = [(s, r) for s, r in rows if r]
+    assert [r for _, r in named] == ["1"], rows
+
+
+def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_path):
+    """`torchrun -m rankscope.run` (dormant by default) -> `rankscope attach --all-local` finds
+    both ranks and says they are already attached -> `ctl enable` starts the reports."""
+    work = tmp_path / "torchrun"
+    work.mkdir()
+    env = target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+                      "RANKSCOPE_COLLECTOR": module_collector.address, "OMP_NUM_THREADS": "1"})
+    launcher = subprocess.Popen(
+        [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+         # torch 1.13 on Python 3.11 cannot parse its own default "0", nor 3 (Python 3.11 iterates only single-bit flags)
+         "--redirects=1", "--tee=1", f"--log_dir={work / 'logs'}",
+         "-m", "rankscope.run", "--job=torchrun-job", str(TARGET), "--dir", str(work)],
+        stdout=open(work / "torchrun.log", "w"), stderr=subprocess.STDOUT, env=env)
+    job = Job.__new__(Job)
+    job.dir, job.world, job.procs = work, 2, []
+    try:
+        wait_until(lambda: launcher.poll() is None and job.progress() >= 3, 120,
+                   "the torchrun job to train")
+        out = attach(module_collector, "torchrun-job", [], "--all-local")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count("already attached") == 2, out.stdout
+        wait_until(lambda: module_collector.query("SELECT 1 FROM jobs WHERE job = ?",
+                                                  ("torchrun-job",)), 60, "the dormant hello")
+        assert module_collector.step_rows("torchrun-job") == {}
+        module_collector.ctl("enable", "torchrun-job", "--lead_steps=3")
+        wait_until(lambda: len(module_collector.step_rows("torchrun-job")) >= 5, 60,
+                   "5 steps reported after ctl enable")
+        job.stop_after(3)
+        assert launcher.wait(timeout=120) == 0, (work / "torchrun.log").read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    for step, r in module_collector.step_rows("torchrun-job").items():
+        assert r["ranks"] == 2 and r["missing_ranks"] == "", (step, r)

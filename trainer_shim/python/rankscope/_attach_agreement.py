@@ -1,0 +1,66 @@
+"""Start agreement for models attached from outside the script (rankscope._autoattach): the
+ranks of a data-parallel group are attached at different wall times (one `rankscope attach --pid`
+after another, or hosts attached by different operators), yet every joined step must be
+complete, so all ranks must start reporting at the same step.
+
+The common clock is DDP's own iteration counter (``num_iterations``: forwards with gradients
+that synchronize, the same on every rank of a group, one per optimizer step under gradient
+accumulation). On arrival each rank publishes the counter in the job's c10d store (one ``set`` and
+one ``add``); at each later forward it reads the arrival count (one ``add(key, 0)``) until every
+rank of the group has arrived, then reads the published counters and starts at
+``max(counters) + LEAD``. Every rank computes the same start from the same immutable values, and
+none can have passed it: synchronous data parallelism keeps ranks within one forward of each
+other, so a rank sees the last arrival at most two forwards after it was published.
+
+Contract: never blocks (no ``wait``; ``get`` only on keys known to exist); a store error gives up
+on agreement and starts this rank a margin ahead, with a warning (its first steps may then be
+missing on the collector). Thread safety: training thread only.
+"""
+
+from typing import Callable, Optional
+
+# Forwards between the newest arrival and the first reported step (see the module docstring
+# for why 2 is enough; 2 more absorb a rank that arrives during its own forward).
+LEAD = 4
+
+
+class StartAgreement:
+    """One rank's part in agreeing on the first reported step of one (job, group)."""
+
+    def __init__(self, store, key: str, rank: int, world_size: int, iteration: int,
+                 warn: Callable[[str], None]):
+        self._store = store
+        self._key = key
+        self._world_size = world_size
+        self._warn = warn
+        self.start: Optional[int] = None
+        self.arrived = 0
+        if store is None:
+            self.start = iteration + LEAD
+            return
+        try:
+            store.set(f"{key}/{rank}", str(iteration))
+            self.arrived = int(store.add(f"{key}/n", 1))
+        except Exception as e:  # a store problem must not stop training
+            self._give_up(iteration, e)
+
+    def poll(self, iteration: int) -> Optional[int]:
+        """The agreed first step once every rank arrived, else None. ``iteration`` is this rank's
+        DDP counter now (used only when the store fails)."""
+        if self.start is not None:
+            return self.start
+        try:
+            self.arrived = int(self._store.add(f"{self._key}/n", 0))
+            if self.arrived < self._world_size:
+                return None
+            counters = [int(self._store.get(f"{self._key}/{r}"))
+                        for r in range(self._world_size)]
+            self.start = max(counters) + LEAD
+        except Exception as e:
+            self._give_up(iteration, e)
+        return self.start
+
+    def _give_up(self, iteration: int, e: Exception) -> None:
+        self.start = iteration + LEAD
+        self._warn(f"rankscope: could not agree on the first step through the c10d store "
+                   f"({e!r}); this rank starts at step {self.start}")

@@ -1,0 +1,343 @@
+"""Attaching to DDP models that the training script never handed to rankscope: the zero-code
+launch (``python -m rankscope.run``, ``RANKSCOPE_AUTO=1``) and ``rankscope attach --pid`` (through
+rankscope._attach_payload) both end here.
+
+For each DDP model (matched by exact type) an ``AttachedModel`` walks through four states:
+
+1. ``waiting``: a forward pre-hook waits for the model's next forward with gradients. Nothing is
+   registered from inside backward (a comm hook registered mid-backward silently diverges DDP).
+2. at that forward it installs the monitor, dormant: ``rankscope.torch.attach`` with its comm
+   hook, or, when the model already has a comm hook (PowerSGD, ZeRO's ``overlap_with_ddp``),
+   per-parameter gradient hooks feeding ``attach_reducer``'s monitor (the ``path`` says which);
+   the step boundary from the model's optimizer (``register_step_post_hook`` where torch has it,
+   else the instance's ``_optimizer_step_code``, which torch 1.13's step wrapper calls after
+   every step; without an optimizer, the next synchronizing forward); the loss from the
+   ``torch.autograd.backward`` wrapper (rankscope._loss_capture: the mean of the step's backward
+   calls). State ``agreeing``: the ranks agree on the first step (rankscope._attach_agreement).
+3. ``agreed``: waits for the forward of the agreed step.
+4. ``reporting``: from that forward on, steps are numbered by DDP's iteration counter (the same
+   on every rank) and reported, or kept dormant for ``rankscope ctl enable`` when asked.
+
+Contract: nothing here raises into the training script; a failure is warned once, stops that
+model's attachment (its hooks become pass-throughs) and is kept in ``error``. ``on_change`` is
+called (training thread) each time a model changes state. Thread safety: training thread only,
+except the parameter hooks (autograd thread, while the training thread waits in backward).
+"""
+
+import gc
+import warnings
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from rankscope import _loss_capture
+from rankscope import torch as rst
+from rankscope._attach_agreement import StartAgreement
+
+DDP = torch.nn.parallel.DistributedDataParallel
+
+PATH_COMM_HOOK = "comm hook"
+PATH_PARAM_HOOKS = "parameter hooks"
+
+
+def find_models_and_optimizers():
+    """(DDP models, optimizers) alive in this process, by exact type (DDP) and by type's class
+    hierarchy (optimizers; never ``isinstance``, which runs user ``__class__`` properties). An
+    optimizer wrapped by another (ZeroRedundancyOptimizer's local ``optim``) is left out."""
+    models, optimizers = [], []
+    optimizer_type = torch.optim.Optimizer
+    for o in gc.get_objects():
+        t = type(o)
+        if t is DDP:
+            models.append(o)
+        elif isinstance(t, type) and issubclass(t, optimizer_type):
+            optimizers.append(o)
+    inner = {id(getattr(o, "optim", None)) for o in optimizers}
+    return models, [o for o in optimizers if id(o) not in inner]
+
+
+def optimizer_of(model, optimizers) -> Optional[torch.optim.Optimizer]:
+    """The first optimizer that holds one of ``model``'s trainable parameters."""
+    ids = {id(p) for p in model.parameters() if p.requires_grad}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if any(id(p) in ids for p in group["params"]):
+                return opt
+    return None
+
+
+def has_comm_hook(model) -> str:
+    """The name of the comm hook already registered on a DDP model, or ""."""
+    try:
+        return str(model._get_ddp_logging_data().get("comm_hook") or "")
+    except Exception:
+        return ""
+
+
+class AttachedModel:
+    """One DDP model attached from outside the script."""
+
+    def __init__(self, attacher: "AutoAttacher", model):
+        self._attacher = attacher
+        self._model = weakref.ref(model)
+        self.state = "waiting"
+        self.path = ""
+        self.group = None
+        self.rank = dist.get_rank(model.process_group)
+        self.world_size = dist.get_world_size(model.process_group)
+        self.global_rank = dist.get_rank()
+        self.start_step: Optional[int] = None
+        self.step_boundary = ""
+        self.error = ""
+        self.monitor = None
+        self._agreement = None
+        self._optimizer = None
+        self._last_iteration = None
+        self._sync_backward = True
+        self._params: List[torch.Tensor] = []
+        self._hook_handles = []
+        self._pre_hook = model.register_forward_pre_hook(self._pre_forward)
+
+    def describe(self) -> dict:
+        d = {"state": self.state, "path": self.path, "group": self.group or "",
+             "rank": self.rank, "world_size": self.world_size,
+             "global_rank": self.global_rank, "start_step": self.start_step,
+             "step_boundary": self.step_boundary, "error": self.error}
+        if self._agreement is not None:
+            d["arrived"] = self._agreement.arrived
+        capture = self._attacher.capture
+        d["backward_calls_per_step"] = capture.last_count
+        return d
+
+    # ---- the forward pre-hook: every state change happens here or at the step boundary ------
+
+    def _pre_forward(self, module, inputs):
+        if self.state in ("failed", "closed"):
+            return None
+        try:
+            self._advance(module)
+        except Exception as e:  # attaching must never break training
+            self._fail(e)
+        return None
+
+    def _advance(self, model) -> None:
+        n = int(getattr(model, "num_iterations", 0))
+        self._sync_backward = bool(model.require_backward_grad_sync)
+        if self.state == "waiting":
+            if not torch.is_grad_enabled():
+                return
+            self._install(model, n)
+            self._changed("agreeing")
+        if self.state == "agreeing":
+            start = self._agreement.poll(n)
+            if start is None:
+                return
+            self.start_step = start
+            self._changed("agreed")
+        if self.state == "agreed" and n >= self.start_step:
+            if n > self.start_step:
+                self._attacher.warn(
+                    f"rankscope: rank {self.rank} of group {self.group!r} saw the agreed first "
+                    f"step {self.start_step} late, at step {n}; it reports from step {n}")
+                self.start_step = n
+            self._attacher.capture.take()  # losses before this step's forward are not its own
+            self.monitor._start_at(n, enabled=not self._attacher.dormant)
+            self._changed("reporting")
+        if self.step_boundary == "forward" and self.state == "reporting" and n > (
+                self._last_iteration if self._last_iteration is not None else n):
+            self._boundary()
+        self._last_iteration = n
+        # The parameter hooks need each forward's no_sync() state; the forward boundary needs
+        # every forward; otherwise the pre-hook's work is done.
+        if self.state == "reporting" and self.step_boundary != "forward" and not self._params:
+            self._pre_hook.remove()
+            self._pre_hook = None
+
+    def _install(self, model, n: int) -> None:
+        attacher = self._attacher
+        self.group = attacher.group_for(self, model)
+        options = dict(attacher.options, job=attacher.job, group=self.group, dormant=True,
+                       start_step=n)
+        hook = has_comm_hook(model)
+        if not hook:
+            self.monitor = rst.attach(model, **options)
+            self.path = PATH_COMM_HOOK
+        else:
+            self.monitor = rst.attach_reducer(model.module, process_group=model.process_group,
+                                              **options)
+            self.path = f"{PATH_PARAM_HOOKS} (the model has its own comm hook: {hook})"
+            self._install_param_hooks(model)
+        _, optimizers = find_models_and_optimizers()
+        self._optimizer = optimizer_of(model, optimizers)
+        if self._optimizer is None:
+            self.step_boundary = "forward"
+        elif hasattr(self._optimizer, "register_step_post_hook"):  # torch >= 2.0
+            self._hook_handles.append(self._optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self._boundary()))
+            self.step_boundary = f"{type(self._optimizer).__name__}.step post-hook"
+        else:  # torch 1.13: the step wrapper calls this after every step, on the instance
+            previous = self._optimizer.__dict__.get("_optimizer_step_code")
+
+            def after_step():
+                if previous is not None:
+                    previous()
+                self._boundary()
+
+            self._optimizer._optimizer_step_code = after_step
+            self.step_boundary = f"{type(self._optimizer).__name__}.step"
+        store = None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            pass
+        self._agreement = StartAgreement(
+            store, f"rankscope/attach/{attacher.job}/{self.group or '-'}", self.monitor.rank,
+            self.monitor.world_size, n, attacher.warn)
+
+    def _install_param_hooks(self, model) -> None:
+        seen = set()
+        for _, p in model.module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._params.append(p)
+        for i, p in enumerate(self._params):
+            self._hook_handles.append(p.register_hook(self._param_hook(i, p)))
+
+    def _param_hook(self, index: int, param):
+        ref = weakref.ref(param)
+
+        def hook(grad):
+            mon = self.monitor
+            p = ref()
+            if mon is None or p is None or not mon._active or not self._sync_backward:
+                return None
+            # The local gradient of the step: this backward's plus what no_sync() micro-batches
+            # accumulated (DDP has not reduced anything yet; it does after accumulation).
+            local = grad if p.grad is None else grad + p.grad
+            mon.local_gradient(local, [p], index=index)
+            return None
+
+        return hook
+
+    # ---- the step boundary ------------------------------------------------------------------
+
+    def _boundary(self) -> None:
+        mon = self.monitor
+        if mon is None or self.state in ("failed", "closed"):
+            return
+        try:
+            loss, _ = self._attacher.capture.take()
+            if self._params and mon._active:
+                for i, p in enumerate(self._params):
+                    if p.grad is not None:
+                        mon.reduced_gradient(p.grad, i)
+            mon.step(loss)
+        except Exception as e:  # attaching must never break training
+            self._fail(e)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _changed(self, state: str) -> None:
+        self.state = state
+        self._attacher.changed()
+
+    def _fail(self, e: Exception) -> None:
+        self.error = f"{type(e).__name__}: {e}"
+        self.state = "failed"
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        for h in self._hook_handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._hook_handles = []
+        if self.monitor is not None:
+            try:
+                self.monitor.close(timeout=0)
+            except Exception:
+                pass
+        self._attacher.warn(f"rankscope: could not attach to a DDP model "
+                            f"({self.error}); training is unaffected")
+        self._attacher.changed()
+
+
+class AutoAttacher:
+    """The process's attachments: ``add`` a DDP model, read ``describe()``.
+
+    ``options`` are ``rankscope.torch.attach`` keyword arguments (collector, sketch_dim, ...);
+    ``dormant`` keeps the monitors switched off until ``rankscope ctl enable``.
+    """
+
+    def __init__(self, job: str, dormant: bool, options: Dict,
+                 on_change: Optional[Callable[[], None]] = None):
+        self.job = job
+        self.dormant = bool(dormant)
+        self.options = dict(options)
+        self.capture = _loss_capture.install()
+        self.models: List[AttachedModel] = []
+        self._on_change = on_change
+        self._warned = set()
+
+    def add(self, model) -> Optional[AttachedModel]:
+        """Attaches ``model`` (a DDP) at its next forward; None if it already is."""
+        for m in self.models:
+            if m._model() is model:
+                return None
+        m = AttachedModel(self, model)
+        self.models.append(m)
+        self.changed()
+        return m
+
+    def covers(self, model) -> bool:
+        return any(m._model() is model for m in self.models)
+
+    def group_for(self, attached: AttachedModel, model) -> str:
+        """The group of a model: derived from its process group, and, when another model of this
+        process already reports that group, suffixed with the module's class name (a GAN's
+        generator and discriminator), the same on every rank."""
+        base = rst.data_parallel_group(model.process_group)
+        taken = {m.group for m in self.models if m is not attached and m.group is not None}
+        if base not in taken:
+            return base
+        name = type(model.module).__name__.lower()[:40] or "model"
+        candidate, i = (f"{base}-{name}" if base else name), 1
+        while candidate in taken:
+            i += 1
+            candidate = f"{base}-{name}{i}" if base else f"{name}{i}"
+        return candidate
+
+    def describe(self) -> List[dict]:
+        return [m.describe() for m in self.models]
+
+    def changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change()
+            except Exception:
+                pass
+
+    def warn(self, message: str) -> None:
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+_current: Optional[AutoAttacher] = None
+
+
+def current() -> Optional[AutoAttacher]:
+    """The process's AutoAttacher, if something attached from outside the script."""
+    return _current
+
+
+def get_or_create(job: str, dormant: bool, options: Dict,
+                  on_change: Optional[Callable[[], None]] = None) -> AutoAttacher:
+    global _current
+    if _current is None:
+        _current = AutoAttacher(job, dormant, options, on_change)
+    return _current

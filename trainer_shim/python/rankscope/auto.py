@@ -1,0 +1,81 @@
+"""Zero-code attach for jobs started from now on: every DistributedDataParallel model the script
+constructs is attached (rankscope._autoattach), dormant unless told otherwise, with the loss taken
+from its backward calls and the step from its optimizer. Used by ``python -m rankscope.run`` and
+by ``RANKSCOPE_AUTO=1`` (the package's ``sitecustomize``).
+
+Settings come from the environment, as for ``rankscope.torch.attach``: ``RANKSCOPE_JOB``
+(required), ``RANKSCOPE_COLLECTOR``, ``RANKSCOPE_DORMANT`` (default on: ``0`` reports from the
+first agreed step), ``RANKSCOPE_SKETCH_DIM``, ``RANKSCOPE_EVERY``, the TLS variables.
+"""
+
+import os
+from typing import Dict, Optional
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"rankscope: {name}={v!r} is not an integer") from None
+
+
+def settings_from_env() -> Dict:
+    """(job, dormant, attach options) from the environment; ValueError names what is wrong."""
+    job = os.environ.get("RANKSCOPE_JOB", "").strip()
+    if not job:
+        raise ValueError("rankscope: no job name; set RANKSCOPE_JOB (or pass --job to "
+                         "python -m rankscope.run)")
+    dormant_env = os.environ.get("RANKSCOPE_DORMANT", "").strip().lower()
+    if dormant_env and dormant_env not in _TRUE + _FALSE:
+        raise ValueError(f"rankscope: RANKSCOPE_DORMANT={dormant_env!r}; use 1 or 0")
+    options = {}
+    if os.environ.get("RANKSCOPE_COLLECTOR"):
+        options["collector"] = os.environ["RANKSCOPE_COLLECTOR"]
+    for name, key in (("RANKSCOPE_SKETCH_DIM", "sketch_dim"), ("RANKSCOPE_EVERY", "every")):
+        v = _env_int(name)
+        if v is not None:
+            options[key] = v
+    return {"job": job, "dormant": dormant_env not in _FALSE, "options": options}
+
+
+_installed = False
+
+
+def install(job: str, dormant: bool = True, options: Optional[Dict] = None):
+    """Attaches every DDP model constructed from now on (exact type), at its first forward.
+    Idempotent. Returns the process's AutoAttacher."""
+    global _installed
+    import torch
+
+    from rankscope import _autoattach
+
+    attacher = _autoattach.get_or_create(job, dormant, options or {})
+    if _installed:
+        return attacher
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    original_init = ddp_type.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if type(self) is ddp_type:
+            try:
+                attacher.add(self)
+            except Exception as e:  # attaching must never break the script
+                attacher.warn(f"rankscope: could not attach to a DDP model ({e!r})")
+
+    __init__.__wrapped__ = original_init
+    ddp_type.__init__ = __init__
+    _installed = True
+    return attacher
+
+
+def install_from_env():
+    """``install`` with the environment's settings (ValueError when they are wrong)."""
+    s = settings_from_env()
+    return install(s["job"], s["dormant"], s["options"])
