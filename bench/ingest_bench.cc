@@ -38,7 +38,11 @@
 // --retention_rank_steps=D runs the collector with the storage retention pruning rows older than
 // D during the run (the cost of pruning on ingest); the rows it pruned count as stored.
 //
+// --sketch_encoding (float32, float16, int8) packs the agents' sketches (common/sketch_encoding.h);
+// at the same bytes a rank a step, float16 takes --sketch_dim=2048 and int8 --sketch_dim=4096.
+//
 // Usage: ingest_bench [--seconds=30] [--ranks=1024] [--sketch_dim=1024] [--only=bare|collector]
+//                     [--sketch_encoding=float32|float16|int8]
 //                     [--rate=0] [--inprocess] [--retention_rank_steps=2s]
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -92,6 +96,8 @@ ABSL_FLAG(int, seconds, 30, "Length of the measured window for each server.");
 ABSL_FLAG(int, warmup_seconds, 5, "Load before the window starts (connections, caches).");
 ABSL_FLAG(int, ranks, 1024, "Agents (ranks of one job).");
 ABSL_FLAG(int, sketch_dim, 1024, "Sketch dimension k.");
+ABSL_FLAG(std::string, sketch_encoding, "float32",
+          "How the agents send the sketch: float32, float16 or int8 (common/sketch_encoding.h).");
 ABSL_FLAG(int, drivers, 2, "Threads calling Record() (the ranks are split between them).");
 ABSL_FLAG(int, max_inflight, 48, "Per rank: wait while this many reports are queued or unacked.");
 ABSL_FLAG(int, queue_capacity, 64, "Agent ring capacity (> max_inflight, so no ring drops).");
@@ -455,6 +461,8 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
     o.rank = static_cast<uint32_t>(r);
     o.world_size = static_cast<uint32_t>(ranks);
     o.sketch_dim = static_cast<uint32_t>(dim);
+    o.sketch_encoding = rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))
+                            .value_or(rankscope::SketchEncoding::kFloat32);
     o.framework_version = "ingest_bench";
     o.queue_capacity = static_cast<size_t>(absl::GetFlag(FLAGS_queue_capacity));
     o.initial_backoff = absl::Milliseconds(50);
@@ -620,6 +628,7 @@ LoadResult RunLoadInChild(const std::string& target, const std::string& job,
       absl::StrCat("--warmup_seconds=", absl::GetFlag(FLAGS_warmup_seconds)),
       absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
       absl::StrCat("--sketch_dim=", absl::GetFlag(FLAGS_sketch_dim)),
+      absl::StrCat("--sketch_encoding=", absl::GetFlag(FLAGS_sketch_encoding)),
       absl::StrCat("--drivers=", absl::GetFlag(FLAGS_drivers)),
       absl::StrCat("--max_inflight=", absl::GetFlag(FLAGS_max_inflight)),
       absl::StrCat("--queue_capacity=", absl::GetFlag(FLAGS_queue_capacity)),
@@ -752,6 +761,10 @@ double TotalCpuPerReport(const Phase& p) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (!rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))) {
+    std::fprintf(stderr, "ingest_bench: --sketch_encoding must be float32, float16 or int8\n");
+    return 2;
+  }
   const int seconds = absl::GetFlag(FLAGS_seconds);
   const int warmup = absl::GetFlag(FLAGS_warmup_seconds);
   const int max_wall = absl::GetFlag(FLAGS_max_wall_seconds) > 0
@@ -781,9 +794,10 @@ int main(int argc, char** argv) {
                                ? absl::StrCat(absl::GetFlag(FLAGS_rate), "/s")
                                : std::string("max");
   std::printf(
-      "ingest_bench: ranks=%d sketch_dim=%d drivers=%d max_inflight=%d queue_capacity=%d "
-      "rate=%s window=%ds warmup=%ds agents=%s%s nproc=%ld loadavg=%s\n",
-      absl::GetFlag(FLAGS_ranks), absl::GetFlag(FLAGS_sketch_dim), absl::GetFlag(FLAGS_drivers),
+      "ingest_bench: ranks=%d sketch_dim=%d sketch_encoding=%s drivers=%d max_inflight=%d "
+      "queue_capacity=%d rate=%s window=%ds warmup=%ds agents=%s%s nproc=%ld loadavg=%s\n",
+      absl::GetFlag(FLAGS_ranks), absl::GetFlag(FLAGS_sketch_dim),
+      absl::GetFlag(FLAGS_sketch_encoding).c_str(), absl::GetFlag(FLAGS_drivers),
       absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_queue_capacity), rate.c_str(), seconds,
       warmup, inprocess ? "in-process" : "child process",
       absl::GetFlag(FLAGS_pin) ? " (server pinned to CPU 0, agents to CPU 1)" : "",

@@ -15,7 +15,7 @@ namespace {
 // One usable sketch: finite, nonzero, of the step's length.
 struct Candidate {
   uint32_t rank = 0;
-  absl::Span<const float> sketch;
+  SketchView sketch;
   double norm = 0.0;
   uint64_t hash = 0;
 };
@@ -29,23 +29,38 @@ uint64_t Mix(uint64_t x) {  // SplitMix64's finalizer
 }
 
 // A hash of the sketch's bits (not its values: -0.0 and 0.0 differ, as do NaN payloads, which
-// never reach here).
-uint64_t HashBits(absl::Span<const float> sketch) {
-  uint64_t h = sketch.size();
-  for (float v : sketch) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    h = Mix(h ^ bits);
+// never reach here), in its encoding, with its scale.
+uint64_t HashBits(const SketchView& sketch) {
+  uint32_t scale_bits = 0;
+  if (sketch.encoding != SketchEncoding::kFloat32) {
+    std::memcpy(&scale_bits, &sketch.scale, sizeof scale_bits);
   }
+  uint64_t h = Mix(sketch.size() ^ (static_cast<uint64_t>(sketch.encoding) << 56) ^
+                   (static_cast<uint64_t>(scale_bits) << 16));
+  const auto* bytes = static_cast<const unsigned char*>(sketch.data);
+  const size_t n = sketch.byte_size();
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    uint32_t word;
+    std::memcpy(&word, bytes + i, sizeof word);
+    h = Mix(h ^ word);
+  }
+  for (; i < n; ++i) h = Mix(h ^ bytes[i]);
   return h;
 }
 
-double Cosine(const Candidate& a, const Candidate& b) {
-  double dot = 0.0;
-  for (size_t i = 0; i < a.sketch.size(); ++i) {
-    dot += static_cast<double>(a.sketch[i]) * static_cast<double>(b.sketch[i]);
+// True iff a and b hold the same bits in the same encoding (and scale).
+bool SameBits(const SketchView& a, const SketchView& b) {
+  if (a.encoding != b.encoding || a.size() != b.size()) return false;
+  if (a.encoding != SketchEncoding::kFloat32 &&
+      std::memcmp(&a.scale, &b.scale, sizeof a.scale) != 0) {
+    return false;
   }
-  return dot / (a.norm * b.norm);
+  return std::memcmp(a.data, b.data, a.byte_size()) == 0;
+}
+
+double Cosine(const Candidate& a, const Candidate& b) {
+  return SketchDot(a.sketch, b.sketch) / (a.norm * b.norm);
 }
 
 class UnionFind {
@@ -83,8 +98,7 @@ std::vector<DuplicateGroup> FindDuplicateRanks(absl::Span<const RankSample> samp
     if (s.sketch.empty()) continue;
     if (dim == 0) dim = s.sketch.size();
     if (s.sketch.size() != dim) continue;
-    double sum_sq = 0.0;
-    for (float v : s.sketch) sum_sq += static_cast<double>(v) * static_cast<double>(v);
+    const double sum_sq = SketchDot(s.sketch, s.sketch);
     if (!std::isfinite(sum_sq) || sum_sq == 0.0) continue;
     candidates.push_back({s.rank, s.sketch, std::sqrt(sum_sq), 0});
   }
@@ -114,8 +128,7 @@ std::vector<DuplicateGroup> FindDuplicateRanks(absl::Span<const RankSample> samp
     candidates[i].hash = HashBits(candidates[i].sketch);
     auto [it, inserted] = first_with_hash.try_emplace(candidates[i].hash, i);
     const Candidate& head = candidates[it->second];
-    if (!inserted &&
-        std::memcmp(head.sketch.data(), candidates[i].sketch.data(), dim * sizeof(float)) == 0) {
+    if (!inserted && SameBits(head.sketch, candidates[i].sketch)) {
       join(it->second, i, 1.0, /*exact=*/true);
     } else {
       representatives.push_back(i);  // a hash collision with different bytes stays separate
@@ -133,7 +146,7 @@ std::vector<DuplicateGroup> FindDuplicateRanks(absl::Span<const RankSample> samp
     for (size_t i : representatives) {
       uint64_t key = Mix(static_cast<uint64_t>(band) + 1);
       for (size_t b = 0; b < bits_per_band; ++b) {
-        const bool positive = candidates[i].sketch[first_bin + b] > 0.0f;
+        const bool positive = candidates[i].sketch.Value(first_bin + b) > 0.0;
         key = Mix(key ^ ((static_cast<uint64_t>(b) << 1) | positive));
       }
       auto [it, inserted] = head_of_key.try_emplace(key, i);

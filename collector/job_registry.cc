@@ -87,7 +87,7 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
   bool restart = false;
   if (it == jobs_.end()) {
     Job job;
-    job.identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+    job.identity = IdentityOf(hello);
     job.epoch = hello.attempt();
     job.max_attempt = hello.attempt();
     job.first_seen = now;
@@ -121,14 +121,18 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
     if (!restart) {
       Rejection r = CheckJobIdentity(hello, job.identity);
       if (!r.status.ok()) return r;
+      // An identity restored from the store does not know its encoding: the first hello says it.
+      if (!job.identity.sketch_encoding)
+        job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
     }
   }
   Job& job = it->second;
   if (restart) {
-    const JobIdentity identity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+    const JobIdentity identity = IdentityOf(hello);
     attached->resized = identity.world_size != job.identity.world_size ||
                         identity.sketch_dim != job.identity.sketch_dim ||
-                        identity.sketch_seed != job.identity.sketch_seed;
+                        identity.sketch_seed != job.identity.sketch_seed ||
+                        identity.sketch_encoding != job.identity.sketch_encoding;
     job.identity = identity;
     job.epoch = std::max(job.epoch + 1, hello.attempt());
     job.max_attempt = std::max(job.max_attempt, hello.attempt());

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -17,10 +18,11 @@ namespace rankscope::collector {
 namespace {
 
 // Sketch buffers handed back by the step thread once it is done with a step's reports, reused by
-// OnReport for the next reports' sketches. Without it every report costs a malloc of k floats on
-// a gRPC thread and its free on the step thread (4 KiB at k = 1024: glibc serves such chunks from
-// its shared bins, under the arena lock, not from the per-thread cache). Bounded by kMaxBytes of
-// capacity; thread-safe.
+// OnReport for the next reports' sketches. Without it every report costs a malloc of its sketch
+// on a gRPC thread and its free on the step thread (4 KiB at k = 1024 float32 or k = 4096 int8:
+// glibc serves such chunks from its shared bins, under the arena lock, not from the per-thread
+// cache). Float sketches and packed ones (common/sketch_encoding.h) have a free list each; both
+// together are bounded by kMaxBytes of capacity. Thread-safe.
 class SketchBufferPool {
  public:
   static SketchBufferPool& Get() {
@@ -29,44 +31,68 @@ class SketchBufferPool {
   }
 
   // A buffer with no particular size or contents (empty, capacity 0, when the pool is empty).
-  std::vector<float> Take() {
+  std::vector<float> TakeFloats() {
     MutexLock lock(&mu_);
-    if (free_.empty()) return {};
-    std::vector<float> v = std::move(free_.back());
-    free_.pop_back();
-    bytes_ -= v.capacity() * sizeof(float);
-    return v;
+    return TakeLocked(free_floats_);
+  }
+  std::string TakePacked() {
+    MutexLock lock(&mu_);
+    return TakeLocked(free_packed_);
   }
 
   // Takes back the buffers of `reports` (their sketches are left empty).
   void Give(std::vector<RankReport>& reports) {
     MutexLock lock(&mu_);
-    for (RankReport& r : reports) GiveLocked(r.sketch);
+    for (RankReport& r : reports) GiveLocked(r);
   }
-  void Give(std::vector<float>& sketch) {
-    if (sketch.capacity() == 0) return;  // e.g. moved into the joiner: nothing to lock for
+  void Give(RankReport& report) {
+    // e.g. moved into the joiner: nothing to lock for
+    if (report.sketch.capacity() == 0 && report.sketch_packed.capacity() <= kInlineCapacity) return;
     MutexLock lock(&mu_);
-    GiveLocked(sketch);
+    GiveLocked(report);
   }
 
  private:
   static constexpr size_t kMaxBytes = 32 << 20;
+  // A std::string of this capacity or less holds its characters inline: nothing to reuse.
+  static constexpr size_t kInlineCapacity = 15;
 
-  void GiveLocked(std::vector<float>& sketch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const size_t bytes = sketch.capacity() * sizeof(float);
+  static size_t Bytes(const std::vector<float>& v) { return v.capacity() * sizeof(float); }
+  static size_t Bytes(const std::string& s) {
+    return s.capacity() <= kInlineCapacity ? 0 : s.capacity();
+  }
+
+  template <typename Buffer>
+  Buffer TakeLocked(std::vector<Buffer>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (list.empty()) return {};
+    Buffer b = std::move(list.back());
+    list.pop_back();
+    bytes_ -= Bytes(b);
+    return b;
+  }
+
+  template <typename Buffer>
+  void GiveLocked(Buffer& buffer, std::vector<Buffer>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t bytes = Bytes(buffer);
     if (bytes == 0 || bytes_ + bytes > kMaxBytes) return;
     bytes_ += bytes;
-    free_.push_back(std::move(sketch));
-    sketch = std::vector<float>();
+    list.push_back(std::move(buffer));
+    buffer = Buffer();
+  }
+
+  void GiveLocked(RankReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    GiveLocked(report.sketch, free_floats_);
+    GiveLocked(report.sketch_packed, free_packed_);
   }
 
   Mutex mu_;
-  std::vector<std::vector<float>> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<float>> free_floats_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> free_packed_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt,
-                        absl::Time received_at, AckHandle ack) {
+RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32_t rank,
+                        uint32_t attempt, absl::Time received_at, AckHandle ack) {
   RankReport out;
   out.rank = rank;
   out.step = r.step();
@@ -74,13 +100,22 @@ RankReport ToRankReport(const v1::StepReport& r, uint32_t rank, uint32_t attempt
   out.loss_absent = r.loss_absent();
   out.loss = r.loss_absent() ? std::numeric_limits<double>::quiet_NaN() : r.loss();
   out.grad_norm = r.grad_norm();
-  out.sketch = SketchBufferPool::Get().Take();
-  // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
-  // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
-  // not write it twice.
-  out.sketch.resize(static_cast<size_t>(r.sketch_size()));
-  if (r.sketch_size() > 0) {
-    std::memcpy(out.sketch.data(), r.sketch().data(), out.sketch.size() * sizeof(float));
+  out.sketch_encoding = encoding;
+  if (encoding != SketchEncoding::kFloat32) {
+    // Kept packed: the joiner holds k * bytes-per-bin bytes per rank-step. A pooled buffer has
+    // the capacity already, so assign() copies without allocating.
+    out.sketch_packed = SketchBufferPool::Get().TakePacked();
+    out.sketch_packed.assign(r.sketch_packed());
+    out.sketch_scale = r.sketch_scale();
+  } else {
+    out.sketch = SketchBufferPool::Get().TakeFloats();
+    // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
+    // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
+    // not write it twice.
+    out.sketch.resize(static_cast<size_t>(r.sketch_size()));
+    if (r.sketch_size() > 0) {
+      std::memcpy(out.sketch.data(), r.sketch().data(), out.sketch.size() * sizeof(float));
+    }
   }
   out.received_at = received_at;
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
@@ -318,7 +353,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   const absl::Time now = options_.clock();
   // The hello's sketch dimension is valid at every step, so the common report is validated
   // without job state: only a report of another length needs the job's re-tune (SetControl).
-  const uint32_t sketch_size = static_cast<uint32_t>(report.sketch_size());
+  const uint64_t sketch_size = ReportSketchDim(report, hello);
   SketchDimSchedule dims{hello.sketch_dim()};
   if (!SketchDimAccepted(dims, sketch_size)) {
     MutexLock lock(&mu_);
@@ -327,7 +362,9 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   Rejection r = ValidateReport(report, hello, dims);
   if (!r.status.ok()) return r;
 
-  RankReport rr = ToRankReport(report, hello.rank(), hello.attempt(), now, std::move(ack));
+  RankReport rr = ToRankReport(
+      report, SketchEncodingFromWire(hello.sketch_encoding()).value_or(SketchEncoding::kFloat32),
+      hello.rank(), hello.attempt(), now, std::move(ack));
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
   bool dropped_changed = false;
@@ -380,7 +417,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     }
   }
   // Unless the joiner took the report, its sketch buffer is free again.
-  SketchBufferPool::Get().Give(rr.sketch);
+  SketchBufferPool::Get().Give(rr);
   return {};
 }
 

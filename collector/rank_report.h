@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/time/time.h"
 #include "collector/ack.h"
+#include "common/sketch_encoding.h"
 
 namespace rankscope::collector {
 
@@ -15,10 +17,16 @@ struct RankReport {
   uint32_t rank = 0;
   uint64_t step = 0;
   uint32_t attempt = 0;
-  double loss = 0.0;          // may be NaN/Inf
-  bool loss_absent = false;   // no loss this step (a pipeline stage): `loss` is NaN, not a fault
-  double grad_norm = 0.0;     // may be NaN/Inf
-  std::vector<float> sketch;  // length == the job's sketch_dim
+  double loss = 0.0;         // may be NaN/Inf
+  bool loss_absent = false;  // no loss this step (a pipeline stage): `loss` is NaN, not a fault
+  double grad_norm = 0.0;    // may be NaN/Inf
+  // The sketch, kept in its wire encoding (common/sketch_encoding.h). float32: the values in
+  // `sketch` (length == the job's sketch_dim). float16 / int8: the packed bins as received in
+  // `sketch_packed` (sketch_dim * bytes per bin) with their scale, and `sketch` is empty.
+  std::vector<float> sketch;
+  std::string sketch_packed;
+  SketchEncoding sketch_encoding = SketchEncoding::kFloat32;
+  float sketch_scale = 1.0f;
   absl::Time received_at = absl::UnixEpoch();
   std::optional<uint64_t> reduced_grad_fingerprint;
   std::optional<uint64_t> param_fingerprint;
@@ -27,6 +35,13 @@ struct RankReport {
   uint32_t local_batch_size = 0;
   // Everyone to acknowledge once this report is stored (a resend over a new stream adds one).
   std::vector<AckHandle> acks;
+
+  // The sketch in whichever encoding it is held.
+  SketchView SketchValues() const {
+    if (sketch_encoding == SketchEncoding::kFloat32) return SketchView(sketch);
+    return SketchView(sketch_encoding, sketch_packed.data(),
+                      sketch_packed.size() / SketchBytesPerBin(sketch_encoding), sketch_scale);
+  }
 };
 
 }  // namespace rankscope::collector

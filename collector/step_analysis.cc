@@ -17,7 +17,7 @@ namespace {
 std::vector<RankSample> JoinedSamples(const JoinedStep& step, bool* same_dim) {
   *same_dim = true;
   for (const RankReport& r : step.reports) {
-    if (r.sketch.size() != step.reports.front().sketch.size()) *same_dim = false;
+    if (r.SketchValues().size() != step.reports.front().SketchValues().size()) *same_dim = false;
   }
   std::vector<RankSample> samples;
   samples.reserve(step.reports.size());
@@ -26,7 +26,7 @@ std::vector<RankSample> JoinedSamples(const JoinedStep& step, bool* same_dim) {
     s.rank = r.rank;
     s.loss = r.loss;
     s.grad_norm = r.grad_norm;
-    if (*same_dim) s.sketch = r.sketch;
+    if (*same_dim) s.sketch = r.SketchValues();
     samples.push_back(s);
   }
   return samples;
@@ -192,8 +192,7 @@ RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
   row.param_fingerprint = report.param_fingerprint;
   row.step_time_seconds = report.step_time_seconds;
   row.received_at = report.received_at;
-  row.sketch_nonfinite = std::any_of(report.sketch.begin(), report.sketch.end(),
-                                     [](float v) { return !std::isfinite(v); });
+  row.sketch_nonfinite = !report.SketchValues().AllFinite();
   return row;
 }
 

@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include "common/sketch_encoding.h"
+
 namespace rankscope::collector {
 namespace {
 
@@ -88,6 +90,9 @@ template <size_t kLanes>
 struct Lanes {
   typedef double Doubles __attribute__((vector_size(kLanes * sizeof(double))));
   typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
+  typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
   static constexpr size_t kVectors = kPartials / kLanes;
   static_assert(kPartials % kLanes == 0);
 };
@@ -125,15 +130,134 @@ RANKSCOPE_STATS_INLINE double Fold(const typename Lanes<kLanes>::Doubles* acc, d
   return (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))) + tail;
 }
 
+// The bins of one sketch, decoded kLanes at a time (Load) or one at a time (At), in its encoding
+// (common/sketch_encoding.h). Every decoded value is exact in double (a float; a half or an int8
+// times a float scale has at most 35 significant bits), so every ISA path reads the same doubles
+// and the results stay bit-identical across instruction sets.
+template <size_t kLanes>
+struct Float32Bins {
+  const float* p;
+  RANKSCOPE_STATS_INLINE typename Lanes<kLanes>::Doubles Load(size_t at) const {
+    return LoadFloats<kLanes>(p + at);
+  }
+  RANKSCOPE_STATS_INLINE double At(size_t i) const { return p[i]; }
+};
+template <size_t kLanes>
+struct Float16Bins {
+  const unsigned char* p;
+  double scale;
+  using Halves = typename Lanes<kLanes>::Halves;
+  using Words = typename Lanes<kLanes>::Words;
+  // FloatFromHalf (common/sketch_encoding.cc) on kLanes halves at once: the half's magnitude
+  // bits moved into a float's, the exponent made all ones for Inf/NaN, then times 2^112 (exact).
+  RANKSCOPE_STATS_INLINE typename Lanes<kLanes>::Doubles Load(size_t at) const {
+    using Floats = typename Lanes<kLanes>::Floats;
+    Halves h;
+    std::memcpy(&h, p + at * sizeof(uint16_t), sizeof h);
+    const Words w = __builtin_convertvector(h, Words);
+    const Words magnitude = w & 0x7fffu;
+    const Words special = (Words)((magnitude & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+    const Words bits = (magnitude << 13) | special;
+    Floats f;
+    std::memcpy(&f, &bits, sizeof f);
+    f = f * 0x1p112f;
+    Words out;
+    std::memcpy(&out, &f, sizeof out);
+    out |= (w & 0x8000u) << 16;
+    std::memcpy(&f, &out, sizeof f);
+    return __builtin_convertvector(f, typename Lanes<kLanes>::Doubles) * scale;
+  }
+  RANKSCOPE_STATS_INLINE double At(size_t i) const {
+    uint16_t h;
+    std::memcpy(&h, p + i * sizeof h, sizeof h);
+    return static_cast<double>(FloatFromHalf(h)) * scale;
+  }
+};
+template <size_t kLanes>
+struct Int8Bins {
+  const int8_t* p;
+  double scale;
+  using Ints = typename Lanes<kLanes>::Ints;
+  RANKSCOPE_STATS_INLINE typename Lanes<kLanes>::Doubles Load(size_t at) const {
+    Ints q;
+    for (size_t j = 0; j < kLanes; ++j) q[j] = p[at + j];  // sign-extending loads
+    return __builtin_convertvector(q, typename Lanes<kLanes>::Doubles) * scale;
+  }
+  RANKSCOPE_STATS_INLINE double At(size_t i) const { return static_cast<double>(p[i]) * scale; }
+};
+
+// Calls fn(bins) with the bins of `sketch` in its encoding.
+template <size_t kLanes, typename Fn>
+RANKSCOPE_STATS_INLINE void WithBins(const SketchView& sketch, Fn&& fn) {
+  switch (sketch.encoding) {
+    case SketchEncoding::kFloat16:
+      return fn(Float16Bins<kLanes>{static_cast<const unsigned char*>(sketch.data),
+                                    static_cast<double>(sketch.scale)});
+    case SketchEncoding::kInt8:
+      return fn(Int8Bins<kLanes>{static_cast<const int8_t*>(sketch.data),
+                                 static_cast<double>(sketch.scale)});
+    case SketchEncoding::kFloat32:
+      break;
+  }
+  return fn(Float32Bins<kLanes>{static_cast<const float*>(sketch.data)});
+}
+
 // Each sketch is its own heap buffer and the hardware prefetchers stop at page boundaries, so
 // while the kernels work on one rank's sketch they prefetch the next rank's into L1 and the one
 // kPrefetchFar ranks ahead into L2.
 constexpr ptrdiff_t kPrefetchFar = 4;
+// Where the kernels prefetch: the bytes of a sketch and the bytes one bin takes.
+struct PrefetchTarget {
+  const char* bytes;
+  size_t per_bin;
+  RANKSCOPE_STATS_INLINE void Near(size_t bin) const { __builtin_prefetch(bytes + bin * per_bin); }
+  RANKSCOPE_STATS_INLINE void Far(size_t bin) const {
+    __builtin_prefetch(bytes + bin * per_bin, 0, 2);
+  }
+};
 // The sketch of the rank at `index` clamped to [0, W).
-RANKSCOPE_STATS_INLINE const float* SketchNear(absl::Span<const RankSample> samples,
-                                               ptrdiff_t index) {
+RANKSCOPE_STATS_INLINE PrefetchTarget SketchNear(absl::Span<const RankSample> samples,
+                                                 ptrdiff_t index) {
   const ptrdiff_t last = static_cast<ptrdiff_t>(samples.size()) - 1;
-  return samples[std::clamp<ptrdiff_t>(index, 0, last)].sketch.data();
+  const SketchView& s = samples[std::clamp<ptrdiff_t>(index, 0, last)].sketch;
+  return {static_cast<const char*>(s.data), SketchBytesPerBin(s.encoding)};
+}
+
+// Pass 1 for one rank: returns |v|^2 and adds v to total + total_lo (see NormsAndTotal).
+template <size_t kLanes, typename Bins>
+RANKSCOPE_STATS_INLINE double NormAndAdd(const Bins& v, size_t k, PrefetchTarget next,
+                                         PrefetchTarget far, double* total, double* total_lo) {
+  using Doubles = typename Lanes<kLanes>::Doubles;
+  constexpr size_t kVectors = Lanes<kLanes>::kVectors;
+  const size_t body = k - k % kPartials;
+  Doubles squares[kVectors] = {};
+  size_t i = 0;
+  for (; i < body; i += kPartials) {
+    next.Near(i);
+    far.Far(i);
+    for (size_t j = 0; j < kVectors; ++j) {
+      const size_t at = i + j * kLanes;
+      const Doubles x = v.Load(at);
+      squares[j] += x * x;
+      const Doubles a = LoadDoubles<kLanes>(total + at);
+      const Doubles sum = a + x;
+      const Doubles b = sum - a;
+      StoreDoubles<kLanes>(total + at, sum);
+      StoreDoubles<kLanes>(total_lo + at,
+                           LoadDoubles<kLanes>(total_lo + at) + ((a - (sum - b)) + (x - b)));
+    }
+  }
+  double tail = 0.0;
+  for (; i < k; ++i) {
+    const double x = v.At(i);
+    tail += x * x;
+    const double a = total[i];
+    const double sum = a + x;
+    const double b = sum - a;
+    total[i] = sum;
+    total_lo[i] += (a - (sum - b)) + (x - b);
+  }
+  return Fold<kLanes>(squares, tail);
 }
 
 // Pass 1. For each rank: norm2[r] = |v_r|^2, and total + total_lo += v_r (in rank order), a
@@ -141,46 +265,57 @@ RANKSCOPE_STATS_INLINE const float* SketchNear(absl::Span<const RankSample> samp
 // point without contraction) goes to total_lo, so total + total_lo holds sum_r v_r to about
 // 2^-100 of its magnitude, and total - v_r + total_lo recovers a tiny rest exactly where v_r
 // dominates (a rank of scale 1 beside one of scale 1e-38: in plain double total - v_r is 0 and
-// the big rank's consensus cosine came out 0). Every sketch has length k.
+// the big rank's consensus cosine came out 0). Every sketch has length k; each is read in its
+// own encoding.
 template <size_t kLanes>
 RANKSCOPE_STATS_INLINE void NormsAndTotal(absl::Span<const RankSample> samples, size_t k,
                                           double* norm2, double* total, double* total_lo) {
+  for (size_t r = 0; r < samples.size(); ++r) {
+    const PrefetchTarget next = SketchNear(samples, r + 1);
+    const PrefetchTarget far = SketchNear(samples, r + kPrefetchFar);
+    WithBins<kLanes>(samples[r].sketch, [&](const auto& bins) {
+      norm2[r] = NormAndAdd<kLanes>(bins, k, next, far, total, total_lo);
+    });
+  }
+}
+
+// Pass 2 for one rank with |v|^2 = norm2 != 0: *dot = <v, w>, *rest2 = |w|^2 with
+// w = (total - v) + total_lo, and units += v / |v| (see DotsWithRest).
+template <size_t kLanes, typename Bins>
+RANKSCOPE_STATS_INLINE void DotWithRest(const Bins& v, size_t k, PrefetchTarget next,
+                                        PrefetchTarget far, double norm2, const double* total,
+                                        const double* total_lo, double* dot, double* rest2,
+                                        double* units) {
   using Doubles = typename Lanes<kLanes>::Doubles;
   constexpr size_t kVectors = Lanes<kLanes>::kVectors;
   const size_t body = k - k % kPartials;
-  for (size_t r = 0; r < samples.size(); ++r) {
-    const float* v = samples[r].sketch.data();
-    const float* next = SketchNear(samples, r + 1);
-    const float* far = SketchNear(samples, r + kPrefetchFar);
-    Doubles squares[kVectors] = {};
-    size_t i = 0;
-    for (; i < body; i += kPartials) {
-      __builtin_prefetch(next + i);
-      __builtin_prefetch(far + i, 0, 2);
-      for (size_t j = 0; j < kVectors; ++j) {
-        const size_t at = i + j * kLanes;
-        const Doubles x = LoadFloats<kLanes>(v + at);
-        squares[j] += x * x;
-        const Doubles a = LoadDoubles<kLanes>(total + at);
-        const Doubles sum = a + x;
-        const Doubles b = sum - a;
-        StoreDoubles<kLanes>(total + at, sum);
-        StoreDoubles<kLanes>(total_lo + at,
-                             LoadDoubles<kLanes>(total_lo + at) + ((a - (sum - b)) + (x - b)));
-      }
+  const double inv_norm = 1.0 / std::sqrt(norm2);
+  const Doubles inv = Doubles{} + inv_norm;
+  Doubles dots[kVectors] = {};
+  Doubles rests[kVectors] = {};
+  size_t i = 0;
+  for (; i < body; i += kPartials) {
+    next.Near(i);
+    far.Far(i);
+    for (size_t j = 0; j < kVectors; ++j) {
+      const size_t at = i + j * kLanes;
+      const Doubles x = v.Load(at);
+      const Doubles w = (LoadDoubles<kLanes>(total + at) - x) + LoadDoubles<kLanes>(total_lo + at);
+      dots[j] += x * w;
+      rests[j] += w * w;
+      StoreDoubles<kLanes>(units + at, LoadDoubles<kLanes>(units + at) + x * inv);
     }
-    double tail = 0.0;
-    for (; i < k; ++i) {
-      const double x = v[i];
-      tail += x * x;
-      const double a = total[i];
-      const double sum = a + x;
-      const double b = sum - a;
-      total[i] = sum;
-      total_lo[i] += (a - (sum - b)) + (x - b);
-    }
-    norm2[r] = Fold<kLanes>(squares, tail);
   }
+  double dot_tail = 0.0, rest_tail = 0.0;
+  for (; i < k; ++i) {
+    const double x = v.At(i);
+    const double w = (total[i] - x) + total_lo[i];
+    dot_tail += x * w;
+    rest_tail += w * w;
+    units[i] += x * inv_norm;
+  }
+  *dot = Fold<kLanes>(dots, dot_tail);
+  *rest2 = Fold<kLanes>(rests, rest_tail);
 }
 
 // Pass 2. For each rank with norm2[r] != 0, with w = (total - v_r) + total_lo: dot[r] = <v_r, w>,
@@ -193,9 +328,6 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
                                          const double* norm2, const double* total,
                                          const double* total_lo, double* dot, double* rest2,
                                          double* units) {
-  using Doubles = typename Lanes<kLanes>::Doubles;
-  constexpr size_t kVectors = Lanes<kLanes>::kVectors;
-  const size_t body = k - k % kPartials;
   // Last rank first: pass 1 left the last ranks' sketches in cache.
   for (size_t r = samples.size(); r-- > 0;) {
     if (norm2[r] == 0.0) {
@@ -203,37 +335,11 @@ RANKSCOPE_STATS_INLINE void DotsWithRest(absl::Span<const RankSample> samples, s
       rest2[r] = 0.0;
       continue;
     }
-    const float* v = samples[r].sketch.data();
-    const float* next = SketchNear(samples, static_cast<ptrdiff_t>(r) - 1);
-    const float* far = SketchNear(samples, static_cast<ptrdiff_t>(r) - kPrefetchFar);
-    const double inv_norm = 1.0 / std::sqrt(norm2[r]);
-    const Doubles inv = Doubles{} + inv_norm;
-    Doubles dots[kVectors] = {};
-    Doubles rests[kVectors] = {};
-    size_t i = 0;
-    for (; i < body; i += kPartials) {
-      __builtin_prefetch(next + i);
-      __builtin_prefetch(far + i, 0, 2);
-      for (size_t j = 0; j < kVectors; ++j) {
-        const size_t at = i + j * kLanes;
-        const Doubles x = LoadFloats<kLanes>(v + at);
-        const Doubles w =
-            (LoadDoubles<kLanes>(total + at) - x) + LoadDoubles<kLanes>(total_lo + at);
-        dots[j] += x * w;
-        rests[j] += w * w;
-        StoreDoubles<kLanes>(units + at, LoadDoubles<kLanes>(units + at) + x * inv);
-      }
-    }
-    double dot_tail = 0.0, rest_tail = 0.0;
-    for (; i < k; ++i) {
-      const double x = v[i];
-      const double w = (total[i] - x) + total_lo[i];
-      dot_tail += x * w;
-      rest_tail += w * w;
-      units[i] += x * inv_norm;
-    }
-    dot[r] = Fold<kLanes>(dots, dot_tail);
-    rest2[r] = Fold<kLanes>(rests, rest_tail);
+    const PrefetchTarget next = SketchNear(samples, static_cast<ptrdiff_t>(r) - 1);
+    const PrefetchTarget far = SketchNear(samples, static_cast<ptrdiff_t>(r) - kPrefetchFar);
+    WithBins<kLanes>(samples[r].sketch, [&](const auto& bins) {
+      DotWithRest<kLanes>(bins, k, next, far, norm2[r], total, total_lo, &dot[r], &rest2[r], units);
+    });
   }
 }
 

@@ -17,6 +17,8 @@
 //    grad_norm). An Inf makes the mean +-Inf and std NaN. A sketch holding NaN or Inf makes
 //    grad_cosine_mean and every consensus_cosine NaN (each involves every other rank's sketch).
 //  - Sketches of different lengths (a caller bug) make every cosine statistic NaN.
+//  - A packed sketch (float16, int8) is read as the exact values it stands for
+//    (common/sketch_encoding.h); one whose scale is NaN is a sketch holding NaN.
 //  - No samples: ranks = 0, grad_cosine_mean NaN, every other field 0.
 #ifndef RANKSCOPE_COLLECTOR_STEP_STATS_H_
 #define RANKSCOPE_COLLECTOR_STEP_STATS_H_
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "common/sketch_encoding.h"
 
 namespace rankscope::collector {
 
@@ -32,7 +35,9 @@ struct RankSample {
   uint32_t rank = 0;
   double loss = 0.0;
   double grad_norm = 0.0;
-  absl::Span<const float> sketch;  // every sample of a step has the same length
+  // The rank's sketch in its encoding (common/sketch_encoding.h; a float span converts to one).
+  // Every sample of a step has the same length; encodings may differ (each is decoded exactly).
+  SketchView sketch;
 };
 
 struct RankStatistics {

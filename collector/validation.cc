@@ -1,5 +1,6 @@
 #include "collector/validation.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -14,6 +15,17 @@ Rejection Reject(absl::Status status, RejectReason reason) {
 }
 
 }  // namespace
+
+JobIdentity IdentityOf(const v1::Hello& hello) {
+  return JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed(),
+                     SketchEncodingFromWire(hello.sketch_encoding())};
+}
+
+uint64_t ReportSketchDim(const v1::StepReport& report, const v1::Hello& hello) {
+  const std::optional<SketchEncoding> e = SketchEncodingFromWire(hello.sketch_encoding());
+  if (!e || *e == SketchEncoding::kFloat32) return static_cast<uint64_t>(report.sketch_size());
+  return report.sketch_packed().size() / SketchBytesPerBin(*e);
+}
 
 bool IsValidJobName(absl::string_view job, size_t max_length) {
   return rankscope::IsValidJobName(job, max_length);
@@ -54,6 +66,13 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
                                                           "] for job ", hello.job())),
                   RejectReason::kBadHello);
   }
+  if (!SketchEncodingFromWire(hello.sketch_encoding())) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "sketch_encoding ", hello.sketch_encoding(), " of job ", hello.job(),
+                      " is unknown: float32 (0), float16 (1) and int8 (2) are; upgrade the "
+                      "collector or attach with another sketch_encoding")),
+                  RejectReason::kBadHello);
+  }
   struct TextField {
     const char* name;
     const std::string& value;
@@ -89,6 +108,15 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
                       "): every rank must use the same sketch or cosines mean nothing")),
                   RejectReason::kSketchMismatch);
   }
+  const std::optional<SketchEncoding> encoding = SketchEncodingFromWire(hello.sketch_encoding());
+  if (identity.sketch_encoding && encoding && *encoding != *identity.sketch_encoding) {
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+                      "sketch_encoding ", SketchEncodingName(*encoding), " differs from job ",
+                      hello.job(), "'s (", SketchEncodingName(*identity.sketch_encoding),
+                      "): a job uses one sketch encoding; attach every rank with the same "
+                      "sketch_encoding, or use a new job name")),
+                  RejectReason::kSketchMismatch);
+  }
   return {};
 }
 
@@ -99,9 +127,42 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                                                           hello.job(), " exceeds 2^63-1")),
                   RejectReason::kInvalidReport);
   }
-  if (!SketchDimAccepted(dims, static_cast<uint32_t>(report.sketch_size()))) {
+  const SketchEncoding encoding =
+      SketchEncodingFromWire(hello.sketch_encoding()).value_or(SketchEncoding::kFloat32);
+  const char* name = SketchEncodingName(encoding);
+  uint64_t dim = static_cast<uint64_t>(report.sketch_size());
+  if (encoding == SketchEncoding::kFloat32) {
+    if (!report.sketch_packed().empty()) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "report of step ", report.step(), " carries ",
+                        report.sketch_packed().size(), " bytes of sketch_packed, but job ",
+                        hello.job(), "'s hello states sketch_encoding float32 (`sketch`)")),
+                    RejectReason::kSketchLength);
+    }
+  } else {
+    const size_t per_bin = SketchBytesPerBin(encoding);
+    const size_t bytes = report.sketch_packed().size();
+    if (report.sketch_size() != 0 || bytes % per_bin != 0) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "sketch of step ", report.step(), " has ", report.sketch_size(),
+                        " float values and ", bytes, " packed bytes; job ", hello.job(), " uses ",
+                        name, " (", per_bin, " bytes a bin in sketch_packed, no float values)")),
+                    RejectReason::kSketchLength);
+    }
+    dim = bytes / per_bin;
+    const float scale = report.sketch_scale();
+    if (!std::isnan(scale) && !(scale > 0.0f && std::isfinite(scale))) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "sketch_scale ", scale, " of step ", report.step(), " of job ", hello.job(),
+                        " must be finite and > 0 (or NaN for a non-finite sketch)")),
+                    RejectReason::kInvalidReport);
+    }
+  }
+  if (dim > std::numeric_limits<uint32_t>::max() ||
+      !SketchDimAccepted(dims, static_cast<uint32_t>(dim))) {
     return Reject(absl::InvalidArgumentError(absl::StrCat(
-                      "sketch of step ", report.step(), " has ", report.sketch_size(),
+                      "sketch of step ", report.step(), " has ", dim,
+                      encoding == SketchEncoding::kFloat32 ? "" : absl::StrCat(" ", name),
                       " values, job ", hello.job(), " uses sketch_dim ", dims.base_dim)),
                   RejectReason::kSketchLength);
   }

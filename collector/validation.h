@@ -9,12 +9,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "collector/reject_reason.h"
 #include "common/sketch_dim.h"
+#include "common/sketch_encoding.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
@@ -36,7 +38,13 @@ struct JobIdentity {
   uint32_t world_size = 0;
   uint32_t sketch_dim = 0;
   uint64_t sketch_seed = 0;
+  // The sketch encoding of the job's hellos; nullopt when not known (an identity restored from
+  // the store, which does not keep it): the next hello's encoding is then adopted.
+  std::optional<SketchEncoding> sketch_encoding;
 };
+
+// The identity a hello states.
+JobIdentity IdentityOf(const v1::Hello& hello);
 
 // A rejected input: the status to answer with and the metric's reason. OK status iff kNone.
 struct Rejection {
@@ -48,20 +56,28 @@ struct Rejection {
 bool IsValidJobName(absl::string_view job, size_t max_length);
 
 // Checks a hello on its own: job and group names, instance id length, 1 <= world_size <= max,
-// rank < world_size, 1 <= sketch_dim <= max, host, agent_version and framework_version within
-// their lengths (the message gives the length and the limit, never the bytes). An OK status
-// (empty reason) on success.
+// rank < world_size, 1 <= sketch_dim <= max, a known sketch_encoding, host, agent_version and
+// framework_version within their lengths (the message gives the length and the limit, never the
+// bytes). An OK status (empty reason) on success.
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits);
 
-// Checks a hello against the identity its job already has: world size, sketch dim and seed must
-// match (FailedPrecondition otherwise; cosines across different sketches mean nothing).
+// Checks a hello against the identity its job already has: world size, sketch dim, seed and
+// encoding (when the identity knows it) must match (FailedPrecondition otherwise; cosines across
+// different sketches mean nothing, and a job keeps one encoding).
 Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity);
 
 // Checks one report of a stream whose hello was accepted: the step must fit SQLite's int64 and
-// the sketch length must be one of the job's (SketchDimAccepted; `dims.base_dim` is the hello's
-// sketch_dim). Non-finite loss, grad_norm or sketch values are accepted (stored and flagged).
+// the sketch must be in the hello's encoding (float32: `sketch`, no `sketch_packed`; float16 and
+// int8: `sketch_packed` of a whole number of bins, no `sketch`, and a scale that is finite and
+// > 0, or NaN for a sketch that held NaN/Inf) and its number of bins one of the job's
+// (SketchDimAccepted; `dims.base_dim` is the hello's sketch_dim). Non-finite loss, grad_norm or
+// float sketch values are accepted (stored and flagged).
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                          const SketchDimSchedule& dims);
+
+// The number of bins of `report`'s sketch in the hello's encoding (a packed sketch's bytes over
+// the bytes per bin, rounded down).
+uint64_t ReportSketchDim(const v1::StepReport& report, const v1::Hello& hello);
 
 }  // namespace rankscope::collector
 

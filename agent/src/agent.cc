@@ -486,7 +486,8 @@ class AgentImpl final : public Agent, private SendPoller::Client {
       seq = next_seq_++;
       dropped = stats_.dropped;
     }
-    MessagePtr msg = internal::ReportMessage(scratch_, seq, dropped);  // allocates: outside mu_
+    // Allocates (and packs the sketch in its encoding): outside mu_.
+    MessagePtr msg = internal::ReportMessage(scratch_, seq, dropped, options_.sketch_encoding);
     MutexLock lock(&mu_);
     if (unacked_.Add(seq, msg)) {  // the oldest unacked report was forgotten
       ++stats_.dropped;
@@ -666,6 +667,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   if (options.sketch_dim == 0 || options.sketch_dim > kMaxSketchDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("sketch_dim ", options.sketch_dim, " must be in [1, ", kMaxSketchDim, "]"));
+  }
+  if (!SketchEncodingFromWire(static_cast<int>(options.sketch_encoding))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sketch_encoding ", static_cast<int>(options.sketch_encoding),
+                     " is not one of float32 (0), float16 (1), int8 (2)"));
   }
   if (absl::Status group = ValidateGroupName(options.group, JobNameEcho::kQuote); !group.ok()) {
     return group;

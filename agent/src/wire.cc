@@ -25,6 +25,7 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
   if (options.global_rank) h->set_global_rank(*options.global_rank);
   h->set_instance_id(options.instance_id);
   h->set_pid(static_cast<uint32_t>(getpid()));
+  h->set_sketch_encoding(static_cast<v1::SketchEncoding>(options.sketch_encoding));
   if (control) {
     v1::Control* c = h->mutable_control();
     c->set_generation(control->generation);
@@ -36,14 +37,21 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
   return msg;
 }
 
-MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_total) {
+MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_total,
+                         SketchEncoding encoding) {
   auto msg = std::make_shared<v1::AgentMessage>();
   v1::StepReport* r = msg->mutable_report();
   r->set_seq(seq);
   r->set_step(q.step);
   r->set_loss(q.loss);
   r->set_grad_norm(q.grad_norm);
-  r->mutable_sketch()->Add(q.sketch.begin(), q.sketch.end());
+  if (encoding == SketchEncoding::kFloat32) {
+    r->mutable_sketch()->Add(q.sketch.begin(), q.sketch.end());
+  } else {
+    PackedSketch packed = PackSketch(q.sketch, encoding);
+    r->set_sketch_packed(std::move(packed.bins));
+    r->set_sketch_scale(packed.scale);
+  }
   r->set_recorded_unix_nanos(q.recorded_unix_nanos);
   r->set_dropped_total(dropped_total);
   if (q.reduced_grad_fingerprint) r->set_reduced_grad_fingerprint(*q.reduced_grad_fingerprint);

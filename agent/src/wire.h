@@ -21,7 +21,10 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
 
 // The message carrying one queued report as number `seq`, with the agent's count of dropped
 // reports so far. Allocates: call it without the agent's lock.
-MessagePtr ReportMessage(const QueuedReport& report, uint64_t seq, uint64_t dropped_total);
+// Its sketch is packed in `encoding` (common/sketch_encoding.h): `repeated float sketch` for
+// kFloat32, `sketch_packed` and `sketch_scale` otherwise.
+MessagePtr ReportMessage(const QueuedReport& report, uint64_t seq, uint64_t dropped_total,
+                         SketchEncoding encoding = SketchEncoding::kFloat32);
 
 // The control state to adopt on receiving `control`: set when there is none yet or `control` is
 // of a higher generation (`every` 0 read as 1), nullopt when `current` is as new or newer.

@@ -50,6 +50,31 @@ TEST(WireTest, HelloCarriesTheOptions) {
   EXPECT_EQ(with.control().sketch_dim(), 512u);
 }
 
+TEST(WireTest, PackedEncodingsCarryBytesAndScaleAndTheHelloStatesThem) {
+  AgentOptions options;
+  options.job = "exp-42";
+  EXPECT_EQ(HelloMessage(options).hello().sketch_encoding(), v1::SKETCH_ENCODING_FLOAT32);
+  QueuedReport q;
+  q.step = 3;
+  q.sketch = {1.0f, -2.0f, 3.5f, 0.0f};
+  for (SketchEncoding e : {SketchEncoding::kFloat16, SketchEncoding::kInt8}) {
+    options.sketch_encoding = e;
+    EXPECT_EQ(static_cast<int>(HelloMessage(options).hello().sketch_encoding()),
+              static_cast<int>(e));
+    MessagePtr msg = ReportMessage(q, 1, 0, e);
+    const v1::StepReport& r = msg->report();
+    EXPECT_EQ(r.sketch_size(), 0);
+    const PackedSketch expected = PackSketch(q.sketch, e);
+    EXPECT_EQ(r.sketch_packed(), expected.bins);
+    EXPECT_EQ(r.sketch_scale(), expected.scale);
+    EXPECT_EQ(r.sketch_packed().size(), q.sketch.size() * SketchBytesPerBin(e));
+  }
+  // float32 stays `repeated float sketch`, as old agents sent it.
+  MessagePtr f32 = ReportMessage(q, 1, 0, SketchEncoding::kFloat32);
+  EXPECT_EQ(f32->report().sketch_size(), 4);
+  EXPECT_TRUE(f32->report().sketch_packed().empty());
+}
+
 TEST(WireTest, ReportCarriesEveryFieldAndOnlyTheOptionalOnesGiven) {
   QueuedReport q;
   q.step = 12;

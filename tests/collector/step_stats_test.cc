@@ -90,7 +90,7 @@ RefResult Reference(const std::vector<RankSample>& samples) {
     ref.norm_z.push_back(RefZ(norms[r], ref.norm));
   }
   std::vector<std::vector<double>> v(w);
-  for (size_t r = 0; r < w; ++r) v[r].assign(samples[r].sketch.begin(), samples[r].sketch.end());
+  for (size_t r = 0; r < w; ++r) v[r] = DecodeSketch(samples[r].sketch);
   // Every unordered pair.
   if (w < 2) {
     ref.cosine_mean = kNaN;
@@ -666,6 +666,107 @@ TEST(StepStatsIsaTest, EveryPathIsBitIdenticalToBaseline) {
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Packed sketches (float16, int8 + scale; common/sketch_encoding.h): the kernel reads them in
+// place, matches the reference on their decoded values, and stays bit-identical across ISAs.
+
+// `step`'s sketches packed in `encoding` (every `mixed`-th rank stays float32); the samples view
+// the packed bytes.
+struct PackedStep {
+  std::vector<PackedSketch> packed;
+  std::vector<RankSample> samples;
+};
+PackedStep Pack(const Step& step, SketchEncoding encoding, size_t mixed = 0) {
+  PackedStep out;
+  out.packed.reserve(step.sketches.size());
+  for (const std::vector<float>& v : step.sketches) out.packed.push_back(PackSketch(v, encoding));
+  out.samples = step.samples;
+  for (size_t r = 0; r < out.samples.size(); ++r) {
+    if (mixed != 0 && r % mixed == 0) {
+      out.samples[r].sketch = step.sketches[r];
+    } else {
+      out.samples[r].sketch = SketchView(encoding, out.packed[r].bins.data(),
+                                         step.sketches[r].size(), out.packed[r].scale);
+    }
+  }
+  return out;
+}
+
+class StepStatsPackedTest : public ::testing::TestWithParam<SketchEncoding> {};
+
+TEST_P(StepStatsPackedTest, MatchesReferenceOnDecodedValues) {
+  for (size_t w : {2, 3, 8, 64}) {
+    for (size_t k : {1, 17, 1024, 4096}) {
+      Step step = RandomStep(w, k, static_cast<uint32_t>(w * 131 + k));
+      SCOPED_TRACE("W=" + std::to_string(w) + " k=" + std::to_string(k));
+      ExpectMatchesReference(Pack(step, GetParam()).samples);
+      std::fill(step.sketches[w / 2].begin(), step.sketches[w / 2].end(), 0.0f);
+      ExpectMatchesReference(Pack(step, GetParam()).samples);
+    }
+  }
+}
+
+TEST_P(StepStatsPackedTest, CloseToTheFloatSketches) {
+  // 8 ranks at k = 4096: the packing moves the cosines by far less than the sketch's own error.
+  const Step step = RandomStep(8, 4096, 5);
+  const StepStatistics exact = ComputeStepStatistics(step.samples);
+  const StepStatistics packed = ComputeStepStatistics(Pack(step, GetParam()).samples);
+  EXPECT_NEAR(packed.grad_cosine_mean, exact.grad_cosine_mean, 2e-3);
+  for (size_t r = 0; r < 8; ++r) {
+    EXPECT_NEAR(packed.per_rank[r].consensus_cosine, exact.per_rank[r].consensus_cosine, 2e-3);
+  }
+}
+
+TEST_P(StepStatsPackedTest, NonFiniteSketchMakesCosinesNaN) {
+  Step step = RandomStep(4, 64, 9);
+  step.sketches[2][3] = kInff;
+  const PackedStep packed = Pack(step, GetParam());
+  EXPECT_TRUE(std::isnan(packed.samples[2].sketch.scale));
+  const StepStatistics got = ComputeStepStatistics(packed.samples);
+  EXPECT_TRUE(std::isnan(got.grad_cosine_mean));
+  for (const RankStatistics& r : got.per_rank) EXPECT_TRUE(std::isnan(r.consensus_cosine));
+}
+
+TEST_P(StepStatsPackedTest, EveryPathIsBitIdenticalToBaseline) {
+  using step_stats_internal::ComputeStepStatisticsWithIsa;
+  using step_stats_internal::KernelIsa;
+  for (size_t w : {1, 2, 3, 64, 257}) {
+    for (size_t k : {1, 7, 16, 17, 100, 1024, 4096}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        Step step = RandomStep(w, k, static_cast<uint32_t>(w * 1000 + k));
+        if (variant == 2) {  // one rank 1e-38 times smaller: the compensated total matters
+          for (float& x : step.sketches[w / 2]) x *= 1e-38f;
+        }
+        // variant 1: every third rank float32 (the kernel decodes each sample in its encoding).
+        const PackedStep packed = Pack(step, GetParam(), variant == 1 ? 3 : 0);
+        const StepStatistics base =
+            ComputeStepStatisticsWithIsa(packed.samples, KernelIsa::kBaseline);
+        for (KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+          if (!step_stats_internal::KernelIsaSupported(isa)) continue;
+          const std::string at = "W=" + std::to_string(w) + " k=" + std::to_string(k) +
+                                 " variant " + std::to_string(variant) + " isa " +
+                                 std::to_string(static_cast<int>(isa));
+          const StepStatistics got = ComputeStepStatisticsWithIsa(packed.samples, isa);
+          ExpectSameBits(got.grad_cosine_mean, base.grad_cosine_mean, "grad_cosine_mean " + at);
+          ASSERT_EQ(got.per_rank.size(), base.per_rank.size());
+          for (size_t r = 0; r < w; ++r) {
+            ExpectSameBits(got.per_rank[r].consensus_cosine, base.per_rank[r].consensus_cosine,
+                           "consensus " + at + " rank index " + std::to_string(r));
+          }
+        }
+        const StepStatistics chosen = ComputeStepStatistics(packed.samples);
+        ExpectSameBits(chosen.grad_cosine_mean, base.grad_cosine_mean, "dispatched");
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Encodings, StepStatsPackedTest,
+                         ::testing::Values(SketchEncoding::kFloat16, SketchEncoding::kInt8),
+                         [](const ::testing::TestParamInfo<SketchEncoding>& info) {
+                           return std::string(SketchEncodingName(info.param));
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Scale: 10,000 ranks x k = 1024 must be O(W k). An O(W^2 k) slip would take minutes; the bound

@@ -113,5 +113,98 @@ TEST(ValidationTest, NonFiniteValuesAreAccepted) {
   EXPECT_TRUE(ValidateReport(report, GoodHello(), {4}).status.ok());
 }
 
+v1::Hello PackedHello(v1::SketchEncoding encoding) {
+  v1::Hello h = GoodHello();
+  h.set_sketch_encoding(encoding);
+  return h;
+}
+
+TEST(ValidationTest, UnknownSketchEncodingIsABadHello) {
+  v1::Hello h = GoodHello();
+  h.set_sketch_encoding(static_cast<v1::SketchEncoding>(7));
+  Rejection r = ValidateHello(h, IngestLimits{});
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReasonLabel(r.reason), "bad_hello");
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("sketch_encoding 7 of job exp-42"));
+  EXPECT_TRUE(ValidateHello(PackedHello(v1::SKETCH_ENCODING_INT8), IngestLimits{}).status.ok());
+  EXPECT_TRUE(ValidateHello(PackedHello(v1::SKETCH_ENCODING_FLOAT16), IngestLimits{}).status.ok());
+}
+
+TEST(ValidationTest, MixedEncodingsInAJobAreRefused) {
+  const JobIdentity int8_job{8, 1024, 7, SketchEncoding::kInt8};
+  EXPECT_TRUE(CheckJobIdentity(PackedHello(v1::SKETCH_ENCODING_INT8), int8_job).status.ok());
+  Rejection r = CheckJobIdentity(GoodHello(), int8_job);  // an old agent: float32
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ReasonLabel(r.reason), "sketch_mismatch");
+  EXPECT_EQ(r.status.message(),
+            "sketch_encoding float32 differs from job exp-42's (int8): a job uses one sketch "
+            "encoding; attach every rank with the same sketch_encoding, or use a new job name");
+  r = CheckJobIdentity(PackedHello(v1::SKETCH_ENCODING_FLOAT16), int8_job);
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("float16 differs from job exp-42's"));
+  // An identity restored from the store does not know its encoding: any is accepted.
+  const JobIdentity restored{8, 1024, 7, std::nullopt};
+  EXPECT_TRUE(CheckJobIdentity(PackedHello(v1::SKETCH_ENCODING_FLOAT16), restored).status.ok());
+  EXPECT_EQ(IdentityOf(PackedHello(v1::SKETCH_ENCODING_FLOAT16)).sketch_encoding,
+            SketchEncoding::kFloat16);
+  EXPECT_EQ(IdentityOf(GoodHello()).sketch_encoding, SketchEncoding::kFloat32);
+}
+
+TEST(ValidationTest, PackedReportLengthAndScale) {
+  for (auto [encoding, per_bin] :
+       {std::pair{v1::SKETCH_ENCODING_INT8, 1}, std::pair{v1::SKETCH_ENCODING_FLOAT16, 2}}) {
+    const v1::Hello hello = PackedHello(encoding);
+    v1::StepReport report;
+    report.set_step(5);
+    report.set_sketch_packed(std::string(1024 * per_bin, '\1'));
+    report.set_sketch_scale(0.5f);
+    EXPECT_TRUE(ValidateReport(report, hello, {1024}).status.ok());
+    EXPECT_EQ(ReportSketchDim(report, hello), 1024u);
+    // A whole number of bins of the wrong count.
+    report.set_sketch_packed(std::string(1023 * per_bin, '\1'));
+    Rejection r = ValidateReport(report, hello, {1024});
+    EXPECT_EQ(ReasonLabel(r.reason), "sketch_length");
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("has 1023 "));
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("uses sketch_dim 1024"));
+    // A re-tuned dimension is accepted.
+    EXPECT_TRUE(ValidateReport(report, hello, {1024, 1023, 0}).status.ok());
+    // Floats instead of (or beside) packed bytes.
+    report.set_sketch_packed(std::string(1024 * per_bin, '\1'));
+    report.add_sketch(1.0f);
+    r = ValidateReport(report, hello, {1024});
+    EXPECT_EQ(ReasonLabel(r.reason), "sketch_length");
+    EXPECT_THAT(std::string(r.status.message()), HasSubstr("1 float values"));
+    report.clear_sketch();
+    // Scales: finite and > 0, or NaN (a non-finite sketch, stored and flagged).
+    for (float bad : {0.0f, -1.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+      report.set_sketch_scale(bad);
+      r = ValidateReport(report, hello, {1024});
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_EQ(ReasonLabel(r.reason), "invalid_report") << bad;
+      EXPECT_THAT(std::string(r.status.message()), HasSubstr("must be finite and > 0")) << bad;
+    }
+    report.set_sketch_scale(std::numeric_limits<float>::quiet_NaN());
+    EXPECT_TRUE(ValidateReport(report, hello, {1024}).status.ok());
+    report.set_sketch_scale(std::numeric_limits<float>::denorm_min());
+    EXPECT_TRUE(ValidateReport(report, hello, {1024}).status.ok());
+  }
+  // float16 bytes must be a whole number of bins.
+  v1::StepReport odd;
+  odd.set_sketch_packed(std::string(2047, '\0'));
+  odd.set_sketch_scale(1.0f);
+  Rejection r = ValidateReport(odd, PackedHello(v1::SKETCH_ENCODING_FLOAT16), {1023});
+  EXPECT_EQ(ReasonLabel(r.reason), "sketch_length");
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("2047 packed bytes"));
+}
+
+TEST(ValidationTest, Float32JobRefusesPackedBytes) {
+  v1::StepReport report;
+  for (int i = 0; i < 4; ++i) report.add_sketch(1.0f);
+  report.set_sketch_packed("abcd");
+  Rejection r = ValidateReport(report, GoodHello(), {4});
+  EXPECT_EQ(ReasonLabel(r.reason), "sketch_length");
+  EXPECT_THAT(std::string(r.status.message()), HasSubstr("sketch_encoding float32"));
+}
+
 }  // namespace
 }  // namespace rankscope::collector

@@ -36,10 +36,12 @@ def field_fixed64(num, n):
     return varint(num << 3 | 1) + struct.pack('<Q', n)
 
 
-def hello(job, rank, world, dim, seed=0, attempt=0):
+def hello(job, rank, world, dim, seed=0, attempt=0, encoding=0):
     body = field_bytes(1, job.encode()) + field_varint(2, rank) + field_varint(3, world)
     body += field_varint(4, dim) + field_varint(5, seed) + field_varint(6, attempt)
     body += field_bytes(7, b'host-1') + field_bytes(8, b'0.1.0')
+    if encoding:
+        body += field_varint(15, encoding)  # Hello.sketch_encoding: 1 float16, 2 int8
     return field_bytes(1, body)  # AgentMessage.hello
 
 
@@ -54,12 +56,19 @@ def report(seq, step, sketch, loss=1.5, grad_norm=2.0, fingerprints=False):
     return field_bytes(2, body)  # AgentMessage.report
 
 
+def packed_report(seq, step, bins, scale):
+    """A StepReport whose sketch is packed (sketch_packed = 14, sketch_scale = 15)."""
+    body = field_varint(1, seq) + field_varint(2, step) + field_double(3, 1.5)
+    body += field_bytes(14, bins) + varint(15 << 3 | 5) + struct.pack('<f', scale)
+    return field_bytes(2, body)  # AgentMessage.report
+
+
 def validation_seed(first, second, limits=None, identity=None, dim=None):
     flags = 1 if limits else 0
     maxw, maxd, maxname = limits or (0, 0, 0)
     out = struct.pack('<BIIB', flags, maxw, maxd, maxname)
-    idw, idd, idseed = identity or (0, 0, 0)
-    out += struct.pack('<BIIQ', 1 if identity else 0, idw, idd, idseed)
+    idw, idd, idseed, idenc = (identity + (0,))[:4] if identity else (0, 0, 0, 0)
+    out += struct.pack('<BIIQB', 1 if identity else 0, idw, idd, idseed, idenc)
     out += struct.pack('<BI', 1 if dim is not None else 0, dim or 0)
     return out + struct.pack('<H', len(first)) + first + second
 
@@ -79,6 +88,15 @@ VALIDATION = {
                                                       hello('job.a:b_c-d', 1, 4, 16, seed=2),
                                                       identity=(4, 16, 1)),
     'report_before_hello': validation_seed(report(1, 1, []), report(2, 2, [1.0]), dim=1),
+    'packed_int8_report': validation_seed(hello('q8', 0, 2, 4, encoding=2),
+                                          packed_report(1, 3, b'\x7f\x81\x00\x10', 0.25)),
+    'packed_float16_nan_scale': validation_seed(hello('q16', 0, 2, 2, encoding=1),
+                                                packed_report(1, 3, b'\x00\x3c\x00\xbc', NAN)),
+    'packed_bad_scale_odd_bytes': validation_seed(hello('q16', 0, 2, 2, encoding=1),
+                                                  packed_report(1, 3, b'\x00\x3c\x00', -1.0)),
+    'mixed_encoding_second_hello': validation_seed(hello('mix', 0, 2, 8, encoding=2),
+                                                   hello('mix', 1, 2, 8),
+                                                   identity=(2, 8, 0, 2)),
 }
 
 
@@ -172,6 +190,9 @@ STATS = {
     'ragged_sketches': stats_seed(2, [(1, 1, [1, 2, 3]), (2, 2, [1, 2, 3, 4]), (3, 3, [1, 2, 3])],
                                   3, extra={1}),
     'no_ranks': bytes([0, 0, 4]),
+    'packed_int8': stats_seed(4 | 8, [(1, 2, [1, 0.5, -1, 2]), (1.5, 2, [1, 0.5, -1, 1.5]),
+                                      (1.25, 2.5, [0, 0, 0, 0])], 4),
+    'packed_float16_nan': stats_seed(4, [(1, 1, [1, 'nan']), (1, 1, [1, 1]), (2, 2, [0, 1])], 2),
 }
 
 

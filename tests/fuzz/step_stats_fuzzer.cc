@@ -10,9 +10,11 @@
 // finite inputs of moderate magnitude.
 //
 // Input layout (tests/fuzz/make_corpus.py writes seeds in it): u8 mode (bit 0: raw, bit 1: a
-// rank's sketch may be one value longer), u8 W, u8 k, then per rank: loss, grad_norm, [u8 extra
-// length in mode bit 1], k (+1) sketch values; a grid value is one byte, a raw one 8 (double) or
-// 4 (float) bytes.
+// rank's sketch may be one value longer, bit 2: every rank's sketch is packed as the agent packs
+// it, common/sketch_encoding.h, in int8 with bit 3 set and float16 without; the reference reads
+// the decoded values, which are exact in double), u8 W, u8 k, then per rank: loss, grad_norm, [u8
+// extra length in mode bit 1], k (+1) sketch values; a grid value is one byte, a raw one 8 (double)
+// or 4 (float) bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -119,7 +121,7 @@ void CheckInvariants(absl::Span<const RankSample> samples, const StepStatistics&
   for (size_t r = 0; r < w; ++r) {
     FUZZ_CHECK(s.per_rank[r].rank == samples[r].rank);
     lengths_differ |= samples[r].sketch.size() != samples[0].sketch.size();
-    for (float v : samples[r].sketch) sketch_non_finite |= !std::isfinite(v);
+    for (double v : DecodeSketch(samples[r].sketch)) sketch_non_finite |= !std::isfinite(v);
   }
   // Cosines: in [-1, 1], NaN exactly when step_stats.h says.
   const bool cosine_nan = w < 2 || lengths_differ || sketch_non_finite;
@@ -200,13 +202,13 @@ void CheckAgainstReference(absl::Span<const RankSample> samples, const StepStati
   bool nan = w < 2;
   for (const RankSample& x : samples) {
     nan |= x.sketch.size() != samples[0].sketch.size();
-    for (float v : x.sketch) nan |= !std::isfinite(v);
+    for (double v : DecodeSketch(x.sketch)) nan |= !std::isfinite(v);
   }
   if (nan) return;  // CheckInvariants checked that every cosine is NaN
   const size_t k = samples[0].sketch.size();
   std::vector<std::vector<long double>> v(w, std::vector<long double>(k));
   for (size_t r = 0; r < w; ++r) {
-    for (size_t i = 0; i < k; ++i) v[r][i] = samples[r].sketch[i];
+    for (size_t i = 0; i < k; ++i) v[r][i] = samples[r].sketch.Value(i);
   }
   double pair_sum = 0.0;
   for (size_t a = 0; a < w; ++a) {
@@ -235,7 +237,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool ragged = mode & 2;
   const size_t w = in.U8() % 9;
   const size_t k = in.U8() % 9;
+  const bool packed = mode & 4;
+  const rankscope::SketchEncoding encoding =
+      mode & 8 ? rankscope::SketchEncoding::kInt8 : rankscope::SketchEncoding::kFloat16;
   std::vector<std::vector<float>> sketches(w);
+  std::vector<rankscope::PackedSketch> packs(w);
   std::vector<RankSample> samples(w);
   for (size_t r = 0; r < w; ++r) {
     RankSample& s = samples[r];
@@ -247,6 +253,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       sketches[r].push_back(raw ? in.RawFloat() : static_cast<float>(GridValue(in.U8())));
     }
     s.sketch = sketches[r];
+    if (packed) {
+      packs[r] = rankscope::PackSketch(sketches[r], encoding);
+      s.sketch = rankscope::SketchView(encoding, packs[r].bins.data(), len, packs[r].scale);
+    }
   }
   const rankscope::collector::StepStatistics stats =
       rankscope::collector::ComputeStepStatistics(samples);

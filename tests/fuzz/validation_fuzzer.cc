@@ -7,17 +7,20 @@
 // Input layout (tests/fuzz/make_corpus.py writes seeds in it):
 //   u8 flags            bit 0: use the limits below instead of IngestLimits' defaults
 //   u32 max_world_size, u32 max_sketch_dim, u8 max_job_name_length
-//   u8 identity_mode    0: the job identity is the first hello's own; else the three fields below
-//   u32 world_size, u32 sketch_dim, u64 sketch_seed
+//   u8 identity_mode    0: the job identity is the first hello's own; else the fields below
+//   u32 world_size, u32 sketch_dim, u64 sketch_seed, u8 sketch_encoding (3 and up: unknown, as
+//                       an identity restored from the store)
 //   u8 dim_mode         0: reports are checked against the hello's sketch_dim; else the u32 below
 //   u32 sketch_dim
 //   u16 n, then n bytes: the first AgentMessage; the rest: the second AgentMessage
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -63,7 +66,8 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
   FUZZ_CHECK(collector::IsValidJobName(hello.job(), limits.max_job_name_length) == name_ok);
   const bool world_ok = hello.world_size() >= 1 && hello.world_size() <= limits.max_world_size;
   const bool rank_ok = hello.rank() < hello.world_size();
-  const bool dim_ok = hello.sketch_dim() >= 1 && hello.sketch_dim() <= limits.max_sketch_dim;
+  const bool dim_ok = hello.sketch_dim() >= 1 && hello.sketch_dim() <= limits.max_sketch_dim &&
+                      hello.sketch_encoding() >= 0 && hello.sketch_encoding() <= 2;
   const bool text_ok = hello.host().size() <= limits.max_host_length &&
                        hello.agent_version().size() <= limits.max_version_length &&
                        hello.framework_version().size() <= limits.max_version_length;
@@ -92,8 +96,10 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
 
 void CheckIdentity(const v1::Hello& hello, const JobIdentity& identity) {
   const bool world_same = hello.world_size() == identity.world_size;
+  const std::optional<SketchEncoding> encoding = SketchEncodingFromWire(hello.sketch_encoding());
   const bool sketch_same =
-      hello.sketch_dim() == identity.sketch_dim && hello.sketch_seed() == identity.sketch_seed;
+      hello.sketch_dim() == identity.sketch_dim && hello.sketch_seed() == identity.sketch_seed &&
+      (!identity.sketch_encoding || !encoding || *encoding == *identity.sketch_encoding);
   const Rejection r = collector::CheckJobIdentity(hello, identity);
   FUZZ_CHECK(r.status.ok() == (world_same && sketch_same));
   FUZZ_CHECK(r.status.ok() == ReasonLabel(r.reason).empty());
@@ -107,19 +113,45 @@ void CheckIdentity(const v1::Hello& hello, const JobIdentity& identity) {
 void CheckReport(const v1::StepReport& report, const v1::Hello& hello, uint32_t sketch_dim,
                  bool hello_valid) {
   const bool step_ok = report.step() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-  const bool length_ok = static_cast<uint64_t>(report.sketch_size()) == sketch_dim;
+  // The hello's encoding (an unknown one, refused at the hello, reads as float32 here).
+  const SketchEncoding encoding =
+      SketchEncodingFromWire(hello.sketch_encoding()).value_or(SketchEncoding::kFloat32);
+  const size_t per_bin = SketchBytesPerBin(encoding);
+  const size_t packed = report.sketch_packed().size();
+  bool length_ok, scale_ok = true;
+  if (encoding == SketchEncoding::kFloat32) {
+    length_ok = packed == 0 && static_cast<uint64_t>(report.sketch_size()) == sketch_dim;
+  } else {
+    length_ok = report.sketch_size() == 0 && packed % per_bin == 0 &&
+                packed / per_bin == static_cast<uint64_t>(sketch_dim);
+    const float scale = report.sketch_scale();
+    scale_ok = std::isnan(scale) || (scale > 0.0f && std::isfinite(scale));
+  }
   const Rejection r = collector::ValidateReport(report, hello, {sketch_dim});
-  FUZZ_CHECK(r.status.ok() == (step_ok && length_ok));
+  FUZZ_CHECK(r.status.ok() == (step_ok && length_ok && scale_ok));
   FUZZ_CHECK(r.status.ok() == ReasonLabel(r.reason).empty());
   if (!r.status.ok()) {
     FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
-    FUZZ_CHECK(ReasonLabel(r.reason) == (step_ok ? "sketch_length" : "invalid_report"));
+    // Checked in this order: step, then the packed form's shape, then its scale, then k.
+    const bool shape_ok = encoding == SketchEncoding::kFloat32
+                              ? packed == 0
+                              : report.sketch_size() == 0 && packed % per_bin == 0;
+    const char* expected = !step_ok    ? "invalid_report"
+                           : !shape_ok ? "sketch_length"
+                           : !scale_ok ? "invalid_report"
+                                       : "sketch_length";
+    FUZZ_CHECK(ReasonLabel(r.reason) == expected);
     if (hello_valid) FUZZ_CHECK(Printable(r.status.message()));
   } else {
     // What the store and the statistics rely on: the step fits SQLite's int64, and exactly
     // sketch_dim values (non-finite ones included) are there to read.
     FUZZ_CHECK(static_cast<int64_t>(report.step()) >= 0);
-    FUZZ_CHECK(report.sketch().size() == static_cast<int>(sketch_dim));
+    FUZZ_CHECK(collector::ReportSketchDim(report, hello) == sketch_dim);
+    if (encoding == SketchEncoding::kFloat32) {
+      FUZZ_CHECK(report.sketch().size() == static_cast<int>(sketch_dim));
+    } else {
+      FUZZ_CHECK(packed == sketch_dim * per_bin);
+    }
   }
   FUZZ_CHECK(Same(collector::ValidateReport(report, hello, {sketch_dim}), r));
   v1::StepReport copy;
@@ -155,6 +187,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   identity.world_size = in.U32();
   identity.sketch_dim = in.U32();
   identity.sketch_seed = in.U64();
+  identity.sketch_encoding = rankscope::SketchEncodingFromWire(in.U8());
   const uint8_t dim_mode = in.U8();
   const uint32_t fixed_dim = in.U32();
   const absl::string_view first_bytes = in.Bytes(in.U16());
@@ -168,7 +201,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       hello = first.hello();
       hello_valid = CheckHello(hello, limits);
       if (identity_mode == 0) {
-        identity = JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed()};
+        identity = rankscope::collector::IdentityOf(hello);
       }
       CheckIdentity(hello, identity);
     } else if (first.has_report()) {

@@ -666,6 +666,110 @@ TEST_F(BadInputTest, SlowHttpClientsDoNotBlockAScrape) {
   for (int fd : slow) close(fd);
 }
 
+// Issue 15: packed sketch encodings (float16, int8 + scale) on the real gRPC edge.
+v1::AgentMessage PackedHello(const std::string& job, uint32_t rank, uint32_t world,
+                             v1::SketchEncoding encoding) {
+  v1::AgentMessage m = Hello(job, rank, world);
+  m.mutable_hello()->set_sketch_encoding(encoding);
+  return m;
+}
+
+v1::AgentMessage PackedReport(uint64_t seq, uint64_t step, std::string bins, float scale) {
+  v1::AgentMessage m = Report(seq, step, 0);
+  m.mutable_report()->set_sketch_packed(std::move(bins));
+  m.mutable_report()->set_sketch_scale(scale);
+  return m;
+}
+
+TEST_F(BadInputTest, PackedSketchesAreJoinedAndTheirCosinesComputed) {
+  for (auto [encoding, name] : {std::pair{v1::SKETCH_ENCODING_INT8, "packed-int8"},
+                                std::pair{v1::SKETCH_ENCODING_FLOAT16, "packed-float16"}}) {
+    const size_t per_bin = encoding == v1::SKETCH_ENCODING_INT8 ? 1 : 2;
+    RawStream a(stub_), b(stub_);
+    ASSERT_TRUE(a.Write(PackedHello(name, 0, 2, encoding)));
+    ASSERT_TRUE(b.Write(PackedHello(name, 1, 2, encoding)));
+    // Two ranks with the same bins at different scales: the same direction, cosine 1.
+    const std::string bins = per_bin == 1 ? std::string("\x7f\x01\xc0\x00", kDim)
+                                          : std::string("\x00\x3c\x00\xc0\x00\x38\x00\x00", 8);
+    ASSERT_TRUE(a.Write(PackedReport(1, 1, bins, 0.5f)));
+    ASSERT_TRUE(b.Write(PackedReport(1, 1, bins, 3.0f)));
+    ASSERT_TRUE(a.AwaitAck(1));
+    ASSERT_TRUE(b.AwaitAck(1));
+    EXPECT_EQ(Query(absl::StrCat("SELECT ranks, round(grad_cosine_mean, 9) FROM step_stats "
+                                 "WHERE job = '",
+                                 name, "'")),
+              "2|1.0");
+    EXPECT_EQ(Query(absl::StrCat("SELECT rank, round(grad_cosine, 9), nonfinite FROM rank_steps "
+                                 "WHERE job = '",
+                                 name, "' ORDER BY rank")),
+              "0|1.0|0\n1|1.0|0");
+  }
+  ExpectHealthyServed();
+}
+
+TEST_F(BadInputTest, MixedSketchEncodingsInAJobAreFailedPrecondition) {
+  RawStream first(stub_);
+  ASSERT_TRUE(first.Write(PackedHello("one-encoding", 0, 2, v1::SKETCH_ENCODING_INT8)));
+  ExpectHealthyServed();  // the hello above is accepted by now
+  // An old agent (no encoding: float32) joining an int8 job.
+  ExpectRefused([&] { return Stream({Bytes(Hello("one-encoding", 1, 2))}); },
+                grpc::StatusCode::FAILED_PRECONDITION,
+                "sketch_encoding float32 differs from job one-encoding's (int8): a job uses one "
+                "sketch encoding");
+  ExpectRefused(
+      [&] {
+        return Stream({Bytes(PackedHello("one-encoding", 1, 2, v1::SKETCH_ENCODING_FLOAT16))});
+      },
+      grpc::StatusCode::FAILED_PRECONDITION,
+      "sketch_encoding float16 differs from job one-encoding's (int8)");
+  ExpectRefused(
+      [&] {
+        return Stream(
+            {Bytes(PackedHello("bad-encoding", 0, 1, static_cast<v1::SketchEncoding>(9)))});
+      },
+      grpc::StatusCode::INVALID_ARGUMENT, "sketch_encoding 9 of job bad-encoding is unknown");
+}
+
+TEST_F(BadInputTest, BadPackedReportsAreRejectedAndTheStreamGoesOn) {
+  RawStream s(stub_);
+  ASSERT_TRUE(s.Write(PackedHello("packed-bad", 0, 1, v1::SKETCH_ENCODING_INT8)));
+  ASSERT_TRUE(s.Write(PackedReport(1, 1, std::string(kDim, '\x10'), 0.25f)));
+  ASSERT_TRUE(s.AwaitAck(1));
+  const std::string before = Snapshot();
+  struct Bad {
+    v1::AgentMessage message;
+    std::string expected;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({PackedReport(2, 2, std::string(kDim - 1, '\x10'), 0.25f),
+                 "sketch of step 2 has 3 int8 values, job packed-bad uses sketch_dim 4"});
+  bad.push_back({PackedReport(3, 3, std::string(kDim, '\x10'), 0.0f),
+                 "sketch_scale 0 of step 3 of job packed-bad must be finite and > 0"});
+  bad.push_back(
+      {PackedReport(4, 4, std::string(kDim, '\x10'), -2.0f), "sketch_scale -2 of step 4"});
+  bad.push_back(
+      {PackedReport(5, 5, std::string(kDim, '\x10'), std::numeric_limits<float>::infinity()),
+       "sketch_scale inf of step 5"});
+  bad.push_back({Report(6, 6), "sketch of step 6 has 4 float values and 0 packed bytes"});
+  for (const Bad& b : bad) {
+    v1::Rejection rejection;
+    ASSERT_TRUE(s.Write(b.message));
+    ASSERT_FALSE(s.AwaitAck(b.message.report().seq(), &rejection));
+    EXPECT_EQ(rejection.code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(rejection.message(), HasSubstr(b.expected));
+  }
+  EXPECT_EQ(Snapshot(), before);
+  // A sketch that held NaN/Inf travels with scale NaN: stored and flagged, like a float NaN.
+  ASSERT_TRUE(s.Write(
+      PackedReport(7, 7, std::string(kDim, '\0'), std::numeric_limits<float>::quiet_NaN())));
+  ASSERT_TRUE(s.AwaitAck(7));
+  ASSERT_TRUE(s.Write(PackedReport(8, 8, std::string(kDim, '\x10'), 0.25f)));
+  ASSERT_TRUE(s.AwaitAck(8));
+  EXPECT_EQ(Query("SELECT step, nonfinite FROM rank_steps WHERE job = 'packed-bad' ORDER BY step"),
+            "1|0\n7|1\n8|0");
+  ExpectHealthyServed();
+}
+
 // Issue 12.1: streams that never send a hello are ended after --hello_timeout and counted, so
 // thousands of them (as many as --max_streams) cannot lock a real agent out.
 TEST(HelloTimeoutTest, ThousandsOfSilentStreamsAreEndedAndARealAgentGetsIn) {

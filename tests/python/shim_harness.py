@@ -130,8 +130,10 @@ def fp32_allreduce_hook(process_group, bucket):
 
 # ---- exact statistics --------------------------------------------------------------------------
 
-def exact_step_stats(losses, grads, sketch_dim, sketch_seed):
-    """What the collector must compute for one step, from exact per-rank values."""
+def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32"):
+    """What the collector must compute for one step, from exact per-rank values; the sketches
+    in `encoding` as the agent packs them (rankscope._native.pack_sketch)."""
+    from rankscope import _native
     from rankscope.torch_sketch import TorchSketch
 
     w = len(losses)
@@ -156,7 +158,12 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed):
     for g in grads:
         s = TorchSketch(sketch_dim, sketch_seed, "cpu")
         s.add(g, 0)
-        sketches.append(s.bins.float().double())
+        values = s.bins.float()
+        if encoding != "float32":
+            bins, scale = _native.pack_sketch(values.tolist(), encoding)
+            values = torch.tensor(_native.unpack_sketch(bins, encoding, scale),
+                                  dtype=torch.float64)
+        sketches.append(values.double())
     loss_std, loss_mean = pop_std(losses)
     gn_std, gn_mean = pop_std(norms)
     return {
@@ -181,12 +188,17 @@ SCENARIOS = {
 }
 
 
-def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim):
+def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim,
+                 encoding="float32", scenarios=None):
+    """Runs `scenarios` (default: all of SCENARIOS) with sketches of `sketch_dim` bins in
+    `encoding`."""
     from rankscope import DEFAULT_SKETCH_SEED
     import rankscope.torch as rst
 
     out_dir = Path(out_dir)
     for name, opt in SCENARIOS.items():
+        if scenarios is not None and name not in scenarios:
+            continue
         torch.manual_seed(7)  # the same initial weights on every rank
         model = TinyLM(d=opt.get("d", 32), ff=opt.get("ff", 64), extra_branch=opt.get("unused"))
         if "dtype" in opt:
@@ -236,11 +248,12 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
         if opt.get("env"):
             os.environ["RANKSCOPE_COLLECTOR"] = collector
             os.environ["RANKSCOPE_JOB"] = job
-            mon = rst.attach(ddp, sketch_dim=sketch_dim, start_step=first, **chain)
+            mon = rst.attach(ddp, sketch_dim=sketch_dim, start_step=first,
+                             sketch_encoding=encoding, **chain)
             del os.environ["RANKSCOPE_COLLECTOR"], os.environ["RANKSCOPE_JOB"]
         else:
             mon = rst.attach(ddp, collector=collector, job=job, sketch_dim=sketch_dim,
-                             start_step=first, **chain)
+                             start_step=first, sketch_encoding=encoding, **chain)
         mon._force_torch_sketch = bool(opt.get("torchpath"))
 
         expected = {}
@@ -266,7 +279,7 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
             dist.all_gather(losses, ref_loss.double().reshape(1))
             if rank == 0:
                 expected[step] = exact_step_stats([float(v) for v in losses], gathered,
-                                                  sketch_dim, DEFAULT_SKETCH_SEED)
+                                                  sketch_dim, DEFAULT_SKETCH_SEED, encoding)
                 expected[step]["reported_loss_rank0"] = float(loss)
         stats = mon.close(timeout=30)
         info = {"stats": stats, "first": first, "steps": steps,

@@ -221,3 +221,34 @@ def test_a_bad_loss_never_breaks_the_training_loop(single_rank_group):
         mon.step(torch.ones(3))  # not a scalar
     assert mon.counters["step_errors"] == 1 and mon.step_number == 1
     mon.close(timeout=0)
+
+
+def test_sketch_budget_and_encoding_give_k():
+    """attach's sketch_dim / sketch_bytes / sketch_encoding (issue 15): the default is 4 KiB of
+    int8 bins; sketch_dim alone keeps its float32 meaning."""
+    import rankscope.torch as rst
+    assert rst.sketch_dim_for(None, None, None) == (4096, "int8")
+    assert rst.sketch_dim_for(1024, None, None) == (1024, "float32")
+    assert rst.sketch_dim_for(1024, None, "int8") == (1024, "int8")
+    assert rst.sketch_dim_for(None, 4096, "float16") == (2048, "float16")
+    assert rst.sketch_dim_for(None, 2048, None) == (2048, "int8")
+    assert rst.sketch_dim_for(None, 8192, "float32") == (2048, "float32")
+    with pytest.raises(ValueError, match="not both"):
+        rst.sketch_dim_for(1024, 4096, "int8")
+    with pytest.raises(ValueError, match="not a positive multiple of 4"):
+        rst.sketch_dim_for(None, 4098, "float32")
+    with pytest.raises(ValueError, match="sketch_encoding must be one of"):
+        rst.sketch_dim_for(None, 4096, "bfloat16")
+
+
+@pytest.mark.parametrize("encoding", ["float16", "int8"])
+def test_native_packing_round_trips_within_its_bound(encoding):
+    values = [float(i % 13 - 6) * 0.37 for i in range(257)]
+    bins, scale = _native.pack_sketch(values, encoding)
+    assert len(bins) == 257 * _native.SKETCH_BYTES_PER_BIN[encoding]
+    decoded = _native.unpack_sketch(bins, encoding, scale)
+    bound = scale / 2 if encoding == "int8" else max(abs(v) for v in values) * 2**-11
+    assert max(abs(a - b) for a, b in zip(decoded, values)) <= bound
+    with pytest.raises(ValueError):
+        _native.Agent(collector="127.0.0.1:1", job="x", rank=0, world_size=1,
+                      sketch_encoding="bfloat16")

@@ -9,6 +9,8 @@ from each rank's full local gradient and loss (shim_harness.exact_worker):
 Scenarios (one DDP model and job each, same processes): plain, several buckets, unused
 parameters (find_unused_parameters=True), bf16 parameters, gradient accumulation with no_sync(),
 late attach after 20 steps, collector/job from the environment, and the torch-op sketch path.
+The packed sketch encodings (float16 at k = 2,048 and int8 at k = 4,096: the same 4 KiB a rank a
+step) run a few of the scenarios under the same checks, with their bound at their own k.
 """
 
 import json
@@ -31,6 +33,23 @@ def exact_run(module_collector, tmp_path_factory):
     shim_harness.spawn(shim_harness.exact_worker, WORLD, module_collector.address, "exact",
                        str(out), STEPS, SKETCH_DIM, timeout=240)
     return module_collector, out
+
+
+# encoding -> (k for a 4 KiB budget, the scenarios it runs). float32 runs every scenario above.
+PACKED = {"float16": (2048, ("plain", "buckets", "torchpath")),
+          "int8": (4096, ("plain", "bf16", "torchpath"))}
+
+
+@pytest.fixture(scope="module")
+def packed_runs(module_collector, tmp_path_factory):
+    runs = {}
+    for encoding, (dim, scenarios) in PACKED.items():
+        out = tmp_path_factory.mktemp(f"exact-{encoding}")
+        shim_harness.spawn(shim_harness.exact_worker, WORLD, module_collector.address,
+                           f"exact-{encoding}", str(out), STEPS, dim, encoding, scenarios,
+                           timeout=240)
+        runs[encoding] = out
+    return module_collector, runs
 
 
 def load(path):
@@ -94,6 +113,48 @@ def test_sketch_error_over_all_steps_is_small(exact_run):
             errors.append(rows[int(step)]["grad_cosine_mean"] - e["exact_cosine"])
     rms = math.sqrt(sum(x * x for x in errors) / len(errors))
     assert rms < 1 / math.sqrt(SKETCH_DIM), f"RMS cosine error {rms:.4f} over {len(errors)}"
+
+
+@pytest.mark.parametrize("encoding,scenario",
+                         [(e, s) for e, (_, scenarios) in PACKED.items() for s in scenarios])
+def test_packed_encodings_equal_exact_values(packed_runs, encoding, scenario):
+    """The collector's cosines from packed sketches equal those of the exact gradients' sketches
+    packed the same way, and are within the sketch's error (at its k) of the exact cosines."""
+    collector, runs = packed_runs
+    dim = PACKED[encoding][0]
+    out = runs[encoding]
+    job = f"exact-{encoding}-{scenario}"
+    expected = {int(k): v for k, v in load(out / f"{scenario}.expected.json").items()}
+    rows = collector.step_rows(job)
+    assert sorted(rows) == sorted(expected), f"steps stored for {job}"
+    cos_bound = 4 * math.sqrt(2 / dim)
+    for step, e in expected.items():
+        r = rows[step]
+        assert r["ranks"] == WORLD and not r["timed_out"]
+        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
+        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
+        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
+        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
+            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
+    for rank in range(WORLD):
+        stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
+        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
+        assert stats["rejected"] == 0 and stats["invalid"] == 0, stats
+
+
+@pytest.mark.parametrize("encoding", list(PACKED))
+def test_packed_sketch_error_over_all_steps_is_small(packed_runs, encoding):
+    """Across its scenarios an encoding's RMS error of direction consistency is within 1/sqrt(k)
+    of its own k, as float32's is at its k."""
+    collector, runs = packed_runs
+    dim, scenarios = PACKED[encoding]
+    errors = []
+    for scenario in scenarios:
+        rows = collector.step_rows(f"exact-{encoding}-{scenario}")
+        for step, e in load(runs[encoding] / f"{scenario}.expected.json").items():
+            errors.append(rows[int(step)]["grad_cosine_mean"] - e["exact_cosine"])
+    rms = math.sqrt(sum(x * x for x in errors) / len(errors))
+    assert rms < 1 / math.sqrt(dim), f"RMS cosine error {rms:.4f} over {len(errors)}"
 
 
 def test_jobs_table_has_every_scenario(exact_run):

@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "common/client_tls.h"
 #include "common/query_client.h"
+#include "common/sketch_encoding.h"
 #include "grpcpp/grpcpp.h"
 #include "rankscope/agent.h"
 #include "rankscope/fingerprint.h"
@@ -263,8 +264,15 @@ AgentOptions MakeAgentOptions(const std::string& collector, const std::string& j
                               double max_backoff_s, const std::string& tls_ca_file,
                               const std::string& tls_cert_file, const std::string& tls_key_file,
                               const std::string& tls_target_name, const std::string& group,
-                              int64_t global_rank, const std::string& instance_id) {
+                              int64_t global_rank, const std::string& instance_id,
+                              const std::string& sketch_encoding) {
   AgentOptions o;
+  std::optional<SketchEncoding> encoding = ParseSketchEncoding(sketch_encoding);
+  if (!encoding) {
+    throw py::value_error("sketch_encoding must be float32, float16 or int8, got '" +
+                          sketch_encoding + "'");
+  }
+  o.sketch_encoding = *encoding;
   o.group = group;
   if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
   o.instance_id = instance_id;
@@ -350,6 +358,37 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(ScalarType::kBFloat16);
   m.attr("DTYPE_FLOAT16") = static_cast<int>(ScalarType::kFloat16);
   m.attr("AGENT_VERSION") = kAgentVersion;
+  {
+    py::dict bytes_per_bin;
+    for (SketchEncoding e :
+         {SketchEncoding::kFloat32, SketchEncoding::kFloat16, SketchEncoding::kInt8}) {
+      bytes_per_bin[SketchEncodingName(e)] = SketchBytesPerBin(e);
+    }
+    m.attr("SKETCH_BYTES_PER_BIN") = bytes_per_bin;
+  }
+  // The agent's packing (common/sketch_encoding.h), for benchmarks and tests: the float sketch
+  // `values` in `encoding` as (bytes, scale), and the exact values such a packed sketch stands for.
+  m.def(
+      "pack_sketch",
+      [](const std::vector<float>& values, const std::string& encoding) {
+        std::optional<SketchEncoding> e = ParseSketchEncoding(encoding);
+        if (!e) throw py::value_error("unknown sketch encoding '" + encoding + "'");
+        PackedSketch p = PackSketch(values, *e);
+        return py::make_tuple(py::bytes(p.bins), p.scale);
+      },
+      py::arg("values"), py::arg("encoding"));
+  m.def(
+      "unpack_sketch",
+      [](const std::string& bins, const std::string& encoding, float scale) {
+        std::optional<SketchEncoding> e = ParseSketchEncoding(encoding);
+        if (!e) throw py::value_error("unknown sketch encoding '" + encoding + "'");
+        if (bins.size() % SketchBytesPerBin(*e) != 0) {
+          throw py::value_error("packed sketch length is not a multiple of the bin size");
+        }
+        return DecodeSketch(
+            SketchView(*e, bins.data(), bins.size() / SketchBytesPerBin(*e), scale));
+      },
+      py::arg("bins"), py::arg("encoding"), py::arg("scale"));
   m.attr("DTYPE_FLOAT64") = kFingerprintFloat64;
   m.def("fingerprint_segments", &PyFingerprintSegments, py::arg("base_address"), py::arg("dtype"),
         py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
@@ -418,21 +457,21 @@ PYBIND11_MODULE(_native, m) {
       .def("values", &PySketch::values);
 
   py::class_<PyAgent>(m, "Agent", "One rank's agent (rankscope/agent.h).")
-      .def(py::init([](const std::string& collector, const std::string& job, uint32_t rank,
-                       uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
-                       uint32_t attempt, const std::string& host,
-                       const std::string& framework_version, const std::string& auth_token,
-                       size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
-                       double max_backoff_s, const std::string& tls_ca_file,
-                       const std::string& tls_cert_file, const std::string& tls_key_file,
-                       const std::string& tls_target_name, const std::string& group,
-                       int64_t global_rank, const std::string& instance_id) {
-             return std::make_unique<PyAgent>(MakeAgentOptions(
-                 collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
-                 framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
-                 max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name, group,
-                 global_rank, instance_id));
-           }),
+      .def(py::init(
+               [](const std::string& collector, const std::string& job, uint32_t rank,
+                  uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed, uint32_t attempt,
+                  const std::string& host, const std::string& framework_version,
+                  const std::string& auth_token, size_t queue_capacity, size_t max_unacked,
+                  double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
+                  const std::string& tls_cert_file, const std::string& tls_key_file,
+                  const std::string& tls_target_name, const std::string& group, int64_t global_rank,
+                  const std::string& instance_id, const std::string& sketch_encoding) {
+                 return std::make_unique<PyAgent>(MakeAgentOptions(
+                     collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
+                     framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
+                     max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name,
+                     group, global_rank, instance_id, sketch_encoding));
+               }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
            py::arg("attempt") = 0, py::arg("host") = "", py::arg("framework_version") = "",
@@ -441,7 +480,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_backoff_s") = 10.0, py::arg("tls_ca_file") = "",
            py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
            py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
-           py::arg("instance_id") = "")
+           py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32")
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),

@@ -42,6 +42,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/client_tls_files.h"
+#include "common/sketch_encoding.h"
 #include "rankscope/sketch.h"
 
 namespace rankscope {
@@ -63,6 +64,10 @@ struct AgentOptions {
   uint32_t world_size = 1;  // required, >= 1
   uint32_t sketch_dim = kDefaultSketchDim;
   uint64_t sketch_seed = kDefaultSketchSeed;
+  // How the sketch's sketch_dim bins travel (common/sketch_encoding.h): float32 (4 bytes a bin),
+  // float16 (2) or int8 (1, with a per-report scale). Record() still takes float values; the
+  // agent packs them when it sends the report.
+  SketchEncoding sketch_encoding = SketchEncoding::kFloat32;
   uint32_t attempt = 0;  // restart count of the job (e.g. TORCHELASTIC_RESTART_COUNT)
   std::string host;      // default: gethostname()
   // Who this rank is beyond (job, rank): its data-parallel group ([A-Za-z0-9_.:-]{0,64}, empty =

@@ -96,6 +96,40 @@ def data_parallel_group(pg) -> str:
     return f"dp{_group_ranks(pg)[0]}"
 
 
+# What attach sends when told neither sketch_dim nor sketch_bytes: 4 KiB a rank a step in the
+# most accurate encoding for that budget as measured (docs/PERFORMANCE.md "Sketch encodings":
+# int8 bins, k = 4,096).
+DEFAULT_SKETCH_BYTES = 4096
+DEFAULT_SKETCH_ENCODING = "int8"
+
+
+def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
+                   sketch_encoding: Optional[str]):
+    """(k, encoding) from attach's sketch_dim / sketch_bytes / sketch_encoding.
+
+    sketch_dim keeps its meaning from before encodings existed: k float32 bins unless an encoding
+    is named. Otherwise k follows from the byte budget (default DEFAULT_SKETCH_BYTES) and the
+    encoding (default DEFAULT_SKETCH_ENCODING). Raises ValueError on an unknown encoding, both
+    sketch_dim and sketch_bytes, or a budget that is not a whole number of bins."""
+    if sketch_encoding is None:
+        sketch_encoding = "float32" if sketch_dim is not None else DEFAULT_SKETCH_ENCODING
+    per_bin = _native.SKETCH_BYTES_PER_BIN.get(sketch_encoding)
+    if per_bin is None:
+        raise ValueError(f"sketch_encoding must be one of "
+                         f"{', '.join(_native.SKETCH_BYTES_PER_BIN)}, got {sketch_encoding!r}")
+    if sketch_dim is not None:
+        if sketch_bytes is not None:
+            raise ValueError("give sketch_dim or sketch_bytes, not both")
+        return int(sketch_dim), sketch_encoding
+    if sketch_bytes is None:
+        sketch_bytes = DEFAULT_SKETCH_BYTES
+    sketch_bytes = int(sketch_bytes)
+    if sketch_bytes < per_bin or sketch_bytes % per_bin != 0:
+        raise ValueError(f"sketch_bytes {sketch_bytes} is not a positive multiple of "
+                         f"{per_bin} bytes ({sketch_encoding} bins)")
+    return sketch_bytes // per_bin, sketch_encoding
+
+
 # (collector, job, group, rank) -> the live Monitor of this process that reports it.
 _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
@@ -103,7 +137,7 @@ _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 def attach(model: "torch.nn.parallel.DistributedDataParallel",
            collector: Optional[str] = None,
            job: Optional[str] = None,
-           sketch_dim: int = _native.DEFAULT_SKETCH_DIM,
+           sketch_dim: Optional[int] = None,
            every: int = 1,
            dormant: Optional[bool] = None,
            *,
@@ -125,7 +159,9 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            max_backoff: float = 10.0,
            control_margin: float = 2.0,
            close_timeout: float = 2.0,
-           group: Optional[str] = None) -> "Monitor":
+           group: Optional[str] = None,
+           sketch_bytes: Optional[int] = None,
+           sketch_encoding: Optional[str] = None) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -136,7 +172,19 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
       collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
         ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
-      sketch_dim: count sketch size k (same on every rank).
+      sketch_dim: count sketch size k, the number of bins (same on every rank); without
+        ``sketch_encoding`` these are float32 bins, as before encodings existed. Give
+        ``sketch_dim`` or ``sketch_bytes``, not both.
+      sketch_bytes: the sketch's bytes per rank and step instead of ``sketch_dim``: k is
+        ``sketch_bytes`` divided by the encoding's bytes per bin (4, 2 or 1), which must divide
+        it. Default (neither given): 4,096.
+      sketch_encoding: how the bins travel and are kept (same on every rank of a job):
+        ``"float32"``, ``"float16"`` (a half per bin and a per-report power-of-two scale) or
+        ``"int8"`` (a byte per bin and a per-report scale max|bin|/127, rounded to nearest).
+        The same bytes buy 2x or 4x the bins, and the direction error falls like 1/sqrt(k).
+        Default: ``"int8"`` (k = 4,096 at the default 4 KiB), the most accurate at that budget
+        (docs/PERFORMANCE.md "Sketch encodings"); ``"float32"`` when only ``sketch_dim`` is
+        given.
       every: report every N optimizer steps (the steps whose number is a multiple of N).
       dormant: start switched off (the hook only forwards to the all-reduce) until
         ``rankscope ctl enable``; default ``$RANKSCOPE_DORMANT``.
@@ -191,6 +239,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         raise ValueError(f"every must be >= 1, got {every}")
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
+    sketch_dim, sketch_encoding = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
     group = data_parallel_group(model.process_group) if group is None else str(group)
     key = (collector, job, group, dist.get_rank(model.process_group))
     holder = _ATTACHED.get(key)
@@ -202,7 +251,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             "Pass group=... (e.g. group='generator' and group='discriminator') or another job "
             "name to one of them")
     monitor = Monitor(model, collector=collector, job=job, group=group,
-                      sketch_dim=int(sketch_dim),
+                      sketch_dim=int(sketch_dim), sketch_encoding=sketch_encoding,
                       every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
@@ -344,6 +393,7 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
+                 sketch_encoding="float32",
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
                  param_check_every=PARAM_CHECK_EVERY,
@@ -368,7 +418,9 @@ class Monitor:
             framework_version=f"torch {torch.__version__}", auth_token=auth_token,
             queue_capacity=queue_capacity, max_unacked=max_unacked,
             initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff,
-            group=group, global_rank=self.global_rank, **(tls_options or {}))
+            group=group, global_rank=self.global_rank, sketch_encoding=sketch_encoding,
+            **(tls_options or {}))
+        self.sketch_encoding = sketch_encoding
         self.instance_id = self._agent.instance_id()
 
         self._every = every
