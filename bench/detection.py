@@ -522,9 +522,9 @@ def main(argv=None):
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="SGD momentum (default: %(default)s)")
     ap.add_argument("--sketch-dim", type=int, default=1024, help="(default: %(default)s)")
-    ap.add_argument("--param-check-every", type=int, default=10,
-                    help="the shim's parameter fingerprint interval (its default is 50; with "
-                    "60-step runs that would check once after the onset) (default: %(default)s)")
+    ap.add_argument("--param-check-every", type=int, default=5,
+                    help="the shim's parameter fingerprint interval (its default: "
+                    "rankscope.torch.PARAM_CHECK_EVERY) (default: %(default)s)")
     ap.add_argument("--run-timeout", type=float, default=300,
                     help="give up when no run finishes for this many seconds (default: %(default)s)")
     ap.add_argument("--db", metavar="PATH", help="keep the collector's SQLite database here "

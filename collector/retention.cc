@@ -46,6 +46,37 @@ int64_t StepsPerBatch(const RetentionOptions& options, uint32_t world_size) {
   return std::max<int64_t>(1, options.max_rows_per_batch / std::max<int64_t>(world_size, 1));
 }
 
+namespace {
+
+// The action of `kind` on job `j` (one batch of its rows).
+PruneAction JobAction(PruneAction::Kind kind, PruneReason reason, const JobExtent& j,
+                      absl::Time cutoff, uint64_t max_step, const RetentionOptions& options) {
+  PruneAction action;
+  action.kind = kind;
+  action.reason = reason;
+  action.job = j.job;
+  action.cutoff = cutoff;
+  action.max_step = max_step;
+  action.max_steps = StepsPerBatch(options, j.world_size);
+  return action;
+}
+
+// The job whose oldest (rank) step, older than its newest step, is the oldest in time; null if
+// none has one.
+const JobExtent* OldestBefore(const std::vector<JobExtent>& jobs,
+                              std::optional<uint64_t> JobExtent::*step,
+                              absl::Time JobExtent::*time) {
+  const JobExtent* oldest = nullptr;
+  for (const JobExtent& j : jobs) {
+    if ((j.*step) && *(j.*step) < j.newest_step && (oldest == nullptr || j.*time < oldest->*time)) {
+      oldest = &j;
+    }
+  }
+  return oldest;
+}
+
+}  // namespace
+
 PruneAction NextPruneAction(const RetentionOptions& options, absl::Time now,
                             const StoreUsage& usage, const std::vector<JobExtent>& jobs) {
   constexpr uint64_t kAnyStep = std::numeric_limits<uint64_t>::max();
@@ -55,13 +86,8 @@ PruneAction NextPruneAction(const RetentionOptions& options, absl::Time now,
     const absl::Time cutoff = now - options.rank_steps;
     for (const JobExtent& j : jobs) {
       if (j.oldest_rank_step && j.oldest_rank_time < cutoff) {
-        action.kind = PruneAction::Kind::kDownsample;
-        action.reason = PruneReason::kAge;
-        action.job = j.job;
-        action.cutoff = cutoff;
-        action.max_step = kAnyStep;
-        action.max_steps = StepsPerBatch(options, j.world_size);
-        return action;
+        return JobAction(PruneAction::Kind::kDownsample, PruneReason::kAge, j, cutoff, kAnyStep,
+                         options);
       }
     }
   }
@@ -72,48 +98,22 @@ PruneAction NextPruneAction(const RetentionOptions& options, absl::Time now,
       const bool old_steps = j.oldest_step && j.oldest_step_time < cutoff;
       const bool forgotten = !j.oldest_step && j.last_seen < cutoff;
       if (old_steps || forgotten) {
-        action.kind = PruneAction::Kind::kDropSteps;
-        action.reason = PruneReason::kAge;
-        action.job = j.job;
-        action.cutoff = cutoff;
-        action.max_step = kAnyStep;
-        action.max_steps = StepsPerBatch(options, j.world_size);
-        return action;
+        return JobAction(PruneAction::Kind::kDropSteps, PruneReason::kAge, j, cutoff, kAnyStep,
+                         options);
       }
     }
   }
   // Rule 3: the size cap, oldest first, never a job's newest step.
   if (options.max_db_bytes > 0 && usage.live_bytes() > options.max_db_bytes) {
-    const JobExtent* oldest = nullptr;
-    for (const JobExtent& j : jobs) {
-      if (j.oldest_rank_step && *j.oldest_rank_step < j.newest_step &&
-          (oldest == nullptr || j.oldest_rank_time < oldest->oldest_rank_time)) {
-        oldest = &j;
-      }
+    if (const JobExtent* oldest =
+            OldestBefore(jobs, &JobExtent::oldest_rank_step, &JobExtent::oldest_rank_time)) {
+      return JobAction(PruneAction::Kind::kDownsample, PruneReason::kSize, *oldest,
+                       absl::InfiniteFuture(), oldest->newest_step - 1, options);
     }
-    if (oldest != nullptr) {
-      action.kind = PruneAction::Kind::kDownsample;
-      action.reason = PruneReason::kSize;
-      action.job = oldest->job;
-      action.cutoff = absl::InfiniteFuture();
-      action.max_step = oldest->newest_step - 1;
-      action.max_steps = StepsPerBatch(options, oldest->world_size);
-      return action;
-    }
-    for (const JobExtent& j : jobs) {
-      if (j.oldest_step && *j.oldest_step < j.newest_step &&
-          (oldest == nullptr || j.oldest_step_time < oldest->oldest_step_time)) {
-        oldest = &j;
-      }
-    }
-    if (oldest != nullptr) {
-      action.kind = PruneAction::Kind::kDropSteps;
-      action.reason = PruneReason::kSize;
-      action.job = oldest->job;
-      action.cutoff = absl::InfiniteFuture();
-      action.max_step = oldest->newest_step - 1;
-      action.max_steps = StepsPerBatch(options, oldest->world_size);
-      return action;
+    if (const JobExtent* oldest =
+            OldestBefore(jobs, &JobExtent::oldest_step, &JobExtent::oldest_step_time)) {
+      return JobAction(PruneAction::Kind::kDropSteps, PruneReason::kSize, *oldest,
+                       absl::InfiniteFuture(), oldest->newest_step - 1, options);
     }
     action.over_cap = true;
   }

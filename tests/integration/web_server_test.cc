@@ -29,48 +29,14 @@
 namespace rankscope::collector {
 namespace {
 
+using ::rankscope::testing::Http;
+using ::rankscope::testing::HttpResponse;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
 // More steps than one steps answer may hold (kStepRangeDefaultLimit).
 constexpr uint64_t kSteps = kStepRangeDefaultLimit + 50;
 constexpr uint32_t kWorld = 2;
-
-struct HttpResponse {
-  int status = 0;
-  std::string headers;  // lower-cased
-  std::string body;
-};
-
-// One HTTP/1.0 exchange with 127.0.0.1:port; status 0 when the connection failed.
-HttpResponse Http(int port, const std::string& method, const std::string& target,
-                  const std::string& extra_headers = "") {
-  HttpResponse out;
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return out;
-  }
-  const std::string req = absl::StrCat(method, " ", target, " HTTP/1.0\r\nHost: 127.0.0.1\r\n",
-                                       extra_headers, "Connection: close\r\n\r\n");
-  (void)!write(fd, req.data(), req.size());
-  std::string resp;
-  char buf[65536];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, static_cast<size_t>(n));
-  close(fd);
-  const size_t split = resp.find("\r\n\r\n");
-  if (split == std::string::npos) return out;
-  out.headers = absl::AsciiStrToLower(resp.substr(0, split));
-  out.body = resp.substr(split + 4);
-  std::vector<std::string> first = absl::StrSplit(resp.substr(0, resp.find("\r\n")), ' ');
-  if (first.size() >= 2) (void)absl::SimpleAtoi(first[1], &out.status);
-  return out;
-}
 
 size_t CountSteps(const std::string& json) {
   size_t count = 0;

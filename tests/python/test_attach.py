@@ -236,16 +236,19 @@ def test_a_main_thread_that_never_returns_to_python_is_queued_not_run(module_col
 
 
 def test_zero_code_launch_with_accumulation_and_a_framework(module_collector, tmp_path):
-    """`python -m rankscope.run --enabled train.py`: a DDP built inside a framework class,
-    three micro-batches per step; the reported loss is their mean."""
+    """`python -m rankscope.run --enabled --sketch_encoding=float16 train.py`: a DDP built inside
+    a framework class, three micro-batches per step; the reported loss is their mean."""
     steps = 16
     job = Job(tmp_path / "run", args=("--framework", "--accum", "3", "--total", str(steps)),
               launcher=("-m", "rankscope.run", "--job=zero-code", "--enabled",
-                        f"--collector={module_collector.address}"),
+                        "--sketch_encoding=float16", f"--collector={module_collector.address}"),
               env=target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}"}))
     job.join()
     rows = module_collector.step_rows("zero-code")
     assert rows, "nothing reported"
+    # 4 KiB of float16 bins: k = 2,048 (the launcher's options reach attach).
+    assert module_collector.query("SELECT sketch_dim FROM jobs WHERE job = 'zero-code'") == [
+        (2048,)]
     first = min(rows)
     assert first <= 6  # agreed at the first forward, plus the agreement's lead
     check_exact(module_collector, "zero-code", job.expected(), first, steps - 1)

@@ -1,4 +1,4 @@
-// Helpers shared by the C++ tests: temp dirs, free ports, a plain HTTP GET, promtool, and
+// Helpers shared by the C++ tests: temp dirs, free ports, plain HTTP/1.0 requests, promtool, and
 // waiting for a condition with a deadline (never a fixed sleep).
 #ifndef RANKSCOPE_TESTS_TESTING_TEST_UTIL_H_
 #define RANKSCOPE_TESTS_TESTING_TEST_UTIL_H_
@@ -12,8 +12,12 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -42,8 +46,16 @@ inline int PickFreePort() {
   return port;
 }
 
-// GET http://127.0.0.1:port/path; returns the body ("" on error).
-inline std::string HttpGet(int port, const std::string& path) {
+struct HttpResponse {
+  int status = 0;
+  std::string headers;  // lower-cased
+  std::string body;
+};
+
+// One HTTP/1.0 exchange with 127.0.0.1:port; status 0 when the connection failed.
+inline HttpResponse Http(int port, const std::string& method, const std::string& target,
+                         const std::string& extra_headers = "") {
+  HttpResponse out;
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -51,18 +63,28 @@ inline std::string HttpGet(int port, const std::string& path) {
   addr.sin_port = htons(static_cast<uint16_t>(port));
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     close(fd);
-    return "";
+    return out;
   }
-  const std::string req =
-      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  const std::string req = absl::StrCat(method, " ", target, " HTTP/1.0\r\nHost: 127.0.0.1\r\n",
+                                       extra_headers, "Connection: close\r\n\r\n");
   (void)!write(fd, req.data(), req.size());
   std::string resp;
   char buf[65536];
   ssize_t n;
   while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, static_cast<size_t>(n));
   close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  return body == std::string::npos ? "" : resp.substr(body + 4);
+  const size_t split = resp.find("\r\n\r\n");
+  if (split == std::string::npos) return out;
+  out.headers = absl::AsciiStrToLower(resp.substr(0, split));
+  out.body = resp.substr(split + 4);
+  std::vector<std::string> first = absl::StrSplit(resp.substr(0, resp.find("\r\n")), ' ');
+  if (first.size() >= 2) (void)absl::SimpleAtoi(first[1], &out.status);
+  return out;
+}
+
+// GET http://127.0.0.1:port/path; returns the body ("" on error).
+inline std::string HttpGet(int port, const std::string& path) {
+  return Http(port, "GET", path).body;
 }
 
 // Runs `promtool check metrics` on `text`; returns its exit status and fills *output.

@@ -326,7 +326,12 @@ def main(argv=None) -> int:
                     help="install but report nothing until `rankscope ctl enable`")
     ap.add_argument("--all-local", action="store_true",
                     help="attach every rank of the torch.distributed job on this host")
-    ap.add_argument("--sketch_dim", type=int, default=0, help="count sketch size (default 1024)")
+    ap.add_argument("--sketch_dim", type=int, default=0,
+                    help="count sketch bins k (float32 unless --sketch_encoding says otherwise)")
+    ap.add_argument("--sketch_bytes", type=int, default=0,
+                    help="sketch bytes per rank and step (default 4096: k = bytes / bin size)")
+    ap.add_argument("--sketch_encoding", choices=("float32", "float16", "int8"),
+                    help="sketch bin encoding (default int8)")
     ap.add_argument("--every", type=int, default=0, help="report every N steps (default 1)")
     ap.add_argument("--param_check_every", type=int, default=-1,
                     help="fingerprint the parameters every N steps (default 5; 0 never)")
@@ -365,6 +370,10 @@ def main(argv=None) -> int:
         request["collector"] = args.collector
     if args.sketch_dim:
         request["sketch_dim"] = args.sketch_dim
+    if args.sketch_bytes:
+        request["sketch_bytes"] = args.sketch_bytes
+    if args.sketch_encoding:
+        request["sketch_encoding"] = args.sketch_encoding
     if args.every:
         request["every"] = args.every
     if args.param_check_every >= 0:

@@ -5,7 +5,8 @@ by ``RANKSCOPE_AUTO=1`` (the package's ``sitecustomize``).
 
 Settings come from the environment, as for ``rankscope.torch.attach``: ``RANKSCOPE_JOB``
 (required), ``RANKSCOPE_COLLECTOR``, ``RANKSCOPE_DORMANT`` (default on: ``0`` reports from the
-first agreed step), ``RANKSCOPE_SKETCH_DIM``, ``RANKSCOPE_EVERY``, the TLS variables.
+first agreed step), ``RANKSCOPE_SKETCH_DIM``, ``RANKSCOPE_SKETCH_BYTES``,
+``RANKSCOPE_SKETCH_ENCODING``, ``RANKSCOPE_EVERY``, the TLS variables.
 """
 
 import os
@@ -37,10 +38,13 @@ def settings_from_env() -> Dict:
     options = {}
     if os.environ.get("RANKSCOPE_COLLECTOR"):
         options["collector"] = os.environ["RANKSCOPE_COLLECTOR"]
-    for name, key in (("RANKSCOPE_SKETCH_DIM", "sketch_dim"), ("RANKSCOPE_EVERY", "every")):
+    for name, key in (("RANKSCOPE_SKETCH_DIM", "sketch_dim"), ("RANKSCOPE_EVERY", "every"),
+                      ("RANKSCOPE_SKETCH_BYTES", "sketch_bytes")):
         v = _env_int(name)
         if v is not None:
             options[key] = v
+    if os.environ.get("RANKSCOPE_SKETCH_ENCODING"):
+        options["sketch_encoding"] = os.environ["RANKSCOPE_SKETCH_ENCODING"].strip()
     return {"job": job, "dormant": dormant_env not in _FALSE, "options": options}
 
 
