@@ -28,13 +28,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "common/flag_help.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/flag_help.h"
 #include "rankscope/agent.h"
 
 ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
