@@ -56,56 +56,49 @@ constexpr char kRowIsFlagged[] = R"sql(
            s.drifting_ranks || ',' || s.slow_ranks || ',', ',' || rank_steps.rank || ',') > 0))
 )sql";
 
+// The rank_steps columns a window summarises as count, sum, min and max (rank_windows.h).
+constexpr const char* kWindowMetrics[] = {"loss", "grad_norm", "grad_cosine", "outlier_score"};
+
 // Folds rank_steps rows of steps ?2..?3 into their windows of ?4 steps (rank_windows.h); a
-// window row already there (an earlier batch of the same window) is merged exactly.
-constexpr char kFoldIntoWindows[] = R"sql(
-INSERT INTO rank_windows(job, first_step, rank, last_step, rows, first_received, last_received,
-    loss_n, loss_sum, loss_min, loss_max, grad_norm_n, grad_norm_sum, grad_norm_min,
-    grad_norm_max, grad_cosine_n, grad_cosine_sum, grad_cosine_min, grad_cosine_max,
-    outlier_score_n, outlier_score_sum, outlier_score_min, outlier_score_max, nonfinite,
-    outliers, replica_bad)
-SELECT ?1, (step / ?4) * ?4, rank, (step / ?4) * ?4 + ?4 - 1, count(*), min(received_at),
-    max(received_at),
-    count(loss), sum(loss), min(loss), max(loss),
-    count(grad_norm), sum(grad_norm), min(grad_norm), max(grad_norm),
-    count(grad_cosine), sum(grad_cosine), min(grad_cosine), max(grad_cosine),
-    count(outlier_score), sum(outlier_score), min(outlier_score), max(outlier_score),
-    sum(nonfinite <> 0), sum(coalesce(outlier_score >= ?5, 0)), sum(coalesce(replica_ok = 0, 0))
-FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3
-GROUP BY step / ?4, rank
-ON CONFLICT(job, first_step, rank) DO UPDATE SET
-  rows = rows + excluded.rows,
-  first_received = min(first_received, excluded.first_received),
-  last_received = max(last_received, excluded.last_received),
-  loss_n = loss_n + excluded.loss_n,
-  loss_sum = coalesce(loss_sum + excluded.loss_sum, loss_sum, excluded.loss_sum),
-  loss_min = coalesce(min(loss_min, excluded.loss_min), loss_min, excluded.loss_min),
-  loss_max = coalesce(max(loss_max, excluded.loss_max), loss_max, excluded.loss_max),
-  grad_norm_n = grad_norm_n + excluded.grad_norm_n,
-  grad_norm_sum = coalesce(grad_norm_sum + excluded.grad_norm_sum, grad_norm_sum,
-                           excluded.grad_norm_sum),
-  grad_norm_min = coalesce(min(grad_norm_min, excluded.grad_norm_min), grad_norm_min,
-                           excluded.grad_norm_min),
-  grad_norm_max = coalesce(max(grad_norm_max, excluded.grad_norm_max), grad_norm_max,
-                           excluded.grad_norm_max),
-  grad_cosine_n = grad_cosine_n + excluded.grad_cosine_n,
-  grad_cosine_sum = coalesce(grad_cosine_sum + excluded.grad_cosine_sum, grad_cosine_sum,
-                             excluded.grad_cosine_sum),
-  grad_cosine_min = coalesce(min(grad_cosine_min, excluded.grad_cosine_min), grad_cosine_min,
-                             excluded.grad_cosine_min),
-  grad_cosine_max = coalesce(max(grad_cosine_max, excluded.grad_cosine_max), grad_cosine_max,
-                             excluded.grad_cosine_max),
-  outlier_score_n = outlier_score_n + excluded.outlier_score_n,
-  outlier_score_sum = coalesce(outlier_score_sum + excluded.outlier_score_sum, outlier_score_sum,
-                               excluded.outlier_score_sum),
-  outlier_score_min = coalesce(min(outlier_score_min, excluded.outlier_score_min),
-                               outlier_score_min, excluded.outlier_score_min),
-  outlier_score_max = coalesce(max(outlier_score_max, excluded.outlier_score_max),
-                               outlier_score_max, excluded.outlier_score_max),
-  nonfinite = nonfinite + excluded.nonfinite,
-  outliers = outliers + excluded.outliers,
-  replica_bad = replica_bad + excluded.replica_bad
-)sql";
+// window row already there (an earlier batch of the same window) is merged exactly: counts and
+// sums add, minima and maxima combine, a NULL (no finite value yet) yields to the other side.
+const std::string& FoldIntoWindowsSql() {
+  static const std::string* const sql = [] {
+    std::string columns, aggregates, merges;
+    for (const char* m : kWindowMetrics) {
+      absl::StrAppend(&columns, ", ", m, "_n, ", m, "_sum, ", m, "_min, ", m, "_max");
+      absl::StrAppend(&aggregates, ", count(", m, "), sum(", m, "), min(", m, "), max(", m, ")");
+      absl::StrAppend(&merges, "  ", m, "_n = ", m, "_n + excluded.", m, "_n,\n");
+      absl::StrAppend(&merges, "  ", m, "_sum = coalesce(", m, "_sum + excluded.", m, "_sum, ", m,
+                      "_sum, excluded.", m, "_sum),\n");
+      for (const char* op : {"min", "max"}) {
+        absl::StrAppend(&merges, "  ", m, "_", op, " = coalesce(", op, "(", m, "_", op,
+                        ", excluded.", m, "_", op, "), ", m, "_", op, ", excluded.", m, "_", op,
+                        "),\n");
+      }
+    }
+    return new std::string(absl::StrCat(
+        "INSERT INTO rank_windows(job, first_step, rank, last_step, rows, first_received, "
+        "last_received",
+        columns, ", nonfinite, outliers, replica_bad)\n",
+        "SELECT ?1, (step / ?4) * ?4, rank, (step / ?4) * ?4 + ?4 - 1, count(*), "
+        "min(received_at), max(received_at)",
+        aggregates,
+        ", sum(nonfinite <> 0), sum(coalesce(outlier_score >= ?5, 0)), "
+        "sum(coalesce(replica_ok = 0, 0))\n"
+        "FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3\n"
+        "GROUP BY step / ?4, rank\n"
+        "ON CONFLICT(job, first_step, rank) DO UPDATE SET\n"
+        "  rows = rows + excluded.rows,\n"
+        "  first_received = min(first_received, excluded.first_received),\n"
+        "  last_received = max(last_received, excluded.last_received),\n",
+        merges,
+        "  nonfinite = nonfinite + excluded.nonfinite,\n"
+        "  outliers = outliers + excluded.outliers,\n"
+        "  replica_bad = replica_bad + excluded.replica_bad\n"));
+  }();
+  return *sql;
+}
 
 constexpr char kWindowColumns[] =
     "first_step, last_step, rank, rows, first_received, last_received, loss_n, loss_sum, "
@@ -282,7 +275,7 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::Downsample(const PruneActi
     }
     if (last < 0) return absl::OkStatus();
     {
-      OneShot q(db_, kFoldIntoWindows);
+      OneShot q(db_, FoldIntoWindowsSql().c_str());
       int rc = q.rc == SQLITE_OK ? Binder(q.get())
                                        .Text(action.job)
                                        .Int(first)
