@@ -64,7 +64,7 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
         return
     from rankscope import _autoattach
 
-    models, _ = _autoattach.find_models_and_optimizers()
+    models, optimizers = _autoattach.find_models_and_optimizers()
     if not models:
         ack.write(status="error", error="no torch.nn.parallel.DistributedDataParallel model in "
                   "this process (matched by exact type; a trainer that reduces gradients itself "
@@ -83,6 +83,7 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
     options = {k: request[k] for k in _OPTIONS if request.get(k) not in (None, "")}
     attacher = _autoattach.get_or_create(job, bool(request.get("dormant")), options)
     attacher._on_change = lambda: ack.write(models=attacher.describe())
+    attacher.remember_optimizers(optimizers)
     for m in models:
         attacher.add(m)
     ack.write(status="installed", job=job, models=attacher.describe(),

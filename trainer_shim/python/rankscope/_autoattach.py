@@ -169,8 +169,13 @@ class AttachedModel:
                                               **options)
             self.path = f"{PATH_PARAM_HOOKS} (the model has its own comm hook: {hook})"
             self._install_param_hooks(model)
-        _, optimizers = find_models_and_optimizers()
-        self._optimizer = optimizer_of(model, optimizers)
+        # The optimizers the payload found (live attach) serve first; a scan of the heap
+        # (one more gc walk on the training thread) only when none of them holds this model.
+        self._optimizer = optimizer_of(model, attacher.known_optimizers())
+        if self._optimizer is None:
+            _, found = find_models_and_optimizers()
+            attacher.remember_optimizers(found)
+            self._optimizer = optimizer_of(model, found)
         if self._optimizer is None:
             self.step_boundary = "forward"
         elif hasattr(self._optimizer, "register_step_post_hook"):  # torch >= 2.0
@@ -279,6 +284,7 @@ class AutoAttacher:
         self.options = dict(options)
         self.capture = _loss_capture.install()
         self.models: List[AttachedModel] = []
+        self._optimizers: list = []  # weak references to the optimizers last found on the heap
         self._on_change = on_change
         self._warned = set()
 
@@ -291,6 +297,13 @@ class AutoAttacher:
         self.models.append(m)
         self.changed()
         return m
+
+    def remember_optimizers(self, optimizers) -> None:
+        """Keeps (weakly: the script owns them) the optimizers a heap scan found."""
+        self._optimizers = [weakref.ref(o) for o in optimizers]
+
+    def known_optimizers(self) -> list:
+        return [o for o in (r() for r in self._optimizers) if o is not None]
 
     def covers(self, model) -> bool:
         return any(m._model() is model for m in self.models)
