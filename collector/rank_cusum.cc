@@ -13,6 +13,22 @@ double Step(double s, double x, double cap) {
   return std::min(cap, std::max(0.0, s + x - kCusumDrift));
 }
 
+// Median of the finite values (NaN when none).
+double FiniteMedian(absl::Span<const double> values) {
+  std::vector<double> finite;
+  finite.reserve(values.size());
+  for (double v : values) {
+    if (std::isfinite(v)) finite.push_back(v);
+  }
+  if (finite.empty()) return std::nan("");
+  const size_t mid = finite.size() / 2;
+  std::nth_element(finite.begin(), finite.begin() + mid, finite.end());
+  if (finite.size() % 2 == 1) return finite[mid];
+  const double upper = finite[mid];
+  const double lower = *std::max_element(finite.begin(), finite.begin() + mid);
+  return 0.5 * (lower + upper);
+}
+
 }  // namespace
 
 double CusumThreshold(uint32_t world_size) {
@@ -65,7 +81,13 @@ std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> rank
   const std::vector<double> u_loss = UniformRankScores(loss);
   const std::vector<double> u_norm = UniformRankScores(norm);
   const std::vector<double> u_cos = UniformRankScores(neg_cos);
-  const std::vector<double> u_time = UniformRankScores(time);
+  std::vector<double> u_time = UniformRankScores(time);
+  // Slowdown floor: a rank no later than it is not late (see the header).
+  const double median_time = FiniteMedian(time);
+  const double floor = std::max(kSlowFloorSeconds, kSlowFloorFraction * median_time);
+  for (size_t i = 0; i < n; ++i) {
+    if (!(time[i] - median_time > floor)) u_time[i] = std::min(u_time[i], 0.0);
+  }
   std::vector<double> y(n);
   for (size_t i = 0; i < n; ++i) y[i] = u_loss[i] + u_norm[i] + u_cos[i];
   if (exchangeable) {

@@ -35,7 +35,18 @@
 //               their pair agrees with itself, which pushes the others' consensus cosines down)
 //               leaves every data-drift statistic and sigma as they were;
 //   slow        x = u(step_time_seconds): the rank's position in the step's time, i.e. its share
-//               of the step against the others', whatever the noise of the times.
+//               of the step against the others', whatever the noise of the times; but a rank
+//               that is late by no more than the slowdown floor (its time minus the step's median
+//               time, at most max(1 ms, 5 % of that median)) gets x = min(u, 0), as if it were
+//               not late. The floor: every rank waits for the slowest at the all-reduce, so a rank
+//               late by d costs the job d a step; under 5 % of the others' compute that is not
+//               worth a page, and under 1 ms (the order of an OS scheduler's time slice) it is the
+//               lateness a healthy rank gets from sharing its CPU. Without it a healthy rank of a
+//               job with sub-millisecond compute on a crowded machine (4 ranks on 2 cores) was
+//               named slow: it was the latest by a few hundred microseconds on most of 15 steps.
+//               The floor only lowers increments, so the false-alarm rates below are upper
+//               bounds, and a rank late by more than the floor on every step is named after the
+//               same fixed delay.
 // Each is S_t = min(2h, max(0, S_{t-1} + x_t - k)), started at 0, updated on the steps the rank
 // reported; the rank is named (drifting / slow) while S_t > h. The cap 2h bounds how long a rank
 // stays named after the fault stops: S falls by k = 0.5 a step on average once the rank is
@@ -50,7 +61,7 @@
 //     W (h)                                           4 (8.00)   8 (8.69)   64 (10.77)
 //     healthy rank-steps per false alarm, data drift   19,800     30,800     530,000 (3 alarms)
 //       same, W = 4, loss correlated 0.8 with the norm and the cosine deficit: 35,600
-//     healthy rank-steps per false alarm, slow         94,000     53,000     800,000 (2 alarms)
+//     healthy rank-steps per false alarm, slow        100,000     53,000     800,000 (2 alarms)
 //     job steps per false alarm, data drift             4,900      3,800       8,300
 // The per-step rule's false alarms at W = 4 are ~6e-5 per rank-step (one per ~16,000 rank-steps):
 // the CUSUM raises fewer there (at W >= 8 the per-step rule's are rarer still: its per-step flag
@@ -80,6 +91,10 @@ inline constexpr double kCusumDrift = 0.5;      // k
 inline constexpr double kCusumThreshold = 8.0;  // h at W <= 4
 // Weight of the prior variance of the data-drift sum (in rank-steps).
 inline constexpr double kCusumPriorRankSteps = 64.0;
+// Slowdown floor of the slow statistic: a rank late by at most
+// max(kSlowFloorSeconds, kSlowFloorFraction * median step time) counts as not late.
+inline constexpr double kSlowFloorSeconds = 1e-3;
+inline constexpr double kSlowFloorFraction = 0.05;
 
 // h for a job of `world_size` ranks: kCusumThreshold + ln(max(W, 4) / 4), so that the expected
 // steps between false alarms of the whole job (any rank) stay about the same whatever W.

@@ -65,6 +65,34 @@ TEST(RankCusumTest, AlwaysTheSlowestIsNamedAfterAFixedNumberOfSteps) {
   EXPECT_THAT(c.Get(2).slow, DoubleNear(11 * (kSqrt3 * 0.75 - kCusumDrift), 1e-9));
 }
 
+// The step a rank that is the latest on every step, `late` seconds after the step's median, is
+// named on (0: not within 100 steps). W = 5; the others take base + 0, 0.25, 0.5 and 0.75 ms, so
+// the median is base + 0.5 ms and the late rank is the latest for any late > 0.25 ms.
+int StepsToNameSlow(double base, double late) {
+  RankCusum c(5);
+  for (int step = 1; step <= 100; ++step) {
+    std::vector<RankDriftSignals> s = Step(5, 0.0, 4, false);
+    for (uint32_t r = 0; r < 4; ++r) s[r].step_time_seconds = base + 0.25e-3 * r;
+    s[4].step_time_seconds = base + 0.5e-3 + late;
+    const std::vector<RankDrift> d = c.Update(s);
+    for (uint32_t r = 0; r < 4; ++r) EXPECT_FALSE(d[r].is_slow) << r;
+    if (d[4].is_slow) return step;
+  }
+  return 0;
+}
+
+TEST(RankCusumTest, ARankLateByNoMoreThanTheFloorIsNeverNamed) {
+  // 1 ms steps: the floor is 1 ms (kSlowFloorSeconds). W = 5: u_max = sqrt(3) * 4/5 = 1.386,
+  // increment 0.886: above h = 8 + ln(5/4) = 8.22 on the 10th step.
+  EXPECT_EQ(StepsToNameSlow(1e-3, 0.9e-3), 0);
+  EXPECT_EQ(StepsToNameSlow(1e-3, 1.1e-3), 10);
+  // 100 ms steps: the floor is 5 % of the median (5.03 ms).
+  EXPECT_EQ(StepsToNameSlow(0.1, 4.5e-3), 0);
+  EXPECT_EQ(StepsToNameSlow(0.1, 5.5e-3), 10);
+  // A 40 ms straggler on sub-millisecond steps (bench/detection.py's) is far above it.
+  EXPECT_EQ(StepsToNameSlow(0.5e-3, 40e-3), 10);
+}
+
 TEST(RankCusumTest, AlwaysTheWorstOnEveryDataSignalIsNamedInAFewStepsAtW4) {
   // y = 3 * 1.299 = 3.90 a step; sigma grows from sqrt(3) towards 3 * sqrt(15/16) = 2.90 as the
   // perfectly correlated steps come in (weight 64 rank-steps of prior), so x falls from 2.25
