@@ -1,17 +1,27 @@
-// Count-sketch throughput beside the memory-bandwidth limit, on one thread, in one run.
+// Count-sketch throughput beside the memory-bandwidth limit, in one run.
 //
 // For each dtype, a buffer much larger than the last-level cache is filled once; the bench then
 // alternates, `reps` times, a plain streaming read of the whole buffer (a vectorized sum of its
 // 64-bit words: the most a kernel that reads every byte once can hope for) with one
 // CountSketch::Add over the same bytes, through each kernel path the CPU supports. It prints
 // input GB/s (1 GB = 1e9 bytes), best and median over the reps, and the ratio sketch / stream of
-// the best times. Times are the CPU time of the benchmark thread, so that on a shared machine the
-// time it spends descheduled is not counted against either side. Results and the command line go to
-// docs/PERFORMANCE.md "## Sketch kernel".
+// the best times. One-thread times are the CPU time of the benchmark thread, so that on a shared
+// machine the time it spends descheduled is not counted against either side.
+//
+// Then, for each thread count of --threads, the same comparison on T threads: a streaming read
+// with T threads (each its own contiguous slice) against StripedSketch (rankscope/
+// striped_sketch.h) with T threads over the whole buffer, both timed by the wall clock; and the
+// replica fingerprint kernel (rankscope/fingerprint.h, FoldFingerprint) against the one-thread
+// streaming read. The first lines name the machine (CPU model, cores this process may use, the
+// one-thread streaming read), so figures from different machines can be compared. Results and
+// the command line go to docs/PERFORMANCE.md "## Sketch kernel".
 //
 // Usage: sketch_bench [--mib=1024] [--reps=5] [--dims=1024,1000]
-// [--isa=all|auto|scalar|avx2|avx512]
+// [--isa=all|auto|scalar|avx2|avx512] [--threads=1,2]
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,13 +30,16 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/sketch_encoding.h"
+#include "rankscope/fingerprint.h"
 #include "rankscope/sketch.h"
+#include "rankscope/striped_sketch.h"
 
 namespace {
 
@@ -39,6 +52,7 @@ struct Options {
   int reps = 5;
   std::vector<uint32_t> dims = {1024, 1000};
   std::string isa = "all";
+  std::vector<int> threads = {1, 2};
 };
 
 bool ParseArgs(int argc, char** argv, Options* o) {
@@ -64,6 +78,13 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       }
     } else if (value("isa", &v)) {
       o->isa = v;
+    } else if (value("threads", &v)) {
+      o->threads.clear();
+      for (absl::string_view t : absl::StrSplit(v, ',')) {
+        int threads;
+        if (!absl::SimpleAtoi(t, &threads) || threads < 1 || threads > 256) return false;
+        o->threads.push_back(threads);
+      }
     } else {
       return false;
     }
@@ -89,6 +110,37 @@ double ThreadSeconds() {
   timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// Wall-clock seconds (for multi-threaded runs, whose threads' CPU times overlap).
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class F>
+double WallOnce(F&& f) {
+  const double start = WallSeconds();
+  f();
+  return WallSeconds() - start;
+}
+
+// The streaming read on `threads` threads, each summing its own contiguous slice.
+void StreamSumThreads(const uint64_t* words, size_t n, int threads) {
+  std::vector<std::thread> pool;
+  std::vector<uint64_t> sums(threads);
+  const size_t per = n / threads;
+  for (int t = 0; t < threads; ++t) {
+    const size_t begin = t * per, end = t + 1 == threads ? n : begin + per;
+    pool.emplace_back([&, t, begin, end] { sums[t] = StreamSum(words + begin, end - begin); });
+  }
+  for (std::thread& t : pool) t.join();
+  for (uint64_t s : sums) g_sink += s;
+}
+
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
 }
 
 template <class F>
@@ -173,7 +225,7 @@ int main(int argc, char** argv) {
   if (!ParseArgs(argc, argv, &opt)) {
     std::fprintf(stderr,
                  "usage: %s [--mib=1024] [--reps=5] [--dims=1024,1000] "
-                 "[--isa=all|auto|scalar|avx2|avx512]\n",
+                 "[--isa=all|auto|scalar|avx2|avx512] [--threads=1,2]\n",
                  argv[0]);
     return 2;
   }
@@ -195,12 +247,20 @@ int main(int argc, char** argv) {
   std::unique_ptr<uint64_t[]> storage(new uint64_t[bytes / 8]);
   auto* buf = reinterpret_cast<unsigned char*>(storage.get());
 
-  std::printf("sketch_bench: %zu MiB buffer, %d reps (best, median in parentheses), one thread\n",
-              opt.mib, opt.reps);
+  std::printf("sketch_bench: %zu MiB buffer, %d reps (best, median in parentheses)\n", opt.mib,
+              opt.reps);
+  std::vector<double> machine_stream;
+  Fill(buf, bytes, ScalarType::kFloat32);  // pages written: a fresh buffer reads as zero pages
+  for (int r = 0; r < opt.reps; ++r) {
+    machine_stream.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
+  }
   std::printf(
-      "cpu: %s; Add uses the %s path; load average %s\n", CpuModel().c_str(),
+      "machine: %s; %d usable cores; one-thread streaming read %.2f GB/s; Add uses the %s "
+      "path; load average %s\n",
+      CpuModel().c_str(), UsableCores(), bytes / 1e9 / Summarize(machine_stream).best,
       rankscope::sketch_internal::KernelIsaName(rankscope::sketch_internal::BestKernelIsa()),
       LoadAverage().c_str());
+  std::printf("one thread (CPU time of the thread):\n");
   std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
               "sketch GB/s", "ratio", "Gcoord/s");
   for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
@@ -228,6 +288,58 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
+  }
+  // On several threads: StripedSketch (what the shim uses) against a streaming read with as
+  // many threads, both by the wall clock.
+  std::printf("threads (wall clock; StripedSketch, Add's best path):\n");
+  std::printf("%-9s %5s %7s %16s %16s %7s %9s\n", "dtype", "dim", "threads", "stream GB/s",
+              "sketch GB/s", "ratio", "Gcoord/s");
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    Fill(buf, bytes, type);
+    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
+    const size_t n = bytes / element;
+    for (uint32_t dim : opt.dims) {
+      for (int threads : opt.threads) {
+        rankscope::StripedSketch sketch(dim, rankscope::kDefaultSketchSeed, threads);
+        std::vector<double> stream_s, sketch_s;
+        for (int r = 0; r < opt.reps; ++r) {
+          stream_s.push_back(
+              WallOnce([&] { StreamSumThreads(storage.get(), bytes / 8, threads); }));
+          sketch.Reset();
+          sketch_s.push_back(WallOnce([&] { sketch.Add(buf, type, n, 0); }));
+          g_sink = static_cast<uint64_t>(sketch.sketch().bins()[0] != 0.0);
+        }
+        const Stats st = Summarize(stream_s);
+        const Stats sk = Summarize(sketch_s);
+        const double gb = bytes / 1e9;
+        std::printf("%-9s %5u %7d %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type), dim,
+                    threads, gb / st.best, gb / st.median, gb / sk.best, gb / sk.median,
+                    100.0 * st.best / sk.best, n / sk.best / 1e9);
+        std::fflush(stdout);
+      }
+    }
+  }
+  // The replica fingerprint kernel (reduced gradient and parameters) on one thread.
+  std::printf("fingerprint (one thread, CPU time):\n");
+  std::printf("%-9s %16s %16s %7s\n", "dtype", "stream GB/s", "fingerprint GB/s", "ratio");
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    Fill(buf, bytes, type);
+    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
+    std::vector<double> stream_s, fp_s;
+    for (int r = 0; r < opt.reps; ++r) {
+      stream_s.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
+      rankscope::ReplicaFingerprint fp;
+      fp_s.push_back(TimeOnce([&] {
+        rankscope::FoldFingerprint(buf, static_cast<int>(type), bytes / element, 0, &fp);
+      }));
+      g_sink += fp.fingerprint;
+    }
+    const Stats st = Summarize(stream_s);
+    const Stats fp = Summarize(fp_s);
+    const double gb = bytes / 1e9;
+    std::printf("%-9s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%%\n", TypeName(type), gb / st.best,
+                gb / st.median, gb / fp.best, gb / fp.median, 100.0 * st.best / fp.best);
+    std::fflush(stdout);
   }
   // The agent packs each report's bins once when it sends it (common/sketch_encoding.h): O(k),
   // beside the O(n) Add above. At a 4 KiB budget: float32 k = 1024, float16 2048, int8 4096.

@@ -406,6 +406,11 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
   }
 }
 
+// The kLanes partial sums of squares folded in the fixed order of sketch.cc's contract.
+double FoldLanes(const double* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 KernelIsa DetectBestIsa() {
 #ifdef RANKSCOPE_SKETCH_X86
   __builtin_cpu_init();
@@ -495,8 +500,7 @@ void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType
       assert(false && "unknown ScalarType");
       return;
   }
-  const double* l = sketch.sum_squares_lanes_;
-  sketch.sum_squares_ = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  sketch.sum_squares_ = FoldLanes(sketch.sum_squares_lanes_);
 }
 
 }  // namespace sketch_internal
@@ -514,6 +518,14 @@ void CountSketch::Reset() {
 
 void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offset) {
   sketch_internal::AddWithIsa(*this, sketch_internal::BestKernelIsa(), data, type, n, offset);
+}
+
+void CountSketch::MergeFrom(const CountSketch& other) {
+  assert(other.bins_.size() == bins_.size() && other.seed_ == seed_);
+  const size_t n = std::min(bins_.size(), other.bins_.size());
+  for (size_t i = 0; i < n; ++i) bins_[i] += other.bins_[i];
+  for (int l = 0; l < kSumSquaresLanes; ++l) sum_squares_lanes_[l] += other.sum_squares_lanes_[l];
+  sum_squares_ = FoldLanes(sum_squares_lanes_);
 }
 
 void CountSketch::CopyTo(absl::Span<float> out) const {

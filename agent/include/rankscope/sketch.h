@@ -121,6 +121,10 @@ class CountSketch {
     Add(data, ScalarType::kFloat32, n, offset);
   }
 
+  // Adds `other`'s bins and partial sums of squares to this one's (bin by bin, partial sum by
+  // partial sum): the sketch of both inputs, up to rounding. Requires the same dim and seed.
+  void MergeFrom(const CountSketch& other);
+
   // The bins, accumulated in double precision.
   absl::Span<const double> bins() const { return bins_; }
   // Writes the bins as float into out; out.size() must equal dim().
