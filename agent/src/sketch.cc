@@ -98,35 +98,6 @@ struct KernelArgs {
   double* lanes;  // kLanes partial sums of squares
 };
 
-// The conversions of sketch.h, inlinable here.
-inline float WidenBFloat16(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float WidenFloat16(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  const uint32_t exponent = (bits >> 10) & 0x1fu;
-  const uint32_t mantissa = bits & 0x3ffu;
-  uint32_t u;
-  if (exponent == 0x1f) {
-    // Infinity, or a NaN made quiet (bit 22) with its payload kept.
-    u = sign | 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
-  } else if (exponent != 0) {
-    u = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
-  } else {
-    // Zero or subnormal: mantissa * 2^-24, exact in float.
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    std::memcpy(&u, &magnitude, sizeof u);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 template <ScalarType kType>
 inline float LoadScalar(const unsigned char* p) {
   if constexpr (kType == ScalarType::kFloat32) {
@@ -136,7 +107,7 @@ inline float LoadScalar(const unsigned char* p) {
   } else {
     uint16_t h;
     std::memcpy(&h, p, sizeof h);
-    return kType == ScalarType::kBFloat16 ? WidenBFloat16(h) : WidenFloat16(h);
+    return kType == ScalarType::kBFloat16 ? BFloat16ToFloat(h) : Float16ToFloat(h);
   }
 }
 
@@ -439,10 +410,6 @@ SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim) {
   return SketchSlot{static_cast<uint32_t>((base + offset) % dim),
                     ((mix >> offset) & 1) ? -1.0f : 1.0f};
 }
-
-float BFloat16ToFloat(uint16_t bits) { return WidenBFloat16(bits); }
-
-float Float16ToFloat(uint16_t bits) { return WidenFloat16(bits); }
 
 namespace sketch_internal {
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "rankscope/sketch.h"
 
 namespace rankscope {
 namespace {
@@ -103,6 +104,36 @@ TEST(FingerprintTest, MatchesTheReferenceForEveryDtype) {
   const ReplicaFingerprint r64 = Whole(f64.data(), kFingerprintFloat64, n, offset);
   EXPECT_EQ(r64.fingerprint, ReferenceFingerprint(f64.data(), 8, n, offset));
   EXPECT_EQ(r64.sum_squares, f64_ss);
+}
+
+TEST(FingerprintTest, EverySixteenBitValueSquaresAsItsExactConversion) {
+  // The kernel's vectorizable float16 decode against sketch.h's exact one, and bfloat16 too, for
+  // all 65,536 bit patterns, one at a time and as one vector (8 partial sums, so every lane).
+  std::vector<uint16_t> all(1 << 16);
+  double f16_sum = 0.0;
+  for (uint32_t h = 0; h <= 0xffff; ++h) {
+    all[h] = static_cast<uint16_t>(h);
+    const double f16 = Float16ToFloat(all[h]), bf16 = BFloat16ToFloat(all[h]);
+    const double got16 = Whole(&all[h], 2, 1).sum_squares, gotb = Whole(&all[h], 1, 1).sum_squares;
+    if (std::isnan(f16)) {
+      ASSERT_TRUE(std::isnan(got16)) << h;
+    } else {
+      ASSERT_EQ(got16, f16 * f16) << h;
+      if (std::isfinite(f16)) f16_sum += f16 * f16;
+    }
+    if (std::isnan(bf16)) {
+      ASSERT_TRUE(std::isnan(gotb)) << h;
+    } else {
+      ASSERT_EQ(gotb, bf16 * bf16) << h;
+    }
+  }
+  EXPECT_TRUE(std::isnan(Whole(all.data(), 2, all.size()).sum_squares));  // NaNs included
+  // Without the infinities and NaNs (exponent 0x1f): the finite values' squares.
+  std::vector<uint16_t> finite;
+  for (uint16_t h : all) {
+    if ((h & 0x7c00u) != 0x7c00u) finite.push_back(h);
+  }
+  EXPECT_NEAR(Whole(finite.data(), 2, finite.size()).sum_squares, f16_sum, 1e-12 * f16_sum);
 }
 
 TEST(FingerprintTest, SixteenBitSumOfSquaresDecodesPerDtype) {

@@ -9,8 +9,9 @@
 //
 // A sum, so any split into segments, in any order, gives the same F: fingerprints of disjoint
 // parts combine by a wrapping add. Beside F the kernel returns the exact sum of squares of the
-// values, accumulated in double (in element order within a call of FoldFingerprint; summed
-// across calls in call order).
+// values, accumulated in double (within a call of FoldFingerprint, element i of the call into
+// partial sum i % 8 in element order, the 8 folded as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) +
+// (s6 + s7)); summed across calls in call order).
 //
 // Pure: no threads, no allocation.
 //

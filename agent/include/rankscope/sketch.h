@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -78,9 +79,35 @@ SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim);
 
 // Converts one bfloat16 / IEEE float16 value (given as raw bits) to float, exactly: subnormals,
 // signed zeros and infinities included. A bfloat16 NaN keeps all its bits (bits << 16); a float16
-// NaN keeps its sign and payload and comes out quiet, as x86 F16C's vcvtph2ps gives it.
-float BFloat16ToFloat(uint16_t bits);
-float Float16ToFloat(uint16_t bits);
+// NaN keeps its sign and payload and comes out quiet, as x86 F16C's vcvtph2ps gives it. Inline:
+// the kernels call them per element.
+inline float BFloat16ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float Float16ToFloat(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
+  uint32_t u;
+  if (exponent == 0x1f) {
+    // Infinity, or a NaN made quiet (bit 22) with its payload kept.
+    u = sign | 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
+  } else if (exponent != 0) {
+    u = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+  } else {
+    // Zero or subnormal: mantissa * 2^-24, exact in float.
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&u, &magnitude, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 class CountSketch;
 
