@@ -36,6 +36,7 @@
 #include "rankscope/agent.h"
 #include "rankscope/fingerprint.h"
 #include "rankscope/sketch.h"
+#include "rankscope/striped_sketch.h"
 #include "rankscope/v1/rankscope.grpc.pb.h"
 
 namespace py = pybind11;
@@ -67,15 +68,18 @@ struct BucketPlan {
   std::vector<uint64_t> global_offsets;
 };
 
-// A CountSketch owned by Python, plus a float scratch buffer for handing it to the agent.
+// A StripedSketch owned by Python (a count sketch on `threads` threads, bit-identical whatever
+// the count), plus a float scratch buffer for handing it to the agent.
 class PySketch {
  public:
-  PySketch(uint32_t dim, uint64_t seed) : sketch_(Check(dim), seed), floats_(dim) {}
+  PySketch(uint32_t dim, uint64_t seed, int threads)
+      : sketch_(Check(dim), seed, CheckThreads(threads)), floats_(dim) {}
 
   uint32_t dim() const { return sketch_.dim(); }
   uint64_t seed() const { return sketch_.seed(); }
+  int threads() const { return sketch_.threads(); }
   void Reset() { sketch_.Reset(); }
-  double sum_squares() const { return sketch_.sum_squares(); }
+  double sum_squares() { return sketch_.sketch().sum_squares(); }
 
   // Adds n elements at `address` as coordinates [offset, offset + n).
   std::string Add(uintptr_t address, int dtype, size_t n, uint64_t offset) {
@@ -97,43 +101,54 @@ class PySketch {
     if (addresses.size() != ns.size() || ns.size() != offsets.size()) {
       return "addresses, ns and offsets must have the same length";
     }
+    std::vector<StripedSketch::Segment> segments;
+    segments.reserve(addresses.size());
     for (size_t i = 0; i < addresses.size(); ++i) {
-      if (addresses[i] == 0 && ns[i] != 0) return "null address";
+      if (ns[i] == 0) continue;
+      if (addresses[i] == 0) return "null address";
+      segments.push_back({AsPointer(addresses[i]), ns[i], offsets[i]});
     }
     py::gil_scoped_release release;
-    for (size_t i = 0; i < addresses.size(); ++i) {
-      if (ns[i] != 0) sketch_.Add(AsPointer(addresses[i]), *type, ns[i], offsets[i]);
-    }
+    sketch_.AddSegments(segments, *type);
     return "";
   }
 
   // Adds every segment of `plan`, reading the bucket buffer at `base_address`.
   void AddPlan(const BucketPlan& plan, uintptr_t base_address) {
-    py::gil_scoped_release release;
+    std::vector<StripedSketch::Segment> segments;
+    segments.reserve(plan.counts.size());
     for (size_t i = 0; i < plan.counts.size(); ++i) {
-      sketch_.Add(AsPointer(base_address + plan.byte_offsets[i]), plan.type, plan.counts[i],
-                  plan.global_offsets[i]);
+      segments.push_back(
+          {AsPointer(base_address + plan.byte_offsets[i]), plan.counts[i], plan.global_offsets[i]});
     }
+    py::gil_scoped_release release;
+    sketch_.AddSegments(segments, plan.type);
   }
 
   // Writes the bins as dim() float32 values at `address`.
-  void CopyTo(uintptr_t address) const {
-    sketch_.CopyTo(absl::MakeSpan(reinterpret_cast<float*>(address), sketch_.dim()));
+  void CopyTo(uintptr_t address) {
+    sketch_.sketch().CopyTo(absl::MakeSpan(reinterpret_cast<float*>(address), sketch_.dim()));
   }
   // Writes the bins as dim() float64 values at `address` (exact, for tests).
-  void CopyBinsTo(uintptr_t address) const {
-    absl::Span<const double> bins = sketch_.bins();
+  void CopyBinsTo(uintptr_t address) {
+    absl::Span<const double> bins = sketch_.sketch().bins();
     std::copy(bins.begin(), bins.end(), reinterpret_cast<double*>(address));
   }
-  std::vector<float> values() const { return sketch_.ToFloats(); }
+  std::vector<float> values() { return sketch_.sketch().ToFloats(); }
 
   // The bins as float, refreshed on each call; valid until the next call or mutation.
   absl::Span<const float> Floats() {
-    sketch_.CopyTo(absl::MakeSpan(floats_));
+    sketch_.sketch().CopyTo(absl::MakeSpan(floats_));
     return floats_;
   }
 
  private:
+  static int CheckThreads(int threads) {
+    if (threads < 1 || threads > 256) {
+      throw py::value_error("sketch threads must be in [1, 256], got " + std::to_string(threads));
+    }
+    return threads;
+  }
   static uint32_t Check(uint32_t dim) {
     if (dim < 1 || dim > kMaxSketchDim) {
       throw py::value_error("sketch_dim must be in [1, " + std::to_string(kMaxSketchDim) + "]");
@@ -141,7 +156,7 @@ class PySketch {
     return dim;
   }
 
-  CountSketch sketch_;
+  StripedSketch sketch_;
   std::vector<float> floats_;
 };
 
@@ -442,8 +457,10 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("segments", [](const BucketPlan& p) { return p.counts.size(); });
 
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
-      .def(py::init<uint32_t, uint64_t>(), py::arg("dim"), py::arg("seed") = kDefaultSketchSeed)
+      .def(py::init<uint32_t, uint64_t, int>(), py::arg("dim"),
+           py::arg("seed") = kDefaultSketchSeed, py::arg("threads") = 1)
       .def_property_readonly("dim", &PySketch::dim)
+      .def_property_readonly("threads", &PySketch::threads)
       .def_property_readonly("seed", &PySketch::seed)
       .def("reset", &PySketch::Reset)
       .def("sum_squares", &PySketch::sum_squares)

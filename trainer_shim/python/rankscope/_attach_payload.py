@@ -18,7 +18,8 @@ import sys
 import time
 
 # Options the request may pass through to rankscope.torch.attach.
-_OPTIONS = ("collector", "sketch_dim", "sketch_bytes", "sketch_encoding", "every", "param_check_every", "local_batch_size",
+_OPTIONS = ("collector", "sketch_dim", "sketch_bytes", "sketch_encoding", "sketch_threads", "every",
+            "param_check_every", "local_batch_size",
             "auth_token", "tls_ca", "tls_cert", "tls_key", "tls_target_name")
 
 

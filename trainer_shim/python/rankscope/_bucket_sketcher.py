@@ -55,7 +55,7 @@ class BucketSketcher:
     """
 
     def __init__(self, model, dim: int, seed: int, counters, warn_once: Callable,
-                 on_restart: Callable):
+                 on_restart: Callable, threads: int = 1):
         self._counters = counters
         self._warn_once = warn_once
         self._on_restart = on_restart
@@ -74,7 +74,8 @@ class BucketSketcher:
 
         self.dim = dim
         self._seed = seed
-        self.cpu_sketch = _native.Sketch(dim, seed)
+        self._threads = threads  # CPU sketch threads (rankscope/striped_sketch.h)
+        self.cpu_sketch = _native.Sketch(dim, seed, threads)
         self.device_sketches = {}  # device -> TorchSketch
         # Tests: sketch CPU tensors with the torch-op path (as on a GPU) instead of the kernel.
         self.force_torch = False
@@ -134,7 +135,7 @@ class BucketSketcher:
     def set_dim(self, dim: int) -> None:
         """Switches to a new sketch size (a control message): new, empty sketches."""
         self.dim = dim
-        self.cpu_sketch = _native.Sketch(dim, self._seed)
+        self.cpu_sketch = _native.Sketch(dim, self._seed, self._threads)
         self.device_sketches = {}
 
     def _note_bucket(self, offsets) -> None:

@@ -332,6 +332,9 @@ def main(argv=None) -> int:
                     help="sketch bytes per rank and step (default 4096: k = bytes / bin size)")
     ap.add_argument("--sketch_encoding", choices=("float32", "float16", "int8"),
                     help="sketch bin encoding (default int8)")
+    ap.add_argument("--sketch_threads", type=int, default=0,
+                    help="threads that sketch a CPU gradient bucket (default: the cores the "
+                         "process may use that torch's threads leave free, 1 to 8)")
     ap.add_argument("--every", type=int, default=0, help="report every N steps (default 1)")
     ap.add_argument("--param_check_every", type=int, default=-1,
                     help="fingerprint the parameters every N steps (default 5; 0 never)")
@@ -374,6 +377,8 @@ def main(argv=None) -> int:
         request["sketch_bytes"] = args.sketch_bytes
     if args.sketch_encoding:
         request["sketch_encoding"] = args.sketch_encoding
+    if args.sketch_threads:
+        request["sketch_threads"] = args.sketch_threads
     if args.every:
         request["every"] = args.every
     if args.param_check_every >= 0:

@@ -7,7 +7,7 @@ and ``python -m rankscope.run [OPTIONS] -m package.module ARGS...``.
 Options (before the script): --job=NAME (default $RANKSCOPE_JOB), --collector=HOST:PORT (default
 $RANKSCOPE_COLLECTOR or 127.0.0.1:50051), --enabled (report from the first agreed step instead of
 waiting for ``rankscope ctl enable``), --sketch_bytes=B, --sketch_encoding=int8|float16|float32,
---sketch_dim=K, --every=N.
+--sketch_dim=K, --sketch_threads=T, --every=N.
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 
 USAGE = """usage: python -m rankscope.run [--job=NAME] [--collector=HOST:PORT] [--enabled]
                               [--sketch_bytes=B] [--sketch_encoding=E] [--sketch_dim=K]
-                              [--every=N] (SCRIPT | -m MODULE) [ARGS...]
+                              [--sketch_threads=T] [--every=N] (SCRIPT | -m MODULE) [ARGS...]
 
 Runs a training script with rankscope attached to every DistributedDataParallel model it builds,
 without changing the script: dormant until `rankscope ctl enable --job=NAME` (or reporting from
@@ -41,7 +41,8 @@ def _parse(argv):
             key = {"job": "RANKSCOPE_JOB", "collector": "RANKSCOPE_COLLECTOR",
                    "sketch_dim": "RANKSCOPE_SKETCH_DIM", "every": "RANKSCOPE_EVERY",
                    "sketch_bytes": "RANKSCOPE_SKETCH_BYTES",
-                   "sketch_encoding": "RANKSCOPE_SKETCH_ENCODING"}.get(name)
+                   "sketch_encoding": "RANKSCOPE_SKETCH_ENCODING",
+                   "sketch_threads": "RANKSCOPE_SKETCH_THREADS"}.get(name)
             if key is None:
                 sys.exit(f"rankscope.run: unknown option {a!r}\n{USAGE}")
             env[key] = value

@@ -78,6 +78,30 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+# At most this many threads sketch a CPU gradient bucket by default (rankscope/striped_sketch.h).
+MAX_DEFAULT_SKETCH_THREADS = 8
+
+
+def default_sketch_threads() -> int:
+    """attach's default ``sketch_threads``: ``$RANKSCOPE_SKETCH_THREADS`` if set, else the cores
+    this process may run on (its CPU affinity) that torch's intra-op threads leave free, at least
+    1 and at most MAX_DEFAULT_SKETCH_THREADS. Raises ValueError on a bad environment value."""
+    env = os.environ.get("RANKSCOPE_SKETCH_THREADS", "").strip()
+    if env:
+        try:
+            threads = int(env)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"RANKSCOPE_SKETCH_THREADS must be a whole number >= 1, got {env!r}")
+        return threads
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_SKETCH_THREADS, usable - torch.get_num_threads()))
+
+
 def _group_ranks(pg) -> list:
     """The global ranks a process group spans, sorted; read locally, no communication."""
     if hasattr(dist, "get_process_group_ranks"):  # torch >= 2.0
@@ -161,7 +185,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
            close_timeout: float = 2.0,
            group: Optional[str] = None,
            sketch_bytes: Optional[int] = None,
-           sketch_encoding: Optional[str] = None) -> "Monitor":
+           sketch_encoding: Optional[str] = None,
+           sketch_threads: Optional[int] = None) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -185,6 +210,12 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         Default: ``"int8"`` (k = 4,096 at the default 4 KiB), the most accurate at that budget
         (docs/PERFORMANCE.md "Sketch encodings"); ``"float32"`` when only ``sketch_dim`` is
         given.
+      sketch_threads: threads that sketch a CPU gradient bucket (the backward waits for its
+        bucket's sketch, so large CPU gradients, as with CPU training or optimizer offload,
+        sketch faster on more cores). The sketch is bit-identical whatever the number
+        (rankscope/striped_sketch.h). Default: ``$RANKSCOPE_SKETCH_THREADS``, else the cores
+        this process may use that torch's own threads leave free (``torch.get_num_threads()``),
+        at least 1 and at most 8. GPU gradients are sketched on the GPU and ignore it.
       every: report every N optimizer steps (the steps whose number is a multiple of N).
       dormant: start switched off (the hook only forwards to the all-reduce) until
         ``rankscope ctl enable``; default ``$RANKSCOPE_DORMANT``.
@@ -240,6 +271,10 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
     sketch_dim, sketch_encoding = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
+    if sketch_threads is None:
+        sketch_threads = default_sketch_threads()
+    if int(sketch_threads) < 1 or int(sketch_threads) > 256:
+        raise ValueError(f"sketch_threads must be in [1, 256], got {sketch_threads}")
     group = data_parallel_group(model.process_group) if group is None else str(group)
     key = (collector, job, group, dist.get_rank(model.process_group))
     holder = _ATTACHED.get(key)
@@ -252,7 +287,7 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             "name to one of them")
     monitor = Monitor(model, collector=collector, job=job, group=group,
                       sketch_dim=int(sketch_dim), sketch_encoding=sketch_encoding,
-                      every=int(every), enabled=not dormant, start_step=int(start_step),
+                      sketch_threads=int(sketch_threads), every=int(every), enabled=not dormant, start_step=int(start_step),
                       sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
                       param_check_every=int(param_check_every) if fingerprints else 0,
                       fingerprints=bool(fingerprints), auth_token=auth_token or "",
@@ -393,7 +428,7 @@ class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
     def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
-                 sketch_encoding="float32",
+                 sketch_encoding="float32", sketch_threads=1,
                  start_step,
                  sketch_seed, local_batch_size, auth_token, tls_options=None,
                  param_check_every=PARAM_CHECK_EVERY,
@@ -437,7 +472,9 @@ class Monitor:
         self._replica = ReplicaFingerprints(model, fingerprints, param_check_every,
                                             self.counters, warn_once)
         self._sketcher = BucketSketcher(model, sketch_dim, sketch_seed, self.counters,
-                                        warn_once, on_restart=self._replica.reset)
+                                        warn_once, on_restart=self._replica.reset,
+                                        threads=sketch_threads)
+        self.sketch_threads = sketch_threads
         self.num_coordinates = self._sketcher.num_coordinates
         self._deferred = DeferredReports(self._agent, self.counters)
         self._controls = ControlAgreement(f"{job}/{group}" if group else job, self.attempt,
