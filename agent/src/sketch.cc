@@ -14,9 +14,9 @@
 //   - bins: a block's 16 coordinates go to 16 distinct bins when dim >= 16, so each bin receives
 //     at most one value per block, and blocks are added in ascending order: every bin receives
 //     its values in ascending index order. (For dim < 16 only the scalar code runs.) A window
-//     that wraps takes a scalar path, in offset order; it is rare (15 bases in dim), so the bins
-//     stay a plain array of dim doubles (no overflow bins to fold when the sketch is read), and
-//     bins() is the sketch by its definition, bit for bit.
+//     that wraps (15 bases in dim) is two masked vector updates, at the end of the bins and at
+//     their start, so the bins stay a plain array of dim doubles (no overflow bins to fold when
+//     the sketch is read), and bins() is the sketch by its definition, bit for bit.
 //   - squares: coordinate i goes to partial sum i % 8 (a block is two groups of 8, added in
 //     order; the square of a float is exact in double, so fused and unfused multiply-adds agree,
 //     and the signed value has the same square), and Add folds the 8 partial sums in a fixed
@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -171,19 +172,6 @@ void BodyScalar(const unsigned char* data, size_t blocks, uint64_t first, const 
   AddScalar<kType, kPow2>(data, blocks * kBlock, first, a);
 }
 
-// Adds the 16 signed values of the block at `data` to bins (base + o) mod dim, in offset order:
-// the vector bodies' path for a window that wraps around (base > dim - 16; dim >= 16), about 15
-// blocks in dim. Inlined: as a call (even a cold one) it made the AVX-512 body twice as slow.
-template <ScalarType kType>
-inline void AddWrappedBlock(const unsigned char* data, uint64_t mix, uint32_t base, uint32_t dim,
-                            double* bins) {
-  for (uint32_t o = 0; o < kBlock; ++o) {
-    const uint32_t bin = base + o;
-    bins[bin >= dim ? bin - dim : bin] +=
-        ApplySign(LoadScalar<kType>(data + o * kElementSize<kType>), mix >> o);
-  }
-}
-
 #ifdef RANKSCOPE_SKETCH_X86
 
 // Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
@@ -267,11 +255,26 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
     acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(v2, v2));
     acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(v3, v3));
     const uint32_t base = BaseOf<kPow2>(mix, map);
+    double* w = bins + base;
     if (__builtin_expect(base > last_unwrapped, 0)) {
-      AddWrappedBlock<kType>(p, mix, base, map.dim, bins);
+      // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
+      // o - r (as in the AVX-512 body); masked lanes are neither read nor written.
+      const auto r = static_cast<int64_t>(map.dim - base);  // 1..15
+      double* const v = reinterpret_cast<double*>(reinterpret_cast<uintptr_t>(bins) -
+                                                  static_cast<uintptr_t>(r) * sizeof(double));
+      const __m256i rr = _mm256_set1_epi64x(r);
+      const __m256d values[4] = {v0, v1, v2, v3};
+      for (int q = 0; q < 4; ++q) {
+        const __m256i head =
+            _mm256_cmpgt_epi64(rr, _mm256_setr_epi64x(4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3));
+        const __m256i tail = _mm256_xor_si256(head, _mm256_set1_epi64x(-1));
+        _mm256_maskstore_pd(w + 4 * q, head,
+                            _mm256_add_pd(_mm256_maskload_pd(w + 4 * q, head), values[q]));
+        _mm256_maskstore_pd(v + 4 * q, tail,
+                            _mm256_add_pd(_mm256_maskload_pd(v + 4 * q, tail), values[q]));
+      }
       return;
     }
-    double* w = bins + base;
     _mm256_storeu_pd(w, _mm256_add_pd(_mm256_loadu_pd(w), v0));
     _mm256_storeu_pd(w + 4, _mm256_add_pd(_mm256_loadu_pd(w + 4), v1));
     _mm256_storeu_pd(w + 8, _mm256_add_pd(_mm256_loadu_pd(w + 8), v2));
@@ -316,11 +319,27 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
     acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
     acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
     const uint32_t base = BaseOf<kPow2>(mix, map);
+    double* w = bins + base;
     if (__builtin_expect(base > last_unwrapped, 0)) {
-      AddWrappedBlock<kType>(p, mix, base, map.dim, bins);
+      // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
+      // o - r. Masked lanes are neither read nor written (nor fault), so each bin still gets
+      // its one value of the block, as in the scalar path.
+      const uint32_t r = map.dim - base;  // 1..15
+      const auto head = static_cast<uint32_t>((1u << r) - 1);
+      const auto head_lo = static_cast<__mmask8>(head), head_hi = static_cast<__mmask8>(head >> 8);
+      // bins - r, by integer arithmetic: only its lanes o >= r are touched.
+      double* const v =
+          reinterpret_cast<double*>(reinterpret_cast<uintptr_t>(bins) - r * sizeof(double));
+      _mm512_mask_storeu_pd(w, head_lo, _mm512_add_pd(_mm512_maskz_loadu_pd(head_lo, w), lo));
+      _mm512_mask_storeu_pd(w + 8, head_hi,
+                            _mm512_add_pd(_mm512_maskz_loadu_pd(head_hi, w + 8), hi));
+      const auto tail_lo = static_cast<__mmask8>(~head_lo),
+                 tail_hi = static_cast<__mmask8>(~head_hi);
+      _mm512_mask_storeu_pd(v, tail_lo, _mm512_add_pd(_mm512_maskz_loadu_pd(tail_lo, v), lo));
+      _mm512_mask_storeu_pd(v + 8, tail_hi,
+                            _mm512_add_pd(_mm512_maskz_loadu_pd(tail_hi, v + 8), hi));
       return;
     }
-    double* w = bins + base;
     _mm512_storeu_pd(w, _mm512_add_pd(_mm512_loadu_pd(w), lo));
     _mm512_storeu_pd(w + 8, _mm512_add_pd(_mm512_loadu_pd(w + 8), hi));
   };
