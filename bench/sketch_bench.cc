@@ -206,6 +206,35 @@ std::string CpuModel() {
   return "unknown";
 }
 
+// Alternates `reps` times `stream()` (the read) and `kernel()`, each timed by `time`, and prints
+// one row: dtype, dim, `label` (the path or the thread count), both in GB/s of `bytes` (best, and
+// median in parentheses), the ratio of the best times and the kernel's coordinates per second.
+template <class Time, class Stream, class Kernel>
+void RaceRow(const char* dtype, const std::string& dim, const std::string& label, size_t bytes,
+             size_t n, int reps, Time&& time, Stream&& stream, Kernel&& kernel) {
+  std::vector<double> stream_s, kernel_s;
+  for (int r = 0; r < reps; ++r) {
+    stream_s.push_back(time(stream));
+    kernel_s.push_back(time(kernel));
+  }
+  const Stats st = Summarize(stream_s);
+  const Stats k = Summarize(kernel_s);
+  const double gb = bytes / 1e9;
+  std::printf("%-9s %5s %-7s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", dtype, dim.c_str(),
+              label.c_str(), gb / st.best, gb / st.median, gb / k.best, gb / k.median,
+              100.0 * st.best / k.best, n / k.best / 1e9);
+  std::fflush(stdout);
+}
+
+// Fills `buf` with values of each dtype in turn and calls f(type, n), n the buffer's elements.
+template <class F>
+void ForEachDtype(unsigned char* buf, size_t bytes, F&& f) {
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    Fill(buf, bytes, type);
+    f(type, bytes / (type == ScalarType::kFloat32 ? 4 : 2));
+  }
+}
+
 const char* TypeName(ScalarType t) {
   switch (t) {
     case ScalarType::kFloat32:
@@ -263,84 +292,57 @@ int main(int argc, char** argv) {
   std::printf("one thread (CPU time of the thread):\n");
   std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
               "sketch GB/s", "ratio", "Gcoord/s");
-  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
-    Fill(buf, bytes, type);
-    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
-    const size_t n = bytes / element;
+  ForEachDtype(buf, bytes, [&](ScalarType type, size_t n) {
     for (uint32_t dim : opt.dims) {
       for (KernelIsa isa : isas) {
         CountSketch sketch(dim, rankscope::kDefaultSketchSeed);
-        std::vector<double> stream_s, sketch_s;
-        for (int r = 0; r < opt.reps; ++r) {
-          stream_s.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
-          sketch.Reset();
-          sketch_s.push_back(TimeOnce(
-              [&] { rankscope::sketch_internal::AddWithIsa(sketch, isa, buf, type, n, 0); }));
-          g_sink = static_cast<uint64_t>(sketch.bins()[0] != 0.0);
-        }
-        const Stats st = Summarize(stream_s);
-        const Stats sk = Summarize(sketch_s);
-        const double gb = bytes / 1e9;
-        std::printf("%-9s %5u %-7s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type),
-                    dim, rankscope::sketch_internal::KernelIsaName(isa), gb / st.best,
-                    gb / st.median, gb / sk.best, gb / sk.median, 100.0 * st.best / sk.best,
-                    n / sk.best / 1e9);
-        std::fflush(stdout);
+        RaceRow(
+            TypeName(type), std::to_string(dim), rankscope::sketch_internal::KernelIsaName(isa),
+            bytes, n, opt.reps, [](auto& f) { return TimeOnce(f); },
+            [&] { g_sink = StreamSum(storage.get(), bytes / 8); },
+            [&] {
+              sketch.Reset();
+              rankscope::sketch_internal::AddWithIsa(sketch, isa, buf, type, n, 0);
+              g_sink = static_cast<uint64_t>(sketch.bins()[0] != 0.0);
+            });
       }
     }
-  }
+  });
   // On several threads: StripedSketch (what the shim uses) against a streaming read with as
   // many threads, both by the wall clock.
   std::printf("threads (wall clock; StripedSketch, Add's best path):\n");
-  std::printf("%-9s %5s %7s %16s %16s %7s %9s\n", "dtype", "dim", "threads", "stream GB/s",
+  std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "threads", "stream GB/s",
               "sketch GB/s", "ratio", "Gcoord/s");
-  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
-    Fill(buf, bytes, type);
-    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
-    const size_t n = bytes / element;
+  ForEachDtype(buf, bytes, [&](ScalarType type, size_t n) {
     for (uint32_t dim : opt.dims) {
       for (int threads : opt.threads) {
         rankscope::StripedSketch sketch(dim, rankscope::kDefaultSketchSeed, threads);
-        std::vector<double> stream_s, sketch_s;
-        for (int r = 0; r < opt.reps; ++r) {
-          stream_s.push_back(
-              WallOnce([&] { StreamSumThreads(storage.get(), bytes / 8, threads); }));
-          sketch.Reset();
-          sketch_s.push_back(WallOnce([&] { sketch.Add(buf, type, n, 0); }));
-          g_sink = static_cast<uint64_t>(sketch.sketch().bins()[0] != 0.0);
-        }
-        const Stats st = Summarize(stream_s);
-        const Stats sk = Summarize(sketch_s);
-        const double gb = bytes / 1e9;
-        std::printf("%-9s %5u %7d %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%% %9.2f\n", TypeName(type), dim,
-                    threads, gb / st.best, gb / st.median, gb / sk.best, gb / sk.median,
-                    100.0 * st.best / sk.best, n / sk.best / 1e9);
-        std::fflush(stdout);
+        RaceRow(
+            TypeName(type), std::to_string(dim), std::to_string(threads), bytes, n, opt.reps,
+            [](auto& f) { return WallOnce(f); },
+            [&] { StreamSumThreads(storage.get(), bytes / 8, threads); },
+            [&] {
+              sketch.Reset();
+              sketch.Add(buf, type, n, 0);
+              g_sink = static_cast<uint64_t>(sketch.sketch().bins()[0] != 0.0);
+            });
       }
     }
-  }
+  });
   // The replica fingerprint kernel (reduced gradient and parameters) on one thread.
-  std::printf("fingerprint (one thread, CPU time):\n");
-  std::printf("%-9s %16s %16s %7s\n", "dtype", "stream GB/s", "fingerprint GB/s", "ratio");
-  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
-    Fill(buf, bytes, type);
-    const size_t element = type == ScalarType::kFloat32 ? 4 : 2;
-    std::vector<double> stream_s, fp_s;
-    for (int r = 0; r < opt.reps; ++r) {
-      stream_s.push_back(TimeOnce([&] { g_sink = StreamSum(storage.get(), bytes / 8); }));
-      rankscope::ReplicaFingerprint fp;
-      fp_s.push_back(TimeOnce([&] {
-        rankscope::FoldFingerprint(buf, static_cast<int>(type), bytes / element, 0, &fp);
-      }));
-      g_sink += fp.fingerprint;
-    }
-    const Stats st = Summarize(stream_s);
-    const Stats fp = Summarize(fp_s);
-    const double gb = bytes / 1e9;
-    std::printf("%-9s %7.2f (%6.2f) %7.2f (%6.2f) %6.0f%%\n", TypeName(type), gb / st.best,
-                gb / st.median, gb / fp.best, gb / fp.median, 100.0 * st.best / fp.best);
-    std::fflush(stdout);
-  }
+  std::printf("fingerprint (one thread, CPU time; Gcoord/s: elements per second):\n");
+  std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
+              "fingerprnt GB/s", "ratio", "Gcoord/s");
+  ForEachDtype(buf, bytes, [&](ScalarType type, size_t n) {
+    RaceRow(
+        TypeName(type), "-", "auto", bytes, n, opt.reps, [](auto& f) { return TimeOnce(f); },
+        [&] { g_sink = StreamSum(storage.get(), bytes / 8); },
+        [&] {
+          rankscope::ReplicaFingerprint fp;
+          rankscope::FoldFingerprint(buf, static_cast<int>(type), n, 0, &fp);
+          g_sink += fp.fingerprint;
+        });
+  });
   // The agent packs each report's bins once when it sends it (common/sketch_encoding.h): O(k),
   // beside the O(n) Add above. At a 4 KiB budget: float32 k = 1024, float16 2048, int8 4096.
   std::printf("%-9s %5s %12s\n", "packing", "dim", "us/report");
