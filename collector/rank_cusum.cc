@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "collector/rank_diagnostics.h"
+
 namespace rankscope::collector {
 namespace {
 
@@ -11,22 +13,6 @@ constexpr double kSqrt3 = 1.7320508075688772;
 
 double Step(double s, double x, double cap) {
   return std::min(cap, std::max(0.0, s + x - kCusumDrift));
-}
-
-// Median of the finite values (NaN when none).
-double FiniteMedian(absl::Span<const double> values) {
-  std::vector<double> finite;
-  finite.reserve(values.size());
-  for (double v : values) {
-    if (std::isfinite(v)) finite.push_back(v);
-  }
-  if (finite.empty()) return std::nan("");
-  const size_t mid = finite.size() / 2;
-  std::nth_element(finite.begin(), finite.begin() + mid, finite.end());
-  if (finite.size() % 2 == 1) return finite[mid];
-  const double upper = finite[mid];
-  const double lower = *std::max_element(finite.begin(), finite.begin() + mid);
-  return 0.5 * (lower + upper);
 }
 
 }  // namespace

@@ -29,17 +29,14 @@ struct Robust {
 };
 
 Robust RobustStats(absl::Span<const double> values) {
-  std::vector<double> finite;
-  finite.reserve(values.size());
-  for (double x : values) {
-    if (std::isfinite(x)) finite.push_back(x);
-  }
   Robust r;
-  if (finite.empty()) return r;
-  r.median = Median(finite);
+  r.median = FiniteMedian(values);
+  if (std::isnan(r.median)) return r;
   std::vector<double> dev;
-  dev.reserve(finite.size());
-  for (double x : finite) dev.push_back(std::abs(x - r.median));
+  dev.reserve(values.size());
+  for (double x : values) {
+    if (std::isfinite(x)) dev.push_back(std::abs(x - r.median));
+  }
   const double floor = kMadFloorRelative * std::max(std::abs(r.median), kMadFloorAbsolute);
   r.sigma = std::max(kMadToSigma * Median(std::move(dev)), floor);
   return r;
@@ -51,6 +48,15 @@ double RobustZ(double x, const Robust& r) {
 }
 
 }  // namespace
+
+double FiniteMedian(absl::Span<const double> values) {
+  std::vector<double> finite;
+  finite.reserve(values.size());
+  for (double x : values) {
+    if (std::isfinite(x)) finite.push_back(x);
+  }
+  return Median(std::move(finite));
+}
 
 ReplicaVerdict CheckReplicas(absl::Span<const RankFingerprint> fingerprints) {
   ReplicaVerdict v;

@@ -108,6 +108,10 @@ std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ran
 double GradientNoiseScale(absl::Span<const double> local_norms, double reduced_norm,
                           uint32_t local_batch_size);
 
+// Median of the finite values (the mean of the two middle ones for an even count); NaN when
+// there are none. Non-finite values are left out.
+double FiniteMedian(absl::Span<const double> values);
+
 // Robust z of each rank's step time ((t - median) / (1.4826 MAD), floored as above); a straggler
 // has a large positive value. Non-finite times give NaN for that rank.
 std::vector<double> StepTimeRobustZ(absl::Span<const double> step_times);
