@@ -101,28 +101,26 @@ class PySketch {
     if (addresses.size() != ns.size() || ns.size() != offsets.size()) {
       return "addresses, ns and offsets must have the same length";
     }
-    std::vector<StripedSketch::Segment> segments;
-    segments.reserve(addresses.size());
+    segments_.clear();
     for (size_t i = 0; i < addresses.size(); ++i) {
       if (ns[i] == 0) continue;
       if (addresses[i] == 0) return "null address";
-      segments.push_back({AsPointer(addresses[i]), ns[i], offsets[i]});
+      segments_.push_back({AsPointer(addresses[i]), ns[i], offsets[i]});
     }
     py::gil_scoped_release release;
-    sketch_.AddSegments(segments, *type);
+    sketch_.AddSegments(segments_, *type);
     return "";
   }
 
   // Adds every segment of `plan`, reading the bucket buffer at `base_address`.
   void AddPlan(const BucketPlan& plan, uintptr_t base_address) {
-    std::vector<StripedSketch::Segment> segments;
-    segments.reserve(plan.counts.size());
+    segments_.clear();
     for (size_t i = 0; i < plan.counts.size(); ++i) {
-      segments.push_back(
+      segments_.push_back(
           {AsPointer(base_address + plan.byte_offsets[i]), plan.counts[i], plan.global_offsets[i]});
     }
     py::gil_scoped_release release;
-    sketch_.AddSegments(segments, plan.type);
+    sketch_.AddSegments(segments_, plan.type);
   }
 
   // Writes the bins as dim() float32 values at `address`.
@@ -157,6 +155,9 @@ class PySketch {
   }
 
   StripedSketch sketch_;
+  // One bucket's segments, reused from call to call (no allocation on the hook's path once the
+  // largest bucket was seen).
+  std::vector<StripedSketch::Segment> segments_;
   std::vector<float> floats_;
 };
 
