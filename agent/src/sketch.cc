@@ -1,26 +1,26 @@
-// Count sketch kernel (see sketch.h for the hash and the contracts).
+// Count sketch kernel (see sketch.h for the hash and the rounding contract).
 //
-// The hash is per block of kBlock = 16 consecutive coordinates: one SplitMix64 mix gives the
-// block a base bin and 16 sign bits, and the block's coordinates go to the window of 16
-// consecutive bins base, base + 1, ... (mod dim). So the kernel hashes once per 16 coordinates,
-// and a block whose window does not wrap (base <= dim - 16, all but 15 bases in dim) is one
-// contiguous vector update: load 16 values, flip their signs under the 16-bit mask, widen to
-// double, add into the window.
+// The hash is per block of kBlock = 32 consecutive coordinates: one SplitMix64 mix gives the
+// block a base bin and 32 sign bits, and the block's coordinates go to the window of 32
+// consecutive bins base, base + 1, ... (mod dim). So the kernel hashes once per 32 coordinates,
+// and a block whose window does not wrap (base <= dim - 32, all but 31 bases in dim) is a few
+// contiguous vector updates: load 32 values, flip their signs under the 32-bit mask, add them
+// into the window of float partial bins, and square them into 32 float partial sums.
 //
-// Add runs in three phases: a scalar head up to the next block boundary, a vector body over whole
-// blocks, and a scalar tail. All paths (scalar, AVX2, AVX-512) compute the same integer hash, the
-// same exact widening and the same additions in the same order, so their results are
-// bit-identical:
-//   - bins: a block's 16 coordinates go to 16 distinct bins when dim >= 16, so each bin receives
-//     at most one value per block, and blocks are added in ascending order: every bin receives
-//     its values in ascending index order. (For dim < 16 only the scalar code runs.) A window
-//     that wraps (15 bases in dim) is two masked vector updates, at the end of the bins and at
-//     their start, so the bins stay a plain array of dim doubles (no overflow bins to fold when
-//     the sketch is read), and bins() is the sketch by its definition, bit for bit.
-//   - squares: coordinate i goes to partial sum i % 8 (a block is two groups of 8, added in
-//     order; the square of a float is exact in double, so fused and unfused multiply-adds agree,
-//     and the signed value has the same square), and Add folds the 8 partial sums in a fixed
-//     order.
+// Add cuts its input at segment boundaries (the driver at the bottom closes segments: float
+// partial bin -> double bin, in bin order), and each piece runs in three phases: a scalar head up
+// to the next block boundary, a vector body over whole blocks, and a scalar tail. All paths
+// (scalar, AVX2, AVX-512) compute the same integer hash, the same exact widening and the same
+// float operations in the same order, so their results are bit-identical:
+//   - bins: a block's 32 coordinates go to 32 distinct bins when dim >= 32, so each bin receives
+//     at most one value per block, and blocks are added in ascending order: every float partial
+//     bin receives its values in ascending index order. (For dim < 32 only the scalar code runs.)
+//     A window that wraps (31 bases in dim) is masked vector updates at the end of the bins and
+//     at their start; masked lanes are neither read nor written.
+//   - squares: coordinate i goes to float partial i % 32 by a fused multiply-add (std::fma in the
+//     scalar code, vfmadd in the vector code: one rounding either way); after the last
+//     coordinate of each run of kRun coordinates (global positions) the partials go into the
+//     double lanes.
 // Where the time goes: docs/PERFORMANCE.md "## Sketch kernel".
 #include "rankscope/sketch.h"
 
@@ -44,9 +44,9 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,f16c,bmi2")))
+#define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
 #define RANKSCOPE_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,f16c,bmi2")))
+  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,bmi2")))
 #endif
 
 namespace rankscope {
@@ -58,9 +58,12 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
 
-// Coordinates per hash block (sketch.h), and partial sums of squares (one vector of 8 doubles).
-constexpr uint64_t kBlock = 16;
-constexpr size_t kLanes = 8;
+// Coordinates per hash block, coordinates per run of float sums of squares (sketch.h), and the
+// number of float partial sums of squares (one per offset in a block).
+constexpr uint64_t kBlock = kSketchBlock;
+constexpr uint64_t kRun = kSketchSquareRun;
+constexpr size_t kLanes = kSketchBlock;
+static_assert(kRun % kBlock == 0, "a run holds whole blocks");
 
 template <ScalarType kType>
 constexpr size_t kElementSize = kType == ScalarType::kFloat32 ? 4 : 2;
@@ -91,13 +94,23 @@ inline uint32_t BaseOf(uint64_t mix, const BinMap& map) {
   }
 }
 
-// What one Add call writes to.
+// What one piece of an Add writes to: the open segment's float partial bins, the open run's
+// float partial squares and the double lanes they close into.
 struct KernelArgs {
   uint64_t seed;
   BinMap map;
-  double* bins;
-  double* lanes;  // kLanes partial sums of squares
+  float* partial_bins;     // dim floats
+  float* partial_squares;  // kLanes floats
+  double* square_lanes;    // kLanes doubles
 };
+
+// Closes a run: partial square l into double lane l, partial back to +0.
+inline void CloseRunLanes(float* partial, double* lanes) {
+  for (size_t l = 0; l < kLanes; ++l) {
+    lanes[l] += static_cast<double>(partial[l]);
+    partial[l] = 0.0f;
+  }
+}
 
 template <ScalarType kType>
 inline float LoadScalar(const unsigned char* p) {
@@ -129,21 +142,20 @@ inline uint64_t Finalize64(uint64_t z) {
 }
 
 // v with its sign flipped iff the lowest bit of `bits` is set (branch-free, exactly -v then).
-inline double ApplySign(double v, uint64_t bits) {
-  uint64_t u;
+inline float ApplySign(float v, uint64_t bits) {
+  uint32_t u;
   std::memcpy(&u, &v, sizeof u);
-  u ^= bits << 63;
+  u ^= static_cast<uint32_t>(bits & 1) << 31;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
 
 // Adds coordinates [first, first + n) one at a time, block by block: the reference for the
-// vector paths, and the only path for dim < 16.
+// vector paths, and the only path for dim < 32.
 template <ScalarType kType, bool kPow2>
 void AddScalar(const unsigned char* data, size_t n, uint64_t first, const KernelArgs& a) {
-  double lanes[kLanes];  // a local copy: cannot alias the bins
-  std::copy(a.lanes, a.lanes + kLanes, lanes);
   const uint32_t dim = a.map.dim;
+  float* const partial = a.partial_bins;
   size_t j = 0;
   while (j < n) {
     const uint64_t index = first + j;
@@ -152,14 +164,14 @@ void AddScalar(const unsigned char* data, size_t n, uint64_t first, const Kernel
     const uint32_t first_offset = static_cast<uint32_t>(index % kBlock);
     const size_t count = std::min<size_t>(n - j, kBlock - first_offset);
     for (uint32_t o = first_offset; o < first_offset + count; ++o, ++j) {
-      const double v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
-      lanes[(first + j) % kLanes] += v * v;
-      uint32_t bin = base + o;  // < dim + 16
+      const float v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
+      a.partial_squares[o] = std::fma(v, v, a.partial_squares[o]);
+      uint32_t bin = base + o;  // < dim + 32
       if (bin >= dim) bin = dim >= kBlock ? bin - dim : bin % dim;
-      a.bins[bin] += v;
+      partial[bin] += v;
+      if ((first + j + 1) % kRun == 0) CloseRunLanes(a.partial_squares, a.square_lanes);
     }
   }
-  std::copy(lanes, lanes + kLanes, a.lanes);
 }
 
 // The vector body: `blocks` whole blocks of kBlock coordinates, the first one starting at
@@ -176,39 +188,48 @@ void BodyScalar(const unsigned char* data, size_t blocks, uint64_t first, const 
 
 // Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
 // too few misses in flight and reads DRAM at about half the speed (the hardware prefetchers alone
-// do not keep up). Measured on the bench machine (docs/PERFORMANCE.md), 2 to 16 KiB ahead: into
-// L2 (prefetcht1) is best for float32, into L1 (prefetcht0) a few percent better for the 16-bit
-// types, which consume their input at half the byte rate. A prefetch never faults, so running
-// past the end of the input is harmless. Written as inline assembly because GCC 12 silently
-// deleted _mm_prefetch here (it treats the builtin as free of side effects once it sits in a
-// small inline function).
+// do not keep up). Into L2 (prefetcht1) for float32, into L1 (prefetcht0) for the 16-bit types,
+// which consume their input at half the byte rate (docs/PERFORMANCE.md). One prefetch per
+// 64-byte line of input. A prefetch never faults, so running past the end of the input is
+// harmless. Written as inline assembly because GCC 12 silently deleted _mm_prefetch here (it
+// treats the builtin as free of side effects once it sits in a small inline function).
 constexpr uintptr_t kPrefetchBytes = 8192;
 template <ScalarType kType>
 __attribute__((always_inline)) inline void PrefetchAhead(const unsigned char* p) {
   const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
   if constexpr (kType == ScalarType::kFloat32) {
     asm volatile("prefetcht1 %0" : : "m"(*ahead));
+    asm volatile("prefetcht1 %0" : : "m"(*(ahead + 64)));
   } else {
     asm volatile("prefetcht0 %0" : : "m"(*ahead));
   }
 }
 
 // Runs body(data, mix) for `blocks` consecutive blocks starting at block number first / kBlock,
-// prefetching ahead of each. `body` adds one block and is inlined.
-template <ScalarType kType, class Body>
+// prefetching ahead of each, and end_run() after every block that ends a run of kRun
+// coordinates. `body` adds one block and is inlined.
+template <ScalarType kType, class Body, class EndRun>
 __attribute__((always_inline)) inline void ForEachBlock(const unsigned char* data, size_t blocks,
-                                                        uint64_t first, uint64_t seed,
-                                                        Body&& body) {
-  constexpr size_t kBytes = kBlock * kElementSize<kType>;  // 64 or 32
-  uint64_t z = seed + (first / kBlock + 1) * kGolden;
-  for (const unsigned char* const end = data + blocks * kBytes; data != end; data += kBytes) {
-    PrefetchAhead<kType>(data);
-    body(data, Finalize64(z));
-    z += kGolden;
+                                                        uint64_t first, uint64_t seed, Body&& body,
+                                                        EndRun&& end_run) {
+  constexpr size_t kBytes = kBlock * kElementSize<kType>;  // 128 or 64
+  constexpr uint64_t kBlocksPerRun = kRun / kBlock;
+  uint64_t block = first / kBlock;
+  uint64_t z = seed + (block + 1) * kGolden;
+  while (blocks > 0) {
+    const size_t in_run = std::min<uint64_t>(blocks, kBlocksPerRun - block % kBlocksPerRun);
+    for (const unsigned char* const end = data + in_run * kBytes; data != end; data += kBytes) {
+      PrefetchAhead<kType>(data);
+      body(data, Finalize64(z));
+      z += kGolden;
+    }
+    block += in_run;
+    blocks -= in_run;
+    if (block % kBlocksPerRun == 0) end_run();
   }
 }
 
-// ---- AVX2: a block is two vectors of 8 floats, widened to four vectors of 4 doubles.
+// ---- AVX2: a block is four vectors of 8 floats.
 
 template <ScalarType kType>
 RANKSCOPE_TARGET_AVX2 inline __m256 Load8Avx2(const unsigned char* p) {
@@ -230,62 +251,64 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
   constexpr size_t kSize = kElementSize<kType>;
   const BinMap map = a.map;
   const uint32_t last_unwrapped = map.dim - kBlock;
-  double* const bins = a.bins;
-  // Shifts that move bit o of the mix to the float sign bit of lane o (o = 0-7, then 8-15).
-  const __m256i shift_lo = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
-  const __m256i shift_hi = _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16);
+  float* const bins = a.partial_bins;
+  // Shifts that move bit o of the mix to the float sign bit of lane o, for o = 8q + l.
+  const __m256i shift0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+  const __m256i eight = _mm256_set1_epi32(8);
   const __m256i sign_bit = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
-  __m256d acc0 = _mm256_loadu_pd(a.lanes);  // partial sums of squares of lanes 0-3
-  __m256d acc1 = _mm256_loadu_pd(a.lanes + 4);
+  __m256 sq[4];  // float partial squares of offsets 8q .. 8q + 7
+  for (int q = 0; q < 4; ++q) sq[q] = _mm256_loadu_ps(a.partial_squares + 8 * q);
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX2 {
     const __m256i m = _mm256_set1_epi32(static_cast<int32_t>(mix));
-    const __m256 lo = _mm256_xor_ps(
-        Load8Avx2<kType>(p),
-        _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift_lo), sign_bit)));
-    const __m256 hi = _mm256_xor_ps(
-        Load8Avx2<kType>(p + 8 * kSize),
-        _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift_hi), sign_bit)));
-    const __m256d v0 = _mm256_cvtps_pd(_mm256_castps256_ps128(lo));
-    const __m256d v1 = _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1));
-    const __m256d v2 = _mm256_cvtps_pd(_mm256_castps256_ps128(hi));
-    const __m256d v3 = _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1));
-    // x * x is exact in double, so acc + x * x rounds once, as the scalar path does.
-    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(v0, v0));
-    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(v1, v1));
-    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(v2, v2));
-    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(v3, v3));
+    __m256 v[4];
+    __m256i shift = shift0;
+    for (int q = 0; q < 4; ++q) {
+      v[q] = _mm256_xor_ps(
+          Load8Avx2<kType>(p + 8 * q * kSize),
+          _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift), sign_bit)));
+      shift = _mm256_sub_epi32(shift, eight);
+      sq[q] = _mm256_fmadd_ps(v[q], v[q], sq[q]);
+    }
     const uint32_t base = BaseOf<kPow2>(mix, map);
-    double* w = bins + base;
+    float* w = bins + base;
     if (__builtin_expect(base > last_unwrapped, 0)) {
       // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
       // o - r (as in the AVX-512 body); masked lanes are neither read nor written.
-      const auto r = static_cast<int64_t>(map.dim - base);  // 1..15
-      double* const v = reinterpret_cast<double*>(reinterpret_cast<uintptr_t>(bins) -
-                                                  static_cast<uintptr_t>(r) * sizeof(double));
-      const __m256i rr = _mm256_set1_epi64x(r);
-      const __m256d values[4] = {v0, v1, v2, v3};
+      const auto r = static_cast<int32_t>(map.dim - base);  // 1..31
+      float* const t = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(bins) -
+                                                static_cast<uintptr_t>(r) * sizeof(float));
+      const __m256i rr = _mm256_set1_epi32(r);
+      __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       for (int q = 0; q < 4; ++q) {
-        const __m256i head =
-            _mm256_cmpgt_epi64(rr, _mm256_setr_epi64x(4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3));
-        const __m256i tail = _mm256_xor_si256(head, _mm256_set1_epi64x(-1));
-        _mm256_maskstore_pd(w + 4 * q, head,
-                            _mm256_add_pd(_mm256_maskload_pd(w + 4 * q, head), values[q]));
-        _mm256_maskstore_pd(v + 4 * q, tail,
-                            _mm256_add_pd(_mm256_maskload_pd(v + 4 * q, tail), values[q]));
+        const __m256i head = _mm256_cmpgt_epi32(rr, lane);
+        const __m256i tail = _mm256_xor_si256(head, _mm256_set1_epi32(-1));
+        _mm256_maskstore_ps(w + 8 * q, head,
+                            _mm256_add_ps(_mm256_maskload_ps(w + 8 * q, head), v[q]));
+        _mm256_maskstore_ps(t + 8 * q, tail,
+                            _mm256_add_ps(_mm256_maskload_ps(t + 8 * q, tail), v[q]));
+        lane = _mm256_add_epi32(lane, eight);
       }
       return;
     }
-    _mm256_storeu_pd(w, _mm256_add_pd(_mm256_loadu_pd(w), v0));
-    _mm256_storeu_pd(w + 4, _mm256_add_pd(_mm256_loadu_pd(w + 4), v1));
-    _mm256_storeu_pd(w + 8, _mm256_add_pd(_mm256_loadu_pd(w + 8), v2));
-    _mm256_storeu_pd(w + 12, _mm256_add_pd(_mm256_loadu_pd(w + 12), v3));
+    for (int q = 0; q < 4; ++q) {
+      _mm256_storeu_ps(w + 8 * q, _mm256_add_ps(_mm256_loadu_ps(w + 8 * q), v[q]));
+    }
   };
-  ForEachBlock<kType>(data, blocks, first, a.seed, add_block);
-  _mm256_storeu_pd(a.lanes, acc0);
-  _mm256_storeu_pd(a.lanes + 4, acc1);
+  auto end_run = [&]() RANKSCOPE_TARGET_AVX2 {
+    for (int q = 0; q < 4; ++q) {
+      double* lanes = a.square_lanes + 8 * q;
+      _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_loadu_pd(lanes),
+                                            _mm256_cvtps_pd(_mm256_castps256_ps128(sq[q]))));
+      _mm256_storeu_pd(lanes + 4, _mm256_add_pd(_mm256_loadu_pd(lanes + 4),
+                                                _mm256_cvtps_pd(_mm256_extractf128_ps(sq[q], 1))));
+      sq[q] = _mm256_setzero_ps();
+    }
+  };
+  ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
+  for (int q = 0; q < 4; ++q) _mm256_storeu_ps(a.partial_squares + 8 * q, sq[q]);
 }
 
-// ---- AVX-512: a block is one vector of 16 floats, widened to two vectors of 8 doubles.
+// ---- AVX-512: a block is two vectors of 16 floats.
 
 template <ScalarType kType>
 RANKSCOPE_TARGET_AVX512 inline __m512 Load16Avx512(const unsigned char* p) {
@@ -304,47 +327,63 @@ RANKSCOPE_TARGET_AVX512 inline __m512 Load16Avx512(const unsigned char* p) {
 template <ScalarType kType, bool kPow2>
 RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks, uint64_t first,
                                         const KernelArgs& a) {
+  constexpr size_t kSize = kElementSize<kType>;
   const BinMap map = a.map;
   const uint32_t last_unwrapped = map.dim - kBlock;
-  double* const bins = a.bins;
+  float* const bins = a.partial_bins;
   const __m512i sign_bit = _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
-  __m512d acc = _mm512_loadu_pd(a.lanes);  // lane l: coordinates l mod 8
+  __m512 sq_lo = _mm512_loadu_ps(a.partial_squares);  // offsets 0-15
+  __m512 sq_hi = _mm512_loadu_ps(a.partial_squares + 16);
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX512 {
     const __m512i x = _mm512_castps_si512(Load16Avx512<kType>(p));
-    const __m512 f =
+    const __m512i y = _mm512_castps_si512(Load16Avx512<kType>(p + 16 * kSize));
+    const __m512 lo =
         _mm512_castsi512_ps(_mm512_mask_xor_epi32(x, static_cast<__mmask16>(mix), x, sign_bit));
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
-    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
-    // x * x is exact in double, so acc + x * x rounds once, as the scalar path does.
-    acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
-    acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+    const __m512 hi = _mm512_castsi512_ps(
+        _mm512_mask_xor_epi32(y, static_cast<__mmask16>(mix >> 16), y, sign_bit));
+    sq_lo = _mm512_fmadd_ps(lo, lo, sq_lo);
+    sq_hi = _mm512_fmadd_ps(hi, hi, sq_hi);
     const uint32_t base = BaseOf<kPow2>(mix, map);
-    double* w = bins + base;
+    float* w = bins + base;
     if (__builtin_expect(base > last_unwrapped, 0)) {
       // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
       // o - r. Masked lanes are neither read nor written (nor fault), so each bin still gets
       // its one value of the block, as in the scalar path.
-      const uint32_t r = map.dim - base;  // 1..15
-      const auto head = static_cast<uint32_t>((1u << r) - 1);
-      const auto head_lo = static_cast<__mmask8>(head), head_hi = static_cast<__mmask8>(head >> 8);
+      const uint32_t r = map.dim - base;  // 1..31
+      const auto head = static_cast<uint32_t>((uint64_t{1} << r) - 1);
+      const auto head_lo = static_cast<__mmask16>(head),
+                 head_hi = static_cast<__mmask16>(head >> 16);
       // bins - r, by integer arithmetic: only its lanes o >= r are touched.
-      double* const v =
-          reinterpret_cast<double*>(reinterpret_cast<uintptr_t>(bins) - r * sizeof(double));
-      _mm512_mask_storeu_pd(w, head_lo, _mm512_add_pd(_mm512_maskz_loadu_pd(head_lo, w), lo));
-      _mm512_mask_storeu_pd(w + 8, head_hi,
-                            _mm512_add_pd(_mm512_maskz_loadu_pd(head_hi, w + 8), hi));
-      const auto tail_lo = static_cast<__mmask8>(~head_lo),
-                 tail_hi = static_cast<__mmask8>(~head_hi);
-      _mm512_mask_storeu_pd(v, tail_lo, _mm512_add_pd(_mm512_maskz_loadu_pd(tail_lo, v), lo));
-      _mm512_mask_storeu_pd(v + 8, tail_hi,
-                            _mm512_add_pd(_mm512_maskz_loadu_pd(tail_hi, v + 8), hi));
+      float* const t =
+          reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(bins) - r * sizeof(float));
+      _mm512_mask_storeu_ps(w, head_lo, _mm512_add_ps(_mm512_maskz_loadu_ps(head_lo, w), lo));
+      _mm512_mask_storeu_ps(w + 16, head_hi,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(head_hi, w + 16), hi));
+      const auto tail_lo = static_cast<__mmask16>(~head_lo),
+                 tail_hi = static_cast<__mmask16>(~head_hi);
+      _mm512_mask_storeu_ps(t, tail_lo, _mm512_add_ps(_mm512_maskz_loadu_ps(tail_lo, t), lo));
+      _mm512_mask_storeu_ps(t + 16, tail_hi,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(tail_hi, t + 16), hi));
       return;
     }
-    _mm512_storeu_pd(w, _mm512_add_pd(_mm512_loadu_pd(w), lo));
-    _mm512_storeu_pd(w + 8, _mm512_add_pd(_mm512_loadu_pd(w + 8), hi));
+    _mm512_storeu_ps(w, _mm512_add_ps(_mm512_loadu_ps(w), lo));
+    _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_loadu_ps(w + 16), hi));
   };
-  ForEachBlock<kType>(data, blocks, first, a.seed, add_block);
-  _mm512_storeu_pd(a.lanes, acc);
+  auto end_run = [&]() RANKSCOPE_TARGET_AVX512 {
+    double* const lanes = a.square_lanes;
+    const __m512d parts[4] = {_mm512_cvtps_pd(_mm512_castps512_ps256(sq_lo)),
+                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(sq_lo, 1)),
+                              _mm512_cvtps_pd(_mm512_castps512_ps256(sq_hi)),
+                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(sq_hi, 1))};
+    for (int q = 0; q < 4; ++q) {
+      _mm512_storeu_pd(lanes + 8 * q, _mm512_add_pd(_mm512_loadu_pd(lanes + 8 * q), parts[q]));
+    }
+    sq_lo = _mm512_setzero_ps();
+    sq_hi = _mm512_setzero_ps();
+  };
+  ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
+  _mm512_storeu_ps(a.partial_squares, sq_lo);
+  _mm512_storeu_ps(a.partial_squares + 16, sq_hi);
 }
 
 bool CpuHasF16c() {
@@ -369,7 +408,7 @@ BodyFn SelectBody(KernelIsa isa) {
 }
 
 // Head (scalar, up to a block boundary), body (vector, whole blocks), tail (scalar). A window
-// of 16 bins needs dim >= 16: smaller sketches take the scalar path throughout.
+// of 32 bins needs dim >= 32: smaller sketches take the scalar path throughout.
 template <ScalarType kType, bool kPow2>
 void AddRange(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first,
               const KernelArgs& a) {
@@ -396,15 +435,22 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
   }
 }
 
-// The kLanes partial sums of squares folded in the fixed order of sketch.cc's contract.
+// The kLanes double lanes of the sums of squares folded in a fixed order: four groups of 8 by
+// pairs, then the groups by pairs.
 double FoldLanes(const double* l) {
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  double group[4];
+  for (int g = 0; g < 4; ++g) {
+    const double* x = l + 8 * g;
+    group[g] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+  }
+  return (group[0] + group[1]) + (group[2] + group[3]);
 }
 
 KernelIsa DetectBestIsa() {
 #ifdef RANKSCOPE_SKETCH_X86
   __builtin_cpu_init();
-  if (!CpuHasF16c() || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2")) {
+  if (!CpuHasF16c() || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2") ||
+      !__builtin_cpu_supports("fma")) {
     return KernelIsa::kScalar;
   }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
@@ -463,43 +509,92 @@ const char* KernelIsaName(KernelIsa isa) {
 
 void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType type, size_t n,
                 uint64_t offset) {
-  static_assert(CountSketch::kSumSquaresLanes == kLanes, "one partial sum per vector lane");
+  static_assert(CountSketch::kSumSquaresLanes == kLanes, "one partial sum per block offset");
   if (n == 0) return;
   assert(data != nullptr);
   assert(KernelIsaSupported(isa));
   if (!KernelIsaSupported(isa)) isa = KernelIsa::kScalar;
-  const uint32_t dim = sketch.dim();
-  const KernelArgs args{sketch.seed_, MakeBinMap(dim), sketch.bins_.data(),
-                        sketch.sum_squares_lanes_};
+  // A run other than the open one: close the open one (its partials are +0 if it was completed).
+  if (offset / kRun != sketch.open_run_) sketch.CloseRun();
+  const KernelArgs args{sketch.seed_, MakeBinMap(sketch.dim()), sketch.partial_bins_.data(),
+                        sketch.partial_squares_, sketch.square_lanes_};
+  const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
   const auto* bytes = static_cast<const unsigned char*>(data);
-  switch (type) {
-    case ScalarType::kFloat32:
-      AddTyped<ScalarType::kFloat32>(isa, bytes, n, offset, args);
-      break;
-    case ScalarType::kBFloat16:
-      AddTyped<ScalarType::kBFloat16>(isa, bytes, n, offset, args);
-      break;
-    case ScalarType::kFloat16:
-      AddTyped<ScalarType::kFloat16>(isa, bytes, n, offset, args);
-      break;
-    default:
-      assert(false && "unknown ScalarType");
-      return;
+  const uint64_t segment_length = sketch.segment_length_;
+  // One piece per segment: the open segment is closed before another one is added to, and when a
+  // piece reaches its end.
+  while (n > 0) {
+    const uint64_t segment = offset / segment_length;
+    const uint64_t room = (segment + 1) * segment_length - offset;
+    const size_t len = room < n ? static_cast<size_t>(room) : n;
+    if (sketch.open_segment_ != segment) {
+      sketch.CloseSegment();
+      sketch.open_segment_ = segment;
+    }
+    switch (type) {
+      case ScalarType::kFloat32:
+        AddTyped<ScalarType::kFloat32>(isa, bytes, len, offset, args);
+        break;
+      case ScalarType::kBFloat16:
+        AddTyped<ScalarType::kBFloat16>(isa, bytes, len, offset, args);
+        break;
+      case ScalarType::kFloat16:
+        AddTyped<ScalarType::kFloat16>(isa, bytes, len, offset, args);
+        break;
+      default:
+        assert(false && "unknown ScalarType");
+        return;
+    }
+    if (len == room) sketch.CloseSegment();
+    bytes += len * size;
+    offset += len;
+    n -= len;
   }
-  sketch.sum_squares_ = FoldLanes(sketch.sum_squares_lanes_);
+  // The run of the last coordinate added stays open (its partials are +0 if it was completed).
+  sketch.open_run_ = (offset - 1) / kRun;
 }
 
 }  // namespace sketch_internal
 
+uint64_t SketchSegment(uint32_t dim) {
+  uint64_t length = uint64_t{1} << 16;
+  while (length < uint64_t{kSketchBlock} * dim) length <<= 1;
+  return length;
+}
+
 CountSketch::CountSketch(uint32_t dim, uint64_t seed)
-    : seed_(seed), bins_(std::clamp<uint32_t>(dim, 1, kMaxSketchDim), 0.0) {
+    : seed_(seed),
+      segment_length_(SketchSegment(std::clamp<uint32_t>(dim, 1, kMaxSketchDim))),
+      bins_(std::clamp<uint32_t>(dim, 1, kMaxSketchDim), 0.0),
+      partial_bins_(bins_.size(), 0.0f) {
   assert(dim >= 1 && dim <= kMaxSketchDim);
 }
 
 void CountSketch::Reset() {
   std::fill(bins_.begin(), bins_.end(), 0.0);
-  std::fill(std::begin(sum_squares_lanes_), std::end(sum_squares_lanes_), 0.0);
+  std::fill(partial_bins_.begin(), partial_bins_.end(), 0.0f);
+  open_segment_ = kNone;
+  std::fill(std::begin(partial_squares_), std::end(partial_squares_), 0.0f);
+  open_run_ = kNone;
+  std::fill(std::begin(square_lanes_), std::end(square_lanes_), 0.0);
   sum_squares_ = 0.0;
+}
+
+void CountSketch::CloseSegment() const {
+  if (open_segment_ == kNone) return;
+  for (size_t i = 0; i < bins_.size(); ++i) {
+    bins_[i] += static_cast<double>(partial_bins_[i]);
+    partial_bins_[i] = 0.0f;
+  }
+  open_segment_ = kNone;
+}
+
+void CountSketch::CloseRun() const { CloseRunLanes(partial_squares_, square_lanes_); }
+
+void CountSketch::Close() const {
+  CloseSegment();
+  CloseRun();
+  sum_squares_ = FoldLanes(square_lanes_);
 }
 
 void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offset) {
@@ -508,14 +603,17 @@ void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offs
 
 void CountSketch::MergeFrom(const CountSketch& other) {
   assert(other.bins_.size() == bins_.size() && other.seed_ == seed_);
+  Close();
+  other.Close();
   const size_t n = std::min(bins_.size(), other.bins_.size());
   for (size_t i = 0; i < n; ++i) bins_[i] += other.bins_[i];
-  for (int l = 0; l < kSumSquaresLanes; ++l) sum_squares_lanes_[l] += other.sum_squares_lanes_[l];
-  sum_squares_ = FoldLanes(sum_squares_lanes_);
+  for (int l = 0; l < kSumSquaresLanes; ++l) square_lanes_[l] += other.square_lanes_[l];
+  sum_squares_ = FoldLanes(square_lanes_);
 }
 
 void CountSketch::CopyTo(absl::Span<float> out) const {
   assert(out.size() == bins_.size());
+  Close();
   const size_t n = std::min(out.size(), bins_.size());
   for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(bins_[i]);
 }

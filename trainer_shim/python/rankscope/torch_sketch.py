@@ -1,16 +1,18 @@
 """The count sketch written with torch operations, for gradients that do not live on the CPU.
 
 It reproduces bit for bit the bins and signs of the C++ kernel (agent/include/rankscope/sketch.h,
-``SketchHash``), a block count sketch: coordinate ``i`` lies in block ``i >> 4`` at offset
-``o = i & 15``; with ``mix`` = output number ``i >> 4`` of SplitMix64 seeded with ``seed``, it goes
+``SketchHash``), a block count sketch: coordinate ``i`` lies in block ``i >> 5`` at offset
+``o = i & 31``; with ``mix`` = output number ``i >> 5`` of SplitMix64 seeded with ``seed``, it goes
 to bin ``((mix >> 32) % dim + o) % dim`` with sign ``+1`` if bit ``o`` of ``mix`` is 0, else
-``-1``. So there is one mix per 16 coordinates. The arithmetic is uint64 modulo 2**64; torch has no
+``-1``. So there is one mix per 32 coordinates. The arithmetic is uint64 modulo 2**64; torch has no
 uint64, so it runs on int64: ``+`` and ``*`` wrap identically in two's complement, and the LOGICAL
-right shift is written as an arithmetic shift followed by a mask (bit ``o < 16`` of ``mix`` is the
+right shift is written as an arithmetic shift followed by a mask (bit ``o < 32`` of ``mix`` is the
 same under either shift).
 
 Everything stays on the gradient's device: no host copy, no ``.item()``, no synchronization.
-Bins accumulate in float64 (as the C++ kernel's) and the sum of squares in a float64 0-d tensor.
+Bins accumulate in float64 and the sum of squares in a float64 0-d tensor: the same bins and signs
+as the C++ kernel, summed with less rounding (the kernel sums segments in float first, sketch.h
+"Rounding"), so the two agree up to rounding, not bit for bit.
 Work is done in chunks of ``CHUNK`` coordinates to bound the temporary memory (about 40 bytes a
 coordinate of a chunk).
 """
@@ -48,7 +50,7 @@ def sketch_mix(index: torch.Tensor, seed: int) -> torch.Tensor:
     return z
 
 
-BLOCK = 16  # coordinates per hash block
+BLOCK = 32  # coordinates per hash block
 
 _OFFSETS = {}  # device -> arange(BLOCK) as int64
 
