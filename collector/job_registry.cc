@@ -124,6 +124,7 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
       // An identity restored from the store does not know its encoding: the first hello says it.
       if (!job.identity.sketch_encoding)
         job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
+      if (!job.identity.sketch_block) job.identity.sketch_block = SketchBlockOf(hello);
     }
   }
   Job& job = it->second;
@@ -132,7 +133,8 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
     attached->resized = identity.world_size != job.identity.world_size ||
                         identity.sketch_dim != job.identity.sketch_dim ||
                         identity.sketch_seed != job.identity.sketch_seed ||
-                        identity.sketch_encoding != job.identity.sketch_encoding;
+                        identity.sketch_encoding != job.identity.sketch_encoding ||
+                        identity.sketch_block != job.identity.sketch_block;
     job.identity = identity;
     job.epoch = std::max(job.epoch + 1, hello.attempt());
     job.max_attempt = std::max(job.max_attempt, hello.attempt());

@@ -16,9 +16,13 @@ Rejection Reject(absl::Status status, RejectReason reason) {
 
 }  // namespace
 
+uint32_t SketchBlockOf(const v1::Hello& hello) {
+  return hello.sketch_block() == 0 ? 16 : hello.sketch_block();
+}
+
 JobIdentity IdentityOf(const v1::Hello& hello) {
   return JobIdentity{hello.world_size(), hello.sketch_dim(), hello.sketch_seed(),
-                     SketchEncodingFromWire(hello.sketch_encoding())};
+                     SketchEncodingFromWire(hello.sketch_encoding()), SketchBlockOf(hello)};
 }
 
 uint64_t ReportSketchDim(const v1::StepReport& report, const v1::Hello& hello) {
@@ -115,6 +119,15 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
                       hello.job(), "'s (", SketchEncodingName(*identity.sketch_encoding),
                       "): a job uses one sketch encoding; attach every rank with the same "
                       "sketch_encoding, or use a new job name")),
+                  RejectReason::kSketchMismatch);
+  }
+  if (identity.sketch_block && SketchBlockOf(hello) != *identity.sketch_block) {
+    return Reject(absl::FailedPreconditionError(absl::StrCat(
+                      "sketch_block ", SketchBlockOf(hello), " differs from job ", hello.job(),
+                      "'s (", *identity.sketch_block,
+                      "): this rank's agent hashes the gradient in blocks of another size (a "
+                      "different rankscope version), so its sketch cannot be compared; run one "
+                      "rankscope version on every rank, or use a new job name")),
                   RejectReason::kSketchMismatch);
   }
   return {};

@@ -41,7 +41,13 @@ struct JobIdentity {
   // The sketch encoding of the job's hellos; nullopt when not known (an identity restored from
   // the store, which does not keep it): the next hello's encoding is then adopted.
   std::optional<SketchEncoding> sketch_encoding;
+  // Coordinates per block of the sketch's hash (Hello.sketch_block, 0 read as 16); nullopt when
+  // not known (restored from the store), as sketch_encoding.
+  std::optional<uint32_t> sketch_block;
 };
+
+// The hash block a hello states: Hello.sketch_block, where 0 (older agents) means 16.
+uint32_t SketchBlockOf(const v1::Hello& hello);
 
 // The identity a hello states.
 JobIdentity IdentityOf(const v1::Hello& hello);

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "rankscope/sketch.h"
+
 namespace rankscope::internal {
 
 v1::AgentMessage HelloMessage(const AgentOptions& options,
@@ -26,6 +28,7 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
   h->set_instance_id(options.instance_id);
   h->set_pid(static_cast<uint32_t>(getpid()));
   h->set_sketch_encoding(static_cast<v1::SketchEncoding>(options.sketch_encoding));
+  h->set_sketch_block(kSketchBlock);  // the hash this agent's CountSketch uses
   if (control) {
     v1::Control* c = h->mutable_control();
     c->set_generation(control->generation);

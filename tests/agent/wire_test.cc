@@ -54,6 +54,9 @@ TEST(WireTest, PackedEncodingsCarryBytesAndScaleAndTheHelloStatesThem) {
   AgentOptions options;
   options.job = "exp-42";
   EXPECT_EQ(HelloMessage(options).hello().sketch_encoding(), v1::SKETCH_ENCODING_FLOAT32);
+  // The hash block of this agent's sketch, so a job of mixed versions is refused.
+  EXPECT_EQ(HelloMessage(options).hello().sketch_block(), kSketchBlock);
+  EXPECT_EQ(kSketchBlock, 32u);
   QueuedReport q;
   q.step = 3;
   q.sketch = {1.0f, -2.0f, 3.5f, 0.0f};

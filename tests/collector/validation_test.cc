@@ -149,6 +149,28 @@ TEST(ValidationTest, MixedEncodingsInAJobAreRefused) {
   EXPECT_EQ(IdentityOf(GoodHello()).sketch_encoding, SketchEncoding::kFloat32);
 }
 
+TEST(ValidationTest, MixedHashBlocksInAJobAreRefused) {
+  // Agents before Hello.sketch_block hashed blocks of 16 and do not send it (0).
+  v1::Hello old_agent = GoodHello();
+  old_agent.set_sketch_block(0);
+  v1::Hello new_agent = GoodHello();
+  new_agent.set_sketch_block(32);
+  EXPECT_EQ(SketchBlockOf(old_agent), 16u);
+  EXPECT_EQ(IdentityOf(new_agent).sketch_block, 32u);
+  const JobIdentity job = IdentityOf(new_agent);
+  EXPECT_TRUE(CheckJobIdentity(new_agent, job).status.ok());
+  Rejection r = CheckJobIdentity(old_agent, job);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ReasonLabel(r.reason), "sketch_mismatch");
+  EXPECT_THAT(std::string(r.status.message()),
+              HasSubstr("sketch_block 16 differs from job exp-42's (32)"));
+  EXPECT_FALSE(CheckJobIdentity(new_agent, IdentityOf(old_agent)).status.ok());
+  // An identity restored from the store does not know its block: any is accepted.
+  const JobIdentity restored{job.world_size, job.sketch_dim, job.sketch_seed, std::nullopt,
+                             std::nullopt};
+  EXPECT_TRUE(CheckJobIdentity(old_agent, restored).status.ok());
+}
+
 TEST(ValidationTest, PackedReportLengthAndScale) {
   for (auto [encoding, per_bin] :
        {std::pair{v1::SKETCH_ENCODING_INT8, 1}, std::pair{v1::SKETCH_ENCODING_FLOAT16, 2}}) {
