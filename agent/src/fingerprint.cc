@@ -36,8 +36,13 @@ inline float Float16ForSquares(uint16_t bits) {
   return f;
 }
 
-// One pass over n elements of bit type Bits; no temporaries. Inlined into each clone of
-// FoldFingerprint, so that every instruction set gets its own vectorized loop.
+// The 8 partial sums of squares folded in the fixed order of fingerprint.h.
+inline double FoldSquares(const double* sums) {
+  return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+}
+
+// One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into
+// each clone of FoldFingerprint, so that every instruction set gets its own vectorized loop.
 template <typename Bits, typename Decode>
 __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, uint64_t offset,
                                                      Decode decode, ReplicaFingerprint* acc) {
@@ -59,8 +64,57 @@ __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, ui
     sums[l] += v * v;
   }
   acc->fingerprint += fp;
-  acc->sum_squares +=
-      ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+  acc->sum_squares += FoldSquares(sums);
+}
+
+// The same F for 16- and 32-bit elements without a 64-bit multiply per element. With b_i the
+// sign-extended bits and i the element's index in this call (0 .. n-1), mod 2^64:
+//
+//   F = sum_i (b_i + 1)(2 (offset + i) + 1) = (2 offset + 1)(B0 + n) + 2 B1 + n (n - 1),
+//   B0 = sum_i b_i,  B1 = sum_i i b_i.
+//
+// B0 and B1 are summed span by span (kSpan elements at index s): B1 gets s * S0 + S1 with the
+// span's S0 = sum_j b_{s+j} and S1 = sum_j j b_{s+j}, j < kSpan, in Acc: int32 for 16-bit
+// elements (|S1| <= 2^15 * sum_{j<256} j < 2^31, exact), int64 for 32-bit ones (< 2^47). So the
+// inner loop is small-integer multiply-adds, which vectorize (vpmaddwd for 16 bits, vpmuldq
+// for 32), and F is exactly the definition's. The squares are the same as FoldRange's: element
+// i into partial sum i % 8, in element order.
+template <typename Bits, typename Acc, typename Decode>
+__attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_t n,
+                                                            uint64_t offset, Decode decode,
+                                                            ReplicaFingerprint* acc) {
+  constexpr size_t kSpan = 256;
+  uint64_t b0 = 0, b1 = 0;
+  double sums[kSquareLanes] = {};
+  size_t i = 0;
+  for (; i + kSpan <= n; i += kSpan) {
+    Acc s0 = 0, s1 = 0;
+    for (size_t j = 0; j < kSpan; ++j) {
+      const Acc b = p[i + j];
+      s0 += b;
+      s1 += static_cast<Acc>(static_cast<Bits>(j)) * b;  // both widened from Bits
+    }
+    // The span again, from L1, for the squares: lanes in element order.
+    for (size_t j = 0; j < kSpan; j += kSquareLanes) {
+      for (size_t l = 0; l < kSquareLanes; ++l) {
+        const double v = decode(p[i + j + l]);
+        sums[l] += v * v;
+      }
+    }
+    b0 += static_cast<uint64_t>(static_cast<int64_t>(s0));
+    b1 += static_cast<uint64_t>(i) * static_cast<uint64_t>(static_cast<int64_t>(s0)) +
+          static_cast<uint64_t>(static_cast<int64_t>(s1));
+  }
+  for (; i < n; ++i) {
+    const uint64_t b = static_cast<uint64_t>(static_cast<int64_t>(p[i]));
+    b0 += b;
+    b1 += static_cast<uint64_t>(i) * b;
+    const double v = decode(p[i]);
+    sums[i % kSquareLanes] += v * v;
+  }
+  const uint64_t count = n;
+  acc->fingerprint += (2 * offset + 1) * (b0 + count) + 2 * b1 + count * (count - 1);
+  acc->sum_squares += FoldSquares(sums);
 }
 
 }  // namespace
@@ -79,7 +133,7 @@ void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
                      ReplicaFingerprint* acc) {
   switch (dtype) {
     case static_cast<int>(ScalarType::kFloat32):
-      FoldRange(
+      FoldRangeBySpans<int32_t, int64_t>(
           static_cast<const int32_t*>(data), n, offset,
           [](int32_t b) {
             float f;
@@ -89,13 +143,13 @@ void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
           acc);
       return;
     case static_cast<int>(ScalarType::kBFloat16):
-      FoldRange(
+      FoldRangeBySpans<int16_t, int32_t>(
           static_cast<const int16_t*>(data), n, offset,
           [](int16_t b) { return static_cast<double>(BFloat16ToFloat(static_cast<uint16_t>(b))); },
           acc);
       return;
     case static_cast<int>(ScalarType::kFloat16):
-      FoldRange(
+      FoldRangeBySpans<int16_t, int32_t>(
           static_cast<const int16_t*>(data), n, offset,
           [](int16_t b) {
             return static_cast<double>(Float16ForSquares(static_cast<uint16_t>(b)));

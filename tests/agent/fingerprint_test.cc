@@ -106,6 +106,33 @@ TEST(FingerprintTest, MatchesTheReferenceForEveryDtype) {
   EXPECT_EQ(r64.sum_squares, f64_ss);
 }
 
+TEST(FingerprintTest, SpansOfEveryLengthAndExtremeBitsMatchTheReference) {
+  // The 16- and 32-bit kernels sum F span by span in small integers (fingerprint.cc): lengths
+  // around the span (256), the most negative and most positive bits everywhere (the sums'
+  // extremes), random bits, and offsets near 2^64 (where 2 g + 1 wraps) must all give the
+  // definition's F.
+  std::mt19937_64 rng(7);
+  for (size_t n : {size_t{255}, size_t{256}, size_t{257}, size_t{511}, size_t{70001}}) {
+    for (uint64_t offset : {uint64_t{0}, uint64_t{1} << 40, ~uint64_t{0} - 100000}) {
+      for (int fill = 0; fill < 3; ++fill) {
+        std::vector<uint16_t> b16(n);
+        std::vector<uint32_t> b32(n);
+        for (size_t i = 0; i < n; ++i) {
+          b16[i] = fill == 0 ? 0x8000 : fill == 1 ? 0x7fff : static_cast<uint16_t>(rng());
+          b32[i] = fill == 0 ? 0x80000000u : fill == 1 ? 0x7fffffffu : static_cast<uint32_t>(rng());
+        }
+        SCOPED_TRACE(testing::Message() << "n " << n << " offset " << offset << " fill " << fill);
+        EXPECT_EQ(Whole(b16.data(), 1, n, offset).fingerprint,
+                  ReferenceFingerprint(b16.data(), 2, n, offset));
+        EXPECT_EQ(Whole(b16.data(), 2, n, offset).fingerprint,
+                  ReferenceFingerprint(b16.data(), 2, n, offset));
+        EXPECT_EQ(Whole(b32.data(), 0, n, offset).fingerprint,
+                  ReferenceFingerprint(b32.data(), 4, n, offset));
+      }
+    }
+  }
+}
+
 TEST(FingerprintTest, EverySixteenBitValueSquaresAsItsExactConversion) {
   // The kernel's vectorizable float16 decode against sketch.h's exact one, and bfloat16 too, for
   // all 65,536 bit patterns, one at a time and as one vector (8 partial sums, so every lane).
