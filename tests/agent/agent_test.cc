@@ -151,13 +151,18 @@ TEST(AgentTest, HelloRejectedForMismatchedSketchIsNotAcked) {
   ASSERT_TRUE(testing::WaitFor([&] { return (*first)->stats().connected; }));
   auto second = Agent::Create(b);
   ASSERT_TRUE(second.ok());
-  ASSERT_TRUE((*second)->Record(Report(1, sketch)).ok());
+  // The agent connects on its own thread, so the refusal of its hello races this call: usually
+  // the report is held first; on a loaded machine the refusal may come back first, and then the
+  // report is refused at once. Either order is correct; each is checked below.
+  const absl::Status first_report = (*second)->Record(Report(1, sketch));
+  ASSERT_TRUE(first_report.ok() || first_report.code() == absl::StatusCode::kFailedPrecondition)
+      << first_report;
   // FAILED_PRECONDITION is a permanent refusal: the agent stops retrying, says why, lets go of
   // what it held (rejected, never acked) and refuses further reports.
   ASSERT_TRUE(testing::WaitFor([&] { return (*second)->stats().refused; }));
   const AgentStats refused = (*second)->stats();
   EXPECT_EQ(refused.acked, 0u);
-  EXPECT_EQ(refused.rejected, 1u);
+  EXPECT_EQ(refused.rejected, first_report.ok() ? 1u : 0u);
   EXPECT_EQ(refused.unacked + refused.queued, 0u);
   EXPECT_THAT(refused.last_error, ::testing::HasSubstr("FAILED_PRECONDITION"));
   EXPECT_TRUE((*second)->Flush(absl::Milliseconds(300)).ok());  // nothing is held
