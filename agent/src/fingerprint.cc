@@ -12,7 +12,7 @@ namespace {
 // a fixed order): independent additions the core can overlap, where one running sum chains
 // every element's addition to the previous one's (4 cycles each). F needs no such care: integer
 // addition is exact in any order.
-constexpr size_t kSquareLanes = 8;
+constexpr size_t kSquareLanes = 32;
 
 // A float16's value for the sum of squares, branch-free so that the loop below vectorizes (the
 // exact Float16ToFloat of sketch.h branches, and a loop over it stays scalar: a quarter of the
@@ -36,9 +36,15 @@ inline float Float16ForSquares(uint16_t bits) {
   return f;
 }
 
-// The 8 partial sums of squares folded in the fixed order of fingerprint.h.
+// The kSquareLanes partial sums of squares folded in the fixed order of fingerprint.h: each
+// group of 8 by pairs, then the 4 groups by pairs.
 inline double FoldSquares(const double* sums) {
-  return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+  double group[kSquareLanes / 8];
+  for (size_t g = 0; g < kSquareLanes / 8; ++g) {
+    const double* s = sums + 8 * g;
+    group[g] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  }
+  return (group[0] + group[1]) + (group[2] + group[3]);
 }
 
 // One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into

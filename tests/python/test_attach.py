@@ -13,6 +13,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -216,6 +217,55 @@ def test_attach_errors_from_inside_the_process(module_collector, message):
         assert message in out.stderr, out.stderr
         _assert_running(proc.pid)
     finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_signals_during_the_injected_calls_reach_the_process_and_attach_completes(
+        module_collector, tmp_path):
+    """A process that is sent signals all along (here SIGUSR1, with a handler that counts them)
+    while gdb runs mmap, dlopen and the helper inside it: a signal pending when gdb resumes a
+    thread into one of those calls must go to the process's handler, not stop gdb inside the
+    call (which failed the attach and left the process to return into gdb's dummy frame)."""
+    count = tmp_path / "hits"
+    code = ("import signal, sys, time\n"
+            "hits = [0]\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: hits.__setitem__(0, hits[0] + 1))\n"
+            "print('ready', flush=True)\n"
+            "for _ in range(12000):\n"
+            "    time.sleep(0.05)\n"
+            "    open(sys.argv[1] + '.tmp', 'w').write(str(hits[0]))\n"
+            "    __import__('os').replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
+    proc = subprocess.Popen([PY, "-c", code, str(count)], stdout=subprocess.PIPE, text=True,
+                            env=target_env())
+    stop = threading.Event()
+    sent = [0]
+
+    def send():
+        while not stop.is_set():  # a steady stream, so one is pending whenever gdb resumes
+            os.kill(proc.pid, signal.SIGUSR1)
+            sent[0] += 1
+            time.sleep(0.0005)
+
+    sender = threading.Thread(target=send)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        sender.start()
+        out = attach(module_collector, "x", [proc.pid])
+        stop.set()
+        sender.join()
+        # The payload ran inside the process: its own error, not gdb's.
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "torch is not imported" in out.stderr, out.stderr
+        assert "gdb could not run" not in out.stderr and "was undone" not in out.stderr
+        _assert_running(proc.pid)
+        wait_until(lambda: count.exists() and int(count.read_text() or 0) > 0, 60,
+                   "the process to count the signals it was sent")
+        assert sent[0] > 0
+    finally:
+        stop.set()
+        if sender.is_alive():
+            sender.join()
         proc.kill()
         proc.wait()
 

@@ -172,26 +172,33 @@ gdb.execute("sharedlibrary libc\\.so", to_string=True)
 threads = sorted(gdb.selected_inferior().threads(), key=lambda t: t.num)
 (threads[-1] if len(threads) > 1 else threads[0]).switch()
 print("RANKSCOPE_THREADS %d" % len(threads))
-page = int(gdb.parse_and_eval("(long) mmap(0, 4096, 3, 0x22, -1, 0)"))
-if page in (0, -1):
-    print("RANKSCOPE_ERROR mmap failed")
-else:
-    inferior = gdb.selected_inferior()
-    inferior.write_memory(page, b"@HELPER@\0")
-    inferior.write_memory(page + 1024, b"rankscope_attach_request\0")
-    inferior.write_memory(page + 2048, b"@REQUEST@\0")
-    handle = int(gdb.parse_and_eval("(long) dlopen((char *) %d, 2)" % page))
-    if handle == 0:
-        err = gdb.parse_and_eval("(char *) dlerror()")
-        print("RANKSCOPE_ERROR dlopen failed: %s" % err.string())
+try:
+    page = int(gdb.parse_and_eval("(long) mmap(0, 4096, 3, 0x22, -1, 0)"))
+    if page in (0, -1):
+        print("RANKSCOPE_ERROR mmap failed")
     else:
-        fn = int(gdb.parse_and_eval("(long) dlsym((void *) %d, (char *) %d)" % (handle, page + 1024)))
-        if fn == 0:
-            print("RANKSCOPE_ERROR dlsym failed")
+        inferior = gdb.selected_inferior()
+        inferior.write_memory(page, b"@HELPER@\0")
+        inferior.write_memory(page + 1024, b"rankscope_attach_request\0")
+        inferior.write_memory(page + 2048, b"@REQUEST@\0")
+        handle = int(gdb.parse_and_eval("(long) dlopen((char *) %d, 2)" % page))
+        if handle == 0:
+            err = gdb.parse_and_eval("(char *) dlerror()")
+            print("RANKSCOPE_ERROR dlopen failed: %s" % err.string())
         else:
-            rc = int(gdb.parse_and_eval("((int (*)(char *)) %d)((char *) %d)" % (fn, page + 2048)))
-            print("RANKSCOPE_QUEUED %d" % rc)
-    gdb.parse_and_eval("(int) munmap((void *) %d, 4096)" % page)
+            fn = int(gdb.parse_and_eval("(long) dlsym((void *) %d, (char *) %d)"
+                                        % (handle, page + 1024)))
+            if fn == 0:
+                print("RANKSCOPE_ERROR dlsym failed")
+            else:
+                rc = int(gdb.parse_and_eval("((int (*)(char *)) %d)((char *) %d)"
+                                            % (fn, page + 2048)))
+                print("RANKSCOPE_QUEUED %d" % rc)
+        gdb.parse_and_eval("(int) munmap((void *) %d, 4096)" % page)
+except gdb.error as e:
+    # A call into the process faulted; unwindonsignal undid it, so the process is as it was.
+    print("RANKSCOPE_ERROR a call into the process failed and was undone (%s)"
+          % str(e).splitlines()[0])
 print("RANKSCOPE_T_DETACH %.6f" % time.time())
 end
 detach
@@ -207,11 +214,19 @@ def inject_gdb(pid: int, folder: Path, gdb: str, timeout: float) -> dict:
     script_path.write_text(script)
     # The clock starts before gdb attaches (-iex runs first): the stop it reports is an upper
     # bound of the time the process was stopped. --readnever: no debug information is read (the
-    # ELF symbol tables that name mmap, dlopen and dlsym are enough).
+    # ELF symbol tables that name mmap, dlopen and dlsym are enough). Signals: while gdb runs a
+    # function in the process (mmap, dlopen, the helper), a signal that arrives (a job's
+    # SIGUSR1, SIGPIPE, SIGTERM, a timer...) is passed to the process's own handler, as if gdb
+    # were not there, instead of stopping gdb inside the call; the faults that can only be the
+    # call's own (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) stop it, and unwindonsignal then
+    # undoes the call, so the process is never left inside a half-run function.
     cmd = [gdb, "-nx", "-batch", "--readnever", "-iex",
            "python import time; print('RANKSCOPE_T_BEGIN %.6f' % time.time())",
            "-iex", "set auto-solib-add off", "-iex", "set pagination off",
-           "-iex", "set confirm off", "-p", str(pid), "-x", str(script_path)]
+           "-iex", "set confirm off", "-iex", "set unwindonsignal on",
+           "-iex", "handle all nostop noprint pass",
+           "-iex", "handle SIGSEGV SIGBUS SIGILL SIGFPE SIGABRT stop print nopass",
+           "-p", str(pid), "-x", str(script_path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               start_new_session=True)
