@@ -84,7 +84,7 @@ __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, ui
 // elements (|S1| <= 2^15 * sum_{j<256} j < 2^31, exact), int64 for 32-bit ones (< 2^47). So the
 // inner loop is small-integer multiply-adds, which vectorize (vpmaddwd for 16 bits, vpmuldq
 // for 32), and F is exactly the definition's. The squares are the same as FoldRange's: element
-// i into partial sum i % 8, in element order.
+// i into partial sum i % kSquareLanes, in element order.
 template <typename Bits, typename Acc, typename Decode>
 __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_t n,
                                                             uint64_t offset, Decode decode,

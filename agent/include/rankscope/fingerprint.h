@@ -10,8 +10,9 @@
 // A sum, so any split into segments, in any order, gives the same F: fingerprints of disjoint
 // parts combine by a wrapping add. Beside F the kernel returns the exact sum of squares of the
 // values, accumulated in double (within a call of FoldFingerprint, element i of the call into
-// partial sum i % 8 in element order, the 8 folded as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) +
-// (s6 + s7)); summed across calls in call order).
+// partial sum i % 32 in element order; each group of 8 partial sums folded as ((s0 + s1) +
+// (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the four groups as (g0 + g1) + (g2 + g3); summed
+// across calls in call order).
 //
 // Pure: no threads, no allocation.
 //
