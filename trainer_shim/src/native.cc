@@ -12,7 +12,8 @@
 // GIL: released while a sketch kernel runs and while Flush/Close wait, never held by the agent's
 // own threads (they do not touch Python).
 //
-// Thread safety: Sketch is thread-compatible (one writer at a time, as CountSketch). Agent
+// Thread safety: Sketch is thread-compatible: one caller at a time, reads included (a read
+// merges the stripes and closes the open float sums, as StripedSketch and CountSketch). Agent
 // follows rankscope::Agent: record() from one thread at a time, everything else from any thread.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
