@@ -415,7 +415,7 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("sketch_mix", &SketchMix, py::arg("index"), py::arg("seed"),
         "SplitMix64 output number `index` for `seed`; sketch_hash takes it at the block index "
-        "(coordinate >> 4): base bin from the high 32 bits, the 16 signs from the low 16.");
+        "(coordinate >> 5): base bin from the high 32 bits, the 32 signs from the low 32.");
   m.def(
       "sketch_hash",
       [](uint64_t index, uint64_t seed, uint32_t dim) {
