@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "fold_partial_sums.h"
 #include "rankscope/sketch.h"
 
 namespace rankscope {
@@ -12,7 +13,7 @@ namespace {
 // a fixed order): independent additions the core can overlap, where one running sum chains
 // every element's addition to the previous one's (4 cycles each). F needs no such care: integer
 // addition is exact in any order.
-constexpr size_t kSquareLanes = 32;
+constexpr size_t kSquareLanes = internal::kPartialSums;
 
 // A float16's value for the sum of squares, branch-free so that the loop below vectorizes (the
 // exact Float16ToFloat of sketch.h branches, and a loop over it stays scalar: a quarter of the
@@ -34,17 +35,6 @@ inline float Float16ForSquares(uint16_t bits) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
-}
-
-// The kSquareLanes partial sums of squares folded in the fixed order of fingerprint.h: each
-// group of 8 by pairs, then the 4 groups by pairs.
-inline double FoldSquares(const double* sums) {
-  double group[kSquareLanes / 8];
-  for (size_t g = 0; g < kSquareLanes / 8; ++g) {
-    const double* s = sums + 8 * g;
-    group[g] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  }
-  return (group[0] + group[1]) + (group[2] + group[3]);
 }
 
 // One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into
@@ -70,7 +60,7 @@ __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, ui
     sums[l] += v * v;
   }
   acc->fingerprint += fp;
-  acc->sum_squares += FoldSquares(sums);
+  acc->sum_squares += internal::FoldPartialSums(sums);
 }
 
 // The same F for 16- and 32-bit elements without a 64-bit multiply per element. With b_i the
@@ -120,7 +110,7 @@ __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_
   }
   const uint64_t count = n;
   acc->fingerprint += (2 * offset + 1) * (b0 + count) + 2 * b1 + count * (count - 1);
-  acc->sum_squares += FoldSquares(sums);
+  acc->sum_squares += internal::FoldPartialSums(sums);
 }
 
 }  // namespace

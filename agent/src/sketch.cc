@@ -31,6 +31,8 @@
 #include <cstring>
 #include <limits>
 
+#include "fold_partial_sums.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define RANKSCOPE_SKETCH_X86 1
 #include <cpuid.h>
@@ -63,6 +65,7 @@ constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
 constexpr uint64_t kBlock = kSketchBlock;
 constexpr uint64_t kRun = kSketchSquareRun;
 constexpr size_t kLanes = kSketchBlock;
+static_assert(kLanes == internal::kPartialSums, "one partial sum of squares per block offset");
 static_assert(kRun % kBlock == 0, "a run holds whole blocks");
 
 template <ScalarType kType>
@@ -435,17 +438,6 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
   }
 }
 
-// The kLanes double lanes of the sums of squares folded in a fixed order: four groups of 8 by
-// pairs, then the groups by pairs.
-double FoldLanes(const double* l) {
-  double group[4];
-  for (int g = 0; g < 4; ++g) {
-    const double* x = l + 8 * g;
-    group[g] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-  }
-  return (group[0] + group[1]) + (group[2] + group[3]);
-}
-
 KernelIsa DetectBestIsa() {
 #ifdef RANKSCOPE_SKETCH_X86
   __builtin_cpu_init();
@@ -594,7 +586,7 @@ void CountSketch::CloseRun() const { CloseRunLanes(partial_squares_, square_lane
 void CountSketch::Close() const {
   CloseSegment();
   CloseRun();
-  sum_squares_ = FoldLanes(square_lanes_);
+  sum_squares_ = internal::FoldPartialSums(square_lanes_);
 }
 
 void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offset) {
@@ -608,7 +600,7 @@ void CountSketch::MergeFrom(const CountSketch& other) {
   const size_t n = std::min(bins_.size(), other.bins_.size());
   for (size_t i = 0; i < n; ++i) bins_[i] += other.bins_[i];
   for (int l = 0; l < kSumSquaresLanes; ++l) square_lanes_[l] += other.square_lanes_[l];
-  sum_squares_ = FoldLanes(square_lanes_);
+  sum_squares_ = internal::FoldPartialSums(square_lanes_);
 }
 
 void CountSketch::CopyTo(absl::Span<float> out) const {
