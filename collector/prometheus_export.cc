@@ -155,9 +155,10 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
      "world_size - ranks_reporting is the full count).",
      MetricType::Gauge},
     {"rankscope_rank_outlier_score",
-     "Robust outlier score of the rank at the latest step: the largest of the median/MAD "
-     "z-scores of its loss and gradient norm and the deficit of its consensus cosine (most "
-     "deviating ranks only; above 6 is flagged).",
+     "Robust outlier score of the rank held over its last 3 reported steps (the smallest of "
+     "them): per step the largest of the median/MAD z-scores of its loss and gradient norm and "
+     "the deficit of its consensus cosine (most deviating ranks only; above 6: a persistent "
+     "outlier).",
      MetricType::Gauge},
     {"rankscope_rank_step_time_seconds",
      "The rank's own compute time of the latest step, up to its gradient hook (most deviating "
@@ -307,7 +308,7 @@ std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ra
   if (n == 0) return {};
   const bool has_extras = extras.size() == ranks.size();
   auto outlier = [&](uint32_t i) {
-    return has_extras ? KnownOrLowest(extras[i].outlier_score)
+    return has_extras ? KnownOrLowest(extras[i].held_outlier_score)
                       : -std::numeric_limits<double>::infinity();
   };
   auto cosine = [&](uint32_t i) { return CosineDeviation(ranks[i]); };
@@ -434,9 +435,9 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
          SelectDeviatingRanks(s.per_rank, step.extras, options_.per_rank_series_limit)) {
       const RankStatistics& r = s.per_rank[index];
       const RankExtras e = has_extras ? step.extras[index] : RankExtras{};
-      top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z, e.outlier_score,
-                           e.step_time_seconds, e.step_time_z, e.drift_score, e.slow_score,
-                           has_extras});
+      top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z,
+                           e.held_outlier_score, e.step_time_seconds, e.step_time_z, e.drift_score,
+                           e.slow_score, has_extras});
     }
   } else {
     // No statistics: as ComputeStepStatistics({}) gives (ranks 0, cosine NaN, the rest 0).

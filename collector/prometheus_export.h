@@ -28,10 +28,13 @@
 // step round-robin from seven rankings: largest outlier score, lowest consensus cosine, largest
 // |loss_z|, largest |grad_norm_z|, largest step-time z, largest drift score, largest slow score
 // (in that priority), so the worst rank by each criterion is always present. NaN counts as the most
-// deviating; ties go to the lower rank number. (Under step_stats.h a non-finite input makes that
-// statistic NaN for every rank, and with fewer than two ranks every cosine is NaN: the other
-// rankings then decide.) rankscope_rank_missing is exported for at most `per_rank_series_limit`
-// missing ranks, the lowest rank numbers; world_size - ranks_reporting gives the full count.
+// deviating; ties go to the lower rank number. The outlier score is RankExtras::held_outlier_score,
+// the smallest of the rank's last 3 per-step scores: a job that stops stepping (finished, hung)
+// holds its latest step, and one noisy step must not become an alert. (Under step_stats.h a
+// non-finite input makes that statistic NaN for every rank, and with fewer than two ranks every
+// cosine is NaN: the other rankings then decide.) rankscope_rank_missing is exported for at most
+// `per_rank_series_limit` missing ranks, the lowest rank numbers; world_size - ranks_reporting
+// gives the full count.
 //
 // Jobs: `last_update` is the time of the job's latest OnStep/OnAgent* call. A job with no
 // connected agent and not updated for `job_expiry` is no longer exported, and its state is freed

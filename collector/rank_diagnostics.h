@@ -56,6 +56,12 @@ inline constexpr double kMadFloorAbsolute = 1e-12;
 // Per-rank diagnostics beyond StepStatistics, in the same order as its per_rank.
 struct RankExtras {
   double outlier_score = std::numeric_limits<double>::quiet_NaN();
+  // Set by StepAnalyzer: the smallest of the rank's outlier scores on the last
+  // kOutlierPersistence steps it reported, this one included (fewer on its first steps), NaN
+  // only when they are all NaN. Above kOutlierThreshold exactly when the rank is a persistent
+  // outlier (once it has reported kOutlierPersistence steps). What Prometheus exports: one noisy
+  // step, held by a job that has stopped stepping, is not an alert.
+  double held_outlier_score = std::numeric_limits<double>::quiet_NaN();
   double step_time_seconds = std::numeric_limits<double>::quiet_NaN();  // NaN: not reported
   double step_time_z = std::numeric_limits<double>::quiet_NaN();
   // Sequential statistics (rank_cusum.h), set by StepAnalyzer: the data-drift and the slow CUSUM

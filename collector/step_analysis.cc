@@ -122,16 +122,21 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   out.duplicates = FindDuplicateRanks(samples);
   out.diag = DiagnoseStep(step, out.stats, out.duplicates);
   // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
-  auto& streaks = outlier_streaks_[step.job];
+  auto& history = outlier_history_[step.job];
   for (size_t i = 0; i < step.reports.size(); ++i) {
     const uint32_t rank = step.reports[i].rank;
-    if (out.diag.outliers[i].flagged) {
-      if (++streaks[rank] >= kOutlierPersistence) out.outlier_ranks.push_back(rank);
-    } else {
-      streaks.erase(rank);
-    }
+    const OutlierScore& score = out.diag.outliers[i];
+    RankOutlierHistory& h = history[rank];
+    double held = score.score;
+    for (uint32_t k = 0; k < h.kept; ++k)
+      held = std::fmin(held, h.previous[k]);  // NaN only if both are
+    out.diag.extras[i].held_outlier_score = held;
+    std::copy_backward(h.previous.begin(), h.previous.end() - 1, h.previous.end());
+    h.previous[0] = score.score;
+    h.kept = std::min<uint32_t>(h.kept + 1, h.previous.size());
+    h.streak = score.flagged ? h.streak + 1 : 0;
+    if (h.streak >= kOutlierPersistence) out.outlier_ranks.push_back(rank);
   }
-  if (streaks.empty()) outlier_streaks_.erase(step.job);
   // Sequential statistics, per job and epoch.
   auto it = drift_.find(step.job);
   if (it == drift_.end() || it->second.attempt != step.attempt ||
@@ -169,15 +174,15 @@ RankDrift StepAnalyzer::Drift(const std::string& job, uint32_t rank) const {
 }
 
 void StepAnalyzer::ForgetJob(const std::string& job) {
-  outlier_streaks_.erase(job);
+  outlier_history_.erase(job);
   drift_.erase(job);
 }
 
 uint32_t StepAnalyzer::OutlierStreak(const std::string& job, uint32_t rank) const {
-  auto it = outlier_streaks_.find(job);
-  if (it == outlier_streaks_.end()) return 0;
+  auto it = outlier_history_.find(job);
+  if (it == outlier_history_.end()) return 0;
   auto r = it->second.find(rank);
-  return r == it->second.end() ? 0 : r->second;
+  return r == it->second.end() ? 0 : r->second.streak;
 }
 
 RankRow ToRankRow(const RankReport& report, uint32_t join_size) {

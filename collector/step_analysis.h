@@ -4,7 +4,8 @@
 // the joiner closed them) it computes the step statistics (step_stats.h) and the per-rank
 // diagnostics (rank_diagnostics.h: outlier scores, replica fingerprints, step-time z-scores, the
 // gradient noise scale), and tracks per job and rank how many consecutive reported steps a rank
-// was flagged an outlier (kOutlierPersistence of them make it a persistent outlier), and per job
+// was flagged an outlier (kOutlierPersistence of them make it a persistent outlier) and its
+// scores on its last kOutlierPersistence steps (RankExtras::held_outlier_score), and per job
 // and rank the sequential statistics of rank_cusum.h (drifting and slow ranks). Per job it holds
 // at most world-size ranks; a job's state is reset when its epoch or world size changes and freed
 // by ForgetJob.
@@ -17,6 +18,7 @@
 #ifndef RANKSCOPE_COLLECTOR_STEP_ANALYSIS_H_
 #define RANKSCOPE_COLLECTOR_STEP_ANALYSIS_H_
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -99,9 +101,16 @@ class StepAnalyzer {
     RankCusum cusum;
   };
 
-  // Per job, per rank: consecutive steps (of those the rank reported) whose outlier score
-  // exceeded the threshold. Ranks at zero, and jobs with none, are not stored.
-  absl::flat_hash_map<std::string, absl::flat_hash_map<uint32_t, uint32_t>> outlier_streaks_;
+  // A rank's recent outlier scores, of the steps it reported.
+  struct RankOutlierHistory {
+    uint32_t streak = 0;  // consecutive steps whose score was flagged
+    uint32_t kept = 0;    // valid entries of `previous`
+    // The scores of its last kOutlierPersistence - 1 steps, the latest first.
+    std::array<double, kOutlierPersistence - 1> previous{};
+  };
+  // Per job, per rank that reported in it (at most its largest world size).
+  absl::flat_hash_map<std::string, absl::flat_hash_map<uint32_t, RankOutlierHistory>>
+      outlier_history_;
   // Per job: the CUSUM statistics of its current epoch.
   absl::flat_hash_map<std::string, JobDrift> drift_;
 };

@@ -974,8 +974,8 @@ TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
   const StepStatistics stats = HealthyStats(64);
   std::vector<RankExtras> extras(64);
-  for (uint32_t r = 0; r < 64; ++r) extras[r].outlier_score = 0.5;
-  extras[41].outlier_score = 9.0;  // not extreme by cosine or z in HealthyStats
+  for (uint32_t r = 0; r < 64; ++r) extras[r].held_outlier_score = 0.5;
+  extras[41].held_outlier_score = 9.0;  // not extreme by cosine or z in HealthyStats
   ExportedStep step = Step(1, stats, 64);
   step.extras = extras;
   metrics.OnStep("j", step);
@@ -993,7 +993,7 @@ TEST(JobMetricsDiagnosticsTest, StragglerStepTimeIsExported) {
   const StepStatistics stats = HealthyStats(16);
   std::vector<RankExtras> extras(16);
   for (uint32_t r = 0; r < 16; ++r) {
-    extras[r].outlier_score = 0.1;
+    extras[r].held_outlier_score = 0.1;
     extras[r].step_time_seconds = 0.1;
     extras[r].step_time_z = 0.0;
   }
@@ -1013,7 +1013,7 @@ TEST(JobMetricsDiagnosticsTest, DriftingAndSlowRanksAreExportedWithinTheCap) {
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/8));
   const StepStatistics stats = HealthyStats(64);
   std::vector<RankExtras> extras(64);
-  for (uint32_t r = 0; r < 64; ++r) extras[r].outlier_score = 0.5;
+  for (uint32_t r = 0; r < 64; ++r) extras[r].held_outlier_score = 0.5;
   extras[12].drift_score = 1.4;  // not extreme by any other ranking
   extras[30].slow_score = 1.1;
   const std::vector<uint32_t> drifting = {12}, slow = {30};

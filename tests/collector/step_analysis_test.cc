@@ -212,6 +212,60 @@ TEST(StepAnalysisTest, OutlierStreakReachesThePersistenceRuleOnTheThirdStep) {
   }
 }
 
+// What Prometheus exports is the score held over the rank's last 3 reported steps: a job that
+// stops stepping holds its latest step, so one noisy step must not read as an outlier.
+TEST(StepAnalysisTest, HeldOutlierScoreIsTheSmallestOfTheRanksLastThreeSteps) {
+  static_assert(kOutlierPersistence == 3);
+  StepAnalyzer analyzer;
+  auto analyze = [&](uint64_t step, const std::vector<uint32_t>& ranks, double rank5_loss) {
+    JoinedStep js = Step(step, 8, ranks);
+    for (RankReport& r : js.reports) {
+      if (r.rank == 5) r.loss = rank5_loss;
+    }
+    AnalyzedStep a = analyzer.Analyze(js);
+    for (size_t i = 0; i < js.reports.size(); ++i) {
+      if (js.reports[i].rank == 5) {
+        return std::make_pair(a.diag.outliers[i].score, a.diag.extras[i].held_outlier_score);
+      }
+    }
+    ADD_FAILURE() << "rank 5 not in step " << step;
+    return std::make_pair(0.0, 0.0);
+  };
+
+  // Its first step: only that step to hold.
+  const auto [first, first_held] = analyze(1, AllRanks(8), 1.03);
+  EXPECT_EQ(first_held, first);
+  const auto [second, second_held] = analyze(2, AllRanks(8), 1.03);
+  EXPECT_EQ(second_held, std::min(first, second));
+  ASSERT_LT(second_held, kOutlierThreshold);
+
+  // One far-off step: flagged, but what is held stays the healthy steps' score, also while the
+  // job stops there.
+  const auto [noisy, noisy_held] = analyze(3, AllRanks(8), 50.0);
+  EXPECT_GT(noisy, kOutlierThreshold);
+  EXPECT_EQ(noisy_held, std::min({first, second, noisy}));
+  EXPECT_LT(noisy_held, kOutlierThreshold);
+
+  // A step it did not report changes nothing; the third far-off step it reported is held.
+  analyzer.Analyze(Step(4, 8, {0, 1, 2, 3, 4, 6, 7}));
+  const auto [fourth, fourth_held] = analyze(5, AllRanks(8), 60.0);
+  EXPECT_EQ(fourth_held, std::min(second, noisy));
+  const auto [fifth, fifth_held] = analyze(6, AllRanks(8), 70.0);
+  EXPECT_EQ(fifth_held, std::min({noisy, fourth, fifth}));
+  EXPECT_GT(fifth_held, kOutlierThreshold);
+  EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), 3u);
+
+  // A NaN score (non-finite loss) is passed over while a finite one is held, and held when
+  // all three are NaN.
+  const auto [nan1, nan1_held] = analyze(7, AllRanks(8), std::nan(""));
+  EXPECT_TRUE(std::isnan(nan1));
+  EXPECT_EQ(nan1_held, std::min(fourth, fifth));
+  analyze(8, AllRanks(8), std::nan(""));
+  const auto [nan3, nan3_held] = analyze(9, AllRanks(8), std::nan(""));
+  EXPECT_TRUE(std::isnan(nan3_held));
+  EXPECT_EQ(analyzer.OutlierStreak("exp-42", 5), 6u);
+}
+
 // Sequential statistics (rank_cusum.h): a rank that is always the slowest is named in slow_ranks
 // after ceil(h / (u_max - k)) steps; its state is per job and epoch and freed with the job.
 TEST(StepAnalysisTest, AlwaysTheSlowestRankIsNamedSlowAndItsStateIsFreedWithTheJob) {
