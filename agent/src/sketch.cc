@@ -259,8 +259,11 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
   const __m256i shift0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
   const __m256i eight = _mm256_set1_epi32(8);
   const __m256i sign_bit = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
-  __m256 sq[4];  // float partial squares of offsets 8q .. 8q + 7
-  for (int q = 0; q < 4; ++q) sq[q] = _mm256_loadu_ps(a.partial_squares + 8 * q);
+  // Float partial squares of offsets 8q .. 8q + 7, as four named variables: an array captured
+  // by the lambdas below was written back to the stack on every block.
+  __m256 sq0 = _mm256_loadu_ps(a.partial_squares), sq1 = _mm256_loadu_ps(a.partial_squares + 8),
+         sq2 = _mm256_loadu_ps(a.partial_squares + 16),
+         sq3 = _mm256_loadu_ps(a.partial_squares + 24);
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX2 {
     const __m256i m = _mm256_set1_epi32(static_cast<int32_t>(mix));
     __m256 v[4];
@@ -270,8 +273,11 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
           Load8Avx2<kType>(p + 8 * q * kSize),
           _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(m, shift), sign_bit)));
       shift = _mm256_sub_epi32(shift, eight);
-      sq[q] = _mm256_fmadd_ps(v[q], v[q], sq[q]);
     }
+    sq0 = _mm256_fmadd_ps(v[0], v[0], sq0);
+    sq1 = _mm256_fmadd_ps(v[1], v[1], sq1);
+    sq2 = _mm256_fmadd_ps(v[2], v[2], sq2);
+    sq3 = _mm256_fmadd_ps(v[3], v[3], sq3);
     const uint32_t base = BaseOf<kPow2>(mix, map);
     float* w = bins + base;
     if (__builtin_expect(base > last_unwrapped, 0)) {
@@ -297,18 +303,24 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
       _mm256_storeu_ps(w + 8 * q, _mm256_add_ps(_mm256_loadu_ps(w + 8 * q), v[q]));
     }
   };
+  auto close = [](__m256& sq, double* lanes) RANKSCOPE_TARGET_AVX2 {
+    _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_loadu_pd(lanes),
+                                          _mm256_cvtps_pd(_mm256_castps256_ps128(sq))));
+    _mm256_storeu_pd(lanes + 4, _mm256_add_pd(_mm256_loadu_pd(lanes + 4),
+                                              _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1))));
+    sq = _mm256_setzero_ps();
+  };
   auto end_run = [&]() RANKSCOPE_TARGET_AVX2 {
-    for (int q = 0; q < 4; ++q) {
-      double* lanes = a.square_lanes + 8 * q;
-      _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_loadu_pd(lanes),
-                                            _mm256_cvtps_pd(_mm256_castps256_ps128(sq[q]))));
-      _mm256_storeu_pd(lanes + 4, _mm256_add_pd(_mm256_loadu_pd(lanes + 4),
-                                                _mm256_cvtps_pd(_mm256_extractf128_ps(sq[q], 1))));
-      sq[q] = _mm256_setzero_ps();
-    }
+    close(sq0, a.square_lanes);
+    close(sq1, a.square_lanes + 8);
+    close(sq2, a.square_lanes + 16);
+    close(sq3, a.square_lanes + 24);
   };
   ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
-  for (int q = 0; q < 4; ++q) _mm256_storeu_ps(a.partial_squares + 8 * q, sq[q]);
+  _mm256_storeu_ps(a.partial_squares, sq0);
+  _mm256_storeu_ps(a.partial_squares + 8, sq1);
+  _mm256_storeu_ps(a.partial_squares + 16, sq2);
+  _mm256_storeu_ps(a.partial_squares + 24, sq3);
 }
 
 // ---- AVX-512: a block is two vectors of 16 floats.
