@@ -384,6 +384,7 @@ void JobMetrics::OnAgentConnected(const std::string& job, uint32_t world_size,
   MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   ++state.connected;
+  state.had_agents = true;
   if (world_size > 0) state.world_size = world_size;
   if (identity.known) state.identities[identity.rank] = std::move(identity);
 }
@@ -635,7 +636,11 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       add(kGradNormCvMaxWindow, worst.grad_norm_cv);
       add(kGradCosineMeanMinWindow, worst.grad_cosine_mean);
 
-      for (const RankPoint& r : state.top_ranks) {
+      // An ended job's latest step is not news: its deviating ranks are not exported.
+      const bool ended = state.had_agents && state.connected == 0;
+      const absl::Span<const RankPoint> top_ranks =
+          ended ? absl::Span<const RankPoint>() : absl::MakeConstSpan(state.top_ranks);
+      for (const RankPoint& r : top_ranks) {
         std::vector<ClientMetric::Label> labels = RankLabels(job, r.rank);
         AddSample(families[kRankGradCosine], labels, r.grad_cosine);
         AddSample(families[kRankLossZ], labels, r.loss_z);
@@ -673,7 +678,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
       }
       // Who the ranks with per-rank series are: their global rank and host.
       absl::flat_hash_set<uint32_t> shown;
-      for (const RankPoint& r : state.top_ranks) shown.insert(r.rank);
+      for (const RankPoint& r : top_ranks) shown.insert(r.rank);
       for (uint32_t rank : state.missing) shown.insert(rank);
       for (const auto& [rank, at] : state.replica_divergent_at) {
         if (at >= now - window) shown.insert(rank);

@@ -40,6 +40,12 @@
 // connected agent and not updated for `job_expiry` is no longer exported, and its state is freed
 // at a later update of any job (checked at most once a minute). A job with a connected agent is
 // never expired: a hung job keeps exporting its last step, so "step not advancing" alerts hold.
+// A job has ended when agents connected and none is connected now (it finished, or lost this
+// collector): until one connects again, its most deviating ranks' series (the rankings above,
+// and their rankscope_rank_info) are not exported. Its last step would otherwise stay "latest"
+// for job_expiry, and one noisy step (at 64 ranks a |loss z| above 3 on about one step in six)
+// would hold a per-rank alert for that long. Job-level series, missing and replica-divergent
+// ranks stay until expiry.
 //
 // Thread safety: thread-safe. OnAgent*/OnStep are called by the collector's threads (the clock
 // is called without the lock held); Collect() by the HTTP exposer's threads.
@@ -180,6 +186,7 @@ class JobMetrics : public prometheus::Collectable {
   struct JobState {
     uint32_t world_size = 0;
     uint32_t connected = 0;
+    bool had_agents = false;  // an agent connected at some time (see "ended" above)
     bool has_step = false;
     uint64_t step = 0;
     uint32_t ranks_reporting = 0;

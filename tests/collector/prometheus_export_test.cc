@@ -987,6 +987,56 @@ TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
   ExpectPromtoolClean(Serialize(families));
 }
 
+// A job whose agents all disconnected has ended: its last step's deviating ranks would otherwise
+// hold per-rank alerts for job_expiry. Job-level series stay; a reconnect brings them back.
+TEST(JobMetricsDiagnosticsTest, EndedJobExportsNoDeviatingRanks) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
+  const StepStatistics stats = HealthyStats(4);
+  std::vector<RankExtras> extras(4);
+  for (uint32_t r = 0; r < 4; ++r) extras[r].held_outlier_score = 0.5;
+  extras[1].held_outlier_score = 9.0;
+  for (uint32_t r = 0; r < 4; ++r) {
+    RankIdentity who;
+    who.known = true;
+    who.rank = r;
+    who.host = absl::StrCat("host-", r);
+    metrics.OnAgentConnected("j", 4, who);
+  }
+  ExportedStep step = Step(7, stats, 4);
+  step.extras = extras;
+  metrics.OnStep("j", step);
+  auto shown = [&](const std::vector<MetricFamily>& families) {
+    return Value(families, "rankscope_rank_outlier_score", Labels("j", 1)).has_value();
+  };
+  EXPECT_TRUE(shown(metrics.Collect()));
+
+  // Three of four gone: still running.
+  for (int i = 0; i < 3; ++i) metrics.OnAgentDisconnected("j");
+  EXPECT_TRUE(shown(metrics.Collect()));
+
+  // The last one gone: ended.
+  metrics.OnAgentDisconnected("j");
+  auto families = metrics.Collect();
+  EXPECT_FALSE(shown(families));
+  for (const char* name :
+       {"rankscope_rank_grad_cosine", "rankscope_rank_loss_z", "rankscope_rank_grad_norm_z",
+        "rankscope_rank_outlier_score", "rankscope_rank_drift_score", "rankscope_rank_info"}) {
+    EXPECT_THAT(RanksOf(families, name, "j"), IsEmpty()) << name;
+  }
+  EXPECT_EQ(Value(families, "rankscope_step", Labels("j")), 7);
+  EXPECT_EQ(Value(families, "rankscope_connected_agents", Labels("j")), 0);
+  ExpectPromtoolClean(Serialize(families));
+
+  // An agent back (a restart): the latest step's ranks are shown again.
+  metrics.OnAgentConnected("j", 4);
+  families = metrics.Collect();
+  EXPECT_TRUE(shown(families));
+  EXPECT_EQ(Value(families, "rankscope_rank_info",
+                  {{"train_job", "j"}, {"rank", "1"}, {"global_rank", ""}, {"host", "host-1"}}),
+            1);
+}
+
 TEST(JobMetricsDiagnosticsTest, StragglerStepTimeIsExported) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/3));
