@@ -969,15 +969,20 @@ TEST(JobMetricsTest, ConcurrentUpdatesAndScrapes) {
 namespace rankscope::collector {
 namespace {
 
+// Extras of `world` ranks whose held outlier score is 0.5, except `outlier`'s, 9.
+std::vector<RankExtras> OneOutlier(uint32_t world, uint32_t outlier) {
+  std::vector<RankExtras> extras(world);
+  for (RankExtras& e : extras) e.held_outlier_score = 0.5;
+  extras[outlier].held_outlier_score = 9.0;
+  return extras;
+}
+
 TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
   const StepStatistics stats = HealthyStats(64);
-  std::vector<RankExtras> extras(64);
-  for (uint32_t r = 0; r < 64; ++r) extras[r].held_outlier_score = 0.5;
-  extras[41].held_outlier_score = 9.0;  // not extreme by cosine or z in HealthyStats
   ExportedStep step = Step(1, stats, 64);
-  step.extras = extras;
+  step.extras = OneOutlier(64, 41);  // 41 not extreme by cosine or z in HealthyStats
   metrics.OnStep("j", step);
   const auto families = metrics.Collect();
   EXPECT_EQ(Value(families, "rankscope_rank_outlier_score", Labels("j", 41)), 9.0);
@@ -993,9 +998,6 @@ TEST(JobMetricsDiagnosticsTest, EndedJobExportsNoDeviatingRanks) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
   const StepStatistics stats = HealthyStats(4);
-  std::vector<RankExtras> extras(4);
-  for (uint32_t r = 0; r < 4; ++r) extras[r].held_outlier_score = 0.5;
-  extras[1].held_outlier_score = 9.0;
   for (uint32_t r = 0; r < 4; ++r) {
     RankIdentity who;
     who.known = true;
@@ -1004,7 +1006,7 @@ TEST(JobMetricsDiagnosticsTest, EndedJobExportsNoDeviatingRanks) {
     metrics.OnAgentConnected("j", 4, who);
   }
   ExportedStep step = Step(7, stats, 4);
-  step.extras = extras;
+  step.extras = OneOutlier(4, 1);
   metrics.OnStep("j", step);
   auto shown = [&](const std::vector<MetricFamily>& families) {
     return Value(families, "rankscope_rank_outlier_score", Labels("j", 1)).has_value();
