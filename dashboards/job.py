@@ -94,7 +94,9 @@ def job():
                     "Outlier score per rank",
                     [q(f"max by (rank) (rankscope_rank_outlier_score{{{sel}}})", "{{rank}}")],
                     reverse=True, min_=0,
-                    description="Robust score combining loss z, grad-norm z and consensus cosine.")),
+                    description="Robust score combining loss z, grad-norm z and consensus cosine, held "
+                                "over the rank's last 3 steps (the smallest; above 6: a persistent "
+                                "outlier).")),
             ],
             [
                 (12, 8, heatmap(
