@@ -981,8 +981,9 @@ TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
   const StepStatistics stats = HealthyStats(64);
+  const std::vector<RankExtras> extras = OneOutlier(64, 41);  // 41: not extreme by cosine or z
   ExportedStep step = Step(1, stats, 64);
-  step.extras = OneOutlier(64, 41);  // 41 not extreme by cosine or z in HealthyStats
+  step.extras = extras;  // a span: `extras` must outlive the step
   metrics.OnStep("j", step);
   const auto families = metrics.Collect();
   EXPECT_EQ(Value(families, "rankscope_rank_outlier_score", Labels("j", 41)), 9.0);
@@ -1005,8 +1006,9 @@ TEST(JobMetricsDiagnosticsTest, EndedJobExportsNoDeviatingRanks) {
     who.host = absl::StrCat("host-", r);
     metrics.OnAgentConnected("j", 4, who);
   }
+  const std::vector<RankExtras> extras = OneOutlier(4, 1);
   ExportedStep step = Step(7, stats, 4);
-  step.extras = OneOutlier(4, 1);
+  step.extras = extras;
   metrics.OnStep("j", step);
   auto shown = [&](const std::vector<MetricFamily>& families) {
     return Value(families, "rankscope_rank_outlier_score", Labels("j", 1)).has_value();
