@@ -84,7 +84,7 @@ struct ExportOptions {
 };
 
 // What the exporter needs to know of one closed step. `extras` (RankExtras, rank_diagnostics.h)
-// are in the same order as stats->per_rank.
+// are in the same order as stats->per_rank. A view: `stats` and the spans must outlive OnStep.
 struct ExportedStep {
   uint64_t step = 0;
   uint32_t world_size = 0;
