@@ -127,9 +127,9 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
     const uint32_t rank = step.reports[i].rank;
     const OutlierScore& score = out.diag.outliers[i];
     RankOutlierHistory& h = history[rank];
+    // std::fmin passes over a NaN, so `held` is NaN only when every score is.
     double held = score.score;
-    for (uint32_t k = 0; k < h.kept; ++k)
-      held = std::fmin(held, h.previous[k]);  // NaN only if both are
+    for (uint32_t k = 0; k < h.kept; ++k) held = std::fmin(held, h.previous[k]);
     out.diag.extras[i].held_outlier_score = held;
     std::copy_backward(h.previous.begin(), h.previous.end() - 1, h.previous.end());
     h.previous[0] = score.score;

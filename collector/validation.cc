@@ -17,7 +17,8 @@ Rejection Reject(absl::Status status, RejectReason reason) {
 }  // namespace
 
 uint32_t SketchBlockOf(const v1::Hello& hello) {
-  return hello.sketch_block() == 0 ? 16 : hello.sketch_block();
+  constexpr uint32_t kBlockOfOlderAgents = 16;  // before Hello.sketch_block existed
+  return hello.sketch_block() == 0 ? kBlockOfOlderAgents : hello.sketch_block();
 }
 
 JobIdentity IdentityOf(const v1::Hello& hello) {
