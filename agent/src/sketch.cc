@@ -3,20 +3,22 @@
 // The hash is per block of kBlock = 32 consecutive coordinates: one SplitMix64 mix gives the
 // block a base bin and 32 sign bits, and the block's coordinates go to the window of 32
 // consecutive bins base, base + 1, ... (mod dim). So the kernel hashes once per 32 coordinates,
-// and a block whose window does not wrap (base <= dim - 32, all but 31 bases in dim) is a few
-// contiguous vector updates: load 32 values, flip their signs under the 32-bit mask, add them
-// into the window of float partial bins, and square them into 32 float partial sums.
+// and every block is a few contiguous vector updates: load 32 values, flip their signs under the
+// 32-bit mask, add them into the float partials base .. base + 31, and square them into 32 float
+// partial sums. There are dim + 31 float partials (sketch.h "Rounding"): the part of a window
+// that wraps past the last bin goes to partials dim .. dim + 30, which the segment's close adds
+// into bins 0 .. 30. So no window is split, masked or branched on (the masked updates a split
+// window took were a sixth of the AVX2 time at dim 1024: docs/PERFORMANCE.md).
 //
 // Add cuts its input at segment boundaries (the driver at the bottom closes segments: float
-// partial bin -> double bin, in bin order), and each piece runs in three phases: a scalar head up
+// partial -> double bin, in partial order), and each piece runs in three phases: a scalar head up
 // to the next block boundary, a vector body over whole blocks, and a scalar tail. All paths
 // (scalar, AVX2, AVX-512) compute the same integer hash, the same exact widening and the same
 // float operations in the same order, so their results are bit-identical:
-//   - bins: a block's 32 coordinates go to 32 distinct bins when dim >= 32, so each bin receives
+//   - bins: a block's 32 coordinates go to 32 distinct float partials, so each partial receives
 //     at most one value per block, and blocks are added in ascending order: every float partial
-//     bin receives its values in ascending index order. (For dim < 32 only the scalar code runs.)
-//     A window that wraps (31 bases in dim) is masked vector updates at the end of the bins and
-//     at their start; masked lanes are neither read nor written.
+//     receives its values in ascending index order, whatever dim (for dim < 32 a window wraps
+//     onto itself more than once, and its partials still differ).
 //   - squares: coordinate i goes to float partial i % 32 by a fused multiply-add (std::fma in the
 //     scalar code, vfmadd in the vector code: one rounding either way); after the last
 //     coordinate of each run of kRun coordinates (global positions) the partials go into the
@@ -102,7 +104,7 @@ inline uint32_t BaseOf(uint64_t mix, const BinMap& map) {
 struct KernelArgs {
   uint64_t seed;
   BinMap map;
-  float* partial_bins;     // dim floats
+  float* partial_bins;     // dim + kBlock - 1 floats
   float* partial_squares;  // kLanes floats
   double* square_lanes;    // kLanes doubles
 };
@@ -154,10 +156,9 @@ inline float ApplySign(float v, uint64_t bits) {
 }
 
 // Adds coordinates [first, first + n) one at a time, block by block: the reference for the
-// vector paths, and the only path for dim < 32.
+// vector paths.
 template <ScalarType kType, bool kPow2>
 void AddScalar(const unsigned char* data, size_t n, uint64_t first, const KernelArgs& a) {
-  const uint32_t dim = a.map.dim;
   float* const partial = a.partial_bins;
   size_t j = 0;
   while (j < n) {
@@ -169,16 +170,14 @@ void AddScalar(const unsigned char* data, size_t n, uint64_t first, const Kernel
     for (uint32_t o = first_offset; o < first_offset + count; ++o, ++j) {
       const float v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
       a.partial_squares[o] = std::fma(v, v, a.partial_squares[o]);
-      uint32_t bin = base + o;  // < dim + 32
-      if (bin >= dim) bin = dim >= kBlock ? bin - dim : bin % dim;
-      partial[bin] += v;
+      partial[base + o] += v;  // base + o < dim + 31
       if ((first + j + 1) % kRun == 0) CloseRunLanes(a.partial_squares, a.square_lanes);
     }
   }
 }
 
 // The vector body: `blocks` whole blocks of kBlock coordinates, the first one starting at
-// coordinate `first` (a multiple of kBlock). Requires dim >= kBlock.
+// coordinate `first` (a multiple of kBlock).
 using BodyFn = void (*)(const unsigned char* data, size_t blocks, uint64_t first,
                         const KernelArgs& a);
 
@@ -253,7 +252,6 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
                                     const KernelArgs& a) {
   constexpr size_t kSize = kElementSize<kType>;
   const BinMap map = a.map;
-  const uint32_t last_unwrapped = map.dim - kBlock;
   float* const bins = a.partial_bins;
   // Shifts that move bit o of the mix to the float sign bit of lane o, for o = 8q + l.
   const __m256i shift0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
@@ -305,27 +303,7 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
     sq1 = _mm256_fmadd_ps(v[1], v[1], sq1);
     sq2 = _mm256_fmadd_ps(v[2], v[2], sq2);
     sq3 = _mm256_fmadd_ps(v[3], v[3], sq3);
-    const uint32_t base = BaseOf<kPow2>(mix, map);
-    float* w = bins + base;
-    if (__builtin_expect(base > last_unwrapped, 0)) {
-      // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
-      // o - r (as in the AVX-512 body); masked lanes are neither read nor written.
-      const auto r = static_cast<int32_t>(map.dim - base);  // 1..31
-      float* const t = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(bins) -
-                                                static_cast<uintptr_t>(r) * sizeof(float));
-      const __m256i rr = _mm256_set1_epi32(r);
-      __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      for (int q = 0; q < 4; ++q) {
-        const __m256i head = _mm256_cmpgt_epi32(rr, lane);
-        const __m256i tail = _mm256_xor_si256(head, _mm256_set1_epi32(-1));
-        _mm256_maskstore_ps(w + 8 * q, head,
-                            _mm256_add_ps(_mm256_maskload_ps(w + 8 * q, head), v[q]));
-        _mm256_maskstore_ps(t + 8 * q, tail,
-                            _mm256_add_ps(_mm256_maskload_ps(t + 8 * q, tail), v[q]));
-        lane = _mm256_add_epi32(lane, eight);
-      }
-      return;
-    }
+    float* const w = bins + BaseOf<kPow2>(mix, map);
     for (int q = 0; q < 4; ++q) {
       _mm256_storeu_ps(w + 8 * q, _mm256_add_ps(_mm256_loadu_ps(w + 8 * q), v[q]));
     }
@@ -371,7 +349,6 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
                                         const KernelArgs& a) {
   constexpr size_t kSize = kElementSize<kType>;
   const BinMap map = a.map;
-  const uint32_t last_unwrapped = map.dim - kBlock;
   float* const bins = a.partial_bins;
   const __m512i sign_bit = _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
   __m512 sq_lo = _mm512_loadu_ps(a.partial_squares);  // offsets 0-15
@@ -385,29 +362,7 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
         _mm512_mask_xor_epi32(y, static_cast<__mmask16>(mix >> 16), y, sign_bit));
     sq_lo = _mm512_fmadd_ps(lo, lo, sq_lo);
     sq_hi = _mm512_fmadd_ps(hi, hi, sq_hi);
-    const uint32_t base = BaseOf<kPow2>(mix, map);
-    float* w = bins + base;
-    if (__builtin_expect(base > last_unwrapped, 0)) {
-      // The window wraps: offsets o < r = dim - base go to bins base + o, the others to bins
-      // o - r. Masked lanes are neither read nor written (nor fault), so each bin still gets
-      // its one value of the block, as in the scalar path.
-      const uint32_t r = map.dim - base;  // 1..31
-      const auto head = static_cast<uint32_t>((uint64_t{1} << r) - 1);
-      const auto head_lo = static_cast<__mmask16>(head),
-                 head_hi = static_cast<__mmask16>(head >> 16);
-      // bins - r, by integer arithmetic: only its lanes o >= r are touched.
-      float* const t =
-          reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(bins) - r * sizeof(float));
-      _mm512_mask_storeu_ps(w, head_lo, _mm512_add_ps(_mm512_maskz_loadu_ps(head_lo, w), lo));
-      _mm512_mask_storeu_ps(w + 16, head_hi,
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(head_hi, w + 16), hi));
-      const auto tail_lo = static_cast<__mmask16>(~head_lo),
-                 tail_hi = static_cast<__mmask16>(~head_hi);
-      _mm512_mask_storeu_ps(t, tail_lo, _mm512_add_ps(_mm512_maskz_loadu_ps(tail_lo, t), lo));
-      _mm512_mask_storeu_ps(t + 16, tail_hi,
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(tail_hi, t + 16), hi));
-      return;
-    }
+    float* const w = bins + BaseOf<kPow2>(mix, map);
     _mm512_storeu_ps(w, _mm512_add_ps(_mm512_loadu_ps(w), lo));
     _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_loadu_ps(w + 16), hi));
   };
@@ -449,12 +404,10 @@ BodyFn SelectBody(KernelIsa isa) {
   }
 }
 
-// Head (scalar, up to a block boundary), body (vector, whole blocks), tail (scalar). A window
-// of 32 bins needs dim >= 32: smaller sketches take the scalar path throughout.
+// Head (scalar, up to a block boundary), body (vector, whole blocks), tail (scalar).
 template <ScalarType kType, bool kPow2>
 void AddRange(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first,
               const KernelArgs& a) {
-  if (a.map.dim < kBlock) isa = KernelIsa::kScalar;
   constexpr size_t kSize = kElementSize<kType>;
   const size_t head = std::min<size_t>(n, (kBlock - first % kBlock) % kBlock);
   AddScalar<kType, kPow2>(data, head, first, a);
@@ -597,7 +550,7 @@ CountSketch::CountSketch(uint32_t dim, uint64_t seed)
     : seed_(seed),
       segment_length_(SketchSegment(std::clamp<uint32_t>(dim, 1, kMaxSketchDim))),
       bins_(std::clamp<uint32_t>(dim, 1, kMaxSketchDim), 0.0),
-      partial_bins_(bins_.size(), 0.0f) {
+      partial_bins_(bins_.size() + kSketchBlock - 1, 0.0f) {
   assert(dim >= 1 && dim <= kMaxSketchDim);
 }
 
@@ -613,9 +566,12 @@ void CountSketch::Reset() {
 
 void CountSketch::CloseSegment() const {
   if (open_segment_ == kNone) return;
-  for (size_t i = 0; i < bins_.size(); ++i) {
-    bins_[i] += static_cast<double>(partial_bins_[i]);
-    partial_bins_[i] = 0.0f;
+  // Partial p into bin p mod dim, in ascending p (sketch.h "Rounding"): the dim partials of the
+  // bins themselves, then the 31 of the windows that wrapped.
+  const size_t dim = bins_.size();
+  for (size_t p = 0; p < partial_bins_.size(); ++p) {
+    bins_[p < dim ? p : p % dim] += static_cast<double>(partial_bins_[p]);
+    partial_bins_[p] = 0.0f;
   }
   open_segment_ = kNone;
 }

@@ -71,21 +71,26 @@ std::vector<float> Widen(const std::vector<uint16_t>& bits, ScalarType type) {
 }
 
 // The sketch by its definition and sketch.h's rounding rule: within each segment of
-// SketchSegment(dim) coordinates, every coordinate added to its bin's float partial in index
-// order; each segment's partials then added into the double bins.
+// SketchSegment(dim) coordinates, every coordinate added in index order to its float partial
+// base + offset (one of dim + 31; partial p belongs to bin p mod dim); each segment's partials
+// then added into the double bins in ascending p.
 std::vector<double> ReferenceBins(const std::vector<float>& x, uint64_t offset, uint32_t dim,
                                   uint64_t seed) {
   std::vector<double> bins(dim, 0.0);
-  std::vector<float> partial(dim, 0.0f);
+  std::vector<float> partial(dim + kSketchBlock - 1, 0.0f);
   const uint64_t segment = SketchSegment(dim);
   auto close = [&] {
-    for (uint32_t b = 0; b < dim; ++b) bins[b] += static_cast<double>(partial[b]);
+    for (size_t p = 0; p < partial.size(); ++p) bins[p % dim] += static_cast<double>(partial[p]);
     std::fill(partial.begin(), partial.end(), 0.0f);
   };
   for (size_t i = 0; i < x.size(); ++i) {
     if (i > 0 && (offset + i) % segment == 0) close();
-    const SketchSlot slot = SketchHash(offset + i, seed, dim);
-    partial[slot.bin] += slot.sign * x[i];
+    const uint64_t index = offset + i;
+    const SketchSlot slot = SketchHash(index, seed, dim);
+    const uint64_t base = (SketchMix(index / kSketchBlock, seed) >> 32) % dim;
+    const uint64_t p = base + index % kSketchBlock;
+    EXPECT_EQ(p % dim, slot.bin);
+    partial[p] += slot.sign * x[i];
   }
   close();
   return bins;
@@ -516,11 +521,16 @@ TEST(CountSketchTest, DimOneSumsSignedCoordinates) {
   const std::vector<float> x = RandomVector(999, 16);
   CountSketch sketch(1, 3);
   sketch.AddFloat32(x.data(), x.size(), 10);
-  // One segment: a float sum in index order, then widened.
-  float want = 0.0f;
-  for (size_t i = 0; i < x.size(); ++i) want += SketchHash(10 + i, 3, 1).sign * x[i];
+  // One segment. Every base is 0, so offset o of every block goes to float partial o (of 32),
+  // in index order; the partials then go into the one double bin in the order o = 0 .. 31.
+  float partial[kSketchBlock] = {};
+  for (size_t i = 0; i < x.size(); ++i) {
+    partial[(10 + i) % kSketchBlock] += SketchHash(10 + i, 3, 1).sign * x[i];
+  }
+  double want = 0.0;
+  for (float p : partial) want += static_cast<double>(p);
   ASSERT_EQ(sketch.bins().size(), 1u);
-  EXPECT_EQ(sketch.bins()[0], static_cast<double>(want));
+  EXPECT_EQ(sketch.bins()[0], want);
 }
 
 TEST(CountSketchTest, EmptyAndTinyInputs) {

@@ -72,7 +72,8 @@ def test_torch_slots_equal_kernel_slots(dim, offset, n):
         assert (int(bins[i]), float(signs[i])) == _native.sketch_hash(offset + i, SEED, dim)
 
 
-# sketch.h "Rounding": the kernel sums each bin's values of a segment in float, and the squares of
+# sketch.h "Rounding": the kernel sums each bin's values of a segment in float (in one or two float
+# partials: its own, and the one of windows that wrap past the last bin), and the squares of
 # a run in float partials of at most 32 terms; the torch path sums everything in float64. Bounds:
 # a float sum of m terms errs by at most m * 2^-24 of the sum of their magnitudes (Higham), and
 # the sum of squares by at most 33 * 2^-24 of itself.

@@ -23,10 +23,14 @@
 // Rounding (the same bits on every instruction-set path; docs/ARCHITECTURE.md "Sketch hash"):
 // coordinate i's value, sign applied, is a float (exact: 16-bit types widen exactly).
 //   - Bins: the coordinates are cut at fixed global positions into segments of
-//     SketchSegment(dim) coordinates. Within a segment each bin sums its values in float, in
-//     ascending index order, from +0; when the segment is closed, that float partial is added
-//     into the bin's double. So a bin's error is at most about (values per bin per segment,
-//     ~32 to 64) x 2^-24 of the magnitudes it sums: far below the sketch's own 1/sqrt(k).
+//     SketchSegment(dim) coordinates. Within a segment the sums are kept in dim + 31 float
+//     partials: offset o of a block with base b goes to partial b + o, which belongs to bin
+//     (b + o) mod dim (partials dim .. dim + 30 hold the part of a window that wraps past the
+//     last bin). Each partial sums its values in float, in ascending index order, from +0; when
+//     the segment is closed, the partials are added into their bins' doubles in ascending
+//     partial order (so bin j < 31 takes its own partial, then its wrapped one). So a bin's
+//     error is at most about (values per bin per segment, ~32 to 64) x 2^-24 of the magnitudes
+//     it sums: far below the sketch's own 1/sqrt(k).
 //   - Sum of squares: the coordinates are cut at fixed global positions into runs of
 //     kSketchSquareRun = 1024. Within a run, coordinate i's square goes into float partial sum
 //     i % 32 by one fused multiply-add; when the run is closed, partial l is added into double
@@ -213,8 +217,9 @@ class CountSketch {
   uint64_t segment_length_;  // SketchSegment(dim)
   // Mutable: a const read closes the open segment and run (see "Thread safety" above).
   mutable std::vector<double> bins_;
-  mutable std::vector<float> partial_bins_;  // the open segment's float sums, else all +0
-  mutable uint64_t open_segment_ = kNone;    // the segment partial_bins_ holds, if any
+  // The open segment's dim + 31 float partials (see "Rounding"), else all +0.
+  mutable std::vector<float> partial_bins_;
+  mutable uint64_t open_segment_ = kNone;  // the segment partial_bins_ holds, if any
   // The open run's float sums of squares (all +0 when no run is open), and that run.
   mutable float partial_squares_[kSumSquaresLanes] = {};
   uint64_t open_run_ = kNone;
