@@ -334,14 +334,18 @@ int main(int argc, char** argv) {
   std::printf("%-9s %5s %-7s %16s %16s %7s %9s\n", "dtype", "dim", "path", "stream GB/s",
               "fingerprnt GB/s", "ratio", "Gcoord/s");
   ForEachDtype(buf, bytes, [&](ScalarType type, size_t n) {
-    RaceRow(
-        TypeName(type), "-", "auto", bytes, n, opt.reps, [](auto& f) { return TimeOnce(f); },
-        [&] { g_sink = StreamSum(storage.get(), bytes / 8); },
-        [&] {
-          rankscope::ReplicaFingerprint fp;
-          rankscope::FoldFingerprint(buf, static_cast<int>(type), n, 0, &fp);
-          g_sink += fp.fingerprint;
-        });
+    for (KernelIsa isa : isas) {  // the path of the sums of squares, as --isa says
+      RaceRow(
+          TypeName(type), "-", KernelIsaName(isa), bytes, n, opt.reps,
+          [](auto& f) { return TimeOnce(f); },
+          [&] { g_sink = StreamSum(storage.get(), bytes / 8); },
+          [&] {
+            rankscope::ReplicaFingerprint fp;
+            rankscope::fingerprint_internal::FoldFingerprintWithIsa(
+                isa, buf, static_cast<int>(type), n, 0, &fp);
+            g_sink += fp.fingerprint;
+          });
+    }
   });
   // The agent packs each report's bins once when it sends it (common/sketch_encoding.h): O(k),
   // beside the O(n) Add above. At a 4 KiB budget: float32 k = 1024, float16 2048, int8 4096.

@@ -1,13 +1,18 @@
 #include "rankscope/fingerprint.h"
 
+#include <cassert>
 #include <cstring>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "fold_partial_sums.h"
+#include "isa_targets.h"
 #include "rankscope/sketch.h"
 
 namespace rankscope {
 namespace {
+
+using sketch_internal::KernelIsa;
 
 // Partial sums of the squares (element i of a call into partial sum i % kSquareLanes, folded in
 // a fixed order): independent additions the core can overlap, where one running sum chains
@@ -15,26 +20,138 @@ namespace {
 // addition is exact in any order.
 constexpr size_t kSquareLanes = internal::kPartialSums;
 
-// A float16's value for the sum of squares, branch-free so that the loop below vectorizes (the
-// exact Float16ToFloat of sketch.h branches, and a loop over it stays scalar: a quarter of the
-// speed). Its 15 exponent and mantissa bits moved to a float's places read as 2^-112 times the
-// value, for normal and subnormal float16 alike, and one exact multiplication by 2^112 scales
-// them; infinities and NaNs are selected apart. The one difference: under a denormals-are-zero
-// floating-point mode a float16 subnormal (|v| < 2^-14) reads as 0 here, which moves the sum of
-// squares by less than 2^-28 per such element; F, computed from the bits, never changes.
-inline float Float16ForSquares(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  const uint32_t shifted = static_cast<uint32_t>(bits & 0x7fffu) << 13;
-  float scaled;
-  std::memcpy(&scaled, &shifted, sizeof scaled);
-  scaled *= 0x1p112f;
-  uint32_t u;
-  std::memcpy(&u, &scaled, sizeof u);
-  const uint32_t special = 0x7f800000u | shifted | ((bits & 0x3ffu) != 0 ? 0x00400000u : 0u);
-  u = ((bits & 0x7c00u) == 0x7c00u ? special : u) | sign;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// The value of element `bits` of a dtype (ScalarType code, 16 or 32 bits) for the sum of
+// squares: exact, and the same whatever the floating-point mode (sketch.h's decoders are pure
+// integer code, and the vector paths' vcvtph2ps ignores denormals-are-zero).
+template <ScalarType kType, typename Bits>
+inline double Decode(Bits bits) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return static_cast<double>(f);
+  } else if constexpr (kType == ScalarType::kBFloat16) {
+    return static_cast<double>(BFloat16ToFloat(static_cast<uint16_t>(bits)));
+  } else {
+    return static_cast<double>(Float16ToFloat(static_cast<uint16_t>(bits)));
+  }
+}
+
+// Adds the squares of `count` elements (a multiple of kSquareLanes) into sums[j % kSquareLanes],
+// j the element's place, in element order. Every square of a float is exact in double, so a
+// fused multiply-add gives the bits of a multiply and an add: all paths agree bit for bit.
+using SquaresFn = void (*)(const void* data, size_t count, double* sums);
+
+template <ScalarType kType>
+void SquaresScalar(const void* data, size_t count, double* sums) {
+  using Bits = std::conditional_t<kType == ScalarType::kFloat32, int32_t, int16_t>;
+  const auto* p = static_cast<const Bits*>(data);
+  for (size_t j = 0; j < count; j += kSquareLanes) {
+    for (size_t l = 0; l < kSquareLanes; ++l) {
+      const double v = Decode<kType>(p[j + l]);
+      sums[l] += v * v;
+    }
+  }
+}
+
+#ifdef RANKSCOPE_KERNEL_X86
+
+// Elements 8q .. 8q + 7 of a group of 32 as floats (AVX2), 16q .. 16q + 15 (AVX-512).
+template <ScalarType kType>
+RANKSCOPE_TARGET_AVX2 inline __m256 Floats8(const unsigned char* p) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (kType == ScalarType::kBFloat16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
+
+template <ScalarType kType>
+RANKSCOPE_TARGET_AVX512 inline __m512 Floats16(const unsigned char* p) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (kType == ScalarType::kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// Sums 4l .. 4l + 3 in s<l>.
+template <ScalarType kType>
+RANKSCOPE_TARGET_AVX2 void SquaresAvx2(const void* data, size_t count, double* sums) {
+  constexpr size_t kSize = kType == ScalarType::kFloat32 ? 4 : 2;
+  const auto* p = static_cast<const unsigned char*>(data);
+  __m256d s0 = _mm256_loadu_pd(sums), s1 = _mm256_loadu_pd(sums + 4),
+          s2 = _mm256_loadu_pd(sums + 8), s3 = _mm256_loadu_pd(sums + 12),
+          s4 = _mm256_loadu_pd(sums + 16), s5 = _mm256_loadu_pd(sums + 20),
+          s6 = _mm256_loadu_pd(sums + 24), s7 = _mm256_loadu_pd(sums + 28);
+  auto add = [](__m256 f, __m256d& lo, __m256d& hi) RANKSCOPE_TARGET_AVX2 {
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    lo = _mm256_fmadd_pd(a, a, lo);
+    hi = _mm256_fmadd_pd(b, b, hi);
+  };
+  for (const unsigned char* end = p + count * kSize; p != end; p += kSquareLanes * kSize) {
+    add(Floats8<kType>(p), s0, s1);
+    add(Floats8<kType>(p + 8 * kSize), s2, s3);
+    add(Floats8<kType>(p + 16 * kSize), s4, s5);
+    add(Floats8<kType>(p + 24 * kSize), s6, s7);
+  }
+  _mm256_storeu_pd(sums, s0);
+  _mm256_storeu_pd(sums + 4, s1);
+  _mm256_storeu_pd(sums + 8, s2);
+  _mm256_storeu_pd(sums + 12, s3);
+  _mm256_storeu_pd(sums + 16, s4);
+  _mm256_storeu_pd(sums + 20, s5);
+  _mm256_storeu_pd(sums + 24, s6);
+  _mm256_storeu_pd(sums + 28, s7);
+}
+
+// Sums 8l .. 8l + 7 in s<l>.
+template <ScalarType kType>
+RANKSCOPE_TARGET_AVX512 void SquaresAvx512(const void* data, size_t count, double* sums) {
+  constexpr size_t kSize = kType == ScalarType::kFloat32 ? 4 : 2;
+  const auto* p = static_cast<const unsigned char*>(data);
+  __m512d s0 = _mm512_loadu_pd(sums), s1 = _mm512_loadu_pd(sums + 8),
+          s2 = _mm512_loadu_pd(sums + 16), s3 = _mm512_loadu_pd(sums + 24);
+  auto add = [](__m512 f, __m512d& lo, __m512d& hi) RANKSCOPE_TARGET_AVX512 {
+    const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+    const __m512d b = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
+    lo = _mm512_fmadd_pd(a, a, lo);
+    hi = _mm512_fmadd_pd(b, b, hi);
+  };
+  for (const unsigned char* end = p + count * kSize; p != end; p += kSquareLanes * kSize) {
+    add(Floats16<kType>(p), s0, s1);
+    add(Floats16<kType>(p + 16 * kSize), s2, s3);
+  }
+  _mm512_storeu_pd(sums, s0);
+  _mm512_storeu_pd(sums + 8, s1);
+  _mm512_storeu_pd(sums + 16, s2);
+  _mm512_storeu_pd(sums + 24, s3);
+}
+
+#endif  // RANKSCOPE_KERNEL_X86
+
+template <ScalarType kType>
+SquaresFn SelectSquares(KernelIsa isa) {
+  switch (isa) {
+#ifdef RANKSCOPE_KERNEL_X86
+    case KernelIsa::kAvx512:
+      return &SquaresAvx512<kType>;
+    case KernelIsa::kAvx2:
+      return &SquaresAvx2<kType>;
+#endif
+    default:
+      return &SquaresScalar<kType>;
+  }
 }
 
 // One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into
@@ -74,10 +191,11 @@ __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, ui
 // elements (|S1| <= 2^15 * sum_{j<256} j < 2^31, exact), int64 for 32-bit ones (< 2^47). So the
 // inner loop is small-integer multiply-adds, which vectorize (vpmaddwd for 16 bits, vpmuldq
 // for 32), and F is exactly the definition's. The squares are the same as FoldRange's: element
-// i into partial sum i % kSquareLanes, in element order.
-template <typename Bits, typename Acc, typename Decode>
+// i into partial sum i % kSquareLanes, in element order; a span's by `squares` (the path of an
+// instruction set), the last partial span's one by one.
+template <ScalarType kType, typename Bits, typename Acc>
 __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_t n,
-                                                            uint64_t offset, Decode decode,
+                                                            uint64_t offset, SquaresFn squares,
                                                             ReplicaFingerprint* acc) {
   constexpr size_t kSpan = 256;
   uint64_t b0 = 0, b1 = 0;
@@ -90,13 +208,7 @@ __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_
       s0 += b;
       s1 += static_cast<Acc>(static_cast<Bits>(j)) * b;  // both widened from Bits
     }
-    // The span again, from L1, for the squares: lanes in element order.
-    for (size_t j = 0; j < kSpan; j += kSquareLanes) {
-      for (size_t l = 0; l < kSquareLanes; ++l) {
-        const double v = decode(p[i + j + l]);
-        sums[l] += v * v;
-      }
-    }
+    squares(p + i, kSpan, sums);  // the span again, from L1
     b0 += static_cast<uint64_t>(static_cast<int64_t>(s0));
     b1 += static_cast<uint64_t>(i) * static_cast<uint64_t>(static_cast<int64_t>(s0)) +
           static_cast<uint64_t>(static_cast<int64_t>(s1));
@@ -105,7 +217,7 @@ __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_
     const uint64_t b = static_cast<uint64_t>(static_cast<int64_t>(p[i]));
     b0 += b;
     b1 += static_cast<uint64_t>(i) * b;
-    const double v = decode(p[i]);
+    const double v = Decode<kType>(p[i]);
     sums[i % kSquareLanes] += v * v;
   }
   const uint64_t count = n;
@@ -113,43 +225,29 @@ __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_
   acc->sum_squares += internal::FoldPartialSums(sums);
 }
 
-}  // namespace
-
-size_t FingerprintElementSize(int dtype) {
-  if (dtype == kFingerprintFloat64) return 8;
-  return dtype == static_cast<int>(ScalarType::kFloat32) ? 4 : 2;
-}
-
-// One clone per instruction set, chosen once by the loader (GCC's target_clones): the loops
-// above vectorize with AVX-512 (64-bit multiplies) or AVX2 where the CPU has them.
+// F and the sums of squares of n elements, the squares of whole spans by the path of `isa`. One
+// clone per instruction set, chosen once by the loader (GCC's target_clones): the loops for F
+// (and float64's squares) vectorize with AVX-512 (64-bit multiplies) or AVX2 where the CPU has
+// them.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
-                     ReplicaFingerprint* acc) {
+void Fold(KernelIsa isa, const void* data, int dtype, size_t n, uint64_t offset,
+          ReplicaFingerprint* acc) {
   switch (dtype) {
     case static_cast<int>(ScalarType::kFloat32):
-      FoldRangeBySpans<int32_t, int64_t>(
-          static_cast<const int32_t*>(data), n, offset,
-          [](int32_t b) {
-            float f;
-            std::memcpy(&f, &b, sizeof(f));
-            return static_cast<double>(f);
-          },
+      FoldRangeBySpans<ScalarType::kFloat32, int32_t, int64_t>(
+          static_cast<const int32_t*>(data), n, offset, SelectSquares<ScalarType::kFloat32>(isa),
           acc);
       return;
     case static_cast<int>(ScalarType::kBFloat16):
-      FoldRangeBySpans<int16_t, int32_t>(
-          static_cast<const int16_t*>(data), n, offset,
-          [](int16_t b) { return static_cast<double>(BFloat16ToFloat(static_cast<uint16_t>(b))); },
+      FoldRangeBySpans<ScalarType::kBFloat16, int16_t, int32_t>(
+          static_cast<const int16_t*>(data), n, offset, SelectSquares<ScalarType::kBFloat16>(isa),
           acc);
       return;
     case static_cast<int>(ScalarType::kFloat16):
-      FoldRangeBySpans<int16_t, int32_t>(
-          static_cast<const int16_t*>(data), n, offset,
-          [](int16_t b) {
-            return static_cast<double>(Float16ForSquares(static_cast<uint16_t>(b)));
-          },
+      FoldRangeBySpans<ScalarType::kFloat16, int16_t, int32_t>(
+          static_cast<const int16_t*>(data), n, offset, SelectSquares<ScalarType::kFloat16>(isa),
           acc);
       return;
     default:  // kFingerprintFloat64
@@ -163,6 +261,29 @@ void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
           acc);
   }
 }
+
+}  // namespace
+
+size_t FingerprintElementSize(int dtype) {
+  if (dtype == kFingerprintFloat64) return 8;
+  return dtype == static_cast<int>(ScalarType::kFloat32) ? 4 : 2;
+}
+
+void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
+                     ReplicaFingerprint* acc) {
+  Fold(sketch_internal::BestKernelIsa(), data, dtype, n, offset, acc);
+}
+
+namespace fingerprint_internal {
+
+void FoldFingerprintWithIsa(sketch_internal::KernelIsa isa, const void* data, int dtype, size_t n,
+                            uint64_t offset, ReplicaFingerprint* acc) {
+  assert(sketch_internal::KernelIsaSupported(isa));
+  if (!sketch_internal::KernelIsaSupported(isa)) isa = KernelIsa::kScalar;
+  Fold(isa, data, dtype, n, offset, acc);
+}
+
+}  // namespace fingerprint_internal
 
 absl::StatusOr<ReplicaFingerprint> FingerprintSegments(const void* base, int dtype,
                                                        absl::Span<const size_t> starts,

@@ -34,23 +34,11 @@
 #include <limits>
 
 #include "fold_partial_sums.h"
+#include "isa_targets.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef RANKSCOPE_KERNEL_X86
 #define RANKSCOPE_SKETCH_X86 1
 #include <cpuid.h>
-// GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own _mm512_undefined_*()
-// (GCC bug 105593, fixed in GCC 13); the warning is located in the header, so silence it there.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#define RANKSCOPE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
-#define RANKSCOPE_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,bmi2")))
 #endif
 
 namespace rankscope {

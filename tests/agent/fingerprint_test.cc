@@ -4,11 +4,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "rankscope/sketch.h"
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>  // _mm_getcsr, _mm_setcsr
+#endif
 
 namespace rankscope {
 namespace {
@@ -162,6 +167,107 @@ TEST(FingerprintTest, EverySixteenBitValueSquaresAsItsExactConversion) {
   }
   EXPECT_NEAR(Whole(finite.data(), 2, finite.size()).sum_squares, f16_sum, 1e-12 * f16_sum);
 }
+
+using sketch_internal::KernelIsa;
+
+std::vector<KernelIsa> SupportedIsas() {
+  std::vector<KernelIsa> isas;
+  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (sketch_internal::KernelIsaSupported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+ReplicaFingerprint WithIsa(KernelIsa isa, const void* data, int dtype, size_t n, uint64_t offset) {
+  ReplicaFingerprint acc;
+  fingerprint_internal::FoldFingerprintWithIsa(isa, data, dtype, n, offset, &acc);
+  return acc;
+}
+
+uint64_t DoubleBits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
+  // Random finite values of every exponent (subnormals included), lengths around the span of
+  // 256 and the group of 32, odd element addresses: F and the sum of squares' bits are the scalar
+  // path's. (F reads bits; the squares are exact, so only their order could differ.)
+  std::mt19937_64 rng(11);
+  std::vector<unsigned char> bytes(4 * 70001 + 4);
+  for (size_t n : {size_t{31}, size_t{32}, size_t{256}, size_t{289}, size_t{1000}, size_t{70001}}) {
+    for (int dtype : {0, 1, 2}) {
+      const size_t size = FingerprintElementSize(dtype);
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t bits = static_cast<uint32_t>(rng());
+        if (dtype == 0 && (bits & 0x7f800000u) == 0x7f800000u) bits &= 0xbfffffffu;
+        if (dtype == 1 && (bits & 0x7f80u) == 0x7f80u) bits &= 0xbfffu;
+        if (dtype == 2 && (bits & 0x7c00u) == 0x7c00u) bits &= 0xbfffu;
+        std::memcpy(bytes.data() + 1 + i * size, &bits, size);
+      }
+      const void* data = bytes.data() + 1;
+      const ReplicaFingerprint want = WithIsa(KernelIsa::kScalar, data, dtype, n, 77);
+      ASSERT_TRUE(std::isfinite(want.sum_squares));
+      for (KernelIsa isa : SupportedIsas()) {
+        SCOPED_TRACE(testing::Message()
+                     << sketch_internal::KernelIsaName(isa) << " dtype " << dtype << " n " << n);
+        const ReplicaFingerprint got = WithIsa(isa, data, dtype, n, 77);
+        EXPECT_EQ(got.fingerprint, want.fingerprint);
+        EXPECT_EQ(DoubleBits(got.sum_squares), DoubleBits(want.sum_squares));
+      }
+    }
+  }
+  // Non-finite values reach the sum on every path.
+  const float specials[] = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
+  std::vector<float> many(300, 0.5f);
+  many[257] = std::numeric_limits<float>::quiet_NaN();
+  for (KernelIsa isa : SupportedIsas()) {
+    EXPECT_EQ(WithIsa(isa, specials, 0, 3, 0).sum_squares, std::numeric_limits<double>::infinity());
+    EXPECT_TRUE(std::isnan(WithIsa(isa, many.data(), 0, many.size(), 0).sum_squares));
+    many[257] = 0.5f;
+    many[3] = -std::numeric_limits<float>::infinity();  // inside the first span
+    EXPECT_EQ(WithIsa(isa, many.data(), 0, many.size(), 0).sum_squares,
+              std::numeric_limits<double>::infinity());
+    many[3] = 0.5f;
+    many[257] = std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+#if defined(__x86_64__)
+TEST(FingerprintTest, DenormalsAreZeroLeavesFloat16SquaresExactOnEveryPath) {
+  // Under DAZ and FTZ (torch.set_flush_denormal(True) sets both), float16 subnormals, which are
+  // normal floats, still square exactly on every path; float32 and bfloat16 subnormals, which
+  // the mode reads as zero, give the same bits on every path.
+  std::vector<uint16_t> subnormals;
+  double want16 = 0.0;
+  for (uint16_t h = 1; h < 0x400; ++h) subnormals.push_back(h);
+  std::vector<double> squares;
+  for (uint16_t h : subnormals) squares.push_back(Float16ToFloat(h) * Float16ToFloat(h));
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ (bit 15) and DAZ (bit 6)
+  std::vector<ReplicaFingerprint> f16, bf16;
+  for (KernelIsa isa : SupportedIsas()) {
+    f16.push_back(WithIsa(isa, subnormals.data(), 2, subnormals.size(), 0));
+    bf16.push_back(WithIsa(isa, subnormals.data(), 1, subnormals.size(), 0));
+  }
+  _mm_setcsr(csr);
+  // The kernel's own order (partial sum i % 32, folded by pairs), without the mode.
+  double partial[32] = {};
+  for (size_t i = 0; i < squares.size(); ++i) partial[i % 32] += squares[i];
+  double group[4];
+  for (int g = 0; g < 4; ++g) {
+    const double* x = partial + 8 * g;
+    group[g] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+  }
+  want16 = (group[0] + group[1]) + (group[2] + group[3]);
+  ASSERT_GT(want16, 0.0);
+  for (size_t k = 0; k < f16.size(); ++k) {
+    EXPECT_EQ(f16[k].sum_squares, want16) << k;
+    EXPECT_EQ(DoubleBits(bf16[k].sum_squares), DoubleBits(bf16[0].sum_squares)) << k;
+  }
+}
+#endif
 
 TEST(FingerprintTest, SixteenBitSumOfSquaresDecodesPerDtype) {
   // 0x4000 is 2.0 both as bfloat16 and as float16; 0x3C00 is 1.0 as float16 and 2^-7 as

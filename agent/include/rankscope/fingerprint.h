@@ -12,7 +12,8 @@
 // values, accumulated in double (within a call of FoldFingerprint, element i of the call into
 // partial sum i % 32 in element order; each group of 8 partial sums folded as ((s0 + s1) +
 // (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the four groups as (g0 + g1) + (g2 + g3); summed
-// across calls in call order).
+// across calls in call order). Every square is exact (the values are decoded exactly, whatever
+// the floating-point mode), so the scalar, AVX2 and AVX-512 paths give the same bits.
 //
 // Pure: no threads, no allocation.
 //
@@ -28,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "rankscope/sketch.h"
 
 namespace rankscope {
 
@@ -47,6 +49,16 @@ size_t FingerprintElementSize(int dtype);
 // [offset, offset + n), into *acc.
 void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
                      ReplicaFingerprint* acc);
+
+namespace fingerprint_internal {
+
+// FoldFingerprint with the sums of squares through the given instruction-set path (that of
+// CountSketch's kernel; `isa` must be supported). Every path gives the same bits; tests and
+// benchmarks pin one to prove and to measure that. FoldFingerprint takes the best one.
+void FoldFingerprintWithIsa(sketch_internal::KernelIsa isa, const void* data, int dtype, size_t n,
+                            uint64_t offset, ReplicaFingerprint* acc);
+
+}  // namespace fingerprint_internal
 
 // The fingerprint and sum of squares of segments of the buffer at `base`: segment k is counts[k]
 // elements from element starts[k], at global indices from global_offsets[k]. Errors
