@@ -21,8 +21,9 @@ using sketch_internal::KernelIsa;
 constexpr size_t kSquareLanes = internal::kPartialSums;
 
 // The value of element `bits` of a dtype (ScalarType code, 16 or 32 bits) for the sum of
-// squares: exact, and the same whatever the floating-point mode (sketch.h's decoders are pure
-// integer code, and the vector paths' vcvtph2ps ignores denormals-are-zero).
+// squares, exact. A float16 stays exact under denormals-are-zero (sketch.h's decoder is integer
+// code, the vector paths' vcvtph2ps ignores the mode, and its subnormals are normal floats);
+// float32 and bfloat16 subnormals read as 0 under that mode, on every path alike.
 template <ScalarType kType, typename Bits>
 inline double Decode(Bits bits) {
   if constexpr (kType == ScalarType::kFloat32) {
@@ -155,7 +156,7 @@ SquaresFn SelectSquares(KernelIsa isa) {
 }
 
 // One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into
-// each clone of FoldFingerprint, so that every instruction set gets its own vectorized loop.
+// each clone of Fold, so that every instruction set gets its own vectorized loop.
 template <typename Bits, typename Decode>
 __attribute__((always_inline)) inline void FoldRange(const Bits* p, size_t n, uint64_t offset,
                                                      Decode decode, ReplicaFingerprint* acc) {
