@@ -218,6 +218,18 @@ TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
       }
     }
   }
+  // The most negative and most positive 16-bit patterns everywhere (the extremes of F's span
+  // sums; NaNs as values, so only F is compared).
+  for (uint16_t fill : {uint16_t{0x8000}, uint16_t{0x7fff}}) {
+    const std::vector<uint16_t> extreme(70001, fill);
+    for (int dtype : {1, 2}) {
+      const uint64_t want = ReferenceFingerprint(extreme.data(), 2, extreme.size(), 5);
+      for (KernelIsa isa : SupportedIsas()) {
+        EXPECT_EQ(WithIsa(isa, extreme.data(), dtype, extreme.size(), 5).fingerprint, want)
+            << sketch_internal::KernelIsaName(isa) << " fill " << fill << " dtype " << dtype;
+      }
+    }
+  }
   // Non-finite values reach the sum on every path.
   const float specials[] = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
   std::vector<float> many(300, 0.5f);
