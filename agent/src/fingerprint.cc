@@ -62,11 +62,11 @@ void SquaresScalar(const void* data, size_t count, double* sums) {
 // element 0 of the call, into *b0, *b1 and sums[kSquareLanes]; the same bits as the two passes.
 using SpansFn = void (*)(const void* data, size_t spans, uint64_t* b0, uint64_t* b1, double* sums);
 
-// B0 and B1 of a span at element `first` of the call from its S0 and S1.
-inline void AddSpan(int32_t s0, int32_t s1, size_t first, uint64_t* b0, uint64_t* b1) {
-  const auto wide0 = static_cast<uint64_t>(static_cast<int64_t>(s0));
+// Adds the span at element `first` of the call into B0 and B1 (mod 2^64), from its S0 and S1.
+inline void AddSpan(int64_t s0, int64_t s1, size_t first, uint64_t* b0, uint64_t* b1) {
+  const auto wide0 = static_cast<uint64_t>(s0);
   *b0 += wide0;
-  *b1 += static_cast<uint64_t>(first) * wide0 + static_cast<uint64_t>(static_cast<int64_t>(s1));
+  *b1 += static_cast<uint64_t>(first) * wide0 + static_cast<uint64_t>(s1);
 }
 
 #ifdef RANKSCOPE_KERNEL_X86
@@ -334,9 +334,7 @@ __attribute__((always_inline)) inline void FoldRangeBySpans(const Bits* p, size_
       s1 += static_cast<Acc>(static_cast<Bits>(j)) * b;  // both widened from Bits
     }
     squares(p + i, kSpan, sums);  // the span again, from L1
-    b0 += static_cast<uint64_t>(static_cast<int64_t>(s0));
-    b1 += static_cast<uint64_t>(i) * static_cast<uint64_t>(static_cast<int64_t>(s0)) +
-          static_cast<uint64_t>(static_cast<int64_t>(s1));
+    AddSpan(s0, s1, i, &b0, &b1);
   }
   for (; i < n; ++i) {
     const uint64_t b = static_cast<uint64_t>(static_cast<int64_t>(p[i]));
