@@ -192,8 +192,9 @@ uint64_t DoubleBits(double d) {
 
 TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
   // Random finite values of every exponent (subnormals included), lengths around the span of
-  // 256 and the group of 32, odd element addresses: F and the sum of squares' bits are the scalar
-  // path's. (F reads bits; the squares are exact, so only their order could differ.)
+  // 256 and the group of 32, a start one element past the buffer's (vector-misaligned): F and the
+  // sum of squares' bits are the scalar path's. (F reads bits; the squares are exact, so only their
+  // order could differ.)
   std::mt19937_64 rng(11);
   std::vector<unsigned char> bytes(4 * 70001 + 4);
   for (size_t n : {size_t{31}, size_t{32}, size_t{256}, size_t{289}, size_t{1000}, size_t{70001}}) {
@@ -204,9 +205,9 @@ TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
         if (dtype == 0 && (bits & 0x7f800000u) == 0x7f800000u) bits &= 0xbfffffffu;
         if (dtype == 1 && (bits & 0x7f80u) == 0x7f80u) bits &= 0xbfffu;
         if (dtype == 2 && (bits & 0x7c00u) == 0x7c00u) bits &= 0xbfffu;
-        std::memcpy(bytes.data() + 1 + i * size, &bits, size);
+        std::memcpy(bytes.data() + size + i * size, &bits, size);
       }
-      const void* data = bytes.data() + 1;
+      const void* data = bytes.data() + size;  // element-aligned, not vector-aligned
       const ReplicaFingerprint want = WithIsa(KernelIsa::kScalar, data, dtype, n, 77);
       ASSERT_TRUE(std::isfinite(want.sum_squares));
       for (KernelIsa isa : SupportedIsas()) {
