@@ -46,7 +46,8 @@ struct ReplicaFingerprint {
 size_t FingerprintElementSize(int dtype);
 
 // Adds the `n` elements at `data` (of the valid dtype code `dtype`), at global indices
-// [offset, offset + n), into *acc.
+// [offset, offset + n), into *acc. `data` is aligned to the element size (as a tensor's storage
+// is); no wider alignment is needed.
 void FoldFingerprint(const void* data, int dtype, size_t n, uint64_t offset,
                      ReplicaFingerprint* acc);
 
