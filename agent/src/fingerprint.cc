@@ -71,7 +71,7 @@ inline void AddSpan(int64_t s0, int64_t s1, size_t first, uint64_t* b0, uint64_t
 
 #ifdef RANKSCOPE_KERNEL_X86
 
-// 8 (AVX2) or 16 (AVX-512) 16-bit elements as floats, exactly.
+// 8 (AVX2) or 16 (AVX-512) 16-bit elements as floats, exactly (Spans16*).
 template <ScalarType kType>
 RANKSCOPE_TARGET_AVX2 inline __m256 Widen8(__m128i h) {
   if constexpr (kType == ScalarType::kBFloat16) {
@@ -87,25 +87,6 @@ RANKSCOPE_TARGET_AVX512 inline __m512 Widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
     return _mm512_cvtph_ps(h);
-  }
-}
-
-// Elements 8q .. 8q + 7 of a group of 32 as floats (AVX2), 16q .. 16q + 15 (AVX-512).
-template <ScalarType kType>
-RANKSCOPE_TARGET_AVX2 inline __m256 Floats8(const unsigned char* p) {
-  if constexpr (kType == ScalarType::kFloat32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  } else {
-    return Widen8<kType>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-}
-
-template <ScalarType kType>
-RANKSCOPE_TARGET_AVX512 inline __m512 Floats16(const unsigned char* p) {
-  if constexpr (kType == ScalarType::kFloat32) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-  } else {
-    return Widen16<kType>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 }
 
@@ -125,20 +106,19 @@ RANKSCOPE_TARGET_AVX512 inline void AddSquares16(__m512 f, __m512d& lo, __m512d&
   hi = _mm512_fmadd_pd(b, b, hi);
 }
 
+// float32 squares (16-bit elements take Spans16*, which square from the vector F loads).
 // Sums 4l .. 4l + 3 in s<l>.
-template <ScalarType kType>
-RANKSCOPE_TARGET_AVX2 void SquaresAvx2(const void* data, size_t count, double* sums) {
-  constexpr size_t kSize = kType == ScalarType::kFloat32 ? 4 : 2;
-  const auto* p = static_cast<const unsigned char*>(data);
+RANKSCOPE_TARGET_AVX2 void SquaresFloat32Avx2(const void* data, size_t count, double* sums) {
+  const auto* p = static_cast<const float*>(data);
   __m256d s0 = _mm256_loadu_pd(sums), s1 = _mm256_loadu_pd(sums + 4),
           s2 = _mm256_loadu_pd(sums + 8), s3 = _mm256_loadu_pd(sums + 12),
           s4 = _mm256_loadu_pd(sums + 16), s5 = _mm256_loadu_pd(sums + 20),
           s6 = _mm256_loadu_pd(sums + 24), s7 = _mm256_loadu_pd(sums + 28);
-  for (const unsigned char* end = p + count * kSize; p != end; p += kSquareLanes * kSize) {
-    AddSquares8(Floats8<kType>(p), s0, s1);
-    AddSquares8(Floats8<kType>(p + 8 * kSize), s2, s3);
-    AddSquares8(Floats8<kType>(p + 16 * kSize), s4, s5);
-    AddSquares8(Floats8<kType>(p + 24 * kSize), s6, s7);
+  for (const float* end = p + count; p != end; p += kSquareLanes) {
+    AddSquares8(_mm256_loadu_ps(p), s0, s1);
+    AddSquares8(_mm256_loadu_ps(p + 8), s2, s3);
+    AddSquares8(_mm256_loadu_ps(p + 16), s4, s5);
+    AddSquares8(_mm256_loadu_ps(p + 24), s6, s7);
   }
   _mm256_storeu_pd(sums, s0);
   _mm256_storeu_pd(sums + 4, s1);
@@ -151,15 +131,13 @@ RANKSCOPE_TARGET_AVX2 void SquaresAvx2(const void* data, size_t count, double* s
 }
 
 // Sums 8l .. 8l + 7 in s<l>.
-template <ScalarType kType>
-RANKSCOPE_TARGET_AVX512 void SquaresAvx512(const void* data, size_t count, double* sums) {
-  constexpr size_t kSize = kType == ScalarType::kFloat32 ? 4 : 2;
-  const auto* p = static_cast<const unsigned char*>(data);
+RANKSCOPE_TARGET_AVX512 void SquaresFloat32Avx512(const void* data, size_t count, double* sums) {
+  const auto* p = static_cast<const float*>(data);
   __m512d s0 = _mm512_loadu_pd(sums), s1 = _mm512_loadu_pd(sums + 8),
           s2 = _mm512_loadu_pd(sums + 16), s3 = _mm512_loadu_pd(sums + 24);
-  for (const unsigned char* end = p + count * kSize; p != end; p += kSquareLanes * kSize) {
-    AddSquares16(Floats16<kType>(p), s0, s1);
-    AddSquares16(Floats16<kType>(p + 16 * kSize), s2, s3);
+  for (const float* end = p + count; p != end; p += kSquareLanes) {
+    AddSquares16(_mm512_loadu_ps(p), s0, s1);
+    AddSquares16(_mm512_loadu_ps(p + 16), s2, s3);
   }
   _mm512_storeu_pd(sums, s0);
   _mm512_storeu_pd(sums + 8, s1);
@@ -260,18 +238,17 @@ SpansFn SelectSpans(KernelIsa isa) {
   return nullptr;
 }
 
+// The path for a span's squares where SelectSpans gives none.
 template <ScalarType kType>
 SquaresFn SelectSquares(KernelIsa isa) {
-  switch (isa) {
 #ifdef RANKSCOPE_KERNEL_X86
-    case KernelIsa::kAvx512:
-      return &SquaresAvx512<kType>;
-    case KernelIsa::kAvx2:
-      return &SquaresAvx2<kType>;
-#endif
-    default:
-      return &SquaresScalar<kType>;
+  if constexpr (kType == ScalarType::kFloat32) {
+    if (isa == KernelIsa::kAvx512) return &SquaresFloat32Avx512;
+    if (isa == KernelIsa::kAvx2) return &SquaresFloat32Avx2;
   }
+#endif
+  (void)isa;
+  return &SquaresScalar<kType>;
 }
 
 // One pass over n elements of bit type Bits (int64, for float64); no temporaries. Inlined into

@@ -37,7 +37,6 @@
 #include "isa_targets.h"
 
 #ifdef RANKSCOPE_KERNEL_X86
-#define RANKSCOPE_SKETCH_X86 1
 #include <cpuid.h>
 #endif
 
@@ -174,7 +173,7 @@ void BodyScalar(const unsigned char* data, size_t blocks, uint64_t first, const 
   AddScalar<kType, kPow2>(data, blocks * kBlock, first, a);
 }
 
-#ifdef RANKSCOPE_SKETCH_X86
+#ifdef RANKSCOPE_KERNEL_X86
 
 // Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
 // too few misses in flight and reads DRAM at about half the speed (the hardware prefetchers alone
@@ -376,12 +375,12 @@ bool CpuHasF16c() {
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
 }
 
-#endif  // RANKSCOPE_SKETCH_X86
+#endif  // RANKSCOPE_KERNEL_X86
 
 template <ScalarType kType, bool kPow2>
 BodyFn SelectBody(KernelIsa isa) {
   switch (isa) {
-#ifdef RANKSCOPE_SKETCH_X86
+#ifdef RANKSCOPE_KERNEL_X86
     case KernelIsa::kAvx512:
       return &BodyAvx512<kType, kPow2>;
     case KernelIsa::kAvx2:
@@ -419,7 +418,7 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
 }
 
 KernelIsa DetectBestIsa() {
-#ifdef RANKSCOPE_SKETCH_X86
+#ifdef RANKSCOPE_KERNEL_X86
   __builtin_cpu_init();
   if (!CpuHasF16c() || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2") ||
       !__builtin_cpu_supports("fma")) {
@@ -460,6 +459,14 @@ bool KernelIsaSupported(KernelIsa isa) {
       return BestKernelIsa() == KernelIsa::kAvx512;
   }
   return false;
+}
+
+std::vector<KernelIsa> SupportedKernelIsas() {
+  std::vector<KernelIsa> isas;
+  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (KernelIsaSupported(isa)) isas.push_back(isa);
+  }
+  return isas;
 }
 
 KernelIsa BestKernelIsa() {

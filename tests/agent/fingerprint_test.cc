@@ -169,14 +169,7 @@ TEST(FingerprintTest, EverySixteenBitValueSquaresAsItsExactConversion) {
 }
 
 using sketch_internal::KernelIsa;
-
-std::vector<KernelIsa> SupportedIsas() {
-  std::vector<KernelIsa> isas;
-  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
-    if (sketch_internal::KernelIsaSupported(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
+using sketch_internal::SupportedKernelIsas;
 
 ReplicaFingerprint WithIsa(KernelIsa isa, const void* data, int dtype, size_t n, uint64_t offset) {
   ReplicaFingerprint acc;
@@ -210,7 +203,7 @@ TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
       const void* data = bytes.data() + size;  // element-aligned, not vector-aligned
       const ReplicaFingerprint want = WithIsa(KernelIsa::kScalar, data, dtype, n, 77);
       ASSERT_TRUE(std::isfinite(want.sum_squares));
-      for (KernelIsa isa : SupportedIsas()) {
+      for (KernelIsa isa : SupportedKernelIsas()) {
         SCOPED_TRACE(testing::Message()
                      << sketch_internal::KernelIsaName(isa) << " dtype " << dtype << " n " << n);
         const ReplicaFingerprint got = WithIsa(isa, data, dtype, n, 77);
@@ -225,7 +218,7 @@ TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
     const std::vector<uint16_t> extreme(70001, fill);
     for (int dtype : {1, 2}) {
       const uint64_t want = ReferenceFingerprint(extreme.data(), 2, extreme.size(), 5);
-      for (KernelIsa isa : SupportedIsas()) {
+      for (KernelIsa isa : SupportedKernelIsas()) {
         EXPECT_EQ(WithIsa(isa, extreme.data(), dtype, extreme.size(), 5).fingerprint, want)
             << sketch_internal::KernelIsaName(isa) << " fill " << fill << " dtype " << dtype;
       }
@@ -235,7 +228,7 @@ TEST(FingerprintTest, EveryInstructionSetPathGivesTheSameBits) {
   const float specials[] = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
   std::vector<float> many(300, 0.5f);
   many[257] = std::numeric_limits<float>::quiet_NaN();
-  for (KernelIsa isa : SupportedIsas()) {
+  for (KernelIsa isa : SupportedKernelIsas()) {
     EXPECT_EQ(WithIsa(isa, specials, 0, 3, 0).sum_squares, std::numeric_limits<double>::infinity());
     EXPECT_TRUE(std::isnan(WithIsa(isa, many.data(), 0, many.size(), 0).sum_squares));
     many[257] = 0.5f;
@@ -260,7 +253,7 @@ TEST(FingerprintTest, DenormalsAreZeroLeavesFloat16SquaresExactOnEveryPath) {
   const unsigned int csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);  // FTZ (bit 15) and DAZ (bit 6)
   std::vector<ReplicaFingerprint> f16, bf16;
-  for (KernelIsa isa : SupportedIsas()) {
+  for (KernelIsa isa : SupportedKernelIsas()) {
     f16.push_back(WithIsa(isa, subnormals.data(), 2, subnormals.size(), 0));
     bf16.push_back(WithIsa(isa, subnormals.data(), 1, subnormals.size(), 0));
   }

@@ -21,7 +21,7 @@ namespace {
 using sketch_internal::AddWithIsa;
 using sketch_internal::KernelIsa;
 using sketch_internal::KernelIsaName;
-using sketch_internal::KernelIsaSupported;
+using sketch_internal::SupportedKernelIsas;
 
 uint32_t FloatBits(float f) {
   uint32_t u;
@@ -127,14 +127,6 @@ void ExpectBitIdentical(absl::Span<const double> a, absl::Span<const double> b) 
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(DoubleBits(a[i]), DoubleBits(b[i])) << "bin " << i << ": " << a[i] << " vs " << b[i];
   }
-}
-
-std::vector<KernelIsa> SupportedIsas() {
-  std::vector<KernelIsa> isas;
-  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
-    if (KernelIsaSupported(isa)) isas.push_back(isa);
-  }
-  return isas;
 }
 
 // ---- The hash.
@@ -348,7 +340,7 @@ TEST(CountSketchTest, AllKernelPathsBitIdentical) {
         std::memcpy(bytes.data() + shift, src, n * size);
         CountSketch reference(dim, trial);
         AddWithIsa(reference, KernelIsa::kScalar, bytes.data() + shift, type, n, offset);
-        for (KernelIsa isa : SupportedIsas()) {
+        for (KernelIsa isa : SupportedKernelIsas()) {
           SCOPED_TRACE(testing::Message()
                        << KernelIsaName(isa) << " type " << static_cast<int>(type) << " dim " << dim
                        << " n " << n << " offset " << offset);
@@ -378,7 +370,7 @@ TEST(CountSketchTest, SpecialValuesIdenticalOnAllPaths) {
                                                     : static_cast<const void*>(half_bits.data());
     CountSketch reference(64, 11);
     AddWithIsa(reference, KernelIsa::kScalar, data, type, half_bits.size(), 0);
-    for (KernelIsa isa : SupportedIsas()) {
+    for (KernelIsa isa : SupportedKernelIsas()) {
       SCOPED_TRACE(KernelIsaName(isa));
       CountSketch sketch(64, 11);
       AddWithIsa(sketch, isa, data, type, half_bits.size(), 0);
@@ -410,7 +402,7 @@ TEST(CountSketchTest, AscendingChunksEqualWholeExactly) {
     const auto* bytes = type == ScalarType::kFloat32    ? reinterpret_cast<const char*>(f32.data())
                         : type == ScalarType::kBFloat16 ? reinterpret_cast<const char*>(bf16.data())
                                                         : reinterpret_cast<const char*>(f16.data());
-    for (KernelIsa isa : SupportedIsas()) {
+    for (KernelIsa isa : SupportedKernelIsas()) {
       for (uint32_t dim : {1u, 7u, 16u, 32u, 1000u, 1024u}) {
         SCOPED_TRACE(testing::Message()
                      << KernelIsaName(isa) << " type " << static_cast<int>(type) << " dim " << dim);

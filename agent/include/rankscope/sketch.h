@@ -149,6 +149,8 @@ enum class KernelIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // True iff this build and this CPU can run `isa` (kScalar always can).
 bool KernelIsaSupported(KernelIsa isa);
+// The supported paths, scalar first.
+std::vector<KernelIsa> SupportedKernelIsas();
 // The path CountSketch::Add uses on this CPU.
 KernelIsa BestKernelIsa();
 const char* KernelIsaName(KernelIsa isa);
