@@ -36,10 +36,14 @@ def field_fixed64(num, n):
     return varint(num << 3 | 1) + struct.pack('<Q', n)
 
 
-def hello(job, rank, world, dim, seed=0, attempt=0, encoding=0):
+def hello(job, rank, world, dim, seed=0, attempt=0, encoding=0, group=b'', instance_id=b''):
     body = field_bytes(1, job.encode()) + field_varint(2, rank) + field_varint(3, world)
     body += field_varint(4, dim) + field_varint(5, seed) + field_varint(6, attempt)
     body += field_bytes(7, b'host-1') + field_bytes(8, b'0.1.0')
+    if group:
+        body += field_bytes(11, group)  # Hello.group
+    if instance_id:
+        body += field_bytes(13, instance_id)  # Hello.instance_id
     if encoding:
         body += field_varint(15, encoding)  # Hello.sketch_encoding: 1 float16, 2 int8
     return field_bytes(1, body)  # AgentMessage.hello
@@ -97,6 +101,14 @@ VALIDATION = {
     'mixed_encoding_second_hello': validation_seed(hello('mix', 0, 2, 8, encoding=2),
                                                    hello('mix', 1, 2, 8),
                                                    identity=(2, 8, 0, 2)),
+    'grouped_hello_and_report': validation_seed(
+        hello('exp-42', 1, 4, 4, group=b'pp0.tp1', instance_id=b'host-1:4242:0'),
+        report(1, 5, [1, 2, 3, 4])),
+    # A bad group is refused as a bad hello even when the rank is out of range too.
+    'bad_group_rank_out_of_range': validation_seed(hello('exp-42', 8, 8, 4, group=b'(\x00 0'),
+                                                   report(1, 5, [1, 2, 3, 4])),
+    'long_instance_id': validation_seed(hello('exp-42', 0, 2, 4, instance_id=b'i' * 129),
+                                        report(1, 5, [1, 2, 3, 4])),
 }
 
 

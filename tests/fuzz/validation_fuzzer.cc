@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "collector/validation.h"
+#include "common/job_name.h"
 #include "google/protobuf/stubs/logging.h"
 #include "rankscope/v1/rankscope.pb.h"
 #include "tests/fuzz/byte_reader.h"
@@ -64,6 +65,10 @@ bool Same(const Rejection& a, const Rejection& b) {
 bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
   const bool name_ok = ReferenceJobName(hello.job(), limits.max_job_name_length);
   FUZZ_CHECK(collector::IsValidJobName(hello.job(), limits.max_job_name_length) == name_ok);
+  // Who the rank is: an empty group is the job's only one; an instance id is opaque bytes.
+  const bool who_ok =
+      (hello.group().empty() || ReferenceJobName(hello.group(), kMaxGroupNameLength)) &&
+      hello.instance_id().size() <= collector::kMaxInstanceIdLength;
   const bool world_ok = hello.world_size() >= 1 && hello.world_size() <= limits.max_world_size;
   const bool rank_ok = hello.rank() < hello.world_size();
   const bool dim_ok = hello.sketch_dim() >= 1 && hello.sketch_dim() <= limits.max_sketch_dim &&
@@ -71,7 +76,7 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
   const bool text_ok = hello.host().size() <= limits.max_host_length &&
                        hello.agent_version().size() <= limits.max_version_length &&
                        hello.framework_version().size() <= limits.max_version_length;
-  const bool expected = name_ok && world_ok && rank_ok && dim_ok && text_ok;
+  const bool expected = name_ok && who_ok && world_ok && rank_ok && dim_ok && text_ok;
 
   const Rejection r = collector::ValidateHello(hello, limits);
   FUZZ_CHECK(r.status.ok() == expected);
@@ -80,7 +85,7 @@ bool CheckHello(const v1::Hello& hello, const IngestLimits& limits) {
     FUZZ_CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
     FUZZ_CHECK(!r.status.message().empty());
     // The first failing check names the reason; only an out-of-range rank has its own label.
-    const bool rank_first = name_ok && world_ok && !rank_ok;
+    const bool rank_first = name_ok && who_ok && world_ok && !rank_ok;
     FUZZ_CHECK(ReasonLabel(r.reason) == (rank_first ? "rank_out_of_range" : "bad_hello"));
     // Messages reach logs and gRPC status details: a job name is quoted only once it is valid,
     // so they never carry the agent's raw bytes.
