@@ -177,20 +177,19 @@ void BodyScalar(const unsigned char* data, size_t blocks, uint64_t first, const 
 
 // Software prefetch kPrefetchBytes ahead of the block being added: without it the kernel keeps
 // too few misses in flight and reads DRAM at about half the speed (the hardware prefetchers alone
-// do not keep up). Into L2 (prefetcht1) for float32, into L1 (prefetcht0) for the 16-bit types,
-// which consume their input at half the byte rate (docs/PERFORMANCE.md). One prefetch per
-// 64-byte line of input. A prefetch never faults, so running past the end of the input is
-// harmless. Written as inline assembly because GCC 12 silently deleted _mm_prefetch here (it
+// do not keep up). One prefetch per 64-byte line of input, into L2 (prefetcht1) for every type:
+// with prefetcht0 (L1) each miss to DRAM holds one of L1's few fill buffers, which the window's
+// own loads then wait for; on AMD Zen 4 the 16-bit types ran 5-14 % slower on AVX-512 that way
+// (docs/PERFORMANCE.md "Prefetching into L2"). A prefetch never faults, so running past the end
+// of the input is harmless. Inline assembly because GCC 12 silently deleted _mm_prefetch here (it
 // treats the builtin as free of side effects once it sits in a small inline function).
 constexpr uintptr_t kPrefetchBytes = 8192;
 template <ScalarType kType>
 __attribute__((always_inline)) inline void PrefetchAhead(const unsigned char* p) {
   const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
-  if constexpr (kType == ScalarType::kFloat32) {
-    asm volatile("prefetcht1 %0" : : "m"(*ahead));
+  asm volatile("prefetcht1 %0" : : "m"(*ahead));
+  if constexpr (kType == ScalarType::kFloat32) {  // a block of 32 floats is two lines
     asm volatile("prefetcht1 %0" : : "m"(*(ahead + 64)));
-  } else {
-    asm volatile("prefetcht0 %0" : : "m"(*ahead));
   }
 }
 
