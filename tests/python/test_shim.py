@@ -126,6 +126,47 @@ def test_torch_path_sketch_equals_kernel_sketch(dtype, dim):
     assert kernel.sum_squares() == pytest.approx(exact_ss, rel=SQUARES_REL)
 
 
+def test_add_segments_equals_adds_of_the_views():
+    """TorchSketch.add_segments (a DDP bucket with a cached layout) adds each segment of the
+    buffer at its global offset, padding excluded: the same bins as add() per view."""
+    from rankscope.fingerprint import SegmentLayout
+
+    torch.manual_seed(2)
+    buf = torch.randn(20_000)
+    layout = SegmentLayout(buf.numel(), [0, 5003, 9000], [5000, 3997, 11_000],
+                           [70_000, 1, 5_000_000_000])
+    whole = TorchSketch(1000, SEED, "cpu")
+    whole.add_segments(buf, layout)
+    views = TorchSketch(1000, SEED, "cpu")
+    for start, n, off in zip(layout.starts, layout.counts, layout.global_offsets):
+        views.add(buf[start:start + n], off)
+    assert torch.equal(whole.bins, views.bins)
+    assert float(whole.sum_squares) == float(views.sum_squares)
+
+
+def test_piece_table_covers_the_segments_within_sketch_tiles():
+    """The Triton kernels' segment table (rankscope.triton_kernels.piece_table): the pieces
+    cover every segment exactly once, in order, and none crosses a multiple of PIECE."""
+    from rankscope import triton_kernels as tk
+    from rankscope.fingerprint import SegmentLayout
+
+    piece = tk.PIECE
+    layout = SegmentLayout(10 * piece, [0, 3, 4 * piece], [1, 3 * piece + 5, 5 * piece],
+                           [piece - 1, 7 * piece + 17, 0])
+    starts, counts, goffs = tk.piece_table(layout)
+    covered = {}
+    for s, n, g in zip(starts, counts, goffs):
+        assert 0 < n <= piece
+        assert g // piece == (g + n - 1) // piece  # within one tile
+        for k in range(n):
+            assert (s + k) not in covered
+            covered[s + k] = g + k
+    expected = {}
+    for s, n, g in zip(layout.starts, layout.counts, layout.global_offsets):
+        expected.update({s + k: g + k for k in range(n)})
+    assert covered == expected
+
+
 def test_add_many_equals_separate_adds_and_is_linear():
     torch.manual_seed(1)
     a, b = torch.randn(10_000), torch.randn(333)

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from rankscope import _native
+from rankscope.fingerprint import SegmentLayout
 from rankscope.torch_sketch import TorchSketch
 
 # The dtypes the C++ kernel reads in place.
@@ -105,7 +106,11 @@ class BucketSketcher:
             entry = self._plans.get(bucket.index())
             if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
                 self._note_bucket((entry[2],))
-                self.cpu_sketch.add_plan(entry[3], entry[0])
+                plan = entry[3]
+                if isinstance(plan, SegmentLayout):  # a device bucket: one fused launch
+                    self._device_sketch(buf.device).add_segments(buf, plan)
+                else:
+                    self.cpu_sketch.add_plan(plan, entry[0])
                 self._counters["planned_buckets"] += 1
                 return
         else:
@@ -122,6 +127,8 @@ class BucketSketcher:
                 self._make_plan(bucket, offsets, grads)
         else:
             self._add_on_device(offsets, grads)
+            if self.plans_final:
+                self._make_plan(bucket, offsets, grads)
 
     def reset(self) -> None:
         """Empties the sketches and forgets the step's buckets (the next step starts)."""
@@ -189,11 +196,7 @@ class BucketSketcher:
 
     def _add_on_device(self, offsets, grads) -> None:
         """Torch ops on the gradient's device (rankscope.torch_sketch): no host copy."""
-        device = grads[0].device
-        sketch = self.device_sketches.get(device)
-        if sketch is None:
-            sketch = TorchSketch(self.dim, self._seed, device)
-            self.device_sketches[device] = sketch
+        sketch = self._device_sketch(grads[0].device)
         for off, g in zip(offsets, grads):
             if off is None:
                 self._unknown_param()
@@ -205,9 +208,17 @@ class BucketSketcher:
                 continue
             sketch.add(g, off)
 
+    def _device_sketch(self, device) -> TorchSketch:
+        sketch = self.device_sketches.get(device)
+        if sketch is None:
+            sketch = self.device_sketches[device] = TorchSketch(self.dim, self._seed, device)
+        return sketch
+
     def _make_plan(self, bucket, offsets, grads) -> None:
         """Caches where this bucket's gradients lie in its buffer, once DDP no longer rebuilds
-        its buckets, if every gradient is a dense block of one kernel dtype in the buffer."""
+        its buckets, if every gradient is a dense block of one kernel dtype in the buffer: a
+        BucketPlan for the C++ kernel (CPU), a SegmentLayout for TorchSketch.add_segments (a
+        device)."""
         buf = bucket.buffer()
         base, dtype = buf.data_ptr(), buf.dtype
         if dtype not in NATIVE_DTYPES or buf.is_sparse:
@@ -228,7 +239,15 @@ class BucketSketcher:
             global_offsets.append(off)
         if not counts:
             return
-        plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts, global_offsets)
+        if buf.device.type != "cpu" or self.force_torch:
+            size = buf.element_size()
+            if any(b % size for b in byte_offsets):
+                return
+            plan = SegmentLayout(buf.numel(), [b // size for b in byte_offsets], counts,
+                                 global_offsets)
+        else:
+            plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts,
+                                      global_offsets)
         # A bucket's parameters are marked by its first offset on the fast path: buckets are
         # final, so no other bucket holds that parameter.
         self._plans[bucket.index()] = (base, buf.numel(), global_offsets[0], plan)

@@ -128,8 +128,10 @@ class ReplicaFingerprints:
             if all(isinstance(v, float) for v in sss):
                 reduced_ss = sum(sss)
             else:
-                reduced_ss = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device)
-                                          for v in sss]).sum()
+                # Host values (CPU buckets) are added as a scalar: no host-to-device copy.
+                host = sum(v for v in sss if isinstance(v, float))
+                reduced_ss = torch.stack([v.to(device, torch.float64) for v in sss
+                                          if isinstance(v, torch.Tensor)]).sum().add_(host)
         if self._param_check_due(step):
             try:
                 parts = []

@@ -15,7 +15,9 @@ in int64 two's-complement arithmetic (``+`` and ``*`` wrap as uint64 would). Pro
   changes can cancel only by a 2**-64-rare coincidence;
 * position: the weight ties each value to its global index, so swapping two values changes F.
 
-Everything is torch integer ops on the tensor's device: no host copy, no synchronization. The
+Everything is torch integer ops on the tensor's device, or on a CUDA device where Triton is
+present one fused kernel with the same integer sum (rankscope.triton_kernels, bit-identical): no
+host copy, no synchronization. The
 result is a 0-d int64 tensor; ``to_uint64`` turns a host value into the unsigned number sent to
 the collector. A bucket of a DDP gradient buffer is folded with ``fold_segments`` in a constant
 number of kernels (two cumulative sums), whatever the number of parameters in it.
@@ -29,6 +31,8 @@ also returns the exact sum of squares; its results are plain Python numbers (``f
 from typing import Sequence
 
 import torch
+
+from rankscope import triton_kernels as _tk
 
 _MASK64 = (1 << 64) - 1
 
@@ -127,6 +131,8 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     n = flat.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
+    if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
+        return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
     c = _terms(flat)
     # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
     csum = c.sum()
@@ -161,9 +167,28 @@ class SegmentLayout:
             starts = torch.tensor(self.starts, dtype=torch.int64)
             ends = starts + torch.tensor(self.counts, dtype=torch.int64)
             shift = 2 * (torch.tensor(self.global_offsets, dtype=torch.int64) - starts)
-            t = (starts.to(device), ends.to(device), shift.to(device))
+            t = (_to_device(starts, device), _to_device(ends, device),
+                 _to_device(shift, device))
             self._device_tensors[device] = t
         return t
+
+    def pieces(self, device):
+        """The segments as triton_kernels.pieces tables on ``device`` (cached)."""
+        key = ("pieces", device)
+        t = self._device_tensors.get(key)
+        if t is None:
+            t = self._device_tensors[key] = _tk.pieces(self, device)
+        return t[0]
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (a small CPU tensor) on ``device``. To a CUDA device it is copied from pinned memory
+    without blocking (a plain copy from pageable memory would synchronize the host with the
+    device); the caching host allocator keeps the pinned block until that copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
@@ -177,6 +202,10 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     device = flat.device
     if not layout.counts:
         return torch.zeros((), dtype=torch.int64, device=device)
+    if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
     c = _terms(flat)
     w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
     cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)

@@ -14,10 +14,14 @@ Bins accumulate in float64 and the sum of squares in a float64 0-d tensor: the s
 as the C++ kernel, summed with less rounding (the kernel sums segments in float first, sketch.h
 "Rounding"), so the two agree up to rounding, not bit for bit.
 Work is done in chunks of ``CHUNK`` coordinates to bound the temporary memory (about 40 bytes a
-coordinate of a chunk).
+coordinate of a chunk). On a CUDA device with Triton, ``add`` runs one fused kernel instead
+(rankscope.triton_kernels: the same bins and signs, float32 partial sums per program summed in
+float64; ``RANKSCOPE_GPU_KERNELS=torch`` keeps these torch ops).
 """
 
 import torch
+
+from rankscope import triton_kernels as _tk
 
 CHUNK = 1 << 22
 
@@ -99,6 +103,9 @@ class TorchSketch:
     def add(self, values: torch.Tensor, offset: int) -> None:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
         flat = values.reshape(-1)
+        if self._fused(flat):  # one fused pass on a CUDA device
+            _tk.sketch_add(self.bins, self.sum_squares, flat, offset, self.seed, self.dim)
+            return
         n = flat.numel()
         for start in range(0, n, CHUNK):
             chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
@@ -106,3 +113,20 @@ class TorchSketch:
                                        self.device)
             self.sum_squares.add_(torch.dot(chunk, chunk))
             self.bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
+
+    def add_segments(self, buffer: torch.Tensor, layout) -> None:
+        """Adds the segments of ``buffer`` that ``layout`` (a fingerprint.SegmentLayout) describes,
+        each at its global offset: on a CUDA device with Triton one launch for the whole buffer
+        (a DDP bucket), else ``add`` per segment."""
+        flat = buffer.detach().reshape(-1)
+        if self._fused(flat) and flat.is_contiguous():
+            _tk.sketch_add_pieces(self.bins, self.sum_squares, flat, layout.pieces(self.device),
+                                  self.seed, self.dim)
+            return
+        for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
+            if n:
+                self.add(flat[start:start + n], offset)
+
+    def _fused(self, flat: torch.Tensor) -> bool:
+        # The kernel wraps a block's 32 bins at most once: dim >= 32 (smaller sketches are rare).
+        return self.dim >= 32 and _tk.enabled(flat)

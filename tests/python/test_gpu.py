@@ -1,0 +1,327 @@
+"""The shim's GPU path on a real CUDA GPU (skipped where there is none: CI has none; run
+tools/gpu/run_checks.sh on a GPU machine).
+
+* exact: 2 DDP ranks sharing the one GPU (gloo with CUDA tensors), the real shim and the real
+  collector; float32, bf16 autocast and bf16 gradients, each with the fused Triton kernels and
+  with the torch ops: loss and grad-norm dispersion equal to the ranks' own exact values,
+  direction consistency within the ideal count sketch's bound (the CPU truth tests' checks).
+* nudge: healthy ranks' replica fingerprints are equal; a one-ulp nudge of one rank's parameters
+  is named at the next parameter check, and only that rank.
+* no synchronization: one rank with NCCL, every step (forward, backward, optimizer step,
+  mon.step; reporting, skipped (every=2) and parameter-check steps) under
+  torch.cuda.set_sync_debug_mode("error"), which raises on any synchronizing CUDA call; the
+  step's host side also returns while a long kernel queued before it is still running (an event
+  recorded after that kernel has not completed: nothing in the step waited for the device), and
+  the host buffers of pending reports are pinned.
+"""
+
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (tools/gpu/run_checks.sh on a GPU machine)",
+                allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import shim_harness as H  # noqa: E402
+from conftest import free_port  # noqa: E402
+
+WORLD = 2
+STEPS = 6
+SKETCH_DIM = 1024
+# name -> (model dtype, autocast dtype)
+MODES = {"f32": (torch.float32, None), "autocast": (torch.float32, torch.bfloat16),
+         "bf16": (torch.bfloat16, None)}
+KERNELS = ("triton", "torch")
+PARAM_CHECK_EVERY = 4
+NUDGE_WORLD = 3  # a strict majority names the nudged rank (with 2, both are named)
+NUDGE_AFTER, NUDGE_RANK = 5, 1
+
+
+def _deterministic():
+    """The math attention kernels: the fused ones' backward may add in any order, and the
+    reference replica must compute the same gradient as the DDP rank, bit for bit."""
+    torch.cuda.set_device(0)
+    for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+        if hasattr(torch.backends.cuda, name):
+            getattr(torch.backends.cuda, name)(False)
+
+
+def _ddp(model, bf16):
+    kwargs = {"device_ids": [0]}
+    if bf16:
+        # Every rank built the same weights from the same seed; gloo's broadcast of bfloat16
+        # is not needed (and not in every torch).
+        kwargs["broadcast_buffers"] = False
+        if "init_sync" in nn.parallel.DistributedDataParallel.__init__.__code__.co_varnames:
+            kwargs["init_sync"] = False
+    return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def _loss(model, x, y, autocast):
+    if autocast is None:
+        return H.lm_loss(model, x, y)
+    with torch.autocast("cuda", dtype=autocast):
+        return H.lm_loss(model, x, y)
+
+
+def exact_worker(rank, world_size, collector, out_dir):
+    import rankscope.torch as rst
+    from rankscope import DEFAULT_SKETCH_SEED
+
+    dev = torch.device("cuda", 0)
+    _deterministic()
+    out_dir = Path(out_dir)
+    for mode, (dtype, autocast) in MODES.items():
+        for kernels in KERNELS:
+            os.environ["RANKSCOPE_GPU_KERNELS"] = kernels
+            name = f"{mode}-{kernels}"
+            torch.manual_seed(7)
+            model = H.TinyLM().to(dev, dtype)
+            ref = copy.deepcopy(model)
+            bf16 = dtype == torch.bfloat16
+            ddp = _ddp(model, bf16)
+            chain = {"comm_hook": H.fp32_allreduce_hook, "comm_hook_state": None} if bf16 else {}
+            sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            mon = rst.attach(ddp, collector=collector, job=f"gpu-{name}", sketch_dim=SKETCH_DIM,
+                             **chain)
+            expected = {}
+            for step in range(STEPS):
+                ref.load_state_dict(ddp.module.state_dict())
+                ref.zero_grad(set_to_none=True)
+                x, y = (t.to(dev) for t in H.batch(rank, step))
+                ref_loss = _loss(ref, x, y, autocast)
+                ref_loss.backward()
+                g = H.flat_grad(ref).cpu()
+
+                sgd.zero_grad(set_to_none=True)
+                loss = _loss(ddp, x, y, autocast)
+                loss.backward()
+                sgd.step()
+                mon.step(loss)
+
+                gathered = [torch.zeros_like(g) for _ in range(world_size)]
+                dist.all_gather(gathered, g)
+                losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+                dist.all_gather(losses, ref_loss.detach().double().reshape(1).cpu())
+                if rank == 0:
+                    expected[step] = H.exact_step_stats([float(v) for v in losses], gathered,
+                                                        SKETCH_DIM, DEFAULT_SKETCH_SEED)
+            stats = mon.close(timeout=30)
+            H.write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+            if rank == 0:
+                H.write_json(out_dir / f"{name}.expected.json", expected)
+            dist.barrier()
+
+
+def nudge_worker(rank, world_size, collector, out_dir):
+    import rankscope.torch as rst
+
+    dev = torch.device("cuda", 0)
+    _deterministic()
+    torch.manual_seed(7)
+    ddp = _ddp(H.TinyLM().to(dev), False)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mon = rst.attach(ddp, collector=collector, job="gpu-nudge", sketch_dim=256,
+                     param_check_every=PARAM_CHECK_EVERY)
+    for step in range(3 * PARAM_CHECK_EVERY):
+        x, y = (t.to(dev) for t in H.batch(rank, step))
+        sgd.zero_grad(set_to_none=True)
+        loss = H.lm_loss(ddp, x, y)
+        loss.backward()
+        sgd.step()
+        mon.step(loss)
+        if step == NUDGE_AFTER and rank == NUDGE_RANK:
+            with torch.no_grad():
+                w = ddp.module.head.weight.view(-1)
+                i = int(w.abs().argmax())  # large |w|: an SGD update keeps the ulp
+                w[i] = torch.nextafter(w[i], torch.tensor(math.inf, device=dev))
+    stats = mon.close(timeout=30)
+    H.write_json(Path(out_dir) / f"nudge.rank{rank}.json", {"stats": stats})
+
+
+def _nccl_entry(rank, fn, port, args):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_one(fn, *args, timeout=240.0):
+    ctx = mp.start_processes(_nccl_entry, args=(fn, free_port(), args), nprocs=1, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{fn.__name__} exceeded {timeout:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def nosync_worker(collector, out_dir):
+    """Plain DDP steps, then rankscope-attached ones, all under sync debug mode "error"."""
+    import rankscope.torch as rst
+
+    dev = torch.device("cuda", 0)
+    _deterministic()
+    out = {}
+    for kernels in KERNELS:
+        os.environ["RANKSCOPE_GPU_KERNELS"] = kernels
+        for every in (1, 2):
+            torch.manual_seed(7)
+            ddp = _ddp(H.TinyLM().to(dev), False)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+            batches = [tuple(t.to(dev) for t in H.batch(0, s)) for s in range(12)]
+            torch.cuda.synchronize()
+
+            def step(s, mon=None):
+                x, y = batches[s]
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = H.lm_loss(ddp, x, y)
+                loss.backward()
+                opt.step()
+                if mon is not None:
+                    mon.step(loss)
+
+            for s in range(2):  # DDP rebuilds its buckets once, synchronizing (torch 2.11)
+                step(s)
+            torch.cuda.set_sync_debug_mode("error")
+            step(2)  # plain DDP after that: the baseline must not trip the mode itself
+            torch.cuda.set_sync_debug_mode(0)
+            mon = rst.attach(ddp, collector=collector, job=f"gpu-nosync-{kernels}-{every}",
+                             sketch_dim=1024, every=every, param_check_every=2)
+            errors = []
+            busy_ok, pinned = [], []
+            for s in range(3, 12):
+                # Steps 3 and 4 compile the Triton kernels (seconds of host time, no device
+                # synchronization): under the mode, but not in the busy check.
+                warm = s < 5
+                # A long kernel first, an event after it; the step is then issued. If anything
+                # in the step waited for the device, the event has completed when it returns.
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+                queued = torch.cuda.Event()
+                queued.record()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    step(s, mon)
+                except RuntimeError as e:
+                    errors.append(f"step {s}: {e}")
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                if not warm:
+                    busy_ok.append(not queued.query())
+                pinned.extend(p.host.is_pinned() for p in mon._deferred._pending)
+                torch.cuda.synchronize()
+            stats = mon.close(timeout=30)
+            out[f"{kernels}-{every}"] = {"errors": errors, "busy_ok": busy_ok, "pinned": pinned,
+                                         "stats": stats}
+    H.write_json(Path(out_dir) / "nosync.json", out)
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exact_run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-exact")
+    H.spawn(exact_worker, WORLD, module_collector.address, str(out), timeout=300)
+    return module_collector, out
+
+
+def _load(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
+    collector, out = exact_run
+    name = f"{mode}-{kernels}"
+    expected = {int(k): v for k, v in _load(out / f"{name}.expected.json").items()}
+    rows = collector.step_rows(f"gpu-{name}")
+    assert sorted(rows) == list(range(STEPS))
+    rank_rows = collector.rank_rows(f"gpu-{name}")
+    cos_bound = 4 * math.sqrt(2 / SKETCH_DIM)
+    for step, e in expected.items():
+        r = rows[step]
+        assert r["ranks"] == WORLD and r["missing_ranks"] == "" and not r["timed_out"]
+        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
+        assert r["loss_std"] == pytest.approx(e["loss_std"], rel=1e-5, abs=1e-7)
+        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
+        assert r["grad_norm_std"] == pytest.approx(e["grad_norm_std"], rel=1e-5, abs=1e-9)
+        norms = {rank: gn for s, rank, _, gn, _ in rank_rows if s == step}
+        assert [norms[k] for k in range(WORLD)] == pytest.approx(e["grad_norms"], rel=1e-6)
+        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
+        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound
+    for rank in range(WORLD):
+        stats = _load(out / f"{name}.rank{rank}.json")["stats"]
+        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
+        assert stats.get("shim_hook_errors", 0) == 0, stats
+        assert stats.get("shim_fingerprint_errors", 0) == 0, stats
+        if mode != "bf16":
+            # Once DDP's buckets are final, each is sketched in one launch (add_segments).
+            assert stats.get("shim_planned_buckets", 0) >= STEPS - 3, stats
+
+
+@pytest.fixture(scope="module")
+def nudge_run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-nudge")
+    H.spawn(nudge_worker, NUDGE_WORLD, module_collector.address, str(out), timeout=300)
+    return module_collector, out
+
+
+def test_gpu_one_ulp_nudge_is_named_at_the_next_check(nudge_run):
+    collector, out = nudge_run
+    rows = collector.query(
+        "SELECT step, rank, replica_ok, param_fingerprint FROM rank_steps WHERE job = ? "
+        "ORDER BY step, rank", ("gpu-nudge",))
+    steps = collector.query("SELECT step, replica_divergent_ranks FROM step_stats WHERE job = ?",
+                            ("gpu-nudge",))
+    divergent = {s: d or "" for s, d in steps}
+    check = (NUDGE_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
+    assert sorted(divergent) == list(range(3 * PARAM_CHECK_EVERY))
+    params = {}
+    for step, rank, ok, pfp in rows:
+        params.setdefault(step, {})[rank] = (ok, pfp)
+    for step in range(check):
+        assert divergent[step] == "", step
+        if step % PARAM_CHECK_EVERY == 0:  # healthy: the same fingerprint on every rank
+            assert len({pfp for _, pfp in params[step].values()}) == 1, step
+    assert divergent[check] == str(NUDGE_RANK)
+    assert params[check][NUDGE_RANK][0] == 0
+    assert all(params[check][r][0] == 1 for r in range(NUDGE_WORLD) if r != NUDGE_RANK)
+    for rank in range(NUDGE_WORLD):
+        stats = _load(out / f"nudge.rank{rank}.json")["stats"]
+        assert stats.get("shim_fingerprint_errors", 0) == 0, stats
+
+
+def test_gpu_steps_never_synchronize(module_collector, tmp_path):
+    _spawn_one(nosync_worker, module_collector.address, str(tmp_path))
+    out = _load(tmp_path / "nosync.json")
+    for case, r in out.items():
+        assert r["errors"] == [], (case, r["errors"])
+        stats = r["stats"]
+        for k in ("shim_hook_errors", "shim_fingerprint_errors", "shim_step_errors"):
+            assert stats.get(k, 0) == 0, (case, stats)
+        assert r["busy_ok"] and all(r["busy_ok"]), (case, r["busy_ok"])
+        assert r["pinned"] and all(r["pinned"]), (case, r["pinned"])
+        assert stats["acked"] == stats["recorded"] > 0, (case, stats)
