@@ -14,9 +14,10 @@ kernels  The device-to-device copy bandwidth (bytes read + bytes written per sec
          Also checks that the two paths agree: fingerprints bit for bit, sketch bins within
          float32 rounding of the float64 torch-op sums.
 train    The step of a GPT-2-small-sized decoder (12 layers, d 768, 12 heads, vocab 50,257, bf16
-         autocast) in one-rank DDP (NCCL), one replica per variant, stepped in a rotating order so
+         autocast, fused AdamW) in one-rank DDP (NCCL), one replica per variant, stepped in a rotating order so
          every variant sees the same machine: plain, plain-2 (the noise floor), rankscope with the
-         Triton kernels, rankscope with the torch ops, and in-band (the same sketch on the GPU
+         Triton kernels (tensor-core sketch), rankscope with the atomic-add Triton sketch,
+         rankscope with the torch ops, and in-band (the same sketch on the GPU
          plus a blocking all_gather of loss, norm and sketch and a host read every step). Prints
          the median step time (synchronized) and the median host time to issue the step (not
          synchronized: what the training thread spends while the GPU is busy).
@@ -71,6 +72,7 @@ def kernels(args) -> dict:
           f"{getattr(tk.triton, '__version__', 'absent')}; copy {copy_bps / 1e9:.0f} GB/s "
           f"(read + written, {n * 4 / 2**20:.0f} MiB)")
     print(f"{'what':<22}{'dtype':<10}{'path':<8}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
+    print("(torch: torch ops; atomic: Triton, one atomic add a value; dot: Triton, tensor cores)")
 
     def row(what, dtype, path, ms, nbytes):
         bps = nbytes / (ms / 1e3)
@@ -80,82 +82,193 @@ def kernels(args) -> dict:
         print(f"{what:<22}{r['dtype']:<10}{path:<8}{ms:>9.3f}{bps / 1e9:>9.0f}"
               f"{100 * bps / copy_bps:>8.0f}%")
 
-    dim = args.sketch_dim
-    for dtype in (torch.float32, torch.bfloat16):
+    paths = [("torch", {"RANKSCOPE_GPU_KERNELS": "torch"})]
+    if tk.triton is not None:
+        paths += [("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}), ("dot", {})]
+    paths = [p for p in paths if p[0] in args.paths]
+    for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(n, device=dev) * 1e-3).to(dtype)
         nbytes = x.numel() * x.element_size()
+        # A bucket-like layout: 200 segments with padding between them, shuffled offsets.
+        seg = n // 200
+        layout = fp.SegmentLayout(n, [i * seg for i in range(200)], [seg - 3] * 200,
+                                  [(199 - i) * seg for i in range(200)])
         results = {}
-        for path in ("torch", "triton"):
-            if path == "triton" and tk.triton is None:
-                continue
-            os.environ["RANKSCOPE_GPU_KERNELS"] = path
-            s = TorchSketch(dim, DEFAULT_SKETCH_SEED, dev)
+        for path, env in paths:
+            for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            for dim in args.sketch_dims:
+                s = TorchSketch(dim, DEFAULT_SKETCH_SEED, dev)
 
-            def sketch():
-                s.reset()
-                s.add(x, 12345)
-            row("sketch", dtype, path, _events_ms(sketch, args.reps), nbytes)
-            sketch()
-            results[path] = (s.bins.clone(), s.sum_squares.clone())
-            # A bucket-like layout: 200 segments with padding between them, shuffled offsets.
-            seg = n // 200
-            layout = fp.SegmentLayout(n, [i * seg for i in range(200)], [seg - 3] * 200,
-                                      [(199 - i) * seg for i in range(200)])
+                def sketch():
+                    s.reset()
+                    s.add(x, 12345)
 
-            def sketch_segments():
-                s.reset()
-                s.add_segments(x, layout)
-            row("sketch segments", dtype, path, _events_ms(sketch_segments, args.reps), nbytes)
-            sketch_segments()
-            results[path + "-sseg"] = (s.bins.clone(), s.sum_squares.clone())
-            row("fingerprint fold", dtype, path,
+                def sketch_segments():
+                    s.reset()
+                    s.add_segments(x, layout)
+                try:
+                    row(f"sketch k={dim}", dtype, path, _events_ms(sketch, args.reps), nbytes)
+                    sketch()
+                    results[(path, dim, "whole")] = (s.bins.clone(), s.sum_squares.clone())
+                    row(f"sketch segs k={dim}", dtype, path,
+                        _events_ms(sketch_segments, args.reps), nbytes)
+                    sketch_segments()
+                    results[(path, dim, "segs")] = (s.bins.clone(), s.sum_squares.clone())
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"  {path} sketch k={dim} failed: {e!r}"[:2000])
+                    out["failed"] = True
+            if path == "dot":
+                continue  # the fingerprint kernels do not depend on the sketch variant
+            fpath = "torch" if path == "torch" else "triton"
+            row("fingerprint fold", dtype, fpath,
                 _events_ms(lambda: fp.fold(x, 777), args.reps), nbytes)
-            results[path + "-fold"] = fp.fold(x, 777)
-            row("fingerprint segments", dtype, path,
+            results[(path, "fold")] = fp.fold(x, 777)
+            row("fingerprint segments", dtype, fpath,
                 _events_ms(lambda: fp.fold_segments(x, layout), args.reps), nbytes)
-            results[path + "-seg"] = fp.fold_segments(x, layout)
-        os.environ.pop("RANKSCOPE_GPU_KERNELS", None)
-        if "triton" in results:
-            tb, ts = results["triton"]
-            rb, rs = results["torch"]
-            bins_err = float((tb - rb).abs().max() / rb.abs().max())
-            ss_err = float(abs(ts - rs) / rs)
-            sb, sss = results["triton-sseg"]
-            rsb, rss = results["torch-sseg"]
-            bins_err = max(bins_err, float((sb - rsb).abs().max() / rsb.abs().max()))
-            ss_err = max(ss_err, float(abs(sss - rss) / rss))
-            same_fold = int(results["triton-fold"]) == int(results["torch-fold"])
-            same_seg = int(results["triton-seg"]) == int(results["torch-seg"])
-            out.setdefault("agreement", {})[str(dtype)] = {
-                "bins_max_rel": bins_err, "sum_squares_rel": ss_err,
-                "fold_identical": same_fold, "segments_identical": same_seg}
-            print(f"  {dtype}: triton vs torch ops: bins max|d|/max|b| {bins_err:.2e}, "
-                  f"sum of squares {ss_err:.2e}, fingerprints identical: fold {same_fold}, "
-                  f"segments {same_seg}")
-            if not (same_fold and same_seg and bins_err < 1e-5 and ss_err < 1e-6):
+            results[(path, "seg")] = fp.fold_segments(x, layout)
+
+            # No padding here: the torch-op path's norm covers the whole buffer.
+            dense = fp.SegmentLayout(n, [i * seg for i in range(200)],
+                                     [seg] * 199 + [n - 199 * seg],
+                                     [(199 - i) * seg for i in range(200)])
+
+            def fp_squares():
+                f, q = fp.fold_segments_and_squares(x, dense)
+                return f.sum(), q.sum()
+            row("fingerprint+squares", dtype, fpath, _events_ms(fp_squares, args.reps), nbytes)
+            f, q = fp_squares()
+            results[(path, "fpsq")] = (f, q)
+            # A model's parameters: 150 tensors of mixed sizes, folded for a parameter check.
+            sizes = [n // 300] * 50 + [n // 3000] * 50 + [n // 30000] * 50
+            tensors, offsets, at = [], [], 0
+            for k in sizes:
+                tensors.append(x[at:at + k].clone())
+                offsets.append(at)
+                at += k
+            cache = {}
+            row("fingerprint 150 tensors", dtype, fpath,
+                _events_ms(lambda: fp.add_all(fp.fold_many(tensors, offsets, cache), dev),
+                           args.reps), sum(sizes) * x.element_size())
+            results[(path, "many")] = fp.add_all(fp.fold_many(tensors, offsets, cache), dev)
+            del tensors
+        for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
+            os.environ.pop(k, None)
+        if tk.triton is not None and tk._DOT_FAILED:
+            print(f"  the dot kernel failed to compile; its rows are the atomic kernel's: "
+                  f"{tk._DOT_FAILED[0]}"[:3000])
+            out["failed"] = True
+        agree = out.setdefault("agreement", {}).setdefault(str(dtype), {})
+        for (path, *rest), value in results.items():
+            if path == "torch" or ("torch", *rest) not in results:
+                continue
+            ref = results[("torch", *rest)]
+            key = f"{path} " + " ".join(str(r) for r in rest)
+            if rest[0] == "fpsq":
+                same = int(value[0]) == int(ref[0])
+                rel = float(abs(value[1] - ref[1]) / ref[1])
+                ok = same and rel < 1e-12
+                agree[key] = {"identical": same, "sum_squares_rel": rel}
+                print(f"  {dtype} {key}: fingerprint identical {same}, squares rel {rel:.1e}")
+            elif rest[0] in ("fold", "seg", "many"):
+                ok = int(value) == int(ref)
+                agree[key] = {"identical": ok}
+                print(f"  {dtype} {key}: identical to the torch ops: {ok}")
+            else:
+                (tb, ts), (rb, rs) = value, ref
+                bins_err = float((tb - rb).abs().max() / rb.abs().max())
+                ss_err = float(abs(ts - rs) / rs)
+                ok = bins_err < 1e-5 and ss_err < 1e-9
+                agree[key] = {"bins_max_rel": bins_err, "sum_squares_rel": ss_err}
+                print(f"  {dtype} {key}: bins max|d|/max|b| {bins_err:.2e}, "
+                      f"sum of squares {ss_err:.2e}")
+            if not ok:
                 out["failed"] = True
         del x
     return out
 
 
+def sweep(args) -> dict:
+    """The sketch kernels' launch settings (tile of hash blocks, warps, programs per
+    multiprocessor), each timed on the same gradient: which setting the defaults should be."""
+    from rankscope import DEFAULT_SKETCH_SEED
+    from rankscope import triton_kernels as tk
+    from rankscope.torch_sketch import TorchSketch
+
+    dev = torch.device("cuda")
+    out = {"rows": []}
+    print(f"{'path':<8}{'dtype':<10}{'k':>6}{'blocks':>8}{'warps':>7}{'x SMs':>7}{'ms':>9}"
+          f"{'GB/s':>8}")
+    for dtype in [getattr(torch, d) for d in args.dtypes]:
+        x = (torch.randn(args.elements, device=dev) * 1e-3).to(dtype)
+        for path in args.paths:
+            os.environ["RANKSCOPE_GPU_SKETCH"] = path
+            for dim in args.sketch_dims:
+                for blocks, warps, factor in args.configs:
+                    tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = blocks, warps, factor
+                    s = TorchSketch(dim, DEFAULT_SKETCH_SEED, dev)
+
+                    def sketch():
+                        s.reset()
+                        s.add(x, 12345)
+                    try:
+                        ms = _events_ms(sketch, args.reps)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
+                              f"{factor:>7}  failed: {e!r}"[:400])
+                        continue
+                    gbps = x.numel() * x.element_size() / ms / 1e6
+                    out["rows"].append({"path": path, "dtype": str(dtype), "dim": dim,
+                                        "blocks": blocks, "warps": warps, "factor": factor,
+                                        "ms": ms, "GBps": gbps})
+                    print(f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
+                          f"{factor:>7}{ms:>9.3f}{gbps:>8.0f}")
+        del x
+    os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
+    tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = 64, None, 4
+    return out
+
+
 # ---- train ---------------------------------------------------------------------------------------
 
+class Block(torch.nn.Module):
+    """A pre-norm decoder block: causal self-attention (scaled_dot_product_attention) and a
+    GELU MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        nn = torch.nn
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.out(torch.nn.functional.gelu(self.fc(self.ln2(h))))
+
+
 class Gpt(torch.nn.Module):
+    """GPT-2 small's shape (12 layers, d 768, 12 heads, vocab 50,257), untied head."""
+
     def __init__(self, vocab=50257, d=768, heads=12, layers=12, ctx=512):
         super().__init__()
         nn = torch.nn
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        block = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
-                                           norm_first=True, activation="gelu")
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1))
 
     def forward(self, x):
         h = self.tok(x) + self.pos[: x.shape[1]]
-        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        for block in self.blocks:
+            h = block(h)
         return self.head(self.norm(h))
 
 
@@ -197,7 +310,10 @@ def train(args) -> dict:
     torch.cuda.set_device(dev)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     proc, address = _start_collector(Path(args.build_dir).resolve(), tmp)
-    variants = ["plain", "plain-2", "rankscope", "rankscope-torchops", "in-band"]
+    variants = ["plain", "plain-2", "rankscope", "rankscope-atomic", "rankscope-torchops",
+                "in-band"]
+    env = {"rankscope-atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+           "rankscope-torchops": {"RANKSCOPE_GPU_KERNELS": "torch"}}
     models, opts, mons, inband = {}, {}, {}, {}
     for v in variants:
         torch.manual_seed(0)
@@ -244,18 +360,27 @@ def train(args) -> dict:
             sk.reset()
 
     host, full = {v: [] for v in variants}, {v: [] for v in variants}
+    profile = None
+    if args.profile:
+        import cProfile
+        profile = cProfile.Profile()
     for i in range(args.warmup + args.steps):
         order = variants[i % len(variants):] + variants[:i % len(variants)]
         for v in order:
-            if v == "rankscope-torchops":
-                os.environ["RANKSCOPE_GPU_KERNELS"] = "torch"
+            os.environ.update(env.get(v, {}))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step(v)
+            if profile is not None and v == "rankscope" and i >= args.warmup:
+                profile.enable()
+                step(v)
+                profile.disable()
+            else:
+                step(v)
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-            os.environ.pop("RANKSCOPE_GPU_KERNELS", None)
+            for k in env.get(v, {}):
+                os.environ.pop(k)
             if i >= args.warmup:
                 host[v].append(t1 - t0)
                 full[v].append(t2 - t0)
@@ -275,6 +400,13 @@ def train(args) -> dict:
     for v in variants:
         print(f"{v:<20}{res['step_ms'][v]:>9.2f}{100 * (res['step_ms'][v] / base - 1):>9.1f}%"
               f"{res['host_ms'][v]:>9.2f}")
+    if profile is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+        print("host profile of the rankscope variant's timed steps (cProfile, by own time):")
+        print(text.getvalue())
     for v, s in stats.items():
         print(f"{v}: recorded {s.get('recorded')} acked {s.get('acked')} hook errors "
               f"{s.get('shim_hook_errors', 0)} fingerprint errors "
@@ -287,8 +419,22 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("kernels")
     k.add_argument("--elements", type=int, default=1 << 28)
-    k.add_argument("--sketch-dim", type=int, default=1024)
+    k.add_argument("--sketch-dims", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1024, 4096])
     k.add_argument("--reps", type=int, default=7)
+    k.add_argument("--paths", type=lambda v: v.split(","), default=["torch", "atomic", "dot"])
+    k.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
+    w = sub.add_parser("sweep")
+    w.add_argument("--elements", type=int, default=1 << 28)
+    w.add_argument("--sketch-dims", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1024])
+    w.add_argument("--reps", type=int, default=5)
+    w.add_argument("--paths", type=lambda v: v.split(","), default=["atomic", "dot"])
+    w.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
+    w.add_argument("--configs", default=[(64, 4, 4), (128, 4, 4), (64, 8, 4), (128, 8, 4),
+                                         (64, 4, 2), (64, 4, 8), (32, 4, 4)],
+                   type=lambda v: [tuple(int(x) for x in c.split(":")) for c in v.split(",")],
+                   help="blocks:warps:programs-per-SM,...")
     t = sub.add_parser("train")
     t.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build-gpu"))
     t.add_argument("--layers", type=int, default=12)
@@ -297,13 +443,15 @@ def main(argv=None):
     t.add_argument("--sketch-dim", type=int, default=4096)
     t.add_argument("--warmup", type=int, default=5)
     t.add_argument("--steps", type=int, default=20)
-    for q in (k, t):
+    t.add_argument("--profile", action="store_true",
+                   help="print a cProfile of the rankscope variant's host side")
+    for q in (k, w, t):
         q.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_bench.py: no CUDA device", file=sys.stderr)
         return 2
-    res = kernels(args) if args.cmd == "kernels" else train(args)
+    res = {"kernels": kernels, "sweep": sweep, "train": train}[args.cmd](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 1 if res.get("failed") else 0

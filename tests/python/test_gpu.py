@@ -44,7 +44,16 @@ SKETCH_DIM = 1024
 # name -> (model dtype, autocast dtype)
 MODES = {"f32": (torch.float32, None), "autocast": (torch.float32, torch.bfloat16),
          "bf16": (torch.bfloat16, None)}
-KERNELS = ("triton", "torch")
+# The GPU kernels: Triton with the tensor cores (the default for dims 512 .. 4,096), Triton
+# with one atomic add a value, and the torch ops (the fallback, as CI runs it on CPU).
+KERNELS = {"dot": {}, "atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+           "torch": {"RANKSCOPE_GPU_KERNELS": "torch"}}
+
+
+def _use_kernels(name):
+    for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
+        os.environ.pop(k, None)
+    os.environ.update(KERNELS[name])
 PARAM_CHECK_EVERY = 4
 NUDGE_WORLD = 3  # a strict majority names the nudged rank (with 2, both are named)
 NUDGE_AFTER, NUDGE_RANK = 5, 1
@@ -86,7 +95,7 @@ def exact_worker(rank, world_size, collector, out_dir):
     out_dir = Path(out_dir)
     for mode, (dtype, autocast) in MODES.items():
         for kernels in KERNELS:
-            os.environ["RANKSCOPE_GPU_KERNELS"] = kernels
+            _use_kernels(kernels)
             name = f"{mode}-{kernels}"
             torch.manual_seed(7)
             model = H.TinyLM().to(dev, dtype)
@@ -120,7 +129,9 @@ def exact_worker(rank, world_size, collector, out_dir):
                     expected[step] = H.exact_step_stats([float(v) for v in losses], gathered,
                                                         SKETCH_DIM, DEFAULT_SKETCH_SEED)
             stats = mon.close(timeout=30)
-            H.write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+            from rankscope import triton_kernels
+            H.write_json(out_dir / f"{name}.rank{rank}.json",
+                         {"stats": stats, "dot_failed": triton_kernels._DOT_FAILED})
             if rank == 0:
                 H.write_json(out_dir / f"{name}.expected.json", expected)
             dist.barrier()
@@ -185,7 +196,7 @@ def nosync_worker(collector, out_dir):
     _deterministic()
     out = {}
     for kernels in KERNELS:
-        os.environ["RANKSCOPE_GPU_KERNELS"] = kernels
+        _use_kernels(kernels)
         for every in (1, 2):
             torch.manual_seed(7)
             ddp = _ddp(H.TinyLM().to(dev), False)
@@ -235,6 +246,8 @@ def nosync_worker(collector, out_dir):
             stats = mon.close(timeout=30)
             out[f"{kernels}-{every}"] = {"errors": errors, "busy_ok": busy_ok, "pinned": pinned,
                                          "stats": stats}
+    from rankscope import triton_kernels
+    out["dot_failed"] = triton_kernels._DOT_FAILED
     H.write_json(Path(out_dir) / "nosync.json", out)
 
 
@@ -273,7 +286,9 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
         assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
         assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound
     for rank in range(WORLD):
-        stats = _load(out / f"{name}.rank{rank}.json")["stats"]
+        info = _load(out / f"{name}.rank{rank}.json")
+        assert info["dot_failed"] == []
+        stats = info["stats"]
         assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
         assert stats.get("shim_hook_errors", 0) == 0, stats
         assert stats.get("shim_fingerprint_errors", 0) == 0, stats
@@ -317,6 +332,7 @@ def test_gpu_one_ulp_nudge_is_named_at_the_next_check(nudge_run):
 def test_gpu_steps_never_synchronize(module_collector, tmp_path):
     _spawn_one(nosync_worker, module_collector.address, str(tmp_path))
     out = _load(tmp_path / "nosync.json")
+    assert out.pop("dot_failed") == []
     for case, r in out.items():
         assert r["errors"] == [], (case, r["errors"])
         stats = r["stats"]

@@ -45,6 +45,7 @@ class ReplicaFingerprints:
         self._param_check_every = param_check_every
         self._last_param_check = None  # step of the last parameter fingerprint
         self._layouts = {}  # bucket index -> (buffer address, numel, SegmentLayout), when final
+        self._fold_tables = {}  # the parameters' offset tables for fingerprint.fold_many
         # Tests: fold CPU tensors with torch ops (as on a GPU) instead of the C++ kernel.
         self.force_torch = False
         # Per step: one value per reduced bucket (appended by future callbacks: list.append
@@ -107,10 +108,10 @@ class ReplicaFingerprints:
                 f, ss = _fp.fold_segments_cpu(flat, layout)
                 self._grad_fps.append(f)
                 self._reduced_ss.append(ss)
-            else:  # torch ops on the device, no synchronization
-                self._grad_fps.append(_fp.fold_segments(flat, layout))
-                norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
-                self._reduced_ss.append(norm * norm)
+            else:  # on the device (Triton, or torch ops), no synchronization
+                f, ss = _fp.fold_segments_and_squares(flat, layout)
+                self._grad_fps.append(f)
+                self._reduced_ss.append(ss)
         except Exception as e:  # monitoring must never break training
             self._counters["fingerprint_errors"] += 1
             self._warn_once("fperr", f"rankscope: could not fingerprint a reduced bucket ({e!r})")
@@ -130,17 +131,19 @@ class ReplicaFingerprints:
             else:
                 # Host values (CPU buckets) are added as a scalar: no host-to-device copy.
                 host = sum(v for v in sss if isinstance(v, float))
-                reduced_ss = torch.stack([v.to(device, torch.float64) for v in sss
-                                          if isinstance(v, torch.Tensor)]).sum().add_(host)
+                reduced_ss = torch.cat([v.to(device, torch.float64).reshape(-1) for v in sss
+                                        if isinstance(v, torch.Tensor)]).sum().add_(host)
         if self._param_check_due(step):
             try:
-                parts = []
+                parts, on_device, device_offsets = [], [], []
                 with torch.no_grad():
                     for p, off in zip(self._params, self._param_offsets):
                         if _fp.native_supported(p) and not self.force_torch:
                             parts.append(_fp.fold_cpu(p, off)[0])
                         elif _fp.supported(p.dtype):
-                            parts.append(_fp.fold(p, off))
+                            on_device.append(p)
+                            device_offsets.append(off)
+                    parts.extend(_fp.fold_many(on_device, device_offsets, self._fold_tables))
                 param_fp = _fp.add_all(parts, device) if parts else 0
                 self._last_param_check = step
                 self._counters["param_checks"] += 1

@@ -103,7 +103,8 @@ def add_all(values, device):
     host = sum(int(v) for v in ints) & _MASK64
     if not tensors:
         return host
-    total = torch.stack([t.to(device) for t in tensors]).sum()
+    # 0-d values, or per-program partial vectors of the Triton kernels: the sum of all.
+    total = torch.cat([t.to(device).reshape(-1) for t in tensors]).sum()
     # A scalar add: no host-to-device copy (the int64 with the same bit pattern).
     return total.add_(host - (1 << 64) if host >= (1 << 63) else host)
 
@@ -215,6 +216,40 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     starts, ends, shift = layout.tensors(device)
     seg = cs2[ends].sub_(cs2[starts]).add_(shift.mul(cs1[ends].sub_(cs1[starts])))
     return seg.sum()
+
+
+def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
+    """(F, sum of squares) of the segments of a float ``buffer``, on its device: on a CUDA
+    device with Triton one pass (per-program partial vectors, int64 and float64, whose sums are
+    the values: ``add_all`` and a sum take them as they are), else fold_segments and a float64
+    norm of the whole buffer (padding is zeros)."""
+    flat = buffer.detach().reshape(-1)
+    if (_tk.enabled(flat) and flat.is_contiguous() and layout.counts
+            and flat.numel() == layout.numel):
+        return _tk.fold_pieces(flat, layout.pieces(flat.device), squares=True)
+    norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
+    return fold_segments(flat, layout), norm * norm
+
+
+def fold_many(tensors, offsets, cache: dict) -> list:
+    """Fingerprints (0-d int64 tensors) whose wrapping sum is F of ``tensors`` (not CPU ones),
+    each at its global offset: on a CUDA device with Triton one launch per device and dtype for
+    the contiguous ones (``cache`` keeps their offset tables), ``fold`` for the others."""
+    groups, parts = {}, []
+    for t, off in zip(tensors, offsets):
+        t = t.detach()
+        if _tk.enabled(t) and t.is_contiguous() and t.dtype in _BITS_DTYPE and t.numel():
+            groups.setdefault((t.device, t.dtype), ([], []))
+            groups[(t.device, t.dtype)][0].append(t)
+            groups[(t.device, t.dtype)][1].append(off)
+        else:
+            parts.append(fold(t, off))
+    for ts, offs in groups.values():
+        try:
+            parts.append(_tk.fold_tensors(ts, offs, cache))
+        except ValueError:  # not aligned to their element size: one at a time
+            parts.extend(fold(t, off) for t, off in zip(ts, offs))
+    return parts
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

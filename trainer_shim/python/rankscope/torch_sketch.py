@@ -93,26 +93,62 @@ class TorchSketch:
         self.dim = int(dim)
         self.seed = int(seed)
         self.device = torch.device(device)
-        self.bins = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
-        self.sum_squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._bins = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+        self._sum_squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The Triton kernels' per-program partial sums (rows of float32 bins, float64 squares),
+        # added into by every launch of a step and folded into the float64 totals when read:
+        # one launch a bucket, no per-launch allocation or reduction.
+        self._partials = None
+        self._pending = False
+
+    @property
+    def bins(self) -> torch.Tensor:
+        """The float64 bins (a tensor on the device; partial sums folded in first)."""
+        self._fold()
+        return self._bins
+
+    @property
+    def sum_squares(self) -> torch.Tensor:
+        """The float64 sum of squares, a 0-d tensor on the device."""
+        self._fold()
+        return self._sum_squares
 
     def reset(self) -> None:
-        self.bins.zero_()
-        self.sum_squares.zero_()
+        self._bins.zero_()
+        self._sum_squares.zero_()
+        if self._pending:
+            for t in self._partials:
+                t.zero_()
+            self._pending = False
+
+    def _fold(self) -> None:
+        if self._pending:
+            rows, ss = self._partials
+            self._bins.add_(rows.sum(0, dtype=torch.float64))
+            self._sum_squares.add_(ss.sum())
+            rows.zero_()
+            ss.zero_()
+            self._pending = False
+
+    def _fused_partials(self):
+        if self._partials is None:
+            self._partials = _tk.sketch_partials(self.device, self.dim)
+        self._pending = True
+        return self._partials
 
     def add(self, values: torch.Tensor, offset: int) -> None:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
         flat = values.reshape(-1)
         if self._fused(flat):  # one fused pass on a CUDA device
-            _tk.sketch_add(self.bins, self.sum_squares, flat, offset, self.seed, self.dim)
+            _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
             return
         n = flat.numel()
         for start in range(0, n, CHUNK):
             chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
             bins, signs = sketch_slots(offset + start, chunk.numel(), self.seed, self.dim,
                                        self.device)
-            self.sum_squares.add_(torch.dot(chunk, chunk))
-            self.bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
+            self._sum_squares.add_(torch.dot(chunk, chunk))
+            self._bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
 
     def add_segments(self, buffer: torch.Tensor, layout) -> None:
         """Adds the segments of ``buffer`` that ``layout`` (a fingerprint.SegmentLayout) describes,
@@ -120,7 +156,7 @@ class TorchSketch:
         (a DDP bucket), else ``add`` per segment."""
         flat = buffer.detach().reshape(-1)
         if self._fused(flat) and flat.is_contiguous():
-            _tk.sketch_add_pieces(self.bins, self.sum_squares, flat, layout.pieces(self.device),
+            _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
                                   self.seed, self.dim)
             return
         for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):

@@ -41,7 +41,9 @@ _MASK64 = (1 << 64) - 1
 _SKETCH_BLOCKS = 64  # hash blocks (of 32 coordinates) per tile
 PIECE = 32 * _SKETCH_BLOCKS  # a tile: the most elements one piece of a segment table holds
 _FOLD_TILE = 4096  # elements per tile of a contiguous fingerprint
-_PROGRAMS = {}  # device index -> programs of a persistent grid
+_PROGRAM_FACTOR = 4  # programs of a persistent grid per multiprocessor
+_SKETCH_WARPS = None  # warps of a sketch program (None: 4, or 8 for the larger dot tiles)
+_PROGRAMS = {}  # (device index, factor) -> programs of a persistent grid
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -52,67 +54,107 @@ def enabled(t: torch.Tensor) -> bool:
 
 def _programs(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _PROGRAMS.get(index)
+    key = (index, _PROGRAM_FACTOR)
+    n = _PROGRAMS.get(key)
     if n is None:
-        n = _PROGRAMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
+        n = _PROGRAMS[key] = (_PROGRAM_FACTOR
+                              * torch.cuda.get_device_properties(index).multi_processor_count)
     return n
 
 
 if triton is not None:
 
     @triton.jit
-    def _sketch_tile(x_ptr, first_block, lo, hi, base, seed, dim, golden, m1, m2, row, ss,
-                     BLOCKS: tl.constexpr):
-        """Adds the coordinates g in [lo, hi) of hash blocks first_block .. + BLOCKS, read at
-        x_ptr[base + g], into the float32 row of ``dim`` bins; returns ss plus their squares."""
+    def _sketch_tile(x_ptr, first_block, lo, hi, base, seed, dim, golden, m1, m2, row, acc, ss,
+                     BLOCKS: tl.constexpr, Q: tl.constexpr, DOT: tl.constexpr,
+                     EXACT_TF32: tl.constexpr):
+        """Sketches the coordinates g in [lo, hi) of hash blocks first_block .. + BLOCKS, read
+        at x_ptr[base + g]. Returns (acc, ss + their squares in float64).
+
+        DOT False: each signed value is atomically added into the float32 ``row`` of ``dim``
+        bins (acc is passed through). DOT True (dim = 32 Q): with start = 32 q + r, block b's
+        32 values land in bins 32 q_b + j, j = r_b .. r_b + 31 (mod dim); each block's values
+        are shifted by r_b into a row of 64 (a gather), and a one-hot [Q, BLOCKS] matrix of the
+        q_b times those rows, on the tensor cores, adds them into acc [Q, 64] (acc[q, j] is bin
+        32 q + j mod dim). One-hot entries are exact; bfloat16 and float16 values are exact
+        operands; float32 values take three tf32 products (EXACT_TF32, about float32's
+        precision). Accumulation is float32, in a fixed order."""
         o = tl.arange(0, 32)
         gb = first_block + tl.arange(0, BLOCKS).to(tl.int64)  # global hash blocks
         g = gb[:, None] * 32 + o[None, :]  # [BLOCKS, 32] global coordinates
         mask = (g >= lo) & (g < hi)
-        x = tl.load(x_ptr + (base + g), mask=mask, other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + (base + g), mask=mask, other=0.0)
         z = (gb + 1).to(tl.uint64) * golden + tl.cast(seed, tl.uint64)
         z = (z ^ (z >> 30)) * m1
         z = (z ^ (z >> 27)) * m2
         z = z ^ (z >> 31)
-        # The start bin, (mix >> 32) % dim, fits 32 bits; dim >= 32, so start + o wraps once.
+        # The start bin, (mix >> 32) % dim, fits 32 bits.
         start = ((z >> 32).to(tl.uint32) % tl.cast(dim, tl.uint32)).to(tl.int32)
-        bins = start[:, None] + o[None, :]
-        bins = tl.where(bins >= dim, bins - dim, bins)
         # Sign: bit o (< 32) of the mix, in its low word.
         low = z.to(tl.uint32)
         negative = ((low[:, None] >> o[None, :].to(tl.uint32)) & 1) != 0
-        tl.atomic_add(row + bins, tl.where(negative, -x, x), mask=mask, sem="relaxed")
-        x64 = x.to(tl.float64)
-        return ss + x64 * x64  # a float32's square is exact in float64
+        if DOT:
+            v = tl.where(negative, -xr, xr)
+            j = tl.arange(0, 64)
+            src = j[None, :] - (start & 31)[:, None]  # [BLOCKS, 64]
+            inside = (src >= 0) & (src < 32)
+            w = tl.gather(v, tl.where(inside, src, 0), axis=1)
+            w = tl.where(inside, w, tl.zeros_like(w))
+            onehot = (tl.arange(0, Q)[:, None] == (start >> 5)[None, :]).to(w.dtype)
+            if EXACT_TF32:
+                acc = tl.dot(onehot, w, acc, input_precision="tf32x3")
+            else:
+                acc = tl.dot(onehot, w, acc)
+        else:
+            x = xr.to(tl.float32)
+            bins = start[:, None] + o[None, :]  # dim >= 32: wraps at most once
+            bins = tl.where(bins >= dim, bins - dim, bins)
+            tl.atomic_add(row + bins, tl.where(negative, -x, x), mask=mask, sem="relaxed")
+        x64 = xr.to(tl.float64)
+        return acc, ss + x64 * x64  # a float's square is exact in float64
+
+    @triton.jit
+    def _sketch_flush(row, acc, dim, Q: tl.constexpr, DOT: tl.constexpr):
+        if DOT:
+            bins = (tl.arange(0, Q)[:, None] * 32 + tl.arange(0, 64)[None, :]) % dim
+            tl.atomic_add(row + bins, acc, sem="relaxed")
 
     @triton.jit
     def _sketch_kernel(x_ptr, n, offset, first_block, n_tiles, seed, dim, golden, m1, m2,
-                       rows_ptr, ss_ptr, BLOCKS: tl.constexpr):
+                       rows_ptr, ss_ptr, BLOCKS: tl.constexpr, Q: tl.constexpr,
+                       DOT: tl.constexpr, EXACT_TF32: tl.constexpr):
         """Coordinates [offset, offset + n) read at x_ptr[0 .. n): persistent programs take
         tiles of BLOCKS hash blocks, each into its own row of rows_ptr."""
         pid = tl.program_id(0)
         row = rows_ptr + pid.to(tl.int64) * dim
+        acc = tl.zeros([Q, 64], dtype=tl.float32)
         ss = tl.zeros([BLOCKS, 32], dtype=tl.float64)
         for t in range(pid, n_tiles, tl.num_programs(0)):
-            ss = _sketch_tile(x_ptr, first_block + t.to(tl.int64) * BLOCKS, offset, offset + n,
-                              -offset, seed, dim, golden, m1, m2, row, ss, BLOCKS)
-        tl.store(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0))
+            acc, ss = _sketch_tile(x_ptr, first_block + t.to(tl.int64) * BLOCKS, offset,
+                                   offset + n, -offset, seed, dim, golden, m1, m2, row, acc, ss,
+                                   BLOCKS, Q, DOT, EXACT_TF32)
+        _sketch_flush(row, acc, dim, Q, DOT)
+        tl.atomic_add(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0), sem="relaxed")
 
     @triton.jit
     def _sketch_pieces_kernel(x_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces, seed, dim,
-                              golden, m1, m2, rows_ptr, ss_ptr, BLOCKS: tl.constexpr):
+                              golden, m1, m2, rows_ptr, ss_ptr, BLOCKS: tl.constexpr,
+                              Q: tl.constexpr, DOT: tl.constexpr, EXACT_TF32: tl.constexpr):
         """The pieces of a segment table (``pieces``): piece p holds global coordinates
         [goff, goff + count) at x_ptr[start ..], within one aligned tile of BLOCKS blocks."""
         pid = tl.program_id(0)
         row = rows_ptr + pid.to(tl.int64) * dim
+        acc = tl.zeros([Q, 64], dtype=tl.float32)
         ss = tl.zeros([BLOCKS, 32], dtype=tl.float64)
         for p in range(pid, n_pieces, tl.num_programs(0)):
             start = tl.load(starts_ptr + p)
             goff = tl.load(goffs_ptr + p)
             count = tl.load(counts_ptr + p)
-            ss = _sketch_tile(x_ptr, goff // 32, goff, goff + count, start - goff, seed, dim,
-                              golden, m1, m2, row, ss, BLOCKS)
-        tl.store(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0))
+            acc, ss = _sketch_tile(x_ptr, goff // 32, goff, goff + count, start - goff, seed,
+                                   dim, golden, m1, m2, row, acc, ss, BLOCKS, Q, DOT,
+                                   EXACT_TF32)
+        _sketch_flush(row, acc, dim, Q, DOT)
+        tl.atomic_add(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0), sem="relaxed")
 
     @triton.jit
     def _fold_kernel(bits_ptr, n, offset, n_tiles, out_ptr, TILE: tl.constexpr):
@@ -138,35 +180,101 @@ if triton is not None:
         tl.store(out_ptr + pid, tl.sum(total, axis=0))
 
     @triton.jit
-    def _fold_pieces_kernel(bits_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces, out_ptr,
-                            TILE: tl.constexpr):
+    def _fold_pieces_kernel(x_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces, out_ptr,
+                            TILE: tl.constexpr, BITS: tl.constexpr, SQUARES: tl.constexpr):
         """F of the pieces of a segment table: piece (start, count, goff) adds
-        sum_lane c (2 (goff + lane) + 1) = (2 goff + 1) sum c + 2 sum lane c."""
+        sum_lane c (2 (goff + lane) + 1), c = bits + 1 (the values' bits as the integer type
+        BITS). Writes program pid's F at out[pid] and, with SQUARES, the float64 sum of the
+        values' squares, bit for bit, at out[programs + pid]."""
         pid = tl.program_id(0)
+        programs = tl.num_programs(0)
         lanes = tl.arange(0, TILE)
-        per_lane = tl.zeros([TILE], dtype=tl.int64)
-        s = tl.zeros([TILE], dtype=tl.int64)
-        for p in range(pid, n_pieces, tl.num_programs(0)):
+        acc = tl.zeros([TILE], dtype=tl.int64)
+        sq = tl.zeros([TILE], dtype=tl.float64)
+        for p in range(pid, n_pieces, programs):
             start = tl.load(starts_ptr + p)
             count = tl.load(counts_ptr + p)
             goff = tl.load(goffs_ptr + p)
-            c = tl.load(bits_ptr + start + lanes, mask=lanes < count, other=-1).to(tl.int64) + 1
-            per_lane += c
-            s += (2 * goff + 1) * c
-        total = s + 2 * lanes.to(tl.int64) * per_lane
-        tl.store(out_ptr + pid, tl.sum(total, axis=0))
+            mask = lanes < count
+            x = tl.load(x_ptr + start + lanes, mask=mask, other=0)
+            c = tl.where(mask, x.to(BITS, bitcast=True).to(tl.int64) + 1, 0)
+            acc += c * (2 * (goff + lanes) + 1)
+            if SQUARES:
+                x64 = x.to(tl.float64)
+                sq += x64 * x64
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+        if SQUARES:
+            tl.store(out_ptr + programs + pid, tl.sum(sq, axis=0).to(tl.int64, bitcast=True))
+
+    @triton.jit
+    def _fold_tensors_kernel(base_ptr, table_ptr, n_tensors, out_ptr, TILE: tl.constexpr,
+                             BITS: tl.constexpr):
+        """F of several tensors of one dtype in one launch: row i of the table is (element
+        offset from base_ptr, count, global offset). Every program takes its share of every
+        tensor's tiles."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        lanes = tl.arange(0, TILE)
+        acc = tl.zeros([TILE], dtype=tl.int64)
+        for i in range(0, n_tensors):
+            off = tl.load(table_ptr + 3 * i)
+            n = tl.load(table_ptr + 3 * i + 1)
+            goff = tl.load(table_ptr + 3 * i + 2)
+            for t in range(pid, (n + TILE - 1) // TILE, programs):
+                idx = t.to(tl.int64) * TILE + lanes
+                mask = idx < n
+                x = tl.load(base_ptr + off + idx, mask=mask, other=0)
+                c = tl.where(mask, x.to(BITS, bitcast=True).to(tl.int64) + 1, 0)
+                acc += c * (2 * (goff + idx) + 1)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
-def _rows(device, programs: int, dim: int):
+_DOT_FAILED = []  # the tensor-core kernel's compile error, once it failed
+
+
+def _variant(dtype: torch.dtype, dim: int):
+    """(Q, DOT, EXACT_TF32) for a sketch of ``dim`` bins over ``dtype`` values: the tensor-core
+    kernel where dim is 32 Q with Q a power of two from 16 to 128 (dims 512 .. 4,096), unless
+    RANKSCOPE_GPU_SKETCH=atomic or it failed to compile here; else one atomic add a value."""
+    q = dim // 32
+    if (os.environ.get("RANKSCOPE_GPU_SKETCH", "dot") != "atomic" and not _DOT_FAILED
+            and dim % 32 == 0 and 16 <= q <= 128 and q & (q - 1) == 0
+            and dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return q, True, dtype == torch.float32
+    return 16, False, False
+
+
+def sketch_partials(device: torch.device, dim: int):
+    """The per-program partial sums a TorchSketch's launches add into: float32 rows of ``dim``
+    bins and float64 sums of squares, one per program of the persistent grid, zeroed."""
+    programs = _programs(device)
     return (torch.zeros((programs, dim), dtype=torch.float32, device=device),
-            torch.empty(programs, dtype=torch.float64, device=device))
+            torch.zeros(programs, dtype=torch.float64, device=device))
 
 
-def sketch_add(bins: torch.Tensor, sum_squares: torch.Tensor, values: torch.Tensor, offset: int,
+def _launch_sketch(kernel, flat, grid_args, units, rows, ss, dim):
+    programs = min(rows.shape[0], units)
+    q, dot, exact = _variant(flat.dtype, dim)
+    try:
+        kernel[(programs,)](flat, *grid_args, rows, ss, BLOCKS=_SKETCH_BLOCKS, Q=q, DOT=dot,
+                            EXACT_TF32=exact,
+                            num_warps=_SKETCH_WARPS or (8 if dot and q >= 64 else 4))
+    except Exception as e:  # noqa: BLE001 - a compiler error: the atomic kernel from now on
+        if not dot:
+            raise
+        _DOT_FAILED.append(repr(e))
+        import warnings
+        warnings.warn(f"rankscope: the tensor-core sketch kernel failed ({e!r}); using the "
+                      "atomic one", RuntimeWarning)
+        kernel[(programs,)](flat, *grid_args, rows, ss, BLOCKS=_SKETCH_BLOCKS, Q=16,
+                            DOT=False, EXACT_TF32=False, num_warps=4)
+
+
+def sketch_add(rows: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int,
                seed: int, dim: int) -> None:
-    """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into ``bins``
-    (float64 [dim]) and its sum of squares into ``sum_squares`` (float64 0-d), on the values'
-    device. Requires dim >= 32."""
+    """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the
+    partial sums ``rows`` and ``ss`` (``sketch_partials``), on the values' device, in one
+    launch. Requires dim >= 32."""
     flat = values.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -175,15 +283,12 @@ def sketch_add(bins: torch.Tensor, sum_squares: torch.Tensor, values: torch.Tens
         return
     first_block = offset // 32
     n_tiles = ((offset + n - 1) // 32 - first_block) // _SKETCH_BLOCKS + 1
-    programs = min(_programs(flat.device), n_tiles)
-    rows, ss = _rows(flat.device, programs, dim)
-    _sketch_kernel[(programs,)](flat, n, offset, first_block, n_tiles, seed & _MASK64, dim,
-                                _GOLDEN, _M1, _M2, rows, ss, BLOCKS=_SKETCH_BLOCKS, num_warps=4)
-    bins.add_(rows.sum(0, dtype=torch.float64))
-    sum_squares.add_(ss.sum())
+    _launch_sketch(_sketch_kernel, flat,
+                   (n, offset, first_block, n_tiles, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
+                   n_tiles, rows, ss, dim)
 
 
-def sketch_add_pieces(bins: torch.Tensor, sum_squares: torch.Tensor, flat: torch.Tensor, table,
+def sketch_add_pieces(rows: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table,
                       seed: int, dim: int) -> None:
     """``sketch_add`` of the segments of a flat contiguous buffer, given as a ``pieces``
     table: one launch for a whole DDP bucket. Requires dim >= 32."""
@@ -191,13 +296,9 @@ def sketch_add_pieces(bins: torch.Tensor, sum_squares: torch.Tensor, flat: torch
     n_pieces = starts.numel()
     if n_pieces == 0:
         return
-    programs = min(_programs(flat.device), n_pieces)
-    rows, ss = _rows(flat.device, programs, dim)
-    _sketch_pieces_kernel[(programs,)](flat, starts, counts, goffs, n_pieces, seed & _MASK64,
-                                       dim, _GOLDEN, _M1, _M2, rows, ss,
-                                       BLOCKS=_SKETCH_BLOCKS, num_warps=4)
-    bins.add_(rows.sum(0, dtype=torch.float64))
-    sum_squares.add_(ss.sum())
+    _launch_sketch(_sketch_pieces_kernel, flat,
+                   (starts, counts, goffs, n_pieces, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
+                   n_pieces, rows, ss, dim)
 
 
 def fold(bits: torch.Tensor, offset: int) -> torch.Tensor:
@@ -236,13 +337,54 @@ def pieces(layout, device: torch.device):
     return (dev[0], dev[1], dev[2]), host
 
 
-def fold_pieces(bits: torch.Tensor, table) -> torch.Tensor:
-    """The fingerprint of the pieces ``table`` (from ``pieces``) of the flat integer view
-    ``bits``: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments."""
+_BITS = {}  # torch dtype -> the Triton integer type of its bits (filled below)
+if triton is not None:
+    _BITS = {torch.float32: tl.int32, torch.bfloat16: tl.int16, torch.float16: tl.int16,
+             torch.float64: tl.int64, torch.int32: tl.int32, torch.int64: tl.int64,
+             torch.int16: tl.int16}
+
+
+def fold_pieces(flat: torch.Tensor, table, squares: bool = False):
+    """The fingerprint of the pieces ``table`` (from ``pieces``) of the flat contiguous
+    ``flat``: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments. With ``squares``
+    (a float ``flat``), (per-program fingerprints [P] int64, per-program float64 sums of squares
+    [P]) instead, from the same pass: their sums are the fingerprint and the sum of squares."""
     starts, counts, goffs = table
     n_pieces = starts.numel()
-    programs = max(1, min(_programs(bits.device), n_pieces))
-    out = torch.empty(programs, dtype=torch.int64, device=bits.device)
-    _fold_pieces_kernel[(programs,)](bits, starts, counts, goffs, n_pieces, out, TILE=PIECE,
-                                     num_warps=4)
+    programs = max(1, min(_programs(flat.device), n_pieces))
+    out = torch.zeros(2 * programs if squares else programs, dtype=torch.int64,
+                      device=flat.device)
+    _fold_pieces_kernel[(programs,)](flat, starts, counts, goffs, n_pieces, out, TILE=PIECE,
+                                     BITS=_BITS[flat.dtype], SQUARES=squares, num_warps=4)
+    if squares:
+        return out[:programs], out[programs:].view(torch.float64)
+    return out.sum()
+
+
+def fold_tensors(tensors, offsets, cache: dict) -> torch.Tensor:
+    """The fingerprint of contiguous tensors of one dtype on one CUDA device, each at its
+    global offset, in one launch: a 0-d int64 tensor, bit-identical to the sum of
+    fingerprint.fold of each. ``cache`` keeps the offset table per set of addresses (a model's
+    parameters stay where they are), copied from pinned memory without blocking."""
+    base = tensors[0]
+    size = base.element_size()
+    key = tuple((t.data_ptr(), t.numel()) for t in tensors)
+    entry = cache.get(key)
+    if entry is None:
+        if len(cache) >= 8:  # parameters that keep moving: keep the newest tables only
+            cache.clear()
+        rows = []
+        for t, g in zip(tensors, offsets):
+            delta = t.data_ptr() - base.data_ptr()
+            if delta % size:
+                raise ValueError("tensors not aligned to their element size")
+            rows.extend((delta // size, t.numel(), g))
+        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        entry = cache[key] = (host.to(base.device, non_blocking=True), host)
+    table = entry[0]
+    largest = max(t.numel() for t in tensors)
+    programs = max(1, min(_programs(base.device), (largest + _FOLD_TILE - 1) // _FOLD_TILE))
+    out = torch.empty(programs, dtype=torch.int64, device=base.device)
+    _fold_tensors_kernel[(programs,)](base, table, len(tensors), out, TILE=_FOLD_TILE,
+                                      BITS=_BITS[base.dtype], num_warps=4)
     return out.sum()
