@@ -84,7 +84,8 @@ def kernels(args) -> dict:
 
     paths = [("torch", {"RANKSCOPE_GPU_KERNELS": "torch"})]
     if tk.triton is not None:
-        paths += [("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}), ("dot", {})]
+        paths += [("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}),
+                  ("dot", {"RANKSCOPE_GPU_SKETCH": "dot"})]
     paths = [p for p in paths if p[0] in args.paths]
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(n, device=dev) * 1e-3).to(dtype)

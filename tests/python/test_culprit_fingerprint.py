@@ -127,3 +127,53 @@ def test_add_all_mixes_numbers_and_tensors():
     assert fp.add_all([a, b], "cpu") == 4
     t = fp.add_all([a, torch.tensor(9)], "cpu")
     assert fp.to_uint64(t) == 4
+
+
+def test_add_all_sums_partial_vectors_and_scalars():
+    """The Triton kernels hand per-program partial vectors; add_all sums them with 0-d values
+    and host numbers, wrapping."""
+    parts = [torch.tensor([1, -2, 3], dtype=torch.int64), torch.tensor(-(1 << 63)),
+             torch.tensor([(1 << 63) - 1]), (1 << 64) - 5]
+    expected = (1 - 2 + 3 - (1 << 63) + (1 << 63) - 1 + (1 << 64) - 5) & MASK
+    assert fp.to_uint64(fp.add_all(parts, "cpu")) == expected
+
+
+def test_fold_many_and_fold_segments_and_squares_on_the_torch_path():
+    """Off a CUDA device (the path CI runs) fold_many folds each tensor, and
+    fold_segments_and_squares is fold_segments with the buffer's float64 sum of squares."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(n, generator=g) for n in (10, 1, 333)]
+    offsets = [0, 10, 11]
+    parts = fp.fold_many(tensors, offsets, {})
+    assert fp.to_uint64(fp.add_all(parts, "cpu")) == reference(torch.cat(tensors))
+    buf = torch.cat(tensors)
+    layout = fp.SegmentLayout(buf.numel(), [0, 10, 11], [10, 1, 333], [0, 10, 11])
+    f, ss = fp.fold_segments_and_squares(buf, layout)
+    assert fp.to_uint64(f) == reference(buf)
+    assert float(ss) == pytest.approx(float(buf.double().square().sum()), rel=1e-12)
+
+
+def test_gpu_sketch_kernel_choice():
+    """Which Triton sketch kernel a dtype and k get (rankscope.triton_kernels._variant; pure
+    Python, so it is tested here too): the tensor-core one for 16-bit values at k = 512 .. 4,096
+    and float32 up to 1,024, the atomic one otherwise or when forced."""
+    import os
+
+    tk = pytest.importorskip("rankscope.triton_kernels")
+    saved = os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
+    try:
+        assert tk._variant(torch.bfloat16, 1024) == (32, True, False)
+        assert tk._variant(torch.float16, 4096) == (128, True, False)
+        assert tk._variant(torch.float32, 1024) == (32, True, True)
+        assert tk._variant(torch.float32, 4096)[1] is False
+        assert tk._variant(torch.bfloat16, 1000)[1] is False  # not 32 times a power of two
+        assert tk._variant(torch.bfloat16, 256)[1] is False
+        assert tk._variant(torch.bfloat16, 8192)[1] is False
+        os.environ["RANKSCOPE_GPU_SKETCH"] = "atomic"
+        assert tk._variant(torch.bfloat16, 1024)[1] is False
+        os.environ["RANKSCOPE_GPU_SKETCH"] = "dot"
+        assert tk._variant(torch.float32, 4096) == (128, True, True)
+    finally:
+        os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
+        if saved is not None:
+            os.environ["RANKSCOPE_GPU_SKETCH"] = saved

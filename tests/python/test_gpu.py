@@ -44,9 +44,10 @@ SKETCH_DIM = 1024
 # name -> (model dtype, autocast dtype)
 MODES = {"f32": (torch.float32, None), "autocast": (torch.float32, torch.bfloat16),
          "bf16": (torch.bfloat16, None)}
-# The GPU kernels: Triton with the tensor cores (the default for dims 512 .. 4,096), Triton
-# with one atomic add a value, and the torch ops (the fallback, as CI runs it on CPU).
-KERNELS = {"dot": {}, "atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+# The GPU kernels: Triton with the tensor cores (the default for 16-bit gradients at dims 512 ..
+# 4,096), Triton with one atomic add a value, and the torch ops (the fallback, as CI runs it on
+# CPU).
+KERNELS = {"dot": {"RANKSCOPE_GPU_SKETCH": "dot"}, "atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
            "torch": {"RANKSCOPE_GPU_KERNELS": "torch"}}
 
 

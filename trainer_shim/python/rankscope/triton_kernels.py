@@ -180,29 +180,32 @@ if triton is not None:
         tl.store(out_ptr + pid, tl.sum(total, axis=0))
 
     @triton.jit
-    def _fold_pieces_kernel(x_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces, out_ptr,
-                            TILE: tl.constexpr, BITS: tl.constexpr, SQUARES: tl.constexpr):
-        """F of the pieces of a segment table: piece (start, count, goff) adds
-        sum_lane c (2 (goff + lane) + 1), c = bits + 1 (the values' bits as the integer type
-        BITS). Writes program pid's F at out[pid] and, with SQUARES, the float64 sum of the
-        values' squares, bit for bit, at out[programs + pid]."""
+    def _fold_pieces_kernel(bits_ptr, vals_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces,
+                            out_ptr, TILE: tl.constexpr, SQUARES: tl.constexpr):
+        """F of the pieces of a segment table (bits_ptr: the values' bits as integers): piece
+        (start, count, goff) adds sum_lane c (2 (goff + lane) + 1) = (2 goff + 1) sum c +
+        2 sum lane c, c = bits + 1. Writes program pid's F at out[pid] and, with SQUARES, the
+        float64 sum of the squares of the values (vals_ptr: the same memory as floats), bit for
+        bit, at out[programs + pid]."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         lanes = tl.arange(0, TILE)
-        acc = tl.zeros([TILE], dtype=tl.int64)
+        per_lane = tl.zeros([TILE], dtype=tl.int64)
+        s = tl.zeros([TILE], dtype=tl.int64)
         sq = tl.zeros([TILE], dtype=tl.float64)
         for p in range(pid, n_pieces, programs):
             start = tl.load(starts_ptr + p)
             count = tl.load(counts_ptr + p)
             goff = tl.load(goffs_ptr + p)
-            mask = lanes < count
-            x = tl.load(x_ptr + start + lanes, mask=mask, other=0)
-            c = tl.where(mask, x.to(BITS, bitcast=True).to(tl.int64) + 1, 0)
-            acc += c * (2 * (goff + lanes) + 1)
-            if SQUARES:
+            c = tl.load(bits_ptr + start + lanes, mask=lanes < count, other=-1).to(tl.int64) + 1
+            per_lane += c
+            s += (2 * goff + 1) * c
+            if SQUARES:  # the same lines again, from L1
+                x = tl.load(vals_ptr + start + lanes, mask=lanes < count, other=0.0)
                 x64 = x.to(tl.float64)
                 sq += x64 * x64
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+        total = s + 2 * lanes.to(tl.int64) * per_lane
+        tl.store(out_ptr + pid, tl.sum(total, axis=0))
         if SQUARES:
             tl.store(out_ptr + programs + pid, tl.sum(sq, axis=0).to(tl.int64, bitcast=True))
 
@@ -233,13 +236,19 @@ _DOT_FAILED = []  # the tensor-core kernel's compile error, once it failed
 
 
 def _variant(dtype: torch.dtype, dim: int):
-    """(Q, DOT, EXACT_TF32) for a sketch of ``dim`` bins over ``dtype`` values: the tensor-core
-    kernel where dim is 32 Q with Q a power of two from 16 to 128 (dims 512 .. 4,096), unless
-    RANKSCOPE_GPU_SKETCH=atomic or it failed to compile here; else one atomic add a value."""
+    """(Q, DOT, EXACT_TF32) for a sketch of ``dim`` bins over ``dtype`` values. The tensor-core
+    kernel where dim is 32 Q with Q a power of two from 16 to 128 (dims 512 .. 4,096) for
+    bfloat16 and float16 values, and for float32 values up to dim 1,024 (their three tf32
+    products make larger dims slower than the atomic kernel: docs/PERFORMANCE.md, "GPU
+    kernels"); else one atomic add a value. RANKSCOPE_GPU_SKETCH=atomic or =dot forces one
+    (dot where the dim allows), and a dot kernel that failed to compile here is not tried
+    again."""
     q = dim // 32
-    if (os.environ.get("RANKSCOPE_GPU_SKETCH", "dot") != "atomic" and not _DOT_FAILED
-            and dim % 32 == 0 and 16 <= q <= 128 and q & (q - 1) == 0
-            and dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    choice = os.environ.get("RANKSCOPE_GPU_SKETCH", "auto")
+    allowed = (dim % 32 == 0 and 16 <= q <= 128 and q & (q - 1) == 0 and not _DOT_FAILED
+               and dtype in (torch.float32, torch.bfloat16, torch.float16))
+    preferred = dtype != torch.float32 or q <= 32
+    if allowed and choice != "atomic" and (preferred or choice == "dot"):
         return q, True, dtype == torch.float32
     return 16, False, False
 
@@ -344,6 +353,12 @@ if triton is not None:
              torch.int16: tl.int16}
 
 
+# torch dtype -> the integer dtype of the same width (a view gives the value's bits).
+_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+              torch.float64: torch.int64, torch.int32: torch.int32, torch.int64: torch.int64,
+              torch.int16: torch.int16}
+
+
 def fold_pieces(flat: torch.Tensor, table, squares: bool = False):
     """The fingerprint of the pieces ``table`` (from ``pieces``) of the flat contiguous
     ``flat``: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments. With ``squares``
@@ -354,8 +369,9 @@ def fold_pieces(flat: torch.Tensor, table, squares: bool = False):
     programs = max(1, min(_programs(flat.device), n_pieces))
     out = torch.zeros(2 * programs if squares else programs, dtype=torch.int64,
                       device=flat.device)
-    _fold_pieces_kernel[(programs,)](flat, starts, counts, goffs, n_pieces, out, TILE=PIECE,
-                                     BITS=_BITS[flat.dtype], SQUARES=squares, num_warps=4)
+    bits = flat.view(_BITS_VIEW[flat.dtype])
+    _fold_pieces_kernel[(programs,)](bits, flat, starts, counts, goffs, n_pieces, out,
+                                     TILE=PIECE, SQUARES=squares, num_warps=4)
     if squares:
         return out[:programs], out[programs:].view(torch.float64)
     return out.sum()
