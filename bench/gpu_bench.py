@@ -65,7 +65,7 @@ def kernels(args) -> dict:
     dst = torch.empty_like(src)
     copy_ms = _events_ms(lambda: dst.copy_(src), args.reps)
     copy_bps = 2 * src.numel() * 4 / (copy_ms / 1e3)
-    del dst
+    dst = None  # frees the copy target
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "elements": n, "copy_ms": copy_ms, "copy_GBps": copy_bps / 1e9, "rows": []}
     print(f"device {out['device']}, torch {torch.__version__}, triton "
@@ -153,7 +153,7 @@ def kernels(args) -> dict:
                 _events_ms(lambda: fp.add_all(fp.fold_many(tensors, offsets, cache), dev),
                            args.reps), sum(sizes) * x.element_size())
             results[(path, "many")] = fp.add_all(fp.fold_many(tensors, offsets, cache), dev)
-            del tensors
+            tensors = None
         for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
             os.environ.pop(k, None)
         if tk.triton is not None and tk._DOT_FAILED:
@@ -186,7 +186,7 @@ def kernels(args) -> dict:
                       f"sum of squares {ss_err:.2e}")
             if not ok:
                 out["failed"] = True
-        del x
+        x = None  # frees the gradient before the next dtype
     return out
 
 
@@ -225,7 +225,7 @@ def sweep(args) -> dict:
                                         "ms": ms, "GBps": gbps})
                     print(f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
                           f"{factor:>7}{ms:>9.3f}{gbps:>8.0f}")
-        del x
+        x = None  # frees the gradient before the next dtype
     os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = 64, None, 4
     return out

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# Assertions in the shared DDP harness report their operands like a test's own.
+pytest.register_assert_rewrite("shim_harness")
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_DIR = Path(os.environ.get("RANKSCOPE_BUILD_DIR") or REPO / "build")
 if not BUILD_DIR.is_absolute():

@@ -16,6 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -27,9 +28,11 @@ from conftest import free_port
 
 # ---- process management ------------------------------------------------------------------------
 
-def _entry(rank, fn, port, world_size, args):
+def _entry(rank, fn, port, world_size, args, backend):
     torch.set_num_threads(1)  # 4 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -37,11 +40,12 @@ def _entry(rank, fn, port, world_size, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size, *args, timeout=180.0):
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raises if any rank
-    fails or the whole run takes longer than ``timeout`` seconds (then every rank is killed)."""
-    ctx = mp.start_processes(_entry, args=(fn, free_port(), world_size, args), nprocs=world_size,
-                             join=False, start_method="spawn")
+def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process
+    group (gloo; nccl puts rank r on GPU r); raises if any rank fails or the whole run takes
+    longer than ``timeout`` seconds (then every rank is killed)."""
+    ctx = mp.start_processes(_entry, args=(fn, free_port(), world_size, args, backend),
+                             nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=0.2):
@@ -171,6 +175,31 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
         "grad_norm_mean": gn_mean, "grad_norm_std": gn_std, "grad_norms": norms,
         "exact_cosine": mean_pairwise_cos(grads), "sketch_cosine": mean_pairwise_cos(sketches),
     }
+
+
+def check_exact_rows(rows, rank_rows, expected, world_size, sketch_dim) -> None:
+    """Asserts that the collector's step rows (``Collector.step_rows``) and rank rows
+    (``Collector.rank_rows``) equal the exact values of ``expected`` (step -> exact_step_stats):
+    loss and grad-norm dispersion and each rank's norm to float tolerance, direction consistency
+    equal to the cosine of ideal sketches of the exact gradients and within the sketch's error of
+    the exact cosine."""
+    assert sorted(rows) == sorted(expected), "steps stored"
+    cos_bound = 4 * math.sqrt(2 / sketch_dim)
+    for step, e in expected.items():
+        r = rows[step]
+        assert r["ranks"] == world_size and r["missing_ranks"] == "" and not r["timed_out"]
+        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
+        assert r["loss_std"] == pytest.approx(e["loss_std"], rel=1e-5, abs=1e-7)
+        assert r["loss_range"] == pytest.approx(e["loss_range"], rel=1e-5, abs=1e-7)
+        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
+        assert r["grad_norm_std"] == pytest.approx(e["grad_norm_std"], rel=1e-5, abs=1e-9)
+        norms = {rank: gn for s, rank, _, gn, _ in rank_rows if s == step}
+        assert [norms[k] for k in range(world_size)] == pytest.approx(e["grad_norms"], rel=1e-6)
+        # The collector's cosine is exactly that of sketches of the exact gradients...
+        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
+        # ...and the sketch estimates the exact cosine within its error.
+        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
+            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
 
 
 # ---- scenario: exact statistics on many model shapes -------------------------------------------

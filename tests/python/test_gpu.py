@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,9 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import shim_harness as H  # noqa: E402
-from conftest import free_port  # noqa: E402
 
 WORLD = 2
 STEPS = 6
@@ -164,33 +161,9 @@ def nudge_worker(rank, world_size, collector, out_dir):
     H.write_json(Path(out_dir) / f"nudge.rank{rank}.json", {"stats": stats})
 
 
-def _nccl_entry(rank, fn, port, args):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn_one(fn, *args, timeout=240.0):
-    ctx = mp.start_processes(_nccl_entry, args=(fn, free_port(), args), nprocs=1, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{fn.__name__} exceeded {timeout:.0f} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-def nosync_worker(collector, out_dir):
-    """Plain DDP steps, then rankscope-attached ones, all under sync debug mode "error"."""
+def nosync_worker(rank, world_size, collector, out_dir):
+    """Plain DDP steps, then rankscope-attached ones, all under sync debug mode "error" (one
+    NCCL rank)."""
     import rankscope.torch as rst
 
     dev = torch.device("cuda", 0)
@@ -271,21 +244,8 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
     collector, out = exact_run
     name = f"{mode}-{kernels}"
     expected = {int(k): v for k, v in _load(out / f"{name}.expected.json").items()}
-    rows = collector.step_rows(f"gpu-{name}")
-    assert sorted(rows) == list(range(STEPS))
-    rank_rows = collector.rank_rows(f"gpu-{name}")
-    cos_bound = 4 * math.sqrt(2 / SKETCH_DIM)
-    for step, e in expected.items():
-        r = rows[step]
-        assert r["ranks"] == WORLD and r["missing_ranks"] == "" and not r["timed_out"]
-        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
-        assert r["loss_std"] == pytest.approx(e["loss_std"], rel=1e-5, abs=1e-7)
-        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
-        assert r["grad_norm_std"] == pytest.approx(e["grad_norm_std"], rel=1e-5, abs=1e-9)
-        norms = {rank: gn for s, rank, _, gn, _ in rank_rows if s == step}
-        assert [norms[k] for k in range(WORLD)] == pytest.approx(e["grad_norms"], rel=1e-6)
-        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
-        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound
+    H.check_exact_rows(collector.step_rows(f"gpu-{name}"), collector.rank_rows(f"gpu-{name}"),
+                       expected, WORLD, SKETCH_DIM)
     for rank in range(WORLD):
         info = _load(out / f"{name}.rank{rank}.json")
         assert info["dot_failed"] == []
@@ -331,7 +291,8 @@ def test_gpu_one_ulp_nudge_is_named_at_the_next_check(nudge_run):
 
 
 def test_gpu_steps_never_synchronize(module_collector, tmp_path):
-    _spawn_one(nosync_worker, module_collector.address, str(tmp_path))
+    H.spawn(nosync_worker, 1, module_collector.address, str(tmp_path), timeout=240,
+            backend="nccl")
     out = _load(tmp_path / "nosync.json")
     assert out.pop("dot_failed") == []
     for case, r in out.items():

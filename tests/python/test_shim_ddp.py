@@ -66,26 +66,9 @@ def test_collector_statistics_equal_exact_values(exact_run, scenario):
 
     # The agents flushed before exiting (close acks only after the SQLite commit).
     rows = collector.step_rows(job)
-    assert sorted(rows) == sorted(expected), f"steps stored for {job}"
     rank_rows = collector.rank_rows(job)
     assert len(rank_rows) == WORLD * STEPS
-
-    cos_bound = 4 * math.sqrt(2 / SKETCH_DIM)
-    for step, e in expected.items():
-        r = rows[step]
-        assert r["ranks"] == WORLD and r["missing_ranks"] == "" and not r["timed_out"]
-        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
-        assert r["loss_std"] == pytest.approx(e["loss_std"], rel=1e-5, abs=1e-7)
-        assert r["loss_range"] == pytest.approx(e["loss_range"], rel=1e-5, abs=1e-7)
-        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
-        assert r["grad_norm_std"] == pytest.approx(e["grad_norm_std"], rel=1e-5, abs=1e-9)
-        norms = {rank: gn for s, rank, _, gn, _ in rank_rows if s == step}
-        assert [norms[k] for k in range(WORLD)] == pytest.approx(e["grad_norms"], rel=1e-6)
-        # The collector's cosine is exactly that of sketches of the exact gradients...
-        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
-        # ...and the sketch estimates the exact cosine within its error.
-        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
-            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
+    shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
 
     for rank in range(WORLD):
         stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
@@ -118,24 +101,16 @@ def test_sketch_error_over_all_steps_is_small(exact_run):
 @pytest.mark.parametrize("encoding,scenario",
                          [(e, s) for e, (_, scenarios) in PACKED.items() for s in scenarios])
 def test_packed_encodings_equal_exact_values(packed_runs, encoding, scenario):
-    """The collector's cosines from packed sketches equal those of the exact gradients' sketches
-    packed the same way, and are within the sketch's error (at its k) of the exact cosines."""
+    """With packed sketches the collector's statistics still equal the exact values (the same
+    checks as float32's), its cosines equal those of the exact gradients' sketches packed the
+    same way, within the sketch's error (at its k) of the exact cosines."""
     collector, runs = packed_runs
     dim = PACKED[encoding][0]
     out = runs[encoding]
     job = f"exact-{encoding}-{scenario}"
     expected = {int(k): v for k, v in load(out / f"{scenario}.expected.json").items()}
-    rows = collector.step_rows(job)
-    assert sorted(rows) == sorted(expected), f"steps stored for {job}"
-    cos_bound = 4 * math.sqrt(2 / dim)
-    for step, e in expected.items():
-        r = rows[step]
-        assert r["ranks"] == WORLD and not r["timed_out"]
-        assert r["loss_mean"] == pytest.approx(e["loss_mean"], rel=1e-6)
-        assert r["grad_norm_mean"] == pytest.approx(e["grad_norm_mean"], rel=1e-6)
-        assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
-        assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
-            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
+    shim_harness.check_exact_rows(collector.step_rows(job), collector.rank_rows(job), expected,
+                                  WORLD, dim)
     for rank in range(WORLD):
         stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
         assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
