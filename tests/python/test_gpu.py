@@ -2,11 +2,12 @@
 tools/gpu/run_checks.sh on a GPU machine).
 
 * exact: 2 DDP ranks sharing the one GPU (gloo with CUDA tensors), the real shim and the real
-  collector; float32, bf16 autocast and bf16 gradients, each with the fused Triton kernels and
-  with the torch ops: loss and grad-norm dispersion equal to the ranks' own exact values,
-  direction consistency within the ideal count sketch's bound (the CPU truth tests' checks).
-* nudge: healthy ranks' replica fingerprints are equal; a one-ulp nudge of one rank's parameters
-  is named at the next parameter check, and only that rank.
+  collector; float32, bf16 autocast and bf16 gradients, each with the three GPU sketch paths
+  (KERNELS: Triton on the tensor cores, Triton with atomic adds, torch ops): loss and grad-norm
+  dispersion equal to the ranks' own exact values, direction consistency within the ideal count
+  sketch's bound (the CPU truth tests' checks, shim_harness.check_exact_rows).
+* nudge: 3 ranks; healthy ranks' replica fingerprints are equal; a one-ulp nudge of one rank's
+  parameters is named at the next parameter check, and only that rank.
 * no synchronization: one rank with NCCL, every step (forward, backward, optimizer step,
   mon.step; reporting, skipped (every=2) and parameter-check steps) under
   torch.cuda.set_sync_debug_mode("error"), which raises on any synchronizing CUDA call; the
