@@ -5,20 +5,25 @@ fingerprint.py (which stay the fallback, and the path CI tests on CPU).
 How their results relate to the torch-op path (tests/python/test_gpu.py checks both):
 
 * ``fold`` / ``fold_segments``: the same 64-bit wrapping integer sum, so bit-identical.
-* ``sketch_add``: the same bins and signs (SketchMix of the block index, as torch_sketch.py and
-  agent/include/rankscope/sketch.h). Each program adds its coordinates into its own float32 row of
-  ``dim`` bins with atomic adds; the rows are then summed in float64 in a fixed order. So a bin is
-  a float64 sum of float32 partial sums of at most ``n / programs / dim`` terms on average (the
-  C++ kernel also sums segments in float first): within float32 rounding of the torch-op path's
-  float64 sums, and, because atomic adds into a row land in any order, not bit-reproducible from
-  run to run at that rounding level. The sum of squares adds exact float64 squares in float64,
-  as the torch-op path does, in another order.
+* ``sketch_add`` / ``sketch_add_pieces``: the same bins and signs (SketchMix of the block index,
+  as torch_sketch.py and agent/include/rankscope/sketch.h), added into per-program float32 rows
+  of ``dim`` bins that TorchSketch folds into float64 (a fixed order) when the bins are read. Two
+  kernels: one atomic add per value into the program's row, or (DOT) each block's 32 values
+  shifted into a row of 64 and added by a one-hot matrix product on the tensor cores into a
+  [dim/32, 64] register tile flushed into the row at the end (bfloat16 and float16 values are
+  exact operands; float32 takes three tf32 products, about float32's precision). Either way a
+  bin is within float32 rounding of the torch-op path's float64 sum, and, because atomic adds
+  into a row land in any order, not bit-reproducible from run to run at that rounding level. The
+  sum of squares adds exact float64 squares in float64, as the torch-op path does, in another
+  order.
 
 Nothing here synchronizes the host with the device: partial buffers are allocated on the device
 and reduced with torch ops; segment tables are copied from pinned memory without blocking.
 
-Selection: ``RANKSCOPE_GPU_KERNELS=torch`` forces the torch-op path; the default is ``triton``
-where Triton imports and the tensor is on a CUDA device.
+Selection: ``RANKSCOPE_GPU_KERNELS=torch`` forces the torch-op path; the default is Triton where
+it imports and the tensor is on a CUDA device. The sketch kernel is chosen per dtype and dim
+(``_variant``, from the H100 figures in docs/PERFORMANCE.md); ``RANKSCOPE_GPU_SKETCH=atomic`` or
+``dot`` forces one. The first launch of each kernel in a process compiles it (seconds).
 """
 
 import os
