@@ -33,7 +33,9 @@ JobRegistry::JobRegistry(size_t max_jobs, absl::Duration identity_ttl)
 bool JobRegistry::Restore(const JobRow& row, absl::Time now) {
   if (now - row.last_seen > identity_ttl_) return false;
   Job& job = jobs_[row.job];
-  job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed};
+  // The store keeps no encoding or hash block: the next hello's are adopted (validation.h).
+  job.identity = JobIdentity{row.world_size, row.sketch_dim, row.sketch_seed,
+                             /*sketch_encoding=*/std::nullopt, /*sketch_block=*/std::nullopt};
   job.epoch = row.attempt;
   job.max_attempt = row.attempt;
   job.first_seen = row.first_seen;
