@@ -1,6 +1,7 @@
 #include "collector/job_registry.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/escaping.h"
