@@ -9,18 +9,22 @@
 kernels  The device-to-device copy bandwidth (bytes read + bytes written per second, one large
          tensor), then the count sketch and the replica fingerprint of a large gradient, float32
          and bfloat16, with the torch-op path (torch_sketch.py, fingerprint.py) and the fused
-         Triton kernels (triton_kernels.py): bytes of gradient read per second and that rate as
-         a share of the copy's. Each timing is the median of CUDA-event timings after a warm-up.
-         Also checks that the two paths agree: fingerprints bit for bit, sketch bins within
-         float32 rounding of the float64 torch-op sums.
+         Triton kernels (triton_kernels.py; the sketch with atomic adds and on the tensor
+         cores): bytes of gradient read per second and that rate as a share of the copy's. Each
+         timing is the median of CUDA-event timings after a warm-up. Also checks that the paths
+         agree: fingerprints bit for bit, sketch bins within float32 rounding of the float64
+         torch-op sums.
+sweep    The Triton sketch kernels' launch settings (hash blocks a tile, warps, programs a
+         multiprocessor), each timed on the same gradient.
 train    The step of a GPT-2-small-sized decoder (12 layers, d 768, 12 heads, vocab 50,257, bf16
-         autocast, fused AdamW) in one-rank DDP (NCCL), one replica per variant, stepped in a rotating order so
-         every variant sees the same machine: plain, plain-2 (the noise floor), rankscope with the
-         Triton kernels (tensor-core sketch), rankscope with the atomic-add Triton sketch,
-         rankscope with the torch ops, and in-band (the same sketch on the GPU
-         plus a blocking all_gather of loss, norm and sketch and a host read every step). Prints
-         the median step time (synchronized) and the median host time to issue the step (not
-         synchronized: what the training thread spends while the GPU is busy).
+         autocast, fused AdamW) in one-rank DDP (NCCL), one replica per variant, stepped in a
+         rotating order so every variant sees the same machine: plain, plain-2 (the noise
+         floor), rankscope (its default kernels), rankscope with the tensor-core sketch forced,
+         with the atomic sketch forced, with the torch ops, and in-band (the same sketch on the
+         GPU plus a blocking all_gather of loss, norm and sketch and a host read every step).
+         Prints the median step time (synchronized) and the median host time to issue the step
+         (not synchronized: what the training thread spends while the GPU is busy);
+         ``--profile`` adds a cProfile of the rankscope variant's host side.
 """
 
 import argparse
@@ -311,9 +315,10 @@ def train(args) -> dict:
     torch.cuda.set_device(dev)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     proc, address = _start_collector(Path(args.build_dir).resolve(), tmp)
-    variants = ["plain", "plain-2", "rankscope", "rankscope-atomic", "rankscope-torchops",
-                "in-band"]
-    env = {"rankscope-atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+    variants = ["plain", "plain-2", "rankscope", "rankscope-dot", "rankscope-atomic",
+                "rankscope-torchops", "in-band"]
+    env = {"rankscope-dot": {"RANKSCOPE_GPU_SKETCH": "dot"},
+           "rankscope-atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
            "rankscope-torchops": {"RANKSCOPE_GPU_KERNELS": "torch"}}
     models, opts, mons, inband = {}, {}, {}, {}
     for v in variants:
