@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -327,3 +328,45 @@ def test_native_packing_round_trips_within_its_bound(encoding):
     with pytest.raises(ValueError):
         _native.Agent(collector="127.0.0.1:1", job="x", rank=0, world_size=1,
                       sketch_encoding="bfloat16")
+
+
+def test_a_failing_triton_kernel_turns_triton_off_and_the_torch_ops_take_over(monkeypatch):
+    """Where Triton imports but cannot run (no C compiler for its launcher, a GPU it cannot
+    target), the first failure turns the Triton kernels off for the process, with one warning,
+    and the sketch and fingerprints come from the torch ops, the same values. Simulated on the
+    CPU: the kernels are forced on for CPU tensors, where they fail before any launch."""
+    from rankscope import fingerprint as fp
+    from rankscope import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_FAILED", [])
+    monkeypatch.setattr(tk, "enabled", lambda t: not tk._FAILED)
+    torch.manual_seed(3)
+    g = torch.randn(5000)
+    layout = fp.SegmentLayout(5000, [0, 2000], [2000, 3000], [7, 4000])
+    with pytest.warns(RuntimeWarning, match="Triton kernels failed"):
+        sketch = TorchSketch(256, SEED, "cpu")
+        sketch.add(g, 11)
+    assert len(tk._FAILED) == 1
+    reference = TorchSketch(256, SEED, "cpu")
+    reference.add(g, 11)
+    assert torch.equal(sketch.bins, reference.bins)
+    # Later calls take the torch ops at once (no second warning).
+    sketch.add_segments(g, layout)
+    reference.add_segments(g, layout)
+    assert torch.equal(sketch.bins, reference.bins)
+    assert len(tk._FAILED) == 1
+
+    monkeypatch.setattr(tk, "_FAILED", [])
+    with pytest.warns(RuntimeWarning):
+        assert fp.to_uint64(fp.fold(g, 3)) == fp.to_uint64(fp.fold(g, 3))
+    for failed in ([], ["x"]):  # the first call fails over, the second starts off
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            monkeypatch.setattr(tk, "_FAILED", list(failed))
+            f, ss = fp.fold_segments_and_squares(g, layout)
+            assert tk._FAILED
+            assert int(f) == int(fp.fold_segments(g, layout))
+            monkeypatch.setattr(tk, "_FAILED", list(failed))
+            parts = fp.fold_many([g[:10], g[10:]], [0, 10], {})
+            assert tk._FAILED
+            assert fp.to_uint64(fp.add_all(parts, "cpu")) == fp.to_uint64(fp.fold(g, 0))

@@ -133,7 +133,10 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
     if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
-        return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
+        try:
+            return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
+        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
+            _tk.disable(e)
     c = _terms(flat)
     # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
     csum = c.sum()
@@ -206,7 +209,10 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
+        try:
+            return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
+        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
+            _tk.disable(e)
     c = _terms(flat)
     w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
     cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
@@ -226,7 +232,10 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
     flat = buffer.detach().reshape(-1)
     if (_tk.enabled(flat) and flat.is_contiguous() and layout.counts
             and flat.numel() == layout.numel):
-        return _tk.fold_pieces(flat, layout.pieces(flat.device), squares=True)
+        try:
+            return _tk.fold_pieces(flat, layout.pieces(flat.device), squares=True)
+        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
+            _tk.disable(e)
     norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
     return fold_segments(flat, layout), norm * norm
 
@@ -248,6 +257,9 @@ def fold_many(tensors, offsets, cache: dict) -> list:
         try:
             parts.append(_tk.fold_tensors(ts, offs, cache))
         except ValueError:  # not aligned to their element size: one at a time
+            parts.extend(fold(t, off) for t, off in zip(ts, offs))
+        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops
+            _tk.disable(e)
             parts.extend(fold(t, off) for t, off in zip(ts, offs))
     return parts
 

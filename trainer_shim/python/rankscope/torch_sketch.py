@@ -140,8 +140,11 @@ class TorchSketch:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
         flat = values.reshape(-1)
         if self._fused(flat):  # one fused pass on a CUDA device
-            _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
-            return
+            try:
+                _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
+                return
+            except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
+                _tk.disable(e)
         n = flat.numel()
         for start in range(0, n, CHUNK):
             chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
@@ -156,9 +159,12 @@ class TorchSketch:
         (a DDP bucket), else ``add`` per segment."""
         flat = buffer.detach().reshape(-1)
         if self._fused(flat) and flat.is_contiguous():
-            _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
-                                  self.seed, self.dim)
-            return
+            try:
+                _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
+                                      self.seed, self.dim)
+                return
+            except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
+                _tk.disable(e)
         for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
             if n:
                 self.add(flat[start:start + n], offset)

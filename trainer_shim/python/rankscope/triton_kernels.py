@@ -51,10 +51,27 @@ _SKETCH_WARPS = None  # warps of a sketch program (None: 4, or 8 for the larger 
 _PROGRAMS = {}  # (device index, factor) -> programs of a persistent grid
 
 
+_FAILED = []  # the first error a Triton kernel raised in this process: Triton is off from then
+
+
 def enabled(t: torch.Tensor) -> bool:
-    """True iff ``t`` takes the Triton kernels (a CUDA tensor, Triton present, not disabled)."""
-    return (triton is not None and t.is_cuda
+    """True iff ``t`` takes the Triton kernels (a CUDA tensor, Triton present, not disabled by
+    RANKSCOPE_GPU_KERNELS=torch or by an earlier failure)."""
+    return (triton is not None and not _FAILED and t.is_cuda
             and os.environ.get("RANKSCOPE_GPU_KERNELS", "triton") != "torch")
+
+
+def disable(error: Exception) -> None:
+    """Turns the Triton kernels off for this process after ``error``, which a kernel raised
+    before it ran (Triton compiles each kernel and a C launcher at the first launch: a machine
+    without a C compiler, or a GPU Triton cannot target, fails there), with one warning; callers
+    then take the torch ops. A failure after a launch (a CUDA error) is not recoverable here."""
+    if not _FAILED:
+        _FAILED.append(repr(error))
+        import warnings
+        warnings.warn(f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
+                      "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
+                      RuntimeWarning)
 
 
 def _programs(device: torch.device) -> int:
