@@ -133,10 +133,9 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
     if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
-        try:
-            return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
-        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
-            _tk.disable(e)
+        f = _tk.attempt(_tk.fold, flat.view(_BITS_DTYPE[flat.dtype]), offset)
+        if f is not _tk.FELL_BACK:
+            return f
     c = _terms(flat)
     # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
     csum = c.sum()
@@ -177,12 +176,14 @@ class SegmentLayout:
         return t
 
     def pieces(self, device):
-        """The segments as triton_kernels.pieces tables on ``device`` (cached)."""
+        """The segments cut into the Triton kernels' pieces (triton_kernels.piece_table), as
+        three int64 tensors on ``device`` (buffer start, count, global offset; cached)."""
         key = ("pieces", device)
         t = self._device_tensors.get(key)
         if t is None:
-            t = self._device_tensors[key] = _tk.pieces(self, device)
-        return t[0]
+            rows = _to_device(torch.tensor(_tk.piece_table(self), dtype=torch.int64), device)
+            t = self._device_tensors[key] = (rows[0], rows[1], rows[2])
+        return t
 
 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -209,10 +210,10 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        try:
-            return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
-        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
-            _tk.disable(e)
+        f = _tk.attempt(lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]),
+                                                layout.pieces(device)))
+        if f is not _tk.FELL_BACK:
+            return f
     c = _terms(flat)
     w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
     cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
@@ -232,10 +233,10 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
     flat = buffer.detach().reshape(-1)
     if (_tk.enabled(flat) and flat.is_contiguous() and layout.counts
             and flat.numel() == layout.numel):
-        try:
-            return _tk.fold_pieces(flat, layout.pieces(flat.device), squares=True)
-        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
-            _tk.disable(e)
+        both = _tk.attempt(lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]),
+                                                   layout.pieces(flat.device), values=flat))
+        if both is not _tk.FELL_BACK:
+            return both
     norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
     return fold_segments(flat, layout), norm * norm
 
@@ -243,25 +244,47 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
 def fold_many(tensors, offsets, cache: dict) -> list:
     """Fingerprints (0-d int64 tensors) whose wrapping sum is F of ``tensors`` (not CPU ones),
     each at its global offset: on a CUDA device with Triton one launch per device and dtype for
-    the contiguous ones (``cache`` keeps their offset tables), ``fold`` for the others."""
+    the contiguous ones, ``fold`` for the others. ``cache`` keeps each group's offset table per
+    set of addresses (a model's parameters stay where they are)."""
     groups, parts = {}, []
     for t, off in zip(tensors, offsets):
         t = t.detach()
         if _tk.enabled(t) and t.is_contiguous() and t.dtype in _BITS_DTYPE and t.numel():
-            groups.setdefault((t.device, t.dtype), ([], []))
-            groups[(t.device, t.dtype)][0].append(t)
-            groups[(t.device, t.dtype)][1].append(off)
+            ts, offs = groups.setdefault((t.device, t.dtype), ([], []))
+            ts.append(t)
+            offs.append(off)
         else:
             parts.append(fold(t, off))
     for ts, offs in groups.values():
-        try:
-            parts.append(_tk.fold_tensors(ts, offs, cache))
-        except ValueError:  # not aligned to their element size: one at a time
+        table = _offset_table(ts, offs, cache)
+        f = _tk.FELL_BACK
+        if table is not None:
+            f = _tk.attempt(_tk.fold_tensors, ts[0], table, len(ts), max(t.numel() for t in ts))
+        if f is _tk.FELL_BACK:
             parts.extend(fold(t, off) for t, off in zip(ts, offs))
-        except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops
-            _tk.disable(e)
-            parts.extend(fold(t, off) for t, off in zip(ts, offs))
+        else:
+            parts.append(f)
     return parts
+
+
+def _offset_table(tensors, offsets, cache: dict):
+    """triton_kernels.fold_tensors' table for ``tensors`` (one dtype, one device): rows
+    (element offset from the first, count, global offset), on the device; cached by addresses
+    and sizes. None when an address is not a whole number of elements from the first's."""
+    base, size = tensors[0], tensors[0].element_size()
+    key = tuple((t.data_ptr(), t.numel()) for t in tensors)
+    table = cache.get(key)
+    if table is None:
+        rows = []
+        for t, g in zip(tensors, offsets):
+            delta = t.data_ptr() - base.data_ptr()
+            if delta % size:
+                return None
+            rows.extend((delta // size, t.numel(), g))
+        if len(cache) >= 8:  # parameters that keep moving: keep the newest tables only
+            cache.clear()
+        table = cache[key] = _to_device(torch.tensor(rows, dtype=torch.int64), base.device)
+    return table
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -139,12 +139,8 @@ class TorchSketch:
     def add(self, values: torch.Tensor, offset: int) -> None:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
         flat = values.reshape(-1)
-        if self._fused(flat):  # one fused pass on a CUDA device
-            try:
-                _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
-                return
-            except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
-                _tk.disable(e)
+        if self._fused(flat) and _tk.attempt(self._add_fused, flat, offset) is not _tk.FELL_BACK:
+            return  # one fused pass on a CUDA device
         n = flat.numel()
         for start in range(0, n, CHUNK):
             chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
@@ -158,16 +154,19 @@ class TorchSketch:
         each at its global offset: on a CUDA device with Triton one launch for the whole buffer
         (a DDP bucket), else ``add`` per segment."""
         flat = buffer.detach().reshape(-1)
-        if self._fused(flat) and flat.is_contiguous():
-            try:
-                _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
-                                      self.seed, self.dim)
-                return
-            except Exception as e:  # noqa: BLE001 - Triton cannot run here: torch ops below
-                _tk.disable(e)
+        if (self._fused(flat) and flat.is_contiguous()
+                and _tk.attempt(self._add_segments_fused, flat, layout) is not _tk.FELL_BACK):
+            return
         for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
             if n:
                 self.add(flat[start:start + n], offset)
+
+    def _add_fused(self, flat: torch.Tensor, offset: int) -> None:
+        _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
+
+    def _add_segments_fused(self, flat: torch.Tensor, layout) -> None:
+        _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
+                              self.seed, self.dim)
 
     def _fused(self, flat: torch.Tensor) -> bool:
         # The kernel wraps a block's 32 bins at most once: dim >= 32 (smaller sketches are rare).

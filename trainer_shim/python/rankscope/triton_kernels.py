@@ -18,7 +18,8 @@ How their results relate to the torch-op path (tests/python/test_gpu.py checks b
   order.
 
 Nothing here synchronizes the host with the device: partial buffers are allocated on the device
-and reduced with torch ops; segment tables are copied from pinned memory without blocking.
+and reduced with torch ops; the segment and offset tables the kernels read come to the device
+from pinned memory without blocking (fingerprint.py builds and caches them).
 
 Selection: ``RANKSCOPE_GPU_KERNELS=torch`` forces the torch-op path; the default is Triton where
 it imports and the tensor is on a CUDA device. The sketch kernel is chosen per dtype and dim
@@ -72,6 +73,19 @@ def disable(error: Exception) -> None:
         warnings.warn(f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
                       "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
                       RuntimeWarning)
+
+
+FELL_BACK = object()  # what ``attempt`` returns when the kernel could not run
+
+
+def attempt(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or FELL_BACK after ``disable`` when it raised (Triton cannot run
+    here): the caller then takes the torch ops."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a compiler or launcher error
+        disable(e)
+        return FELL_BACK
 
 
 def _programs(device: torch.device) -> int:
@@ -360,14 +374,6 @@ def piece_table(layout):
     return starts, counts, goffs
 
 
-def pieces(layout, device: torch.device):
-    """``piece_table`` as three int64 tensors on ``device``, copied from pinned memory without
-    blocking. Returns (tensors, pinned source): keep the source alive with the tensors."""
-    host = torch.tensor(list(piece_table(layout)), dtype=torch.int64).pin_memory()
-    dev = host.to(device, non_blocking=True)
-    return (dev[0], dev[1], dev[2]), host
-
-
 _BITS = {}  # torch dtype -> the Triton integer type of its bits (filled below)
 if triton is not None:
     _BITS = {torch.float32: tl.int32, torch.bfloat16: tl.int16, torch.float16: tl.int16,
@@ -375,54 +381,34 @@ if triton is not None:
              torch.int16: tl.int16}
 
 
-# torch dtype -> the integer dtype of the same width (a view gives the value's bits).
-_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-              torch.float64: torch.int64, torch.int32: torch.int32, torch.int64: torch.int64,
-              torch.int16: torch.int16}
-
-
-def fold_pieces(flat: torch.Tensor, table, squares: bool = False):
-    """The fingerprint of the pieces ``table`` (from ``pieces``) of the flat contiguous
-    ``flat``: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments. With ``squares``
-    (a float ``flat``), (per-program fingerprints [P] int64, per-program float64 sums of squares
-    [P]) instead, from the same pass: their sums are the fingerprint and the sum of squares."""
+def fold_pieces(bits: torch.Tensor, table, values: torch.Tensor = None):
+    """The fingerprint of the pieces ``table`` (three int64 device tensors: buffer start, count,
+    global offset of each piece of ``piece_table``) of the flat contiguous integer view ``bits``
+    of a buffer: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments. With ``values``
+    (the same buffer as floats), (per-program fingerprints [P] int64, per-program float64 sums
+    of squares [P]) instead, from the same pass: their sums are the fingerprint and the sum of
+    squares."""
     starts, counts, goffs = table
     n_pieces = starts.numel()
-    programs = max(1, min(_programs(flat.device), n_pieces))
+    programs = max(1, min(_programs(bits.device), n_pieces))
+    squares = values is not None
     out = torch.zeros(2 * programs if squares else programs, dtype=torch.int64,
-                      device=flat.device)
-    bits = flat.view(_BITS_VIEW[flat.dtype])
-    _fold_pieces_kernel[(programs,)](bits, flat, starts, counts, goffs, n_pieces, out,
-                                     TILE=PIECE, SQUARES=squares, num_warps=4)
+                      device=bits.device)
+    _fold_pieces_kernel[(programs,)](bits, values if squares else bits, starts, counts, goffs,
+                                     n_pieces, out, TILE=PIECE, SQUARES=squares, num_warps=4)
     if squares:
         return out[:programs], out[programs:].view(torch.float64)
     return out.sum()
 
 
-def fold_tensors(tensors, offsets, cache: dict) -> torch.Tensor:
-    """The fingerprint of contiguous tensors of one dtype on one CUDA device, each at its
-    global offset, in one launch: a 0-d int64 tensor, bit-identical to the sum of
-    fingerprint.fold of each. ``cache`` keeps the offset table per set of addresses (a model's
-    parameters stay where they are), copied from pinned memory without blocking."""
-    base = tensors[0]
-    size = base.element_size()
-    key = tuple((t.data_ptr(), t.numel()) for t in tensors)
-    entry = cache.get(key)
-    if entry is None:
-        if len(cache) >= 8:  # parameters that keep moving: keep the newest tables only
-            cache.clear()
-        rows = []
-        for t, g in zip(tensors, offsets):
-            delta = t.data_ptr() - base.data_ptr()
-            if delta % size:
-                raise ValueError("tensors not aligned to their element size")
-            rows.extend((delta // size, t.numel(), g))
-        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
-        entry = cache[key] = (host.to(base.device, non_blocking=True), host)
-    table = entry[0]
-    largest = max(t.numel() for t in tensors)
+def fold_tensors(base: torch.Tensor, table: torch.Tensor, n_tensors: int,
+                 largest: int) -> torch.Tensor:
+    """The fingerprint of ``n_tensors`` contiguous tensors of ``base``'s dtype on its CUDA
+    device in one launch: row i of ``table`` (an int64 device tensor) is (element offset from
+    ``base``, count, global offset); ``largest`` is the largest count. A 0-d int64 tensor,
+    bit-identical to the sum of fingerprint.fold of each."""
     programs = max(1, min(_programs(base.device), (largest + _FOLD_TILE - 1) // _FOLD_TILE))
     out = torch.empty(programs, dtype=torch.int64, device=base.device)
-    _fold_tensors_kernel[(programs,)](base, table, len(tensors), out, TILE=_FOLD_TILE,
+    _fold_tensors_kernel[(programs,)](base, table, n_tensors, out, TILE=_FOLD_TILE,
                                       BITS=_BITS[base.dtype], num_warps=4)
     return out.sum()
