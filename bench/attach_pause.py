@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """What `rankscope attach --pid` costs a running job, over many attaches.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/attach_pause.py --build-dir build [--runs 50]
+    PYTHONPATH=build/python .venv/bin/python bench/attach_pause.py --build-dir build [--runs 50]
 
 Each run starts a 2-rank gloo DDP job that never imports rankscope (tests/python/
 attach_target.py), alternately compute-bound (no pause between steps) and data-loading-bound
@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "tests" / "python" / "attach_target.py"
-PY = "/usr/bin/python3"
+PY = sys.executable  # the project's environment, with torch
 
 
 def free_port() -> int:

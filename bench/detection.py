@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Detection quality: does rankscope name the faulty rank (or group), how soon, and what else?
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/detection.py --build-dir build
+    PYTHONPATH=build/python .venv/bin/python bench/detection.py --build-dir build
 
 Real data-parallel training runs (gloo DDP on CPU, 4 and 8 ranks, the real shim `rankscope.torch`
 and one real `rankscope-collector` for the whole invocation, each run its own job), each with one

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """What rankscope's replica fingerprints cost, against the step and against Megatron's check.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/fingerprint_overhead.py [--device cuda]
+    PYTHONPATH=build/python .venv/bin/python bench/fingerprint_overhead.py [--device cuda]
 
 One process, one model (a decoder-only transformer; size set by --d-model/--layers), measured
 in one run with the variants interleaved (rotating order) so that all see the same machine:

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Accuracy per byte of the sketch encodings on real DDP gradients (issue 15).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/sketch_accuracy.py [--steps 24 --seeds 8]
+    PYTHONPATH=build/python .venv/bin/python bench/sketch_accuracy.py [--steps 24 --seeds 8]
 
 1. Trains examples/train_ddp.py's CharTransformer with DDP on 4 gloo ranks (CPU), once as the
    example's size ("example": d=64, 2 layers) and once larger ("large": d=256, 4 layers), each

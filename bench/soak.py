@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Soak benchmark of the storage lifecycle: days of a large job in minutes.
 
 Starts a real rankscope-collector whose clock runs --time-scale times faster than real time
@@ -12,8 +12,8 @@ transaction over the interval (from the collector's histograms; PromQL's histogr
 At the end it counts the rows of each table, prints a summary (bytes per rank-step, the plateau
 of the file, RSS growth) and writes every sample to --csv.
 
-    /usr/bin/python3 bench/soak.py --build build                    # 1,024 ranks, 4 minutes
-    /usr/bin/python3 bench/soak.py --build build --ranks 64 --minutes 1   # a quick look
+    .venv/bin/python bench/soak.py --build build                    # 1,024 ranks, 4 minutes
+    .venv/bin/python bench/soak.py --build build --ranks 64 --minutes 1   # a quick look
 
 Bounded: loadgen runs --minutes, the collector is stopped after it; nothing waits longer.
 """

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Concurrent agent streams against one collector: memory per stream and delivery, measured.
 
-    /usr/bin/python3 bench/stream_load.py --build-dir build [--streams 500,1000,2000]
+    .venv/bin/python bench/stream_load.py --build-dir build [--streams 500,1000,2000]
         [--duration 20] [--step-interval 1.0] [--sketch-dim 1024] [--groups 1,128]
 
 For each stream count N, a fresh rankscope-collector (temp database, loopback ports) and one

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """What rankscope costs a training step, against the in-band alternative, measured in one run.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/train_overhead.py --build-dir build
+    PYTHONPATH=build/python .venv/bin/python bench/train_overhead.py --build-dir build
 
 Four DDP ranks (gloo, CPU) each hold one replica per variant of the same model
 (examples/train_ddp.py's character transformer) and train them in turn, one step of each

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The paper's three settings end to end: start a collector, train examples/train_ddp.py in
 settings S1-1, S1-2 and S1-3 (4 DDP ranks each, reporting through rankscope.torch), then read the
 collector's SQLite back and print, per setting, the mean loss dispersion, grad-norm CV and
 direction consistency, and plot the three metrics over steps.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/demo.py --build-dir build --steps 100
+    PYTHONPATH=build/python .venv/bin/python examples/demo.py --build-dir build --steps 100
 
 Writes <out>/rankscope.db, <out>/demo.png and <out>/demo.md (the table) and prints the table.
 """
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         plot(results, out / "demo.png")
         print(f"\nplot: {out / 'demo.png'}")
     except ImportError:
-        print("\n(no matplotlib: apt-get install python3-matplotlib for the plot)")
+        print("\n(no matplotlib in this Python: pip install matplotlib for the plot)")
     return 0
 
 

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """A small character-level transformer LM trained with DDP (gloo, CPU), watched by rankscope.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --setting S1-1 --steps 100 \\
+    PYTHONPATH=build/python .venv/bin/python examples/train_ddp.py --setting S1-1 --steps 100 \\
         --collector 127.0.0.1:50051 --job demo-S1-1
 
 Four ranks (torch.multiprocessing, spawn) train on a text file Debian ships

@@ -10,10 +10,11 @@ BUILD_DIR="$(cd "${1:?usage: tools/demo.sh BUILD_DIR [--no-wait]}" && pwd)"
 NO_WAIT="${RANKSCOPE_DEMO_NO_WAIT:-0}"
 [[ "${2:-}" == "--no-wait" ]] && NO_WAIT=1
 BIN="$BUILD_DIR/bin"
+PY="${RANKSCOPE_PYTHON:-python3}"  # ./run sets the project's environment
 WORK="$BUILD_DIR/demo"
 rm -rf "$WORK" && mkdir -p "$WORK"
 
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 GRPC_PORT=$(free_port)
 METRICS_PORT=$(free_port)
 HTTP_PORT=$(free_port)
@@ -83,7 +84,7 @@ sqlite3 "$DB" "SELECT 'rank(s) ' || missing_ranks || ' missing from ' || COUNT(*
                GROUP BY missing_ranks;"
 echo
 echo "== a few of the exported Prometheus series"
-/usr/bin/python3 - "$METRICS_PORT" <<'PY'
+"$PY" - "$METRICS_PORT" <<'PY'
 import sys, urllib.request
 text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
 keep = ("rankscope_grad_cosine_mean{", "rankscope_loss_std_max_window{", "rankscope_rank_missing{",

@@ -24,7 +24,7 @@ pytest.importorskip("rankscope._native", reason="build the trainer shim (ranksco
 from conftest import CLI_BIN, PYTHON_DIR, free_port, wait_until  # noqa: E402
 
 TARGET = Path(__file__).resolve().parent / "attach_target.py"
-PY = "/usr/bin/python3"
+PY = sys.executable  # the project's environment, with torch
 WORLD = 4
 
 

@@ -11,8 +11,10 @@
 //                                           attach to live processes started without rankscope
 //
 // Every verb talks to the collector's Query service at --collector; export and report read a
-// SQLite file directly instead with --db. report runs /usr/bin/python3 -m rankscope.report on
-// the package installed beside the binary (<bin>/../python), handing it an export as JSON.
+// SQLite file directly instead with --db. report runs `PYTHON -m rankscope.report` on the package
+// installed beside the binary (<bin>/../python), handing it an export as JSON; attach runs
+// `PYTHON -m rankscope.attach`. PYTHON: report's --python, else $RANKSCOPE_PYTHON, else the
+// interpreter the build was configured with (RANKSCOPE_DEFAULT_PYTHON: the project's environment).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -70,7 +72,9 @@ ABSL_FLAG(uint64_t, last_step, 0, "export, report: last step (0: the newest).");
 ABSL_FLAG(int, max_rows, 1000000, "export, report: at most this many rows of each table.");
 ABSL_FLAG(int, page_rows, 10000, "export, report: rows per request to the collector.");
 ABSL_FLAG(std::string, o, "", "report: output image (png, pdf or svg by extension).");
-ABSL_FLAG(std::string, python, "/usr/bin/python3", "report: the Python interpreter (matplotlib).");
+ABSL_FLAG(std::string, python, "",
+          "report: the Python interpreter (with matplotlib). Default $RANKSCOPE_PYTHON, else "
+          "the one this build was configured with (" RANKSCOPE_DEFAULT_PYTHON ").");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the collector's shared token (its --auth_token_file), if it requires one. "
           "Default $RANKSCOPE_AUTH_TOKEN_FILE.");
@@ -136,6 +140,14 @@ std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* env) {
   return v;
 }
 
+// The Python that runs the report and attach verbs: `flag_value`, else $RANKSCOPE_PYTHON, else
+// the build's (RANKSCOPE_DEFAULT_PYTHON).
+std::string PythonInterpreter(const std::string& flag_value) {
+  if (!flag_value.empty()) return flag_value;
+  const char* env = std::getenv("RANKSCOPE_PYTHON");
+  return env != nullptr && *env != '\0' ? env : RANKSCOPE_DEFAULT_PYTHON;
+}
+
 CliConfig ReadFlags() {
   CliConfig c;
   c.query.address = absl::GetFlag(FLAGS_collector);
@@ -164,7 +176,7 @@ CliConfig ReadFlags() {
   c.max_rows = absl::GetFlag(FLAGS_max_rows);
   c.page_rows = absl::GetFlag(FLAGS_page_rows);
   c.output = absl::GetFlag(FLAGS_o);
-  c.python = absl::GetFlag(FLAGS_python);
+  c.python = PythonInterpreter(absl::GetFlag(FLAGS_python));
   return c;
 }
 
@@ -641,8 +653,8 @@ int Report(const Cli& cli, const std::string& job) {
 
 // ---- attach -----------------------------------------------------------------------------------
 
-// `rankscope attach ...`: runs /usr/bin/python3 -m rankscope.attach (the package beside the
-// binary) with every argument but the verb, in order; it has its own flags (--dormant,
+// `rankscope attach ...`: runs PYTHON -m rankscope.attach (the package beside the binary;
+// PythonInterpreter("")) with every argument but the verb, in order; it has its own flags (--dormant,
 // --all-local, PIDs), so it is handed over before absl parses anything. Returns only on failure.
 int Attach(int argc, char** argv, int verb_index) {
   const std::string pydir = PythonDir();
@@ -653,7 +665,8 @@ int Attach(int argc, char** argv, int verb_index) {
                  pydir.c_str());
     return 1;
   }
-  const char* python = "/usr/bin/python3";
+  const std::string interpreter = PythonInterpreter("");
+  const char* python = interpreter.c_str();
   std::vector<char*> args = {const_cast<char*>(python), const_cast<char*>("-m"),
                              const_cast<char*>("rankscope.attach")};
   for (int i = 1; i < argc; ++i) {
@@ -712,8 +725,9 @@ const char* VerbHelp(const std::string& verb) {
            "Plots job J over steps: loss mean with its dispersion (std band, range), gradient-\n"
            "norm CV, direction consistency (mean pairwise cosine) and replica checks, with the\n"
            "outlier ranks marked. Data come from the collector or, with --db, a SQLite file; the\n"
-           "plot is drawn by /usr/bin/python3 -m rankscope.report (matplotlib) from the package\n"
-           "in <bin>/../python. The format follows -o's extension (png, pdf, svg).\n";
+           "plot is drawn by PYTHON -m rankscope.report (matplotlib) from the package in\n"
+           "<bin>/../python; PYTHON is --python, else $RANKSCOPE_PYTHON, else the build's\n"
+           "(" RANKSCOPE_DEFAULT_PYTHON "). The format follows -o's extension (png, pdf, svg).\n";
   }
   if (verb == "ctl") {
     return "rankscope ctl enable|disable --job=J [--lead_steps=N]\n"

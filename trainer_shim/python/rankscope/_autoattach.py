@@ -9,9 +9,8 @@ For each DDP model (matched by exact type) an ``AttachedModel`` walks through fo
 2. at that forward it installs the monitor, dormant: ``rankscope.torch.attach`` with its comm
    hook, or, when the model already has a comm hook (PowerSGD, ZeRO's ``overlap_with_ddp``),
    per-parameter gradient hooks feeding ``attach_reducer``'s monitor (the ``path`` says which);
-   the step boundary from the model's optimizer (``register_step_post_hook`` where torch has it,
-   else the instance's ``_optimizer_step_code``, which torch 1.13's step wrapper calls after
-   every step; without an optimizer, the next synchronizing forward); the loss from the
+   the step boundary from the model's optimizer (its ``register_step_post_hook``; without an
+   optimizer, the next synchronizing forward); the loss from the
    ``torch.autograd.backward`` wrapper (rankscope._loss_capture: the mean of the step's backward
    calls). State ``agreeing``: the ranks agree on the first step (rankscope._attach_agreement).
 3. ``agreed``: waits for the forward of the agreed step.
@@ -178,20 +177,10 @@ class AttachedModel:
             self._optimizer = optimizer_of(model, found)
         if self._optimizer is None:
             self.step_boundary = "forward"
-        elif hasattr(self._optimizer, "register_step_post_hook"):  # torch >= 2.0
+        else:
             self._hook_handles.append(self._optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: self._boundary()))
             self.step_boundary = f"{type(self._optimizer).__name__}.step post-hook"
-        else:  # torch 1.13: the step wrapper calls this after every step, on the instance
-            previous = self._optimizer.__dict__.get("_optimizer_step_code")
-
-            def after_step():
-                if previous is not None:
-                    previous()
-                self._boundary()
-
-            self._optimizer._optimizer_step_code = after_step
-            self.step_boundary = f"{type(self._optimizer).__name__}.step"
         store = None
         try:
             store = dist.distributed_c10d._get_default_store()

@@ -2,7 +2,7 @@
 
     rankscope report --job exp-42 -o report.png [--db rankscope.db]
 
-runs ``/usr/bin/python3 -m rankscope.report --input EXPORT.json --job exp-42 -o report.png``
+runs ``PYTHON -m rankscope.report --input EXPORT.json --job exp-42 -o report.png``
 with the job's export (``rankscope export --format json``: ``{"steps": [...], "ranks": [...],
 "rank_windows": [...], "downsampled_before_step": N}``, proto3 JSON, so 64-bit values are
 strings and NaN is ``"NaN"``). A job's data-parallel group ("JOB/GROUP") is drawn as a job.
