@@ -1,36 +1,41 @@
 """rankscope / Collector: the collector's own health: ingest, rejections, SQLite store,
 streams, scrapes."""
 from panels import (COLLECTOR_JOBS, dashboard, datasource_var, label_var, layout, q, row, stat,
-                    threshold_steps, timeseries, train_job_var)
+                    steps, timeseries, train_job_var, value_map)
 
 
 def collector():
     inst = f'{COLLECTOR_JOBS}, instance=~"$instance"'
+
+    def up_or_not():
+        return steps((1, "green"), base="red")
 
     def p(quantile, metric, legend):
         return q(f"histogram_quantile({quantile}, sum by (instance, le) "
                  f"(rate({metric}_bucket{{{inst}}}[$__rate_interval])))", legend,
                  "A" if quantile == 0.5 else "B")
 
+    def rate(metric, by):
+        return f"sum by ({by}) (rate({metric}{{{inst}}}[$__rate_interval]))"
+
     return dashboard(
         "rankscope-collector", "rankscope / Collector",
         "The rankscope collector's own health: ingest, rejections, SQLite store, streams, scrapes.",
         [datasource_var(),
-         label_var("instance", "Collector", f"label_values(up{{{COLLECTOR_JOBS}}}, instance)", True,
-                   description="Collector instances (scrape targets of the rankscope-collector job)."),
+         label_var("instance", "Collector", f"label_values(up{{{COLLECTOR_JOBS}}}, instance)",
+                   True, description="Collector instances (scrape targets of the "
+                                     "rankscope-collector job)."),
          train_job_var(multi=True)],
         layout(
             [
                 (6, 5, stat("Collector up", [q(f"up{{{inst}}}", "{{instance}}")],
-                            thresholds={"mode": "absolute", "steps": [{"color": "red", "value": None},
-                                                                       {"color": "green", "value": 1}]},
-                            mappings=[{"type": "value", "options": {
-                                "0": {"color": "red", "index": 0, "text": "DOWN"},
-                                "1": {"color": "green", "index": 1, "text": "UP"}}}],
+                            thresholds=up_or_not(),
+                            mappings=[value_map((0, "red", "DOWN"), (1, "green", "UP"))],
                             graph=False)),
                 (6, 5, stat("gRPC streams open", [q(f"sum(rankscope_streams_open{{{inst}}})")])),
-                (6, 5, stat("Store queue depth", [q(f"sum(rankscope_store_queue_depth{{{inst}}})")],
-                            thresholds=threshold_steps((1000, "orange")))),
+                (6, 5, stat("Store queue depth",
+                            [q(f"sum(rankscope_store_queue_depth{{{inst}}})")],
+                            thresholds=steps((1000, "orange")))),
                 (6, 5, stat("Series exported per scrape",
                             [q(f"sum(scrape_samples_scraped{{{inst}}})")],
                             description="Bounded: per-rank series are capped per job.")),
@@ -39,20 +44,20 @@ def collector():
             [
                 (8, 8, timeseries(
                     "Reports received",
-                    [q(f"sum by (instance) (rate(rankscope_reports_received_total{{{inst}}}[$__rate_interval]))",
-                       "{{instance}}")],
+                    [q(rate("rankscope_reports_received_total", "instance"), "{{instance}}")],
                     unit="reqps", min_=0)),
                 (8, 8, timeseries(
                     "Reports rejected, by reason",
-                    [q(f"sum by (reason) (rate(rankscope_reports_rejected_total{{{inst}}}[$__rate_interval]))",
-                       "{{reason}}")],
+                    [q(rate("rankscope_reports_rejected_total", "reason"), "{{reason}}")],
                     unit="reqps", min_=0,
-                    description="Never stored. A steady rate means a misconfigured agent (RankscopeIngestRejecting).")),
+                    description="Never stored. A steady rate means a misconfigured agent "
+                                "(RankscopeIngestRejecting).")),
                 (8, 8, timeseries(
                     "Late, duplicate and evicted",
                     [q(f"sum(rate(rankscope_reports_late_total{{{inst}}}[$__rate_interval]))",
                        "late reports/s", "A"),
-                     q(f"sum(rate(rankscope_reports_duplicate_total{{{inst}}}[$__rate_interval]))",
+                     q(f"sum(rate(rankscope_reports_duplicate_total{{{inst}}}"
+                       "[$__rate_interval]))",
                        "duplicate reports/s (resent after reconnect)", "B"),
                      q(f"sum(rate(rankscope_steps_evicted_total{{{inst}}}[$__rate_interval]))",
                        "open steps evicted/s", "C")],
@@ -77,11 +82,8 @@ def collector():
                             description="0 while SQLite commits fail (disk full, file unwritable, "
                                         "lock held): nothing is acked, agents hold their reports "
                                         "(RankscopeStoreFailing). The log says why.",
-                            thresholds={"mode": "absolute", "steps": [{"color": "red", "value": None},
-                                                                       {"color": "green", "value": 1}]},
-                            mappings=[{"type": "value", "options": {
-                                "0": {"color": "red", "index": 0, "text": "FAILING"},
-                                "1": {"color": "green", "index": 1, "text": "OK"}}}],
+                            thresholds=up_or_not(),
+                            mappings=[value_map((0, "red", "FAILING"), (1, "green", "OK"))],
                             graph=False)),
                 (6, 8, timeseries(
                     "Commit latency",
@@ -90,13 +92,14 @@ def collector():
                     unit="s", min_=0, description="Acks go to the agents after the commit.")),
                 (6, 8, timeseries(
                     "Store queue depth",
-                    [q(f"sum by (instance) (rankscope_store_queue_depth{{{inst}}})", "{{instance}}")],
+                    [q(f"sum by (instance) (rankscope_store_queue_depth{{{inst}}})",
+                       "{{instance}}")],
                     min_=0)),
                 (6, 8, timeseries(
                     "Store errors and dropped items",
-                    [q(f"sum by (instance) (rate(rankscope_store_errors_total{{{inst}}}[$__rate_interval]))",
+                    [q(rate("rankscope_store_errors_total", "instance"),
                        "failed commits/s {{instance}}", "A"),
-                     q(f"sum by (instance) (rate(rankscope_store_dropped_items_total{{{inst}}}[$__rate_interval]))",
+                     q(rate("rankscope_store_dropped_items_total", "instance"),
                        "items dropped unstored/s {{instance}}", "B")],
                     unit="reqps", min_=0,
                     description="Dropped items were never acked: their streams are ended so the "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the generated Kubernetes manifests from the repo's single sources of truth.
 
-    /usr/bin/python3 deploy/kubernetes/generate.py          # rewrite
-    /usr/bin/python3 deploy/kubernetes/generate.py --check  # exit 1 if out of date
+    .venv/bin/python deploy/kubernetes/generate.py          # rewrite
+    .venv/bin/python deploy/kubernetes/generate.py --check  # exit 1 if out of date
 
 prometheusrule.yaml      <- deploy/prometheus/rules/rankscope.rules.yml (its `groups:` verbatim)
 dashboards-configmap.yaml <- dashboards/*.json (one key per file, for the Grafana sidecar)
@@ -86,7 +86,7 @@ def main():
         else:
             path.write_text(text)
     if stale:
-        print(f"out of date: {', '.join(stale)}; run /usr/bin/python3 deploy/kubernetes/generate.py",
+        print(f"out of date: {', '.join(stale)}; run .venv/bin/python deploy/kubernetes/generate.py",
               file=sys.stderr)
         return 1
     return 0

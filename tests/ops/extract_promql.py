@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every PromQL expression rankscope ships: rules and dashboards.
 
-    /usr/bin/python3 tests/ops/extract_promql.py [--repo DIR]   # one JSON object per line
+    .venv/bin/python tests/ops/extract_promql.py [--repo DIR]   # one JSON object per line
 
 Used by tests/python/test_prometheus_e2e.py, which runs each expression against a real Prometheus
 and asserts it returns data. Grafana variables are left in place; `substitute` fills them in.
