@@ -10,7 +10,7 @@ of their own, started here with TRITON_INTERPRET=1; run it by hand for one line 
 ``TRITON_INTERPRET=1 python -m pytest tests/python/triton_interpret_cases.py``.
 
 What the cases check, each kernel and variant against the torch ops, within docs/PERFORMANCE.md's
-bounds ("The GPU path on a real GPU", "Checked in CI under Triton's interpreter"):
+bounds ("The GPU path on a real GPU", "Checked without a GPU, under Triton's interpreter"):
 
 * _sketch_kernel (``sketch_add``), atomic (k = 32, 1,000, 512, 1,024, 4,096) and tensor-core
   (k = 512, 1,024, 4,096: Q = 16, 32, 128; EXACT_TF32 for float32), float32, bfloat16 and
