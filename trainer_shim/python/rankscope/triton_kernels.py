@@ -25,6 +25,11 @@ Selection: ``RANKSCOPE_GPU_KERNELS=torch`` forces the torch-op path; the default
 it imports and the tensor is on a CUDA device. The sketch kernel is chosen per dtype and dim
 (``_variant``, from the H100 figures in docs/PERFORMANCE.md); ``RANKSCOPE_GPU_SKETCH=atomic`` or
 ``dot`` forces one. The first launch of each kernel in a process compiles it (seconds).
+
+tests/python/test_triton_interpret.py runs every kernel on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1, set before this module is imported). For it, loop indices are cast
+with ``tl.cast(t, ...)``, not ``t.to(...)`` (an interpreted loop index is a Python int; compiled,
+the two are the same IR), and ``_programs`` gives a non-CUDA device a small fixed grid.
 """
 
 import os
@@ -88,7 +93,16 @@ def attempt(fn, *args, **kwargs):
         return FELL_BACK
 
 
+_INTERPRETER_PROGRAMS = 3  # programs of a persistent grid on a non-CUDA device (below)
+
+
 def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        # Reached only under Triton's interpreter (TRITON_INTERPRET=1, which runs the kernels on
+        # CPU tensors with numpy, one program after another), whose tests call the launchers
+        # directly; ``enabled`` keeps every non-CUDA tensor on the torch ops otherwise. A small
+        # fixed grid, odd, so that programs take uneven shares of the tiles.
+        return _INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, _PROGRAM_FACTOR)
     n = _PROGRAMS.get(key)
@@ -166,7 +180,7 @@ if triton is not None:
         acc = tl.zeros([Q, 64], dtype=tl.float32)
         ss = tl.zeros([BLOCKS, 32], dtype=tl.float64)
         for t in range(pid, n_tiles, tl.num_programs(0)):
-            acc, ss = _sketch_tile(x_ptr, first_block + t.to(tl.int64) * BLOCKS, offset,
+            acc, ss = _sketch_tile(x_ptr, first_block + tl.cast(t, tl.int64) * BLOCKS, offset,
                                    offset + n, -offset, seed, dim, golden, m1, m2, row, acc, ss,
                                    BLOCKS, Q, DOT, EXACT_TF32)
         _sketch_flush(row, acc, dim, Q, DOT)
@@ -205,7 +219,7 @@ if triton is not None:
         r = tl.zeros([TILE], dtype=tl.int64)
         m = 0
         for t in range(pid, n_tiles, programs):
-            idx = t.to(tl.int64) * TILE + lanes
+            idx = tl.cast(t, tl.int64) * TILE + lanes
             c = tl.load(bits_ptr + idx, mask=idx < n, other=-1).to(tl.int64) + 1  # 0 if masked
             a += c
             r += a
@@ -260,7 +274,7 @@ if triton is not None:
             n = tl.load(table_ptr + 3 * i + 1)
             goff = tl.load(table_ptr + 3 * i + 2)
             for t in range(pid, (n + TILE - 1) // TILE, programs):
-                idx = t.to(tl.int64) * TILE + lanes
+                idx = tl.cast(t, tl.int64) * TILE + lanes
                 mask = idx < n
                 x = tl.load(base_ptr + off + idx, mask=mask, other=0)
                 c = tl.where(mask, x.to(BITS, bitcast=True).to(tl.int64) + 1, 0)
