@@ -230,6 +230,9 @@ def heatmap(title, targets, description="", scheme="RdYlGn", reverse=False, min_
             .overrides([])
             .calculate(False)
             .cell_gap(1)
+            # Hide no cell: Grafana's default filter hides values <= 1e-9, which would hide a
+            # negative consensus cosine (the rank that disagrees) and every zero score.
+            .filter_values(heatmap_b.FilterValueRange().le((min_ if min_ is not None else 0) - 1))
             .cell_values(heatmap_b.CellValues().unit(unit))
             .color(color)
             .exemplars_color("rgba(255,0,255,0.7)")
