@@ -233,21 +233,16 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
         if "dtype" in opt:
             model = model.to(getattr(torch, opt["dtype"]))
         ref = copy.deepcopy(model)
+        # bfloat16 gradients are all-reduced in float32 through a user's comm hook that
+        # rankscope chains to (its comm_hook=).
         bf16 = opt.get("dtype") == "bfloat16"
-        sync_module_states = nn.parallel.distributed._sync_module_states
-        if bf16:
-            # Gloo in torch 1.13 cannot broadcast or all-reduce bfloat16: every rank already
-            # holds the same weights (same seed), so skip DDP's initial broadcast, and
-            # all-reduce in float32 through a chained comm hook (rankscope's comm_hook=).
-            nn.parallel.distributed._sync_module_states = lambda **kwargs: None
         first_bucket_bytes = dist._DEFAULT_FIRST_BUCKET_BYTES
         if "bucket_cap_mb" in opt:  # DDP's first bucket is 1 MiB regardless of bucket_cap_mb
             dist._DEFAULT_FIRST_BUCKET_BYTES = int(opt["bucket_cap_mb"] * 2**20)
         ddp = nn.parallel.DistributedDataParallel(
             model, bucket_cap_mb=opt.get("bucket_cap_mb", 25),
-            find_unused_parameters=bool(opt.get("unused")), broadcast_buffers=not bf16)
+            find_unused_parameters=bool(opt.get("unused")))
         dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket_bytes
-        nn.parallel.distributed._sync_module_states = sync_module_states
         chain = {"comm_hook": fp32_allreduce_hook, "comm_hook_state": None} if bf16 else {}
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
         job = f"{job_prefix}-{name}"

@@ -131,16 +131,20 @@ def check_exact(collector, job, expected, first, last, world=WORLD):
 
 def test_attach_to_running_job_reports_every_step_exactly(module_collector, tmp_path):
     job = Job(tmp_path / "attached")
-    job.wait_progress(5)
-    out = attach(module_collector, "live-exact", job.pids)
-    assert out.returncode == 0, out.stdout + out.stderr
-    starts = start_steps(out.stdout)
-    assert len(starts) == WORLD and len(set(starts)) == 1, out.stdout
-    assert out.stdout.count("path: comm hook") == WORLD, out.stdout
-    assert len(re.findall(r"pause [\d.]+ s", out.stdout)) == WORLD
-    first = starts[0]
-    assert first > 5
-    job.stop_after(12)
+    try:
+        job.wait_progress(5)
+        out = attach(module_collector, "live-exact", job.pids)
+        assert out.returncode == 0, out.stdout + out.stderr
+        starts = start_steps(out.stdout)
+        assert len(starts) == WORLD and len(set(starts)) == 1, out.stdout
+        assert out.stdout.count("path: comm hook") == WORLD, out.stdout
+        assert len(re.findall(r"pause [\d.]+ s", out.stdout)) == WORLD
+        first = starts[0]
+        assert first > 5
+        job.stop_after(12)
+    except BaseException:  # a failed assertion must not leave the job training
+        job.kill()
+        raise
     job.join()
     finals = job.finals()
     last = finals[0]["steps"] - 1
@@ -173,10 +177,13 @@ def test_second_attach_is_a_noop_and_errors_name_the_fix(module_collector, tmp_p
         # gdb missing.
         out = attach(module_collector, "x", job.pids[:1], "--gdb=/nonexistent/gdb")
         assert out.returncode == 1 and "gdb not found" in out.stderr, out.stderr
-        # Not permitted: an unprivileged user attaching to root's process.
+        # Not permitted: an unprivileged user (uid nobody, no CAP_SYS_PTRACE) attaching to
+        # root's process. It keeps CAP_DAC_READ_SEARCH alone, to reach the project's Python
+        # under root's home (pyenv's), which a real user would have installed where they can.
         if os.geteuid() == 0:
             out = subprocess.run(
-                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(CLI_BIN),
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", str(CLI_BIN),
                  "attach", "--job=x", str(job.pids[0])], capture_output=True, text=True,
                 timeout=60)
             assert out.returncode == 1, out.stderr

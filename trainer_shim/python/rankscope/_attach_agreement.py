@@ -3,7 +3,7 @@ ranks of a data-parallel group are attached at different wall times (one `ranksc
 after another, or hosts attached by different operators), yet every joined step must be
 complete, so all ranks must start reporting at the same step.
 
-The common clock is DDP's own iteration counter (``num_iterations``: forwards with gradients
+The common clock is DDP's own iteration counter (rankscope._ddp_clock: forwards with gradients
 that synchronize, the same on every rank of a group, one per optimizer step under gradient
 accumulation). On arrival each rank publishes the counter in the job's c10d store (one ``set`` and
 one ``add``); at each later forward it reads the arrival count (one ``add(key, 0)``) until every

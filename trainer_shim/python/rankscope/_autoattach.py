@@ -34,6 +34,7 @@ import torch.distributed as dist
 from rankscope import _loss_capture
 from rankscope import torch as rst
 from rankscope._attach_agreement import StartAgreement
+from rankscope._ddp_clock import DdpIterations
 
 DDP = torch.nn.parallel.DistributedDataParallel
 
@@ -92,6 +93,8 @@ class AttachedModel:
         self.error = ""
         self.monitor = None
         self._agreement = None
+        self._agreement_key = None
+        self._clock = DdpIterations()
         self._optimizer = None
         self._last_iteration = None
         self._sync_backward = True
@@ -122,14 +125,25 @@ class AttachedModel:
         return None
 
     def _advance(self, model) -> None:
-        n = int(getattr(model, "num_iterations", 0))
+        n = self._clock.before_forward(model)  # None until known (rankscope._ddp_clock)
         self._sync_backward = bool(model.require_backward_grad_sync)
         if self.state == "waiting":
             if not torch.is_grad_enabled():
                 return
-            self._install(model, n)
+            self._install(model)
             self._changed("agreeing")
+        if n is None:
+            return
         if self.state == "agreeing":
+            if self._agreement is None:
+                store = None
+                try:
+                    store = dist.distributed_c10d._get_default_store()
+                except Exception:
+                    pass
+                self._agreement = StartAgreement(store, self._agreement_key, self.monitor.rank,
+                                                 self.monitor.world_size, n,
+                                                 self._attacher.warn)
             start = self._agreement.poll(n)
             if start is None:
                 return
@@ -154,11 +168,10 @@ class AttachedModel:
             self._pre_hook.remove()
             self._pre_hook = None
 
-    def _install(self, model, n: int) -> None:
+    def _install(self, model) -> None:
         attacher = self._attacher
         self.group = attacher.group_for(self, model)
-        options = dict(attacher.options, job=attacher.job, group=self.group, dormant=True,
-                       start_step=n)
+        options = dict(attacher.options, job=attacher.job, group=self.group, dormant=True)
         hook = has_comm_hook(model)
         if not hook:
             self.monitor = rst.attach(model, **options)
@@ -181,14 +194,8 @@ class AttachedModel:
             self._hook_handles.append(self._optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: self._boundary()))
             self.step_boundary = f"{type(self._optimizer).__name__}.step post-hook"
-        store = None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:
-            pass
-        self._agreement = StartAgreement(
-            store, f"rankscope/attach/{attacher.job}/{self.group or '-'}", self.monitor.rank,
-            self.monitor.world_size, n, attacher.warn)
+        # The ranks agree once DDP's counter is known (a forward or two after this one).
+        self._agreement_key = f"rankscope/attach/{attacher.job}/{self.group or '-'}"
 
     def _install_param_hooks(self, model) -> None:
         seen = set()
