@@ -67,12 +67,31 @@ def one_run(i, kind, cli, collector_addr, db, work, run_timeout):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
     env["PYTHONPATH"] = str(TARGET.parent)
     pace = "0" if kind == "compute" else "0.05"
-    procs = [subprocess.Popen([PY, str(TARGET), "--rank", str(r), "--world", "2", "--port",
-                               str(port), "--dir", str(d), "--pace", pace],
-                              stdout=open(d / f"rank{r}.log", "w"), stderr=subprocess.STDOUT,
-                              env=env) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                PY,
+                str(TARGET),
+                "--rank",
+                str(r),
+                "--world",
+                "2",
+                "--port",
+                str(port),
+                "--dir",
+                str(d),
+                "--pace",
+                pace,
+            ],
+            stdout=open(d / f"rank{r}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in range(2)
+    ]
     result = {"kind": kind, "ok": False}
     try:
+
         def progress():
             for p in procs:
                 if p.poll() is not None:
@@ -81,12 +100,22 @@ def one_run(i, kind, cli, collector_addr, db, work, run_timeout):
                 return int((d / "progress").read_text()) >= 5
             except (OSError, ValueError):
                 return False
+
         wait(progress, run_timeout, "5 steps")
         job = f"pause-{i}"
         attached_at = int((d / "progress").read_text()) + 1  # the first step attach can touch
-        out = subprocess.run([cli, "attach", f"--job={job}", f"--collector={collector_addr}",
-                              *[str(p.pid) for p in procs]], capture_output=True, text=True,
-                             timeout=run_timeout)
+        out = subprocess.run(
+            [
+                cli,
+                "attach",
+                f"--job={job}",
+                f"--collector={collector_addr}",
+                *[str(p.pid) for p in procs],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=run_timeout,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"attach failed: {out.stdout}{out.stderr}")
         result["pauses"] = [float(x) for x in re.findall(r"pause ([\d.]+) s", out.stdout)]
@@ -100,16 +129,20 @@ def one_run(i, kind, cli, collector_addr, db, work, run_timeout):
             raise RuntimeError(f"exit codes {codes}")
         times = json.loads((d / "times.json").read_text())
         before = times[:attached_at] or times
-        result["stall"] = max(0.0, max(times[attached_at:first + 1] or [0.0])
-                              - statistics.median(before))
+        result["stall"] = max(
+            0.0, max(times[attached_at : first + 1] or [0.0]) - statistics.median(before)
+        )
         last = json.loads((d / "final.0").read_text())["steps"] - 1
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        steps = [r[0] for r in con.execute(
-            "SELECT step FROM step_stats WHERE job = ? AND ranks = 2 ORDER BY step", (job,))]
+        steps = [
+            r[0]
+            for r in con.execute(
+                "SELECT step FROM step_stats WHERE job = ? AND ranks = 2 ORDER BY step", (job,)
+            )
+        ]
         con.close()
         if steps != list(range(first, last + 1)):
-            raise RuntimeError(f"steps stored {steps[:3]}..{steps[-3:]} expected "
-                               f"{first}..{last}")
+            raise RuntimeError(f"steps stored {steps[:3]}..{steps[-3:]} expected {first}..{last}")
         result["ok"] = True
     except Exception as e:
         result["error"] = repr(e)
@@ -133,11 +166,18 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="rankscope-attach-bench-"))
     grpc = free_port()
     db = work / "rankscope.db"
-    collector = subprocess.Popen([str(build / "bin" / "rankscope-collector"),
-                                  f"--grpc_address=127.0.0.1:{grpc}", "--metrics_address=",
-                                  "--http_address=", f"--db_path={db}", "--step_timeout=10s"],
-                                 stdout=open(work / "collector.log", "w"),
-                                 stderr=subprocess.STDOUT)
+    collector = subprocess.Popen(
+        [
+            str(build / "bin" / "rankscope-collector"),
+            f"--grpc_address=127.0.0.1:{grpc}",
+            "--metrics_address=",
+            "--http_address=",
+            f"--db_path={db}",
+            "--step_timeout=10s",
+        ],
+        stdout=open(work / "collector.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     results = []
     try:
         wait(lambda: "serving gRPC" in (work / "collector.log").read_text(), 30, "collector")
@@ -146,8 +186,11 @@ def main():
             r = one_run(i, kind, cli, f"127.0.0.1:{grpc}", db, work, args.run_timeout)
             results.append(r)
             status = "ok" if r["ok"] else f"FAILED {r.get('error')}"
-            print(f"[{i + 1}/{args.runs}] {kind:7s} pauses {r.get('pauses')} "
-                  f"stall {r.get('stall', float('nan')):.3f} s {status}", flush=True)
+            print(
+                f"[{i + 1}/{args.runs}] {kind:7s} pauses {r.get('pauses')} "
+                f"stall {r.get('stall', float('nan')):.3f} s {status}",
+                flush=True,
+            )
     finally:
         collector.terminate()
         collector.wait(30)
@@ -155,15 +198,20 @@ def main():
     for kind in ("compute", "data"):
         rs = [r for r in results if r["kind"] == kind and r["ok"]]
         print(f"{kind}-bound jobs ({len(rs)} ok):")
-        print(f"  pause per rank (stopped + main thread): "
-              f"{percentiles([p for r in rs for p in r['pauses']])}")
-        print(f"  of which stopped by ptrace:            "
-              f"{percentiles([p for r in rs for p in r['stopped']])}")
-        print(f"  longest iteration minus median:        "
-              f"{percentiles([r['stall'] for r in rs])}")
+        print(
+            f"  pause per rank (stopped + main thread): "
+            f"{percentiles([p for r in rs for p in r['pauses']])}"
+        )
+        print(
+            f"  of which stopped by ptrace:            "
+            f"{percentiles([p for r in rs for p in r['stopped']])}"
+        )
+        print(f"  longest iteration minus median:        {percentiles([r['stall'] for r in rs])}")
     failed = [r for r in results if not r["ok"]]
-    print(f"\n{len(results) - len(failed)} of {len(results)} runs attached, reported every step "
-          f"and exited cleanly")
+    print(
+        f"\n{len(results) - len(failed)} of {len(results)} runs attached, reported every step "
+        f"and exited cleanly"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     shutil.rmtree(work, ignore_errors=True)

@@ -72,8 +72,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-FAULTS = ("clean", "noise100", "noise30", "noise10", "shuffle", "loss_scale", "duplicate",
-          "straggler", "bitflip", "ulp_drift")
+FAULTS = (
+    "clean",
+    "noise100",
+    "noise30",
+    "noise10",
+    "shuffle",
+    "loss_scale",
+    "duplicate",
+    "straggler",
+    "bitflip",
+    "ulp_drift",
+)
 LABEL_NOISE = {"noise100": 1.0, "noise30": 0.3, "noise10": 0.1}
 LOSS_SCALE = 4.0
 STRAGGLER_SLEEP = 0.040
@@ -82,13 +92,20 @@ IN_DIM, HIDDEN, CLASSES = 32, 64, 10
 
 # ---- the plan: what each run injects, all drawn from the seed ----------------------------------
 
+
 def plan_run(seed: int, world_size: int, fault: str, index: int, steps: int) -> dict:
     """One run's fault: rank, onset step (in [steps/4, steps/2]) and the fault's own draws."""
     rng = random.Random(f"{seed}:{world_size}:{fault}:{index}")
-    run = {"world_size": world_size, "fault": fault, "index": index,
-           "job": f"detect-w{world_size}-{fault}-{index}-s{seed}",
-           "data_seed": rng.randrange(2**31), "model_seed": rng.randrange(2**31),
-           "rank": None, "onset": None}
+    run = {
+        "world_size": world_size,
+        "fault": fault,
+        "index": index,
+        "job": f"detect-w{world_size}-{fault}-{index}-s{seed}",
+        "data_seed": rng.randrange(2**31),
+        "model_seed": rng.randrange(2**31),
+        "rank": None,
+        "onset": None,
+    }
     if fault == "clean":
         return run
     run["rank"] = rng.randrange(world_size)
@@ -102,7 +119,7 @@ def plan_run(seed: int, world_size: int, fault: str, index: int, steps: int) -> 
         run["perm"] = perm
     elif fault == "bitflip":
         run["bit"] = rng.randrange(23)  # a float32 mantissa bit
-        run["element"] = rng.random()   # where in the first bucket, as a fraction
+        run["element"] = rng.random()  # where in the first bucket, as a fraction
     elif fault == "ulp_drift":
         run["tensor"] = rng.randrange(3)  # which weight matrix
     return run
@@ -118,6 +135,7 @@ def culprit(run: dict):
 
 
 # ---- scoring (pure: tested in tests/python/test_detection_scoring.py) ---------------------------
+
 
 def parse_ranks(text) -> list:
     return [int(t) for t in (text or "").split(",") if t.strip()]
@@ -140,14 +158,16 @@ def score_run(run: dict, rows) -> dict:
         step, outliers, divergent, groups = row[:4]
         drifting, slow = (tuple(row[4:6]) + ("", ""))[:2]
         after = onset is not None and step >= onset
-        for column, ranks in (("outlier", parse_ranks(outliers)),
-                              ("replica", parse_ranks(divergent)),
-                              ("drifting", parse_ranks(drifting)),
-                              ("slow", parse_ranks(slow))):
+        for column, ranks in (
+            ("outlier", parse_ranks(outliers)),
+            ("replica", parse_ranks(divergent)),
+            ("drifting", parse_ranks(drifting)),
+            ("slow", parse_ranks(slow)),
+        ):
             wrong = [r for r in ranks if not (after and r in faulty)]
             if wrong:
                 false_flags.append((step, column, sorted(wrong)))
-            if (not is_dup and after and run["rank"] in ranks and detected_at is None):
+            if not is_dup and after and run["rank"] in ranks and detected_at is None:
                 detected_at, how = step, column
         for group in parse_groups(groups):
             if after and group == faulty:
@@ -155,9 +175,12 @@ def score_run(run: dict, rows) -> dict:
                     detected_at, how = step, "duplicate"
             else:
                 false_flags.append((step, "duplicate", sorted(group)))
-    return {"detected": detected_at is not None,
-            "delay": None if detected_at is None else detected_at - onset,
-            "how": how, "false_flags": false_flags}
+    return {
+        "detected": detected_at is not None,
+        "delay": None if detected_at is None else detected_at - onset,
+        "how": how,
+        "false_flags": false_flags,
+    }
 
 
 def f1(p, r):
@@ -175,20 +198,33 @@ def summarize(results: list) -> dict:
     delays = [r["delay"] for r in faulty if r["detected"]]
     precision = tp / (tp + fp) if tp + fp else None
     recall = tp / len(faulty) if faulty else None
-    return {"runs": len(results), "tp": tp, "fn": fn, "fp": fp, "precision": precision,
-            "recall": recall, "f1": f1(precision, recall),
-            "median_delay": float(statistics.median(delays)) if delays else None}
+    return {
+        "runs": len(results),
+        "tp": tp,
+        "fn": fn,
+        "fp": fp,
+        "precision": precision,
+        "recall": recall,
+        "f1": f1(precision, recall),
+        "median_delay": float(statistics.median(delays)) if delays else None,
+    }
 
 
 # ---- the training runs (spawned gloo ranks) ------------------------------------------------------
+
 
 def _model(seed):
     import torch
     import torch.nn as nn
 
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
-                         nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    return nn.Sequential(
+        nn.Linear(IN_DIM, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, CLASSES),
+    )
 
 
 def _batch(data_seed, source, step, bsz):
@@ -226,7 +262,7 @@ def _flip_hook(state, bucket):
             flat = t.view(-1)
             i = min(int(state.element * flat.numel()), flat.numel() - 1)
             before = float(flat[i])
-            flat[i: i + 1].view(torch.int32).bitwise_xor_(1 << state.bit)
+            flat[i : i + 1].view(torch.int32).bitwise_xor_(1 << state.bit)
             state.flipped = (i, before, float(flat[i]))
             state.armed = False
         return t
@@ -264,8 +300,9 @@ def _worker(rank, port, world_size, runs, opts, collector, out_dir):
     import rankscope.torch as rst
 
     torch.set_num_threads(1)  # many ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     steps, bsz = opts["steps"], opts["batch_size"]
     try:
         for k, run in enumerate(runs):
@@ -279,9 +316,15 @@ def _worker(rank, port, world_size, runs, opts, collector, out_dir):
                 flip = _FlipState(ddp.process_group)
                 flip.bit, flip.element = run["bit"], run["element"]
                 extra = {"comm_hook": _flip_hook, "comm_hook_state": flip}
-            mon = rst.attach(ddp, collector=collector, job=run["job"],
-                             sketch_dim=opts["sketch_dim"], local_batch_size=bsz,
-                             param_check_every=opts["param_check_every"], **extra)
+            mon = rst.attach(
+                ddp,
+                collector=collector,
+                job=run["job"],
+                sketch_dim=opts["sketch_dim"],
+                local_batch_size=bsz,
+                param_check_every=opts["param_check_every"],
+                **extra,
+            )
             nudged, drift_steps = None, []
             ref = 0 if run["rank"] != 0 else 1  # a rank without the fault
             for step in range(steps):
@@ -318,25 +361,33 @@ def _worker(rank, port, world_size, runs, opts, collector, out_dir):
                         drift_steps.append(step)
             stats = mon.close(timeout=60)
             differ = _params_differ(ddp.module, ref)
-            facts = torch.tensor([float(stats.get("dropped", 0)),
-                                  float(stats.get("unacked", 0))])
+            facts = torch.tensor([float(stats.get("dropped", 0)), float(stats.get("unacked", 0))])
             dist.all_reduce(facts)
             truth = {"flipped": flip.flipped if flip else None, "nudged": nudged}
             gathered = [None] * world_size
             dist.all_gather_object(gathered, truth)
             if rank == 0:
-                _write_json(Path(out_dir) / f"run-{k}.json", {
-                    "k": k, "seconds": time.monotonic() - t0, "params_differ_at_end": differ,
-                    "params_differ_steps": drift_steps,
-                    "agent_dropped": facts[0].item(), "agent_unacked": facts[1].item(),
-                    "injected": next((t for t in gathered if t["flipped"] or t["nudged"]),
-                                     None)})
+                _write_json(
+                    Path(out_dir) / f"run-{k}.json",
+                    {
+                        "k": k,
+                        "seconds": time.monotonic() - t0,
+                        "params_differ_at_end": differ,
+                        "params_differ_steps": drift_steps,
+                        "agent_dropped": facts[0].item(),
+                        "agent_unacked": facts[1].item(),
+                        "injected": next(
+                            (t for t in gathered if t["flipped"] or t["nudged"]), None
+                        ),
+                    },
+                )
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 # ---- the collector and SQLite --------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -349,9 +400,18 @@ def start_collector(binary: Path, tmp: Path, db: Path = None):
     endpoint, a fresh database (in `tmp` unless `db`). Returns (process, address, db, log)."""
     db, log_path = db or tmp / "rankscope.db", tmp / "collector.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0", "--metrics_address=",
-                             "--http_address=", f"--db_path={db}", "--step_timeout=30s"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=",
+            "--http_address=",
+            f"--db_path={db}",
+            "--step_timeout=30s",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     deadline = time.monotonic() + 30
     while True:
@@ -371,13 +431,15 @@ def read_run(db: Path, run: dict, steps: int) -> dict:
         rows = con.execute(
             "SELECT step, outlier_ranks, replica_divergent_ranks, duplicate_groups, drifting_ranks,"
             " slow_ranks, missing_ranks, timed_out FROM step_stats WHERE job = ? ORDER BY step",
-            (run["job"],)).fetchall()
-        info = {"steps_stored": len(rows),
-                "steps_incomplete": sum(1 for r in rows if r[6] or r[7])}
+            (run["job"],),
+        ).fetchall()
+        info = {"steps_stored": len(rows), "steps_incomplete": sum(1 for r in rows if r[6] or r[7])}
         if run["rank"] is not None:
             per_step = con.execute(
                 "SELECT step, rank, outlier_score, step_time_z FROM rank_steps WHERE job = ? "
-                "AND step >= ? ORDER BY step, rank", (run["job"], run["onset"])).fetchall()
+                "AND step >= ? ORDER BY step, rank",
+                (run["job"], run["onset"]),
+            ).fetchall()
             by_step = {}
             for step, rank, score, tz in per_step:
                 by_step.setdefault(step, []).append((rank, score, tz))
@@ -397,6 +459,7 @@ def read_run(db: Path, run: dict, steps: int) -> dict:
 
 
 # ---- the driver ----------------------------------------------------------------------------------
+
 
 def fmt(x, digits=3):
     return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
@@ -421,9 +484,13 @@ def run_world(world_size, runs, opts, collector, db, out_dir, done_count, total,
     """Spawns the world's ranks once; scores and prints each run as rank 0 reports it done."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(free_port(), world_size, runs, opts, collector,
-                                            str(out_dir)),
-                             nprocs=world_size, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(free_port(), world_size, runs, opts, collector, str(out_dir)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     k, last = 0, time.monotonic()
     try:
         while True:
@@ -438,28 +505,43 @@ def run_world(world_size, runs, opts, collector, db, out_dir, done_count, total,
                 done_count += 1
                 k, last = k + 1, time.monotonic()
                 ff = scored["false_flags"]
-                verdict = (f"named at +{scored['delay']} ({scored['how']})" if scored["detected"]
-                           else ("-" if run["fault"] == "clean" else "NOT named"))
-                flags = "none" if not ff else f"{len(ff)} (first: step {ff[0][0]} {ff[0][1]} " \
-                                              f"{','.join(map(str, ff[0][2]))})"
+                verdict = (
+                    f"named at +{scored['delay']} ({scored['how']})"
+                    if scored["detected"]
+                    else ("-" if run["fault"] == "clean" else "NOT named")
+                )
+                flags = (
+                    "none"
+                    if not ff
+                    else f"{len(ff)} (first: step {ff[0][0]} {ff[0][1]} "
+                    f"{','.join(map(str, ff[0][2]))})"
+                )
                 truth_note = ""
                 if run["fault"] in ("bitflip", "ulp_drift"):
                     d = truth["params_differ_steps"]
-                    truth_note = (f"; its parameters differ on {len(d)} of "
-                                  f"{opts['steps'] - run['onset']} steps from the onset"
-                                  + (f" (last {d[-1]})" if d else ""))
-                print(f"[{done_count:3d}/{total}] W={world_size} {run['fault']:<10} #{run['index']}"
-                      f" {describe(run)}: {verdict}; false flags {flags}{truth_note}; "
-                      f"seeds {run['data_seed']}/{run['model_seed']}; {truth['seconds']:.1f} s",
-                      flush=True)
+                    truth_note = (
+                        f"; its parameters differ on {len(d)} of "
+                        f"{opts['steps'] - run['onset']} steps from the onset"
+                        + (f" (last {d[-1]})" if d else "")
+                    )
+                print(
+                    f"[{done_count:3d}/{total}] W={world_size} {run['fault']:<10} #{run['index']}"
+                    f" {describe(run)}: {verdict}; false flags {flags}{truth_note}; "
+                    f"seeds {run['data_seed']}/{run['model_seed']}; {truth['seconds']:.1f} s",
+                    flush=True,
+                )
             if finished:
                 break
             if k == len(runs) and time.monotonic() - last > EXIT_GRACE_S:
                 # Every run is scored; ranks that do not exit (seen rarely: a rank stuck at
                 # interpreter exit after its last run) are killed below, with a note.
                 alive = [p.pid for p in ctx.processes if p.is_alive()]
-                print(f"W={world_size}: every run reported, but ranks {alive} had not exited "
-                      f"{EXIT_GRACE_S:.0f} s later; killed", file=sys.stderr, flush=True)
+                print(
+                    f"W={world_size}: every run reported, but ranks {alive} had not exited "
+                    f"{EXIT_GRACE_S:.0f} s later; killed",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 break
             if time.monotonic() - last > opts["run_timeout"]:
                 raise SystemExit(f"W={world_size}: no run finished for {opts['run_timeout']} s")
@@ -486,11 +568,33 @@ def print_table(results, faults):
     lines = [header]
     for fault in faults:
         s = summarize([r for r in results if r["fault"] == fault])
-        lines.append((fault, s["runs"], s["tp"], s["fn"], s["fp"], fmt(s["precision"]),
-                      fmt(s["recall"]), fmt(s["f1"]), fmt(s["median_delay"], 1)))
+        lines.append(
+            (
+                fault,
+                s["runs"],
+                s["tp"],
+                s["fn"],
+                s["fp"],
+                fmt(s["precision"]),
+                fmt(s["recall"]),
+                fmt(s["f1"]),
+                fmt(s["median_delay"], 1),
+            )
+        )
     s = summarize(results)
-    lines.append(("overall", s["runs"], s["tp"], s["fn"], s["fp"], fmt(s["precision"]),
-                  fmt(s["recall"]), fmt(s["f1"]), fmt(s["median_delay"], 1)))
+    lines.append(
+        (
+            "overall",
+            s["runs"],
+            s["tp"],
+            s["fn"],
+            s["fp"],
+            fmt(s["precision"]),
+            fmt(s["recall"]),
+            fmt(s["f1"]),
+            fmt(s["median_delay"], 1),
+        )
+    )
     print("| " + " | ".join(map(str, header)) + " |")
     print("|" + " --- |" * len(header))
     for line in lines[1:]:
@@ -499,36 +603,74 @@ def print_table(results, faults):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        prog="bench/detection.py", description=__doc__,
+        prog="bench/detection.py",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="faults: " + ", ".join(FAULTS) + ". Prints a progress line per run, then "
         "per world size and overall a table of run-level precision, recall, F1 and median steps "
-        "to detection per fault.")
-    ap.add_argument("--build-dir", default=str(REPO / "build"),
-                    help="build tree with bin/rankscope-collector and python/ (default: %(default)s)")
+        "to detection per fault.",
+    )
+    ap.add_argument(
+        "--build-dir",
+        default=str(REPO / "build"),
+        help="build tree with bin/rankscope-collector and python/ (default: %(default)s)",
+    )
     ap.add_argument("--world-sizes", default="4,8", help="comma-separated (default: %(default)s)")
-    ap.add_argument("--runs-per-fault", default="4:20,8:10",
-                    help="N for every world size, or W:N,W:N (default: %(default)s)")
-    ap.add_argument("--faults", default=",".join(FAULTS),
-                    help="comma-separated subset of the faults (default: all)")
-    ap.add_argument("--steps", type=int, default=60,
-                    help="training steps per run; the onset is drawn in [steps/4, steps/2] "
-                    "(default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=17, help="the one seed everything is drawn from "
-                    "(default: %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=32, help="samples per rank and step "
-                    "(default: %(default)s)")
-    ap.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: %(default)s)")
-    ap.add_argument("--momentum", type=float, default=0.9,
-                    help="SGD momentum (default: %(default)s)")
+    ap.add_argument(
+        "--runs-per-fault",
+        default="4:20,8:10",
+        help="N for every world size, or W:N,W:N (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="comma-separated subset of the faults (default: all)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="training steps per run; the onset is drawn in [steps/4, steps/2] "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=17,
+        help="the one seed everything is drawn from (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="samples per rank and step (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--lr", type=float, default=0.1, help="SGD learning rate (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)"
+    )
     ap.add_argument("--sketch-dim", type=int, default=1024, help="(default: %(default)s)")
-    ap.add_argument("--param-check-every", type=int, default=5,
-                    help="the shim's parameter fingerprint interval (its default: "
-                    "rankscope.torch.PARAM_CHECK_EVERY) (default: %(default)s)")
-    ap.add_argument("--run-timeout", type=float, default=300,
-                    help="give up when no run finishes for this many seconds (default: %(default)s)")
-    ap.add_argument("--db", metavar="PATH", help="keep the collector's SQLite database here "
-                    "(must not exist; default: a temporary file, removed at the end)")
+    ap.add_argument(
+        "--param-check-every",
+        type=int,
+        default=5,
+        help="the shim's parameter fingerprint interval (its default: "
+        "rankscope.torch.PARAM_CHECK_EVERY) (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--run-timeout",
+        type=float,
+        default=300,
+        help="give up when no run finishes for this many seconds (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--db",
+        metavar="PATH",
+        help="keep the collector's SQLite database here "
+        "(must not exist; default: a temporary file, removed at the end)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every run and the summary here")
     args = ap.parse_args(argv)
 
@@ -547,23 +689,34 @@ def main(argv=None):
     if any(w < 2 for w in world_sizes):
         ap.error("world sizes must be >= 2")
     per_world = parse_runs_per_fault(args.runs_per_fault, world_sizes)
-    opts = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-            "momentum": args.momentum, "sketch_dim": args.sketch_dim, "param_check_every": args.param_check_every,
-            "run_timeout": args.run_timeout}
-    plans = {w: [plan_run(args.seed, w, f, i, args.steps) for f in faults
-                 for i in range(per_world[w])] for w in world_sizes}
+    opts = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "sketch_dim": args.sketch_dim,
+        "param_check_every": args.param_check_every,
+        "run_timeout": args.run_timeout,
+    }
+    plans = {
+        w: [plan_run(args.seed, w, f, i, args.steps) for f in faults for i in range(per_world[w])]
+        for w in world_sizes
+    }
     total = sum(len(p) for p in plans.values())
-    print(f"detection benchmark: seed {args.seed}, world sizes {world_sizes}, runs per fault "
-          f"{per_world}, {args.steps} steps, batch {args.batch_size}, lr {args.lr}, momentum {args.momentum}, sketch_dim "
-          f"{args.sketch_dim}, param_check_every {args.param_check_every}; {total} runs",
-          flush=True)
+    print(
+        f"detection benchmark: seed {args.seed}, world sizes {world_sizes}, runs per fault "
+        f"{per_world}, {args.steps} steps, batch {args.batch_size}, lr {args.lr}, momentum {args.momentum}, sketch_dim "
+        f"{args.sketch_dim}, param_check_every {args.param_check_every}; {total} runs",
+        flush=True,
+    )
 
     t_start = time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="rankscope-detect-") as tmp:
         tmp = Path(tmp)
         proc, address, db, log_path = start_collector(
-            binary, tmp, Path(args.db).resolve() if args.db else None)
+            binary, tmp, Path(args.db).resolve() if args.db else None
+        )
         print(f"collector {address}, db {db}", flush=True)
         try:
             done = 0
@@ -589,35 +742,56 @@ def main(argv=None):
             print_table(sub, faults)
     print(f"\nall runs ({len(results)}; seed {args.seed}):")
     print_table(results, faults)
-    incomplete = [r["job"] for r in results
-                  if r["steps_stored"] != args.steps or r["steps_incomplete"]
-                  or r["agent_dropped"] or r["agent_unacked"]]
+    incomplete = [
+        r["job"]
+        for r in results
+        if r["steps_stored"] != args.steps
+        or r["steps_incomplete"]
+        or r["agent_dropped"]
+        or r["agent_unacked"]
+    ]
     if incomplete:
         print(f"warning: runs with missing/incomplete steps or dropped reports: {incomplete}")
     info = {}
     for r in results:
         if r["rank"] is not None:
             info.setdefault(r["fault"], []).append((r["worst_score_frac"], r["top_step_time_frac"]))
-    print("\nafter the onset, fraction of steps on which the faulty rank had the highest outlier "
-          "score / the highest step-time z (information, not scored):")
+    print(
+        "\nafter the onset, fraction of steps on which the faulty rank had the highest outlier "
+        "score / the highest step-time z (information, not scored):"
+    )
     for fault in faults:
         if fault in info:
             ws = [a for a, _ in info[fault] if a is not None]
             ts = [b for _, b in info[fault] if b is not None]
-            print(f"  {fault:<10} {fmt(statistics.mean(ws) if ws else None, 2)} / "
-                  f"{fmt(statistics.mean(ts) if ts else None, 2)}")
+            print(
+                f"  {fault:<10} {fmt(statistics.mean(ws) if ws else None, 2)} / "
+                f"{fmt(statistics.mean(ts) if ts else None, 2)}"
+            )
     print(f"\nwall time {wall:.0f} s")
 
     if args.json:
-        summary = {"overall": summarize(results),
-                   "per_fault": {f: summarize([r for r in results if r["fault"] == f])
-                                 for f in faults},
-                   "per_world_size": {w: summarize([r for r in results if r["world_size"] == w])
-                                      for w in world_sizes}}
-        Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "wall_seconds": wall, "summary": summary,
-             "runs": [{k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in r.items()}
-                      for r in results]}, indent=1))
+        summary = {
+            "overall": summarize(results),
+            "per_fault": {f: summarize([r for r in results if r["fault"] == f]) for f in faults},
+            "per_world_size": {
+                w: summarize([r for r in results if r["world_size"] == w]) for w in world_sizes
+            },
+        }
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "wall_seconds": wall,
+                    "summary": summary,
+                    "runs": [
+                        {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in r.items()}
+                        for r in results
+                    ],
+                },
+                indent=1,
+            )
+        )
         print(f"wrote {args.json}")
 
 

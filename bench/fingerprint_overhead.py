@@ -154,13 +154,20 @@ def main():
         hashes = []
         for p in params:
             h = hashlib.sha1()
-            h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-                     if p.dtype == torch.bfloat16 else p.detach().cpu().numpy().tobytes())
+            h.update(
+                p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+                if p.dtype == torch.bfloat16
+                else p.detach().cpu().numpy().tobytes()
+            )
             hashes.append(h.digest())
         return hashes
 
-    variants = {"step": step, "grad-fp": grad_fp, "param-fp": param_fp,
-                "megatron-sha1": megatron_sha1}
+    variants = {
+        "step": step,
+        "grad-fp": grad_fp,
+        "param-fp": param_fp,
+        "megatron-sha1": megatron_sha1,
+    }
     if native:
         variants["grad-fp-torch"] = grad_fp_torch
     for fn in variants.values():  # warm-up
@@ -169,7 +176,7 @@ def main():
     times = {k: [] for k in variants}
     names = list(variants)
     for rep in range(args.reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for k in order:
             sync()
             t0 = time.perf_counter()
@@ -181,7 +188,9 @@ def main():
     per_step = med["grad-fp"] + med["param-fp"] / pce
     result = {
         "device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev),
-        "params": n_params, "buckets": len(layouts), "torch_threads": torch.get_num_threads(),
+        "params": n_params,
+        "buckets": len(layouts),
+        "torch_threads": torch.get_num_threads(),
         "median_ms": med,
         "grad_fp_over_step": med["grad-fp"] / med["step"],
         "param_fp_over_step": med["param-fp"] / med["step"],
@@ -189,24 +198,36 @@ def main():
         "megatron_over_param_fp": med["megatron-sha1"] / med["param-fp"],
         "megatron_every_step_over_step": med["megatron-sha1"] / med["step"],
     }
-    print(f"model: {n_params / 1e6:.2f} M parameters in {len(layouts)} bucket(s), device "
-          f"{result['device']}, {result['torch_threads']} torch threads, {args.reps} reps")
+    print(
+        f"model: {n_params / 1e6:.2f} M parameters in {len(layouts)} bucket(s), device "
+        f"{result['device']}, {result['torch_threads']} torch threads, {args.reps} reps"
+    )
     for k in names:
         print(f"  {k:14s} {med[k]:9.3f} ms (median)")
-    print("reduced-gradient fingerprint + norm, every step: "
-          f"{100 * result['grad_fp_over_step']:.2f} % of a step")
-    print(f"parameter fingerprint: {100 * result['param_fp_over_step']:.2f} % of a step per check,"
-          f" {100 * med['param-fp'] / pce / med['step']:.3f} % amortized over {pce} steps")
-    print(f"all fingerprints, per step: {100 * result['fingerprints_per_step_over_step']:.2f} % of "
-          "a step")
-    print(f"Megatron SHA-1 of every parameter on the host: {result['megatron_over_param_fp']:.1f}x"
-          f" rankscope's parameter fingerprint; {100 * result['megatron_every_step_over_step']:.1f}"
-          " % of a step if done every step")
+    print(
+        "reduced-gradient fingerprint + norm, every step: "
+        f"{100 * result['grad_fp_over_step']:.2f} % of a step"
+    )
+    print(
+        f"parameter fingerprint: {100 * result['param_fp_over_step']:.2f} % of a step per check,"
+        f" {100 * med['param-fp'] / pce / med['step']:.3f} % amortized over {pce} steps"
+    )
+    print(
+        f"all fingerprints, per step: {100 * result['fingerprints_per_step_over_step']:.2f} % of "
+        "a step"
+    )
+    print(
+        f"Megatron SHA-1 of every parameter on the host: {result['megatron_over_param_fp']:.1f}x"
+        f" rankscope's parameter fingerprint; {100 * result['megatron_every_step_over_step']:.1f}"
+        " % of a step if done every step"
+    )
     if args.e2e:
         result["e2e"] = e2e(args, dev)
         on, off = result["e2e"]["fingerprints_on_ms"], result["e2e"]["fingerprints_off_ms"]
-        print(f"end to end through the shim (1-rank DDP): fingerprints on {on:.1f} ms, off "
-              f"{off:.1f} ms a step: +{100 * (on - off) / off:.2f} %")
+        print(
+            f"end to end through the shim (1-rank DDP): fingerprints on {on:.1f} ms, off "
+            f"{off:.1f} ms a step: +{100 * (on - off) / off:.2f} %"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -234,13 +255,19 @@ def e2e(args, dev):
         warnings.simplefilter("ignore")
         for name, on in (("on", True), ("off", False)):
             ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-            mon = rst.attach(ddp, collector="127.0.0.1:1", job=f"fp-bench-{name}",
-                             fingerprints=on, param_check_every=args.param_check_every,
-                             warn_after=1e9, close_timeout=0)
+            mon = rst.attach(
+                ddp,
+                collector="127.0.0.1:1",
+                job=f"fp-bench-{name}",
+                fingerprints=on,
+                param_check_every=args.param_check_every,
+                warn_after=1e9,
+                close_timeout=0,
+            )
             runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), mon, [])
         steps = max(2 * args.reps, args.param_check_every)
         for i in range(steps + 2):
-            for name in (("on", "off") if i % 2 else ("off", "on")):
+            for name in ("on", "off") if i % 2 else ("off", "on"):
                 ddp, opt, mon, times = runs[name]
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -257,8 +284,9 @@ def e2e(args, dev):
         out = {}
         for name, (_, _, mon, times) in runs.items():
             out[f"fingerprints_{name}_ms"] = statistics.median(times) * 1e3
-            out[f"stats_{name}"] = {k: v for k, v in mon.close(timeout=0).items()
-                                    if k.startswith("shim_")}
+            out[f"stats_{name}"] = {
+                k: v for k, v in mon.close(timeout=0).items() if k.startswith("shim_")
+            }
     dist.destroy_process_group()
     out["steps_each"] = steps
     return out

@@ -70,34 +70,53 @@ def kernels(args) -> dict:
     copy_ms = _events_ms(lambda: dst.copy_(src), args.reps)
     copy_bps = 2 * src.numel() * 4 / (copy_ms / 1e3)
     dst = None  # frees the copy target
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "elements": n, "copy_ms": copy_ms, "copy_GBps": copy_bps / 1e9, "rows": []}
-    print(f"device {out['device']}, torch {torch.__version__}, triton "
-          f"{getattr(tk.triton, '__version__', 'absent')}; copy {copy_bps / 1e9:.0f} GB/s "
-          f"(read + written, {n * 4 / 2**20:.0f} MiB)")
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "elements": n,
+        "copy_ms": copy_ms,
+        "copy_GBps": copy_bps / 1e9,
+        "rows": [],
+    }
+    print(
+        f"device {out['device']}, torch {torch.__version__}, triton "
+        f"{getattr(tk.triton, '__version__', 'absent')}; copy {copy_bps / 1e9:.0f} GB/s "
+        f"(read + written, {n * 4 / 2**20:.0f} MiB)"
+    )
     print(f"{'what':<22}{'dtype':<10}{'path':<8}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
     print("(torch: torch ops; atomic: Triton, one atomic add a value; dot: Triton, tensor cores)")
 
     def row(what, dtype, path, ms, nbytes):
         bps = nbytes / (ms / 1e3)
-        r = {"what": what, "dtype": str(dtype).replace("torch.", ""), "path": path, "ms": ms,
-             "GBps": bps / 1e9, "share_of_copy": bps / copy_bps}
+        r = {
+            "what": what,
+            "dtype": str(dtype).replace("torch.", ""),
+            "path": path,
+            "ms": ms,
+            "GBps": bps / 1e9,
+            "share_of_copy": bps / copy_bps,
+        }
         out["rows"].append(r)
-        print(f"{what:<22}{r['dtype']:<10}{path:<8}{ms:>9.3f}{bps / 1e9:>9.0f}"
-              f"{100 * bps / copy_bps:>8.0f}%")
+        print(
+            f"{what:<22}{r['dtype']:<10}{path:<8}{ms:>9.3f}{bps / 1e9:>9.0f}"
+            f"{100 * bps / copy_bps:>8.0f}%"
+        )
 
     paths = [("torch", {"RANKSCOPE_GPU_KERNELS": "torch"})]
     if tk.triton is not None:
-        paths += [("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}),
-                  ("dot", {"RANKSCOPE_GPU_SKETCH": "dot"})]
+        paths += [
+            ("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}),
+            ("dot", {"RANKSCOPE_GPU_SKETCH": "dot"}),
+        ]
     paths = [p for p in paths if p[0] in args.paths]
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(n, device=dev) * 1e-3).to(dtype)
         nbytes = x.numel() * x.element_size()
         # A bucket-like layout: 200 segments with padding between them, shuffled offsets.
         seg = n // 200
-        layout = fp.SegmentLayout(n, [i * seg for i in range(200)], [seg - 3] * 200,
-                                  [(199 - i) * seg for i in range(200)])
+        layout = fp.SegmentLayout(
+            n, [i * seg for i in range(200)], [seg - 3] * 200, [(199 - i) * seg for i in range(200)]
+        )
         results = {}
         for path, env in paths:
             for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
@@ -113,12 +132,18 @@ def kernels(args) -> dict:
                 def sketch_segments():
                     s.reset()
                     s.add_segments(x, layout)
+
                 try:
                     row(f"sketch k={dim}", dtype, path, _events_ms(sketch, args.reps), nbytes)
                     sketch()
                     results[(path, dim, "whole")] = (s.bins.clone(), s.sum_squares.clone())
-                    row(f"sketch segs k={dim}", dtype, path,
-                        _events_ms(sketch_segments, args.reps), nbytes)
+                    row(
+                        f"sketch segs k={dim}",
+                        dtype,
+                        path,
+                        _events_ms(sketch_segments, args.reps),
+                        nbytes,
+                    )
                     sketch_segments()
                     results[(path, dim, "segs")] = (s.bins.clone(), s.sum_squares.clone())
                 except Exception as e:  # noqa: BLE001 - report and go on
@@ -127,21 +152,35 @@ def kernels(args) -> dict:
             if path == "dot":
                 continue  # the fingerprint kernels do not depend on the sketch variant
             fpath = "torch" if path == "torch" else "triton"
-            row("fingerprint fold", dtype, fpath,
-                _events_ms(lambda: fp.fold(x, 777), args.reps), nbytes)
+            row(
+                "fingerprint fold",
+                dtype,
+                fpath,
+                _events_ms(lambda: fp.fold(x, 777), args.reps),
+                nbytes,
+            )
             results[(path, "fold")] = fp.fold(x, 777)
-            row("fingerprint segments", dtype, fpath,
-                _events_ms(lambda: fp.fold_segments(x, layout), args.reps), nbytes)
+            row(
+                "fingerprint segments",
+                dtype,
+                fpath,
+                _events_ms(lambda: fp.fold_segments(x, layout), args.reps),
+                nbytes,
+            )
             results[(path, "seg")] = fp.fold_segments(x, layout)
 
             # No padding here: the torch-op path's norm covers the whole buffer.
-            dense = fp.SegmentLayout(n, [i * seg for i in range(200)],
-                                     [seg] * 199 + [n - 199 * seg],
-                                     [(199 - i) * seg for i in range(200)])
+            dense = fp.SegmentLayout(
+                n,
+                [i * seg for i in range(200)],
+                [seg] * 199 + [n - 199 * seg],
+                [(199 - i) * seg for i in range(200)],
+            )
 
             def fp_squares():
                 f, q = fp.fold_segments_and_squares(x, dense)
                 return f.sum(), q.sum()
+
             row("fingerprint+squares", dtype, fpath, _events_ms(fp_squares, args.reps), nbytes)
             f, q = fp_squares()
             results[(path, "fpsq")] = (f, q)
@@ -149,20 +188,28 @@ def kernels(args) -> dict:
             sizes = [n // 300] * 50 + [n // 3000] * 50 + [n // 30000] * 50
             tensors, offsets, at = [], [], 0
             for k in sizes:
-                tensors.append(x[at:at + k].clone())
+                tensors.append(x[at : at + k].clone())
                 offsets.append(at)
                 at += k
             cache = {}
-            row("fingerprint 150 tensors", dtype, fpath,
-                _events_ms(lambda: fp.add_all(fp.fold_many(tensors, offsets, cache), dev),
-                           args.reps), sum(sizes) * x.element_size())
+            row(
+                "fingerprint 150 tensors",
+                dtype,
+                fpath,
+                _events_ms(
+                    lambda: fp.add_all(fp.fold_many(tensors, offsets, cache), dev), args.reps
+                ),
+                sum(sizes) * x.element_size(),
+            )
             results[(path, "many")] = fp.add_all(fp.fold_many(tensors, offsets, cache), dev)
             tensors = None
         for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
             os.environ.pop(k, None)
         if tk.triton is not None and tk._DOT_FAILED:
-            print(f"  the dot kernel failed to compile; its rows are the atomic kernel's: "
-                  f"{tk._DOT_FAILED[0]}"[:3000])
+            print(
+                f"  the dot kernel failed to compile; its rows are the atomic kernel's: "
+                f"{tk._DOT_FAILED[0]}"[:3000]
+            )
             out["failed"] = True
         agree = out.setdefault("agreement", {}).setdefault(str(dtype), {})
         for (path, *rest), value in results.items():
@@ -186,8 +233,10 @@ def kernels(args) -> dict:
                 ss_err = float(abs(ts - rs) / rs)
                 ok = bins_err < 1e-5 and ss_err < 1e-9
                 agree[key] = {"bins_max_rel": bins_err, "sum_squares_rel": ss_err}
-                print(f"  {dtype} {key}: bins max|d|/max|b| {bins_err:.2e}, "
-                      f"sum of squares {ss_err:.2e}")
+                print(
+                    f"  {dtype} {key}: bins max|d|/max|b| {bins_err:.2e}, "
+                    f"sum of squares {ss_err:.2e}"
+                )
             if not ok:
                 out["failed"] = True
         x = None  # frees the gradient before the next dtype
@@ -203,8 +252,9 @@ def sweep(args) -> dict:
 
     dev = torch.device("cuda")
     out = {"rows": []}
-    print(f"{'path':<8}{'dtype':<10}{'k':>6}{'blocks':>8}{'warps':>7}{'x SMs':>7}{'ms':>9}"
-          f"{'GB/s':>8}")
+    print(
+        f"{'path':<8}{'dtype':<10}{'k':>6}{'blocks':>8}{'warps':>7}{'x SMs':>7}{'ms':>9}{'GB/s':>8}"
+    )
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(args.elements, device=dev) * 1e-3).to(dtype)
         for path in args.paths:
@@ -217,18 +267,32 @@ def sweep(args) -> dict:
                     def sketch():
                         s.reset()
                         s.add(x, 12345)
+
                     try:
                         ms = _events_ms(sketch, args.reps)
                     except Exception as e:  # noqa: BLE001
-                        print(f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
-                              f"{factor:>7}  failed: {e!r}"[:400])
+                        print(
+                            f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
+                            f"{factor:>7}  failed: {e!r}"[:400]
+                        )
                         continue
                     gbps = x.numel() * x.element_size() / ms / 1e6
-                    out["rows"].append({"path": path, "dtype": str(dtype), "dim": dim,
-                                        "blocks": blocks, "warps": warps, "factor": factor,
-                                        "ms": ms, "GBps": gbps})
-                    print(f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
-                          f"{factor:>7}{ms:>9.3f}{gbps:>8.0f}")
+                    out["rows"].append(
+                        {
+                            "path": path,
+                            "dtype": str(dtype),
+                            "dim": dim,
+                            "blocks": blocks,
+                            "warps": warps,
+                            "factor": factor,
+                            "ms": ms,
+                            "GBps": gbps,
+                        }
+                    )
+                    print(
+                        f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
+                        f"{factor:>7}{ms:>9.3f}{gbps:>8.0f}"
+                    )
         x = None  # frees the gradient before the next dtype
     os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = 64, None, 4
@@ -236,6 +300,7 @@ def sweep(args) -> dict:
 
 
 # ---- train ---------------------------------------------------------------------------------------
+
 
 class Block(torch.nn.Module):
     """A pre-norm decoder block: causal self-attention (scaled_dot_product_attention) and a
@@ -253,7 +318,8 @@ class Block(torch.nn.Module):
         b, t, d = h.shape
         q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         a = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return h + self.out(torch.nn.functional.gelu(self.fc(self.ln2(h))))
 
@@ -285,10 +351,17 @@ def _free_port() -> int:
 
 def _start_collector(build_dir: Path, tmp: Path):
     log = open(tmp / "collector.log", "w+")
-    proc = subprocess.Popen([str(build_dir / "bin" / "rankscope-collector"),
-                             "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                             "--http_address=", f"--db_path={tmp / 'bench.db'}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(build_dir / "bin" / "rankscope-collector"),
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=127.0.0.1:0",
+            "--http_address=",
+            f"--db_path={tmp / 'bench.db'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = re.search(r"serving gRPC on [0-9.]+:(\d+)", (tmp / "collector.log").read_text())
@@ -315,19 +388,29 @@ def train(args) -> dict:
     torch.cuda.set_device(dev)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     proc, address = _start_collector(Path(args.build_dir).resolve(), tmp)
-    variants = ["plain", "plain-2", "rankscope", "rankscope-dot", "rankscope-atomic",
-                "rankscope-torchops", "in-band"]
-    env = {"rankscope-dot": {"RANKSCOPE_GPU_SKETCH": "dot"},
-           "rankscope-atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
-           "rankscope-torchops": {"RANKSCOPE_GPU_KERNELS": "torch"}}
+    variants = [
+        "plain",
+        "plain-2",
+        "rankscope",
+        "rankscope-dot",
+        "rankscope-atomic",
+        "rankscope-torchops",
+        "in-band",
+    ]
+    env = {
+        "rankscope-dot": {"RANKSCOPE_GPU_SKETCH": "dot"},
+        "rankscope-atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+        "rankscope-torchops": {"RANKSCOPE_GPU_KERNELS": "torch"},
+    }
     models, opts, mons, inband = {}, {}, {}, {}
     for v in variants:
         torch.manual_seed(0)
         model = Gpt(layers=args.layers, ctx=args.ctx).to(dev)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
         if v.startswith("rankscope"):
-            mons[v] = rst.attach(ddp, collector=address, job=f"gpu-bench-{v}",
-                                 sketch_dim=args.sketch_dim)
+            mons[v] = rst.attach(
+                ddp, collector=address, job=f"gpu-bench-{v}", sketch_dim=args.sketch_dim
+            )
         elif v == "in-band":
             sk = TorchSketch(args.sketch_dim, DEFAULT_SKETCH_SEED, dev)
             offsets, total = {}, 0
@@ -338,6 +421,7 @@ def train(args) -> dict:
                 for p, g in zip(bucket.parameters(), bucket.gradients()):
                     sk.add(g, offsets[id(p)])
                 return default_hooks.allreduce_hook(None, bucket)
+
             ddp.register_comm_hook(None, hook)
             inband[v] = sk
         models[v] = ddp
@@ -358,8 +442,9 @@ def train(args) -> dict:
             mons[v].step(loss)
         elif v == "in-band":
             sk = inband[v]
-            payload = torch.cat([loss.detach().double().reshape(1),
-                                 sk.sum_squares.sqrt().reshape(1), sk.bins])
+            payload = torch.cat(
+                [loss.detach().double().reshape(1), sk.sum_squares.sqrt().reshape(1), sk.bins]
+            )
             gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, payload)
             float(gathered[0][0])  # rank 0 reads the values: a host synchronization
@@ -369,9 +454,10 @@ def train(args) -> dict:
     profile = None
     if args.profile:
         import cProfile
+
         profile = cProfile.Profile()
     for i in range(args.warmup + args.steps):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for v in order:
             os.environ.update(env.get(v, {}))
             torch.cuda.synchronize()
@@ -395,28 +481,42 @@ def train(args) -> dict:
     proc.wait()
     dist.destroy_process_group()
     nparams = sum(p.numel() for p in models["plain"].parameters())
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "params": nparams, "batch": args.batch, "ctx": args.ctx, "steps": args.steps,
-           "step_ms": {v: 1e3 * statistics.median(full[v]) for v in variants},
-           "host_ms": {v: 1e3 * statistics.median(host[v]) for v in variants}, "stats": stats}
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "params": nparams,
+        "batch": args.batch,
+        "ctx": args.ctx,
+        "steps": args.steps,
+        "step_ms": {v: 1e3 * statistics.median(full[v]) for v in variants},
+        "host_ms": {v: 1e3 * statistics.median(host[v]) for v in variants},
+        "stats": stats,
+    }
     base = res["step_ms"]["plain"]
-    print(f"{nparams / 1e6:.1f} M parameters, batch {args.batch} x {args.ctx}, bf16 autocast, "
-          f"{args.steps} steps per variant, {res['device']}, torch {torch.__version__}")
+    print(
+        f"{nparams / 1e6:.1f} M parameters, batch {args.batch} x {args.ctx}, bf16 autocast, "
+        f"{args.steps} steps per variant, {res['device']}, torch {torch.__version__}"
+    )
     print(f"{'variant':<20}{'step ms':>9}{'vs plain':>10}{'host ms':>9}")
     for v in variants:
-        print(f"{v:<20}{res['step_ms'][v]:>9.2f}{100 * (res['step_ms'][v] / base - 1):>9.1f}%"
-              f"{res['host_ms'][v]:>9.2f}")
+        print(
+            f"{v:<20}{res['step_ms'][v]:>9.2f}{100 * (res['step_ms'][v] / base - 1):>9.1f}%"
+            f"{res['host_ms'][v]:>9.2f}"
+        )
     if profile is not None:
         import io
         import pstats
+
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
         print("host profile of the rankscope variant's timed steps (cProfile, by own time):")
         print(text.getvalue())
     for v, s in stats.items():
-        print(f"{v}: recorded {s.get('recorded')} acked {s.get('acked')} hook errors "
-              f"{s.get('shim_hook_errors', 0)} fingerprint errors "
-              f"{s.get('shim_fingerprint_errors', 0)}")
+        print(
+            f"{v}: recorded {s.get('recorded')} acked {s.get('acked')} hook errors "
+            f"{s.get('shim_hook_errors', 0)} fingerprint errors "
+            f"{s.get('shim_fingerprint_errors', 0)}"
+        )
     return res
 
 
@@ -425,22 +525,32 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("kernels")
     k.add_argument("--elements", type=int, default=1 << 28)
-    k.add_argument("--sketch-dims", type=lambda v: [int(x) for x in v.split(",")],
-                   default=[1024, 4096])
+    k.add_argument(
+        "--sketch-dims", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096]
+    )
     k.add_argument("--reps", type=int, default=7)
     k.add_argument("--paths", type=lambda v: v.split(","), default=["torch", "atomic", "dot"])
     k.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
     w = sub.add_parser("sweep")
     w.add_argument("--elements", type=int, default=1 << 28)
-    w.add_argument("--sketch-dims", type=lambda v: [int(x) for x in v.split(",")],
-                   default=[1024])
+    w.add_argument("--sketch-dims", type=lambda v: [int(x) for x in v.split(",")], default=[1024])
     w.add_argument("--reps", type=int, default=5)
     w.add_argument("--paths", type=lambda v: v.split(","), default=["atomic", "dot"])
     w.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
-    w.add_argument("--configs", default=[(64, 4, 4), (128, 4, 4), (64, 8, 4), (128, 8, 4),
-                                         (64, 4, 2), (64, 4, 8), (32, 4, 4)],
-                   type=lambda v: [tuple(int(x) for x in c.split(":")) for c in v.split(",")],
-                   help="blocks:warps:programs-per-SM,...")
+    w.add_argument(
+        "--configs",
+        default=[
+            (64, 4, 4),
+            (128, 4, 4),
+            (64, 8, 4),
+            (128, 8, 4),
+            (64, 4, 2),
+            (64, 4, 8),
+            (32, 4, 4),
+        ],
+        type=lambda v: [tuple(int(x) for x in c.split(":")) for c in v.split(",")],
+        help="blocks:warps:programs-per-SM,...",
+    )
     t = sub.add_parser("train")
     t.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build-gpu"))
     t.add_argument("--layers", type=int, default=12)
@@ -449,8 +559,11 @@ def main(argv=None):
     t.add_argument("--sketch-dim", type=int, default=4096)
     t.add_argument("--warmup", type=int, default=5)
     t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--profile", action="store_true",
-                   help="print a cProfile of the rankscope variant's host side")
+    t.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a cProfile of the rankscope variant's host side",
+    )
     for q in (k, w, t):
         q.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

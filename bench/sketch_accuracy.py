@@ -21,7 +21,6 @@
 """
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -116,8 +115,14 @@ def evaluate(grads, budgets, seeds, native):
                     row = g[r].contiguous()
                     sk.add(row.data_ptr(), native.DTYPE_FLOAT32, n, 0)
                     floats.append(sk.values())
-                ideal = np.stack([np.bincount(ideal_bin, weights=ideal_sign * g[r].double().numpy(),
-                                              minlength=k) for r in range(g.shape[0])])
+                ideal = np.stack(
+                    [
+                        np.bincount(
+                            ideal_bin, weights=ideal_sign * g[r].double().numpy(), minlength=k
+                        )
+                        for r in range(g.shape[0])
+                    ]
+                )
                 variants = {("ideal", k): ideal}
                 for e in ENCODINGS:
                     if not any(b // native.SKETCH_BYTES_PER_BIN[e] == k for b in budgets):
@@ -140,8 +145,9 @@ def evaluate(grads, budgets, seeds, native):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="example,large")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--seeds", type=int, default=8)
@@ -154,24 +160,34 @@ def main(argv=None):
 
     budgets = [int(b) for b in args.budgets.split(",")]
     os.makedirs(args.work_dir, exist_ok=True)
-    print(f"| model | coordinates | budget | encoding | k | C p50 | C p95 | consensus p50 | "
-          f"consensus p95 |")
+    print(
+        "| model | coordinates | budget | encoding | k | C p50 | C p95 | consensus p50 | "
+        "consensus p95 |"
+    )
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.models.split(","):
         cfg = MODELS[name]
         path = os.path.join(args.work_dir, f"{name}-{args.steps}.pt")
         if not os.path.exists(path):
             t0 = time.monotonic()
-            mp.start_processes(worker, args=(WORLD, free_port(), cfg, args.steps, args.ctx,
-                                             args.batch, path),
-                               nprocs=WORLD, start_method="spawn")
-            print(f"<!-- {name}: {args.steps} DDP steps in {time.monotonic() - t0:.0f} s -->",
-                  file=sys.stderr)
+            mp.start_processes(
+                worker,
+                args=(WORLD, free_port(), cfg, args.steps, args.ctx, args.batch, path),
+                nprocs=WORLD,
+                start_method="spawn",
+            )
+            print(
+                f"<!-- {name}: {args.steps} DDP steps in {time.monotonic() - t0:.0f} s -->",
+                file=sys.stderr,
+            )
         grads = torch.load(path)
         results, c_exact = evaluate(grads, budgets, args.seeds, native)
         n = grads[0].shape[1]
-        print(f"<!-- {name}: exact C over steps: min {min(c_exact):.3f} median "
-              f"{float(np.median(c_exact)):.3f} max {max(c_exact):.3f} -->", file=sys.stderr)
+        print(
+            f"<!-- {name}: exact C over steps: min {min(c_exact):.3f} median "
+            f"{float(np.median(c_exact)):.3f} max {max(c_exact):.3f} -->",
+            file=sys.stderr,
+        )
         for budget in budgets:
             for e in ENCODINGS:
                 k = budget // native.SKETCH_BYTES_PER_BIN[e]
@@ -179,8 +195,10 @@ def main(argv=None):
                     c50, c95 = percentiles(results[(label, k)][0])
                     r50, r95 = percentiles(results[(label, k)][1])
                     shown = e if label == e else f"ideal count sketch, k = {k}"
-                    print(f"| {name} | {n:,} | {budget} | {shown} | {k} | {c50:.4f} | {c95:.4f} "
-                          f"| {r50:.4f} | {r95:.4f} |")
+                    print(
+                        f"| {name} | {n:,} | {budget} | {shown} | {k} | {c50:.4f} | {c95:.4f} "
+                        f"| {r50:.4f} | {r95:.4f} |"
+                    )
         sys.stdout.flush()
     return 0
 

@@ -98,13 +98,18 @@ def file_bytes(path: Path) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--build", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build"))
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--minutes", type=float, default=4.0)
-    p.add_argument("--time-scale", type=float, default=2880.0,
-                   help="collector clock seconds per real second (2880: a day in 30 s)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=2880.0,
+        help="collector clock seconds per real second (2880: a day in 30 s)",
+    )
     p.add_argument("--step-interval", type=float, default=0.2, help="real seconds per step")
     p.add_argument("--retention-rank-steps", default="1d")
     p.add_argument("--retention-steps", default="3d")
@@ -120,20 +125,28 @@ def main(argv=None) -> int:
     db = work / "soak.db"
     log = open(work / "collector.log", "w+")
     collector_cmd = [
-        str(bindir / "rankscope-collector"), "--grpc_address=127.0.0.1:0",
-        "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={db}",
+        str(bindir / "rankscope-collector"),
+        "--grpc_address=127.0.0.1:0",
+        "--metrics_address=127.0.0.1:0",
+        "--http_address=",
+        f"--db_path={db}",
         f"--time_scale={args.time_scale}",
         f"--retention_rank_steps={args.retention_rank_steps}",
-        f"--retention_steps={args.retention_steps}", f"--max_db_bytes={args.max_db_bytes}",
+        f"--retention_steps={args.retention_steps}",
+        f"--max_db_bytes={args.max_db_bytes}",
         # Scaled: a step times out after 1 h of the collector's clock.
-        "--step_timeout=1h", "--retention_check_interval=2s"]
+        "--step_timeout=1h",
+        "--retention_check_interval=2s",
+    ]
     print("collector:", " ".join(collector_cmd), flush=True)
     coll = subprocess.Popen(collector_cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     ports = None
     while time.time() < deadline and ports is None:
-        m = re.search(r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)",
-                      (work / "collector.log").read_text())
+        m = re.search(
+            r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)",
+            (work / "collector.log").read_text(),
+        )
         ports = m and (int(m.group(1)), int(m.group(2)))
         if coll.poll() is not None:
             print((work / "collector.log").read_text(), file=sys.stderr)
@@ -145,10 +158,17 @@ def main(argv=None) -> int:
         return 1
     grpc_port, metrics_port = ports
     seconds = int(args.minutes * 60)
-    load_cmd = [str(bindir / "rankscope-loadgen"), f"--collector=127.0.0.1:{grpc_port}",
-                "--job=soak", f"--ranks={args.ranks}", f"--duration={seconds}s",
-                f"--step_interval={int(args.step_interval * 1000)}ms", "--outlier_rank=7",
-                "--outlier_from_step=1000", "--flush_timeout=60s"]
+    load_cmd = [
+        str(bindir / "rankscope-loadgen"),
+        f"--collector=127.0.0.1:{grpc_port}",
+        "--job=soak",
+        f"--ranks={args.ranks}",
+        f"--duration={seconds}s",
+        f"--step_interval={int(args.step_interval * 1000)}ms",
+        "--outlier_rank=7",
+        "--outlier_from_step=1000",
+        "--flush_timeout=60s",
+    ]
     print("loadgen:  ", " ".join(load_cmd), flush=True)
     load_out = open(work / "loadgen.log", "w+")
     load = subprocess.Popen(load_cmd, stdout=load_out, stderr=subprocess.STDOUT)
@@ -156,9 +176,21 @@ def main(argv=None) -> int:
     samples = []
     start = time.time()
     prev_text = scrape(metrics_port)
-    header = ("t_s", "sim_days", "file_mb", "db_bytes_mb", "rss_mb", "received", "pruned_rank_rows",
-              "downsampled_rows", "pruned_steps", "ingest_p99_ms", "commit_p99_ms",
-              "prune_p99_ms", "prunes")
+    header = (
+        "t_s",
+        "sim_days",
+        "file_mb",
+        "db_bytes_mb",
+        "rss_mb",
+        "received",
+        "pruned_rank_rows",
+        "downsampled_rows",
+        "pruned_steps",
+        "ingest_p99_ms",
+        "commit_p99_ms",
+        "prune_p99_ms",
+        "prunes",
+    )
     print(" ".join(f"{h:>14}" for h in header), flush=True)
     while True:
         done = load.poll() is not None
@@ -172,22 +204,44 @@ def main(argv=None) -> int:
             "db_bytes_mb": round(metric(text, "rankscope_store_db_bytes") / 1e6, 2),
             "rss_mb": round(rss_bytes(coll.pid) / 1e6, 1),
             "received": int(metric(text, "rankscope_reports_received_total")),
-            "pruned_rank_rows": int(metric(text, "rankscope_store_pruned_rows_total",
-                                           table="rank_steps")),
+            "pruned_rank_rows": int(
+                metric(text, "rankscope_store_pruned_rows_total", table="rank_steps")
+            ),
             "downsampled_rows": int(metric(text, "rankscope_store_downsampled_rows_total")),
-            "pruned_steps": int(metric(text, "rankscope_store_pruned_rows_total",
-                                       table="step_stats")),
-            "ingest_p99_ms": round(1e3 * quantile(
-                histogram(text, "rankscope_ingest_latency_seconds"),
-                histogram(prev_text, "rankscope_ingest_latency_seconds"), 0.99), 1),
-            "commit_p99_ms": round(1e3 * quantile(
-                histogram(text, "rankscope_store_commit_seconds"),
-                histogram(prev_text, "rankscope_store_commit_seconds"), 0.99), 1),
-            "prune_p99_ms": round(1e3 * quantile(
-                histogram(text, "rankscope_store_prune_seconds"),
-                histogram(prev_text, "rankscope_store_prune_seconds"), 0.99), 1),
-            "prunes": int(metric(text, "rankscope_store_prune_seconds_count")
-                          - metric(prev_text, "rankscope_store_prune_seconds_count")),
+            "pruned_steps": int(
+                metric(text, "rankscope_store_pruned_rows_total", table="step_stats")
+            ),
+            "ingest_p99_ms": round(
+                1e3
+                * quantile(
+                    histogram(text, "rankscope_ingest_latency_seconds"),
+                    histogram(prev_text, "rankscope_ingest_latency_seconds"),
+                    0.99,
+                ),
+                1,
+            ),
+            "commit_p99_ms": round(
+                1e3
+                * quantile(
+                    histogram(text, "rankscope_store_commit_seconds"),
+                    histogram(prev_text, "rankscope_store_commit_seconds"),
+                    0.99,
+                ),
+                1,
+            ),
+            "prune_p99_ms": round(
+                1e3
+                * quantile(
+                    histogram(text, "rankscope_store_prune_seconds"),
+                    histogram(prev_text, "rankscope_store_prune_seconds"),
+                    0.99,
+                ),
+                1,
+            ),
+            "prunes": int(
+                metric(text, "rankscope_store_prune_seconds_count")
+                - metric(prev_text, "rankscope_store_prune_seconds_count")
+            ),
         }
         prev_text = text
         samples.append(row)
@@ -204,16 +258,19 @@ def main(argv=None) -> int:
         coll.wait()
 
     con = sqlite3.connect(str(db))
-    counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-              for t in ("rank_steps", "step_stats", "rank_windows")}
+    counts = {
+        t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+        for t in ("rank_steps", "step_stats", "rank_windows")
+    }
     page_size = con.execute("PRAGMA page_size").fetchone()[0]
     pages = con.execute("PRAGMA page_count").fetchone()[0]
     free = con.execute("PRAGMA freelist_count").fetchone()[0]
     # Bytes per rank-step: the rank_steps table's own pages (dbstat when compiled in, else the
     # whole file's live pages over the rank rows, an upper bound).
     try:
-        rank_bytes = con.execute("SELECT sum(pgsize) FROM dbstat WHERE name = 'rank_steps'"
-                                 ).fetchone()[0]
+        rank_bytes = con.execute(
+            "SELECT sum(pgsize) FROM dbstat WHERE name = 'rank_steps'"
+        ).fetchone()[0]
         how = "rank_steps pages (dbstat)"
     except sqlite3.OperationalError:
         rank_bytes = (pages - free) * page_size
@@ -224,22 +281,27 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=header)
         w.writeheader()
         w.writerows(samples)
-    half = samples[len(samples) // 2:]
-    first_half = samples[:len(samples) // 2] or samples
-    print(f"\nrows at the end: {counts}; file {pages * page_size / 1e6:.1f} MB "
-          f"({free} free pages)")
+    half = samples[len(samples) // 2 :]
+    first_half = samples[: len(samples) // 2] or samples
+    print(f"\nrows at the end: {counts}; file {pages * page_size / 1e6:.1f} MB ({free} free pages)")
     if counts["rank_steps"]:
         print(f"bytes per rank-step: {rank_bytes / counts['rank_steps']:.0f} ({how})")
-    print(f"file (+WAL) MB: max of the first half {max(s['file_mb'] for s in first_half)}, "
-          f"of the second half {max(s['file_mb'] for s in half)}, at the end "
-          f"{samples[-1]['file_mb']}")
-    print(f"RSS MB: first sample {samples[0]['rss_mb']}, max of the first half "
-          f"{max(s['rss_mb'] for s in first_half)}, max of the second half "
-          f"{max(s['rss_mb'] for s in half)}")
+    print(
+        f"file (+WAL) MB: max of the first half {max(s['file_mb'] for s in first_half)}, "
+        f"of the second half {max(s['file_mb'] for s in half)}, at the end "
+        f"{samples[-1]['file_mb']}"
+    )
+    print(
+        f"RSS MB: first sample {samples[0]['rss_mb']}, max of the first half "
+        f"{max(s['rss_mb'] for s in first_half)}, max of the second half "
+        f"{max(s['rss_mb'] for s in half)}"
+    )
     lat = [s["ingest_p99_ms"] for s in samples if s["ingest_p99_ms"] == s["ingest_p99_ms"]]
     if lat:
-        print(f"ingest p99 per interval, ms: min {min(lat)}, median {sorted(lat)[len(lat) // 2]}, "
-              f"max {max(lat)}")
+        print(
+            f"ingest p99 per interval, ms: min {min(lat)}, median {sorted(lat)[len(lat) // 2]}, "
+            f"max {max(lat)}"
+        )
     print(f"samples in {args.csv}; collector log and database in {work}")
     return 0
 

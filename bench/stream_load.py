@@ -27,7 +27,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -97,16 +96,25 @@ class CollectorProcess:
         self.log_path = work / "collector.log"
         self._log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(
-            [str(build / "bin" / "rankscope-collector"), "--grpc_address=127.0.0.1:0",
-             "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={self.db}",
-             *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                str(build / "bin" / "rankscope-collector"),
+                "--grpc_address=127.0.0.1:0",
+                "--metrics_address=127.0.0.1:0",
+                "--http_address=",
+                f"--db_path={self.db}",
+                *extra_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
         def ports():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"collector exited: {self.log_path.read_text()}")
-            m = re.search(r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics",
-                          self.log_path.read_text())
+            m = re.search(
+                r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics",
+                self.log_path.read_text(),
+            )
             return m and (int(m.group(1)), int(m.group(2)))
 
         self.grpc_port, self.metrics_port = wait_for(ports, 30, "the collector to serve")
@@ -122,8 +130,9 @@ class CollectorProcess:
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=10)
         try:
             # A job of several data-parallel groups is stored per group, as JOB/GROUP.
-            return con.execute("SELECT COUNT(*) FROM rank_steps WHERE job = ? OR job LIKE ?",
-                               (job, f"{job}/%")).fetchone()[0]
+            return con.execute(
+                "SELECT COUNT(*) FROM rank_steps WHERE job = ? OR job LIKE ?", (job, f"{job}/%")
+            ).fetchone()[0]
         finally:
             con.close()
 
@@ -138,8 +147,16 @@ class CollectorProcess:
         return rc
 
 
-def run_streams(build: Path, n: int, duration: float, step_interval: float, sketch_dim: int,
-                hold: float = 3.0, collector_args=(), groups: int = 1) -> dict:
+def run_streams(
+    build: Path,
+    n: int,
+    duration: float,
+    step_interval: float,
+    sketch_dim: int,
+    hold: float = 3.0,
+    collector_args=(),
+    groups: int = 1,
+) -> dict:
     """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
     Returns the figures (KiB, counts, seconds)."""
     job = f"load-{n}"
@@ -151,12 +168,25 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
             collector_cpu0 = cpu_seconds(c.proc.pid)
             children_cpu0 = children_cpu_seconds()
             lg = subprocess.Popen(
-                [str(build / "bin" / "rankscope-loadgen"), f"--collector={c.address}",
-                 f"--job={job}", f"--ranks={n}", f"--duration={duration}s",
-                 f"--step_interval={step_interval}s", f"--sketch_dim={sketch_dim}",
-                 "--queue_capacity=16", "--step_time=0", "--wait_connected",
-                 f"--hold={hold}s", "--flush_timeout=120s", f"--groups={groups}"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                [
+                    str(build / "bin" / "rankscope-loadgen"),
+                    f"--collector={c.address}",
+                    f"--job={job}",
+                    f"--ranks={n}",
+                    f"--duration={duration}s",
+                    f"--step_interval={step_interval}s",
+                    f"--sketch_dim={sketch_dim}",
+                    "--queue_capacity=16",
+                    "--step_time=0",
+                    "--wait_connected",
+                    f"--hold={hold}s",
+                    "--flush_timeout=120s",
+                    f"--groups={groups}",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             samples = []
             figures = {"n": n, "idle_kib": idle}
             stop = threading.Event()
@@ -185,9 +215,11 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
                     t_hold = time.monotonic()
                     figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
                     figures["ingest_p50_s"] = histogram_quantile(
-                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.5)
+                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.5
+                    )
                     figures["ingest_p99_s"] = histogram_quantile(
-                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.99)
+                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.99
+                    )
                     figures["held_kib"] = c.rss_kib()
             rc = lg.wait()
             figures["loadgen_cpu_s"] = children_cpu_seconds() - children_cpu0
@@ -208,8 +240,10 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
             second = [r for t, r in zip(times, samples) if mid < t <= t_hold] or first
             figures["first_half_kib"], figures["second_half_kib"] = max(first), max(second)
             figures["rows"] = wait_for(
-                lambda: (lambda r: r if r == figures["acked"] else 0)(c.rows(job)), 60,
-                f"{figures['acked']} rows of {job}")
+                lambda: (lambda r: r if r == figures["acked"] else 0)(c.rows(job)),
+                60,
+                f"{figures['acked']} rows of {job}",
+            )
         finally:
             c.stop()
     figures["groups"] = groups
@@ -220,21 +254,28 @@ def run_streams(build: Path, n: int, duration: float, step_interval: float, sket
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build"))
     ap.add_argument("--streams", default="500,1000,2000")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of reports")
-    ap.add_argument("--step-interval", type=float, default=1.0,
-                    help="seconds between one rank's reports")
+    ap.add_argument(
+        "--step-interval", type=float, default=1.0, help="seconds between one rank's reports"
+    )
     ap.add_argument("--sketch-dim", type=int, default=1024)
-    ap.add_argument("--groups", default="1",
-                    help="comma-separated group counts: each N is run once per count, side by "
-                         "side (e.g. 1,128: one group of N ranks, then 128 groups of N/128)")
+    ap.add_argument(
+        "--groups",
+        default="1",
+        help="comma-separated group counts: each N is run once per count, side by "
+        "side (e.g. 1,128: one group of N ranks, then 128 groups of N/128)",
+    )
     args = ap.parse_args()
     build = Path(args.build_dir).resolve()
-    print(f"# {os.cpu_count()} CPUs; one report per rank every {args.step_interval} s for "
-          f"{args.duration} s; sketch_dim {args.sketch_dim}; fresh collector per N")
+    print(
+        f"# {os.cpu_count()} CPUs; one report per rank every {args.step_interval} s for "
+        f"{args.duration} s; sketch_dim {args.sketch_dim}; fresh collector per N"
+    )
     rows = []
     cases = [(int(n), int(g)) for n in args.streams.split(",") for g in args.groups.split(",")]
     for n, g in cases:
@@ -243,29 +284,36 @@ def main() -> int:
             return 2
     for n, g in cases:
         f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim, groups=g)
-        print(f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
-              f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
-              f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
-              f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
-              f"{f['acked']}, stored {f['rows']}; reports phase max RSS first half "
-              f"{f['first_half_kib'] / 1024:.1f} MiB, second half "
-              f"{f['second_half_kib'] / 1024:.1f} MiB; CPU collector {f['collector_cpu_s']:.1f} s,"
-              f" loadgen {f['loadgen_cpu_s']:.1f} s", flush=True)
+        print(
+            f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
+            f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
+            f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
+            f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
+            f"{f['acked']}, stored {f['rows']}; reports phase max RSS first half "
+            f"{f['first_half_kib'] / 1024:.1f} MiB, second half "
+            f"{f['second_half_kib'] / 1024:.1f} MiB; CPU collector {f['collector_cpu_s']:.1f} s,"
+            f" loadgen {f['loadgen_cpu_s']:.1f} s",
+            flush=True,
+        )
         if f["streams_open"] != n or f["rows"] != f["recorded"]:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1
         rows.append(f)
     print()
-    print("| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"
-          " KiB/stream peak | reports stored | reports/s | ingest p50 | ingest p99 | collector CPU |")
+    print(
+        "| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"
+        " KiB/stream peak | reports stored | reports/s | ingest p50 | ingest p99 | collector CPU |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for f in rows:
-        print(f"| {f['n']} | {f['groups']} | {f['idle_kib'] / 1024:.1f} MiB | "
-              f"{f['connected_kib'] / 1024:.1f} MiB | {f['peak_kib'] / 1024:.1f} MiB | "
-              f"{f['kib_per_stream_connected']:.0f} | {f['kib_per_stream_peak']:.0f} | "
-              f"{f['rows']} / {f['recorded']} | {f['reports_per_s']:.0f} | "
-              f"{f['ingest_p50_s'] * 1e3:.1f} ms | {f['ingest_p99_s'] * 1e3:.1f} ms | "
-              f"{f['collector_cpu_s']:.1f} s |")
+        print(
+            f"| {f['n']} | {f['groups']} | {f['idle_kib'] / 1024:.1f} MiB | "
+            f"{f['connected_kib'] / 1024:.1f} MiB | {f['peak_kib'] / 1024:.1f} MiB | "
+            f"{f['kib_per_stream_connected']:.0f} | {f['kib_per_stream_peak']:.0f} | "
+            f"{f['rows']} / {f['recorded']} | {f['reports_per_s']:.0f} | "
+            f"{f['ingest_p50_s'] * 1e3:.1f} ms | {f['ingest_p99_s'] * 1e3:.1f} ms | "
+            f"{f['collector_cpu_s']:.1f} s |"
+        )
     return 0
 
 

@@ -52,6 +52,7 @@ class InBand:
 
     def __init__(self, ddp, dim):
         from rankscope import _native
+
         self._native = _native
         self.dim = dim
         self.sketch = _native.Sketch(dim, _native.DEFAULT_SKETCH_SEED)
@@ -91,18 +92,23 @@ class InBand:
             u = sk / sk.norm(dim=1, keepdim=True).clamp_min(1e-30)
             w = self.world
             cos = (float(u.sum(0).square().sum()) - w) / (w * (w - 1))
-            self.last_metrics = (float(losses.std(unbiased=False)),
-                                 float(norms.std(unbiased=False) / norms.mean()), cos)
+            self.last_metrics = (
+                float(losses.std(unbiased=False)),
+                float(norms.std(unbiased=False) / norms.mean()),
+                cos,
+            )
 
 
 def timed(fn, acc):
     """fn, adding the seconds each call takes to acc[0]."""
+
     def wrapper(*a, **k):
         t0 = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
             acc[0] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -114,14 +120,16 @@ def free_port() -> int:
 
 def worker(rank, args, port, collector, out_path):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size
+    )
     import rankscope.torch as rst
 
     data = train_ddp.CharWindows(train_ddp.TEXT, args.ctx)
     g = torch.Generator().manual_seed(rank)
-    batches = [data[i] for i in torch.randint(0, len(data), (args.batch_size * 64,),
-                                              generator=g).tolist()]
+    batches = [
+        data[i] for i in torch.randint(0, len(data), (args.batch_size * 64,), generator=g).tolist()
+    ]
     xs = torch.stack([b[0] for b in batches]).split(args.batch_size)
     ys = torch.stack([b[1] for b in batches]).split(args.batch_size)
 
@@ -129,13 +137,19 @@ def worker(rank, args, port, collector, out_path):
     own = {name: [0.0] for name in VARIANTS}  # seconds spent in the variant's own code
     for name in VARIANTS:
         torch.manual_seed(0)
-        model = train_ddp.CharTransformer(len(data.vocab), args.ctx, d=args.d_model,
-                                          layers=args.layers, dropout=0.0)
+        model = train_ddp.CharTransformer(
+            len(data.vocab), args.ctx, d=args.d_model, layers=args.layers, dropout=0.0
+        )
         ddp = nn.parallel.DistributedDataParallel(model)
         report = None
         if name in ("rankscope", "dormant"):
-            mon = rst.attach(ddp, collector=collector, job=f"bench-{name}",
-                             sketch_dim=args.sketch_dim, dormant=(name == "dormant"))
+            mon = rst.attach(
+                ddp,
+                collector=collector,
+                job=f"bench-{name}",
+                sketch_dim=args.sketch_dim,
+                dormant=(name == "dormant"),
+            )
             mon._add_bucket = timed(mon._add_bucket, own[name])
             report = timed(mon.step, own[name])
             monitors.append(mon)
@@ -169,8 +183,12 @@ def worker(rank, args, port, collector, out_path):
                 times[name].append(dt)
                 own_times[name].append(own[name][0])
         if rank == 0 and (it + 1) % 20 == 0:
-            print(f"\r  {it + 1}/{args.warmup + args.steps} rounds", end="", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\r  {it + 1}/{args.warmup + args.steps} rounds",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if rank == 0:
         print(file=sys.stderr)
         nparams = sum(p.numel() for p in variants["plain"][0].parameters())
@@ -185,10 +203,17 @@ def worker(rank, args, port, collector, out_path):
 def start_collector(build_dir: Path, tmp: Path):
     binary = build_dir / "bin" / "rankscope-collector"
     log = tmp / "collector.log"
-    proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0",
-                             "--metrics_address=127.0.0.1:0", "--http_address=",
-                             f"--db_path={tmp / 'bench.db'}"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=127.0.0.1:0",
+            "--http_address=",
+            f"--db_path={tmp / 'bench.db'}",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log.read_text())
@@ -216,13 +241,19 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         proc, collector = start_collector(Path(args.build_dir), tmp)
         try:
             out = tmp / "times.txt"
-            mp.start_processes(worker, args=(args, free_port(), collector, str(out)),
-                               nprocs=args.world_size, join=True, start_method="spawn")
+            mp.start_processes(
+                worker,
+                args=(args, free_port(), collector, str(out)),
+                nprocs=args.world_size,
+                join=True,
+                start_method="spawn",
+            )
             result = json.loads(out.read_text())
         finally:
             proc.terminate()
@@ -231,19 +262,27 @@ def main(argv=None):
     times, own = result["times"], result["own"]
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["plain"]
-    print(f"model: {result['params']:,} parameters, {args.world_size} ranks (gloo, CPU, "
-          f"{args.threads} thread each), batch {args.batch_size}x{args.ctx}, "
-          f"sketch_dim {args.sketch_dim}; {args.steps} timed steps per variant, interleaved")
+    print(
+        f"model: {result['params']:,} parameters, {args.world_size} ranks (gloo, CPU, "
+        f"{args.threads} thread each), batch {args.batch_size}x{args.ctx}, "
+        f"sketch_dim {args.sketch_dim}; {args.steps} timed steps per variant, interleaved"
+    )
     print("end to end (rank 0's step time; on a shared machine the spread is the noise):")
-    print(f"  {'variant':<10} {'median ms':>10} {'p25 ms':>8} {'p75 ms':>8} {'vs plain':>9} "
-          f"{'paired diff':>12}")
+    print(
+        f"  {'variant':<10} {'median ms':>10} {'p25 ms':>8} {'p75 ms':>8} {'vs plain':>9} "
+        f"{'paired diff':>12}"
+    )
     for k in VARIANTS:
         q = statistics.quantiles(times[k], n=4)
         paired = statistics.median(a - b for a, b in zip(times[k], times["plain"]))
-        print(f"  {k:<10} {med[k] * 1e3:>10.2f} {q[0] * 1e3:>8.2f} {q[2] * 1e3:>8.2f} "
-              f"{(med[k] / base - 1) * 100:>+8.2f}% {paired / base * 100:>+11.2f}%")
-    print("time in the variant's own code per step (hook work + step call), median, "
-          "as a share of plain's median step:")
+        print(
+            f"  {k:<10} {med[k] * 1e3:>10.2f} {q[0] * 1e3:>8.2f} {q[2] * 1e3:>8.2f} "
+            f"{(med[k] / base - 1) * 100:>+8.2f}% {paired / base * 100:>+11.2f}%"
+        )
+    print(
+        "time in the variant's own code per step (hook work + step call), median, "
+        "as a share of plain's median step:"
+    )
     own_med = {k: statistics.median(own[k]) for k in ("rankscope", "dormant", "in-band")}
     for k, v in own_med.items():
         print(f"  {k:<10} {v * 1e3:>8.3f} ms  {v / base * 100:>6.2f}%")

@@ -16,6 +16,7 @@ tests/ops checks the files are current, that they decode into the SDK's typed mo
 back unchanged, the layout, queries and variables (test_ops.py), and, end to end, that every query
 returns data (tests/python/test_prometheus_e2e.py).
 """
+
 import argparse
 import importlib.metadata
 import json
@@ -50,8 +51,10 @@ def main():
     args = parser.parse_args()
     installed = importlib.metadata.version(SDK)
     if installed != SDK_VERSION:
-        print(f"{SDK} {installed} installed; the dashboards are generated with {SDK_VERSION}",
-              file=sys.stderr)
+        print(
+            f"{SDK} {installed} installed; the dashboards are generated with {SDK_VERSION}",
+            file=sys.stderr,
+        )
         return 2
     stale = []
     for name, build in DASHBOARDS.items():
@@ -63,8 +66,10 @@ def main():
         else:
             path.write_text(text)
     if stale:
-        print(f"out of date: {', '.join(stale)}; run .venv/bin/python dashboards/generate.py",
-              file=sys.stderr)
+        print(
+            f"out of date: {', '.join(stale)}; run .venv/bin/python dashboards/generate.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

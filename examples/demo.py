@@ -23,9 +23,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import train_ddp  # noqa: E402
 
-METRICS = (("loss_std", "loss dispersion (std)"),
-           ("grad_norm_cv", "grad-norm CV"),
-           ("grad_cosine_mean", "direction consistency (mean pairwise cosine)"))
+METRICS = (
+    ("loss_std", "loss dispersion (std)"),
+    ("grad_norm_cv", "grad-norm CV"),
+    ("grad_cosine_mean", "direction consistency (mean pairwise cosine)"),
+)
 
 
 def start_collector(build_dir: Path, db: Path, log: Path, timeout: float = 30.0):
@@ -33,9 +35,17 @@ def start_collector(build_dir: Path, db: Path, log: Path, timeout: float = 30.0)
     if not binary.exists():
         sys.exit(f"demo: {binary} not found; build first (cmake --build {build_dir})")
     out = open(log, "w")
-    proc = subprocess.Popen([str(binary), "--grpc_address=127.0.0.1:0",
-                             "--metrics_address=127.0.0.1:0", "--http_address=", f"--db_path={db}"],
-                            stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=127.0.0.1:0",
+            "--http_address=",
+            f"--db_path={db}",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log.read_text())
@@ -53,7 +63,9 @@ def read_steps(db: Path, job: str):
     try:
         return con.execute(
             "SELECT step, ranks, loss_std, grad_norm_cv, grad_cosine_mean FROM step_stats "
-            "WHERE job = ? ORDER BY step", (job,)).fetchall()
+            "WHERE job = ? ORDER BY step",
+            (job,),
+        ).fetchall()
     finally:
         con.close()
 
@@ -62,9 +74,13 @@ def read_rank_consensus(db: Path, job: str, skip: int):
     """rank -> mean consensus cosine (cos of the rank's sketch with the sum of the others')."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        return dict(con.execute(
-            "SELECT rank, AVG(grad_cosine) FROM rank_steps WHERE job = ? AND step >= ? "
-            "GROUP BY rank ORDER BY rank", (job, skip)).fetchall())
+        return dict(
+            con.execute(
+                "SELECT rank, AVG(grad_cosine) FROM rank_steps WHERE job = ? AND step >= ? "
+                "GROUP BY rank ORDER BY rank",
+                (job, skip),
+            ).fetchall()
+        )
     finally:
         con.close()
 
@@ -75,10 +91,12 @@ def mean(xs):
 
 
 def table(results, consensus, skip: int) -> str:
-    lines = ["| setting | steps (complete) | mean loss std | mean grad-norm CV | "
-             "mean direction consistency | least consistent rank: its consensus cosine "
-             "(others' mean) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| setting | steps (complete) | mean loss std | mean grad-norm CV | "
+        "mean direction consistency | least consistent rank: its consensus cosine "
+        "(others' mean) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for setting, rows in results.items():
         used = [r for r in rows if r[0] >= skip]
         complete = sum(1 for r in rows if r[1] == 4)
@@ -88,14 +106,17 @@ def table(results, consensus, skip: int) -> str:
             worst = min(per_rank, key=lambda r: per_rank[r])
             others = mean(v for r, v in per_rank.items() if r != worst)
             culprit = f"rank {worst}: {per_rank[worst]:.3f} ({others:.3f})"
-        lines.append(f"| {setting} | {len(rows)} ({complete}) | {mean(r[2] for r in used):.4f} | "
-                     f"{mean(r[3] for r in used):.4f} | {mean(r[4] for r in used):.4f} | "
-                     f"{culprit} |")
+        lines.append(
+            f"| {setting} | {len(rows)} ({complete}) | {mean(r[2] for r in used):.4f} | "
+            f"{mean(r[3] for r in used):.4f} | {mean(r[4] for r in used):.4f} | "
+            f"{culprit} |"
+        )
     return "\n".join(lines)
 
 
 def plot(results, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -119,12 +140,19 @@ def main(argv=None) -> int:
     p.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build"))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", default="demo-out")
-    p.add_argument("--skip", type=int, default=10,
-                   help="warm-up steps left out of the table's means (the plot shows all)")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=10,
+        help="warm-up steps left out of the table's means (the plot shows all)",
+    )
     p.add_argument("--settings", nargs="+", default=list(train_ddp.SETTINGS))
     p.add_argument("--base-seed", type=int, default=train_ddp.BASE_SEED)
-    p.add_argument("--skip-init-sync", action="store_true",
-                   help="train_ddp.py --skip-init-sync: the replicas' initial weights differ")
+    p.add_argument(
+        "--skip-init-sync",
+        action="store_true",
+        help="train_ddp.py --skip-init-sync: the replicas' initial weights differ",
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -139,8 +167,21 @@ def main(argv=None) -> int:
         for setting in args.settings:
             job = f"demo-{setting}"
             extra = ["--skip-init-sync"] if args.skip_init_sync else []
-            train_ddp.main(["--setting", setting, "--steps", str(args.steps), "--collector",
-                            address, "--job", job, "--base-seed", str(args.base_seed)] + extra)
+            train_ddp.main(
+                [
+                    "--setting",
+                    setting,
+                    "--steps",
+                    str(args.steps),
+                    "--collector",
+                    address,
+                    "--job",
+                    job,
+                    "--base-seed",
+                    str(args.base_seed),
+                ]
+                + extra
+            )
             results[setting] = read_steps(db, job)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -65,7 +65,7 @@ class CharWindows(Dataset):
         return len(self.data) - self.ctx - 1
 
     def __getitem__(self, i):
-        chunk = self.data[i:i + self.ctx + 1]
+        chunk = self.data[i : i + self.ctx + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -73,19 +73,28 @@ class CharTransformer(nn.Module):
     """A causal transformer LM: token + learned position embeddings, pre-norm encoder layers
     with a causal mask, a linear head."""
 
-    def __init__(self, vocab: int, ctx: int, d: int = 64, heads: int = 4, layers: int = 2,
-                 dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int,
+        ctx: int,
+        d: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(ctx, d))
         nn.init.normal_(self.pos, std=0.02)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
-        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1),
-                             persistent=False)
+        self.register_buffer(
+            "mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False
+        )
 
     def forward(self, x):
         t = x.shape[1]
@@ -102,13 +111,15 @@ def free_port() -> int:
 
 def worker(rank: int, args, port: int) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size
+    )
     seed = rank_seed(args.setting, rank, args.base_seed)
     torch.manual_seed(seed)
     data = CharWindows(args.text, args.ctx)
-    sampler = DistributedSampler(data, num_replicas=args.world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=True)
+    sampler = DistributedSampler(
+        data, num_replicas=args.world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = CharTransformer(len(data.vocab), args.ctx, d=args.d_model, layers=args.layers)
     if args.skip_init_sync:
@@ -125,9 +136,16 @@ def worker(rank: int, args, port: int) -> None:
     mon = None
     if not args.no_rankscope:
         import rankscope.torch as rst
-        mon = rst.attach(ddp, collector=args.collector, job=args.job,
-                         sketch_dim=args.sketch_dim, every=args.every, dormant=args.dormant,
-                         local_batch_size=args.batch_size)
+
+        mon = rst.attach(
+            ddp,
+            collector=args.collector,
+            job=args.job,
+            sketch_dim=args.sketch_dim,
+            every=args.every,
+            dormant=args.dormant,
+            local_batch_size=args.batch_size,
+        )
 
     step, epoch, t0 = 0, 0, time.monotonic()
     tty = sys.stderr.isatty()
@@ -144,10 +162,16 @@ def worker(rank: int, args, port: int) -> None:
             step += 1
             if rank == 0 and (step % args.print_every == 0 or step == args.steps):
                 rate = step / (time.monotonic() - t0)
-                line = (f"[{args.setting}] step {step}/{args.steps}  rank-0 loss "
-                        f"{loss.item():.3f}  {rate:.1f} steps/s")
-                print(("\r" + line) if tty else line, end="" if tty else "\n",
-                      file=sys.stderr, flush=True)
+                line = (
+                    f"[{args.setting}] step {step}/{args.steps}  rank-0 loss "
+                    f"{loss.item():.3f}  {rate:.1f} steps/s"
+                )
+                print(
+                    ("\r" + line) if tty else line,
+                    end="" if tty else "\n",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if step >= args.steps:
                 break
         epoch += 1
@@ -156,18 +180,21 @@ def worker(rank: int, args, port: int) -> None:
     if mon is not None:
         stats = mon.close(timeout=30)
         if stats["acked"] != stats["recorded"]:
-            print(f"rank {rank}: {stats['recorded'] - stats['acked']} reports not acknowledged "
-                  f"by the collector ({stats})", file=sys.stderr)
+            print(
+                f"rank {rank}: {stats['recorded'] - stats['acked']} reports not acknowledged "
+                f"by the collector ({stats})",
+                file=sys.stderr,
+            )
     dist.destroy_process_group()
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--setting", choices=SETTINGS, default="S1-1")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--collector", default=os.environ.get("RANKSCOPE_COLLECTOR",
-                                                         "127.0.0.1:50051"))
+    p.add_argument("--collector", default=os.environ.get("RANKSCOPE_COLLECTOR", "127.0.0.1:50051"))
     p.add_argument("--job", default=None, help="default: demo-<setting>")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
@@ -178,8 +205,11 @@ def parse_args(argv=None):
     p.add_argument("--sketch-dim", type=int, default=1024)
     p.add_argument("--every", type=int, default=1)
     p.add_argument("--base-seed", type=int, default=BASE_SEED)
-    p.add_argument("--skip-init-sync", action="store_true",
-                   help="do not broadcast rank 0's initial weights (a launcher bug to detect)")
+    p.add_argument(
+        "--skip-init-sync",
+        action="store_true",
+        help="do not broadcast rank 0's initial weights (a launcher bug to detect)",
+    )
     p.add_argument("--dormant", action="store_true", help="start dormant (rankscope ctl enable)")
     p.add_argument("--no-rankscope", action="store_true", help="train without the shim")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -192,8 +222,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    mp.start_processes(worker, args=(args, free_port()), nprocs=args.world_size, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(args, free_port()), nprocs=args.world_size, join=True, start_method="spawn"
+    )
     return 0
 
 

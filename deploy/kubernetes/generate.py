@@ -7,6 +7,7 @@
 prometheusrule.yaml      <- deploy/prometheus/rules/rankscope.rules.yml (its `groups:` verbatim)
 dashboards-configmap.yaml <- dashboards/*.json (one key per file, for the Grafana sidecar)
 """
+
 import argparse
 import pathlib
 import sys
@@ -75,7 +76,9 @@ OUTPUTS = {
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if a generated file is out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if a generated file is out of date"
+    )
     args = parser.parse_args()
     stale = []
     for name, build in OUTPUTS.items():
@@ -86,8 +89,10 @@ def main():
         else:
             path.write_text(text)
     if stale:
-        print(f"out of date: {', '.join(stale)}; run .venv/bin/python deploy/kubernetes/generate.py",
-              file=sys.stderr)
+        print(
+            f"out of date: {', '.join(stale)}; run .venv/bin/python deploy/kubernetes/generate.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

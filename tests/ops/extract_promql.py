@@ -8,6 +8,7 @@ and asserts it returns data. Grafana variables are left in place; `substitute` f
 Dashboard variables of the form label_values(selector, label) become `group by (label) (selector)`
 so they can be run too.
 """
+
 import argparse
 import dataclasses
 import json
@@ -38,11 +39,15 @@ def rule_expressions(path=RULES):
             kind = "alert" if "alert" in rule else "record"
             name = rule[kind]
             seen[name] = seen.get(name, 0) + 1
-            out.append(Expression(f"rules: {name} [{seen[name]}]", kind, name, rule["expr"].strip()))
+            out.append(
+                Expression(f"rules: {name} [{seen[name]}]", kind, name, rule["expr"].strip())
+            )
     return out
 
 
-_LABEL_VALUES = re.compile(r"^\s*label_values\((?P<selector>.+),\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$")
+_LABEL_VALUES = re.compile(
+    r"^\s*label_values\((?P<selector>.+),\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$"
+)
 
 
 def dashboard_expressions(directory=DASHBOARDS):
@@ -56,34 +61,61 @@ def dashboard_expressions(directory=DASHBOARDS):
             m = _LABEL_VALUES.match(query)
             if not m:
                 raise ValueError(f"{path.name}: variable {var['name']}: cannot run {query!r}")
-            out.append(Expression(f"{path.name}: variable ${var['name']}", "variable", var["name"],
-                                  f"group by ({m['label']}) ({m['selector']})"))
+            out.append(
+                Expression(
+                    f"{path.name}: variable ${var['name']}",
+                    "variable",
+                    var["name"],
+                    f"group by ({m['label']}) ({m['selector']})",
+                )
+            )
         panels = []
         for panel in dash.get("panels", []):
             panels.append(panel)
             panels.extend(panel.get("panels", []))  # collapsed rows hold their panels
         for panel in panels:
             for target in panel.get("targets", []):
-                out.append(Expression(
-                    f"{path.name}: panel {panel['id']} \"{panel['title']}\" query {target['refId']}",
-                    "panel", panel["title"], target["expr"]))
+                out.append(
+                    Expression(
+                        f'{path.name}: panel {panel["id"]} "{panel["title"]}" query {target["refId"]}',
+                        "panel",
+                        panel["title"],
+                        target["expr"],
+                    )
+                )
     return out
 
 
 def all_expressions(repo=REPO):
-    return (rule_expressions(repo / "deploy" / "prometheus" / "rules" / "rankscope.rules.yml")
-            + dashboard_expressions(repo / "dashboards"))
+    return rule_expressions(
+        repo / "deploy" / "prometheus" / "rules" / "rankscope.rules.yml"
+    ) + dashboard_expressions(repo / "dashboards")
 
 
 def substitute(expr, values):
     """Replaces $name and ${name} by values[name]; unknown variables raise KeyError."""
+
     def repl(m):
         return values[m.group(1) or m.group(2)]
+
     return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)", repl, expr)
 
 
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-             "offset", "bool", "inf", "nan"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr):

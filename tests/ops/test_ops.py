@@ -6,6 +6,7 @@ has them, so run this with the project's Python:
 
     .venv/bin/python -m pytest -q tests/ops
 """
+
 import enum
 import json
 import pathlib
@@ -62,9 +63,15 @@ def test_rule_unit_tests_pass():
 
 
 REQUIRED_ALERTS = {
-    "RankscopeDirectionConsistencyLow", "RankscopeLossDispersionHigh", "RankscopeGradNormDispersionHigh",
-    "RankscopeRankOutlier", "RankscopeReplicaDivergence", "RankscopeRankSilent", "RankscopeCollectorDown",
-    "RankscopeAgentDropping", "RankscopeIngestRejecting",
+    "RankscopeDirectionConsistencyLow",
+    "RankscopeLossDispersionHigh",
+    "RankscopeGradNormDispersionHigh",
+    "RankscopeRankOutlier",
+    "RankscopeReplicaDivergence",
+    "RankscopeRankSilent",
+    "RankscopeCollectorDown",
+    "RankscopeAgentDropping",
+    "RankscopeIngestRejecting",
 }  # plus RankscopeRankStraggler and RankscopeStoreFailing
 
 
@@ -91,8 +98,14 @@ def test_every_rule_of_an_alert_fires_in_some_unit_test():
             for check in case.get("alert_rule_test", []):
                 for exp in check.get("exp_alerts") or []:
                     labels = exp["exp_labels"]
-                    tested.add((check["alertname"], labels.get("condition"), labels.get("signal"),
-                                labels.get("scope")))
+                    tested.add(
+                        (
+                            check["alertname"],
+                            labels.get("condition"),
+                            labels.get("signal"),
+                            labels.get("scope"),
+                        )
+                    )
     for rule in alert_rules():
         labels = rule["labels"]
         key = (rule["alert"], labels.get("condition"), labels.get("signal"), labels.get("scope"))
@@ -147,15 +160,23 @@ def test_rules_never_merge_data_parallel_groups():
                 labels = {label.strip() for label in m.group(1).split(",")}
                 if labels == {"train_job"}:
                     # Only against a per-job threshold, the side holding the groups being the many.
-                    assert m.group(2), f"{name}: on (train_job) without group_left/right: one job's groups collide"
+                    assert m.group(2), (
+                        f"{name}: on (train_job) without group_left/right: one job's groups collide"
+                    )
                 elif "train_job" in labels:
                     assert "group" in labels, f"{name}: on ({m.group(1)}) merges a job's groups"
             if "alert" in rule and "group" in grouping:
                 ann = rule["annotations"]
-                assert "$labels.group" in ann["summary"] and "$labels.group" in ann["description"], name
+                assert (
+                    "$labels.group" in ann["summary"] and "$labels.group" in ann["description"]
+                ), name
                 if "rank" in grouping:
-                    assert "rankscope_rank_info{train_job=%q,group=%q,rank=%q}" in ann["summary"], name
-                    assert "rank_info" not in expr, f"{name}: firing must not depend on rankscope_rank_info"
+                    assert "rankscope_rank_info{train_job=%q,group=%q,rank=%q}" in ann["summary"], (
+                        name
+                    )
+                    assert "rank_info" not in expr, (
+                        f"{name}: firing must not depend on rankscope_rank_info"
+                    )
 
 
 # Each mutant weakens or shifts one rule; the unit tests must fail on every one, i.e. the near
@@ -163,7 +184,10 @@ def test_rules_never_merge_data_parallel_groups():
 MUTANTS = [
     ("+ 0.05)", "+ 0.07)"),  # direction floor
     ("+ 0.4)", "+ 0.3)"),  # allowed drop from baseline
-    ("rankscope_world_size) + 0.5)\n      # Coeff", "rankscope_world_size) + 0.48)\n      # Coeff"),  # loss std
+    (
+        "rankscope_world_size) + 0.5)\n      # Coeff",
+        "rankscope_world_size) + 0.48)\n      # Coeff",
+    ),  # loss std
     ("+ 0.3)", "+ 0.28)"),  # grad-norm CV
     ("+ 0.1)", "+ 0.02)"),  # consensus guard
     ("+ 3)", "+ 2.8)"),  # |z|
@@ -177,19 +201,38 @@ MUTANTS = [
     ("rate(rankscope_reports_rejected_total[2m])", "rate(rankscope_reports_rejected_total[10m])"),
     ("rate(rankscope_store_errors_total[2m])", "rate(rankscope_store_errors_total[10m])"),
     ("unless on (train_job, group)", "or on (train_job, group)"),
-    ("max by (train_job, group, rank) (rankscope_rank_missing) > 0",
-     "max by (train_job, group, rank) (rankscope_rank_missing) >= 0"),
+    (
+        "max by (train_job, group, rank) (rankscope_rank_missing) > 0",
+        "max by (train_job, group, rank) (rankscope_rank_missing) >= 0",
+    ),
     ("+ 0.2)", "+ 0.1)"),  # share of steps with duplicate ranks
     ("[10m])) >= 5", "[10m])) >= 3"),  # at least 5 duplicate steps
     # Data-parallel groups merged again (the tests with a two-group job must catch each).
-    ("max by (train_job, group, rank) (rankscope_rank_grad_cosine)", "max by (train_job, rank) (rankscope_rank_grad_cosine)"),
-    ("max by (train_job, group, rank) (abs(rankscope_rank_loss_z))", "max by (train_job, rank) (abs(rankscope_rank_loss_z))"),
-    ("max by (train_job, group) (rankscope_grad_cosine_mean_min_window)", "max by (train_job) (rankscope_grad_cosine_mean_min_window)"),
+    (
+        "max by (train_job, group, rank) (rankscope_rank_grad_cosine)",
+        "max by (train_job, rank) (rankscope_rank_grad_cosine)",
+    ),
+    (
+        "max by (train_job, group, rank) (abs(rankscope_rank_loss_z))",
+        "max by (train_job, rank) (abs(rankscope_rank_loss_z))",
+    ),
+    (
+        "max by (train_job, group) (rankscope_grad_cosine_mean_min_window)",
+        "max by (train_job) (rankscope_grad_cosine_mean_min_window)",
+    ),
     ("expr: max by (train_job, group) (avg_over_time(", "expr: max by (train_job) (avg_over_time("),
-    ("sqrt(max by (train_job, group) (rankscope_ranks_reporting) - 1)", "sqrt(max by (train_job) (rankscope_ranks_reporting) - 1)"),
-    ("and on (train_job, group)\n          max by (train_job, group) (increase(rankscope_steps_total[2m]))",
-     "and on (train_job)\n          max by (train_job) (increase(rankscope_steps_total[2m]))"),
-    ("max by (train_job, group, rank) (rankscope_rank_step_time_z)", "max by (train_job, rank) (rankscope_rank_step_time_z)"),
+    (
+        "sqrt(max by (train_job, group) (rankscope_ranks_reporting) - 1)",
+        "sqrt(max by (train_job) (rankscope_ranks_reporting) - 1)",
+    ),
+    (
+        "and on (train_job, group)\n          max by (train_job, group) (increase(rankscope_steps_total[2m]))",
+        "and on (train_job)\n          max by (train_job) (increase(rankscope_steps_total[2m]))",
+    ),
+    (
+        "max by (train_job, group, rank) (rankscope_rank_step_time_z)",
+        "max by (train_job, rank) (rankscope_rank_step_time_z)",
+    ),
     ("(rankscope_rank_drift_score) > 1", "(rankscope_rank_drift_score) >= 1"),  # drift threshold
     ("(rankscope_rank_slow_score) > 1", "(rankscope_rank_slow_score) >= 1"),  # slow threshold
 ]
@@ -227,8 +270,14 @@ def test_alertmanager_config_and_routes():
     r = run([amtool, "check-config", str(config)])
     assert r.returncode == 0, r.stdout + r.stderr
     for labels, receiver in [
-        (["alertname=RankscopeReplicaDivergence", "severity=critical", "train_job=exp-42"], "rankscope-pager"),
-        (["alertname=RankscopeRankOutlier", "severity=warning", "train_job=exp-42"], "rankscope-chat"),
+        (
+            ["alertname=RankscopeReplicaDivergence", "severity=critical", "train_job=exp-42"],
+            "rankscope-pager",
+        ),
+        (
+            ["alertname=RankscopeRankOutlier", "severity=warning", "train_job=exp-42"],
+            "rankscope-chat",
+        ),
     ]:
         r = run([amtool, "config", "routes", "test", f"--config.file={config}", *labels])
         assert r.returncode == 0 and r.stdout.strip() == receiver, (labels, r.stdout, r.stderr)
@@ -243,10 +292,27 @@ DASHBOARD_FILES = sorted(p.name for p in DASHBOARDS.glob("*.json"))
 PANEL_TYPES = {"timeseries", "stat", "table", "heatmap"}  # the panel plugins rankscope uses
 DATASOURCE_VAR = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's built-in variables (global variables and those of data links).
-GRAFANA_VARS = {"__rate_interval", "__rate_interval_ms", "__interval", "__interval_ms", "__range",
-                "__range_s", "__range_ms", "__from", "__to", "__url_time_range", "__timezone",
-                "__dashboard", "__org", "__user", "__all_variables", "__value", "__data",
-                "__field", "__series"}
+GRAFANA_VARS = {
+    "__rate_interval",
+    "__rate_interval_ms",
+    "__interval",
+    "__interval_ms",
+    "__range",
+    "__range_s",
+    "__range_ms",
+    "__from",
+    "__to",
+    "__url_time_range",
+    "__timezone",
+    "__dashboard",
+    "__org",
+    "__user",
+    "__all_variables",
+    "__value",
+    "__data",
+    "__field",
+    "__series",
+}
 
 
 def dashboard_json(name):
@@ -268,8 +334,10 @@ def grafana_sdk():
     try:
         from grafana_foundation_sdk.cog import plugins
     except ImportError:
-        pytest.fail(f"grafana-foundation-sdk is not installed for {sys.executable}: run tests/ops "
-                    "with the project's Python, .venv/bin/python")
+        pytest.fail(
+            f"grafana-foundation-sdk is not installed for {sys.executable}: run tests/ops "
+            "with the project's Python, .venv/bin/python"
+        )
     plugins.register_default_plugins()
 
 
@@ -323,8 +391,11 @@ def sdk_type_errors(value, hint, path):
 
 
 def sdk_model_errors(obj, path):
-    return [e for name, hint in typing.get_type_hints(type(obj)).items()
-            for e in sdk_type_errors(getattr(obj, name), hint, f"{path}.{name}")]
+    return [
+        e
+        for name, hint in typing.get_type_hints(type(obj)).items()
+        for e in sdk_type_errors(getattr(obj, name), hint, f"{path}.{name}")
+    ]
 
 
 def test_dashboards_are_generated_from_generate_py():
@@ -333,8 +404,11 @@ def test_dashboards_are_generated_from_generate_py():
 
 
 def test_dashboards_exist():
-    assert DASHBOARD_FILES == ["rankscope-collector.json", "rankscope-job.json",
-                               "rankscope-overview.json"]
+    assert DASHBOARD_FILES == [
+        "rankscope-collector.json",
+        "rankscope-job.json",
+        "rankscope-overview.json",
+    ]
 
 
 @pytest.mark.parametrize("name", DASHBOARD_FILES)
@@ -383,12 +457,15 @@ def test_sdk_type_check_catches_wrong_values():
             target["format"] = "tabel"
     assert kinds == PANEL_TYPES | {"row"}
     errors = "\n".join(sdk_model_errors(Dashboard.from_json(dash), "job"))
-    for wrong in ["'no' is not of type bool", "'4' is not of type int",
-                  "'bar' is not a value of GraphDrawStyle",
-                  "'areas' is not a value of BigValueGraphMode",
-                  "'xl' is not a value of TableCellHeight",
-                  "'middle' is not a value of AxisPlacement",
-                  "'tabel' is not a value of PromQueryFormat"]:
+    for wrong in [
+        "'no' is not of type bool",
+        "'4' is not of type int",
+        "'bar' is not a value of GraphDrawStyle",
+        "'areas' is not a value of BigValueGraphMode",
+        "'xl' is not a value of TableCellHeight",
+        "'middle' is not a value of AxisPlacement",
+        "'tabel' is not a value of PromQueryFormat",
+    ]:
         assert wrong in errors, wrong
 
 
@@ -460,12 +537,22 @@ def test_dashboard_ids_and_grid(name):
 def test_dashboards_have_the_panels_issue_5_asks_for():
     exprs = {e.expr for e in extract_promql.dashboard_expressions()}
     joined = "\n".join(exprs)
-    for metric in ["rankscope_loss_mean", "rankscope_loss_std", "rankscope_grad_norm_cv",
-                   "rankscope_grad_cosine_mean", "rankscope_rank_grad_cosine", "rankscope_rank_outlier_score",
-                   "rankscope_replica_divergent_ranks", "rankscope_rank_replica_divergent",
-                   "rankscope_grad_noise_scale", "rankscope_rank_step_time_seconds",
-                   "rankscope_reports_received_total", "rankscope_reports_rejected_total",
-                   "rankscope_ingest_latency_seconds_bucket", "rankscope_connected_agents"]:
+    for metric in [
+        "rankscope_loss_mean",
+        "rankscope_loss_std",
+        "rankscope_grad_norm_cv",
+        "rankscope_grad_cosine_mean",
+        "rankscope_rank_grad_cosine",
+        "rankscope_rank_outlier_score",
+        "rankscope_replica_divergent_ranks",
+        "rankscope_rank_replica_divergent",
+        "rankscope_grad_noise_scale",
+        "rankscope_rank_step_time_seconds",
+        "rankscope_reports_received_total",
+        "rankscope_reports_rejected_total",
+        "rankscope_ingest_latency_seconds_bucket",
+        "rankscope_connected_agents",
+    ]:
         assert metric in joined, f"no dashboard panel shows {metric}"
     titles = {json.loads(p.read_text())["uid"] for p in (REPO / "dashboards").glob("*.json")}
     assert titles == {"rankscope-overview", "rankscope-job", "rankscope-collector"}
@@ -474,11 +561,17 @@ def test_dashboards_have_the_panels_issue_5_asks_for():
 def test_metric_name_extraction():
     assert extract_promql.metric_names(
         'max by (train_job, rank) (rankscope_rank_grad_cosine{train_job="$train_job"}) < on (train_job) '
-        'group_left () (rankscope:threshold:x * train_job:y:avg2m) and rate(z_total[5m]) > 0') == [
-        "rankscope:threshold:x", "rankscope_rank_grad_cosine", "train_job:y:avg2m", "z_total"]
-    assert extract_promql.metric_names('histogram_quantile(0.99, sum by (le) (rate(a_bucket[$__rate_interval])))') == ["a_bucket"]
-    assert extract_promql.substitute('x{a="$train_job"}[${__rate_interval}]',
-                                     {"train_job": "j", "__rate_interval": "1m"}) == 'x{a="j"}[1m]'
+        "group_left () (rankscope:threshold:x * train_job:y:avg2m) and rate(z_total[5m]) > 0"
+    ) == ["rankscope:threshold:x", "rankscope_rank_grad_cosine", "train_job:y:avg2m", "z_total"]
+    assert extract_promql.metric_names(
+        "histogram_quantile(0.99, sum by (le) (rate(a_bucket[$__rate_interval])))"
+    ) == ["a_bucket"]
+    assert (
+        extract_promql.substitute(
+            'x{a="$train_job"}[${__rate_interval}]', {"train_job": "j", "__rate_interval": "1m"}
+        )
+        == 'x{a="j"}[1m]'
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,7 +604,9 @@ def test_k8s_generated_manifests_match_rules_and_dashboards():
 def test_k8s_manifests_are_consistent():
     objs = k8s_objects()
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == sorted(
+        p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"
+    )
     dep = objs[("Deployment", "rankscope-collector")]
     pod = dep["spec"]["template"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -522,11 +617,17 @@ def test_k8s_manifests_are_consistent():
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
     mon = objs[("ServiceMonitor", "rankscope-collector")]
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {
+        p["name"] for p in svc["spec"]["ports"]
+    }
     # The alerts select job=~"rankscope-collector.*"; the operator names the job after the Service.
     assert svc["metadata"]["name"].startswith("rankscope-collector")
     sc = container["securityContext"]
-    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert (
+        sc["readOnlyRootFilesystem"]
+        and not sc["allowPrivilegeEscalation"]
+        and sc["capabilities"]["drop"] == ["ALL"]
+    )
     claim = pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
     assert ("PersistentVolumeClaim", claim) in objs
     assert dep["spec"]["strategy"]["type"] == "Recreate"
@@ -536,8 +637,17 @@ def test_k8s_kustomization_renders():
     r = run([tool("kubectl"), "kustomize", str(K8S)])
     assert r.returncode == 0, r.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout))
-    assert kinds == sorted(["Namespace", "PersistentVolumeClaim", "Deployment", "Service", "ServiceMonitor",
-                            "PrometheusRule", "ConfigMap"])
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            "ServiceMonitor",
+            "PrometheusRule",
+            "ConfigMap",
+        ]
+    )
 
 
 def test_every_yaml_file_parses():
@@ -574,5 +684,10 @@ def test_systemd_unit_verifies(tmp_path):
     m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
     assert m and float(m.group(1)) <= 2.0, r.stdout[-2000:] + r.stderr
     text = unit.read_text()
-    for directive in ["DynamicUser=yes", "ProtectSystem=strict", "StateDirectory=rankscope", "NoNewPrivileges=yes"]:
+    for directive in [
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "StateDirectory=rankscope",
+        "NoNewPrivileges=yes",
+    ]:
         assert directive in text

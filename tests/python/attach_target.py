@@ -43,11 +43,14 @@ class Trainer:
         self.model = nn.parallel.DistributedDataParallel(model)
         if args.own_hook:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
             self.model.register_comm_hook(None, default_hooks.allreduce_hook)
         if args.zero:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
-                                               optimizer_class=torch.optim.SGD, lr=0.05)
+
+            self.opt = ZeroRedundancyOptimizer(
+                self.model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05
+            )
         else:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
 
@@ -87,8 +90,12 @@ def main():
         dist.init_process_group("gloo")
         args.rank, args.world = dist.get_rank(), dist.get_world_size()
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                rank=args.rank, world_size=args.world)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=args.rank,
+            world_size=args.world,
+        )
     (out / f"pid.{args.rank}").write_text(str(os.getpid()))
     torch.manual_seed(7)
     model = TinyLM()
@@ -120,8 +127,12 @@ def main():
                     lm_loss(ddp, x, y).backward()
             else:
                 lm_loss(ddp, x, y).backward()
-        skip = args.zero and args.rank == 1 and not skipped and (
-            step == args.skip_shard_at or (out / "skip").exists())
+        skip = (
+            args.zero
+            and args.rank == 1
+            and not skipped
+            and (step == args.skip_shard_at or (out / "skip").exists())
+        )
         if skip:  # within this step, rank 1 "misses" rank 0's broadcast of its shard
             skipped = True
             opt._sync_params = missed_shard_sync(opt, 0)
@@ -131,15 +142,17 @@ def main():
         gathered = [torch.zeros_like(g) for _ in range(args.world)]
         dist.all_gather(gathered, g)
         losses = torch.zeros(args.world, dtype=torch.float64)
-        dist.all_gather(list(losses.split(1)), torch.tensor([sum(ref_losses) / args.accum],
-                                                            dtype=torch.float64))
+        dist.all_gather(
+            list(losses.split(1)), torch.tensor([sum(ref_losses) / args.accum], dtype=torch.float64)
+        )
         if args.rank == 0:
             units = [v / v.norm() for v in gathered]
             pairs = [(i, j) for i in range(args.world) for j in range(i + 1, args.world)]
             expected[step] = {
                 "losses": [float(v) for v in losses],
                 "norms": [float(v.norm()) for v in gathered],
-                "cosine": sum(float(units[i] @ units[j]) for i, j in pairs) / len(pairs)}
+                "cosine": sum(float(units[i] @ units[j]) for i, j in pairs) / len(pairs),
+            }
             (out / "progress.tmp").write_text(str(step))
             os.replace(out / "progress.tmp", out / "progress")
         if not args.total:
@@ -158,8 +171,9 @@ def main():
     digest = hashlib.sha256()
     for _, p in ddp.module.named_parameters():
         digest.update(p.detach().numpy().tobytes())
-    (out / f"final.{args.rank}").write_text(json.dumps({"sha256": digest.hexdigest(),
-                                                        "steps": step}))
+    (out / f"final.{args.rank}").write_text(
+        json.dumps({"sha256": digest.hexdigest(), "steps": step})
+    )
     if args.rank == 0:
         (out / "expected.json").write_text(json.dumps(expected))
         (out / "times.json").write_text(json.dumps(times))

@@ -42,14 +42,29 @@ class Browser:
             os.dup2(hi_w, 4)
 
         self.proc = subprocess.Popen(
-            [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
-             "--remote-debugging-pipe", f"--user-data-dir={self._profile}", "--no-first-run",
-             "--no-default-browser-check", "--disable-extensions", "--disable-sync",
-             "--disable-background-networking", "--disable-component-update",
-             "--disable-dev-shm-usage", "--mute-audio", f"--window-size={width},{height}",
-             "about:blank"],
-            pass_fds=(3, 4), preexec_fn=child_fds, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            [
+                CHROMIUM,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={self._profile}",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--disable-extensions",
+                "--disable-sync",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-dev-shm-usage",
+                "--mute-audio",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            pass_fds=(3, 4),
+            preexec_fn=child_fds,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for fd in (to_browser_r, from_browser_w, hi_r, hi_w):
             os.close(fd)
         self._next_id = 0
@@ -59,12 +74,18 @@ class Browser:
         self._reader = threading.Thread(target=self._read_loop, daemon=True)
         self._reader.start()
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self._session = self.call("Target.attachToTarget", targetId=target,
-                                  flatten=True)["sessionId"]
+        self._session = self.call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
         self.page("Page.enable")
         self.page("Runtime.enable")
-        self.page("Emulation.setDeviceMetricsOverride", width=width, height=height,
-                  deviceScaleFactor=1, mobile=False)
+        self.page(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
 
     # ---- protocol ----
     def _read_loop(self):
@@ -90,11 +111,13 @@ class Browser:
                         q.put(msg)
                 elif msg.get("method") == "Runtime.consoleAPICalled":
                     args = msg["params"].get("args", [])
-                    self.console.append(" ".join(str(a.get("value", a.get("description", "")))
-                                                 for a in args))
+                    self.console.append(
+                        " ".join(str(a.get("value", a.get("description", ""))) for a in args)
+                    )
                 elif msg.get("method") == "Runtime.exceptionThrown":
-                    self.console.append("exception: " + json.dumps(
-                        msg["params"]["exceptionDetails"])[:2000])
+                    self.console.append(
+                        "exception: " + json.dumps(msg["params"]["exceptionDetails"])[:2000]
+                    )
 
     def call(self, method: str, session: str = None, timeout: float = 60.0, **params):
         with self._lock:
@@ -109,7 +132,7 @@ class Browser:
         try:
             reply = q.get(timeout=timeout)
         except queue.Empty:
-            raise BrowserError(f"no reply to {method} within {timeout:.0f} s")
+            raise BrowserError(f"no reply to {method} within {timeout:.0f} s") from None
         if "error" in reply:
             raise BrowserError(f"{method}: {reply['error'].get('message')}")
         return reply.get("result", {})
@@ -124,11 +147,11 @@ class Browser:
     def eval(self, expression: str):
         """The value of a JavaScript expression in the page (promises awaited). A DOM node comes
         back as {} (falsy): test for it with ``!!`` or compare with null."""
-        r = self.page("Runtime.evaluate", expression=expression, returnByValue=True,
-                      awaitPromise=True)
+        r = self.page(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in r:
-            raise BrowserError(f"{expression!r} threw: "
-                               f"{json.dumps(r['exceptionDetails'])[:1000]}")
+            raise BrowserError(f"{expression!r} threw: {json.dumps(r['exceptionDetails'])[:1000]}")
         return r["result"].get("value")
 
     def wait_for(self, expression: str, timeout: float, what: str, interval: float = 0.1):
@@ -142,8 +165,10 @@ class Browser:
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise BrowserError(f"timed out after {timeout:.0f} s waiting for {what} "
-                                   f"({expression}); console: {self.console[-5:]}")
+                raise BrowserError(
+                    f"timed out after {timeout:.0f} s waiting for {what} "
+                    f"({expression}); console: {self.console[-5:]}"
+                )
             time.sleep(interval)
 
     def screenshot(self, path: Path, full_page: bool = True):
@@ -152,9 +177,16 @@ class Browser:
         if full_page:
             m = self.page("Page.getLayoutMetrics")
             size = m.get("cssContentSize") or m["contentSize"]
-            params.update(captureBeyondViewport=True,
-                          clip={"x": 0, "y": 0, "width": size["width"],
-                                "height": min(size["height"], 6000), "scale": 1})
+            params.update(
+                captureBeyondViewport=True,
+                clip={
+                    "x": 0,
+                    "y": 0,
+                    "width": size["width"],
+                    "height": min(size["height"], 6000),
+                    "scale": 1,
+                },
+            )
         data = self.page("Page.captureScreenshot", **params)["data"]
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,8 +74,14 @@ class Collector:
     """A rankscope-collector process. ``start`` binds gRPC on ``port`` (0: a free one, learned
     from the collector's start-up line); ``restart`` reuses the same port and database."""
 
-    def __init__(self, tmp_dir: Path, step_timeout: str = "5s", db_path: Path = None,
-                 prefix=(), extra_args=()):
+    def __init__(
+        self,
+        tmp_dir: Path,
+        step_timeout: str = "5s",
+        db_path: Path = None,
+        prefix=(),
+        extra_args=(),
+    ):
         """``prefix``: a command the collector runs under (e.g. setpriv to drop root);
         ``extra_args``: more collector flags."""
         if not COLLECTOR_BIN.exists():
@@ -102,23 +108,36 @@ class Collector:
         log_path = self.tmp_dir / f"collector.{self._log_index}.log"
         self._log = open(log_path, "w+")
         self.proc = subprocess.Popen(
-            [*self.prefix, str(COLLECTOR_BIN), f"--grpc_address=127.0.0.1:{port}",
-             "--metrics_address=127.0.0.1:0", "--http_address=127.0.0.1:0",
-             f"--db_path={self.db_path}",
-             f"--step_timeout={self.step_timeout}", *self.extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                *self.prefix,
+                str(COLLECTOR_BIN),
+                f"--grpc_address=127.0.0.1:{port}",
+                "--metrics_address=127.0.0.1:0",
+                "--http_address=127.0.0.1:0",
+                f"--db_path={self.db_path}",
+                f"--step_timeout={self.step_timeout}",
+                *self.extra_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         self.log_path = log_path
 
         def serving():
             if self.proc.poll() is not None:
-                raise AssertionError(f"collector exited with {self.proc.returncode}: "
-                                     f"{log_path.read_text()}")
-            m = re.search(r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)\D.*"
-                          r"web view on :(\d+)", log_path.read_text())
+                raise AssertionError(
+                    f"collector exited with {self.proc.returncode}: {log_path.read_text()}"
+                )
+            m = re.search(
+                r"serving gRPC on [0-9.]+:(\d+)\D.*metrics on :(\d+)\D.*"
+                r"web view on :(\d+)",
+                log_path.read_text(),
+            )
             return m and (int(m.group(1)), int(m.group(2)), int(m.group(3)))
 
-        self.port, self.metrics_port, self.http_port = wait_until(serving, timeout,
-                                                                  "the collector to serve")
+        self.port, self.metrics_port, self.http_port = wait_until(
+            serving, timeout, "the collector to serve"
+        )
         return self
 
     def log(self) -> str:
@@ -127,8 +146,9 @@ class Collector:
 
     def scrape(self) -> str:
         """The collector's /metrics text (raises if it is not served)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=10) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ) as r:
             return r.read().decode()
 
     def metric(self, name: str, **labels) -> float:
@@ -177,16 +197,30 @@ class Collector:
 
     def step_rows(self, job: str) -> dict:
         """step -> dict of step_stats columns."""
-        cols = ("step", "ranks", "loss_mean", "loss_std", "loss_range", "grad_norm_mean",
-                "grad_norm_std", "grad_norm_cv", "grad_cosine_mean", "missing_ranks",
-                "timed_out")
-        rows = self.query(f"SELECT {', '.join(cols)} FROM step_stats WHERE job = ? ORDER BY step",
-                          (job,))
+        cols = (
+            "step",
+            "ranks",
+            "loss_mean",
+            "loss_std",
+            "loss_range",
+            "grad_norm_mean",
+            "grad_norm_std",
+            "grad_norm_cv",
+            "grad_cosine_mean",
+            "missing_ranks",
+            "timed_out",
+        )
+        rows = self.query(
+            f"SELECT {', '.join(cols)} FROM step_stats WHERE job = ? ORDER BY step", (job,)
+        )
         return {r[0]: dict(zip(cols, r)) for r in rows}
 
     def rank_rows(self, job: str) -> list:
-        return self.query("SELECT step, rank, loss, grad_norm, grad_cosine FROM rank_steps "
-                          "WHERE job = ? ORDER BY step, rank", (job,))
+        return self.query(
+            "SELECT step, rank, loss, grad_norm, grad_cosine FROM rank_steps "
+            "WHERE job = ? ORDER BY step, rank",
+            (job,),
+        )
 
     def ctl(self, verb: str, job: str, *flags: str) -> str:
         """`rankscope ctl VERB --job=J FLAGS...` (the real CLI). Returns its stdout."""
@@ -194,7 +228,10 @@ class Collector:
             pytest.skip(f"{CLI_BIN} not built")
         out = subprocess.run(
             [str(CLI_BIN), f"--collector={self.address}", f"--job={job}", *flags, "ctl", verb],
-            capture_output=True, text=True, timeout=30)
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, f"rankscope ctl {verb}: {out.stdout}{out.stderr}"
         return out.stdout
 

@@ -28,12 +28,14 @@ from conftest import free_port
 
 # ---- process management ------------------------------------------------------------------------
 
+
 def _entry(rank, fn, port, world_size, args, backend):
     torch.set_num_threads(1)  # 4 ranks share 2 cores
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     try:
         fn(rank, world_size, *args)
     finally:
@@ -44,8 +46,13 @@ def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process
     group (gloo; nccl puts rank r on GPU r); raises if any rank fails or the whole run takes
     longer than ``timeout`` seconds (then every rank is killed)."""
-    ctx = mp.start_processes(_entry, args=(fn, free_port(), world_size, args, backend),
-                             nprocs=world_size, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, free_port(), world_size, args, backend),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=0.2):
@@ -134,6 +141,7 @@ def fp32_allreduce_hook(process_group, bucket):
 
 # ---- exact statistics --------------------------------------------------------------------------
 
+
 def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32"):
     """What the collector must compute for one step, from exact per-rank values; the sketches
     in `encoding` as the agent packs them (rankscope._native.pack_sketch)."""
@@ -165,15 +173,19 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
         values = s.bins.float()
         if encoding != "float32":
             bins, scale = _native.pack_sketch(values.tolist(), encoding)
-            values = torch.tensor(_native.unpack_sketch(bins, encoding, scale),
-                                  dtype=torch.float64)
+            values = torch.tensor(_native.unpack_sketch(bins, encoding, scale), dtype=torch.float64)
         sketches.append(values.double())
     loss_std, loss_mean = pop_std(losses)
     gn_std, gn_mean = pop_std(norms)
     return {
-        "loss_mean": loss_mean, "loss_std": loss_std, "loss_range": max(losses) - min(losses),
-        "grad_norm_mean": gn_mean, "grad_norm_std": gn_std, "grad_norms": norms,
-        "exact_cosine": mean_pairwise_cos(grads), "sketch_cosine": mean_pairwise_cos(sketches),
+        "loss_mean": loss_mean,
+        "loss_std": loss_std,
+        "loss_range": max(losses) - min(losses),
+        "grad_norm_mean": gn_mean,
+        "grad_norm_std": gn_std,
+        "grad_norms": norms,
+        "exact_cosine": mean_pairwise_cos(grads),
+        "sketch_cosine": mean_pairwise_cos(sketches),
     }
 
 
@@ -199,7 +211,8 @@ def check_exact_rows(rows, rank_rows, expected, world_size, sketch_dim) -> None:
         assert r["grad_cosine_mean"] == pytest.approx(e["sketch_cosine"], abs=2e-5)
         # ...and the sketch estimates the exact cosine within its error.
         assert abs(r["grad_cosine_mean"] - e["exact_cosine"]) < cos_bound, (
-            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}")
+            f"step {step}: sketch {r['grad_cosine_mean']:.4f} exact {e['exact_cosine']:.4f}"
+        )
 
 
 # ---- scenario: exact statistics on many model shapes -------------------------------------------
@@ -217,8 +230,17 @@ SCENARIOS = {
 }
 
 
-def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim,
-                 encoding="float32", scenarios=None):
+def exact_worker(
+    rank,
+    world_size,
+    collector,
+    job_prefix,
+    out_dir,
+    steps,
+    sketch_dim,
+    encoding="float32",
+    scenarios=None,
+):
     """Runs `scenarios` (default: all of SCENARIOS) with sketches of `sketch_dim` bins in
     `encoding`."""
     from rankscope import DEFAULT_SKETCH_SEED
@@ -240,8 +262,10 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
         if "bucket_cap_mb" in opt:  # DDP's first bucket is 1 MiB regardless of bucket_cap_mb
             dist._DEFAULT_FIRST_BUCKET_BYTES = int(opt["bucket_cap_mb"] * 2**20)
         ddp = nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=opt.get("bucket_cap_mb", 25),
-            find_unused_parameters=bool(opt.get("unused")))
+            model,
+            bucket_cap_mb=opt.get("bucket_cap_mb", 25),
+            find_unused_parameters=bool(opt.get("unused")),
+        )
         dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket_bytes
         chain = {"comm_hook": fp32_allreduce_hook, "comm_hook_state": None} if bf16 else {}
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -272,12 +296,20 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
         if opt.get("env"):
             os.environ["RANKSCOPE_COLLECTOR"] = collector
             os.environ["RANKSCOPE_JOB"] = job
-            mon = rst.attach(ddp, sketch_dim=sketch_dim, start_step=first,
-                             sketch_encoding=encoding, **chain)
+            mon = rst.attach(
+                ddp, sketch_dim=sketch_dim, start_step=first, sketch_encoding=encoding, **chain
+            )
             del os.environ["RANKSCOPE_COLLECTOR"], os.environ["RANKSCOPE_JOB"]
         else:
-            mon = rst.attach(ddp, collector=collector, job=job, sketch_dim=sketch_dim,
-                             start_step=first, sketch_encoding=encoding, **chain)
+            mon = rst.attach(
+                ddp,
+                collector=collector,
+                job=job,
+                sketch_dim=sketch_dim,
+                start_step=first,
+                sketch_encoding=encoding,
+                **chain,
+            )
         mon._force_torch_sketch = bool(opt.get("torchpath"))
 
         expected = {}
@@ -302,12 +334,17 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
             losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
             dist.all_gather(losses, ref_loss.double().reshape(1))
             if rank == 0:
-                expected[step] = exact_step_stats([float(v) for v in losses], gathered,
-                                                  sketch_dim, DEFAULT_SKETCH_SEED, encoding)
+                expected[step] = exact_step_stats(
+                    [float(v) for v in losses], gathered, sketch_dim, DEFAULT_SKETCH_SEED, encoding
+                )
                 expected[step]["reported_loss_rank0"] = float(loss)
         stats = mon.close(timeout=30)
-        info = {"stats": stats, "first": first, "steps": steps,
-                "num_coordinates": mon.num_coordinates}
+        info = {
+            "stats": stats,
+            "first": first,
+            "steps": steps,
+            "num_coordinates": mon.num_coordinates,
+        }
         write_json(out_dir / f"{name}.rank{rank}.json", info)
         if rank == 0:
             write_json(out_dir / f"{name}.expected.json", expected)
@@ -316,6 +353,7 @@ def exact_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch
 
 # ---- scenario: control (dormant -> enabled -> re-tuned -> disabled) ----------------------------
 
+
 def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
     import rankscope.torch as rst
 
@@ -323,8 +361,9 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
     torch.manual_seed(7)
     ddp = nn.parallel.DistributedDataParallel(TinyLM())
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    mon = rst.attach(ddp, collector=collector, job=job, sketch_dim=256, dormant=True,
-                     control_margin=0.5)
+    mon = rst.attach(
+        ddp, collector=collector, job=job, sketch_dim=256, dormant=True, control_margin=0.5
+    )
     transitions = []  # (first step with these settings, enabled, every, sketch_dim)
     t_end = time.monotonic() + max_seconds
     step = 0
@@ -352,6 +391,7 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
 
 # ---- scenario: the collector is killed mid-training --------------------------------------------
 
+
 def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
     """Phases, decided by rank 0 and broadcast: (A) train until the parent killed the collector
     (file 'killed'); (B) train through the outage for at least min_outage_steps steps and until
@@ -365,8 +405,9 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
     caught = []
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        mon = rst.attach(ddp, collector=collector, job=job, sketch_dim=256, warn_after=0.3,
-                         max_backoff=0.5)
+        mon = rst.attach(
+            ddp, collector=collector, job=job, sketch_dim=256, warn_after=0.3, max_backoff=0.5
+        )
         phase, step, phase_start = "A", 0, 0
         times = {"A": [], "B": [], "C": []}
         while True:
@@ -395,5 +436,7 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
                 break
         caught = [str(m.message) for m in w if "rankscope" in str(m.message)]
         stats = mon.close(timeout=60)
-    write_json(work_dir / f"rank{rank}.json",
-               {"steps": step, "times": times, "warnings": caught, "stats": stats})
+    write_json(
+        work_dir / f"rank{rank}.json",
+        {"steps": step, "times": times, "warnings": caught, "stats": stats},
+    )

@@ -45,11 +45,24 @@ class Job:
         port = free_port()
         self.procs = []
         for r in range(world):
-            cmd = [PY, *launcher, str(TARGET), "--rank", str(r), "--world", str(world),
-                   "--port", str(port), "--dir", str(self.dir), *args]
+            cmd = [
+                PY,
+                *launcher,
+                str(TARGET),
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--dir",
+                str(self.dir),
+                *args,
+            ]
             log = open(self.dir / f"rank{r}.log", "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               env=env or target_env()))
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or target_env())
+            )
         self.world = world
 
     @property
@@ -66,9 +79,12 @@ class Job:
         def ok():
             for r, p in enumerate(self.procs):
                 if p.poll() is not None:
-                    raise AssertionError(f"rank {r} exited {p.returncode}: "
-                                         f"{(self.dir / f'rank{r}.log').read_text()[-2000:]}")
+                    raise AssertionError(
+                        f"rank {r} exited {p.returncode}: "
+                        f"{(self.dir / f'rank{r}.log').read_text()[-2000:]}"
+                    )
             return self.progress() >= step
+
         wait_until(ok, timeout, f"the job to reach step {step}")
 
     def stop_after(self, steps: int) -> None:
@@ -77,13 +93,14 @@ class Job:
     def join(self, timeout=120.0):
         deadline = time.monotonic() + timeout
         try:
-            for r, p in enumerate(self.procs):
+            for p in self.procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             self.kill()
         for r, p in enumerate(self.procs):
-            assert p.returncode == 0, (f"rank {r} exited {p.returncode}: "
-                                       f"{(self.dir / f'rank{r}.log').read_text()[-3000:]}")
+            assert p.returncode == 0, (
+                f"rank {r} exited {p.returncode}: {(self.dir / f'rank{r}.log').read_text()[-3000:]}"
+            )
 
     def kill(self):
         for p in self.procs:
@@ -101,10 +118,19 @@ class Job:
 def attach(collector, job, pids, *flags, timeout=120):
     if not CLI_BIN.exists():
         pytest.skip(f"{CLI_BIN} not built")
-    return subprocess.run([str(CLI_BIN), "attach", f"--job={job}",
-                           f"--collector={collector.address}", *flags,
-                           *[str(p) for p in pids]],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            str(CLI_BIN),
+            "attach",
+            f"--job={job}",
+            f"--collector={collector.address}",
+            *flags,
+            *[str(p) for p in pids],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start_steps(out: str):
@@ -121,8 +147,7 @@ def check_exact(collector, job, expected, first, last, world=WORLD):
         r, e = rows[step], expected[step]
         assert r["ranks"] == world and r["missing_ranks"] == "", (step, r)
         assert r["loss_mean"] == pytest.approx(statistics.fmean(e["losses"]), rel=1e-6)
-        assert r["loss_std"] == pytest.approx(statistics.pstdev(e["losses"]), rel=1e-4,
-                                              abs=1e-7)
+        assert r["loss_std"] == pytest.approx(statistics.pstdev(e["losses"]), rel=1e-4, abs=1e-7)
         assert r["grad_norm_mean"] == pytest.approx(statistics.fmean(e["norms"]), rel=1e-6)
         assert [ranks[step][k][1] for k in range(world)] == pytest.approx(e["norms"], rel=1e-6)
         assert [ranks[step][k][0] for k in range(world)] == pytest.approx(e["losses"], rel=1e-6)
@@ -172,7 +197,7 @@ def test_second_attach_is_a_noop_and_errors_name_the_fix(module_collector, tmp_p
         out = attach(module_collector, "x", [module_collector.proc.pid])
         assert out.returncode == 1 and "is not a Python process" in out.stderr, out.stderr
         # No such process.
-        out = attach(module_collector, "x", [2 ** 22 + 12345])
+        out = attach(module_collector, "x", [2**22 + 12345])
         assert out.returncode == 1 and "no such process" in out.stderr, out.stderr
         # gdb missing.
         out = attach(module_collector, "x", job.pids[:1], "--gdb=/nonexistent/gdb")
@@ -182,10 +207,22 @@ def test_second_attach_is_a_noop_and_errors_name_the_fix(module_collector, tmp_p
         # under root's home (pyenv's), which a real user would have installed where they can.
         if os.geteuid() == 0:
             out = subprocess.run(
-                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                 "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", str(CLI_BIN),
-                 "attach", "--job=x", str(job.pids[0])], capture_output=True, text=True,
-                timeout=60)
+                [
+                    "setpriv",
+                    "--reuid=65534",
+                    "--regid=65534",
+                    "--clear-groups",
+                    "--inh-caps=+dac_read_search",
+                    "--ambient-caps=+dac_read_search",
+                    str(CLI_BIN),
+                    "attach",
+                    "--job=x",
+                    str(job.pids[0]),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert out.returncode == 1, out.stderr
             assert "CAP_SYS_PTRACE" in out.stderr and "shareProcessNamespace" in out.stderr
     finally:
@@ -197,10 +234,9 @@ LOOP = "print('ready', flush=True); [time.sleep(0.05) for _ in range(12000)]"
 PLAIN_PYTHON = {
     "torch is not imported": "import time; " + LOOP,
     "torch.distributed is not initialized": "import time, torch; " + LOOP,
-    "no torch.nn.parallel.DistributedDataParallel model":
-        "import time, torch, torch.distributed as dist; "
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, "
-        "world_size=1); " + LOOP,
+    "no torch.nn.parallel.DistributedDataParallel model": "import time, torch, torch.distributed as dist; "
+    "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, "
+    "world_size=1); " + LOOP,
     "rankscope is not importable": "import sys, time; sys.modules['rankscope'] = None; " + LOOP,
 }
 
@@ -215,8 +251,7 @@ def test_attach_errors_from_inside_the_process(module_collector, message):
     code = PLAIN_PYTHON[message]
     if "%d" in code:
         code = code % free_port()
-    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env=target_env())
+    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True, env=target_env())
     try:
         assert proc.stdout.readline().strip() == "ready"
         out = attach(module_collector, "x", [proc.pid])
@@ -229,22 +264,26 @@ def test_attach_errors_from_inside_the_process(module_collector, message):
 
 
 def test_signals_during_the_injected_calls_reach_the_process_and_attach_completes(
-        module_collector, tmp_path):
+    module_collector, tmp_path
+):
     """A process that is sent signals all along (here SIGUSR1, with a handler that counts them)
     while gdb runs mmap, dlopen and the helper inside it: a signal pending when gdb resumes a
     thread into one of those calls must go to the process's handler, not stop gdb inside the
     call (which failed the attach and left the process to return into gdb's dummy frame)."""
     count = tmp_path / "hits"
-    code = ("import signal, sys, time\n"
-            "hits = [0]\n"
-            "signal.signal(signal.SIGUSR1, lambda *a: hits.__setitem__(0, hits[0] + 1))\n"
-            "print('ready', flush=True)\n"
-            "for _ in range(12000):\n"
-            "    time.sleep(0.05)\n"
-            "    open(sys.argv[1] + '.tmp', 'w').write(str(hits[0]))\n"
-            "    __import__('os').replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
-    proc = subprocess.Popen([PY, "-c", code, str(count)], stdout=subprocess.PIPE, text=True,
-                            env=target_env())
+    code = (
+        "import signal, sys, time\n"
+        "hits = [0]\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: hits.__setitem__(0, hits[0] + 1))\n"
+        "print('ready', flush=True)\n"
+        "for _ in range(12000):\n"
+        "    time.sleep(0.05)\n"
+        "    open(sys.argv[1] + '.tmp', 'w').write(str(hits[0]))\n"
+        "    __import__('os').replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+    )
+    proc = subprocess.Popen(
+        [PY, "-c", code, str(count)], stdout=subprocess.PIPE, text=True, env=target_env()
+    )
     stop = threading.Event()
     sent = [0]
 
@@ -266,8 +305,11 @@ def test_signals_during_the_injected_calls_reach_the_process_and_attach_complete
         assert "torch is not imported" in out.stderr, out.stderr
         assert "gdb could not run" not in out.stderr and "was undone" not in out.stderr
         _assert_running(proc.pid)
-        wait_until(lambda: count.exists() and int(count.read_text() or 0) > 0, 60,
-                   "the process to count the signals it was sent")
+        wait_until(
+            lambda: count.exists() and int(count.read_text() or 0) > 0,
+            60,
+            "the process to count the signals it was sent",
+        )
         assert sent[0] > 0
     finally:
         stop.set()
@@ -278,9 +320,12 @@ def test_signals_during_the_injected_calls_reach_the_process_and_attach_complete
 
 
 def test_a_main_thread_that_never_returns_to_python_is_queued_not_run(module_collector):
-    proc = subprocess.Popen([PY, "-c", "import time; print('ready', flush=True); "
-                             "time.sleep(600)"], stdout=subprocess.PIPE, text=True,
-                            env=target_env())
+    proc = subprocess.Popen(
+        [PY, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=target_env(),
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         out = attach(module_collector, "x", [proc.pid], "--timeout=3")
@@ -296,16 +341,26 @@ def test_zero_code_launch_with_accumulation_and_a_framework(module_collector, tm
     """`python -m rankscope.run --enabled --sketch_encoding=float16 train.py`: a DDP built inside
     a framework class, three micro-batches per step; the reported loss is their mean."""
     steps = 16
-    job = Job(tmp_path / "run", args=("--framework", "--accum", "3", "--total", str(steps)),
-              launcher=("-m", "rankscope.run", "--job=zero-code", "--enabled",
-                        "--sketch_encoding=float16", f"--collector={module_collector.address}"),
-              env=target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}"}))
+    job = Job(
+        tmp_path / "run",
+        args=("--framework", "--accum", "3", "--total", str(steps)),
+        launcher=(
+            "-m",
+            "rankscope.run",
+            "--job=zero-code",
+            "--enabled",
+            "--sketch_encoding=float16",
+            f"--collector={module_collector.address}",
+        ),
+        env=target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}"}),
+    )
     job.join()
     rows = module_collector.step_rows("zero-code")
     assert rows, "nothing reported"
     # 4 KiB of float16 bins: k = 2,048 (the launcher's options reach attach).
     assert module_collector.query("SELECT sketch_dim FROM jobs WHERE job = 'zero-code'") == [
-        (2048,)]
+        (2048,)
+    ]
     first = min(rows)
     assert first <= 6  # agreed at the first forward, plus the agreement's lead
     check_exact(module_collector, "zero-code", job.expected(), first, steps - 1)
@@ -315,11 +370,18 @@ def test_auto_env_with_own_comm_hook_uses_parameter_hooks(module_collector, tmp_
     """RANKSCOPE_AUTO=1 with a model that has its own comm hook: per-parameter gradient hooks,
     with gradient accumulation (the local gradient includes the no_sync micro-batches)."""
     steps = 14
-    env = target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}", "RANKSCOPE_AUTO": "1",
-                      "RANKSCOPE_JOB": "auto-hooks", "RANKSCOPE_DORMANT": "0",
-                      "RANKSCOPE_COLLECTOR": module_collector.address})
-    job = Job(tmp_path / "auto", args=("--own-hook", "--accum", "2", "--total", str(steps)),
-              env=env)
+    env = target_env(
+        {
+            "PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+            "RANKSCOPE_AUTO": "1",
+            "RANKSCOPE_JOB": "auto-hooks",
+            "RANKSCOPE_DORMANT": "0",
+            "RANKSCOPE_COLLECTOR": module_collector.address,
+        }
+    )
+    job = Job(
+        tmp_path / "auto", args=("--own-hook", "--accum", "2", "--total", str(steps)), env=env
+    )
     job.join()
     rows = module_collector.step_rows("auto-hooks")
     assert rows, "nothing reported"
@@ -343,7 +405,9 @@ def test_attach_to_zero_job_names_the_rank_that_missed_a_shard(module_collector,
         job.join()
     rows = module_collector.query(
         "SELECT step, replica_divergent_ranks FROM step_stats WHERE job = ? AND step >= ? "
-        "ORDER BY step", ("live-zero", first))
+        "ORDER BY step",
+        ("live-zero", first),
+    )
     named = [(s, r) for s, r in rows if r]
     assert [r for _, r in named] == ["1"], rows
 
@@ -353,28 +417,58 @@ def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_p
     both ranks and says they are already attached -> `ctl enable` starts the reports."""
     work = tmp_path / "torchrun"
     work.mkdir()
-    env = target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
-                      "RANKSCOPE_COLLECTOR": module_collector.address, "OMP_NUM_THREADS": "1"})
+    env = target_env(
+        {
+            "PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+            "RANKSCOPE_COLLECTOR": module_collector.address,
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     launcher = subprocess.Popen(
-        [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         # torch 1.13 on Python 3.11 cannot parse its own default "0", nor 3 (Python 3.11 iterates only single-bit flags)
-         "--redirects=1", "--tee=1", f"--log_dir={work / 'logs'}",
-         "-m", "rankscope.run", "--job=torchrun-job", str(TARGET), "--dir", str(work)],
-        stdout=open(work / "torchrun.log", "w"), stderr=subprocess.STDOUT, env=env)
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            # torch 1.13 on Python 3.11 cannot parse its own default "0", nor 3 (Python 3.11 iterates only single-bit flags)
+            "--redirects=1",
+            "--tee=1",
+            f"--log_dir={work / 'logs'}",
+            "-m",
+            "rankscope.run",
+            "--job=torchrun-job",
+            str(TARGET),
+            "--dir",
+            str(work),
+        ],
+        stdout=open(work / "torchrun.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     job = Job.__new__(Job)
     job.dir, job.world, job.procs = work, 2, []
     try:
-        wait_until(lambda: launcher.poll() is None and job.progress() >= 3, 120,
-                   "the torchrun job to train")
+        wait_until(
+            lambda: launcher.poll() is None and job.progress() >= 3,
+            120,
+            "the torchrun job to train",
+        )
         out = attach(module_collector, "torchrun-job", [], "--all-local")
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.count("already attached") == 2, out.stdout
-        wait_until(lambda: module_collector.query("SELECT 1 FROM jobs WHERE job = ?",
-                                                  ("torchrun-job",)), 60, "the dormant hello")
+        wait_until(
+            lambda: module_collector.query("SELECT 1 FROM jobs WHERE job = ?", ("torchrun-job",)),
+            60,
+            "the dormant hello",
+        )
         assert module_collector.step_rows("torchrun-job") == {}
         module_collector.ctl("enable", "torchrun-job", "--lead_steps=3")
-        wait_until(lambda: len(module_collector.step_rows("torchrun-job")) >= 5, 60,
-                   "5 steps reported after ctl enable")
+        wait_until(
+            lambda: len(module_collector.step_rows("torchrun-job")) >= 5,
+            60,
+            "5 steps reported after ctl enable",
+        )
         job.stop_after(3)
         assert launcher.wait(timeout=120) == 0, (work / "torchrun.log").read_text()[-3000:]
     finally:

@@ -38,11 +38,25 @@ def job(tmp_path_factory):
     c = Collector(tmp_path_factory.mktemp("cli")).start()
     try:
         run = subprocess.run(
-            [str(LOADGEN), f"--collector={c.address}", f"--job={JOB}", f"--ranks={RANKS}",
-             f"--steps={STEPS}", "--step_interval=0", f"--outlier_rank={OUTLIER}",
-             "--outlier_from_step=20", "--outlier_loss_shift=5", f"--divergent_rank={DIVERGENT}",
-             "--divergent_from_step=30", "--param_check_every=10", "--flush_timeout=30s"],
-            capture_output=True, text=True, timeout=120)
+            [
+                str(LOADGEN),
+                f"--collector={c.address}",
+                f"--job={JOB}",
+                f"--ranks={RANKS}",
+                f"--steps={STEPS}",
+                "--step_interval=0",
+                f"--outlier_rank={OUTLIER}",
+                "--outlier_from_step=20",
+                "--outlier_loss_shift=5",
+                f"--divergent_rank={DIVERGENT}",
+                "--divergent_from_step=30",
+                "--param_check_every=10",
+                "--flush_timeout=30s",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         # loadgen exits after every report is acked, i.e. committed.
         assert len(c.step_rows(JOB)) == STEPS
@@ -53,10 +67,17 @@ def job(tmp_path_factory):
 
 
 def stored_steps(c):
-    cols = ("step", "loss_mean", "loss_std", "grad_norm_cv", "grad_cosine_mean",
-            "grad_noise_scale", "replica_divergent_ranks", "outlier_ranks")
-    rows = c.query(f"SELECT {', '.join(cols)} FROM step_stats WHERE job = ? ORDER BY step",
-                   (JOB,))
+    cols = (
+        "step",
+        "loss_mean",
+        "loss_std",
+        "grad_norm_cv",
+        "grad_cosine_mean",
+        "grad_noise_scale",
+        "replica_divergent_ranks",
+        "outlier_ranks",
+    )
+    rows = c.query(f"SELECT {', '.join(cols)} FROM step_stats WHERE job = ? ORDER BY step", (JOB,))
     return [dict(zip(cols, r)) for r in rows]
 
 
@@ -75,13 +96,26 @@ def test_help_on_every_verb():
     assert "-o report.png" in cli("report", "-h").stdout
 
 
-@pytest.mark.parametrize("binary,flags", [
-    ("rankscope", ("--collector", "--job", "--format", "--auth_token_file")),
-    ("rankscope-collector", ("--grpc_address", "--metrics_address", "--db_path", "--max_streams",
-                             "--hello_timeout", "--http_address", "--http_threads",
-                             "--http_request_timeout")),
-    ("rankscope-loadgen", ("--collector", "--ranks", "--groups", "--outlier_rank")),
-])
+@pytest.mark.parametrize(
+    "binary,flags",
+    [
+        ("rankscope", ("--collector", "--job", "--format", "--auth_token_file")),
+        (
+            "rankscope-collector",
+            (
+                "--grpc_address",
+                "--metrics_address",
+                "--db_path",
+                "--max_streams",
+                "--hello_timeout",
+                "--http_address",
+                "--http_threads",
+                "--http_request_timeout",
+            ),
+        ),
+        ("rankscope-loadgen", ("--collector", "--ranks", "--groups", "--outlier_rank")),
+    ],
+)
 def test_help_exits_zero_and_lists_only_the_binarys_own_flags(binary, flags):
     """Issue 12.9: `--help` exits 0 (scripts check it) and shows the binary's own flags, without
     the source paths absl prints ("Flags from /path/to/main.cc") or the libraries' flags."""
@@ -100,7 +134,7 @@ def test_help_exits_zero_and_lists_only_the_binarys_own_flags(binary, flags):
 
 def test_jobs_lists_the_job(job):
     out = cli("jobs", collector=job).stdout
-    line = next(l for l in out.splitlines() if l.startswith(JOB + " "))
+    line = next(ln for ln in out.splitlines() if ln.startswith(JOB + " "))
     fields = line.split()
     assert fields[1] == str(RANKS) and fields[3] == str(STEPS)
 
@@ -112,7 +146,7 @@ def test_show_once_has_the_steps_and_the_worst_ranks(job):
     header = lines[1].split()
     assert header[:3] == ["STEP", "RANKS", "LOSS_MEAN"]
     assert "DIVERGENT" in header and "OUTLIERS" in header
-    rows = [l.split() for l in lines[2:7]]
+    rows = [ln.split() for ln in lines[2:7]]
     assert [int(r[0]) for r in rows] == list(range(STEPS, STEPS - 5, -1))
     div_col, out_col = header.index("DIVERGENT"), header.index("OUTLIERS")
     stored = {s["step"]: s for s in stored_steps(job)}
@@ -123,12 +157,16 @@ def test_show_once_has_the_steps_and_the_worst_ranks(job):
     assert str(DIVERGENT) in rows[0][div_col].split(",")
     assert str(OUTLIER) in rows[0][out_col].split(",")
     i = lines.index(f"worst ranks of step {STEPS} (by outlier score):")
-    worst = [l.split() for l in lines[i + 2:i + 5]]
+    worst = [ln.split() for ln in lines[i + 2 : i + 5]]
     assert len(worst) == 3 and worst[0][0] == str(OUTLIER)
     scores = [float(w[1]) for w in worst]
     assert scores == sorted(scores, reverse=True)
-    db = {r[0]: r[1] for r in job.query(
-        "SELECT rank, outlier_score FROM rank_steps WHERE job = ? AND step = ?", (JOB, STEPS))}
+    db = {
+        r[0]: r[1]
+        for r in job.query(
+            "SELECT rank, outlier_score FROM rank_steps WHERE job = ? AND step = ?", (JOB, STEPS)
+        )
+    }
     assert max(db, key=db.get) == OUTLIER
     replica = {int(w[0]): w[-1] for w in worst}
     for rank, verdict in replica.items():
@@ -142,22 +180,32 @@ def test_export_csv_of_steps_matches_sqlite_from_the_collector_and_the_file(job)
         rows = list(csv.DictReader(io.StringIO(out)))
         assert [int(r["step"]) for r in rows] == [s["step"] for s in stored]
         for r, s in zip(rows, stored):
-            for col in ("loss_mean", "loss_std", "grad_norm_cv", "grad_cosine_mean",
-                        "grad_noise_scale"):
+            for col in (
+                "loss_mean",
+                "loss_std",
+                "grad_norm_cv",
+                "grad_cosine_mean",
+                "grad_noise_scale",
+            ):
                 assert same(r[col], s[col]), (source, r["step"], col, r[col], s[col])
             assert r["replica_divergent_ranks"] == (s["replica_divergent_ranks"] or "").replace(
-                ",", ";")
+                ",", ";"
+            )
             assert r["outlier_ranks"] == (s["outlier_ranks"] or "").replace(",", ";")
             assert r["ranks"] == str(RANKS) and r["world_size"] == str(RANKS)
 
 
 def test_export_csv_of_ranks_matches_sqlite(job):
-    stored = job.query("SELECT step, rank, loss, outlier_score, replica_ok, param_fingerprint, "
-                       "step_time_z FROM rank_steps WHERE job = ? ORDER BY step, rank", (JOB,))
+    stored = job.query(
+        "SELECT step, rank, loss, outlier_score, replica_ok, param_fingerprint, "
+        "step_time_z FROM rank_steps WHERE job = ? ORDER BY step, rank",
+        (JOB,),
+    )
     assert len(stored) == STEPS * RANKS
     for source in ([], [f"--db={job.db_path}"]):
-        out = cli("export", f"--job={JOB}", "--format=csv", "--table=ranks", *source,
-                  collector=job).stdout
+        out = cli(
+            "export", f"--job={JOB}", "--format=csv", "--table=ranks", *source, collector=job
+        ).stdout
         rows = list(csv.DictReader(io.StringIO(out)))
         assert len(rows) == len(stored)
         for r, (step, rank, loss, score, ok, pfp, tz) in zip(rows, stored):
@@ -173,19 +221,29 @@ def test_export_csv_of_ranks_matches_sqlite(job):
 
 def test_export_json_is_the_same_from_the_collector_and_the_file(job):
     a = json.loads(cli("export", f"--job={JOB}", "--format=json", collector=job).stdout)
-    b = json.loads(cli("export", f"--job={JOB}", "--format=json", f"--db={job.db_path}",
-                       collector=job).stdout)
+    b = json.loads(
+        cli("export", f"--job={JOB}", "--format=json", f"--db={job.db_path}", collector=job).stdout
+    )
     assert a == b
     assert len(a["steps"]) == STEPS and len(a["ranks"]) == STEPS * RANKS
     # Small pages (3 step rows, or 1 step of rank rows, a request) give the same export.
-    paged = json.loads(cli("export", f"--job={JOB}", "--format=json", "--page_rows=3",
-                           collector=job).stdout)
+    paged = json.loads(
+        cli("export", f"--job={JOB}", "--format=json", "--page_rows=3", collector=job).stdout
+    )
     assert paged == a
     last = a["steps"][-1]
     assert int(last["step"]) == STEPS
     assert DIVERGENT in last["replica_divergent_ranks"] and OUTLIER in last["outlier_ranks"]
-    part = json.loads(cli("export", f"--job={JOB}", "--format=json", "--first_step=10",
-                          "--last_step=12", collector=job).stdout)
+    part = json.loads(
+        cli(
+            "export",
+            f"--job={JOB}",
+            "--format=json",
+            "--first_step=10",
+            "--last_step=12",
+            collector=job,
+        ).stdout
+    )
     assert [int(s["step"]) for s in part["steps"]] == [10, 11, 12]
     assert len(part["ranks"]) == 3 * RANKS
 

@@ -40,8 +40,9 @@ STEPS = {"healthy": 60, "nudge": 60, "perturb": 40, "corrupt": 80, "straggler": 
 class Mlp(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                                 nn.Linear(64, 4))
+        self.net = nn.Sequential(
+            nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -102,15 +103,25 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
         if name == "perturb":
             pstate = _PerturbState(ddp.process_group, rank)
             extra = {"comm_hook": perturbing_hook, "comm_hook_state": pstate}
-        mon = rst.attach(ddp, collector=collector, job=f"{job_prefix}-{name}", sketch_dim=256,
-                         local_batch_size=32, param_check_every=PARAM_CHECK_EVERY, **extra)
+        mon = rst.attach(
+            ddp,
+            collector=collector,
+            job=f"{job_prefix}-{name}",
+            sketch_dim=256,
+            local_batch_size=32,
+            param_check_every=PARAM_CHECK_EVERY,
+            **extra,
+        )
         mon._force_torch_sketch = name == "nudge"  # the device (torch-op) path, on the CPU
         truth = {}
         for step in range(steps):
             if pstate is not None:
                 pstate.step = step
-            x, y = data(rank, step, corrupt=(name == "corrupt" and rank == CORRUPT_RANK
-                                             and step >= CORRUPT_FROM))
+            x, y = data(
+                rank,
+                step,
+                corrupt=(name == "corrupt" and rank == CORRUPT_RANK and step >= CORRUPT_FROM),
+            )
             sgd.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(ddp(x), y)
             if name == "straggler" and rank == STRAGGLER_RANK:
@@ -144,20 +155,38 @@ def rank_table(collector, job):
     rows = collector.query(
         "SELECT step, rank, replica_ok, outlier_score, step_time_z, step_time_seconds, "
         "reduced_grad_fingerprint, param_fingerprint FROM rank_steps WHERE job = ? "
-        "ORDER BY step, rank", (job,))
+        "ORDER BY step, rank",
+        (job,),
+    )
     table = {}
     for step, rank, ok, score, tz, st, gfp, pfp in rows:
-        table.setdefault(step, {})[rank] = {"replica_ok": ok, "score": score, "time_z": tz,
-                                            "time": st, "grad_fp": gfp, "param_fp": pfp}
+        table.setdefault(step, {})[rank] = {
+            "replica_ok": ok,
+            "score": score,
+            "time_z": tz,
+            "time": st,
+            "grad_fp": gfp,
+            "param_fp": pfp,
+        }
     return table
 
 
 def step_table(collector, job):
     rows = collector.query(
         "SELECT step, ranks, replica_checked, replica_divergent_ranks, outlier_ranks, "
-        "grad_noise_scale FROM step_stats WHERE job = ? ORDER BY step", (job,))
-    return {r[0]: {"ranks": r[1], "checked": r[2], "divergent": r[3] or "",
-                   "outliers": r[4] or "", "noise_scale": r[5]} for r in rows}
+        "grad_noise_scale FROM step_stats WHERE job = ? ORDER BY step",
+        (job,),
+    )
+    return {
+        r[0]: {
+            "ranks": r[1],
+            "checked": r[2],
+            "divergent": r[3] or "",
+            "outliers": r[4] or "",
+            "noise_scale": r[5],
+        }
+        for r in rows
+    }
 
 
 def test_every_scenario_reports_every_step_with_fingerprints(run):
@@ -185,8 +214,11 @@ def test_healthy_job_has_no_divergence(run):
     # norm gives a noise-scale estimate on most steps.
     for by in ranks.values():
         assert len({r["grad_fp"] for r in by.values()}) == 1
-    finite = [s["noise_scale"] for s in stats.values() if s["noise_scale"] is not None
-              and math.isfinite(s["noise_scale"])]
+    finite = [
+        s["noise_scale"]
+        for s in stats.values()
+        if s["noise_scale"] is not None and math.isfinite(s["noise_scale"])
+    ]
     assert len(finite) >= len(stats) // 2
 
 
@@ -198,14 +230,20 @@ def test_healthy_job_outlier_flags(run):
     collector, _, _ = run
     stats = step_table(collector, "culprit-healthy")
     ranks = rank_table(collector, "culprit-healthy")
-    above = sum(1 for by in ranks.values() for r in by.values()
-                if r["score"] is not None and r["score"] > 6.0)
+    above = sum(
+        1
+        for by in ranks.values()
+        for r in by.values()
+        if r["score"] is not None and r["score"] > 6.0
+    )
     print(f"healthy W=4: {above} rank-steps of {W * len(stats)} above the single-step threshold")
-    assert all(s["outliers"] == "" for s in stats.values()), \
-        {s: v["outliers"] for s, v in stats.items() if v["outliers"]}
+    assert all(s["outliers"] == "" for s in stats.values()), {
+        s: v["outliers"] for s, v in stats.items() if v["outliers"]
+    }
     for r in range(W):
-        worst = sum(1 for s in ranks
-                    if max(ranks[s], key=lambda q: ranks[s][q]["score"] or 0.0) == r)
+        worst = sum(
+            1 for s in ranks if max(ranks[s], key=lambda q: ranks[s][q]["score"] or 0.0) == r
+        )
         assert worst <= len(ranks) // 2, (r, worst)
 
 
@@ -258,8 +296,10 @@ def test_corrupted_data_rank_is_the_worst_outlier(run):
     hits = sum(1 for w in worst if w == CORRUPT_RANK)
     before = [s for s in ranks if s < CORRUPT_FROM]
     worst_before = [max(ranks[s], key=lambda r: ranks[s][r]["score"] or 0.0) for s in before]
-    print(f"corrupt: rank {CORRUPT_RANK} worst on {hits}/{len(after)} steps after "
-          f"{CORRUPT_FROM}, {worst_before.count(CORRUPT_RANK)}/{len(before)} before")
+    print(
+        f"corrupt: rank {CORRUPT_RANK} worst on {hits}/{len(after)} steps after "
+        f"{CORRUPT_FROM}, {worst_before.count(CORRUPT_RANK)}/{len(before)} before"
+    )
     assert hits >= 0.8 * len(after)
     stats = step_table(collector, "culprit-corrupt")
     flagged = sum(1 for s in after if str(CORRUPT_RANK) in stats[s]["outliers"].split(","))
@@ -273,7 +313,9 @@ def test_straggler_is_named(run):
     worst = [max(ranks[s], key=lambda r: ranks[s][r]["time_z"] or -math.inf) for s in steps]
     hits = worst.count(STRAGGLER_RANK)
     slow = [ranks[s][STRAGGLER_RANK]["time"] for s in steps]
-    print(f"straggler: rank {STRAGGLER_RANK} slowest on {hits}/{len(steps)} steps; median "
-          f"step time {sorted(slow)[len(slow) // 2]:.3f} s")
+    print(
+        f"straggler: rank {STRAGGLER_RANK} slowest on {hits}/{len(steps)} steps; median "
+        f"step time {sorted(slow)[len(slow) // 2]:.3f} s"
+    )
     assert hits >= 0.9 * len(steps)
     assert all(t >= STRAGGLER_SLEEP for t in slow)

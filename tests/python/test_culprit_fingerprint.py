@@ -13,8 +13,12 @@ MASK = (1 << 64) - 1
 
 def reference(values: torch.Tensor, offset: int = 0) -> int:
     """sum (bits_i + 1) * (2 (offset + i) + 1) mod 2**64, in Python integers."""
-    itype = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
-             torch.float16: torch.int16, torch.float64: torch.int64}[values.dtype]
+    itype = {
+        torch.float32: torch.int32,
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+        torch.float64: torch.int64,
+    }[values.dtype]
     bits = values.reshape(-1).view(itype).tolist()
     return sum((b + 1) * (2 * (offset + i) + 1) for i, b in enumerate(bits)) & MASK
 
@@ -68,8 +72,9 @@ def test_parameters_fold_in_order():
     assert fp.to_uint64(fp.fold_parameters(swapped)) != fp.to_uint64(fp.fold(flat, 0))
 
 
-@pytest.mark.parametrize("dtype,width", [(torch.float32, 32), (torch.bfloat16, 16),
-                                         (torch.float16, 16)])
+@pytest.mark.parametrize(
+    "dtype,width", [(torch.float32, 32), (torch.bfloat16, 16), (torch.float16, 16)]
+)
 def test_every_single_bit_flip_changes_it(dtype, width):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(16, generator=g).to(dtype)
@@ -112,8 +117,7 @@ def test_the_cpp_kernel_agrees_with_the_torch_ops(dtype):
     f, ss = fp.fold_cpu(x, 77)
     assert f == fp.to_uint64(fp.fold(x, 77)) == reference(x, 77)
     assert ss == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
-    layout = fp.SegmentLayout(x.numel(), [5000, 0, 9000], [4000, 5000, 1001],
-                              [0, 4000, 9000])
+    layout = fp.SegmentLayout(x.numel(), [5000, 0, 9000], [4000, 5000, 1001], [0, 4000, 9000])
     f2, ss2 = fp.fold_segments_cpu(x, layout)
     assert f2 == fp.to_uint64(fp.fold_segments(x, layout))
     assert ss2 == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
@@ -132,8 +136,12 @@ def test_add_all_mixes_numbers_and_tensors():
 def test_add_all_sums_partial_vectors_and_scalars():
     """The Triton kernels hand per-program partial vectors; add_all sums them with 0-d values
     and host numbers, wrapping."""
-    parts = [torch.tensor([1, -2, 3], dtype=torch.int64), torch.tensor(-(1 << 63)),
-             torch.tensor([(1 << 63) - 1]), (1 << 64) - 5]
+    parts = [
+        torch.tensor([1, -2, 3], dtype=torch.int64),
+        torch.tensor(-(1 << 63)),
+        torch.tensor([(1 << 63) - 1]),
+        (1 << 64) - 5,
+    ]
     expected = (1 - 2 + 3 - (1 << 63) + (1 << 63) - 1 + (1 << 64) - 5) & MASK
     assert fp.to_uint64(fp.add_all(parts, "cpu")) == expected
 

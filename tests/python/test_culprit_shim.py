@@ -14,16 +14,18 @@ from conftest import free_port  # noqa: E402
 
 @pytest.fixture
 def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
 
 def model():
     torch.manual_seed(3)
-    m = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(),
-                      nn.Linear(300, 2))
+    m = nn.Sequential(
+        nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 2)
+    )
     m[0].bias.requires_grad_(False)  # frozen: in the parameter fingerprint, not the gradient's
     return m
 
@@ -41,8 +43,7 @@ def test_sent_fingerprints_equal_the_definition(one_rank, collector, torch_path)
         dist._DEFAULT_FIRST_BUCKET_BYTES = first
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     job = f"sent-{int(torch_path)}"
-    mon = rst.attach(ddp, collector=collector.address, job=job, sketch_dim=64,
-                     param_check_every=2)
+    mon = rst.attach(ddp, collector=collector.address, job=job, sketch_dim=64, param_check_every=2)
     mon._force_torch_sketch = torch_path
     expected = {}
     for step in range(5):
@@ -62,9 +63,12 @@ def test_sent_fingerprints_equal_the_definition(one_rank, collector, torch_path)
     assert mon.counters["reported"] == 5
     assert mon.counters["planned_buckets"] > 0 or torch_path  # final buckets were cached
     assert mon.flush(timeout=20)
-    rows = collector.query("SELECT step, reduced_grad_fingerprint, param_fingerprint, "
-                           "step_time_seconds, replica_ok FROM rank_steps WHERE job = ? "
-                           "ORDER BY step", (job,))
+    rows = collector.query(
+        "SELECT step, reduced_grad_fingerprint, param_fingerprint, "
+        "step_time_seconds, replica_ok FROM rank_steps WHERE job = ? "
+        "ORDER BY step",
+        (job,),
+    )
     assert [r[0] for r in rows] == list(range(5))
     for step, gfp, pfp, st, ok in rows:
         assert gfp & (2**64 - 1) == expected[step][0], step

@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "detection", Path(__file__).resolve().parents[2] / "bench" / "detection.py")
+    "detection", Path(__file__).resolve().parents[2] / "bench" / "detection.py"
+)
 detection = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(detection)
 
@@ -36,11 +37,11 @@ def test_replica_divergence_counts_and_on_the_onset_step_the_delay_is_zero():
 
 
 def test_flags_before_the_onset_or_on_other_ranks_are_false():
-    s = detection.score_run(run(), rows((3, "outlier", "2"), (5, "outlier", "1,2"),
-                                        (8, "duplicate", "0,3")))
+    s = detection.score_run(
+        run(), rows((3, "outlier", "2"), (5, "outlier", "1,2"), (8, "duplicate", "0,3"))
+    )
     assert s["detected"] and s["delay"] == 1
-    assert s["false_flags"] == [(3, "outlier", [2]), (5, "outlier", [1]),
-                                (8, "duplicate", [0, 3])]
+    assert s["false_flags"] == [(3, "outlier", [2]), (5, "outlier", [1]), (8, "duplicate", [0, 3])]
 
 
 def test_drifting_and_slow_ranks_name_the_rank_and_can_be_false():
@@ -57,8 +58,15 @@ def test_drifting_and_slow_ranks_name_the_rank_and_can_be_false():
 
 def test_duplicates_need_the_exact_group():
     dup = run("duplicate", rank=3, onset=2, partner=1)
-    s = detection.score_run(dup, rows((2, "duplicate", "0,1,3"), (3, "duplicate", "1,3"),
-                                      (4, "outlier", "3"), (5, "outlier", "0")))
+    s = detection.score_run(
+        dup,
+        rows(
+            (2, "duplicate", "0,1,3"),
+            (3, "duplicate", "1,3"),
+            (4, "outlier", "3"),
+            (5, "outlier", "0"),
+        ),
+    )
     assert (s["detected"], s["delay"], s["how"]) == (True, 1, "duplicate")
     # A group with a third rank is wrong; an outlier flag on a duplicated rank is not a false
     # flag (nor a detection), on another rank it is.
@@ -70,8 +78,11 @@ def test_anything_in_a_clean_run_is_false():
     clean = {"fault": "clean", "rank": None, "onset": None}
     s = detection.score_run(clean, rows((9, "outlier", "0"), (9, "duplicate", "1,2;0,3")))
     assert not s["detected"]
-    assert s["false_flags"] == [(9, "outlier", [0]), (9, "duplicate", [1, 2]),
-                                (9, "duplicate", [0, 3])]
+    assert s["false_flags"] == [
+        (9, "outlier", [0]),
+        (9, "duplicate", [1, 2]),
+        (9, "duplicate", [0, 3]),
+    ]
     assert detection.score_run(clean, rows())["false_flags"] == []
 
 

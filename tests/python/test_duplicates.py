@@ -92,26 +92,42 @@ def duplicates_worker(rank, world_size, collector, job_prefix, names, out_dir):
 def runs(module_collector, tmp_path_factory):
     out = tmp_path_factory.mktemp("duplicates")
     t0 = time.monotonic()
-    spawn(duplicates_worker, 4, module_collector.address, "dup4",
-          ["same", "pair", "alternate", "augment", "clean"], str(out), timeout=300)
-    spawn(duplicates_worker, 2, module_collector.address, "dup2", ["clean", "same"], str(out),
-          timeout=300)
-    spawn(duplicates_worker, 8, module_collector.address, "dup8", ["eight"], str(out),
-          timeout=300)
+    spawn(
+        duplicates_worker,
+        4,
+        module_collector.address,
+        "dup4",
+        ["same", "pair", "alternate", "augment", "clean"],
+        str(out),
+        timeout=300,
+    )
+    spawn(
+        duplicates_worker,
+        2,
+        module_collector.address,
+        "dup2",
+        ["clean", "same"],
+        str(out),
+        timeout=300,
+    )
+    spawn(duplicates_worker, 8, module_collector.address, "dup8", ["eight"], str(out), timeout=300)
     print(f"duplicate-data DDP runs took {time.monotonic() - t0:.1f} s")
     return module_collector
 
 
 def groups(collector, job):
-    rows = collector.query("SELECT step, ranks, duplicate_groups, grad_cosine_mean FROM "
-                           "step_stats WHERE job = ? ORDER BY step", (job,))
+    rows = collector.query(
+        "SELECT step, ranks, duplicate_groups, grad_cosine_mean FROM "
+        "step_stats WHERE job = ? ORDER BY step",
+        (job,),
+    )
     assert [r[0] for r in rows] == list(range(STEPS)), job
     return {step: (ranks, dup or "", cos) for step, ranks, dup, cos in rows}
 
 
 def test_every_rank_on_the_same_data(runs):
     for job, expected in (("dup4-same", "0,1,2,3"), ("dup2-same", "0,1")):
-        for step, (ranks, dup, cos) in groups(runs, job).items():
+        for step, (ranks, dup, _cos) in groups(runs, job).items():
             assert (ranks, dup) == (int(job[3]), expected), (job, step)
 
 
@@ -142,7 +158,8 @@ def test_augmented_views_of_the_same_images_are_not_duplicates(runs):
 
 def test_duplicate_metrics_exported(runs):
     assert runs.metric("rankscope_duplicate_steps_total", train_job="dup4-same") == STEPS
-    assert runs.metric("rankscope_duplicate_steps_total", train_job="dup4-alternate") == \
-        sum(1 for s in range(STEPS) if (s // EPOCH) % 2 == 1)
+    assert runs.metric("rankscope_duplicate_steps_total", train_job="dup4-alternate") == sum(
+        1 for s in range(STEPS) if (s // EPOCH) % 2 == 1
+    )
     assert runs.metric("rankscope_duplicate_steps_total", train_job="dup4-clean") == 0
     assert runs.metric("rankscope_duplicate_ranks", train_job="dup4-pair") == 2

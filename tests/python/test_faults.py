@@ -32,21 +32,41 @@ class Loadgen:
     """A rankscope-loadgen process: ``ranks`` simulated ranks (or one, ``rank=``) of ``job``,
     with --progress lines on its log and a JSON summary at the end."""
 
-    def __init__(self, tmp_path: Path, address: str, job: str, ranks: int, steps: int,
-                 name: str = "loadgen", **flags):
+    def __init__(
+        self,
+        tmp_path: Path,
+        address: str,
+        job: str,
+        ranks: int,
+        steps: int,
+        name: str = "loadgen",
+        **flags,
+    ):
         if not LOADGEN_BIN.exists():
             pytest.skip(f"{LOADGEN_BIN} not built")
         self.summary_path = tmp_path / f"{name}.summary.json"
         self.log_path = tmp_path / f"{name}.log"
         self._log = open(self.log_path, "w")
-        args = {"collector": address, "job": job, "ranks": ranks, "steps": steps,
-                "step_interval": "10ms", "sketch_dim": 256, "step_time": 0,
-                "max_backoff": "200ms", "flush_timeout": "50s", "progress": "true",
-                "progress_interval": "100ms", "summary_json": self.summary_path}
+        args = {
+            "collector": address,
+            "job": job,
+            "ranks": ranks,
+            "steps": steps,
+            "step_interval": "10ms",
+            "sketch_dim": 256,
+            "step_time": 0,
+            "max_backoff": "200ms",
+            "flush_timeout": "50s",
+            "progress": "true",
+            "progress_interval": "100ms",
+            "summary_json": self.summary_path,
+        }
         args.update(flags)
         self.proc = subprocess.Popen(
             [str(LOADGEN_BIN), *(f"--{k}={v}" for k, v in args.items())],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -55,8 +75,7 @@ class Loadgen:
         """The newest progress line's counters (all zero before the first line)."""
         lines = re.findall(r"loadgen: progress (.*)", self.log())
         if not lines:
-            return {"step": 0, "recorded": 0, "acked": 0, "dropped": 0, "queued": 0,
-                    "unacked": 0}
+            return {"step": 0, "recorded": 0, "acked": 0, "dropped": 0, "queued": 0, "unacked": 0}
         return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1])}
 
     def recording_done(self) -> bool:
@@ -73,7 +92,9 @@ class Loadgen:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"loadgen did not finish in {timeout:.0f} s:\n{self.log()}")
+            raise AssertionError(
+                f"loadgen did not finish in {timeout:.0f} s:\n{self.log()}"
+            ) from None
         finally:
             self._log.close()
         assert rc == 0, f"loadgen exited with {rc}:\n{self.log()}"
@@ -87,8 +108,9 @@ class Loadgen:
 
 
 def stored_by_rank(c: Collector, job: str) -> dict:
-    return dict(c.query("SELECT rank, COUNT(*) FROM rank_steps WHERE job = ? GROUP BY rank",
-                        (job,)))
+    return dict(
+        c.query("SELECT rank, COUNT(*) FROM rank_steps WHERE job = ? GROUP BY rank", (job,))
+    )
 
 
 def assert_exactly_once(c: Collector, job: str, summary: dict) -> None:
@@ -100,8 +122,11 @@ def assert_exactly_once(c: Collector, job: str, summary: dict) -> None:
         assert a["acked"] == expect, a
         assert a["rejected"] == 0 and a["invalid"] == 0, a
     # The primary key makes a duplicate row impossible; check the keys anyway.
-    dup = c.query("SELECT step, rank, COUNT(*) FROM rank_steps WHERE job = ? "
-                  "GROUP BY step, rank HAVING COUNT(*) > 1", (job,))
+    dup = c.query(
+        "SELECT step, rank, COUNT(*) FROM rank_steps WHERE job = ? "
+        "GROUP BY step, rank HAVING COUNT(*) > 1",
+        (job,),
+    )
     assert dup == []
 
 
@@ -131,8 +156,11 @@ def test_collector_sigkilled_under_load_and_restarted_loses_nothing(tmp_path, pr
     c.kill()
     at_kill = lg.progress()
     # The job goes on while no collector runs; then a collector comes back on the same port/DB.
-    wait_until(lambda: lg.progress()["recorded"] >= at_kill["recorded"] + 400 or
-               lg.recording_done(), DEADLINE, "reports recorded while the collector is down")
+    wait_until(
+        lambda: lg.progress()["recorded"] >= at_kill["recorded"] + 400 or lg.recording_done(),
+        DEADLINE,
+        "reports recorded while the collector is down",
+    )
     c.restart()
     summary = lg.wait()
     dup_metric = c.metric("rankscope_reports_duplicate_total")
@@ -149,9 +177,11 @@ def test_collector_sigkilled_under_load_and_restarted_loses_nothing(tmp_path, pr
     assert resends >= 0
     assert received <= total["sent"]
     assert dup_metric <= resends
-    print(f"\nsigkill: recorded={total['recorded']} stored={total['recorded']} "
-          f"dropped=0 resent={resends} duplicates_seen={dup_metric:.0f} "
-          f"received_after_restart={received:.0f}")
+    print(
+        f"\nsigkill: recorded={total['recorded']} stored={total['recorded']} "
+        f"dropped=0 resent={resends} duplicates_seen={dup_metric:.0f} "
+        f"received_after_restart={received:.0f}"
+    )
 
 
 def test_collector_down_when_the_job_starts_loses_nothing(tmp_path, procs):
@@ -159,8 +189,9 @@ def test_collector_down_when_the_job_starts_loses_nothing(tmp_path, procs):
     job = "faults-late-collector"
     lg = Loadgen(tmp_path, f"127.0.0.1:{port}", job, ranks=4, steps=300)
     procs.append(lg)
-    wait_until(lambda: lg.progress()["recorded"] >= 400, DEADLINE,
-               "reports recorded with no collector")
+    wait_until(
+        lambda: lg.progress()["recorded"] >= 400, DEADLINE, "reports recorded with no collector"
+    )
     assert lg.progress()["acked"] == 0
     c = Collector(tmp_path, step_timeout="2s")
     c.port = port
@@ -194,7 +225,7 @@ class BlackHole:
             try:
                 conn, _ = self.listener.accept()
                 self.conns.append(conn)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -209,21 +240,32 @@ class BlackHole:
         self.listener.close()
 
 
-def test_stuck_collector_bounds_memory_never_slows_record_and_drops_are_reported(tmp_path,
-                                                                                procs):
+def test_stuck_collector_bounds_memory_never_slows_record_and_drops_are_reported(tmp_path, procs):
     port = free_port()
     hole = BlackHole(port)
     job = "faults-black-hole"
     ranks, steps = 4, 3000
     # 1 KiB sketches: an unbounded agent would grow by ~1 KiB per report (12 MiB over the run),
     # a bounded one holds at most its ring (queue_capacity) and a few writes in flight.
-    lg = Loadgen(tmp_path, f"127.0.0.1:{port}", job, ranks=ranks, steps=steps,
-                 step_interval="1ms", sketch_dim=1024, max_inflight=0, queue_capacity=256,
-                 max_backoff="100ms")
+    lg = Loadgen(
+        tmp_path,
+        f"127.0.0.1:{port}",
+        job,
+        ranks=ranks,
+        steps=steps,
+        step_interval="1ms",
+        sketch_dim=1024,
+        max_inflight=0,
+        queue_capacity=256,
+        max_backoff="100ms",
+    )
     procs.append(lg)
     try:
-        wait_until(lambda: lg.progress()["recorded"] >= ranks * 500, DEADLINE,
-                   "reports recorded against the black hole")
+        wait_until(
+            lambda: lg.progress()["recorded"] >= ranks * 500,
+            DEADLINE,
+            "reports recorded against the black hole",
+        )
         rss_early = lg.rss_bytes()
         early = lg.progress()
         wait_until(lg.recording_done, DEADLINE, "every Record() to return")
@@ -233,7 +275,7 @@ def test_stuck_collector_bounds_memory_never_slows_record_and_drops_are_reported
     finally:
         hole.close()
     # Record() never blocked: every step of every rank was recorded while nothing was acked.
-    assert "recorded=%d in" % (ranks * steps) in lg.log()
+    assert f"recorded={ranks * steps} in" in lg.log()
     assert late["acked"] == 0
     assert late["dropped"] > 0
     assert late["queued"] <= ranks * 256
@@ -253,22 +295,26 @@ def test_stuck_collector_bounds_memory_never_slows_record_and_drops_are_reported
     dropped_total = sum(a["dropped"] for a in summary["agents"])
     assert dropped_total > 0
     assert summary["total"]["recorded"] == ranks * steps
-    wait_until(lambda: c.metric("rankscope_agent_dropped_reports_total", train_job=job) ==
-               dropped_total, DEADLINE, "the agents' drop count in /metrics")
+    wait_until(
+        lambda: c.metric("rankscope_agent_dropped_reports_total", train_job=job) == dropped_total,
+        DEADLINE,
+        "the agents' drop count in /metrics",
+    )
     assert c.stop() == 0
     assert_exactly_once(c, job, summary)
-    print(f"\nblack hole: recorded={summary['total']['recorded']} dropped={dropped_total} "
-          f"stored={summary['total']['recorded'] - dropped_total} rss_early={rss_early >> 20} MiB "
-          f"rss_late={rss_late >> 20} MiB (grew {grew >> 10} KiB while "
-          f"{late['dropped'] - early['dropped']} reports were dropped)")
+    print(
+        f"\nblack hole: recorded={summary['total']['recorded']} dropped={dropped_total} "
+        f"stored={summary['total']['recorded'] - dropped_total} rss_early={rss_early >> 20} MiB "
+        f"rss_late={rss_late >> 20} MiB (grew {grew >> 10} KiB while "
+        f"{late['dropped'] - early['dropped']} reports were dropped)"
+    )
 
 
 def _set_fsize(pid: int, limit: str) -> None:
     subprocess.run(["prlimit", f"--pid={pid}", f"--fsize={limit}"], check=True)
 
 
-def test_disk_full_is_reported_nothing_unstored_is_acked_and_all_is_stored_after(tmp_path,
-                                                                                 procs):
+def test_disk_full_is_reported_nothing_unstored_is_acked_and_all_is_stored_after(tmp_path, procs):
     if shutil.which("prlimit") is None:
         pytest.skip("prlimit (util-linux) not installed")
     c = Collector(tmp_path, step_timeout="2s").start()
@@ -280,20 +326,27 @@ def test_disk_full_is_reported_nothing_unstored_is_acked_and_all_is_stored_after
     # "Disk full": every write the collector makes to a file past 4 KiB fails (EFBIG; SIGXFSZ is
     # ignored). Its log stays below that; SQLite's WAL frames do not.
     _set_fsize(c.proc.pid, "4096:unlimited")
-    wait_until(lambda: c.metric("rankscope_store_healthy") == 0, DEADLINE,
-               "rankscope_store_healthy to drop to 0")
+    wait_until(
+        lambda: c.metric("rankscope_store_healthy") == 0,
+        DEADLINE,
+        "rankscope_store_healthy to drop to 0",
+    )
     stored_at_failure = sum(stored_by_rank(c, job).values())
     before = lg.progress()
     # While the store fails: /metrics is served, errors are counted, the job goes on, and
     # nothing is acked beyond what SQLite holds.
-    wait_until(lambda: lg.progress()["recorded"] >= before["recorded"] + 200, DEADLINE,
-               "the job to go on while the disk is full")
-    wait_until(lambda: c.metric("rankscope_store_errors_total") >= 2, DEADLINE,
-               "failed commits counted")
+    wait_until(
+        lambda: lg.progress()["recorded"] >= before["recorded"] + 200,
+        DEADLINE,
+        "the job to go on while the disk is full",
+    )
+    wait_until(
+        lambda: c.metric("rankscope_store_errors_total") >= 2, DEADLINE, "failed commits counted"
+    )
     during = lg.progress()
     stored_during = sum(stored_by_rank(c, job).values())
     assert stored_during == stored_at_failure  # nothing committed
-    assert during["acked"] <= stored_during     # acks only for what is stored
+    assert during["acked"] <= stored_during  # acks only for what is stored
     assert during["unacked"] + during["queued"] > 0
     assert c.metric("rankscope_store_healthy") == 0
     assert c.proc.poll() is None
@@ -307,9 +360,11 @@ def test_disk_full_is_reported_nothing_unstored_is_acked_and_all_is_stored_after
     assert "SQLite writes recovered" in c.log()
     assert summary["flushed"] and summary["total"]["dropped"] == 0
     assert_exactly_once(c, job, summary)
-    print(f"\ndisk full: recorded={summary['total']['recorded']} stored=all dropped=0 "
-          f"stored_when_full={stored_at_failure} failed_commits={errors:.0f} "
-          f"acked_during<=stored_during: {during['acked']}<={stored_during}")
+    print(
+        f"\ndisk full: recorded={summary['total']['recorded']} stored=all dropped=0 "
+        f"stored_when_full={stored_at_failure} failed_commits={errors:.0f} "
+        f"acked_during<=stored_during: {during['acked']}<={stored_during}"
+    )
 
 
 def test_unwritable_database_is_refused_clearly_and_stored_once_fixed(tmp_path, procs):
@@ -333,16 +388,28 @@ def test_unwritable_database_is_refused_clearly_and_stored_once_fixed(tmp_path, 
     # An operator (or a broken volume) makes the database read-only while the job runs.
     os.chmod(c.db_path, 0o444)
     os.chmod(db_dir, 0o555)
-    out = subprocess.run([*nobody, str(Path(BUILD_DIR) / "bin" / "rankscope-collector"),
-                          f"--grpc_address=127.0.0.1:{c.port}", "--metrics_address=",
-                          "--http_address=", f"--db_path={c.db_path}"],
-                         capture_output=True, text=True, timeout=DEADLINE)
+    out = subprocess.run(
+        [
+            *nobody,
+            str(Path(BUILD_DIR) / "bin" / "rankscope-collector"),
+            f"--grpc_address=127.0.0.1:{c.port}",
+            "--metrics_address=",
+            "--http_address=",
+            f"--db_path={c.db_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
     assert out.returncode == 1, out
     message = out.stderr.strip().splitlines()[-1]
     assert str(c.db_path) in message and "PERMISSION_DENIED" in message, message
     # The job goes on; the agents hold what no collector acked.
-    wait_until(lambda: lg.progress()["acked"] < lg.progress()["recorded"], DEADLINE,
-               "reports held by the agents")
+    wait_until(
+        lambda: lg.progress()["acked"] < lg.progress()["recorded"],
+        DEADLINE,
+        "reports held by the agents",
+    )
     os.chmod(db_dir, 0o755)
     os.chmod(c.db_path, 0o644)
     c.start()
@@ -350,8 +417,10 @@ def test_unwritable_database_is_refused_clearly_and_stored_once_fixed(tmp_path, 
     assert c.stop() == 0
     assert summary["flushed"] and summary["total"]["dropped"] == 0
     assert_exactly_once(c, job, summary)
-    print(f"\nunwritable db: exit 1 with: {message}\n"
-          f"recorded={summary['total']['recorded']} stored=all dropped=0")
+    print(
+        f"\nunwritable db: exit 1 with: {message}\n"
+        f"recorded={summary['total']['recorded']} stored=all dropped=0"
+    )
 
 
 def test_killed_rank_is_named_missing_and_its_steps_close_by_timeout(tmp_path, procs):
@@ -360,22 +429,45 @@ def test_killed_rank_is_named_missing_and_its_steps_close_by_timeout(tmp_path, p
     procs.append(c)
     job = "faults-killed-rank"
     world, victim = 4, 2
-    ranks = [Loadgen(tmp_path, c.address, job, ranks=world, steps=300, rank=r, name=f"rank{r}",
-                     step_interval="20ms") for r in range(world)]
+    ranks = [
+        Loadgen(
+            tmp_path,
+            c.address,
+            job,
+            ranks=world,
+            steps=300,
+            rank=r,
+            name=f"rank{r}",
+            step_interval="20ms",
+        )
+        for r in range(world)
+    ]
     procs.extend(ranks)
-    wait_until(lambda: len(c.query("SELECT step FROM step_stats WHERE job = ? AND ranks = ?",
-                                   (job, world))) >= 10, DEADLINE, "complete steps stored")
+    wait_until(
+        lambda: (
+            len(c.query("SELECT step FROM step_stats WHERE job = ? AND ranks = ?", (job, world)))
+            >= 10
+        ),
+        DEADLINE,
+        "complete steps stored",
+    )
     ranks[victim].proc.send_signal(signal.SIGKILL)
     ranks[victim].kill()
     survivors = [lg.wait() for i, lg in enumerate(ranks) if i != victim]
-    wait_until(lambda: c.metric("rankscope_rank_missing", train_job=job, rank=victim) == 1,
-               DEADLINE, "the killed rank named missing in /metrics")
+    wait_until(
+        lambda: c.metric("rankscope_rank_missing", train_job=job, rank=victim) == 1,
+        DEADLINE,
+        "the killed rank named missing in /metrics",
+    )
     timed_out = c.metric("rankscope_steps_timed_out_total", train_job=job)
     assert c.stop() == 0
-    last_victim_step = c.query("SELECT MAX(step) FROM rank_steps WHERE job = ? AND rank = ?",
-                               (job, victim))[0][0]
-    rows = c.query("SELECT step, ranks, missing_ranks, timed_out FROM step_stats WHERE job = ? "
-                   "ORDER BY step", (job,))
+    last_victim_step = c.query(
+        "SELECT MAX(step) FROM rank_steps WHERE job = ? AND rank = ?", (job, victim)
+    )[0][0]
+    rows = c.query(
+        "SELECT step, ranks, missing_ranks, timed_out FROM step_stats WHERE job = ? ORDER BY step",
+        (job,),
+    )
     after = [r for r in rows if r[0] > last_victim_step]
     assert after, rows[-5:]
     for step, n, missing, out in after:
@@ -385,5 +477,7 @@ def test_killed_rank_is_named_missing_and_its_steps_close_by_timeout(tmp_path, p
     for s in survivors:
         for a in s["agents"]:
             assert stored[a["rank"]] == a["recorded"] - a["dropped"] and a["dropped"] == 0
-    print(f"\nkilled rank: {len(after)}+ steps closed by timeout with missing_ranks={victim}, "
-          f"rankscope_steps_timed_out_total={timed_out:.0f}")
+    print(
+        f"\nkilled rank: {len(after)}+ steps closed by timeout with missing_ranks={victim}, "
+        f"rankscope_steps_timed_out_total={timed_out:.0f}"
+    )

@@ -28,8 +28,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (tools/gpu/run_checks.sh on a GPU machine)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs a CUDA GPU (tools/gpu/run_checks.sh on a GPU machine)", allow_module_level=True
+    )
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -40,19 +41,27 @@ WORLD = 2
 STEPS = 6
 SKETCH_DIM = 1024
 # name -> (model dtype, autocast dtype)
-MODES = {"f32": (torch.float32, None), "autocast": (torch.float32, torch.bfloat16),
-         "bf16": (torch.bfloat16, None)}
+MODES = {
+    "f32": (torch.float32, None),
+    "autocast": (torch.float32, torch.bfloat16),
+    "bf16": (torch.bfloat16, None),
+}
 # The GPU kernels: Triton with the tensor cores (the default for 16-bit gradients at dims 512 ..
 # 4,096), Triton with one atomic add a value, and the torch ops (the fallback, as CI runs it on
 # CPU).
-KERNELS = {"dot": {"RANKSCOPE_GPU_SKETCH": "dot"}, "atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
-           "torch": {"RANKSCOPE_GPU_KERNELS": "torch"}}
+KERNELS = {
+    "dot": {"RANKSCOPE_GPU_SKETCH": "dot"},
+    "atomic": {"RANKSCOPE_GPU_SKETCH": "atomic"},
+    "torch": {"RANKSCOPE_GPU_KERNELS": "torch"},
+}
 
 
 def _use_kernels(name):
     for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
         os.environ.pop(k, None)
     os.environ.update(KERNELS[name])
+
+
 PARAM_CHECK_EVERY = 4
 NUDGE_WORLD = 3  # a strict majority names the nudged rank (with 2, both are named)
 NUDGE_AFTER, NUDGE_RANK = 5, 1
@@ -103,8 +112,9 @@ def exact_worker(rank, world_size, collector, out_dir):
             ddp = _ddp(model, bf16)
             chain = {"comm_hook": H.fp32_allreduce_hook, "comm_hook_state": None} if bf16 else {}
             sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
-            mon = rst.attach(ddp, collector=collector, job=f"gpu-{name}", sketch_dim=SKETCH_DIM,
-                             **chain)
+            mon = rst.attach(
+                ddp, collector=collector, job=f"gpu-{name}", sketch_dim=SKETCH_DIM, **chain
+            )
             expected = {}
             for step in range(STEPS):
                 ref.load_state_dict(ddp.module.state_dict())
@@ -125,12 +135,16 @@ def exact_worker(rank, world_size, collector, out_dir):
                 losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
                 dist.all_gather(losses, ref_loss.detach().double().reshape(1).cpu())
                 if rank == 0:
-                    expected[step] = H.exact_step_stats([float(v) for v in losses], gathered,
-                                                        SKETCH_DIM, DEFAULT_SKETCH_SEED)
+                    expected[step] = H.exact_step_stats(
+                        [float(v) for v in losses], gathered, SKETCH_DIM, DEFAULT_SKETCH_SEED
+                    )
             stats = mon.close(timeout=30)
             from rankscope import triton_kernels
-            H.write_json(out_dir / f"{name}.rank{rank}.json",
-                         {"stats": stats, "dot_failed": triton_kernels._DOT_FAILED})
+
+            H.write_json(
+                out_dir / f"{name}.rank{rank}.json",
+                {"stats": stats, "dot_failed": triton_kernels._DOT_FAILED},
+            )
             if rank == 0:
                 H.write_json(out_dir / f"{name}.expected.json", expected)
             dist.barrier()
@@ -144,8 +158,13 @@ def nudge_worker(rank, world_size, collector, out_dir):
     torch.manual_seed(7)
     ddp = _ddp(H.TinyLM().to(dev), False)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    mon = rst.attach(ddp, collector=collector, job="gpu-nudge", sketch_dim=256,
-                     param_check_every=PARAM_CHECK_EVERY)
+    mon = rst.attach(
+        ddp,
+        collector=collector,
+        job="gpu-nudge",
+        sketch_dim=256,
+        param_check_every=PARAM_CHECK_EVERY,
+    )
     for step in range(3 * PARAM_CHECK_EVERY):
         x, y = (t.to(dev) for t in H.batch(rank, step))
         sgd.zero_grad(set_to_none=True)
@@ -194,8 +213,14 @@ def nosync_worker(rank, world_size, collector, out_dir):
             torch.cuda.set_sync_debug_mode("error")
             step(2)  # plain DDP after that: the baseline must not trip the mode itself
             torch.cuda.set_sync_debug_mode(0)
-            mon = rst.attach(ddp, collector=collector, job=f"gpu-nosync-{kernels}-{every}",
-                             sketch_dim=1024, every=every, param_check_every=2)
+            mon = rst.attach(
+                ddp,
+                collector=collector,
+                job=f"gpu-nosync-{kernels}-{every}",
+                sketch_dim=1024,
+                every=every,
+                param_check_every=2,
+            )
             errors = []
             busy_ok, pinned = [], []
             for s in range(3, 12):
@@ -219,14 +244,20 @@ def nosync_worker(rank, world_size, collector, out_dir):
                 pinned.extend(p.host.is_pinned() for p in mon._deferred._pending)
                 torch.cuda.synchronize()
             stats = mon.close(timeout=30)
-            out[f"{kernels}-{every}"] = {"errors": errors, "busy_ok": busy_ok, "pinned": pinned,
-                                         "stats": stats}
+            out[f"{kernels}-{every}"] = {
+                "errors": errors,
+                "busy_ok": busy_ok,
+                "pinned": pinned,
+                "stats": stats,
+            }
     from rankscope import triton_kernels
+
     out["dot_failed"] = triton_kernels._DOT_FAILED
     H.write_json(Path(out_dir) / "nosync.json", out)
 
 
 # ---- tests ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def exact_run(module_collector, tmp_path_factory):
@@ -245,8 +276,13 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
     collector, out = exact_run
     name = f"{mode}-{kernels}"
     expected = {int(k): v for k, v in _load(out / f"{name}.expected.json").items()}
-    H.check_exact_rows(collector.step_rows(f"gpu-{name}"), collector.rank_rows(f"gpu-{name}"),
-                       expected, WORLD, SKETCH_DIM)
+    H.check_exact_rows(
+        collector.step_rows(f"gpu-{name}"),
+        collector.rank_rows(f"gpu-{name}"),
+        expected,
+        WORLD,
+        SKETCH_DIM,
+    )
     for rank in range(WORLD):
         info = _load(out / f"{name}.rank{rank}.json")
         assert info["dot_failed"] == []
@@ -270,9 +306,12 @@ def test_gpu_one_ulp_nudge_is_named_at_the_next_check(nudge_run):
     collector, out = nudge_run
     rows = collector.query(
         "SELECT step, rank, replica_ok, param_fingerprint FROM rank_steps WHERE job = ? "
-        "ORDER BY step, rank", ("gpu-nudge",))
-    steps = collector.query("SELECT step, replica_divergent_ranks FROM step_stats WHERE job = ?",
-                            ("gpu-nudge",))
+        "ORDER BY step, rank",
+        ("gpu-nudge",),
+    )
+    steps = collector.query(
+        "SELECT step, replica_divergent_ranks FROM step_stats WHERE job = ?", ("gpu-nudge",)
+    )
     divergent = {s: d or "" for s, d in steps}
     check = (NUDGE_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
     assert sorted(divergent) == list(range(3 * PARAM_CHECK_EVERY))
@@ -292,8 +331,7 @@ def test_gpu_one_ulp_nudge_is_named_at_the_next_check(nudge_run):
 
 
 def test_gpu_steps_never_synchronize(module_collector, tmp_path):
-    H.spawn(nosync_worker, 1, module_collector.address, str(tmp_path), timeout=240,
-            backend="nccl")
+    H.spawn(nosync_worker, 1, module_collector.address, str(tmp_path), timeout=240, backend="nccl")
     out = _load(tmp_path / "nosync.json")
     assert out.pop("dot_failed") == []
     for case, r in out.items():

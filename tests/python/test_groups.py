@@ -74,8 +74,7 @@ def megatron_worker(rank, world_size, collector, out_dir):
     torch.manual_seed(100 + shard)  # the two shards hold different parameters
     ddp = nn.parallel.DistributedDataParallel(Classifier(), process_group=groups[shard])
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    mon = rst.attach(ddp, collector=collector, job="megatron", sketch_dim=256,
-                     param_check_every=1)
+    mon = rst.attach(ddp, collector=collector, job="megatron", sketch_dim=256, param_check_every=1)
     for step in range(STEPS):
         x, y = batch(rank, step, noisy=(rank == 5 and step >= NOISE_ONSET))
         sgd.zero_grad(set_to_none=True)
@@ -87,8 +86,10 @@ def megatron_worker(rank, world_size, collector, out_dir):
                 w = ddp.module.net[0].weight.view(-1)
                 w[0] = torch.nextafter(w[0], torch.tensor(math.inf))
         mon.step(loss)
-    write_json(Path(out_dir) / f"megatron.rank{rank}.json",
-               {"group": mon.group, "rank": mon.rank, "stats": mon.close(timeout=30)})
+    write_json(
+        Path(out_dir) / f"megatron.rank{rank}.json",
+        {"group": mon.group, "rank": mon.rank, "stats": mon.close(timeout=30)},
+    )
 
 
 def gan_worker(rank, world_size, collector, out_dir):
@@ -108,8 +109,9 @@ def gan_worker(rank, world_size, collector, out_dir):
     gen = nn.parallel.DistributedDataParallel(nn.Linear(8, 12))
     disc = nn.parallel.DistributedDataParallel(Classifier())
     mon_g = rst.attach(gen, collector=collector, job="gan-named", sketch_dim=128, group="generator")
-    mon_d = rst.attach(disc, collector=collector, job="gan-named", sketch_dim=128,
-                       group="discriminator")
+    mon_d = rst.attach(
+        disc, collector=collector, job="gan-named", sketch_dim=128, group="discriminator"
+    )
     opt = torch.optim.SGD(list(gen.parameters()) + list(disc.parameters()), lr=0.05)
     for step in range(6):
         z = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
@@ -122,8 +124,10 @@ def gan_worker(rank, world_size, collector, out_dir):
         opt.step()
         mon_d.step(d_loss)
         mon_g.step(g_loss)
-    write_json(Path(out_dir) / f"gan.rank{rank}.json",
-               {"refusal": refusal, "g": mon_g.close(timeout=30), "d": mon_d.close(timeout=30)})
+    write_json(
+        Path(out_dir) / f"gan.rank{rank}.json",
+        {"refusal": refusal, "g": mon_g.close(timeout=30), "d": mon_d.close(timeout=30)},
+    )
 
 
 def pipeline_worker(rank, world_size, collector, out_dir):
@@ -165,13 +169,15 @@ def run_worker(rank, world_size, collector, job, first_step, steps, data_seed, o
         sgd.step()
         mon.step(loss)
         losses[step] = float(loss)
-    write_json(Path(out_dir) / f"{tag}.rank{rank}.json",
-               {"losses": losses, "stats": mon.close(timeout=30)})
+    write_json(
+        Path(out_dir) / f"{tag}.rank{rank}.json", {"losses": losses, "stats": mon.close(timeout=30)}
+    )
 
 
 def read(out_dir, tag, world_size):
-    return [json.loads((Path(out_dir) / f"{tag}.rank{r}.json").read_text())
-            for r in range(world_size)]
+    return [
+        json.loads((Path(out_dir) / f"{tag}.rank{r}.json").read_text()) for r in range(world_size)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +197,9 @@ def runs(module_collector, tmp_path_factory):
 
 
 def flags(collector, job, column):
-    rows = collector.query(f"SELECT step, ranks, {column} FROM step_stats WHERE job = ? "
-                           "ORDER BY step", (job,))
+    rows = collector.query(
+        f"SELECT step, ranks, {column} FROM step_stats WHERE job = ? ORDER BY step", (job,)
+    )
     assert [r[0] for r in rows] == list(range(STEPS)), job
     assert all(r[1] == 4 for r in rows), job  # every step joined all 4 ranks of the group
     return {step: text for step, _, text in rows}
@@ -204,12 +211,16 @@ def test_megatron_groups_are_joined_apart(runs):
         assert worker["stats"]["acked"] == STEPS and worker["stats"]["rejected"] == 0
     # Each group its own rows: nothing of one group overwrote the other's.
     for job in ("megatron/dp0", "megatron/dp1"):
-        assert collector.query("SELECT count(*) FROM rank_steps WHERE job = ?",
-                               (job,))[0][0] == 4 * STEPS
+        assert (
+            collector.query("SELECT count(*) FROM rank_steps WHERE job = ?", (job,))[0][0]
+            == 4 * STEPS
+        )
     assert collector.query("SELECT count(*) FROM step_stats WHERE job = 'megatron'") == [(0,)]
     # Who is who: group rank, global rank and host of every rank.
-    who = collector.query("SELECT job, rank, global_rank, host FROM rank_identities WHERE job "
-                          "LIKE 'megatron/%' ORDER BY global_rank")
+    who = collector.query(
+        "SELECT job, rank, global_rank, host FROM rank_identities WHERE job "
+        "LIKE 'megatron/%' ORDER BY global_rank"
+    )
     host = socket.gethostname()
     assert who == [(f"megatron/dp{g % 2}", g // 2, g, host) for g in range(8)]
 
@@ -227,9 +238,18 @@ def test_label_noise_is_named_in_its_group_only(runs):
 def test_the_cli_names_the_least_consistent_group(runs):
     """`rankscope groups`: the groups side by side, the noisy group the least consistent."""
     collector, _ = runs
-    out = subprocess.run([str(CLI_BIN), f"--collector={collector.address}", "--job=megatron",
-                          f"--limit={STEPS}", "groups"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [
+            str(CLI_BIN),
+            f"--collector={collector.address}",
+            "--job=megatron",
+            f"--limit={STEPS}",
+            "groups",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert "job megatron: 2 groups" in out.stdout, out.stdout
     assert re.search(r"^dp0 +\|", out.stdout, re.M) and re.search(r"^dp1 +\|", out.stdout, re.M)
@@ -251,18 +271,22 @@ def test_a_pipeline_stage_without_loss_reports_gradients_only(runs):
         stats = json.loads((Path(out) / f"pipeline.rank{rank}.json").read_text())
         assert stats["acked"] == PIPE_STEPS and stats["rejected"] == 0, stats
     cols = "step, ranks, loss_mean, loss_std, grad_norm_mean, grad_cosine_mean, outlier_ranks"
-    first = collector.query(f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp0' "
-                            "ORDER BY step")
-    last = collector.query(f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp2' "
-                           "ORDER BY step")
+    first = collector.query(
+        f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp0' ORDER BY step"
+    )
+    last = collector.query(
+        f"SELECT {cols} FROM step_stats WHERE job = 'pipeline/dp2' ORDER BY step"
+    )
     assert [r[0] for r in first] == [r[0] for r in last] == list(range(PIPE_STEPS))
     for row in first:  # no loss: loss statistics absent, gradients watched, nothing flagged
         assert row[1] == 2 and row[2] is None and row[3] is None, row
         assert row[4] > 0 and row[5] is not None and row[6] == "", row
     for row in last:
         assert row[1] == 2 and row[2] > 0 and row[3] is not None and row[6] == "", row
-    assert collector.query("SELECT count(*) FROM rank_steps WHERE job = 'pipeline/dp0' AND "
-                           "(loss IS NOT NULL OR nonfinite != 0)") == [(0,)]
+    assert collector.query(
+        "SELECT count(*) FROM rank_steps WHERE job = 'pipeline/dp0' AND "
+        "(loss IS NOT NULL OR nonfinite != 0)"
+    ) == [(0,)]
     assert collector.metric("rankscope_steps_nonfinite_total", train_job="pipeline") == 0
 
 
@@ -272,13 +296,13 @@ def test_two_models_in_one_process(runs):
         assert "group=" in worker["refusal"], worker["refusal"]
         assert worker["g"]["acked"] == 6 and worker["d"]["acked"] == 6
     for job in ("gan-named/generator", "gan-named/discriminator"):
-        rows = collector.query("SELECT step, ranks FROM step_stats WHERE job = ? ORDER BY step",
-                               (job,))
+        rows = collector.query(
+            "SELECT step, ranks FROM step_stats WHERE job = ? ORDER BY step", (job,)
+        )
         assert rows == [(s, 2) for s in range(6)], job
     # The two models' gradients were never mixed: their sketches differ in norm and shape.
     g = collector.query("SELECT grad_norm FROM rank_steps WHERE job = 'gan-named/generator'")
-    d = collector.query("SELECT grad_norm FROM rank_steps WHERE job = "
-                        "'gan-named/discriminator'")
+    d = collector.query("SELECT grad_norm FROM rank_steps WHERE job = 'gan-named/discriminator'")
     assert len(g) == len(d) == 12
 
 
@@ -327,13 +351,15 @@ def test_a_second_run_with_the_same_job_name_is_refused(collector):
     naming the holder, and nothing of it is stored."""
     from rankscope import _native
 
-    first = _native.Agent(collector=collector.address, job="twice", rank=0, world_size=1,
-                          sketch_dim=8)
+    first = _native.Agent(
+        collector=collector.address, job="twice", rank=0, world_size=1, sketch_dim=8
+    )
     sketch = _native.Sketch(8)
     assert first.record_sketch(step=1, loss=1.0, grad_norm=1.0, sketch=sketch) == ""
     assert first.flush(10.0) == "" and first.stats()["acked"] == 1  # it holds rank 0 now
-    second = _native.Agent(collector=collector.address, job="twice", rank=0, world_size=1,
-                           sketch_dim=8)
+    second = _native.Agent(
+        collector=collector.address, job="twice", rank=0, world_size=1, sketch_dim=8
+    )
     # Refused at its hello: whether this report is still queued or already refused is a race.
     second.record_sketch(step=1, loss=2.0, grad_norm=2.0, sketch=sketch)
     deadline = time.monotonic() + 30

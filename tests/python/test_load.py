@@ -40,8 +40,9 @@ def test_2000_streams_connect_store_everything_and_stay_under_the_memory_bound()
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < STREAMS + 300:
         pytest.skip(f"the hard file descriptor limit ({hard}) is below {STREAMS} streams")
-    f = stream_load.run_streams(BUILD_DIR, STREAMS, duration=8, step_interval=1.0,
-                                sketch_dim=1024, hold=2.0)
+    f = stream_load.run_streams(
+        BUILD_DIR, STREAMS, duration=8, step_interval=1.0, sketch_dim=1024, hold=2.0
+    )
     print(f)
     assert f["streams_open"] == STREAMS
     assert f["acked"] == f["recorded"] > 0
@@ -49,7 +50,8 @@ def test_2000_streams_connect_store_everything_and_stay_under_the_memory_bound()
     bound_kib = f["idle_kib"] + STREAMS * KIB_PER_STREAM_BOUND
     assert f["peak_kib"] < bound_kib, (
         f"collector RSS peaked at {f['peak_kib'] / 1024:.0f} MiB with {STREAMS} streams, above "
-        f"the bound {bound_kib / 1024:.0f} MiB ({f['kib_per_stream_peak']:.0f} KiB per stream)")
+        f"the bound {bound_kib / 1024:.0f} MiB ({f['kib_per_stream_peak']:.0f} KiB per stream)"
+    )
 
 
 _native = pytest.importorskip("rankscope._native")
@@ -62,13 +64,21 @@ def test_stream_beyond_max_streams_is_refused_and_the_others_keep_working(tmp_pa
     sketch = _native.Sketch(dim)
 
     def agent(rank):
-        return _native.Agent(collector=c.address, job="limited", rank=rank, world_size=limit + 1,
-                             sketch_dim=dim, initial_backoff_s=0.05, max_backoff_s=0.5)
+        return _native.Agent(
+            collector=c.address,
+            job="limited",
+            rank=rank,
+            world_size=limit + 1,
+            sketch_dim=dim,
+            initial_backoff_s=0.05,
+            max_backoff_s=0.5,
+        )
 
     try:
         agents = [agent(r) for r in range(limit)]
-        wait_until(lambda: all(a.stats()["connected"] for a in agents), 60,
-                   f"{limit} agents to connect")
+        wait_until(
+            lambda: all(a.stats()["connected"] for a in agents), 60, f"{limit} agents to connect"
+        )
         extra = agent(limit)
         err = wait_until(lambda: extra.stats()["last_error"], 60, "the extra stream's refusal")
         assert err.startswith("RESOURCE_EXHAUSTED"), err
@@ -83,8 +93,9 @@ def test_stream_beyond_max_streams_is_refused_and_the_others_keep_working(tmp_pa
         # (Not `connected`: it is true from the moment a retry's hello is written until the
         # refusal arrives, so a snapshot may catch it mid-retry.)
         assert s["recorded"] == 5 and s["acked"] == 0 and s["reconnects"] >= 1, s
-        assert c.query("SELECT COUNT(*) FROM rank_steps WHERE job = 'limited' AND rank < ?",
-                       (limit,)) == [(limit * 5,)]
+        assert c.query(
+            "SELECT COUNT(*) FROM rank_steps WHERE job = 'limited' AND rank < ?", (limit,)
+        ) == [(limit * 5,)]
         assert c.query("SELECT COUNT(*) FROM rank_steps WHERE rank = ?", (limit,)) == [(0,)]
         # Once a slot frees, the refused agent gets in and delivers what it buffered.
         agents.pop().close(1)

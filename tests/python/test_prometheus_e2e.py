@@ -71,8 +71,10 @@ EXPECTED = [
     ("RankscopeRankOutlier", {"train_job": "outlier", "rank": "2", "signal": "outlier_score"}),
     ("RankscopeRankSilent", {"train_job": "silent", "rank": "1", "severity": "warning"}),
     ("RankscopeDirectionConsistencyLow", {"train_job": "incoherent", "condition": "floor"}),
-    ("RankscopeReplicaDivergence", {"train_job": "incoherent", "rank": "0", "scope": "rank",
-                                    "severity": "critical"}),
+    (
+        "RankscopeReplicaDivergence",
+        {"train_job": "incoherent", "rank": "0", "scope": "rank", "severity": "critical"},
+    ),
     ("RankscopeRankStraggler", {"train_job": "incoherent", "rank": "3", "severity": "warning"}),
     ("RankscopeCollectorDown", {"condition": "scrape_failing", "instance": "<doomed>"}),
 ]
@@ -91,7 +93,9 @@ def forbidden(alert, instances):
         return "only rank 1 of job silent stopped reporting"
     if name == "RankscopeCollectorDown" and labels.get("instance") != instances["doomed"]:
         return "the live collector is up"
-    if name == "RankscopeReplicaDivergence" and not (job == "incoherent" and labels.get("rank") == "0"):
+    if name == "RankscopeReplicaDivergence" and not (
+        job == "incoherent" and labels.get("rank") == "0"
+    ):
         return "only rank 0 of job incoherent diverges"
     if name == "RankscopeRankStraggler" and not (job == "incoherent" and labels.get("rank") == "3"):
         return "only rank 3 of job incoherent is slow"
@@ -109,8 +113,9 @@ class Proc:
         self.name, self.argv = name, [str(a) for a in argv]
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w+")
-        self.p = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL)
+        self.p = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
 
     def log(self, tail=3000):
         return self.log_path.read_text(errors="replace")[-tail:]
@@ -131,14 +136,25 @@ class Proc:
 
 
 def start_collector(tmp, name):
-    proc = Proc(name, [COLLECTOR_BIN, "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-                       "--http_address=", f"--db_path={tmp / (name + '.db')}", "--step_timeout=2s"],
-                tmp)
+    proc = Proc(
+        name,
+        [
+            COLLECTOR_BIN,
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=127.0.0.1:0",
+            "--http_address=",
+            f"--db_path={tmp / (name + '.db')}",
+            "--step_timeout=2s",
+        ],
+        tmp,
+    )
 
     def ports():
         if not proc.alive():
             raise AssertionError(f"{name} exited: {proc.log()}")
-        m = re.search(r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics", proc.log(100000))
+        m = re.search(
+            r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics", proc.log(100000)
+        )
         return m and (int(m.group(1)), int(m.group(2)))
 
     proc.grpc_port, proc.metrics_port = wait_until(ports, 30, f"{name} to serve", interval=0.1)
@@ -146,9 +162,16 @@ def start_collector(tmp, name):
 
 
 def loadgen(tmp, name, collector, job, **flags):
-    argv = [LOADGEN_BIN, f"--collector=127.0.0.1:{collector.grpc_port}", f"--job={job}",
-            f"--step_interval={STEP_INTERVAL}", "--sketch_dim=1024", "--loss_std=0.01",
-            "--grad_norm_cv=0.02", "--cosine=0.95"]
+    argv = [
+        LOADGEN_BIN,
+        f"--collector=127.0.0.1:{collector.grpc_port}",
+        f"--job={job}",
+        f"--step_interval={STEP_INTERVAL}",
+        "--sketch_dim=1024",
+        "--loss_std=0.01",
+        "--grad_norm_cv=0.02",
+        "--cosine=0.95",
+    ]
     argv += [f"--{k}={v}" for k, v in flags.items()]
     return Proc(name, argv, tmp)
 
@@ -166,16 +189,25 @@ class Prometheus:
         config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
         config["rule_files"] = [str(RULES_DIR / "*.yml")]
         config["alerting"]["alertmanagers"][0]["static_configs"] = [
-            {"targets": [f"127.0.0.1:{alertmanager_port}"]}]  # nothing listens: alerts are read from the API
+            {"targets": [f"127.0.0.1:{alertmanager_port}"]}
+        ]  # nothing listens: alerts are read from the API
         (scrape,) = [s for s in config["scrape_configs"] if s["job_name"] == "rankscope-collector"]
         scrape["static_configs"] = [{"targets": collector_targets}]
         self.config_path = tmp / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc("prometheus", [
-            PROMETHEUS_BIN, f"--config.file={self.config_path}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"], tmp)
+        self.proc = Proc(
+            "prometheus",
+            [
+                PROMETHEUS_BIN,
+                f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            tmp,
+        )
 
         def ready():
             if not self.proc.alive():
@@ -202,7 +234,9 @@ class Prometheus:
     def query(self, expr):
         body = self.api("query", query=expr)
         if body["status"] != "success":
-            raise AssertionError(f"query failed: {body.get('errorType')}: {body.get('error')}\n{expr}")
+            raise AssertionError(
+                f"query failed: {body.get('errorType')}: {body.get('error')}\n{expr}"
+            )
         return body["data"]["result"]
 
     def alerts(self):
@@ -215,7 +249,9 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    missing = [str(p) for p in (COLLECTOR_BIN, LOADGEN_BIN) if not p.exists() or p.stat().st_size == 0]
+    missing = [
+        str(p) for p in (COLLECTOR_BIN, LOADGEN_BIN) if not p.exists() or p.stat().st_size == 0
+    ]
     if PROMETHEUS_BIN is None:
         missing.append("prometheus (Debian package prometheus)")
     if missing:
@@ -230,39 +266,86 @@ def stack(tmp_path_factory):
         collector = start_collector(tmp, "collector")
         doomed = start_collector(tmp, "collector-doomed")
         procs += [collector, doomed]
-        instances = {"live": f"127.0.0.1:{collector.metrics_port}",
-                     "doomed": f"127.0.0.1:{doomed.metrics_port}"}
+        instances = {
+            "live": f"127.0.0.1:{collector.metrics_port}",
+            "doomed": f"127.0.0.1:{doomed.metrics_port}",
+        }
         prom = Prometheus(tmp, [instances["live"], instances["doomed"]], free_port())
         procs.append(prom.proc)
 
         # The doomed collector is scraped once, then SIGKILLed: RankscopeCollectorDown for it.
-        wait_until(lambda: prom.query(f'up{{instance="{instances["doomed"]}"}} == 1'), 30,
-                   "a first scrape of the doomed collector", interval=0.5)
+        wait_until(
+            lambda: prom.query(f'up{{instance="{instances["doomed"]}"}} == 1'),
+            30,
+            "a first scrape of the doomed collector",
+            interval=0.5,
+        )
         doomed.stop(signal.SIGKILL)
 
         # Rejections: a second set of agents for an existing job with another sketch size.
-        first = loadgen(tmp, "loadgen-misconfigured-a", collector, "misconfigured", ranks=2, steps=20)
+        first = loadgen(
+            tmp, "loadgen-misconfigured-a", collector, "misconfigured", ranks=2, steps=20
+        )
         wait_until(lambda: not first.alive(), 60, "the first misconfigured loadgen to finish")
-        second = loadgen(tmp, "loadgen-misconfigured-b", collector, "misconfigured", ranks=2, steps=20,
-                         sketch_dim=512, flush_timeout="5s")
+        second = loadgen(
+            tmp,
+            "loadgen-misconfigured-b",
+            collector,
+            "misconfigured",
+            ranks=2,
+            steps=20,
+            sketch_dim=512,
+            flush_timeout="5s",
+        )
         procs.append(second)
 
         duration = f"{JOB_DURATION_S}s"
         jobs = {
-            "healthy": loadgen(tmp, "loadgen-healthy", collector, "healthy", ranks=8, steps=HEALTHY_STEPS),
-            "outlier": loadgen(tmp, "loadgen-outlier", collector, "outlier", ranks=4, duration=duration,
-                               outlier_rank=2, outlier_from_step=0, outlier_loss_shift=2.0,
-                               outlier_norm_scale=3.0),
-            "silent": loadgen(tmp, "loadgen-silent", collector, "silent", ranks=4, duration=duration,
-                              silent_rank=1, silent_from_step=100),
-            "incoherent": loadgen(tmp, "loadgen-incoherent", collector, "incoherent", ranks=4,
-                                  duration=duration, cosine=0.01, divergent_rank=0,
-                                  divergent_from_step=200, straggler_rank=3, straggler_factor=3.0),
+            "healthy": loadgen(
+                tmp, "loadgen-healthy", collector, "healthy", ranks=8, steps=HEALTHY_STEPS
+            ),
+            "outlier": loadgen(
+                tmp,
+                "loadgen-outlier",
+                collector,
+                "outlier",
+                ranks=4,
+                duration=duration,
+                outlier_rank=2,
+                outlier_from_step=0,
+                outlier_loss_shift=2.0,
+                outlier_norm_scale=3.0,
+            ),
+            "silent": loadgen(
+                tmp,
+                "loadgen-silent",
+                collector,
+                "silent",
+                ranks=4,
+                duration=duration,
+                silent_rank=1,
+                silent_from_step=100,
+            ),
+            "incoherent": loadgen(
+                tmp,
+                "loadgen-incoherent",
+                collector,
+                "incoherent",
+                ranks=4,
+                duration=duration,
+                cosine=0.01,
+                divergent_rank=0,
+                divergent_from_step=200,
+                straggler_rank=3,
+                straggler_factor=3.0,
+            ),
         }
         procs += jobs.values()
 
-        expected = [(name, {k: instances["doomed"] if v == "<doomed>" else v for k, v in labels.items()})
-                    for name, labels in EXPECTED]
+        expected = [
+            (name, {k: instances["doomed"] if v == "<doomed>" else v for k, v in labels.items()})
+            for name, labels in EXPECTED
+        ]
         violations = []
 
         def all_expected_firing():
@@ -278,23 +361,43 @@ def stack(tmp_path_factory):
                     violations.append((why, alert["labels"]))
             if violations:
                 raise AssertionError(f"unexpected firing alerts: {violations}")
-            return all(any(a["labels"]["alertname"] == name and labels.items() <= a["labels"].items()
-                           for a in firing) for name, labels in expected) and firing
+            return (
+                all(
+                    any(
+                        a["labels"]["alertname"] == name and labels.items() <= a["labels"].items()
+                        for a in firing
+                    )
+                    for name, labels in expected
+                )
+                and firing
+            )
 
         started = time.monotonic()
         try:
-            firing = wait_until(all_expected_firing, ALERT_DEADLINE_S, "the expected alerts", interval=2)
+            firing = wait_until(
+                all_expected_firing, ALERT_DEADLINE_S, "the expected alerts", interval=2
+            )
             error = None
         except AssertionError as e:
             firing, error = [a for a in prom.alerts() if a["state"] == "firing"], str(e)
         elapsed = time.monotonic() - started
 
         # The healthy job ends by itself: every report acked, none dropped.
-        wait_until(lambda: not jobs["healthy"].alive(), HEALTHY_STEPS * 0.05 + 90,
-                   "the healthy loadgen to finish", interval=1)
+        wait_until(
+            lambda: not jobs["healthy"].alive(),
+            HEALTHY_STEPS * 0.05 + 90,
+            "the healthy loadgen to finish",
+            interval=1,
+        )
         yield {
-            "prom": prom, "collector": collector, "jobs": jobs, "instances": instances,
-            "expected": expected, "firing": firing, "error": error, "elapsed": elapsed,
+            "prom": prom,
+            "collector": collector,
+            "jobs": jobs,
+            "instances": instances,
+            "expected": expected,
+            "firing": firing,
+            "error": error,
+            "elapsed": elapsed,
             "misconfigured": second,
         }
     finally:
@@ -309,13 +412,19 @@ def stack(tmp_path_factory):
 def test_expected_alerts_fire_with_job_and_rank_labels(stack):
     assert stack["error"] is None, (
         f"{stack['error']}\nfiring after {stack['elapsed']:.0f} s: "
-        f"{[a['labels'] for a in stack['firing']]}\ncollector log: {stack['collector'].log()}")
+        f"{[a['labels'] for a in stack['firing']]}\ncollector log: {stack['collector'].log()}"
+    )
     for name, labels, alert in (
-            (name, labels, alert) for name, labels in stack["expected"]
-            # One alert per rule that fires (RankscopeRankStraggler has a z-score and a CUSUM
-            # rule, told apart by `signal`); each must be well formed.
-            for alert in [a for a in stack["firing"] if a["labels"]["alertname"] == name
-                          and labels.items() <= a["labels"].items()]):
+        (name, labels, alert)
+        for name, labels in stack["expected"]
+        # One alert per rule that fires (RankscopeRankStraggler has a z-score and a CUSUM
+        # rule, told apart by `signal`); each must be well formed.
+        for alert in [
+            a
+            for a in stack["firing"]
+            if a["labels"]["alertname"] == name and labels.items() <= a["labels"].items()
+        ]
+    ):
         ann = alert["annotations"]
         assert ann["runbook_url"].endswith("docs/runbook.md#" + name.lower())
         if "train_job" in labels:
@@ -342,14 +451,22 @@ def test_healthy_job_lost_no_report(stack):
     m = LOADGEN_LINE.search(job.log())
     assert m, job.log()
     recorded, acked, dropped = map(int, m.groups()[1:])
-    assert m.group(1) == "healthy" and recorded == acked == HEALTHY_STEPS * 8 and dropped == 0, m.group(0)
+    assert m.group(1) == "healthy" and recorded == acked == HEALTHY_STEPS * 8 and dropped == 0, (
+        m.group(0)
+    )
 
 
 def test_rules_evaluate_without_errors(stack):
     groups = stack["prom"].api("rules")["data"]["groups"]
-    assert {g["name"] for g in groups} >= {"rankscope-thresholds", "rankscope-recording",
-                                           "rankscope-training-alerts", "rankscope-collector-alerts"}
-    broken = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"]
+    assert {g["name"] for g in groups} >= {
+        "rankscope-thresholds",
+        "rankscope-recording",
+        "rankscope-training-alerts",
+        "rankscope-collector-alerts",
+    }
+    broken = [
+        (r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"
+    ]
     assert broken == []
 
 
@@ -360,7 +477,9 @@ def test_collector_metrics_pass_promtool_check_metrics(stack):
     url = f"http://{stack['instances']['live']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read()
-    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
+    )
     assert out.returncode == 0, (out.stdout + out.stderr).decode()
 
 
@@ -394,7 +513,11 @@ def _existing(prom, names):
 @pytest.mark.parametrize("expression", EXPRESSIONS, ids=[e.source for e in EXPRESSIONS])
 def test_expression_returns_data(stack, expression):
     prom = stack["prom"]
-    names = [n for n in extract_promql.metric_names(expression.expr) if not n.startswith(OPTIONAL_PREFIXES)]
+    names = [
+        n
+        for n in extract_promql.metric_names(expression.expr)
+        if not n.startswith(OPTIONAL_PREFIXES)
+    ]
     absent = sorted(set(names) & PENDING_METRICS - _existing(prom, PENDING_METRICS))
     if absent:
         pytest.skip(f"metrics not exported yet: {', '.join(absent)}")
@@ -410,5 +533,7 @@ def test_expression_returns_data(stack, expression):
 
 def test_pending_metrics_list_is_current(stack):
     exported = _existing(stack["prom"], PENDING_METRICS) if PENDING_METRICS else set()
-    assert exported == set(), (f"{sorted(exported)} are exported now: remove them from PENDING_METRICS "
-                               "so their panels and rules are checked")
+    assert exported == set(), (
+        f"{sorted(exported)} are exported now: remove them from PENDING_METRICS "
+        "so their panels and rules are checked"
+    )

@@ -38,8 +38,7 @@ def ddp_worker(rank, world_size, collector, out_dir):
 
     ddp = nn.parallel.DistributedDataParallel(model())
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    mon = rst.attach(ddp, collector=collector, job="reduce-ddp", sketch_dim=64,
-                     param_check_every=1)
+    mon = rst.attach(ddp, collector=collector, job="reduce-ddp", sketch_dim=64, param_check_every=1)
     for step in range(STEPS):
         x, y = batch(rank, step)
         sgd.zero_grad(set_to_none=True)
@@ -59,8 +58,9 @@ def hand_worker(rank, world_size, collector, out_dir):
         dist.broadcast(p.data, 0)
     params = [p for p in net.parameters() if p.requires_grad]
     sgd = torch.optim.SGD(params, lr=0.1)
-    mon = rst.attach_reducer(net, collector=collector, job="reduce-hand", sketch_dim=64,
-                             param_check_every=1)
+    mon = rst.attach_reducer(
+        net, collector=collector, job="reduce-hand", sketch_dim=64, param_check_every=1
+    )
     for step in range(STEPS):
         x, y = batch(rank, step)
         sgd.zero_grad(set_to_none=True)
@@ -73,7 +73,7 @@ def hand_worker(rank, world_size, collector, out_dir):
         mon.reduced_gradient(flat)
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         sgd.step()
         mon.step(loss)
@@ -88,8 +88,10 @@ def runs(module_collector, tmp_path_factory):
     return module_collector, out
 
 
-COLUMNS = ("step, rank, loss, grad_norm, grad_cosine, reduced_grad_fingerprint, "
-           "param_fingerprint, replica_ok")
+COLUMNS = (
+    "step, rank, loss, grad_norm, grad_cosine, reduced_grad_fingerprint, "
+    "param_fingerprint, replica_ok"
+)
 
 
 def test_the_hand_reduced_trainer_reports_what_ddp_reports(runs):

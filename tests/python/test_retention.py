@@ -34,33 +34,69 @@ def pruned(tmp_path_factory):
     c = Collector(tmp_path_factory.mktemp("retention")).start()
     try:
         run = subprocess.run(
-            [str(LOADGEN), f"--collector={c.address}", f"--job={JOB}", f"--ranks={RANKS}",
-             f"--steps={STEPS}", "--start_step=0", "--step_interval=0",
-             f"--outlier_rank={OUTLIER}", "--outlier_from_step=25", "--outlier_loss_shift=5",
-             "--flush_timeout=30s"],
-            capture_output=True, text=True, timeout=120)
+            [
+                str(LOADGEN),
+                f"--collector={c.address}",
+                f"--job={JOB}",
+                f"--ranks={RANKS}",
+                f"--steps={STEPS}",
+                "--start_step=0",
+                "--step_interval=0",
+                f"--outlier_rank={OUTLIER}",
+                "--outlier_from_step=25",
+                "--outlier_loss_shift=5",
+                "--flush_timeout=30s",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         assert c.stop() == 0
         con = sqlite3.connect(str(c.db_path))
-        cols = ("step", "rank", "loss", "grad_norm", "grad_cosine", "outlier_score", "nonfinite",
-                "replica_ok")
-        before = [dict(zip(cols, r)) for r in con.execute(
-            f"SELECT {', '.join(cols)} FROM rank_steps WHERE job = ? ORDER BY step, rank",
-            (JOB,))]
-        lists = {s: ",".join(x for x in (o, d, dr, sl) if x) for s, o, d, dr, sl in con.execute(
-            "SELECT step, outlier_ranks, replica_divergent_ranks, drifting_ranks, slow_ranks "
-            "FROM step_stats WHERE job = ?", (JOB,))}
+        cols = (
+            "step",
+            "rank",
+            "loss",
+            "grad_norm",
+            "grad_cosine",
+            "outlier_score",
+            "nonfinite",
+            "replica_ok",
+        )
+        before = [
+            dict(zip(cols, r))
+            for r in con.execute(
+                f"SELECT {', '.join(cols)} FROM rank_steps WHERE job = ? ORDER BY step, rank",
+                (JOB,),
+            )
+        ]
+        lists = {
+            s: ",".join(x for x in (o, d, dr, sl) if x)
+            for s, o, d, dr, sl in con.execute(
+                "SELECT step, outlier_ranks, replica_divergent_ranks, drifting_ranks, slow_ranks "
+                "FROM step_stats WHERE job = ?",
+                (JOB,),
+            )
+        }
         month = 30 * 86400
-        con.execute("UPDATE rank_steps SET received_at = received_at - ? WHERE job = ? AND "
-                    "step < ?", (month, JOB, OLD))
-        con.execute("UPDATE step_stats SET completed_at = completed_at - ? WHERE job = ? AND "
-                    "step < ?", (month, JOB, OLD))
+        con.execute(
+            "UPDATE rank_steps SET received_at = received_at - ? WHERE job = ? AND step < ?",
+            (month, JOB, OLD),
+        )
+        con.execute(
+            "UPDATE step_stats SET completed_at = completed_at - ? WHERE job = ? AND step < ?",
+            (month, JOB, OLD),
+        )
         con.commit()
         con.close()
         c.restart()
         # The store thread's first retention check runs at start; wait for its outcome.
-        wait_until(lambda: c.query("SELECT next_step FROM downsampled WHERE job = ?", (JOB,))
-                   == [(OLD,)], 30, "steps < 20 to be downsampled")
+        wait_until(
+            lambda: c.query("SELECT next_step FROM downsampled WHERE job = ?", (JOB,)) == [(OLD,)],
+            30,
+            "steps < 20 to be downsampled",
+        )
         yield c, before, lists
     finally:
         if c.proc is not None:
@@ -69,8 +105,12 @@ def pruned(tmp_path_factory):
 
 def flagged(row, lists) -> bool:
     named = lists.get(row["step"], "")
-    return (row["nonfinite"] != 0 or (row["outlier_score"] or 0) >= THRESHOLD
-            or row["replica_ok"] == 0 or str(row["rank"]) in named.split(","))
+    return (
+        row["nonfinite"] != 0
+        or (row["outlier_score"] or 0) >= THRESHOLD
+        or row["replica_ok"] == 0
+        or str(row["rank"]) in named.split(",")
+    )
 
 
 def expected_windows(before):
@@ -78,9 +118,11 @@ def expected_windows(before):
     out = {}
     for rank in range(RANKS):
         rows = [r for r in before if r["rank"] == rank and r["step"] < OLD]
-        out[(0, rank)] = {m: (min(v), sum(v) / len(v), max(v)) for m in (
-            "loss", "grad_norm", "grad_cosine", "outlier_score")
-            for v in [[r[m] for r in rows if r[m] is not None]]}
+        out[(0, rank)] = {
+            m: (min(v), sum(v) / len(v), max(v))
+            for m in ("loss", "grad_norm", "grad_cosine", "outlier_score")
+            for v in [[r[m] for r in rows if r[m] is not None]]
+        }
         out[(0, rank)]["rows"] = len(rows)
     return out
 
@@ -99,8 +141,7 @@ def test_export_windows_csv_from_the_collector_and_the_file(pruned):
     c, before, _ = pruned
     want = expected_windows(before)
     for source in ([], [f"--db={c.db_path}"]):
-        out = cli("export", f"--job={JOB}", "--format=csv", "--table=windows", *source,
-                  collector=c)
+        out = cli("export", f"--job={JOB}", "--format=csv", "--table=windows", *source, collector=c)
         rows = list(csv.DictReader(io.StringIO(out.stdout)))
         assert {(int(r["first_step"]), int(r["rank"])) for r in rows} == set(want)
         for r in rows:
@@ -111,12 +152,14 @@ def test_export_windows_csv_from_the_collector_and_the_file(pruned):
 
 def test_export_ranks_keeps_only_flagged_rows_of_the_pruned_range(pruned):
     c, before, lists = pruned
-    out = cli("export", f"--job={JOB}", "--format=csv", "--table=ranks", f"--db={c.db_path}",
-              collector=c)
+    out = cli(
+        "export", f"--job={JOB}", "--format=csv", "--table=ranks", f"--db={c.db_path}", collector=c
+    )
     rows = list(csv.DictReader(io.StringIO(out.stdout)))
     old = sorted((int(r["step"]), int(r["rank"])) for r in rows if int(r["step"]) < OLD)
-    assert old == sorted((r["step"], r["rank"]) for r in before
-                         if r["step"] < OLD and flagged(r, lists))
+    assert old == sorted(
+        (r["step"], r["rank"]) for r in before if r["step"] < OLD and flagged(r, lists)
+    )
     recent = [r for r in rows if int(r["step"]) >= OLD]
     assert len(recent) == (STEPS - OLD) * RANKS  # untouched
     assert "downsampled rank windows cover them" in out.stderr
@@ -126,8 +169,9 @@ def test_export_json_says_what_was_downsampled(pruned):
     c, before, _ = pruned
     want = expected_windows(before)
     for source in ([], [f"--db={c.db_path}"]):
-        data = json.loads(cli("export", f"--job={JOB}", "--format=json", *source,
-                              collector=c).stdout)
+        data = json.loads(
+            cli("export", f"--job={JOB}", "--format=json", *source, collector=c).stdout
+        )
         assert int(data["downsampled_before_step"]) == OLD
         assert len(data["steps"]) == STEPS  # step_stats live until --retention_steps
         windows = data["rank_windows"]
@@ -135,8 +179,9 @@ def test_export_json_says_what_was_downsampled(pruned):
         for w in windows:
             check_window(w, want[(int(w.get("first_step", 0)), int(w.get("rank", 0)))])
     # A range entirely after the pruned steps has no windows.
-    data = json.loads(cli("export", f"--job={JOB}", "--format=json", f"--first_step={OLD}",
-                          collector=c).stdout)
+    data = json.loads(
+        cli("export", f"--job={JOB}", "--format=json", f"--first_step={OLD}", collector=c).stdout
+    )
     assert data.get("rank_windows", []) == []
 
 

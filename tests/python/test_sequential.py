@@ -31,10 +31,27 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sequential") / "detection.json"
     env = dict(os.environ, PYTHONPATH=str(BUILD_DIR / "python"))
     r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "detection.py"), "--build-dir", str(BUILD_DIR),
-         "--world-sizes", "4", "--faults", "clean,noise10,straggler", "--runs-per-fault", "3",
-         "--run-timeout", "120", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=400)
+        [
+            sys.executable,
+            str(REPO / "bench" / "detection.py"),
+            "--build-dir",
+            str(BUILD_DIR),
+            "--world-sizes",
+            "4",
+            "--faults",
+            "clean,noise10,straggler",
+            "--runs-per-fault",
+            "3",
+            "--run-timeout",
+            "120",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())["runs"]
 

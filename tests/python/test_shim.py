@@ -78,7 +78,7 @@ def test_torch_slots_equal_kernel_slots(dim, offset, n):
 # a run in float partials of at most 32 terms; the torch path sums everything in float64. Bounds:
 # a float sum of m terms errs by at most m * 2^-24 of the sum of their magnitudes (Higham), and
 # the sum of squares by at most 33 * 2^-24 of itself.
-SQUARES_REL = 33 * 2.0 ** -24
+SQUARES_REL = 33 * 2.0**-24
 
 
 def float_partial_bound(chunks, dim) -> torch.Tensor:
@@ -89,7 +89,7 @@ def float_partial_bound(chunks, dim) -> torch.Tensor:
         bins, _ = sketch_slots(offset, values.numel(), SEED, dim)
         count.index_add_(0, bins, torch.ones(values.numel(), dtype=torch.float64))
         magnitude.index_add_(0, bins, values.double().abs())
-    return count * magnitude * 2.0 ** -24
+    return count * magnitude * 2.0**-24
 
 
 def kernel_bins(sketch) -> torch.Tensor:
@@ -111,8 +111,10 @@ def test_torch_path_sketch_equals_kernel_sketch(dtype, dim):
     """The hook's two paths give the same sketch for the same chunks (as a bucket feeds them:
     per-parameter views at their global offsets, in an arbitrary order)."""
     torch.manual_seed(0)
-    chunks = [(torch.randn(n).to(dtype), off) for n, off in
-              [(5000, 70_000), (1, 0), (64_007, 1), (3000, 5_000_000_000)]]
+    chunks = [
+        (torch.randn(n).to(dtype), off)
+        for n, off in [(5000, 70_000), (1, 0), (64_007, 1), (3000, 5_000_000_000)]
+    ]
     kernel = _native.Sketch(dim, SEED)
     ours = TorchSketch(dim, SEED, "cpu")
     for values, offset in chunks:
@@ -134,13 +136,14 @@ def test_add_segments_equals_adds_of_the_views():
 
     torch.manual_seed(2)
     buf = torch.randn(20_000)
-    layout = SegmentLayout(buf.numel(), [0, 5003, 9000], [5000, 3997, 11_000],
-                           [70_000, 1, 5_000_000_000])
+    layout = SegmentLayout(
+        buf.numel(), [0, 5003, 9000], [5000, 3997, 11_000], [70_000, 1, 5_000_000_000]
+    )
     whole = TorchSketch(1000, SEED, "cpu")
     whole.add_segments(buf, layout)
     views = TorchSketch(1000, SEED, "cpu")
     for start, n, off in zip(layout.starts, layout.counts, layout.global_offsets):
-        views.add(buf[start:start + n], off)
+        views.add(buf[start : start + n], off)
     assert torch.equal(whole.bins, views.bins)
     assert float(whole.sum_squares) == float(views.sum_squares)
 
@@ -152,8 +155,9 @@ def test_piece_table_covers_the_segments_within_sketch_tiles():
     from rankscope.fingerprint import SegmentLayout
 
     piece = tk.PIECE
-    layout = SegmentLayout(10 * piece, [0, 3, 4 * piece], [1, 3 * piece + 5, 5 * piece],
-                           [piece - 1, 7 * piece + 17, 0])
+    layout = SegmentLayout(
+        10 * piece, [0, 3, 4 * piece], [1, 3 * piece + 5, 5 * piece], [piece - 1, 7 * piece + 17, 0]
+    )
     starts, counts, goffs = tk.piece_table(layout)
     covered = {}
     for s, n, g in zip(starts, counts, goffs):
@@ -172,8 +176,15 @@ def test_add_many_equals_separate_adds_and_is_linear():
     torch.manual_seed(1)
     a, b = torch.randn(10_000), torch.randn(333)
     many = _native.Sketch(512, SEED)
-    assert many.add_many([a.data_ptr(), b.data_ptr()], [a.numel(), b.numel()],
-                         [0, a.numel()], _native.DTYPE_FLOAT32) == ""
+    assert (
+        many.add_many(
+            [a.data_ptr(), b.data_ptr()],
+            [a.numel(), b.numel()],
+            [0, a.numel()],
+            _native.DTYPE_FLOAT32,
+        )
+        == ""
+    )
     whole = _native.Sketch(512, SEED)
     ab = torch.cat([a, b])
     whole.add(ab.data_ptr(), _native.DTYPE_FLOAT32, ab.numel(), 0)
@@ -182,8 +193,7 @@ def test_add_many_equals_separate_adds_and_is_linear():
     many.copy_to(values.data_ptr())
     torch.testing.assert_close(values, kernel_bins(many).float())
     assert many.sum_squares() == whole.sum_squares()  # the same chunks, ascending: the same bits
-    assert math.isclose(many.sum_squares(), float(ab.double().square().sum()),
-                        rel_tol=SQUARES_REL)
+    assert math.isclose(many.sum_squares(), float(ab.double().square().sum()), rel_tol=SQUARES_REL)
 
 
 def test_hot_path_reports_errors_instead_of_raising():
@@ -198,8 +208,14 @@ def test_hot_path_reports_errors_instead_of_raising():
 def test_agent_rejects_bad_options_and_never_blocks_without_collector():
     with pytest.raises(ValueError, match="job"):
         _native.Agent(collector="127.0.0.1:1", job="bad job name!", rank=0, world_size=1)
-    agent = _native.Agent(collector="127.0.0.1:1", job="nobody-listens", rank=0, world_size=1,
-                          sketch_dim=8, max_backoff_s=0.2)
+    agent = _native.Agent(
+        collector="127.0.0.1:1",
+        job="nobody-listens",
+        rank=0,
+        world_size=1,
+        sketch_dim=8,
+        max_backoff_s=0.2,
+    )
     sketch = _native.Sketch(8, SEED)
     for step in range(100):
         assert agent.record_sketch(step, 1.0, 2.0, sketch) == ""
@@ -216,10 +232,17 @@ def test_agent_rejects_bad_options_and_never_blocks_without_collector():
 
 def test_import_from_build_tree_in_a_fresh_interpreter():
     out = subprocess.run(
-        [sys.executable, "-c", "import rankscope.torch as rst, rankscope; "
-         "print(rankscope.__version__, rst.attach.__name__)"],
+        [
+            sys.executable,
+            "-c",
+            "import rankscope.torch as rst, rankscope; "
+            "print(rankscope.__version__, rst.attach.__name__)",
+        ],
         env={"PYTHONPATH": str(PYTHON_DIR), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "attach" in out.stdout
 
@@ -245,8 +268,9 @@ def single_rank_group():
     import torch.distributed as dist
     from conftest import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -282,7 +306,7 @@ def test_a_second_backward_before_step_restarts_the_sketch(single_rank_group):
     ddp(x).square().sum().backward()
     ddp(x).square().sum().backward()  # grads accumulate: the bucket now holds 2x the gradient
     expected = math.sqrt(sum(float(p.grad.double().square().sum()) for p in ddp.parameters()))
-    assert mon._cpu_sketch.sum_squares() == pytest.approx(expected ** 2, rel=1e-6)
+    assert mon._cpu_sketch.sum_squares() == pytest.approx(expected**2, rel=1e-6)
     assert mon.counters["backward_restarts"] == 1
     mon.close(timeout=0)
 
@@ -303,6 +327,7 @@ def test_sketch_budget_and_encoding_give_k():
     """attach's sketch_dim / sketch_bytes / sketch_encoding (issue 15): the default is 4 KiB of
     int8 bins; sketch_dim alone keeps its float32 meaning."""
     import rankscope.torch as rst
+
     assert rst.sketch_dim_for(None, None, None) == (4096, "int8")
     assert rst.sketch_dim_for(1024, None, None) == (1024, "float32")
     assert rst.sketch_dim_for(1024, None, "int8") == (1024, "int8")
@@ -326,8 +351,9 @@ def test_native_packing_round_trips_within_its_bound(encoding):
     bound = scale / 2 if encoding == "int8" else max(abs(v) for v in values) * 2**-11
     assert max(abs(a - b) for a, b in zip(decoded, values)) <= bound
     with pytest.raises(ValueError):
-        _native.Agent(collector="127.0.0.1:1", job="x", rank=0, world_size=1,
-                      sketch_encoding="bfloat16")
+        _native.Agent(
+            collector="127.0.0.1:1", job="x", rank=0, world_size=1, sketch_encoding="bfloat16"
+        )
 
 
 def test_a_failing_triton_kernel_turns_triton_off_and_the_torch_ops_take_over(monkeypatch):

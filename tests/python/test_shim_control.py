@@ -66,8 +66,9 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     job = "ctl-job"
     work = tmp_path / "work"
     work.mkdir()
-    run = Background(shim_harness.control_worker, collector.address, job, str(work), 150,
-                     timeout=200)
+    run = Background(
+        shim_harness.control_worker, collector.address, job, str(work), 150, timeout=200
+    )
 
     def progress():
         run.alive()
@@ -77,12 +78,18 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
         return read_json(work / f"rank{rank}.json", [])
 
     def all_ranks(predicate, what, timeout=60):
-        return wait_until(lambda: run.alive() and all(predicate(transitions(r))
-                                                      for r in range(WORLD)), timeout, what)
+        return wait_until(
+            lambda: run.alive() and all(predicate(transitions(r)) for r in range(WORLD)),
+            timeout,
+            what,
+        )
 
     # Dormant: the ranks connected (the job is known) but nothing is reported.
-    wait_until(lambda: collector.query("SELECT 1 FROM jobs WHERE job = ?", (job,)), 60,
-               "the dormant job's hello")
+    wait_until(
+        lambda: collector.query("SELECT 1 FROM jobs WHERE job = ?", (job,)),
+        60,
+        "the dormant job's hello",
+    )
     wait_until(lambda: progress() >= 10, 60, "10 dormant steps")
     assert collector.step_rows(job) == {}
 
@@ -96,8 +103,11 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     assert "every=3" in out and "sketch_dim=512" in out, out
     all_ranks(lambda t: t[-1][2:] == [3, 512], "every rank to apply every=3, sketch_dim=512")
     retuned_at = transitions(0)[-1][0]
-    wait_until(lambda: len([s for s in collector.step_rows(job) if s >= retuned_at]) >= 4, 60,
-               "4 steps stored with every=3, sketch_dim=512")
+    wait_until(
+        lambda: len([s for s in collector.step_rows(job) if s >= retuned_at]) >= 4,
+        60,
+        "4 steps stored with every=3, sketch_dim=512",
+    )
 
     collector.ctl("disable", job, "--lead_steps=5")
     all_ranks(lambda t: not t[-1][1], "every rank to apply disable")
@@ -110,13 +120,20 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     per_rank = [transitions(r) for r in range(WORLD)]
     assert all(t == per_rank[0] for t in per_rank), per_rank
     assert [t[1:] for t in per_rank[0]] == [
-        [False, 1, 256], [True, 1, 256], [True, 3, 512], [False, 3, 512]], per_rank[0]
+        [False, 1, 256],
+        [True, 1, 256],
+        [True, 3, 512],
+        [False, 3, 512],
+    ], per_rank[0]
     assert 10 <= enabled_at < retuned_at < disabled_at
     last = read_json(work / "rank0.stats.json")["last"]
 
     # The collector holds exactly the steps the settings select, each from all 4 ranks.
-    expected = {s for s in range(last)
-                if settings_at(per_rank[0], s)[0] and s % settings_at(per_rank[0], s)[1] == 0}
+    expected = {
+        s
+        for s in range(last)
+        if settings_at(per_rank[0], s)[0] and s % settings_at(per_rank[0], s)[1] == 0
+    }
     rows = collector.step_rows(job)
     assert set(rows) == expected
     for step, r in rows.items():
@@ -133,14 +150,19 @@ def test_collector_killed_mid_training(collector, tmp_path):
     job = "outage"
     work = tmp_path / "work"
     work.mkdir()
-    run = Background(shim_harness.outage_worker, collector.address, job, str(work), 20,
-                     timeout=240)
-    wait_until(lambda: run.alive() and len(collector.step_rows(job)) >= 5, 90,
-               "5 steps stored before the kill")
+    run = Background(shim_harness.outage_worker, collector.address, job, str(work), 20, timeout=240)
+    wait_until(
+        lambda: run.alive() and len(collector.step_rows(job)) >= 5,
+        90,
+        "5 steps stored before the kill",
+    )
     collector.kill()
     (work / "killed").touch()
-    outage = wait_until(lambda: run.alive() and read_json(work / "outage_done.json"), 120,
-                        "the ranks to train through the outage")
+    outage = wait_until(
+        lambda: run.alive() and read_json(work / "outage_done.json"),
+        120,
+        "the ranks to train through the outage",
+    )
     collector.restart()
     run.join(180)
 
@@ -175,28 +197,41 @@ def test_controls_survive_collector_restarts(collector, tmp_path):
     job = "ctl-restart"
     work = tmp_path / "work"
     work.mkdir()
-    run = Background(shim_harness.control_worker, collector.address, job, str(work), 150,
-                     timeout=200)
+    run = Background(
+        shim_harness.control_worker, collector.address, job, str(work), 150, timeout=200
+    )
 
     def transitions(rank):
         return read_json(work / f"rank{rank}.json", [])
 
     def all_ranks(predicate, what, timeout=60):
-        return wait_until(lambda: run.alive() and all(predicate(transitions(r))
-                                                      for r in range(WORLD)), timeout, what)
+        return wait_until(
+            lambda: run.alive() and all(predicate(transitions(r)) for r in range(WORLD)),
+            timeout,
+            what,
+        )
 
     def ctl_once_reconnected(verb, *flags):
         """`ctl` once every rank reconnected to the restarted collector (each within its
         backoff; a rank that reconnects after the agreed step would apply the control late, as
         docs/shim.md says; a control sent before any rank is back is refused, which
         tests/common/query_client_test.cc checks)."""
-        wait_until(lambda: run.alive() and collector.metric("rankscope_connected_agents",
-                                                            train_job=job) == WORLD,
-                   60, "every rank to reconnect", interval=0.2)
+        wait_until(
+            lambda: (
+                run.alive()
+                and collector.metric("rankscope_connected_agents", train_job=job) == WORLD
+            ),
+            60,
+            "every rank to reconnect",
+            interval=0.2,
+        )
         return collector.ctl(verb, job, "--lead_steps=5", *flags)
 
-    wait_until(lambda: collector.query("SELECT 1 FROM jobs WHERE job = ?", (job,)), 60,
-               "the dormant job's hello")
+    wait_until(
+        lambda: collector.query("SELECT 1 FROM jobs WHERE job = ?", (job,)),
+        60,
+        "the dormant job's hello",
+    )
     collector.ctl("enable", job, "--lead_steps=5")
     all_ranks(lambda t: t[-1][1], "every rank to apply enable")
 

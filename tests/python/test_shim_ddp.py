@@ -30,14 +30,24 @@ SKETCH_DIM = 1024
 @pytest.fixture(scope="module")
 def exact_run(module_collector, tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
-    shim_harness.spawn(shim_harness.exact_worker, WORLD, module_collector.address, "exact",
-                       str(out), STEPS, SKETCH_DIM, timeout=240)
+    shim_harness.spawn(
+        shim_harness.exact_worker,
+        WORLD,
+        module_collector.address,
+        "exact",
+        str(out),
+        STEPS,
+        SKETCH_DIM,
+        timeout=240,
+    )
     return module_collector, out
 
 
 # encoding -> (k for a 4 KiB budget, the scenarios it runs). float32 runs every scenario above.
-PACKED = {"float16": (2048, ("plain", "buckets", "torchpath")),
-          "int8": (4096, ("plain", "bf16", "torchpath"))}
+PACKED = {
+    "float16": (2048, ("plain", "buckets", "torchpath")),
+    "int8": (4096, ("plain", "bf16", "torchpath")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +55,18 @@ def packed_runs(module_collector, tmp_path_factory):
     runs = {}
     for encoding, (dim, scenarios) in PACKED.items():
         out = tmp_path_factory.mktemp(f"exact-{encoding}")
-        shim_harness.spawn(shim_harness.exact_worker, WORLD, module_collector.address,
-                           f"exact-{encoding}", str(out), STEPS, dim, encoding, scenarios,
-                           timeout=240)
+        shim_harness.spawn(
+            shim_harness.exact_worker,
+            WORLD,
+            module_collector.address,
+            f"exact-{encoding}",
+            str(out),
+            STEPS,
+            dim,
+            encoding,
+            scenarios,
+            timeout=240,
+        )
         runs[encoding] = out
     return module_collector, runs
 
@@ -98,8 +117,9 @@ def test_sketch_error_over_all_steps_is_small(exact_run):
     assert rms < 1 / math.sqrt(SKETCH_DIM), f"RMS cosine error {rms:.4f} over {len(errors)}"
 
 
-@pytest.mark.parametrize("encoding,scenario",
-                         [(e, s) for e, (_, scenarios) in PACKED.items() for s in scenarios])
+@pytest.mark.parametrize(
+    "encoding,scenario", [(e, s) for e, (_, scenarios) in PACKED.items() for s in scenarios]
+)
 def test_packed_encodings_equal_exact_values(packed_runs, encoding, scenario):
     """With packed sketches the collector's statistics still equal the exact values (the same
     checks as float32's), its cosines equal those of the exact gradients' sketches packed the
@@ -109,8 +129,9 @@ def test_packed_encodings_equal_exact_values(packed_runs, encoding, scenario):
     out = runs[encoding]
     job = f"exact-{encoding}-{scenario}"
     expected = {int(k): v for k, v in load(out / f"{scenario}.expected.json").items()}
-    shim_harness.check_exact_rows(collector.step_rows(job), collector.rank_rows(job), expected,
-                                  WORLD, dim)
+    shim_harness.check_exact_rows(
+        collector.step_rows(job), collector.rank_rows(job), expected, WORLD, dim
+    )
     for rank in range(WORLD):
         stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
         assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats

@@ -44,8 +44,11 @@ def threads_worker(rank, world_size, collector, job, threads):
 
 def stored(db_path, job):
     with sqlite3.connect(db_path) as db:
-        return db.execute("SELECT step, rank, loss, grad_norm, grad_cosine FROM rank_steps "
-                          "WHERE job = ? ORDER BY step, rank", (job,)).fetchall()
+        return db.execute(
+            "SELECT step, rank, loss, grad_norm, grad_cosine FROM rank_steps "
+            "WHERE job = ? ORDER BY step, rank",
+            (job,),
+        ).fetchall()
 
 
 def test_ddp_reports_are_bit_identical_with_one_or_three_sketch_threads(collector):
@@ -53,8 +56,11 @@ def test_ddp_reports_are_bit_identical_with_one_or_three_sketch_threads(collecto
     for threads in (1, 3):
         job = f"threads-{threads}"
         shim_harness.spawn(threads_worker, WORLD, collector.address, job, threads)
-        wait_until(lambda: len(stored(collector.db_path, job)) == STEPS * WORLD, 30,
-                   f"{STEPS * WORLD} rank-steps of {job}")
+        wait_until(
+            lambda: len(stored(collector.db_path, job)) == STEPS * WORLD,
+            30,
+            f"{STEPS * WORLD} rank-steps of {job}",
+        )
         rows[threads] = stored(collector.db_path, job)
     assert all(r[4] is not None and -1.0 <= r[4] <= 1.0 for r in rows[1]), rows[1]
     # Same training, same sketch bits: every stored float equal, not just close.
@@ -84,21 +90,26 @@ def kernel_bins(sketch):
 def test_native_sketch_is_bit_identical_for_any_thread_count(dtype):
     tensors, offsets = bucket()
     tensors = [t.to(dtype) for t in tensors]
-    code = {torch.float32: _native.DTYPE_FLOAT32, torch.bfloat16: _native.DTYPE_BFLOAT16,
-            torch.float16: _native.DTYPE_FLOAT16}[dtype]
+    code = {
+        torch.float32: _native.DTYPE_FLOAT32,
+        torch.bfloat16: _native.DTYPE_BFLOAT16,
+        torch.float16: _native.DTYPE_FLOAT16,
+    }[dtype]
     results = []
     for threads in (1, 2, 3, 4):
         s = _native.Sketch(1000, threads=threads)
         assert s.threads == threads
-        assert s.add_many([t.data_ptr() for t in tensors], [t.numel() for t in tensors],
-                          offsets, code) == ""
+        assert (
+            s.add_many([t.data_ptr() for t in tensors], [t.numel() for t in tensors], offsets, code)
+            == ""
+        )
         results.append((kernel_bins(s), s.sum_squares()))
     for bins, ss in results[1:]:
         assert torch.equal(bins.view(torch.int64), results[0][0].view(torch.int64))
         assert ss == results[0][1]
     # sketch.h "Rounding": squares summed in float partials of at most 32 terms, then in double.
     exact = sum(float(t.double().square().sum()) for t in tensors)
-    assert results[0][1] == pytest.approx(exact, rel=33 * 2.0 ** -24)
+    assert results[0][1] == pytest.approx(exact, rel=33 * 2.0**-24)
 
 
 def test_default_sketch_threads_and_bad_values(monkeypatch):
@@ -110,6 +121,7 @@ def test_default_sketch_threads_and_bad_values(monkeypatch):
             rst.default_sketch_threads()
     monkeypatch.delenv("RANKSCOPE_SKETCH_THREADS")
     import os
+
     free = len(os.sched_getaffinity(0)) - torch.get_num_threads()
     assert rst.default_sketch_threads() == max(1, min(rst.MAX_DEFAULT_SKETCH_THREADS, free))
     with pytest.raises(ValueError, match="threads must be in"):

@@ -30,9 +30,15 @@ def mtls_collector(tmp_path_factory, pki):
     """Mutual TLS and the shared token, composed."""
     d = tmp_path_factory.mktemp("mtls")
     (d / "token").write_text(TOKEN + "\n")
-    c = Collector(d, extra_args=[
-        f"--tls_cert_file={pki / 'server.pem'}", f"--tls_key_file={pki / 'server.key'}",
-        f"--tls_client_ca_file={pki / 'ca.pem'}", f"--auth_token_file={d / 'token'}"]).start()
+    c = Collector(
+        d,
+        extra_args=[
+            f"--tls_cert_file={pki / 'server.pem'}",
+            f"--tls_key_file={pki / 'server.key'}",
+            f"--tls_client_ca_file={pki / 'ca.pem'}",
+            f"--auth_token_file={d / 'token'}",
+        ],
+    ).start()
     yield c
     if c.proc is not None:
         c.stop()
@@ -40,8 +46,16 @@ def mtls_collector(tmp_path_factory, pki):
 
 def make_agent(collector, job, **kwargs):
     kwargs.setdefault("auth_token", TOKEN)
-    return _native.Agent(collector=collector.address, job=job, rank=0, world_size=1,
-                         sketch_dim=DIM, initial_backoff_s=0.05, max_backoff_s=0.5, **kwargs)
+    return _native.Agent(
+        collector=collector.address,
+        job=job,
+        rank=0,
+        world_size=1,
+        sketch_dim=DIM,
+        initial_backoff_s=0.05,
+        max_backoff_s=0.5,
+        **kwargs,
+    )
 
 
 def record_steps(agent, n):
@@ -64,14 +78,24 @@ def assert_refused(collector, agent, job, expect_in_error):
 
 
 def test_mtls_agent_reports_are_stored(mtls_collector, pki):
-    agent = make_agent(mtls_collector, "mtls-ok", tls_ca_file=str(pki / "ca.pem"),
-                       tls_cert_file=str(pki / "client.pem"), tls_key_file=str(pki / "client.key"))
+    agent = make_agent(
+        mtls_collector,
+        "mtls-ok",
+        tls_ca_file=str(pki / "ca.pem"),
+        tls_cert_file=str(pki / "client.pem"),
+        tls_key_file=str(pki / "client.key"),
+    )
     record_steps(agent, 10)
     assert agent.flush(60) == ""
     assert agent.stats()["acked"] == 10
     agent.close(1)
-    wait_until(lambda: mtls_collector.query(
-        "SELECT COUNT(*) FROM rank_steps WHERE job = 'mtls-ok'") == [(10,)], 30, "10 rows stored")
+    wait_until(
+        lambda: (
+            mtls_collector.query("SELECT COUNT(*) FROM rank_steps WHERE job = 'mtls-ok'") == [(10,)]
+        ),
+        30,
+        "10 rows stored",
+    )
 
 
 def test_tls_settings_from_environment(mtls_collector, pki, monkeypatch):
@@ -94,9 +118,13 @@ def test_agent_without_client_certificate_is_refused(mtls_collector, pki):
 
 
 def test_agent_with_untrusted_client_certificate_is_refused(mtls_collector, pki):
-    agent = make_agent(mtls_collector, "mtls-rogue", tls_ca_file=str(pki / "ca.pem"),
-                       tls_cert_file=str(pki / "rogue-client.pem"),
-                       tls_key_file=str(pki / "rogue-client.key"))
+    agent = make_agent(
+        mtls_collector,
+        "mtls-rogue",
+        tls_ca_file=str(pki / "ca.pem"),
+        tls_cert_file=str(pki / "rogue-client.pem"),
+        tls_key_file=str(pki / "rogue-client.key"),
+    )
     assert_refused(mtls_collector, agent, "mtls-rogue", "UNAVAILABLE")
 
 
@@ -106,9 +134,14 @@ def test_plaintext_agent_is_refused(mtls_collector):
 
 
 def test_token_still_checked_over_mtls(mtls_collector, pki):
-    agent = make_agent(mtls_collector, "mtls-badtoken", auth_token="wrong",
-                       tls_ca_file=str(pki / "ca.pem"), tls_cert_file=str(pki / "client.pem"),
-                       tls_key_file=str(pki / "client.key"))
+    agent = make_agent(
+        mtls_collector,
+        "mtls-badtoken",
+        auth_token="wrong",
+        tls_ca_file=str(pki / "ca.pem"),
+        tls_cert_file=str(pki / "client.pem"),
+        tls_key_file=str(pki / "client.key"),
+    )
     assert_refused(mtls_collector, agent, "mtls-badtoken", "UNAUTHENTICATED")
 
 
@@ -116,31 +149,51 @@ def test_bad_agent_tls_files_fail_at_creation(mtls_collector, pki, tmp_path):
     with pytest.raises(ValueError, match="cannot read tls_ca_file"):
         make_agent(mtls_collector, "x", tls_ca_file=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="not the private key"):
-        make_agent(mtls_collector, "x", tls_ca_file=str(pki / "ca.pem"),
-                   tls_cert_file=str(pki / "client.pem"), tls_key_file=str(pki / "server.key"))
+        make_agent(
+            mtls_collector,
+            "x",
+            tls_ca_file=str(pki / "ca.pem"),
+            tls_cert_file=str(pki / "client.pem"),
+            tls_key_file=str(pki / "server.key"),
+        )
     with pytest.raises(ValueError, match="give both or neither"):
-        make_agent(mtls_collector, "x", tls_ca_file=str(pki / "ca.pem"),
-                   tls_cert_file=str(pki / "client.pem"))
+        make_agent(
+            mtls_collector,
+            "x",
+            tls_ca_file=str(pki / "ca.pem"),
+            tls_cert_file=str(pki / "client.pem"),
+        )
 
 
 def cli(collector, *args):
-    return subprocess.run([str(CLI_BIN), f"--collector={collector.address}", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(CLI_BIN), f"--collector={collector.address}", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_over_mtls_with_token(mtls_collector, pki, tmp_path):
     """The Query service shares the port: the same client certificate, and the same token."""
     (tmp_path / "token").write_text(TOKEN + "\n")
-    mtls = [f"--tls_ca_file={pki / 'ca.pem'}", f"--tls_cert_file={pki / 'client.pem'}",
-            f"--tls_key_file={pki / 'client.key'}"]
+    mtls = [
+        f"--tls_ca_file={pki / 'ca.pem'}",
+        f"--tls_cert_file={pki / 'client.pem'}",
+        f"--tls_key_file={pki / 'client.key'}",
+    ]
     ok = cli(mtls_collector, *mtls, f"--auth_token_file={tmp_path / 'token'}", "jobs")
     assert ok.returncode == 0, ok.stderr
     assert "mtls-ok" in ok.stdout
     no_token = cli(mtls_collector, *mtls, "jobs")
     assert no_token.returncode != 0
     assert "auth token" in no_token.stderr, no_token.stderr
-    no_cert = cli(mtls_collector, f"--tls_ca_file={pki / 'ca.pem'}",
-                  f"--auth_token_file={tmp_path / 'token'}", "jobs")
+    no_cert = cli(
+        mtls_collector,
+        f"--tls_ca_file={pki / 'ca.pem'}",
+        f"--auth_token_file={tmp_path / 'token'}",
+        "jobs",
+    )
     assert no_cert.returncode != 0
     assert "mutual TLS" in no_cert.stderr, no_cert.stderr
     plaintext = cli(mtls_collector, f"--auth_token_file={tmp_path / 'token'}", "jobs")
@@ -150,10 +203,19 @@ def test_cli_over_mtls_with_token(mtls_collector, pki, tmp_path):
 
 def test_python_set_control_over_mtls_with_token(mtls_collector, pki):
     from rankscope.control import set_control
-    tls_files = dict(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
-                     tls_key=str(pki / "client.key"))
-    agent = make_agent(mtls_collector, "mtls-ctl", tls_ca_file=tls_files["tls_ca"],
-                       tls_cert_file=tls_files["tls_cert"], tls_key_file=tls_files["tls_key"])
+
+    tls_files = dict(
+        tls_ca=str(pki / "ca.pem"),
+        tls_cert=str(pki / "client.pem"),
+        tls_key=str(pki / "client.key"),
+    )
+    agent = make_agent(
+        mtls_collector,
+        "mtls-ctl",
+        tls_ca_file=tls_files["tls_ca"],
+        tls_cert_file=tls_files["tls_cert"],
+        tls_key_file=tls_files["tls_key"],
+    )
     record_steps(agent, 1)
     assert agent.flush(60) == ""
     r = set_control(mtls_collector.address, "mtls-ctl", every=2, auth_token=TOKEN, **tls_files)
@@ -165,21 +227,37 @@ def test_python_set_control_over_mtls_with_token(mtls_collector, pki):
 
 def test_server_side_tls_and_target_name(tmp_path, pki):
     """cert + key without a client CA: TLS authenticates the collector only."""
-    c = Collector(tmp_path, extra_args=[f"--tls_cert_file={pki / 'server.pem'}",
-                                        f"--tls_key_file={pki / 'server.key'}"]).start()
+    c = Collector(
+        tmp_path,
+        extra_args=[
+            f"--tls_cert_file={pki / 'server.pem'}",
+            f"--tls_key_file={pki / 'server.key'}",
+        ],
+    ).start()
     try:
-        ok = make_agent(c, "tls-ok", auth_token="", tls_ca_file=str(pki / "ca.pem"),
-                        tls_target_name="rankscope-collector")
+        ok = make_agent(
+            c,
+            "tls-ok",
+            auth_token="",
+            tls_ca_file=str(pki / "ca.pem"),
+            tls_target_name="rankscope-collector",
+        )
         record_steps(ok, 5)
         assert ok.flush(60) == ""
         ok.close(1)
         # The collector's certificate does not name "elsewhere": the agent refuses the collector.
-        wrong_name = make_agent(c, "tls-wrong-name", auth_token="",
-                                tls_ca_file=str(pki / "ca.pem"), tls_target_name="elsewhere")
+        wrong_name = make_agent(
+            c,
+            "tls-wrong-name",
+            auth_token="",
+            tls_ca_file=str(pki / "ca.pem"),
+            tls_target_name="elsewhere",
+        )
         assert_refused(c, wrong_name, "tls-wrong-name", "UNAVAILABLE")
         # A CA that did not sign the collector's certificate: refused as well.
-        rogue_ca = make_agent(c, "tls-rogue-ca", auth_token="",
-                              tls_ca_file=str(pki / "rogue-ca.pem"))
+        rogue_ca = make_agent(
+            c, "tls-rogue-ca", auth_token="", tls_ca_file=str(pki / "rogue-ca.pem")
+        )
         assert_refused(c, rogue_ca, "tls-rogue-ca", "UNAVAILABLE")
         plain = make_agent(c, "tls-plain", auth_token="")
         assert_refused(c, plain, "tls-plain", "UNAVAILABLE")
@@ -187,23 +265,45 @@ def test_server_side_tls_and_target_name(tmp_path, pki):
         c.stop()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--tls_cert_file={d}/server.pem", "--tls_key_file={d}/missing.key"],
-     "cannot read --tls_key_file"),
-    (["--tls_cert_file={d}/server.pem", "--tls_key_file={d}/client.key"],
-     "is not the private key of the certificate"),
-    (["--tls_cert_file={d}/server.pem"], "TLS needs both"),
-    (["--tls_client_ca_file={d}/ca.pem"], "TLS needs both"),
-    (["--tls_cert_file={d}/server.pem", "--tls_key_file={d}/server.key",
-      "--tls_client_ca_file={d}/server.key"], "holds no PEM certificate"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--tls_cert_file={d}/server.pem", "--tls_key_file={d}/missing.key"],
+            "cannot read --tls_key_file",
+        ),
+        (
+            ["--tls_cert_file={d}/server.pem", "--tls_key_file={d}/client.key"],
+            "is not the private key of the certificate",
+        ),
+        (["--tls_cert_file={d}/server.pem"], "TLS needs both"),
+        (["--tls_client_ca_file={d}/ca.pem"], "TLS needs both"),
+        (
+            [
+                "--tls_cert_file={d}/server.pem",
+                "--tls_key_file={d}/server.key",
+                "--tls_client_ca_file={d}/server.key",
+            ],
+            "holds no PEM certificate",
+        ),
+    ],
+)
 def test_collector_refuses_to_start_with_bad_tls_files(tmp_path, pki, flags, message):
     if not COLLECTOR_BIN.exists():
         pytest.skip(f"{COLLECTOR_BIN} not built")
     out = subprocess.run(
-        [str(COLLECTOR_BIN), "--grpc_address=127.0.0.1:0", "--metrics_address=", "--http_address=",
-         f"--db_path={tmp_path / 'x.db'}", *[f.format(d=pki) for f in flags]],
-        capture_output=True, text=True, timeout=60)
+        [
+            str(COLLECTOR_BIN),
+            "--grpc_address=127.0.0.1:0",
+            "--metrics_address=",
+            "--http_address=",
+            f"--db_path={tmp_path / 'x.db'}",
+            *[f.format(d=pki) for f in flags],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
     assert not (tmp_path / "x.db").exists()  # checked before anything is created

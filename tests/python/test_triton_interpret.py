@@ -51,6 +51,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import triton  # noqa: E402,F401 - pinned in requirements.txt: a missing Triton fails, never skips
+
 pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
 
 CASES = Path(__file__).resolve().parent / "triton_interpret_cases.py"
@@ -59,6 +60,7 @@ CASES = Path(__file__).resolve().parent / "triton_interpret_cases.py"
 def test_cpu_tensors_keep_the_torch_ops():
     """In a normal process the shim never sends a CPU tensor to a Triton kernel."""
     from rankscope import triton_kernels as tk
+
     assert not tk.enabled(torch.zeros(4))
 
 
@@ -66,8 +68,13 @@ def test_every_kernel_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          str(CASES)], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-12000:]
     passed = re.search(r"(\d+) passed", log)

@@ -26,20 +26,66 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _make_ca(d: Path, name: str, cn: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
-             "-subj", f"/CN={cn}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={cn}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
 
 
 def _make_leaf(d: Path, name: str, ca: str, cn: str, extensions: str) -> None:
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}",
-             cwd=d)
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={cn}",
+        cwd=d,
+    )
     (d / f"{name}.ext").write_text(extensions)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext",
-             cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-extfile",
+        f"{name}.ext",
+        cwd=d,
+    )
 
 
 def make_pki(d: Path) -> Path:
@@ -48,12 +94,27 @@ def make_pki(d: Path) -> Path:
         pytest.skip("the openssl command is not installed (./run setup installs it)")
     d.mkdir(parents=True, exist_ok=True)
     _make_ca(d, "ca", "rankscope test CA")
-    _make_leaf(d, "server", "ca", "rankscope-collector",
-               "subjectAltName=IP:127.0.0.1,DNS:rankscope-collector\n"
-               "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n")
-    _make_leaf(d, "client", "ca", "rank-0",
-               "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n")
+    _make_leaf(
+        d,
+        "server",
+        "ca",
+        "rankscope-collector",
+        "subjectAltName=IP:127.0.0.1,DNS:rankscope-collector\n"
+        "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
+    )
+    _make_leaf(
+        d,
+        "client",
+        "ca",
+        "rank-0",
+        "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+    )
     _make_ca(d, "rogue-ca", "some other CA")
-    _make_leaf(d, "rogue-client", "rogue-ca", "rank-0",
-               "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n")
+    _make_leaf(
+        d,
+        "rogue-client",
+        "rogue-ca",
+        "rank-0",
+        "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+    )
     return d

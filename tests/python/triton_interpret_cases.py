@@ -10,8 +10,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by test_triton_interpret.py, with TRITON_INTERPRET=1",
-                allow_module_level=True)
+    pytest.skip("run by test_triton_interpret.py, with TRITON_INTERPRET=1", allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -27,12 +26,19 @@ from rankscope import triton_kernels as tk  # noqa: E402
 
 CPU = torch.device("cpu")
 MASK64 = (1 << 64) - 1
-U32 = 2.0 ** -24  # float32's unit roundoff
-U64 = 2.0 ** -53  # float64's
+U32 = 2.0**-24  # float32's unit roundoff
+U64 = 2.0**-53  # float64's
 HIGH_SEED = (1 << 63) | 0x5EED  # a seed Triton passes as uint64
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what the sketch kernels are made for
-ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
-              torch.int64, torch.int16)  # what the fingerprint kernels take (fingerprint.py)
+ALL_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.int16,
+)  # what the fingerprint kernels take (fingerprint.py)
 
 # (count, global offset) of the tensors a sketch case adds one after another into the same
 # partial sums: one value; a block boundary (coordinates 45 .. 75); an odd length over five tiles
@@ -43,8 +49,14 @@ SKETCH_SHAPES = ((1, 0), (31, 45), (7001, 3 * tk.PIECE - 17), (0, 64), (3000, (1
 # A DDP-bucket-like buffer of 9,000 elements: segments (buffer start, count, global offset) with
 # padding between them, global offsets not multiples of 32 and out of order, segments crossing
 # one and two PIECE (2,048) boundaries of the global index, an empty one, one past 2**37.
-SEGMENTS = ((0, 90, 7000), (100, 1990, 12000), (2100, 4500, 10), (8999, 1, 5000),
-            (6700, 0, 99), (6700, 2200, (1 << 37) + 45))
+SEGMENTS = (
+    (0, 90, 7000),
+    (100, 1990, 12000),
+    (2100, 4500, 10),
+    (8999, 1, 5000),
+    (6700, 0, 99),
+    (6700, 2200, (1 << 37) + 45),
+)
 BUFFER = 9000
 
 
@@ -74,9 +86,15 @@ def _bfloat16_arithmetic():
         _bfloat16_probe[(1,)](x, neg, one, dot)
     except Exception as e:  # noqa: BLE001 - not even that runs
         return repr(e)[:200]
-    wrong = [what for what, ok in (("-x", torch.equal(neg, -x)),
-                                   ("bool to bfloat16", torch.equal(one, torch.eye(16).bfloat16())),
-                                   ("tl.dot", torch.equal(dot, x.float()))) if not ok]
+    wrong = [
+        what
+        for what, ok in (
+            ("-x", torch.equal(neg, -x)),
+            ("bool to bfloat16", torch.equal(one, torch.eye(16).bfloat16())),
+            ("tl.dot", torch.equal(dot, x.float())),
+        )
+        if not ok
+    ]
     return ", ".join(wrong) or None
 
 
@@ -88,9 +106,11 @@ def skip_bfloat16_dot(dtype, dot):
     (above); float16 runs the same kernel code (DOT, no EXACT_TF32), and test_gpu.py's bf16
     runs with RANKSCOPE_GPU_SKETCH=dot check this variant on a GPU."""
     if dtype == torch.bfloat16 and dot and BFLOAT16_WRONG:
-        pytest.skip(f"Triton's interpreter gets bfloat16 {BFLOAT16_WRONG} wrong (it keeps "
-                    "bfloat16 as uint16 bits): the tensor-core sketch of bfloat16 runs on a GPU "
-                    "only (test_gpu.py); float16 runs the same kernel code here")
+        pytest.skip(
+            f"Triton's interpreter gets bfloat16 {BFLOAT16_WRONG} wrong (it keeps "
+            "bfloat16 as uint16 bits): the tensor-core sketch of bfloat16 runs on a GPU "
+            "only (test_gpu.py); float16 runs the same kernel code here"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -122,8 +142,9 @@ def with_specials(x):
     """``x`` with -0.0, infinities, NaN and a subnormal at its start (fingerprints are of bits)."""
     if x.dtype.is_floating_point and x.numel() >= 5:
         tiny = torch.finfo(x.dtype).tiny / 4
-        x[:5] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan"), tiny],
-                             dtype=torch.float64).to(x.dtype)
+        x[:5] = torch.tensor(
+            [-0.0, float("inf"), float("-inf"), float("nan"), tiny], dtype=torch.float64
+        ).to(x.dtype)
     return x
 
 
@@ -133,7 +154,7 @@ def layout():
 
 
 def sums_of_squares(flat, lay):
-    return sum(flat[s:s + n].double().square().sum() for s, n in zip(lay.starts, lay.counts))
+    return sum(flat[s : s + n].double().square().sum() for s, n in zip(lay.starts, lay.counts))
 
 
 def check_squares(got, ref, n, exact, what):
@@ -173,14 +194,24 @@ class BinBounds:
         assert got.dtype == ref.dtype == torch.float64 and got.shape == ref.shape == (self.dim,)
         if exact:
             wrong = (got != ref).nonzero().flatten()
-            assert wrong.numel() == 0, (what, f"{wrong.numel()} bins differ", wrong[:8].tolist(),
-                                        got[wrong[:8]].tolist(), ref[wrong[:8]].tolist())
+            assert wrong.numel() == 0, (
+                what,
+                f"{wrong.numel()} bins differ",
+                wrong[:8].tolist(),
+                got[wrong[:8]].tolist(),
+                ref[wrong[:8]].tolist(),
+            )
             return
         err = (got - ref).abs()
         bound = (self.count + 1) * U32 * self.abs
         wrong = (err > bound).nonzero().flatten()
-        assert wrong.numel() == 0, (what, f"{wrong.numel()} bins off", wrong[:8].tolist(),
-                                    err[wrong[:8]].tolist(), bound[wrong[:8]].tolist())
+        assert wrong.numel() == 0, (
+            what,
+            f"{wrong.numel()} bins off",
+            wrong[:8].tolist(),
+            err[wrong[:8]].tolist(),
+            bound[wrong[:8]].tolist(),
+        )
         assert float(err.max()) <= 1e-5 * float(ref.abs().max()), what
 
 
@@ -195,9 +226,11 @@ def variant(monkeypatch, dtype, dim, dot):
 # dim 32 and 1,000 (not 32 Q) take the atomic kernel only; 512, 1,024 and 4,096 are the tensor-core
 # kernel's Q = 16, 32 and 128 (float32 at 4,096 only when forced, as on a GPU), and the atomic
 # kernel's too. float64 values (no tensor-core variant) go through the atomic kernel as float32.
-SKETCH_CASES = ([(dt, dim, False) for dt in FLOATS for dim in (32, 1000, 512, 1024, 4096)]
-                + [(torch.float64, 1000, False)]
-                + [(dt, dim, True) for dt in FLOATS for dim in (512, 1024, 4096)])
+SKETCH_CASES = (
+    [(dt, dim, False) for dt in FLOATS for dim in (32, 1000, 512, 1024, 4096)]
+    + [(torch.float64, 1000, False)]
+    + [(dt, dim, True) for dt in FLOATS for dim in (512, 1024, 4096)]
+)
 
 
 def _case_id(case):
@@ -243,8 +276,9 @@ def test_piece_table_cuts_at_piece_boundaries():
     assert covered == expected
 
 
-PIECE_CASES = [(dt, dim, dot) for dt in FLOATS for dim, dot in ((1000, False), (1024, True),
-                                                                  (4096, True))]
+PIECE_CASES = [
+    (dt, dim, dot) for dt in FLOATS for dim, dot in ((1000, False), (1024, True), (4096, True))
+]
 
 
 @pytest.mark.parametrize("kind", ["exact", "random"])
@@ -266,7 +300,7 @@ def test_sketch_add_pieces(case, kind, monkeypatch):
     ref.add_segments(buf, lay)
     bounds = BinBounds(dim, seed)
     for s, n, g in SEGMENTS:
-        bounds.add(buf[s:s + n], g)
+        bounds.add(buf[s : s + n], g)
     bounds.check(rows.sum(0, dtype=torch.float64), ref.bins, kind == "exact", case)
     check_squares(ss.sum(), ref.sum_squares, bounds.n, kind == "exact", case)
 
@@ -284,8 +318,14 @@ def test_kernels_are_interpreted():
     """Every kernel is the interpreter's (TRITON_INTERPRET=1 was set before the import), and
     CPU tensors still take the torch ops in the shim."""
     from triton.runtime.interpreter import InterpretedFunction
-    for name in ("_sketch_kernel", "_sketch_pieces_kernel", "_fold_kernel", "_fold_pieces_kernel",
-                 "_fold_tensors_kernel"):
+
+    for name in (
+        "_sketch_kernel",
+        "_sketch_pieces_kernel",
+        "_fold_kernel",
+        "_fold_pieces_kernel",
+        "_fold_tensors_kernel",
+    ):
         assert isinstance(getattr(tk, name), InterpretedFunction), name
     assert not tk.enabled(torch.zeros(4))
 
@@ -356,7 +396,7 @@ def test_fold_tensors(dtype):
     gen = torch.Generator().manual_seed(6)
     arena = with_specials(values(dtype, 20000, "random", gen))
     own = values(dtype, 77, "random", gen)
-    tensors = [arena[0:1], arena[100:133], own, arena[1000:5097], arena[6000:6000 + 3 * 4096 + 1]]
+    tensors = [arena[0:1], arena[100:133], own, arena[1000:5097], arena[6000 : 6000 + 3 * 4096 + 1]]
     offsets = [5, 77777, 123, 40, 1 << 33]
     table = fp._offset_table(tensors, offsets, {})
     assert table is not None
@@ -376,7 +416,7 @@ def test_shim_entry_points_take_the_kernels(monkeypatch):
     lay = layout()
     inside = torch.zeros(BUFFER, dtype=torch.bool)
     for s, n in zip(lay.starts, lay.counts):
-        inside[s:s + n] = True
+        inside[s : s + n] = True
     buf[~inside] = 0  # DDP's padding: fold_segments_and_squares' torch path takes the norm of all
     tensors = [buf[0:90], buf[100:2090].clone(), buf[2100:6600]]
     offsets = [7000, 12000, 10]
@@ -387,23 +427,37 @@ def test_shim_entry_points_take_the_kernels(monkeypatch):
         sk.add_segments(buf, lay)
         f, q = fp.fold_segments_and_squares(buf, lay)
         many = fp.add_all(fp.fold_many(tensors, offsets, {}), CPU)
-        return (sk.bins.clone(), float(sk.sum_squares), int(fp.fold(buf[:5001], 3)),
-                int(fp.fold_segments(buf, lay)), int(fp.add_all([f], CPU)), float(q.sum()),
-                int(many))
+        return (
+            sk.bins.clone(),
+            float(sk.sum_squares),
+            int(fp.fold(buf[:5001], 3)),
+            int(fp.fold_segments(buf, lay)),
+            int(fp.add_all([f], CPU)),
+            float(q.sum()),
+            int(many),
+        )
 
     monkeypatch.delenv("RANKSCOPE_GPU_SKETCH", raising=False)
     assert not tk.enabled(buf)  # CPU tensors stay on the torch ops, also under the interpreter
     reference = run()
     launched = []
     for name in ("sketch_add", "sketch_add_pieces", "fold", "fold_pieces", "fold_tensors"):
-        def counted(*args, _fn=getattr(tk, name), _name=name, **kwargs):
+        fn = getattr(tk, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
             launched.append(_name)
             return _fn(*args, **kwargs)
+
         monkeypatch.setattr(tk, name, counted)
     monkeypatch.setattr(tk, "enabled", lambda t: True)
     fused = run()
-    assert sorted(set(launched)) == ["fold", "fold_pieces", "fold_tensors", "sketch_add",
-                                     "sketch_add_pieces"]
+    assert sorted(set(launched)) == [
+        "fold",
+        "fold_pieces",
+        "fold_tensors",
+        "sketch_add",
+        "sketch_add_pieces",
+    ]
     assert torch.equal(fused[0], reference[0])
     assert fused[1:5] == reference[1:5] and fused[6] == reference[6]
     # The torch path's sum of squares is a float64 norm, squared: not bit for bit.

@@ -17,7 +17,7 @@ on agreement and starts this rank a margin ahead, with a warning (its first step
 missing on the collector). Thread safety: training thread only.
 """
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 # Forwards between the newest arrival and the first reported step (see the module docstring
 # for why 2 is enough; 2 more absorb a rank that arrives during its own forward).
@@ -27,13 +27,20 @@ LEAD = 4
 class StartAgreement:
     """One rank's part in agreeing on the first reported step of one (job, group)."""
 
-    def __init__(self, store, key: str, rank: int, world_size: int, iteration: int,
-                 warn: Callable[[str], None]):
+    def __init__(
+        self,
+        store,
+        key: str,
+        rank: int,
+        world_size: int,
+        iteration: int,
+        warn: Callable[[str], None],
+    ):
         self._store = store
         self._key = key
         self._world_size = world_size
         self._warn = warn
-        self.start: Optional[int] = None
+        self.start: int | None = None
         self.arrived = 0
         if store is None:
             self.start = iteration + LEAD
@@ -44,7 +51,7 @@ class StartAgreement:
         except Exception as e:  # a store problem must not stop training
             self._give_up(iteration, e)
 
-    def poll(self, iteration: int) -> Optional[int]:
+    def poll(self, iteration: int) -> int | None:
         """The agreed first step once every rank arrived, else None. ``iteration`` is this rank's
         DDP counter now (used only when the store fails)."""
         if self.start is not None:
@@ -53,8 +60,7 @@ class StartAgreement:
             self.arrived = int(self._store.add(f"{self._key}/n", 0))
             if self.arrived < self._world_size:
                 return None
-            counters = [int(self._store.get(f"{self._key}/{r}"))
-                        for r in range(self._world_size)]
+            counters = [int(self._store.get(f"{self._key}/{r}")) for r in range(self._world_size)]
             self.start = max(counters) + LEAD
         except Exception as e:
             self._give_up(iteration, e)
@@ -62,5 +68,7 @@ class StartAgreement:
 
     def _give_up(self, iteration: int, e: Exception) -> None:
         self.start = iteration + LEAD
-        self._warn(f"rankscope: could not agree on the first step through the c10d store "
-                   f"({e!r}); this rank starts at step {self.start}")
+        self._warn(
+            f"rankscope: could not agree on the first step through the c10d store "
+            f"({e!r}); this rank starts at step {self.start}"
+        )

@@ -18,9 +18,21 @@ import sys
 import time
 
 # Options the request may pass through to rankscope.torch.attach.
-_OPTIONS = ("collector", "sketch_dim", "sketch_bytes", "sketch_encoding", "sketch_threads", "every",
-            "param_check_every", "local_batch_size",
-            "auth_token", "tls_ca", "tls_cert", "tls_key", "tls_target_name")
+_OPTIONS = (
+    "collector",
+    "sketch_dim",
+    "sketch_bytes",
+    "sketch_encoding",
+    "sketch_threads",
+    "every",
+    "param_check_every",
+    "local_batch_size",
+    "auth_token",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "tls_target_name",
+)
 
 
 class _Ack:
@@ -48,38 +60,54 @@ def run(request: dict) -> None:
     try:
         _run(request, ack, t0)
     except BaseException as e:  # never into the interpreter: the ack says what went wrong
-        ack.write(status="error", error=f"{type(e).__name__}: {e}",
-                  pause_s=time.perf_counter() - t0)
+        ack.write(
+            status="error", error=f"{type(e).__name__}: {e}", pause_s=time.perf_counter() - t0
+        )
 
 
 def _run(request: dict, ack: _Ack, t0: float) -> None:
     if "torch" not in sys.modules:
-        ack.write(status="error", error="torch is not imported in this process: not a PyTorch "
-                  "training process (attach to the ranks, not to the launcher)")
+        ack.write(
+            status="error",
+            error="torch is not imported in this process: not a PyTorch "
+            "training process (attach to the ranks, not to the launcher)",
+        )
         return
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        ack.write(status="error", error="torch.distributed is not initialized in this process "
-                  "(not a rank yet, or the launcher): attach once training has started")
+        ack.write(
+            status="error",
+            error="torch.distributed is not initialized in this process "
+            "(not a rank yet, or the launcher): attach once training has started",
+        )
         return
     from rankscope import _autoattach
 
     models, optimizers = _autoattach.find_models_and_optimizers()
     if not models:
-        ack.write(status="error", error="no torch.nn.parallel.DistributedDataParallel model in "
-                  "this process (matched by exact type; a trainer that reduces gradients itself "
-                  "needs rst.attach_reducer in the script)")
+        ack.write(
+            status="error",
+            error="no torch.nn.parallel.DistributedDataParallel model in "
+            "this process (matched by exact type; a trainer that reduces gradients itself "
+            "needs rst.attach_reducer in the script)",
+        )
         return
     job = str(request["job"])
     existing = _autoattach.current()
     if existing is not None and all(existing.covers(m) for m in models):
-        ack.write(status="already attached", job=existing.job, models=existing.describe(),
-                  pause_s=time.perf_counter() - t0)
+        ack.write(
+            status="already attached",
+            job=existing.job,
+            models=existing.describe(),
+            pause_s=time.perf_counter() - t0,
+        )
         return
     if existing is not None and existing.job != job:
-        ack.write(status="error", error=f"already attached as job {existing.job!r}; a process "
-                  "reports to one job")
+        ack.write(
+            status="error",
+            error=f"already attached as job {existing.job!r}; a process reports to one job",
+        )
         return
     options = {k: request[k] for k in _OPTIONS if request.get(k) not in (None, "")}
     attacher = _autoattach.get_or_create(job, bool(request.get("dormant")), options)
@@ -87,5 +115,6 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
     attacher.remember_optimizers(optimizers)
     for m in models:
         attacher.add(m)
-    ack.write(status="installed", job=job, models=attacher.describe(),
-              pause_s=time.perf_counter() - t0)
+    ack.write(
+        status="installed", job=job, models=attacher.describe(), pause_s=time.perf_counter() - t0
+    )

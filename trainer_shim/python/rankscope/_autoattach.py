@@ -26,7 +26,7 @@ except the parameter hooks (autograd thread, while the training thread waits in 
 import gc
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def find_models_and_optimizers():
     return models, [o for o in optimizers if id(o) not in inner]
 
 
-def optimizer_of(model, optimizers) -> Optional[torch.optim.Optimizer]:
+def optimizer_of(model, optimizers) -> torch.optim.Optimizer | None:
     """The first optimizer that holds one of ``model``'s trainable parameters."""
     ids = {id(p) for p in model.parameters() if p.requires_grad}
     for opt in optimizers:
@@ -88,7 +88,7 @@ class AttachedModel:
         self.rank = dist.get_rank(model.process_group)
         self.world_size = dist.get_world_size(model.process_group)
         self.global_rank = dist.get_rank()
-        self.start_step: Optional[int] = None
+        self.start_step: int | None = None
         self.step_boundary = ""
         self.error = ""
         self.monitor = None
@@ -98,15 +98,22 @@ class AttachedModel:
         self._optimizer = None
         self._last_iteration = None
         self._sync_backward = True
-        self._params: List[torch.Tensor] = []
+        self._params: list[torch.Tensor] = []
         self._hook_handles = []
         self._pre_hook = model.register_forward_pre_hook(self._pre_forward)
 
     def describe(self) -> dict:
-        d = {"state": self.state, "path": self.path, "group": self.group or "",
-             "rank": self.rank, "world_size": self.world_size,
-             "global_rank": self.global_rank, "start_step": self.start_step,
-             "step_boundary": self.step_boundary, "error": self.error}
+        d = {
+            "state": self.state,
+            "path": self.path,
+            "group": self.group or "",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "global_rank": self.global_rank,
+            "start_step": self.start_step,
+            "step_boundary": self.step_boundary,
+            "error": self.error,
+        }
         if self._agreement is not None:
             d["arrived"] = self._agreement.arrived
         capture = self._attacher.capture
@@ -141,9 +148,14 @@ class AttachedModel:
                     store = dist.distributed_c10d._get_default_store()
                 except Exception:
                     pass
-                self._agreement = StartAgreement(store, self._agreement_key, self.monitor.rank,
-                                                 self.monitor.world_size, n,
-                                                 self._attacher.warn)
+                self._agreement = StartAgreement(
+                    store,
+                    self._agreement_key,
+                    self.monitor.rank,
+                    self.monitor.world_size,
+                    n,
+                    self._attacher.warn,
+                )
             start = self._agreement.poll(n)
             if start is None:
                 return
@@ -153,13 +165,17 @@ class AttachedModel:
             if n > self.start_step:
                 self._attacher.warn(
                     f"rankscope: rank {self.rank} of group {self.group!r} saw the agreed first "
-                    f"step {self.start_step} late, at step {n}; it reports from step {n}")
+                    f"step {self.start_step} late, at step {n}; it reports from step {n}"
+                )
                 self.start_step = n
             self._attacher.capture.take()  # losses before this step's forward are not its own
             self.monitor._start_at(n, enabled=not self._attacher.dormant)
             self._changed("reporting")
-        if self.step_boundary == "forward" and self.state == "reporting" and n > (
-                self._last_iteration if self._last_iteration is not None else n):
+        if (
+            self.step_boundary == "forward"
+            and self.state == "reporting"
+            and n > (self._last_iteration if self._last_iteration is not None else n)
+        ):
             self._boundary()
         self._last_iteration = n
         # The parameter hooks need each forward's no_sync() state; the forward boundary needs
@@ -177,8 +193,9 @@ class AttachedModel:
             self.monitor = rst.attach(model, **options)
             self.path = PATH_COMM_HOOK
         else:
-            self.monitor = rst.attach_reducer(model.module, process_group=model.process_group,
-                                              **options)
+            self.monitor = rst.attach_reducer(
+                model.module, process_group=model.process_group, **options
+            )
             self.path = f"{PATH_PARAM_HOOKS} (the model has its own comm hook: {hook})"
             self._install_param_hooks(model)
         # The optimizers the payload found (live attach) serve first; a scan of the heap
@@ -191,8 +208,9 @@ class AttachedModel:
         if self._optimizer is None:
             self.step_boundary = "forward"
         else:
-            self._hook_handles.append(self._optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: self._boundary()))
+            self._hook_handles.append(
+                self._optimizer.register_step_post_hook(lambda opt, args, kwargs: self._boundary())
+            )
             self.step_boundary = f"{type(self._optimizer).__name__}.step post-hook"
         # The ranks agree once DDP's counter is known (a forward or two after this one).
         self._agreement_key = f"rankscope/attach/{attacher.job}/{self.group or '-'}"
@@ -261,8 +279,9 @@ class AttachedModel:
                 self.monitor.close(timeout=0)
             except Exception:
                 pass
-        self._attacher.warn(f"rankscope: could not attach to a DDP model "
-                            f"({self.error}); training is unaffected")
+        self._attacher.warn(
+            f"rankscope: could not attach to a DDP model ({self.error}); training is unaffected"
+        )
         self._attacher.changed()
 
 
@@ -273,18 +292,19 @@ class AutoAttacher:
     ``dormant`` keeps the monitors switched off until ``rankscope ctl enable``.
     """
 
-    def __init__(self, job: str, dormant: bool, options: Dict,
-                 on_change: Optional[Callable[[], None]] = None):
+    def __init__(
+        self, job: str, dormant: bool, options: dict, on_change: Callable[[], None] | None = None
+    ):
         self.job = job
         self.dormant = bool(dormant)
         self.options = dict(options)
         self.capture = _loss_capture.install()
-        self.models: List[AttachedModel] = []
+        self.models: list[AttachedModel] = []
         self._optimizers: list = []  # weak references to the optimizers last found on the heap
         self._on_change = on_change
         self._warned = set()
 
-    def add(self, model) -> Optional[AttachedModel]:
+    def add(self, model) -> AttachedModel | None:
         """Attaches ``model`` (a DDP) at its next forward; None if it already is."""
         for m in self.models:
             if m._model() is model:
@@ -319,7 +339,7 @@ class AutoAttacher:
             candidate = f"{base}-{name}{i}" if base else f"{name}{i}"
         return candidate
 
-    def describe(self) -> List[dict]:
+    def describe(self) -> list[dict]:
         return [m.describe() for m in self.models]
 
     def changed(self) -> None:
@@ -336,16 +356,17 @@ class AutoAttacher:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-_current: Optional[AutoAttacher] = None
+_current: AutoAttacher | None = None
 
 
-def current() -> Optional[AutoAttacher]:
+def current() -> AutoAttacher | None:
     """The process's AutoAttacher, if something attached from outside the script."""
     return _current
 
 
-def get_or_create(job: str, dormant: bool, options: Dict,
-                  on_change: Optional[Callable[[], None]] = None) -> AutoAttacher:
+def get_or_create(
+    job: str, dormant: bool, options: dict, on_change: Callable[[], None] | None = None
+) -> AutoAttacher:
     global _current
     if _current is None:
         _current = AutoAttacher(job, dormant, options, on_change)

@@ -21,7 +21,7 @@ training thread in ``mon.step`` (everything else); the two never overlap.
 
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -45,7 +45,8 @@ def buckets_are_final(ddp) -> bool:
     if getattr(ddp, "_has_rebuilt_buckets", False):
         return True
     return bool(getattr(ddp, "find_unused_parameters", False)) and not getattr(
-        ddp, "static_graph", False)
+        ddp, "static_graph", False
+    )
 
 
 class BucketSketcher:
@@ -55,8 +56,16 @@ class BucketSketcher:
     is called after ``reset()`` when a backward restarts within a step.
     """
 
-    def __init__(self, model, dim: int, seed: int, counters, warn_once: Callable,
-                 on_restart: Callable, threads: int = 1):
+    def __init__(
+        self,
+        model,
+        dim: int,
+        seed: int,
+        counters,
+        warn_once: Callable,
+        on_restart: Callable,
+        threads: int = 1,
+    ):
         self._counters = counters
         self._warn_once = warn_once
         self._on_restart = on_restart
@@ -243,19 +252,22 @@ class BucketSketcher:
             size = buf.element_size()
             if any(b % size for b in byte_offsets):
                 return
-            plan = SegmentLayout(buf.numel(), [b // size for b in byte_offsets], counts,
-                                 global_offsets)
+            plan = SegmentLayout(
+                buf.numel(), [b // size for b in byte_offsets], counts, global_offsets
+            )
         else:
-            plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts,
-                                      global_offsets)
+            plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts, global_offsets)
         # A bucket's parameters are marked by its first offset on the fast path: buckets are
         # final, so no other bucket holds that parameter.
         self._plans[bucket.index()] = (base, buf.numel(), global_offsets[0], plan)
 
     def _unknown_param(self) -> None:
         self._counters["unknown_parameters"] += 1
-        self._warn_once("unknown", "rankscope: a bucket holds a parameter that was not among "
-                        "module.parameters() at attach time; its gradient is not sketched")
+        self._warn_once(
+            "unknown",
+            "rankscope: a bucket holds a parameter that was not among "
+            "module.parameters() at attach time; its gradient is not sketched",
+        )
 
     def _native_error(self, err: str) -> None:
         self._counters["sketch_errors"] += 1

@@ -14,7 +14,7 @@ Thread safety: training thread only (``mon.step``).
 
 import datetime
 import math
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -25,8 +25,15 @@ class ControlAgreement:
     ``counters`` and ``warn_once(key, message)`` are the monitor's.
     """
 
-    def __init__(self, job: str, attempt: int, rank: int, control_margin: float, counters,
-                 warn_once: Callable):
+    def __init__(
+        self,
+        job: str,
+        attempt: int,
+        rank: int,
+        control_margin: float,
+        counters,
+        warn_once: Callable,
+    ):
         self._job = job
         self._attempt = attempt
         self._rank = rank
@@ -37,8 +44,7 @@ class ControlAgreement:
         self._pending = None  # (apply_step, enabled, every, sketch_dim, generation)
         self._store = None
 
-    def poll(self, control, step: int,
-             step_time_ema: Optional[float]) -> Optional[Tuple[bool, int, int]]:
+    def poll(self, control, step: int, step_time_ema: float | None) -> tuple[bool, int, int] | None:
         """Takes the agent's newest control (generation, apply_at_step, enabled, every,
         sketch_dim), or None, at step ``step``. Returns (enabled, every, sketch_dim; 0: unchanged)
         when a control is due at this step, else None."""
@@ -51,8 +57,10 @@ class ControlAgreement:
                 # in between differ from the other ranks' (they show up as missing ranks).
                 self._counters["late_controls"] += 1
                 self._warn_once(
-                    f"late{generation}", f"rankscope: control generation {generation} was agreed "
-                    f"for step {agreed} but reached rank {self._rank} at step {step}")
+                    f"late{generation}",
+                    f"rankscope: control generation {generation} was agreed "
+                    f"for step {agreed} but reached rank {self._rank} at step {step}",
+                )
             self._pending = (agreed, bool(enabled), max(1, int(every)), int(dim), generation)
         pending = self._pending
         if pending is not None and step >= pending[0]:
@@ -61,12 +69,12 @@ class ControlAgreement:
             return enabled, every, dim
         return None
 
-    def _margin_steps(self, step_time_ema: Optional[float]) -> int:
+    def _margin_steps(self, step_time_ema: float | None) -> int:
         if not step_time_ema:
             return 10
         return int(min(100_000, max(2, math.ceil(self._control_margin / step_time_ema))))
 
-    def _agree_apply_step(self, control, step: int, step_time_ema: Optional[float]) -> int:
+    def _agree_apply_step(self, control, step: int, step_time_ema: float | None) -> int:
         """The step every rank applies ``control`` at: the collector's apply_at_step if it is
         still ahead of this rank, else a step ``control_margin`` seconds ahead. The first rank to
         see the control decides and publishes it in the c10d store; the others adopt it."""
@@ -75,8 +83,10 @@ class ControlAgreement:
         store = self._get_store()
         if store is None:
             return proposal
-        key = (f"rankscope/ctl/{self._job}/{self._attempt}/{generation}/{apply_at}/"
-               f"{int(bool(enabled))}/{every}/{dim}")
+        key = (
+            f"rankscope/ctl/{self._job}/{self._attempt}/{generation}/{apply_at}/"
+            f"{int(bool(enabled))}/{every}/{dim}"
+        )
         try:
             if store.add(key + "/n", 1) == 1:
                 store.set(key, str(proposal))
@@ -85,8 +95,11 @@ class ControlAgreement:
             return int(store.get(key))
         except Exception as e:  # a store problem must not stop training
             self._counters["store_errors"] += 1
-            self._warn_once("store", f"rankscope: could not agree on a control step through "
-                            f"the c10d store ({e!r}); using step {proposal}")
+            self._warn_once(
+                "store",
+                f"rankscope: could not agree on a control step through "
+                f"the c10d store ({e!r}); using step {proposal}",
+            )
             return proposal
 
     def _get_store(self):

@@ -18,8 +18,6 @@ report will be numbered), or None while it is not known yet (the first two synch
 forwards after the first call). Raises RuntimeError when DDP records no counter at all.
 """
 
-from typing import Optional
-
 import torch
 
 # DDP's default runtime-statistics sample rate (kDDPRuntimeLoggingSampleRate in torch's
@@ -31,10 +29,10 @@ class DdpIterations:
     """DDP's iteration counter of one model (see the module docstring)."""
 
     def __init__(self):
-        self._base: Optional[int] = None  # the counter before the next synchronizing forward
+        self._base: int | None = None  # the counter before the next synchronizing forward
         self._synced_since_asking = 0  # synchronizing forwards since sampling was asked for
 
-    def before_forward(self, model) -> Optional[int]:
+    def before_forward(self, model) -> int | None:
         sync = torch.is_grad_enabled() and bool(model.require_backward_grad_sync)
         if self._base is None:
             self._learn(model, sync)
@@ -57,7 +55,9 @@ class DdpIterations:
                 model._set_ddp_runtime_logging_sample_rate(DDP_DEFAULT_SAMPLE_RATE)
                 return
             if self._synced_since_asking > 4:
-                raise RuntimeError("DDP recorded no iteration counter in its runtime statistics "
-                                   "(_get_ddp_logging_data()['iteration'])")
+                raise RuntimeError(
+                    "DDP recorded no iteration counter in its runtime statistics "
+                    "(_get_ddp_logging_data()['iteration'])"
+                )
         if sync:
             self._synced_since_asking += 1

@@ -9,7 +9,7 @@ Thread safety: training thread only (``mon.step``, ``flush``, ``close``).
 
 import collections
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -34,11 +34,33 @@ def host_loss(loss) -> float:
 class _Pending:
     """A report whose values are being copied from a device to pinned host memory."""
 
-    __slots__ = ("step", "host", "event", "cpu_bins", "cpu_sum_squares", "loss", "step_time",
-                 "batch", "fp_host", "fp_present", "loss_absent")
+    __slots__ = (
+        "step",
+        "host",
+        "event",
+        "cpu_bins",
+        "cpu_sum_squares",
+        "loss",
+        "step_time",
+        "batch",
+        "fp_host",
+        "fp_present",
+        "loss_absent",
+    )
 
-    def __init__(self, step, host, event, cpu_bins, cpu_sum_squares, loss, step_time, batch,
-                 fp_host=None, fp_present=(None, None, None)):
+    def __init__(
+        self,
+        step,
+        host,
+        event,
+        cpu_bins,
+        cpu_sum_squares,
+        loss,
+        step_time,
+        batch,
+        fp_host=None,
+        fp_present=(None, None, None),
+    ):
         self.fp_host = fp_host  # int64 [grad fingerprint, param fingerprint, reduced ss bits]
         # Per slot of fp_host: None (not sent), _IN_PAYLOAD (read from fp_host), or the value
         # itself when it was computed on the host (a CPU bucket or parameter).
@@ -70,8 +92,19 @@ class DeferredReports:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, step: int, device, sketch, dim: int, cpu_sketch, loss, fingerprints: Callable,
-            step_time, batch, after_record: Callable[[str], None]) -> None:
+    def add(
+        self,
+        step: int,
+        device,
+        sketch,
+        dim: int,
+        cpu_sketch,
+        loss,
+        fingerprints: Callable,
+        step_time,
+        batch,
+        after_record: Callable[[str], None],
+    ) -> None:
         """Starts copying one step's report from ``device``: ``sketch`` (the TorchSketch on
         ``device``, or None), ``cpu_sketch`` (added when not empty: a model split across CPU and
         a device), ``loss`` (a tensor on ``device`` travels in the payload; anything else is
@@ -81,7 +114,7 @@ class DeferredReports:
             payload[:dim].copy_(sketch.bins)
             payload[dim].copy_(sketch.sum_squares)
         else:
-            payload[:dim + 1].zero_()
+            payload[: dim + 1].zero_()
         loss_value = None
         if isinstance(loss, torch.Tensor) and loss.device == device:
             payload[dim + 1].copy_(loss.detach().reshape(()))
@@ -117,16 +150,18 @@ class DeferredReports:
             event.record()
         else:  # no portable event: copied when drained (a later step), which waits there
             host, fp_host, event = payload, fp_payload, None
-        pending = _Pending(step, host, event, cpu_bins, cpu_ss, loss_value, step_time, batch,
-                           fp_host, present)
+        pending = _Pending(
+            step, host, event, cpu_bins, cpu_ss, loss_value, step_time, batch, fp_host, present
+        )
         pending.loss_absent = loss is None  # mon.step() without a loss: a pipeline stage
         self._pending.append(pending)
         if len(self._pending) > MAX_PENDING:
             self._counters["pending_overflow_waits"] += 1
             self.drain(after_record, block=True, limit=1)
 
-    def drain(self, after_record: Callable[[str], None], block: bool,
-              limit: Optional[int] = None) -> None:
+    def drain(
+        self, after_record: Callable[[str], None], block: bool, limit: int | None = None
+    ) -> None:
         """Hands the reports whose copies are done to the agent, oldest first, up to ``limit``
         of them; with ``block``, waits for each copy instead of stopping at the first pending
         one."""
@@ -160,11 +195,19 @@ class DeferredReports:
                 fps[1] = _fp.to_uint64(fps[1])
             if fps[2] is not None:
                 fps[2] = math.sqrt(max(float(fps[2]), 0.0))
-            err = self._agent.record_raw(p.step, loss, math.sqrt(max(ss, 0.0)),
-                                         floats.data_ptr(), floats.numel(), p.step_time, p.batch,
-                                         reduced_grad_fingerprint=fps[0],
-                                         param_fingerprint=fps[1], reduced_grad_norm=fps[2],
-                                         loss_absent=p.loss_absent)
+            err = self._agent.record_raw(
+                p.step,
+                loss,
+                math.sqrt(max(ss, 0.0)),
+                floats.data_ptr(),
+                floats.numel(),
+                p.step_time,
+                p.batch,
+                reduced_grad_fingerprint=fps[0],
+                param_fingerprint=fps[1],
+                reduced_grad_norm=fps[2],
+                loss_absent=p.loss_absent,
+            )
             after_record(err)
             self._pending.popleft()
             done += 1

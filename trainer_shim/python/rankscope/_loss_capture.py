@@ -13,8 +13,6 @@ is a no-op. With ``torch.cuda.amp.GradScaler`` the recorded loss is the scaled o
 Thread safety: backward and ``take`` run on the training thread.
 """
 
-from typing import Optional, Tuple
-
 import torch
 
 _installed = None  # the LossCapture, once installed
@@ -33,7 +31,7 @@ class LossCapture:
         if isinstance(t, torch.Tensor) and t.numel() == 1 and len(self._losses) < 4096:
             self._losses.append(t.detach())
 
-    def take(self) -> Tuple[Optional[torch.Tensor], int]:
+    def take(self) -> tuple[torch.Tensor | None, int]:
         """(mean loss since the previous take, number of backward calls); (None, 0) if none."""
         losses, self._losses = self._losses, []
         self.last_count = len(losses)
@@ -42,7 +40,7 @@ class LossCapture:
         if len(losses) == 1:
             return losses[0].reshape(()), 1
         try:
-            stacked = torch.stack([l.reshape(()).to(torch.float32) for l in losses])
+            stacked = torch.stack([x.reshape(()).to(torch.float32) for x in losses])
             return stacked.mean(), len(losses)
         except Exception:  # losses on several devices: the last one stands for the step
             return losses[-1].reshape(()), len(losses)

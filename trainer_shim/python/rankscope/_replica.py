@@ -13,7 +13,7 @@ to lists); ``step_values`` and ``reset`` run on the training thread in ``mon.ste
 bucket of the step was reduced.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -26,8 +26,7 @@ class ReplicaFingerprints:
     ``counters`` and ``warn_once(key, message)`` are the monitor's.
     """
 
-    def __init__(self, model, enabled: bool, param_check_every: int, counters,
-                 warn_once: Callable):
+    def __init__(self, model, enabled: bool, param_check_every: int, counters, warn_once: Callable):
         self._counters = counters
         self._warn_once = warn_once
         # Parameter fingerprints: every parameter (frozen ones too), model.parameters() order.
@@ -84,8 +83,14 @@ class ReplicaFingerprints:
                 continue
             off = sketcher.offset_of(p)
             delta = g.data_ptr() - base
-            if (off is None or g.dtype != buf.dtype or not g.is_contiguous() or delta % size
-                    or delta < 0 or delta // size + n > buf.numel()):
+            if (
+                off is None
+                or g.dtype != buf.dtype
+                or not g.is_contiguous()
+                or delta % size
+                or delta < 0
+                or delta // size + n > buf.numel()
+            ):
                 self._skipped("a gradient that is not a dense view of its bucket")
                 return None
             starts.append(delta // size)
@@ -122,8 +127,12 @@ class ReplicaFingerprints:
         closed: Python numbers when computed on the host (CPU tensors), 0-d tensors on
         ``device`` otherwise, None when not sent. No synchronization."""
         grad_fp = reduced_ss = param_fp = None
-        if (self.enabled and self._buckets and not self._incomplete
-                and len(self._grad_fps) == self._buckets):
+        if (
+            self.enabled
+            and self._buckets
+            and not self._incomplete
+            and len(self._grad_fps) == self._buckets
+        ):
             grad_fp = _fp.add_all(self._grad_fps, device)
             sss = self._reduced_ss
             if all(isinstance(v, float) for v in sss):
@@ -131,8 +140,17 @@ class ReplicaFingerprints:
             else:
                 # Host values (CPU buckets) are added as a scalar: no host-to-device copy.
                 host = sum(v for v in sss if isinstance(v, float))
-                reduced_ss = torch.cat([v.to(device, torch.float64).reshape(-1) for v in sss
-                                        if isinstance(v, torch.Tensor)]).sum().add_(host)
+                reduced_ss = (
+                    torch.cat(
+                        [
+                            v.to(device, torch.float64).reshape(-1)
+                            for v in sss
+                            if isinstance(v, torch.Tensor)
+                        ]
+                    )
+                    .sum()
+                    .add_(host)
+                )
         if self._param_check_due(step):
             try:
                 parts, on_device, device_offsets = [], [], []
@@ -149,8 +167,9 @@ class ReplicaFingerprints:
                 self._counters["param_checks"] += 1
             except Exception as e:
                 self._counters["fingerprint_errors"] += 1
-                self._warn_once("fpparam", f"rankscope: could not fingerprint the parameters "
-                                f"({e!r})")
+                self._warn_once(
+                    "fpparam", f"rankscope: could not fingerprint the parameters ({e!r})"
+                )
         return grad_fp, param_fp, reduced_ss
 
     def _param_check_due(self, step: int) -> bool:
@@ -163,5 +182,8 @@ class ReplicaFingerprints:
     def _skipped(self, what: str) -> None:
         self._incomplete = True
         self._counters["fingerprint_skipped_buckets"] += 1
-        self._warn_once("fpskip", f"rankscope: {what} cannot be fingerprinted; the reduced "
-                        "gradient's replica check is off for such steps")
+        self._warn_once(
+            "fpskip",
+            f"rankscope: {what} cannot be fingerprinted; the reduced "
+            "gradient's replica check is off for such steps",
+        )

@@ -34,11 +34,13 @@ import time
 from pathlib import Path
 
 HELPER = "_attach_helper.so"
-PTRACE_FIX = ("attach as the same user as the job, or as root / with CAP_SYS_PTRACE; with Yama "
-              "(/proc/sys/kernel/yama/ptrace_scope = 1) a non-root user may trace only its own "
-              "children: run as root or set it to 0; in Kubernetes, run `rankscope attach` in a "
-              "container of the training pod with shareProcessNamespace: true and the "
-              "SYS_PTRACE capability")
+PTRACE_FIX = (
+    "attach as the same user as the job, or as root / with CAP_SYS_PTRACE; with Yama "
+    "(/proc/sys/kernel/yama/ptrace_scope = 1) a non-root user may trace only its own "
+    "children: run as root or set it to 0; in Kubernetes, run `rankscope attach` in a "
+    "container of the training pod with shareProcessNamespace: true and the "
+    "SYS_PTRACE capability"
+)
 
 
 class AttachError(Exception):
@@ -46,6 +48,7 @@ class AttachError(Exception):
 
 
 # ---- checks on the target -----------------------------------------------------------------------
+
 
 def _status(pid: int) -> dict:
     out = {}
@@ -65,8 +68,9 @@ def python_version_of(pid: int):
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError as e:
-        raise AttachError(f"PID {pid}: cannot read /proc/{pid}/exe ({e.strerror}); "
-                          f"{PTRACE_FIX}") from None
+        raise AttachError(
+            f"PID {pid}: cannot read /proc/{pid}/exe ({e.strerror}); {PTRACE_FIX}"
+        ) from None
     m = pattern.search(os.path.basename(exe))
     if m:
         return int(m.group(1)), int(m.group(2))
@@ -89,15 +93,17 @@ def _may_trace(pid: int) -> None:
     cap_eff = int(_status(os.getpid()).get("CapEff", "0"), 16)
     privileged = os.geteuid() == 0 or bool(cap_eff & (1 << 19))  # CAP_SYS_PTRACE
     if uid != os.geteuid() and not privileged:
-        raise AttachError(f"PID {pid} belongs to uid {uid}, not to you (uid {os.geteuid()}): "
-                          f"{PTRACE_FIX}")
+        raise AttachError(
+            f"PID {pid} belongs to uid {uid}, not to you (uid {os.geteuid()}): {PTRACE_FIX}"
+        )
     try:
         scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
     except (OSError, ValueError):
         scope = 0
     if scope >= 3 or (scope == 2 and not privileged) or (scope == 1 and not privileged):
-        raise AttachError(f"PID {pid}: ptrace is not permitted "
-                          f"(kernel.yama.ptrace_scope = {scope}): {PTRACE_FIX}")
+        raise AttachError(
+            f"PID {pid}: ptrace is not permitted (kernel.yama.ptrace_scope = {scope}): {PTRACE_FIX}"
+        )
 
 
 def check_target(pid: int):
@@ -112,8 +118,9 @@ def check_target(pid: int):
         raise AttachError(f"PID {pid} has exited (zombie)")
     tracer = int(_status(pid).get("TracerPid", "0") or 0)
     if tracer:
-        raise AttachError(f"PID {pid} is already traced by PID {tracer} (a debugger?); "
-                          "detach it first")
+        raise AttachError(
+            f"PID {pid} is already traced by PID {tracer} (a debugger?); detach it first"
+        )
     return version
 
 
@@ -129,8 +136,9 @@ def local_ranks():
             raw = (entry / "environ").read_bytes()
         except OSError:
             continue
-        env = dict(kv.split("=", 1) for kv in raw.decode("utf-8", "replace").split("\0")
-                   if "=" in kv)
+        env = dict(
+            kv.split("=", 1) for kv in raw.decode("utf-8", "replace").split("\0") if "=" in kv
+        )
         if "RANK" not in env or "WORLD_SIZE" not in env:
             continue
         try:
@@ -138,13 +146,16 @@ def local_ranks():
                 continue
         except AttachError:
             continue
-        key = (env.get("MASTER_ADDR", "") + ":" + env.get("MASTER_PORT", ""),
-               env.get("TORCHELASTIC_RUN_ID", ""))
+        key = (
+            env.get("MASTER_ADDR", "") + ":" + env.get("MASTER_PORT", ""),
+            env.get("TORCHELASTIC_RUN_ID", ""),
+        )
         jobs.setdefault(key, []).append(int(entry.name))
     return {k: sorted(v) for k, v in jobs.items()}
 
 
 # ---- injection ----------------------------------------------------------------------------------
+
 
 def _prepare(pid: int, request: dict, package_dir: Path) -> Path:
     """Writes the request folder into the target's /tmp (as the target sees it); returns the
@@ -209,7 +220,8 @@ quit
 def inject_gdb(pid: int, folder: Path, gdb: str, timeout: float) -> dict:
     """Runs gdb against ``pid``; returns {"stopped_s", "queued", "threads"} or raises."""
     script = GDB_SCRIPT.replace("@HELPER@", str(folder / HELPER)).replace(
-        "@REQUEST@", str(folder / "request.json"))
+        "@REQUEST@", str(folder / "request.json")
+    )
     script_path = Path(f"/proc/{pid}/root") / folder.relative_to("/") / "attach.gdb"
     script_path.write_text(script)
     # The clock starts before gdb attaches (-iex runs first): the stop it reports is an upper
@@ -220,26 +232,45 @@ def inject_gdb(pid: int, folder: Path, gdb: str, timeout: float) -> dict:
     # were not there, instead of stopping gdb inside the call; the faults that can only be the
     # call's own (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) stop it, and unwindonsignal then
     # undoes the call, so the process is never left inside a half-run function.
-    cmd = [gdb, "-nx", "-batch", "--readnever", "-iex",
-           "python import time; print('RANKSCOPE_T_BEGIN %.6f' % time.time())",
-           "-iex", "set auto-solib-add off", "-iex", "set pagination off",
-           "-iex", "set confirm off", "-iex", "set unwindonsignal on",
-           "-iex", "handle all nostop noprint pass",
-           "-iex", "handle SIGSEGV SIGBUS SIGILL SIGFPE SIGABRT stop print nopass",
-           "-p", str(pid), "-x", str(script_path)]
+    cmd = [
+        gdb,
+        "-nx",
+        "-batch",
+        "--readnever",
+        "-iex",
+        "python import time; print('RANKSCOPE_T_BEGIN %.6f' % time.time())",
+        "-iex",
+        "set auto-solib-add off",
+        "-iex",
+        "set pagination off",
+        "-iex",
+        "set confirm off",
+        "-iex",
+        "set unwindonsignal on",
+        "-iex",
+        "handle all nostop noprint pass",
+        "-iex",
+        "handle SIGSEGV SIGBUS SIGILL SIGFPE SIGABRT stop print nopass",
+        "-p",
+        str(pid),
+        "-x",
+        str(script_path),
+    ]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, start_new_session=True
+        )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else ""
-        raise AttachError(f"PID {pid}: gdb did not finish within {timeout:.0f} s; the process "
-                          f"was released. gdb said: {out.strip()[-400:]}") from None
+        raise AttachError(
+            f"PID {pid}: gdb did not finish within {timeout:.0f} s; the process "
+            f"was released. gdb said: {out.strip()[-400:]}"
+        ) from None
     finally:
         _release(pid)
     out = proc.stdout + proc.stderr
     if "ptrace: Operation not permitted" in out or "Could not attach to process" in out:
-        raise AttachError(f"PID {pid}: ptrace refused ({_first_line(out, 'ptrace')}): "
-                          f"{PTRACE_FIX}")
+        raise AttachError(f"PID {pid}: ptrace refused ({_first_line(out, 'ptrace')}): {PTRACE_FIX}")
     errors = re.findall(r"RANKSCOPE_ERROR (.*)", out)
     if errors:
         raise AttachError(f"PID {pid}: {errors[0]}")
@@ -247,24 +278,30 @@ def inject_gdb(pid: int, folder: Path, gdb: str, timeout: float) -> dict:
     t1 = re.search(r"RANKSCOPE_T_DETACH ([\d.]+)", out)
     queued = re.search(r"RANKSCOPE_QUEUED (-?\d+)", out)
     if not (t0 and t1 and queued):
-        raise AttachError(f"PID {pid}: gdb could not run the attach script: "
-                          f"{out.strip()[-600:]}")
+        raise AttachError(f"PID {pid}: gdb could not run the attach script: {out.strip()[-600:]}")
     rc = int(queued.group(1))
     if rc != 0:
-        why = {-1: "the request path was refused", -2: "another attach is still queued",
-               -3: "the interpreter's pending-call queue is full"}.get(rc, f"code {rc}")
+        why = {
+            -1: "the request path was refused",
+            -2: "another attach is still queued",
+            -3: "the interpreter's pending-call queue is full",
+        }.get(rc, f"code {rc}")
         raise AttachError(f"PID {pid}: the helper could not queue the request ({why})")
     threads = re.search(r"RANKSCOPE_THREADS (\d+)", out)
-    return {"stopped_s": float(t1.group(1)) - float(t0.group(1)),
-            "threads": int(threads.group(1)) if threads else 0}
+    return {
+        "stopped_s": float(t1.group(1)) - float(t0.group(1)),
+        "threads": int(threads.group(1)) if threads else 0,
+    }
 
 
 def inject_remote_exec(pid: int, folder: Path) -> dict:
     """Python 3.14+: the interpreter's own remote execution runs the same payload."""
-    code = (f"import json, sys\nrequest = json.load(open({str(folder / 'request.json')!r}))\n"
-            "for p in request.get('pythonpath', []):\n"
-            "    p in sys.path or sys.path.append(p)\n"
-            "from rankscope import _attach_payload\n_attach_payload.run(request)\n")
+    code = (
+        f"import json, sys\nrequest = json.load(open({str(folder / 'request.json')!r}))\n"
+        "for p in request.get('pythonpath', []):\n"
+        "    p in sys.path or sys.path.append(p)\n"
+        "from rankscope import _attach_payload\n_attach_payload.run(request)\n"
+    )
     outside = Path(f"/proc/{pid}/root") / folder.relative_to("/") / "payload.py"
     outside.write_text(code)
     t0 = time.monotonic()
@@ -291,13 +328,17 @@ def _release(pid: int) -> None:
 
 # ---- acknowledgements ---------------------------------------------------------------------------
 
+
 def read_ack(pid: int, folder: Path):
     base = Path(f"/proc/{pid}/root") / folder.relative_to("/")
     failed = base / "request.json.failed"
     if failed.exists():
-        return {"status": "error", "error": "rankscope is not importable in the target's "
-                f"environment: {failed.read_text()[:400]} (install the rankscope package where "
-                "the job's Python finds it, built for the job's Python version)"}
+        return {
+            "status": "error",
+            "error": "rankscope is not importable in the target's "
+            f"environment: {failed.read_text()[:400]} (install the rankscope package where "
+            "the job's Python finds it, built for the job's Python version)",
+        }
     try:
         return json.loads((base / "ack.json").read_text())
     except (OSError, ValueError):
@@ -308,21 +349,29 @@ def _describe(pid: int, ack: dict, injected: dict) -> str:
     lines = []
     pause = injected["stopped_s"] + float(ack.get("pause_s") or 0.0)
     for m in ack.get("models", []):
-        where = f"job {ack.get('job')} group {m['group']!r} rank {m['rank']} " \
-                f"(global rank {m['global_rank']})"
+        where = (
+            f"job {ack.get('job')} group {m['group']!r} rank {m['rank']} "
+            f"(global rank {m['global_rank']})"
+        )
         if m["state"] == "reporting":
             what = "dormant from" if ack.get("dormant") else "reporting from"
-            lines.append(f"PID {pid}: {where}: {what} step {m['start_step']}; path: "
-                         f"{m['path']}; step boundary: {m['step_boundary']}")
+            lines.append(
+                f"PID {pid}: {where}: {what} step {m['start_step']}; path: "
+                f"{m['path']}; step boundary: {m['step_boundary']}"
+            )
         elif m["state"] == "failed":
             lines.append(f"PID {pid}: {where}: failed: {m['error']}")
         else:
             arrived = m.get("arrived")
             extra = f" ({arrived} of {m['world_size']} ranks arrived)" if arrived else ""
-            lines.append(f"PID {pid}: {where}: installed, waiting for the other ranks of its "
-                         f"group to be attached{extra}")
-    lines.append(f"PID {pid}: pause {pause:.3f} s (stopped {injected['stopped_s']:.3f} s, "
-                 f"main thread {float(ack.get('pause_s') or 0):.3f} s)")
+            lines.append(
+                f"PID {pid}: {where}: installed, waiting for the other ranks of its "
+                f"group to be attached{extra}"
+            )
+    lines.append(
+        f"PID {pid}: pause {pause:.3f} s (stopped {injected['stopped_s']:.3f} s, "
+        f"main thread {float(ack.get('pause_s') or 0):.3f} s)"
+    )
     return "\n".join(lines)
 
 
@@ -330,32 +379,64 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="rankscope attach",
         description="Attach rankscope to live training processes started without it (no "
-                    "restart, no change to the script). Every rank of a data-parallel group "
-                    "must be attached; they start reporting at the same step.")
+        "restart, no change to the script). Every rank of a data-parallel group "
+        "must be attached; they start reporting at the same step.",
+    )
     ap.add_argument("pids", nargs="*", type=int, help="PIDs of the ranks to attach")
     ap.add_argument("--job", required=True, help="the job name to report under")
-    ap.add_argument("--collector", default=os.environ.get("RANKSCOPE_COLLECTOR", ""),
-                    help="HOST:PORT of the collector (default $RANKSCOPE_COLLECTOR, else "
-                         "127.0.0.1:50051)")
-    ap.add_argument("--dormant", action="store_true",
-                    help="install but report nothing until `rankscope ctl enable`")
-    ap.add_argument("--all-local", action="store_true",
-                    help="attach every rank of the torch.distributed job on this host")
-    ap.add_argument("--sketch_dim", type=int, default=0,
-                    help="count sketch bins k (float32 unless --sketch_encoding says otherwise)")
-    ap.add_argument("--sketch_bytes", type=int, default=0,
-                    help="sketch bytes per rank and step (default 4096: k = bytes / bin size)")
-    ap.add_argument("--sketch_encoding", choices=("float32", "float16", "int8"),
-                    help="sketch bin encoding (default int8)")
-    ap.add_argument("--sketch_threads", type=int, default=0,
-                    help="threads that sketch a CPU gradient bucket (default: the cores the "
-                         "process may use that torch's threads leave free, 1 to 8)")
+    ap.add_argument(
+        "--collector",
+        default=os.environ.get("RANKSCOPE_COLLECTOR", ""),
+        help="HOST:PORT of the collector (default $RANKSCOPE_COLLECTOR, else 127.0.0.1:50051)",
+    )
+    ap.add_argument(
+        "--dormant",
+        action="store_true",
+        help="install but report nothing until `rankscope ctl enable`",
+    )
+    ap.add_argument(
+        "--all-local",
+        action="store_true",
+        help="attach every rank of the torch.distributed job on this host",
+    )
+    ap.add_argument(
+        "--sketch_dim",
+        type=int,
+        default=0,
+        help="count sketch bins k (float32 unless --sketch_encoding says otherwise)",
+    )
+    ap.add_argument(
+        "--sketch_bytes",
+        type=int,
+        default=0,
+        help="sketch bytes per rank and step (default 4096: k = bytes / bin size)",
+    )
+    ap.add_argument(
+        "--sketch_encoding",
+        choices=("float32", "float16", "int8"),
+        help="sketch bin encoding (default int8)",
+    )
+    ap.add_argument(
+        "--sketch_threads",
+        type=int,
+        default=0,
+        help="threads that sketch a CPU gradient bucket (default: the cores the "
+        "process may use that torch's threads leave free, 1 to 8)",
+    )
     ap.add_argument("--every", type=int, default=0, help="report every N steps (default 1)")
-    ap.add_argument("--param_check_every", type=int, default=-1,
-                    help="fingerprint the parameters every N steps (default 5; 0 never)")
-    ap.add_argument("--timeout", type=float, default=60.0,
-                    help="seconds to wait for each process to run the payload and for the "
-                         "ranks to agree on a first step (default 60)")
+    ap.add_argument(
+        "--param_check_every",
+        type=int,
+        default=-1,
+        help="fingerprint the parameters every N steps (default 5; 0 never)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for each process to run the payload and for the "
+        "ranks to agree on a first step (default 60)",
+    )
     ap.add_argument("--gdb", default="gdb", help="the gdb to use (default: gdb on PATH)")
     args = ap.parse_args(argv)
 
@@ -363,14 +444,19 @@ def main(argv=None) -> int:
     if args.all_local:
         jobs = local_ranks()
         if not jobs:
-            print("rankscope attach: --all-local found no torch.distributed rank on this host "
-                  "(Python processes with RANK and WORLD_SIZE in their environment)",
-                  file=sys.stderr)
+            print(
+                "rankscope attach: --all-local found no torch.distributed rank on this host "
+                "(Python processes with RANK and WORLD_SIZE in their environment)",
+                file=sys.stderr,
+            )
             return 1
         if len(jobs) > 1:
             listing = "; ".join(f"{k[0]} run {k[1] or '-'}: PIDs {v}" for k, v in jobs.items())
-            print(f"rankscope attach: --all-local found several jobs on this host ({listing}); "
-                  "pass the PIDs of one", file=sys.stderr)
+            print(
+                f"rankscope attach: --all-local found several jobs on this host ({listing}); "
+                "pass the PIDs of one",
+                file=sys.stderr,
+            )
             return 1
         pids += next(iter(jobs.values()))
     if not pids:
@@ -379,11 +465,16 @@ def main(argv=None) -> int:
     gdb = shutil.which(args.gdb)
     package_dir = Path(__file__).resolve().parent
     if not (package_dir / HELPER).exists():
-        print(f"rankscope attach: {package_dir / HELPER} is missing (build the project: "
-              "./run build)", file=sys.stderr)
+        print(
+            f"rankscope attach: {package_dir / HELPER} is missing (build the project: ./run build)",
+            file=sys.stderr,
+        )
         return 1
-    request = {"job": args.job, "dormant": bool(args.dormant),
-               "pythonpath": [str(package_dir.parent)]}
+    request = {
+        "job": args.job,
+        "dormant": bool(args.dormant),
+        "pythonpath": [str(package_dir.parent)],
+    }
     if args.collector:
         request["collector"] = args.collector
     if args.sketch_dim:
@@ -406,11 +497,16 @@ def main(argv=None) -> int:
             version = check_target(pid)
             remote = use_remote_exec and version >= (3, 14) and version == sys.version_info[:2]
             if not remote and gdb is None:
-                raise AttachError(f"gdb not found ({args.gdb}); install Debian's gdb "
-                                  "(apt-get install gdb; ./run setup does)")
+                raise AttachError(
+                    f"gdb not found ({args.gdb}); install Debian's gdb "
+                    "(apt-get install gdb; ./run setup does)"
+                )
             folder = _prepare(pid, request, package_dir)
-            injected = (inject_remote_exec(pid, folder) if remote
-                        else inject_gdb(pid, folder, gdb, args.timeout))
+            injected = (
+                inject_remote_exec(pid, folder)
+                if remote
+                else inject_gdb(pid, folder, gdb, args.timeout)
+            )
             pending[pid] = (folder, injected)
         except AttachError as e:
             print(f"rankscope attach: {e}", file=sys.stderr)
@@ -435,11 +531,14 @@ def main(argv=None) -> int:
         ack = acks.get(pid)
         if ack is None:
             alive = bool(_status(pid))
-            print(f"rankscope attach: PID {pid}: queued, not run: its main thread has not "
-                  f"returned to Python within {args.timeout:.0f} s (a hung collective, or one "
-                  "long C++ call); it runs the payload when it does" if alive else
-                  f"rankscope attach: PID {pid} exited before running the payload",
-                  file=sys.stderr)
+            print(
+                f"rankscope attach: PID {pid}: queued, not run: its main thread has not "
+                f"returned to Python within {args.timeout:.0f} s (a hung collective, or one "
+                "long C++ call); it runs the payload when it does"
+                if alive
+                else f"rankscope attach: PID {pid} exited before running the payload",
+                file=sys.stderr,
+            )
             failures += 1
             continue
         ack["dormant"] = args.dormant

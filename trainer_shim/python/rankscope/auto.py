@@ -10,13 +10,12 @@ first agreed step), ``RANKSCOPE_SKETCH_DIM``, ``RANKSCOPE_SKETCH_BYTES``,
 """
 
 import os
-from typing import Dict, Optional
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _env_int(name: str) -> Optional[int]:
+def _env_int(name: str) -> int | None:
     v = os.environ.get(name, "").strip()
     if not v:
         return None
@@ -26,20 +25,24 @@ def _env_int(name: str) -> Optional[int]:
         raise ValueError(f"rankscope: {name}={v!r} is not an integer") from None
 
 
-def settings_from_env() -> Dict:
+def settings_from_env() -> dict:
     """(job, dormant, attach options) from the environment; ValueError names what is wrong."""
     job = os.environ.get("RANKSCOPE_JOB", "").strip()
     if not job:
-        raise ValueError("rankscope: no job name; set RANKSCOPE_JOB (or pass --job to "
-                         "python -m rankscope.run)")
+        raise ValueError(
+            "rankscope: no job name; set RANKSCOPE_JOB (or pass --job to python -m rankscope.run)"
+        )
     dormant_env = os.environ.get("RANKSCOPE_DORMANT", "").strip().lower()
     if dormant_env and dormant_env not in _TRUE + _FALSE:
         raise ValueError(f"rankscope: RANKSCOPE_DORMANT={dormant_env!r}; use 1 or 0")
     options = {}
     if os.environ.get("RANKSCOPE_COLLECTOR"):
         options["collector"] = os.environ["RANKSCOPE_COLLECTOR"]
-    for name, key in (("RANKSCOPE_SKETCH_DIM", "sketch_dim"), ("RANKSCOPE_EVERY", "every"),
-                      ("RANKSCOPE_SKETCH_BYTES", "sketch_bytes")):
+    for name, key in (
+        ("RANKSCOPE_SKETCH_DIM", "sketch_dim"),
+        ("RANKSCOPE_EVERY", "every"),
+        ("RANKSCOPE_SKETCH_BYTES", "sketch_bytes"),
+    ):
         v = _env_int(name)
         if v is not None:
             options[key] = v
@@ -51,7 +54,7 @@ def settings_from_env() -> Dict:
 _installed = False
 
 
-def install(job: str, dormant: bool = True, options: Optional[Dict] = None):
+def install(job: str, dormant: bool = True, options: dict | None = None):
     """Attaches every DDP model constructed from now on (exact type), at its first forward.
     Idempotent. Returns the process's AutoAttacher."""
     global _installed

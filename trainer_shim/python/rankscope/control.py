@@ -8,16 +8,24 @@ The collector answers with the control it pushes to every connected rank of the 
 applies it at the same step (see ``rankscope.torch`` and docs/shim.md).
 """
 
-from typing import Optional
-
 from rankscope import _native, tls
 
 
-def set_control(collector: str, job: str, *, enabled: Optional[bool] = None,
-                every: Optional[int] = None, sketch_dim: Optional[int] = None,
-                lead_steps: int = 5, timeout: float = 10.0, tls_ca: Optional[str] = None,
-                tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-                tls_target_name: Optional[str] = None, auth_token: Optional[str] = None) -> dict:
+def set_control(
+    collector: str,
+    job: str,
+    *,
+    enabled: bool | None = None,
+    every: int | None = None,
+    sketch_dim: int | None = None,
+    lead_steps: int = 5,
+    timeout: float = 10.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_target_name: str | None = None,
+    auth_token: str | None = None,
+) -> dict:
     """Sends Query.SetControl. Returns {generation, apply_at_step, enabled, every, sketch_dim,
     ranks_notified}. Raises RuntimeError with the gRPC status when the collector refuses (e.g.
     NOT_FOUND: the job is not known to it) or cannot be reached within ``timeout`` seconds.
@@ -27,8 +35,14 @@ def set_control(collector: str, job: str, *, enabled: Optional[bool] = None,
         raise ValueError("every must be >= 1")
     if sketch_dim is not None and sketch_dim < 1:
         raise ValueError("sketch_dim must be >= 1")
-    return _native.set_control(collector, job, enabled=enabled, every=every,
-                               sketch_dim=sketch_dim, lead_steps=max(1, int(lead_steps)),
-                               timeout_seconds=float(timeout),
-                               auth_token=auth_token or "",
-                               **tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name))
+    return _native.set_control(
+        collector,
+        job,
+        enabled=enabled,
+        every=every,
+        sketch_dim=sketch_dim,
+        lead_steps=max(1, int(lead_steps)),
+        timeout_seconds=float(timeout),
+        auth_token=auth_token or "",
+        **tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
+    )

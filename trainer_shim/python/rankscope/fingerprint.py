@@ -28,7 +28,7 @@ also returns the exact sum of squares; its results are plain Python numbers (``f
 ``fold_segments_cpu``). The two implementations agree bit for bit (tests).
 """
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -52,8 +52,12 @@ _NATIVE_CODES = {}
 try:
     from rankscope import _native
 
-    _NATIVE_CODES = {torch.float32: _native.DTYPE_FLOAT32, torch.bfloat16: _native.DTYPE_BFLOAT16,
-                     torch.float16: _native.DTYPE_FLOAT16, torch.float64: _native.DTYPE_FLOAT64}
+    _NATIVE_CODES = {
+        torch.float32: _native.DTYPE_FLOAT32,
+        torch.bfloat16: _native.DTYPE_BFLOAT16,
+        torch.float16: _native.DTYPE_FLOAT16,
+        torch.float64: _native.DTYPE_FLOAT64,
+    }
 except (ImportError, AttributeError):  # the torch-op path still works
     _native = None
 
@@ -72,8 +76,9 @@ def fold_cpu(values: torch.Tensor, offset: int):
     flat = values.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return _native.fingerprint_segments(flat.data_ptr(), _NATIVE_CODES[flat.dtype], [0],
-                                        [flat.numel()], [offset])
+    return _native.fingerprint_segments(
+        flat.data_ptr(), _NATIVE_CODES[flat.dtype], [0], [flat.numel()], [offset]
+    )
 
 
 def fold_segments_cpu(buffer: torch.Tensor, layout: "SegmentLayout"):
@@ -83,8 +88,13 @@ def fold_segments_cpu(buffer: torch.Tensor, layout: "SegmentLayout"):
         raise ValueError(f"buffer has {flat.numel()} elements, layout {layout.numel}")
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return _native.fingerprint_segments(flat.data_ptr(), _NATIVE_CODES[flat.dtype], layout.starts,
-                                        layout.counts, layout.global_offsets)
+    return _native.fingerprint_segments(
+        flat.data_ptr(),
+        _NATIVE_CODES[flat.dtype],
+        layout.starts,
+        layout.counts,
+        layout.global_offsets,
+    )
 
 
 def as_tensor(value, device) -> torch.Tensor:
@@ -151,8 +161,13 @@ class SegmentLayout:
 
     __slots__ = ("numel", "starts", "counts", "global_offsets", "_device_tensors")
 
-    def __init__(self, numel: int, starts: Sequence[int], counts: Sequence[int],
-                 global_offsets: Sequence[int]):
+    def __init__(
+        self,
+        numel: int,
+        starts: Sequence[int],
+        counts: Sequence[int],
+        global_offsets: Sequence[int],
+    ):
         if not (len(starts) == len(counts) == len(global_offsets)):
             raise ValueError("starts, counts and global_offsets differ in length")
         for s, n in zip(starts, counts):
@@ -170,8 +185,7 @@ class SegmentLayout:
             starts = torch.tensor(self.starts, dtype=torch.int64)
             ends = starts + torch.tensor(self.counts, dtype=torch.int64)
             shift = 2 * (torch.tensor(self.global_offsets, dtype=torch.int64) - starts)
-            t = (_to_device(starts, device), _to_device(ends, device),
-                 _to_device(shift, device))
+            t = (_to_device(starts, device), _to_device(ends, device), _to_device(shift, device))
             self._device_tensors[device] = t
         return t
 
@@ -210,8 +224,9 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        f = _tk.attempt(lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]),
-                                                layout.pieces(device)))
+        f = _tk.attempt(
+            lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
+        )
         if f is not _tk.FELL_BACK:
             return f
     c = _terms(flat)
@@ -231,10 +246,17 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
     the values: ``add_all`` and a sum take them as they are), else fold_segments and a float64
     norm of the whole buffer (padding is zeros)."""
     flat = buffer.detach().reshape(-1)
-    if (_tk.enabled(flat) and flat.is_contiguous() and layout.counts
-            and flat.numel() == layout.numel):
-        both = _tk.attempt(lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]),
-                                                   layout.pieces(flat.device), values=flat))
+    if (
+        _tk.enabled(flat)
+        and flat.is_contiguous()
+        and layout.counts
+        and flat.numel() == layout.numel
+    ):
+        both = _tk.attempt(
+            lambda: _tk.fold_pieces(
+                flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(flat.device), values=flat
+            )
+        )
         if both is not _tk.FELL_BACK:
             return both
     norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)

@@ -45,9 +45,12 @@ def load(path: str) -> dict:
     with open(path) as f:
         data = json.load(f)
     steps = sorted(data.get("steps", []), key=lambda s: int(s.get("step", 0)))
-    return {"steps": steps, "ranks": data.get("ranks", []),
-            "rank_windows": data.get("rank_windows", []),
-            "downsampled_before_step": int(data.get("downsampled_before_step", 0) or 0)}
+    return {
+        "steps": steps,
+        "ranks": data.get("ranks", []),
+        "rank_windows": data.get("rank_windows", []),
+        "downsampled_before_step": int(data.get("downsampled_before_step", 0) or 0),
+    }
 
 
 class Grid:
@@ -76,8 +79,12 @@ class Grid:
 
     def extent(self):
         # Cell edges in step and rank units, so the axes read real step and rank numbers.
-        return (self.first - 0.5, self.first + self.cols * self.steps_per_col - 0.5,
-                self.rows * self.ranks_per_row - 0.5, -0.5)
+        return (
+            self.first - 0.5,
+            self.first + self.cols * self.steps_per_col - 0.5,
+            self.rows * self.ranks_per_row - 0.5,
+            -0.5,
+        )
 
     def x(self, col: int) -> float:
         return self.first + (col + 0.5) * self.steps_per_col - 0.5
@@ -124,22 +131,33 @@ def heat_grids(data: dict, grid: "Grid"):
 
 def events(data: dict, grid: "Grid"):
     """Per event kind, the set of (col, row) cells where it happened."""
-    kinds = {"replica divergent": set(), "missing": set(), "non-finite": set(),
-             "drifting": set(), "slow": set(), "persistent outlier": set()}
+    kinds = {
+        "replica divergent": set(),
+        "missing": set(),
+        "non-finite": set(),
+        "drifting": set(),
+        "slow": set(),
+        "persistent outlier": set(),
+    }
     for s in data["steps"]:
         step = int(s.get("step", 0))
         if step < grid.first or step > grid.last:
             continue
         c = grid.col(step)
-        for key, kind in (("replica_divergent_ranks", "replica divergent"),
-                          ("missing_ranks", "missing"), ("drifting_ranks", "drifting"),
-                          ("slow_ranks", "slow"), ("outlier_ranks", "persistent outlier")):
+        for key, kind in (
+            ("replica_divergent_ranks", "replica divergent"),
+            ("missing_ranks", "missing"),
+            ("drifting_ranks", "drifting"),
+            ("slow_ranks", "slow"),
+            ("outlier_ranks", "persistent outlier"),
+        ):
             for r in s.get(key, []):
                 kinds[kind].add((c, grid.row(int(r))))
     for r in data["ranks"]:
         step = int(r.get("step", 0))
         if grid.first <= step <= grid.last and not (
-                math.isfinite(_f(r.get("loss"))) and math.isfinite(_f(r.get("grad_norm")))):
+            math.isfinite(_f(r.get("loss"))) and math.isfinite(_f(r.get("grad_norm")))
+        ):
             kinds["non-finite"].add((grid.col(step), grid.row(int(r.get("rank", 0)))))
     for w in data["rank_windows"]:
         row = grid.row(int(w.get("rank", 0)))
@@ -152,8 +170,17 @@ def events(data: dict, grid: "Grid"):
 
 
 def _say(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10,
-            color="0.3", wrap=True)
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=10,
+        color="0.3",
+        wrap=True,
+    )
 
 
 def plot(data: dict, job: str, output: str) -> None:
@@ -171,21 +198,30 @@ def plot(data: dict, job: str, output: str) -> None:
     rng = [_f(s.get("loss_range")) for s in steps]
     cv = [_f(s.get("grad_norm_cv")) for s in steps]
     cos = [_f(s.get("grad_cosine_mean")) for s in steps]
-    world = max([int(s.get("world_size", 0) or 0) for s in steps] +
-                [int(r.get("rank", 0)) + 1 for r in data["ranks"]] +
-                [int(w.get("rank", 0)) + 1 for w in data["rank_windows"]] + [1])
+    world = max(
+        [int(s.get("world_size", 0) or 0) for s in steps]
+        + [int(r.get("rank", 0)) + 1 for r in data["ranks"]]
+        + [int(w.get("rank", 0)) + 1 for w in data["rank_windows"]]
+        + [1]
+    )
     first = min(x + [int(w.get("first_step", 0)) for w in data["rank_windows"]])
     last = max(x)
     grid = Grid(first, last, world)
     downsampled = data["downsampled_before_step"]
 
     fig, axes = plt.subplots(
-        5, 1, figsize=(14, 15), sharex=True,
-        gridspec_kw={"height_ratios": [2.2, 1.4, 3, 3, 3]})
+        5, 1, figsize=(14, 15), sharex=True, gridspec_kw={"height_ratios": [2.2, 1.4, 3, 3, 3]}
+    )
     ax = axes[0]
     ax.plot(x, mean, color="C0", label="loss mean")
-    ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                    color="C0", alpha=0.25, label="mean ± std")
+    ax.fill_between(
+        x,
+        [m - s for m, s in zip(mean, std)],
+        [m + s for m, s in zip(mean, std)],
+        color="C0",
+        alpha=0.25,
+        label="mean ± std",
+    )
     ax2 = ax.twinx()
     ax2.plot(x, rng, color="C1", lw=0.8, alpha=0.8, label="range (max − min)")
     ax2.set_ylabel("loss range", color="C1")
@@ -194,8 +230,7 @@ def plot(data: dict, job: str, output: str) -> None:
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=8)
     groups = "" if "/" not in job else " (a data-parallel group; ranks within the group)"
-    ax.set_title(f"rankscope: job {job}{groups}: {len(steps)} steps "
-                 f"{first}..{last}, {world} ranks")
+    ax.set_title(f"rankscope: job {job}{groups}: {len(steps)} steps {first}..{last}, {world} ranks")
 
     ax = axes[1]
     ax.plot(x, cv, color="C2", label="grad-norm CV")
@@ -211,22 +246,43 @@ def plot(data: dict, job: str, output: str) -> None:
     cmap_score = matplotlib.colormaps["magma_r"].copy()
     cmap_score.set_bad("0.92")
     for ax, arr, cmap, label, title, kw in (
-            (axes[2], cos_grid, cmap_cos, "consensus cosine",
-             "consensus cosine of every rank (lowest per cell)",
-             {"vmin": min(0.5, float(np.nanmin(cos_grid)) if np.isfinite(cos_grid).any()
-                          else 0.5), "vmax": 1.0}),
-            (axes[3], score_grid, cmap_score, "outlier score",
-             f"outlier score of every rank (highest per cell; ≥ {OUTLIER_THRESHOLD:g}: outlier; "
-             f"the scale stops at {2 * OUTLIER_THRESHOLD:g})",
-             {"vmin": 0.0, "vmax": 2 * OUTLIER_THRESHOLD})):
+        (
+            axes[2],
+            cos_grid,
+            cmap_cos,
+            "consensus cosine",
+            "consensus cosine of every rank (lowest per cell)",
+            {
+                "vmin": min(
+                    0.5, float(np.nanmin(cos_grid)) if np.isfinite(cos_grid).any() else 0.5
+                ),
+                "vmax": 1.0,
+            },
+        ),
+        (
+            axes[3],
+            score_grid,
+            cmap_score,
+            "outlier score",
+            f"outlier score of every rank (highest per cell; ≥ {OUTLIER_THRESHOLD:g}: outlier; "
+            f"the scale stops at {2 * OUTLIER_THRESHOLD:g})",
+            {"vmin": 0.0, "vmax": 2 * OUTLIER_THRESHOLD},
+        ),
+    ):
         ax.set_ylabel("rank")
         ax.set_title(f"{title} — {grid.describe()}", fontsize=9, loc="left")
         if not np.isfinite(arr).any():
             ax.set_ylim(world - 0.5, -0.5)
             _say(ax, "no per-rank values in these steps (no rank rows or rank windows stored)")
             continue
-        im = ax.imshow(np.ma.masked_invalid(arr), aspect="auto", interpolation="nearest",
-                       extent=extent, cmap=cmap, **kw)
+        im = ax.imshow(
+            np.ma.masked_invalid(arr),
+            aspect="auto",
+            interpolation="nearest",
+            extent=extent,
+            cmap=cmap,
+            **kw,
+        )
         # The colour bar sits outside the axes (an inset), so every panel keeps the same width
         # and the step axes line up.
         cax = ax.inset_axes([1.01, 0.0, 0.012, 1.0])
@@ -234,11 +290,19 @@ def plot(data: dict, job: str, output: str) -> None:
 
     ax = axes[4]
     ax.set_ylabel("rank")
-    ax.set_title(f"events per rank — {grid.describe().replace(', its worst value', '')}",
-                 fontsize=9, loc="left")
-    styles = {"replica divergent": ("s", "red"), "missing": ("|", "0.45"),
-              "non-finite": ("x", "black"), "drifting": ("^", "darkorange"),
-              "slow": ("v", "purple"), "persistent outlier": ("o", "deeppink")}
+    ax.set_title(
+        f"events per rank — {grid.describe().replace(', its worst value', '')}",
+        fontsize=9,
+        loc="left",
+    )
+    styles = {
+        "replica divergent": ("s", "red"),
+        "missing": ("|", "0.45"),
+        "non-finite": ("x", "black"),
+        "drifting": ("^", "darkorange"),
+        "slow": ("v", "purple"),
+        "persistent outlier": ("o", "deeppink"),
+    }
     any_event = False
     size = max(4.0, min(30.0, 2000.0 / max(grid.rows, 1)))
     # Each kind has its own offset inside a cell's row, so that kinds on the same rank and step
@@ -249,31 +313,50 @@ def plot(data: dict, job: str, output: str) -> None:
         any_event = True
         marker, color = styles[kind]
         dy = (k - (len(styles) - 1) / 2) * 0.8 * grid.ranks_per_row / len(styles)
-        ax.scatter([grid.x(c) for c, _ in cells], [grid.y(r) + dy for _, r in cells], s=size,
-                   marker=marker, color=color,
-                   label=f"{kind} ({len(cells)} cell{'s' if len(cells) != 1 else ''})",
-                   linewidths=1.0)
+        ax.scatter(
+            [grid.x(c) for c, _ in cells],
+            [grid.y(r) + dy for _, r in cells],
+            s=size,
+            marker=marker,
+            color=color,
+            label=f"{kind} ({len(cells)} cell{'s' if len(cells) != 1 else ''})",
+            linewidths=1.0,
+        )
     ax.set_ylim(grid.rows * grid.ranks_per_row - 0.5, -0.5)
     if any_event:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0,
-                  markerscale=max(1.0, 20 / size))
+        ax.legend(
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize=8,
+            borderaxespad=0,
+            markerscale=max(1.0, 20 / size),
+        )
     else:
-        _say(ax, "no replica divergence, missing, non-finite, drifting, slow or persistent "
-                 "outlier ranks in these steps")
+        _say(
+            ax,
+            "no replica divergence, missing, non-finite, drifting, slow or persistent "
+            "outlier ranks in these steps",
+        )
     ax.set_xlabel("step")
     ax.set_xlim(grid.first - 0.5, grid.last + 0.5)
 
     if downsampled > first:
         for a in axes[2:]:
-            a.axvspan(first - 0.5, min(downsampled, last + 1) - 0.5, color="0.5", alpha=0.12,
-                      lw=0)
-        windows = sorted({int(w.get("last_step", 0)) - int(w.get("first_step", 0)) + 1
-                          for w in data["rank_windows"]})
+            a.axvspan(first - 0.5, min(downsampled, last + 1) - 0.5, color="0.5", alpha=0.12, lw=0)
+        windows = sorted(
+            {
+                int(w.get("last_step", 0)) - int(w.get("first_step", 0)) + 1
+                for w in data["rank_windows"]
+            }
+        )
         size = f"{windows[0]}-step " if len(windows) == 1 else ""
         axes[2].set_title(
             f"{axes[2].get_title(loc='left')}\nshaded, steps < {downsampled}: per-rank rows pruned "
             f"by the collector's retention; heatmaps from {size}rank windows (flagged ranks kept "
-            "their rows)", fontsize=9, loc="left")
+            "their rows)",
+            fontsize=9,
+            loc="left",
+        )
     for a in axes[2:]:
         a.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -287,8 +370,11 @@ def plot(data: dict, job: str, output: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m rankscope.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python3 -m rankscope.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--input", required=True, help="export JSON (rankscope export --format json)")
     p.add_argument("--job", default="", help="job name for the title")
     p.add_argument("-o", "--output", required=True, help="image file (png, pdf, svg)")
@@ -311,8 +397,10 @@ def main(argv=None) -> int:
         return 1
     note = ""
     if data["downsampled_before_step"] > int(data["steps"][0].get("step", 0)):
-        note = (f"; steps < {data['downsampled_before_step']} from "
-                f"{len(data['rank_windows'])} downsampled rank windows")
+        note = (
+            f"; steps < {data['downsampled_before_step']} from "
+            f"{len(data['rank_windows'])} downsampled rank windows"
+        )
     print(f"wrote {args.output} ({len(data['steps'])} steps{note})")
     return 0
 

@@ -38,11 +38,15 @@ def _parse(argv):
             env["RANKSCOPE_DORMANT"] = "0"
         elif a.startswith("--") and "=" in a:
             name, value = a[2:].split("=", 1)
-            key = {"job": "RANKSCOPE_JOB", "collector": "RANKSCOPE_COLLECTOR",
-                   "sketch_dim": "RANKSCOPE_SKETCH_DIM", "every": "RANKSCOPE_EVERY",
-                   "sketch_bytes": "RANKSCOPE_SKETCH_BYTES",
-                   "sketch_encoding": "RANKSCOPE_SKETCH_ENCODING",
-                   "sketch_threads": "RANKSCOPE_SKETCH_THREADS"}.get(name)
+            key = {
+                "job": "RANKSCOPE_JOB",
+                "collector": "RANKSCOPE_COLLECTOR",
+                "sketch_dim": "RANKSCOPE_SKETCH_DIM",
+                "every": "RANKSCOPE_EVERY",
+                "sketch_bytes": "RANKSCOPE_SKETCH_BYTES",
+                "sketch_encoding": "RANKSCOPE_SKETCH_ENCODING",
+                "sketch_threads": "RANKSCOPE_SKETCH_THREADS",
+            }.get(name)
             if key is None:
                 sys.exit(f"rankscope.run: unknown option {a!r}\n{USAGE}")
             env[key] = value

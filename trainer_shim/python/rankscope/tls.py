@@ -17,7 +17,6 @@ is created (a missing file or a key that does not match its certificate raises V
 """
 
 import os
-from typing import Optional
 
 ENV = {
     "tls_ca_file": "RANKSCOPE_TLS_CA",
@@ -27,11 +26,20 @@ ENV = {
 }
 
 
-def resolve(tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
-            tls_key: Optional[str] = None, tls_target_name: Optional[str] = None) -> dict:
+def resolve(
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_target_name: str | None = None,
+) -> dict:
     """Returns the keyword arguments of ``_native.Agent`` / ``_native.set_control`` for TLS:
     each given argument, else its environment variable, else ""."""
-    given = {"tls_ca_file": tls_ca, "tls_cert_file": tls_cert, "tls_key_file": tls_key,
-             "tls_target_name": tls_target_name}
-    return {k: os.fspath(v) if v is not None else os.environ.get(ENV[k], "")
-            for k, v in given.items()}
+    given = {
+        "tls_ca_file": tls_ca,
+        "tls_cert_file": tls_cert,
+        "tls_key_file": tls_key,
+        "tls_target_name": tls_target_name,
+    }
+    return {
+        k: os.fspath(v) if v is not None else os.environ.get(ENV[k], "") for k, v in given.items()
+    }

@@ -51,7 +51,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,7 @@ def _group_ranks(pg) -> list:
     if hasattr(dist, "get_process_group_ranks"):  # torch >= 2.0
         return sorted(dist.get_process_group_ranks(pg))
     from torch.distributed import distributed_c10d as c10d
+
     return sorted(c10d._pg_group_ranks[pg].keys())
 
 
@@ -127,8 +128,7 @@ DEFAULT_SKETCH_BYTES = 4096
 DEFAULT_SKETCH_ENCODING = "int8"
 
 
-def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
-                   sketch_encoding: Optional[str]):
+def sketch_dim_for(sketch_dim: int | None, sketch_bytes: int | None, sketch_encoding: str | None):
     """(k, encoding) from attach's sketch_dim / sketch_bytes / sketch_encoding.
 
     sketch_dim keeps its meaning from before encodings existed: k float32 bins unless an encoding
@@ -139,8 +139,10 @@ def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
         sketch_encoding = "float32" if sketch_dim is not None else DEFAULT_SKETCH_ENCODING
     per_bin = _native.SKETCH_BYTES_PER_BIN.get(sketch_encoding)
     if per_bin is None:
-        raise ValueError(f"sketch_encoding must be one of "
-                         f"{', '.join(_native.SKETCH_BYTES_PER_BIN)}, got {sketch_encoding!r}")
+        raise ValueError(
+            f"sketch_encoding must be one of "
+            f"{', '.join(_native.SKETCH_BYTES_PER_BIN)}, got {sketch_encoding!r}"
+        )
     if sketch_dim is not None:
         if sketch_bytes is not None:
             raise ValueError("give sketch_dim or sketch_bytes, not both")
@@ -149,8 +151,10 @@ def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
         sketch_bytes = DEFAULT_SKETCH_BYTES
     sketch_bytes = int(sketch_bytes)
     if sketch_bytes < per_bin or sketch_bytes % per_bin != 0:
-        raise ValueError(f"sketch_bytes {sketch_bytes} is not a positive multiple of "
-                         f"{per_bin} bytes ({sketch_encoding} bins)")
+        raise ValueError(
+            f"sketch_bytes {sketch_bytes} is not a positive multiple of "
+            f"{per_bin} bytes ({sketch_encoding} bins)"
+        )
     return sketch_bytes // per_bin, sketch_encoding
 
 
@@ -158,35 +162,37 @@ def sketch_dim_for(sketch_dim: Optional[int], sketch_bytes: Optional[int],
 _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-def attach(model: "torch.nn.parallel.DistributedDataParallel",
-           collector: Optional[str] = None,
-           job: Optional[str] = None,
-           sketch_dim: Optional[int] = None,
-           every: int = 1,
-           dormant: Optional[bool] = None,
-           *,
-           start_step: int = 0,
-           sketch_seed: int = _native.DEFAULT_SKETCH_SEED,
-           local_batch_size: int = 0,
-           param_check_every: int = PARAM_CHECK_EVERY,
-           fingerprints: bool = True,
-           comm_hook: Optional[Callable] = None,
-           comm_hook_state=None,
-           auth_token: Optional[str] = None,
-           tls_ca: Optional[str] = None,
-           tls_cert: Optional[str] = None,
-           tls_key: Optional[str] = None,
-           tls_target_name: Optional[str] = None,
-           queue_capacity: int = 1024,
-           max_unacked: int = 8192,
-           warn_after: float = 10.0,
-           max_backoff: float = 10.0,
-           control_margin: float = 2.0,
-           close_timeout: float = 2.0,
-           group: Optional[str] = None,
-           sketch_bytes: Optional[int] = None,
-           sketch_encoding: Optional[str] = None,
-           sketch_threads: Optional[int] = None) -> "Monitor":
+def attach(
+    model: "torch.nn.parallel.DistributedDataParallel",
+    collector: str | None = None,
+    job: str | None = None,
+    sketch_dim: int | None = None,
+    every: int = 1,
+    dormant: bool | None = None,
+    *,
+    start_step: int = 0,
+    sketch_seed: int = _native.DEFAULT_SKETCH_SEED,
+    local_batch_size: int = 0,
+    param_check_every: int = PARAM_CHECK_EVERY,
+    fingerprints: bool = True,
+    comm_hook: Callable | None = None,
+    comm_hook_state=None,
+    auth_token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_target_name: str | None = None,
+    queue_capacity: int = 1024,
+    max_unacked: int = 8192,
+    warn_after: float = 10.0,
+    max_backoff: float = 10.0,
+    control_margin: float = 2.0,
+    close_timeout: float = 2.0,
+    group: str | None = None,
+    sketch_bytes: int | None = None,
+    sketch_encoding: str | None = None,
+    sketch_threads: int | None = None,
+) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
 
@@ -256,8 +262,10 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
     """
     self_reduced = isinstance(model, _SelfReduced)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self_reduced:
-        raise TypeError("rankscope.torch.attach needs a torch.nn.parallel."
-                        f"DistributedDataParallel model, got {type(model).__name__}")
+        raise TypeError(
+            "rankscope.torch.attach needs a torch.nn.parallel."
+            f"DistributedDataParallel model, got {type(model).__name__}"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("rankscope.torch.attach: torch.distributed is not initialized")
     collector = collector or os.environ.get("RANKSCOPE_COLLECTOR") or "127.0.0.1:50051"
@@ -284,18 +292,32 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
             f"rankscope.torch.attach: this process already reports job {job!r} group {group!r} "
             f"rank {key[3]} for another model; the collector would refuse (or mix) the two. "
             "Pass group=... (e.g. group='generator' and group='discriminator') or another job "
-            "name to one of them")
-    monitor = Monitor(model, collector=collector, job=job, group=group,
-                      sketch_dim=int(sketch_dim), sketch_encoding=sketch_encoding,
-                      sketch_threads=int(sketch_threads), every=int(every), enabled=not dormant, start_step=int(start_step),
-                      sketch_seed=int(sketch_seed), local_batch_size=int(local_batch_size),
-                      param_check_every=int(param_check_every) if fingerprints else 0,
-                      fingerprints=bool(fingerprints), auth_token=auth_token or "",
-                      tls_options=_tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
-                      queue_capacity=int(queue_capacity),
-                      max_unacked=int(max_unacked), warn_after=float(warn_after),
-                      max_backoff=float(max_backoff),
-                      control_margin=float(control_margin), close_timeout=float(close_timeout))
+            "name to one of them"
+        )
+    monitor = Monitor(
+        model,
+        collector=collector,
+        job=job,
+        group=group,
+        sketch_dim=int(sketch_dim),
+        sketch_encoding=sketch_encoding,
+        sketch_threads=int(sketch_threads),
+        every=int(every),
+        enabled=not dormant,
+        start_step=int(start_step),
+        sketch_seed=int(sketch_seed),
+        local_batch_size=int(local_batch_size),
+        param_check_every=int(param_check_every) if fingerprints else 0,
+        fingerprints=bool(fingerprints),
+        auth_token=auth_token or "",
+        tls_options=_tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
+        queue_capacity=int(queue_capacity),
+        max_unacked=int(max_unacked),
+        warn_after=float(warn_after),
+        max_backoff=float(max_backoff),
+        control_margin=float(control_margin),
+        close_timeout=float(close_timeout),
+    )
     if self_reduced:  # the trainer hands over its gradients (Monitor.local_gradient)
         _ATTACHED[key] = monitor
         return monitor
@@ -307,7 +329,8 @@ def attach(model: "torch.nn.parallel.DistributedDataParallel",
         raise RuntimeError(
             "rankscope.torch.attach: DDP refused the comm hook (a model takes one hook, "
             "registered once; pass your own hook to attach(comm_hook=...) instead of "
-            f"registering it): {e}") from e
+            f"registering it): {e}"
+        ) from e
     _ATTACHED[key] = monitor
     return monitor
 
@@ -333,8 +356,9 @@ def attach_reducer(module: torch.nn.Module, process_group=None, **kwargs) -> "Mo
     Every other argument is ``attach``'s (``comm_hook`` excepted).
     """
     if "comm_hook" in kwargs or "comm_hook_state" in kwargs:
-        raise ValueError("attach_reducer: a trainer that reduces gradients itself has no comm "
-                         "hook to chain to")
+        raise ValueError(
+            "attach_reducer: a trainer that reduces gradients itself has no comm hook to chain to"
+        )
     return attach(_SelfReduced(module, process_group), **kwargs)
 
 
@@ -361,11 +385,12 @@ class _FlatBucket:
         offset = 0
         for p in self._params:
             n = p.numel()
-            self._grads.append(buffer[offset:offset + n].view(p.shape))
+            self._grads.append(buffer[offset : offset + n].view(p.shape))
             offset += n
         if offset != buffer.numel():
-            raise ValueError(f"the gradient buffer has {buffer.numel()} values, its parameters "
-                             f"{offset}")
+            raise ValueError(
+                f"the gradient buffer has {buffer.numel()} values, its parameters {offset}"
+            )
 
     def index(self):
         return self._index
@@ -402,8 +427,9 @@ class _HookState:
             self.chain_state = chain_state
 
 
-def _rankscope_comm_hook(state: _HookState,
-                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _rankscope_comm_hook(
+    state: _HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: sketch the bucket's local gradient, then all-reduce it; once reduced,
     fold the reduced bucket into the step's replica fingerprint (a callback chained on the
     all-reduce's future: it runs when the collective completes, on the tensor's device)."""
@@ -427,13 +453,32 @@ def _rankscope_comm_hook(state: _HookState,
 class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
-    def __init__(self, model, *, collector, job, group="", sketch_dim, every, enabled,
-                 sketch_encoding="float32", sketch_threads=1,
-                 start_step,
-                 sketch_seed, local_batch_size, auth_token, tls_options=None,
-                 param_check_every=PARAM_CHECK_EVERY,
-                 fingerprints=True, queue_capacity, max_unacked,
-                 warn_after, max_backoff, control_margin, close_timeout):
+    def __init__(
+        self,
+        model,
+        *,
+        collector,
+        job,
+        group="",
+        sketch_dim,
+        every,
+        enabled,
+        sketch_encoding="float32",
+        sketch_threads=1,
+        start_step,
+        sketch_seed,
+        local_batch_size,
+        auth_token,
+        tls_options=None,
+        param_check_every=PARAM_CHECK_EVERY,
+        fingerprints=True,
+        queue_capacity,
+        max_unacked,
+        warn_after,
+        max_backoff,
+        control_margin,
+        close_timeout,
+    ):
         pg = model.process_group
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
@@ -448,13 +493,24 @@ class Monitor:
         self._close_timeout = close_timeout
 
         self._agent = _native.Agent(
-            collector=collector, job=job, rank=self.rank, world_size=self.world_size,
-            sketch_dim=sketch_dim, sketch_seed=sketch_seed, attempt=self.attempt,
-            framework_version=f"torch {torch.__version__}", auth_token=auth_token,
-            queue_capacity=queue_capacity, max_unacked=max_unacked,
-            initial_backoff_s=min(0.1, max_backoff), max_backoff_s=max_backoff,
-            group=group, global_rank=self.global_rank, sketch_encoding=sketch_encoding,
-            **(tls_options or {}))
+            collector=collector,
+            job=job,
+            rank=self.rank,
+            world_size=self.world_size,
+            sketch_dim=sketch_dim,
+            sketch_seed=sketch_seed,
+            attempt=self.attempt,
+            framework_version=f"torch {torch.__version__}",
+            auth_token=auth_token,
+            queue_capacity=queue_capacity,
+            max_unacked=max_unacked,
+            initial_backoff_s=min(0.1, max_backoff),
+            max_backoff_s=max_backoff,
+            group=group,
+            global_rank=self.global_rank,
+            sketch_encoding=sketch_encoding,
+            **(tls_options or {}),
+        )
         self.sketch_encoding = sketch_encoding
         self.instance_id = self._agent.instance_id()
 
@@ -469,17 +525,29 @@ class Monitor:
         # reports waiting for device copies, and the ranks' agreement on control steps. They
         # share the counters and the warned keys, and hold no reference to the monitor.
         warn_once = functools.partial(_warn_once, self._warned)
-        self._replica = ReplicaFingerprints(model, fingerprints, param_check_every,
-                                            self.counters, warn_once)
-        self._sketcher = BucketSketcher(model, sketch_dim, sketch_seed, self.counters,
-                                        warn_once, on_restart=self._replica.reset,
-                                        threads=sketch_threads)
+        self._replica = ReplicaFingerprints(
+            model, fingerprints, param_check_every, self.counters, warn_once
+        )
+        self._sketcher = BucketSketcher(
+            model,
+            sketch_dim,
+            sketch_seed,
+            self.counters,
+            warn_once,
+            on_restart=self._replica.reset,
+            threads=sketch_threads,
+        )
         self.sketch_threads = sketch_threads
         self.num_coordinates = self._sketcher.num_coordinates
         self._deferred = DeferredReports(self._agent, self.counters)
-        self._controls = ControlAgreement(f"{job}/{group}" if group else job, self.attempt,
-                                          self.rank, control_margin,
-                                          self.counters, warn_once)
+        self._controls = ControlAgreement(
+            f"{job}/{group}" if group else job,
+            self.attempt,
+            self.rank,
+            control_margin,
+            self.counters,
+            warn_once,
+        )
 
         self._step = start_step
         self._t_attach = time.monotonic()
@@ -512,7 +580,7 @@ class Monitor:
     def sketch_dim(self) -> int:
         return self._sketcher.dim
 
-    def step(self, loss=None, step: Optional[int] = None, batch_size: Optional[int] = None):
+    def step(self, loss=None, step: int | None = None, batch_size: int | None = None):
         """Closes one optimizer step. ``loss`` is this rank's local loss (a tensor on any
         device, or a number); ``step`` optionally gives the step's number (and renumbers the
         following ones); ``batch_size`` overrides ``local_batch_size`` for this step. Never
@@ -527,18 +595,23 @@ class Monitor:
                     self._emit(s, loss, batch_size)
                 except Exception as e:  # monitoring must never break training
                     self.counters["step_errors"] += 1
-                    self._warn_once("emit", f"rankscope: could not report step {s} ({e!r}); "
-                                    "training is unaffected")
+                    self._warn_once(
+                        "emit",
+                        f"rankscope: could not report step {s} ({e!r}); training is unaffected",
+                    )
             else:
                 self.counters["steps_without_gradients"] += 1
                 self._warn_once(
-                    "nograd", "rankscope: mon.step() was called but no gradient bucket was "
+                    "nograd",
+                    "rankscope: mon.step() was called but no gradient bucket was "
                     "all-reduced since the previous step (no backward, or no_sync() on every "
-                    "micro-batch?); nothing is reported for such steps")
+                    "micro-batch?); nothing is reported for such steps",
+                )
         if self._t_step_end is not None:
             dt = now - self._t_step_end
-            self._step_time_ema = dt if self._step_time_ema is None else (
-                0.9 * self._step_time_ema + 0.1 * dt)
+            self._step_time_ema = (
+                dt if self._step_time_ema is None else (0.9 * self._step_time_ema + 0.1 * dt)
+            )
         self._t_step_end = now
         if self._forward_hook is not None:
             self._forward_hook.remove()
@@ -559,7 +632,7 @@ class Monitor:
         self._deferred.drain(self._after_record, block=True)
         return self._agent.flush(float(timeout)) == ""
 
-    def close(self, timeout: Optional[float] = None) -> dict:
+    def close(self, timeout: float | None = None) -> dict:
         """Stops reporting (the hook stays registered, as DDP cannot remove it, and only
         forwards to the all-reduce), flushes for up to ``timeout`` seconds (default
         ``close_timeout``) and stops the agent. Idempotent. Returns the final stats."""
@@ -607,8 +680,7 @@ class Monitor:
             bucket = _FlatBucket(index, _flat(gradient), params)
             self._add_bucket(bucket)
             if self._replica.enabled:
-                self._pending_layouts[index] = self._replica.bucket_layout(bucket,
-                                                                           self._sketcher)
+                self._pending_layouts[index] = self._replica.bucket_layout(bucket, self._sketcher)
         except Exception as e:  # monitoring must never break training
             self._hook_failed(e)
 
@@ -652,15 +724,17 @@ class Monitor:
 
     def _hook_failed(self, e: Exception) -> None:
         self.counters["hook_errors"] += 1
-        self._warn_once("hook", f"rankscope: the comm hook failed ({e!r}); this step is not "
-                        "reported. Training is unaffected.")
+        self._warn_once(
+            "hook",
+            f"rankscope: the comm hook failed ({e!r}); this step is not "
+            "reported. Training is unaffected.",
+        )
         self._sketcher.got_grads = False
 
     # ---- step side --------------------------------------------------------------------------
 
     def _decide(self, step: int) -> bool:
-        return (self._enabled and not self._closed and not self._refused
-                and step % self._every == 0)
+        return self._enabled and not self._closed and not self._refused and step % self._every == 0
 
     def _step_time(self):
         t_first_hook = self._sketcher.t_first_hook
@@ -677,12 +751,19 @@ class Monitor:
             grad_fp, param_fp, reduced_ss = self._replica.step_values(step, torch.device("cpu"))
             gn = math.sqrt(max(sketcher.cpu_sketch.sum_squares(), 0.0))
             err = self._agent.record_sketch(
-                step, host_loss(loss), gn, sketcher.cpu_sketch, step_time, batch,
+                step,
+                host_loss(loss),
+                gn,
+                sketcher.cpu_sketch,
+                step_time,
+                batch,
                 reduced_grad_fingerprint=None if grad_fp is None else _fp.to_uint64(grad_fp),
                 param_fingerprint=None if param_fp is None else _fp.to_uint64(param_fp),
-                reduced_grad_norm=None if reduced_ss is None else math.sqrt(
-                    max(float(reduced_ss), 0.0)),
-                loss_absent=loss is None)
+                reduced_grad_norm=None
+                if reduced_ss is None
+                else math.sqrt(max(float(reduced_ss), 0.0)),
+                loss_absent=loss is None,
+            )
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch)
@@ -693,10 +774,18 @@ class Monitor:
         device = next(iter(sketcher.device_sketches), None)
         if device is None:
             device = loss.device
-        self._deferred.add(step, device, sketcher.device_sketches.get(device), sketcher.dim,
-                           sketcher.cpu_sketch, loss,
-                           lambda: self._replica.step_values(step, device), step_time, batch,
-                           self._after_record)
+        self._deferred.add(
+            step,
+            device,
+            sketcher.device_sketches.get(device),
+            sketcher.dim,
+            sketcher.cpu_sketch,
+            loss,
+            lambda: self._replica.step_values(step, device),
+            step_time,
+            batch,
+            self._after_record,
+        )
 
     def _after_record(self, err: str) -> None:
         if not err:
@@ -733,10 +822,13 @@ class Monitor:
         self._next_health_check = now + self._health_interval
         s = self._agent.stats()
         if s.get("refused"):
-            self._warn_once("refused", f"rankscope: the collector at {self.collector} refused "
-                            f"job {self.job} group {self.group!r} rank {self.rank} for good "
-                            f"({s['last_error']}); this rank stops reporting, training "
-                            "continues")
+            self._warn_once(
+                "refused",
+                f"rankscope: the collector at {self.collector} refused "
+                f"job {self.job} group {self.group!r} rank {self.rank} for good "
+                f"({s['last_error']}); this rank stops reporting, training "
+                "continues",
+            )
             self._active = False
             self._refused = True
             return
@@ -744,13 +836,19 @@ class Monitor:
             return
         if not s["connected"]:
             why = f" ({s['last_error']})" if s.get("last_error") else ""
-            self._warn_once("down", f"rankscope: no connection to the collector at "
-                            f"{self.collector} for job {self.job} (rank {self.rank}){why}; "
-                            "training continues, reports are buffered and dropped when "
-                            "buffers fill")
+            self._warn_once(
+                "down",
+                f"rankscope: no connection to the collector at "
+                f"{self.collector} for job {self.job} (rank {self.rank}){why}; "
+                "training continues, reports are buffered and dropped when "
+                "buffers fill",
+            )
         if s["dropped"]:
-            self._warn_once("dropped", f"rankscope: {s['dropped']} reports dropped so far "
-                            "(collector unreachable longer than the buffers last)")
+            self._warn_once(
+                "dropped",
+                f"rankscope: {s['dropped']} reports dropped so far "
+                "(collector unreachable longer than the buffers last)",
+            )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in self._warned:

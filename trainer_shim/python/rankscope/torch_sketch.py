@@ -70,17 +70,20 @@ def _block_offsets(device) -> torch.Tensor:
 def sketch_slots(offset: int, n: int, seed: int, dim: int, device=None):
     """(bins int64, signs float64) of coordinates [offset, offset + n)."""
     if n <= 0:
-        return (torch.empty(0, dtype=torch.int64, device=device),
-                torch.empty(0, dtype=torch.float64, device=device))
+        return (
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=torch.float64, device=device),
+        )
     first_block = offset // BLOCK
-    blocks = torch.arange(first_block, (offset + n - 1) // BLOCK + 1, dtype=torch.int64,
-                          device=device)
+    blocks = torch.arange(
+        first_block, (offset + n - 1) // BLOCK + 1, dtype=torch.int64, device=device
+    )
     mix = sketch_mix(blocks, seed).unsqueeze_(1)  # one mix per block
     o = _block_offsets(device)
     bins = _lsr(mix, 32).remainder_(dim).add(o).remainder_(dim)  # [blocks, 16]
     signs = torch.bitwise_right_shift(mix, o).bitwise_and_(1).mul_(-2).add_(1).to(torch.float64)
     start = offset - first_block * BLOCK
-    return bins.view(-1)[start:start + n], signs.view(-1)[start:start + n]
+    return bins.view(-1)[start : start + n], signs.view(-1)[start : start + n]
 
 
 class TorchSketch:
@@ -143,9 +146,10 @@ class TorchSketch:
             return  # one fused pass on a CUDA device
         n = flat.numel()
         for start in range(0, n, CHUNK):
-            chunk = flat[start:start + CHUNK].to(torch.float64)  # the gradient itself if f64
-            bins, signs = sketch_slots(offset + start, chunk.numel(), self.seed, self.dim,
-                                       self.device)
+            chunk = flat[start : start + CHUNK].to(torch.float64)  # the gradient itself if f64
+            bins, signs = sketch_slots(
+                offset + start, chunk.numel(), self.seed, self.dim, self.device
+            )
             self._sum_squares.add_(torch.dot(chunk, chunk))
             self._bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
 
@@ -154,19 +158,23 @@ class TorchSketch:
         each at its global offset: on a CUDA device with Triton one launch for the whole buffer
         (a DDP bucket), else ``add`` per segment."""
         flat = buffer.detach().reshape(-1)
-        if (self._fused(flat) and flat.is_contiguous()
-                and _tk.attempt(self._add_segments_fused, flat, layout) is not _tk.FELL_BACK):
+        if (
+            self._fused(flat)
+            and flat.is_contiguous()
+            and _tk.attempt(self._add_segments_fused, flat, layout) is not _tk.FELL_BACK
+        ):
             return
         for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
             if n:
-                self.add(flat[start:start + n], offset)
+                self.add(flat[start : start + n], offset)
 
     def _add_fused(self, flat: torch.Tensor, offset: int) -> None:
         _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
 
     def _add_segments_fused(self, flat: torch.Tensor, layout) -> None:
-        _tk.sketch_add_pieces(*self._fused_partials(), flat, layout.pieces(self.device),
-                              self.seed, self.dim)
+        _tk.sketch_add_pieces(
+            *self._fused_partials(), flat, layout.pieces(self.device), self.seed, self.dim
+        )
 
     def _fused(self, flat: torch.Tensor) -> bool:
         # The kernel wraps a block's 32 bins at most once: dim >= 32 (smaller sketches are rare).

@@ -63,8 +63,12 @@ _FAILED = []  # the first error a Triton kernel raised in this process: Triton i
 def enabled(t: torch.Tensor) -> bool:
     """True iff ``t`` takes the Triton kernels (a CUDA tensor, Triton present, not disabled by
     RANKSCOPE_GPU_KERNELS=torch or by an earlier failure)."""
-    return (triton is not None and not _FAILED and t.is_cuda
-            and os.environ.get("RANKSCOPE_GPU_KERNELS", "triton") != "torch")
+    return (
+        triton is not None
+        and not _FAILED
+        and t.is_cuda
+        and os.environ.get("RANKSCOPE_GPU_KERNELS", "triton") != "torch"
+    )
 
 
 def disable(error: Exception) -> None:
@@ -75,9 +79,13 @@ def disable(error: Exception) -> None:
     if not _FAILED:
         _FAILED.append(repr(error))
         import warnings
-        warnings.warn(f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
-                      "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
-                      RuntimeWarning)
+
+        warnings.warn(
+            f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
+            "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 FELL_BACK = object()  # what ``attempt`` returns when the kernel could not run
@@ -107,17 +115,34 @@ def _programs(device: torch.device) -> int:
     key = (index, _PROGRAM_FACTOR)
     n = _PROGRAMS.get(key)
     if n is None:
-        n = _PROGRAMS[key] = (_PROGRAM_FACTOR
-                              * torch.cuda.get_device_properties(index).multi_processor_count)
+        n = _PROGRAMS[key] = (
+            _PROGRAM_FACTOR * torch.cuda.get_device_properties(index).multi_processor_count
+        )
     return n
 
 
 if triton is not None:
 
     @triton.jit
-    def _sketch_tile(x_ptr, first_block, lo, hi, base, seed, dim, golden, m1, m2, row, acc, ss,
-                     BLOCKS: tl.constexpr, Q: tl.constexpr, DOT: tl.constexpr,
-                     EXACT_TF32: tl.constexpr):
+    def _sketch_tile(
+        x_ptr,
+        first_block,
+        lo,
+        hi,
+        base,
+        seed,
+        dim,
+        golden,
+        m1,
+        m2,
+        row,
+        acc,
+        ss,
+        BLOCKS: tl.constexpr,
+        Q: tl.constexpr,
+        DOT: tl.constexpr,
+        EXACT_TF32: tl.constexpr,
+    ):
         """Sketches the coordinates g in [lo, hi) of hash blocks first_block .. + BLOCKS, read
         at x_ptr[base + g]. Returns (acc, ss + their squares in float64).
 
@@ -170,9 +195,24 @@ if triton is not None:
             tl.atomic_add(row + bins, acc, sem="relaxed")
 
     @triton.jit
-    def _sketch_kernel(x_ptr, n, offset, first_block, n_tiles, seed, dim, golden, m1, m2,
-                       rows_ptr, ss_ptr, BLOCKS: tl.constexpr, Q: tl.constexpr,
-                       DOT: tl.constexpr, EXACT_TF32: tl.constexpr):
+    def _sketch_kernel(
+        x_ptr,
+        n,
+        offset,
+        first_block,
+        n_tiles,
+        seed,
+        dim,
+        golden,
+        m1,
+        m2,
+        rows_ptr,
+        ss_ptr,
+        BLOCKS: tl.constexpr,
+        Q: tl.constexpr,
+        DOT: tl.constexpr,
+        EXACT_TF32: tl.constexpr,
+    ):
         """Coordinates [offset, offset + n) read at x_ptr[0 .. n): persistent programs take
         tiles of BLOCKS hash blocks, each into its own row of rows_ptr."""
         pid = tl.program_id(0)
@@ -180,16 +220,47 @@ if triton is not None:
         acc = tl.zeros([Q, 64], dtype=tl.float32)
         ss = tl.zeros([BLOCKS, 32], dtype=tl.float64)
         for t in range(pid, n_tiles, tl.num_programs(0)):
-            acc, ss = _sketch_tile(x_ptr, first_block + tl.cast(t, tl.int64) * BLOCKS, offset,
-                                   offset + n, -offset, seed, dim, golden, m1, m2, row, acc, ss,
-                                   BLOCKS, Q, DOT, EXACT_TF32)
+            acc, ss = _sketch_tile(
+                x_ptr,
+                first_block + tl.cast(t, tl.int64) * BLOCKS,
+                offset,
+                offset + n,
+                -offset,
+                seed,
+                dim,
+                golden,
+                m1,
+                m2,
+                row,
+                acc,
+                ss,
+                BLOCKS,
+                Q,
+                DOT,
+                EXACT_TF32,
+            )
         _sketch_flush(row, acc, dim, Q, DOT)
         tl.atomic_add(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0), sem="relaxed")
 
     @triton.jit
-    def _sketch_pieces_kernel(x_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces, seed, dim,
-                              golden, m1, m2, rows_ptr, ss_ptr, BLOCKS: tl.constexpr,
-                              Q: tl.constexpr, DOT: tl.constexpr, EXACT_TF32: tl.constexpr):
+    def _sketch_pieces_kernel(
+        x_ptr,
+        starts_ptr,
+        counts_ptr,
+        goffs_ptr,
+        n_pieces,
+        seed,
+        dim,
+        golden,
+        m1,
+        m2,
+        rows_ptr,
+        ss_ptr,
+        BLOCKS: tl.constexpr,
+        Q: tl.constexpr,
+        DOT: tl.constexpr,
+        EXACT_TF32: tl.constexpr,
+    ):
         """The pieces of a segment table (``pieces``): piece p holds global coordinates
         [goff, goff + count) at x_ptr[start ..], within one aligned tile of BLOCKS blocks."""
         pid = tl.program_id(0)
@@ -200,9 +271,25 @@ if triton is not None:
             start = tl.load(starts_ptr + p)
             goff = tl.load(goffs_ptr + p)
             count = tl.load(counts_ptr + p)
-            acc, ss = _sketch_tile(x_ptr, goff // 32, goff, goff + count, start - goff, seed,
-                                   dim, golden, m1, m2, row, acc, ss, BLOCKS, Q, DOT,
-                                   EXACT_TF32)
+            acc, ss = _sketch_tile(
+                x_ptr,
+                goff // 32,
+                goff,
+                goff + count,
+                start - goff,
+                seed,
+                dim,
+                golden,
+                m1,
+                m2,
+                row,
+                acc,
+                ss,
+                BLOCKS,
+                Q,
+                DOT,
+                EXACT_TF32,
+            )
         _sketch_flush(row, acc, dim, Q, DOT)
         tl.atomic_add(ss_ptr + pid, tl.sum(tl.sum(ss, axis=1), axis=0), sem="relaxed")
 
@@ -230,8 +317,17 @@ if triton is not None:
         tl.store(out_ptr + pid, tl.sum(total, axis=0))
 
     @triton.jit
-    def _fold_pieces_kernel(bits_ptr, vals_ptr, starts_ptr, counts_ptr, goffs_ptr, n_pieces,
-                            out_ptr, TILE: tl.constexpr, SQUARES: tl.constexpr):
+    def _fold_pieces_kernel(
+        bits_ptr,
+        vals_ptr,
+        starts_ptr,
+        counts_ptr,
+        goffs_ptr,
+        n_pieces,
+        out_ptr,
+        TILE: tl.constexpr,
+        SQUARES: tl.constexpr,
+    ):
         """F of the pieces of a segment table (bits_ptr: the values' bits as integers): piece
         (start, count, goff) adds sum_lane c (2 (goff + lane) + 1) = (2 goff + 1) sum c +
         2 sum lane c, c = bits + 1. Writes program pid's F at out[pid] and, with SQUARES, the
@@ -260,8 +356,9 @@ if triton is not None:
             tl.store(out_ptr + programs + pid, tl.sum(sq, axis=0).to(tl.int64, bitcast=True))
 
     @triton.jit
-    def _fold_tensors_kernel(base_ptr, table_ptr, n_tensors, out_ptr, TILE: tl.constexpr,
-                             BITS: tl.constexpr):
+    def _fold_tensors_kernel(
+        base_ptr, table_ptr, n_tensors, out_ptr, TILE: tl.constexpr, BITS: tl.constexpr
+    ):
         """F of several tensors of one dtype in one launch: row i of the table is (element
         offset from base_ptr, count, global offset). Every program takes its share of every
         tensor's tiles."""
@@ -295,8 +392,13 @@ def _variant(dtype: torch.dtype, dim: int):
     again."""
     q = dim // 32
     choice = os.environ.get("RANKSCOPE_GPU_SKETCH", "auto")
-    allowed = (dim % 32 == 0 and 16 <= q <= 128 and q & (q - 1) == 0 and not _DOT_FAILED
-               and dtype in (torch.float32, torch.bfloat16, torch.float16))
+    allowed = (
+        dim % 32 == 0
+        and 16 <= q <= 128
+        and q & (q - 1) == 0
+        and not _DOT_FAILED
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
     preferred = dtype != torch.float32 or q <= 32
     if allowed and choice != "atomic" and (preferred or choice == "dot"):
         return q, True, dtype == torch.float32
@@ -307,30 +409,54 @@ def sketch_partials(device: torch.device, dim: int):
     """The per-program partial sums a TorchSketch's launches add into: float32 rows of ``dim``
     bins and float64 sums of squares, one per program of the persistent grid, zeroed."""
     programs = _programs(device)
-    return (torch.zeros((programs, dim), dtype=torch.float32, device=device),
-            torch.zeros(programs, dtype=torch.float64, device=device))
+    return (
+        torch.zeros((programs, dim), dtype=torch.float32, device=device),
+        torch.zeros(programs, dtype=torch.float64, device=device),
+    )
 
 
 def _launch_sketch(kernel, flat, grid_args, units, rows, ss, dim):
     programs = min(rows.shape[0], units)
     q, dot, exact = _variant(flat.dtype, dim)
     try:
-        kernel[(programs,)](flat, *grid_args, rows, ss, BLOCKS=_SKETCH_BLOCKS, Q=q, DOT=dot,
-                            EXACT_TF32=exact,
-                            num_warps=_SKETCH_WARPS or (8 if dot and q >= 64 else 4))
+        kernel[(programs,)](
+            flat,
+            *grid_args,
+            rows,
+            ss,
+            BLOCKS=_SKETCH_BLOCKS,
+            Q=q,
+            DOT=dot,
+            EXACT_TF32=exact,
+            num_warps=_SKETCH_WARPS or (8 if dot and q >= 64 else 4),
+        )
     except Exception as e:  # noqa: BLE001 - a compiler error: the atomic kernel from now on
         if not dot:
             raise
         _DOT_FAILED.append(repr(e))
         import warnings
-        warnings.warn(f"rankscope: the tensor-core sketch kernel failed ({e!r}); using the "
-                      "atomic one", RuntimeWarning)
-        kernel[(programs,)](flat, *grid_args, rows, ss, BLOCKS=_SKETCH_BLOCKS, Q=16,
-                            DOT=False, EXACT_TF32=False, num_warps=4)
+
+        warnings.warn(
+            f"rankscope: the tensor-core sketch kernel failed ({e!r}); using the atomic one",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        kernel[(programs,)](
+            flat,
+            *grid_args,
+            rows,
+            ss,
+            BLOCKS=_SKETCH_BLOCKS,
+            Q=16,
+            DOT=False,
+            EXACT_TF32=False,
+            num_warps=4,
+        )
 
 
-def sketch_add(rows: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int,
-               seed: int, dim: int) -> None:
+def sketch_add(
+    rows: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int, seed: int, dim: int
+) -> None:
     """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the
     partial sums ``rows`` and ``ss`` (``sketch_partials``), on the values' device, in one
     launch. Requires dim >= 32."""
@@ -342,22 +468,35 @@ def sketch_add(rows: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offse
         return
     first_block = offset // 32
     n_tiles = ((offset + n - 1) // 32 - first_block) // _SKETCH_BLOCKS + 1
-    _launch_sketch(_sketch_kernel, flat,
-                   (n, offset, first_block, n_tiles, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
-                   n_tiles, rows, ss, dim)
+    _launch_sketch(
+        _sketch_kernel,
+        flat,
+        (n, offset, first_block, n_tiles, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
+        n_tiles,
+        rows,
+        ss,
+        dim,
+    )
 
 
-def sketch_add_pieces(rows: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table,
-                      seed: int, dim: int) -> None:
+def sketch_add_pieces(
+    rows: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table, seed: int, dim: int
+) -> None:
     """``sketch_add`` of the segments of a flat contiguous buffer, given as a ``pieces``
     table: one launch for a whole DDP bucket. Requires dim >= 32."""
     starts, counts, goffs = table
     n_pieces = starts.numel()
     if n_pieces == 0:
         return
-    _launch_sketch(_sketch_pieces_kernel, flat,
-                   (starts, counts, goffs, n_pieces, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
-                   n_pieces, rows, ss, dim)
+    _launch_sketch(
+        _sketch_pieces_kernel,
+        flat,
+        (starts, counts, goffs, n_pieces, seed & _MASK64, dim, _GOLDEN, _M1, _M2),
+        n_pieces,
+        rows,
+        ss,
+        dim,
+    )
 
 
 def fold(bits: torch.Tensor, offset: int) -> torch.Tensor:
@@ -390,9 +529,15 @@ def piece_table(layout):
 
 _BITS = {}  # torch dtype -> the Triton integer type of its bits (filled below)
 if triton is not None:
-    _BITS = {torch.float32: tl.int32, torch.bfloat16: tl.int16, torch.float16: tl.int16,
-             torch.float64: tl.int64, torch.int32: tl.int32, torch.int64: tl.int64,
-             torch.int16: tl.int16}
+    _BITS = {
+        torch.float32: tl.int32,
+        torch.bfloat16: tl.int16,
+        torch.float16: tl.int16,
+        torch.float64: tl.int64,
+        torch.int32: tl.int32,
+        torch.int64: tl.int64,
+        torch.int16: tl.int16,
+    }
 
 
 def fold_pieces(bits: torch.Tensor, table, values: torch.Tensor = None):
@@ -406,23 +551,34 @@ def fold_pieces(bits: torch.Tensor, table, values: torch.Tensor = None):
     n_pieces = starts.numel()
     programs = max(1, min(_programs(bits.device), n_pieces))
     squares = values is not None
-    out = torch.zeros(2 * programs if squares else programs, dtype=torch.int64,
-                      device=bits.device)
-    _fold_pieces_kernel[(programs,)](bits, values if squares else bits, starts, counts, goffs,
-                                     n_pieces, out, TILE=PIECE, SQUARES=squares, num_warps=4)
+    out = torch.zeros(2 * programs if squares else programs, dtype=torch.int64, device=bits.device)
+    _fold_pieces_kernel[(programs,)](
+        bits,
+        values if squares else bits,
+        starts,
+        counts,
+        goffs,
+        n_pieces,
+        out,
+        TILE=PIECE,
+        SQUARES=squares,
+        num_warps=4,
+    )
     if squares:
         return out[:programs], out[programs:].view(torch.float64)
     return out.sum()
 
 
-def fold_tensors(base: torch.Tensor, table: torch.Tensor, n_tensors: int,
-                 largest: int) -> torch.Tensor:
+def fold_tensors(
+    base: torch.Tensor, table: torch.Tensor, n_tensors: int, largest: int
+) -> torch.Tensor:
     """The fingerprint of ``n_tensors`` contiguous tensors of ``base``'s dtype on its CUDA
     device in one launch: row i of ``table`` (an int64 device tensor) is (element offset from
     ``base``, count, global offset); ``largest`` is the largest count. A 0-d int64 tensor,
     bit-identical to the sum of fingerprint.fold of each."""
     programs = max(1, min(_programs(base.device), (largest + _FOLD_TILE - 1) // _FOLD_TILE))
     out = torch.empty(programs, dtype=torch.int64, device=base.device)
-    _fold_tensors_kernel[(programs,)](base, table, n_tensors, out, TILE=_FOLD_TILE,
-                                      BITS=_BITS[base.dtype], num_warps=4)
+    _fold_tensors_kernel[(programs,)](
+        base, table, n_tensors, out, TILE=_FOLD_TILE, BITS=_BITS[base.dtype], num_warps=4
+    )
     return out.sum()
