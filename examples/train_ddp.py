@@ -122,15 +122,9 @@ def worker(rank: int, args, port: int) -> None:
     )
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = CharTransformer(len(data.vocab), args.ctx, d=args.d_model, layers=args.layers)
-    if args.skip_init_sync:
-        # Emulate a launcher that never broadcasts the initial weights (DDP in torch 1.13 always
-        # does; torch >= 2.1 has init_sync=False): the replicas then start from their own seeds.
-        sync = nn.parallel.distributed._sync_module_states
-        nn.parallel.distributed._sync_module_states = lambda **kwargs: None
-        ddp = nn.parallel.DistributedDataParallel(model)
-        nn.parallel.distributed._sync_module_states = sync
-    else:
-        ddp = nn.parallel.DistributedDataParallel(model)
+    # --skip-init-sync: a launcher that never broadcasts the initial weights; the replicas then
+    # start from their own seeds.
+    ddp = nn.parallel.DistributedDataParallel(model, init_sync=not args.skip_init_sync)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
     mon = None

@@ -431,7 +431,7 @@ def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_p
             "torch.distributed.run",
             "--nproc_per_node=2",
             f"--master_port={free_port()}",
-            # torch 1.13 on Python 3.11 cannot parse its own default "0", nor 3 (Python 3.11 iterates only single-bit flags)
+            # each rank's stdout to a log file and echoed
             "--redirects=1",
             "--tee=1",
             f"--log_dir={work / 'logs'}",
