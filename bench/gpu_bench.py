@@ -245,10 +245,15 @@ def kernels(args) -> dict:
 
 def sweep(args) -> dict:
     """The sketch kernels' launch settings (tile of hash blocks, warps, programs per
-    multiprocessor), each timed on the same gradient: which setting the defaults should be."""
+    multiprocessor), each timed on the same gradient: which setting the defaults should be.
+
+    Each row launches the kernel itself (triton_kernels.sketch_add), not the shim's
+    attempt-or-fall-back path, so a setting that fails is reported as failed, never timed as
+    the torch ops; a tensor-core setting that failed to compile (the module then runs the atomic
+    kernel) is reported as failed too, and a dim the tensor-core kernel cannot take is labelled
+    with the kernel that ran."""
     from rankscope import DEFAULT_SKETCH_SEED
     from rankscope import triton_kernels as tk
-    from rankscope.torch_sketch import TorchSketch
 
     dev = torch.device("cuda")
     out = {"rows": []}
@@ -260,26 +265,40 @@ def sweep(args) -> dict:
         for path in args.paths:
             os.environ["RANKSCOPE_GPU_SKETCH"] = path
             for dim in args.sketch_dims:
+                ran = "dot" if tk._variant(dtype, dim)[1] else "atomic"
                 for blocks, warps, factor in args.configs:
                     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = blocks, warps, factor
-                    s = TorchSketch(dim, DEFAULT_SKETCH_SEED, dev)
+                    rows, ss = tk.sketch_partials(dev, dim)
+                    label = f"{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}{factor:>7}"
 
-                    def sketch():
-                        s.reset()
-                        s.add(x, 12345)
+                    def sketch(rows=rows, ss=ss, dim=dim):
+                        rows.zero_()
+                        ss.zero_()
+                        tk.sketch_add(rows, ss, x, 12345, DEFAULT_SKETCH_SEED, dim)
 
+                    tk._DOT_FAILED.clear()
                     try:
                         ms = _events_ms(sketch, args.reps)
-                    except Exception as e:  # noqa: BLE001
-                        print(
-                            f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
-                            f"{factor:>7}  failed: {e!r}"[:400]
+                        if tk._DOT_FAILED:
+                            raise RuntimeError(f"tensor-core kernel: {tk._DOT_FAILED[0]}")
+                    except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
+                        print(f"{ran:<8}{label}  failed: {e!r}"[:400])
+                        out["rows"].append(
+                            {
+                                "path": ran,
+                                "dtype": str(dtype),
+                                "dim": dim,
+                                "blocks": blocks,
+                                "warps": warps,
+                                "factor": factor,
+                                "failed": repr(e)[:400],
+                            }
                         )
                         continue
                     gbps = x.numel() * x.element_size() / ms / 1e6
                     out["rows"].append(
                         {
-                            "path": path,
+                            "path": ran,
                             "dtype": str(dtype),
                             "dim": dim,
                             "blocks": blocks,
@@ -289,12 +308,10 @@ def sweep(args) -> dict:
                             "GBps": gbps,
                         }
                     )
-                    print(
-                        f"{path:<8}{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}"
-                        f"{factor:>7}{ms:>9.3f}{gbps:>8.0f}"
-                    )
+                    print(f"{ran:<8}{label}{ms:>9.3f}{gbps:>8.0f}")
         x = None  # frees the gradient before the next dtype
     os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
+    tk._DOT_FAILED.clear()
     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = 64, None, 4
     return out
 
