@@ -45,9 +45,9 @@ namespace {
 
 using sketch_internal::KernelIsa;
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ULL;
-constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
+constexpr uint64_t kGolden = kSketchMixGolden;
+constexpr uint64_t kMix1 = kSketchMixM1;
+constexpr uint64_t kMix2 = kSketchMixM2;
 
 // Coordinates per hash block, coordinates per run of float sums of squares (sketch.h), and the
 // number of float partial sums of squares (one per offset in a block).

@@ -371,6 +371,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DEFAULT_SKETCH_DIM") = kDefaultSketchDim;
   m.attr("DEFAULT_SKETCH_SEED") = kDefaultSketchSeed;
   m.attr("MAX_SKETCH_DIM") = kMaxSketchDim;
+  // SketchMix's constants (sketch.h), for the shim's torch and Triton ports of the hash.
+  m.attr("SKETCH_MIX_CONSTANTS") = py::make_tuple(kSketchMixGolden, kSketchMixM1, kSketchMixM2);
   m.attr("DTYPE_FLOAT32") = static_cast<int>(ScalarType::kFloat32);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(ScalarType::kBFloat16);
   m.attr("DTYPE_FLOAT16") = static_cast<int>(ScalarType::kFloat16);

@@ -97,12 +97,17 @@ struct SketchSlot {
 // way in two's complement, but >> on int64 is arithmetic there, so write the logical shift as
 // (z >> s) & ((1 << (64 - s)) - 1); (mix >> 32) then lies in [0, 2^32) and % dim is unchanged
 // (bit o of mix, o < 32, is the same under either shift).
+// The three constants are defined once, below; the Python shim's ports (torch_sketch.py,
+// triton_kernels.py) read them from rankscope._native (SKETCH_MIX_CONSTANTS).
 // Test vectors: SketchMix(0, 0) == 0xE220A8397B1DCDAF;
 //   SketchMix(0, kDefaultSketchSeed) == 0x9609B8E9179AF10C;
 //   SketchMix(385, kDefaultSketchSeed) == 0xFD1FA0A8C3134223 (block 385 holds 12320-12351);
 //   SketchHash(0, kDefaultSketchSeed, 1024) == {233, +1}; SketchHash(31, ..., 1024) == {264, +1};
 //   SketchHash(12345, ..., 1024) == {193, -1}; SketchHash(12345, ..., 1000) == {417, -1};
 //   SketchHash(12345, ..., 7) == {0, -1}.
+inline constexpr uint64_t kSketchMixGolden = 0x9E3779B97F4A7C15ULL;
+inline constexpr uint64_t kSketchMixM1 = 0xBF58476D1CE4E5B9ULL;
+inline constexpr uint64_t kSketchMixM2 = 0x94D049BB133111EBULL;
 uint64_t SketchMix(uint64_t index, uint64_t seed);
 SketchSlot SketchHash(uint64_t index, uint64_t seed, uint32_t dim);
 

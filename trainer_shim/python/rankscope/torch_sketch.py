@@ -21,6 +21,7 @@ float64; ``RANKSCOPE_GPU_KERNELS=torch`` keeps these torch ops).
 
 import torch
 
+from rankscope import _native
 from rankscope import triton_kernels as _tk
 
 CHUNK = 1 << 22
@@ -34,9 +35,8 @@ def _s64(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-_GOLDEN = _s64(0x9E3779B97F4A7C15)
-_M1 = _s64(0xBF58476D1CE4E5B9)
-_M2 = _s64(0x94D049BB133111EB)
+# SketchMix's constants, defined once in agent/include/rankscope/sketch.h, as int64 patterns.
+_GOLDEN, _M1, _M2 = (_s64(c) for c in _native.SKETCH_MIX_CONSTANTS)
 
 
 def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:

@@ -39,14 +39,14 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # Debian's torch has no Triton: the torch-op path
+except ImportError:  # a torch without Triton (e.g. torch 2.2 on Python 3.12): the torch-op path
     triton = None
 
-# SketchMix constants (torch_sketch.py), as unsigned 64-bit numbers: Triton types a kernel
-# argument of 2**63 or more as uint64.
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+from rankscope import _native
+
+# SketchMix's constants (agent/include/rankscope/sketch.h), as unsigned 64-bit numbers: Triton
+# types a kernel argument of 2**63 or more as uint64.
+_GOLDEN, _M1, _M2 = _native.SKETCH_MIX_CONSTANTS
 _MASK64 = (1 << 64) - 1
 
 _SKETCH_BLOCKS = 64  # hash blocks (of 32 coordinates) per tile
