@@ -33,8 +33,8 @@
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/step_stats.h"
 #include "collector/model/rank_report.h"
+#include "collector/model/rows.h"
 #include "collector/pipeline/step_joiner.h"
-#include "collector/store/sqlite_store.h"
 
 namespace rankscope::collector {
 

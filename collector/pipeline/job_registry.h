@@ -49,7 +49,7 @@
 #include "absl/time/time.h"
 #include "collector/ingest/validation.h"
 #include "collector/model/agent_stream.h"
-#include "collector/store/sqlite_store.h"
+#include "collector/model/rows.h"
 #include "common/sketch_dim.h"
 #include "rankscope/v1/rankscope.pb.h"
 

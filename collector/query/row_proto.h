@@ -6,6 +6,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "collector/model/rank_windows.h"
+#include "collector/model/rows.h"
 #include "collector/store/sqlite_store.h"
 #include "rankscope/v1/rankscope.pb.h"
 

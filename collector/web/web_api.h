@@ -31,7 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "collector/store/sqlite_store.h"
+#include "collector/model/rows.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
