@@ -48,8 +48,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collector/ingest/validation.h"
-#include "collector/model/agent_stream.h"
 #include "collector/model/rows.h"
+#include "collector/pipeline/agent_stream.h"
 #include "common/sketch_dim.h"
 #include "rankscope/v1/rankscope.pb.h"
 

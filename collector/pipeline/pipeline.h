@@ -45,7 +45,7 @@
 #include "collector/metrics/health_metrics.h"
 #include "collector/metrics/prometheus_export.h"
 #include "collector/model/ack.h"
-#include "collector/model/agent_stream.h"
+#include "collector/pipeline/agent_stream.h"
 #include "collector/pipeline/job_registry.h"
 #include "collector/pipeline/step_joiner.h"
 #include "collector/store/sqlite_store.h"

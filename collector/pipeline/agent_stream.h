@@ -1,7 +1,7 @@
 // AgentStream: the collector core's view of one agent's stream. It can be acked (AckSink), sent
 // a control message, and is detached by the ingest service when the stream ends.
-#ifndef RANKSCOPE_COLLECTOR_MODEL_AGENT_STREAM_H_
-#define RANKSCOPE_COLLECTOR_MODEL_AGENT_STREAM_H_
+#ifndef RANKSCOPE_COLLECTOR_PIPELINE_AGENT_STREAM_H_
+#define RANKSCOPE_COLLECTOR_PIPELINE_AGENT_STREAM_H_
 
 #include "collector/model/ack.h"
 #include "rankscope/v1/rankscope.pb.h"
@@ -17,4 +17,4 @@ class AgentStream : public AckSink {
 
 }  // namespace rankscope::collector
 
-#endif  // RANKSCOPE_COLLECTOR_MODEL_AGENT_STREAM_H_
+#endif  // RANKSCOPE_COLLECTOR_PIPELINE_AGENT_STREAM_H_
