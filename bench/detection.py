@@ -30,8 +30,8 @@ Faults (from the onset step on, on the faulty rank, unless said otherwise):
 What is measured, per run, only from what the collector stored (SQLite, table step_stats):
 
 - the flags: every (step, rank) named in `outlier_ranks`, `replica_divergent_ranks`,
-  `drifting_ranks` or `slow_ranks` (the sequential statistics, collector/rank_cusum.h), every
-  (step, group) in `duplicate_groups`;
+  `drifting_ranks` or `slow_ranks` (the sequential statistics,
+  collector/analysis/rank_cusum.h), every (step, group) in `duplicate_groups`;
 - detected: the faulty rank named (outlier, replica, drifting or slow) at or after the onset; for
   `duplicate` the
   group {faulty rank, partner} named in duplicate_groups at or after the onset;

@@ -83,7 +83,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
-#include "collector/sqlite_store.h"
+#include "collector/store/sqlite_store.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"

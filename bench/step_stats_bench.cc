@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "collector/rank_diagnostics.h"
-#include "collector/step_joiner.h"
-#include "collector/step_stats.h"
+#include "collector/analysis/rank_diagnostics.h"
+#include "collector/analysis/step_stats.h"
+#include "collector/pipeline/step_joiner.h"
 #include "common/sketch_encoding.h"
 
 namespace rankscope::collector {

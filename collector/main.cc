@@ -17,7 +17,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
-#include "collector/retention.h"
+#include "collector/store/retention.h"
 #include "common/flag_help.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",

@@ -1,4 +1,4 @@
-#include "collector/duplicate_ranks.h"
+#include "collector/analysis/duplicate_ranks.h"
 
 #include <cmath>
 #include <limits>

@@ -1,4 +1,4 @@
-#include "collector/job_registry.h"
+#include "collector/pipeline/job_registry.h"
 
 #include <memory>
 #include <optional>

@@ -1,7 +1,7 @@
 // Tests of the Prometheus sink: JobMetrics (per-job statistics) and HealthMetrics (the
 // collector's own health). Time is injected through ExportOptions::clock; the serialized text is
 // checked by the real `promtool check metrics`.
-#include "collector/prometheus_export.h"
+#include "collector/metrics/prometheus_export.h"
 
 #include <unistd.h>
 
@@ -21,7 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "collector/health_metrics.h"
+#include "collector/metrics/health_metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"

@@ -1,7 +1,7 @@
-// RankCusum (collector/rank_cusum.h): the rank scores, the CUSUM's arithmetic, its bounded
+// RankCusum (collector/analysis/rank_cusum.h): the rank scores, the CUSUM's arithmetic, its bounded
 // detection delay for a rank that is always the worst, and its false-alarm rate on healthy
 // (i.i.d. N(0,1)) signals, the numbers quoted in the header.
-#include "collector/rank_cusum.h"
+#include "collector/analysis/rank_cusum.h"
 
 #include <cmath>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "collector/rank_diagnostics.h"
+#include "collector/analysis/rank_diagnostics.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
-// collector/rank_ranges.h: the compact text of a set of ranks (issue 12.3).
-#include "collector/rank_ranges.h"
+// collector/model/rank_ranges.h: the compact text of a set of ranks (issue 12.3).
+#include "collector/model/rank_ranges.h"
 
 #include <cstdint>
 #include <vector>

@@ -1,7 +1,7 @@
 // The storage lifecycle (DESIGN.md "Storage lifecycle"): the pure policy (retention.h), its
 // execution by the store on a real SQLite file (sqlite_retention.cc), and the store writer thread
 // that runs it. Time is injected: every `now` is a value, never the system clock.
-#include "collector/retention.h"
+#include "collector/store/retention.h"
 
 #include <sqlite3.h>
 #include <stdlib.h>
@@ -15,9 +15,9 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "collector/rank_windows.h"
-#include "collector/sqlite_store.h"
-#include "collector/store_writer.h"
+#include "collector/model/rank_windows.h"
+#include "collector/store/sqlite_store.h"
+#include "collector/store/store_writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

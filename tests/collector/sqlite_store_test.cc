@@ -1,5 +1,5 @@
 // Tests of the SQLite sink against a real SQLite file in a per-test temp directory.
-#include "collector/sqlite_store.h"
+#include "collector/store/sqlite_store.h"
 
 #include <signal.h>
 #include <sqlite3.h>

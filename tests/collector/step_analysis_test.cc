@@ -1,4 +1,4 @@
-#include "collector/step_analysis.h"
+#include "collector/analysis/step_analysis.h"
 
 #include <cmath>
 #include <cstdint>
@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "collector/rank_diagnostics.h"
-#include "collector/step_joiner.h"
+#include "collector/analysis/rank_diagnostics.h"
+#include "collector/pipeline/step_joiner.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

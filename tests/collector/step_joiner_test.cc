@@ -1,4 +1,4 @@
-#include "collector/step_joiner.h"
+#include "collector/pipeline/step_joiner.h"
 
 #include <algorithm>
 #include <chrono>

@@ -6,10 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "collector/health_metrics.h"
-#include "collector/pipeline.h"
-#include "collector/prometheus_export.h"
-#include "collector/sqlite_store.h"
+#include "collector/metrics/health_metrics.h"
+#include "collector/metrics/prometheus_export.h"
+#include "collector/pipeline/pipeline.h"
+#include "collector/store/sqlite_store.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 

@@ -1,4 +1,4 @@
-#include "collector/step_stats.h"
+#include "collector/analysis/step_stats.h"
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 // everything (nothing acked, nothing lost), and an item the writer gives up on is never silently
 // forgotten: on_drop gets its rows and its sinks are abandoned with UNAVAILABLE (the agents
 // reconnect and resend).
-#include "collector/store_writer.h"
+#include "collector/store/store_writer.h"
 
 #include <sqlite3.h>
 

@@ -1,4 +1,4 @@
-#include "collector/validation.h"
+#include "collector/ingest/validation.h"
 
 #include <limits>
 #include <string>

@@ -1,6 +1,6 @@
-// The web view's JSON API as pure functions (collector/web_api.h): request parsing with Query's
+// The web view's JSON API as pure functions (collector/web/web_api.h): request parsing with Query's
 // checks, the step window's defaults, and the JSON of each answer.
-#include "collector/web_api.h"
+#include "collector/web/web_api.h"
 
 #include <cmath>
 #include <limits>
@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "collector/query_checks.h"
+#include "collector/query/query_checks.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -8,7 +8,7 @@
 //    job, and no error message is longer than 512 bytes (none echoes the request);
 //  - RecentSteps returns at most its limit (default 20, at most 10,000) rows, newest first;
 //    StepRange only steps in [first_step, last_step], ascending, at most its limit;
-//  - every StepStats' missing_rank_ranges parses (collector/rank_ranges.h) and its count is
+//  - every StepStats' missing_rank_ranges parses (collector/model/rank_ranges.h) and its count is
 //    missing_count; missing_ranks lists at most 1,024.
 //
 // Input layout: u8 method (mod 4: ListJobs, RecentSteps, StepRange, SetControl), then the
@@ -28,8 +28,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
-#include "collector/rank_ranges.h"
-#include "collector/sqlite_store.h"
+#include "collector/model/rank_ranges.h"
+#include "collector/store/sqlite_store.h"
 #include "common/job_name.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/grpcpp.h"

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "collector/step_joiner.h"
+#include "collector/pipeline/step_joiner.h"
 #include "tests/fuzz/byte_reader.h"
 #include "tests/fuzz/fuzz_check.h"
 

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "collector/step_stats.h"
+#include "collector/analysis/step_stats.h"
 #include "tests/fuzz/byte_reader.h"
 #include "tests/fuzz/fuzz_check.h"
 

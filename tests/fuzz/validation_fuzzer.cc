@@ -25,7 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "collector/validation.h"
+#include "collector/ingest/validation.h"
 #include "common/job_name.h"
 #include "google/protobuf/stubs/logging.h"
 #include "rankscope/v1/rankscope.pb.h"

@@ -1,4 +1,4 @@
-// Fuzzes the web view's request parsing (collector/web_api.h ParseApiRequest) with fuzzer bytes
+// Fuzzes the web view's request parsing (collector/web/web_api.h ParseApiRequest) with fuzzer bytes
 // as the URL: the bytes before the first '?' are the path after "/api/v1", the rest the query
 // string. Checks, from web_api.h and query_checks.h:
 //  - the only errors are InvalidArgument and NotFound, with messages of at most 512 bytes that
@@ -14,7 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
-#include "collector/web_api.h"
+#include "collector/web/web_api.h"
 #include "common/job_name.h"
 #include "tests/fuzz/fuzz_check.h"
 

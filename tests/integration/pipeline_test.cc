@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collector/collector.h"
-#include "collector/sqlite_store.h"
+#include "collector/store/sqlite_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rankscope/agent.h"

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collector/collector.h"
-#include "collector/sqlite_store.h"
+#include "collector/store/sqlite_store.h"
 #include "common/tls_files.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

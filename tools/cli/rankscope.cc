@@ -44,8 +44,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "collector/row_proto.h"
-#include "collector/sqlite_store.h"
+#include "collector/query/row_proto.h"
+#include "collector/store/sqlite_store.h"
 #include "common/client_tls.h"
 #include "common/flag_help.h"
 #include "common/query_client.h"
@@ -654,7 +654,8 @@ int Report(const Cli& cli, const std::string& job) {
 // ---- attach -----------------------------------------------------------------------------------
 
 // `rankscope attach ...`: runs PYTHON -m rankscope.attach (the package beside the binary;
-// PythonInterpreter("")) with every argument but the verb, in order; it has its own flags (--dormant,
+// PythonInterpreter("")) with every argument but the verb, in order; it has its own flags
+// (--dormant,
 // --all-local, PIDs), so it is handed over before absl parses anything. Returns only on failure.
 int Attach(int argc, char** argv, int verb_index) {
   const std::string pydir = PythonDir();

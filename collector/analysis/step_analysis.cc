@@ -1,0 +1,248 @@
+#include "collector/analysis/step_analysis.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "collector/model/rank_ranges.h"
+
+namespace rankscope::collector {
+
+namespace {
+
+// The step's samples, in report order. Their sketches are left empty when the reports' sketches
+// differ in length (*same_dim false): a sketch re-tune crossed this step.
+std::vector<RankSample> JoinedSamples(const JoinedStep& step, bool* same_dim) {
+  *same_dim = true;
+  for (const RankReport& r : step.reports) {
+    if (r.SketchValues().size() != step.reports.front().SketchValues().size()) *same_dim = false;
+  }
+  std::vector<RankSample> samples;
+  samples.reserve(step.reports.size());
+  for (const RankReport& r : step.reports) {
+    RankSample s;
+    s.rank = r.rank;
+    s.loss = r.loss;
+    s.grad_norm = r.grad_norm;
+    if (*same_dim) s.sketch = r.SketchValues();
+    samples.push_back(s);
+  }
+  return samples;
+}
+
+StepStatistics StatisticsOf(absl::Span<const RankSample> samples, bool same_dim) {
+  StepStatistics stats = ComputeStepStatistics(samples);
+  if (!same_dim) {
+    // Cosines across different sketches mean nothing.
+    stats.grad_cosine_mean = std::nan("");
+    for (RankStatistics& p : stats.per_rank) p.consensus_cosine = std::nan("");
+  }
+  return stats;
+}
+
+}  // namespace
+
+StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
+  bool same_dim = true;
+  const std::vector<RankSample> samples = JoinedSamples(step, &same_dim);
+  return StatisticsOf(samples, same_dim);
+}
+
+StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
+                             absl::Span<const DuplicateGroup> duplicates) {
+  // Every member of a duplicate group but its lowest rank is an echo of it.
+  absl::flat_hash_set<uint32_t> echoes;
+  for (const DuplicateGroup& g : duplicates) echoes.insert(g.ranks.begin() + 1, g.ranks.end());
+  StepDiagnostics d;
+  const size_t n = step.reports.size();
+  std::vector<RankSignals> signals;
+  std::vector<RankFingerprint> grads, params;
+  std::vector<double> local_norms, reduced_norms, times;
+  signals.reserve(n);
+  local_norms.reserve(n);
+  times.reserve(n);
+  d.replica_ok.reserve(n);
+  d.extras.reserve(n);
+  uint32_t batch = 0;
+  bool any_time = false;
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = step.reports[i];
+    signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine,
+                       r.loss_absent, echoes.contains(r.rank)});
+    if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
+    if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
+    local_norms.push_back(r.grad_norm);
+    if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
+    times.push_back(r.step_time_seconds.value_or(std::nan("")));
+    any_time = any_time || r.step_time_seconds.has_value();
+    batch = std::max(batch, r.local_batch_size);
+  }
+  d.outliers = ComputeOutlierScores(signals);
+  const ReplicaVerdict grad_verdict = CheckReplicas(grads);
+  const ReplicaVerdict param_verdict = CheckReplicas(params);
+  d.replica_checked = grad_verdict.checked || param_verdict.checked;
+  std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
+                 param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),
+                 std::back_inserter(d.replica_divergent));
+  const std::vector<double> time_z =
+      any_time ? StepTimeRobustZ(times) : std::vector<double>(n, std::nan(""));
+  for (size_t i = 0; i < n; ++i) {
+    const RankReport& r = step.reports[i];
+    if (r.reduced_grad_fingerprint || r.param_fingerprint) {
+      d.replica_ok.push_back(
+          !std::binary_search(d.replica_divergent.begin(), d.replica_divergent.end(), r.rank));
+    } else {
+      d.replica_ok.push_back(std::nullopt);
+    }
+    RankExtras e;
+    e.outlier_score = d.outliers[i].score;
+    e.step_time_seconds = times[i];
+    e.step_time_z = time_z[i];
+    d.extras.push_back(e);
+    if (d.outliers[i].flagged) d.flagged_ranks.push_back(r.rank);
+  }
+  if (!reduced_norms.empty()) {
+    // Every rank holds the same reduced gradient; take the median against a stray value.
+    std::nth_element(reduced_norms.begin(), reduced_norms.begin() + reduced_norms.size() / 2,
+                     reduced_norms.end());
+    d.grad_noise_scale =
+        GradientNoiseScale(local_norms, reduced_norms[reduced_norms.size() / 2], batch);
+  }
+  return d;
+}
+
+AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
+  AnalyzedStep out;
+  bool same_dim = true;
+  const std::vector<RankSample> samples = JoinedSamples(step, &same_dim);
+  out.stats = StatisticsOf(samples, same_dim);
+  // Sketches of different lengths are never compared (their sketches are empty here).
+  out.duplicates = FindDuplicateRanks(samples);
+  out.diag = DiagnoseStep(step, out.stats, out.duplicates);
+  // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
+  auto& history = outlier_history_[step.job];
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    const uint32_t rank = step.reports[i].rank;
+    const OutlierScore& score = out.diag.outliers[i];
+    RankOutlierHistory& h = history[rank];
+    // std::fmin passes over a NaN, so `held` is NaN only when every score is.
+    double held = score.score;
+    for (uint32_t k = 0; k < h.kept; ++k) held = std::fmin(held, h.previous[k]);
+    out.diag.extras[i].held_outlier_score = held;
+    std::copy_backward(h.previous.begin(), h.previous.end() - 1, h.previous.end());
+    h.previous[0] = score.score;
+    h.kept = std::min<uint32_t>(h.kept + 1, h.previous.size());
+    h.streak = score.flagged ? h.streak + 1 : 0;
+    if (h.streak >= kOutlierPersistence) out.outlier_ranks.push_back(rank);
+  }
+  // Sequential statistics, per job and epoch.
+  auto it = drift_.find(step.job);
+  if (it == drift_.end() || it->second.attempt != step.attempt ||
+      it->second.world_size != step.world_size) {
+    drift_.erase(step.job);
+    it = drift_
+             .emplace(step.job, JobDrift{step.attempt, step.world_size, RankCusum(step.world_size)})
+             .first;
+  }
+  RankCusum& cusum = it->second.cusum;
+  std::vector<RankDriftSignals> signals;
+  signals.reserve(step.reports.size());
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    const RankReport& r = step.reports[i];
+    signals.push_back({r.rank, r.loss, r.grad_norm, out.stats.per_rank[i].consensus_cosine,
+                       out.diag.extras[i].step_time_seconds});
+  }
+  // Ranks with duplicate data are not exchangeable with the others (the pair's consensus cosines
+  // are high, so the others' rank low): hold the data-drift statistics on such a step.
+  const std::vector<RankDrift> drift = cusum.Update(signals, out.duplicates.empty());
+  for (size_t i = 0; i < drift.size(); ++i) {
+    out.diag.extras[i].drift_score = drift[i].data / cusum.threshold();
+    out.diag.extras[i].slow_score = drift[i].slow / cusum.threshold();
+    if (drift[i].drifting) out.drifting_ranks.push_back(step.reports[i].rank);
+    if (drift[i].is_slow) out.slow_ranks.push_back(step.reports[i].rank);
+  }
+  std::sort(out.drifting_ranks.begin(), out.drifting_ranks.end());
+  std::sort(out.slow_ranks.begin(), out.slow_ranks.end());
+  return out;
+}
+
+RankDrift StepAnalyzer::Drift(const std::string& job, uint32_t rank) const {
+  auto it = drift_.find(job);
+  return it == drift_.end() ? RankDrift{} : it->second.cusum.Get(rank);
+}
+
+void StepAnalyzer::ForgetJob(const std::string& job) {
+  outlier_history_.erase(job);
+  drift_.erase(job);
+}
+
+uint32_t StepAnalyzer::OutlierStreak(const std::string& job, uint32_t rank) const {
+  auto it = outlier_history_.find(job);
+  if (it == outlier_history_.end()) return 0;
+  auto r = it->second.find(rank);
+  return r == it->second.end() ? 0 : r->second.streak;
+}
+
+RankRow ToRankRow(const RankReport& report, uint32_t join_size) {
+  RankRow row;
+  row.rank = report.rank;
+  row.attempt = report.attempt;
+  row.join_size = join_size;
+  row.loss = report.loss;
+  row.loss_absent = report.loss_absent;
+  row.grad_norm = report.grad_norm;
+  row.reduced_grad_fingerprint = report.reduced_grad_fingerprint;
+  row.param_fingerprint = report.param_fingerprint;
+  row.step_time_seconds = report.step_time_seconds;
+  row.received_at = report.received_at;
+  row.sketch_nonfinite = !report.SketchValues().AllFinite();
+  return row;
+}
+
+StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time completed_at) {
+  const StepStatistics& stats = analyzed.stats;
+  const StepDiagnostics& diag = analyzed.diag;
+  StepWrite w;
+  w.job = step.job;
+  w.step = step.step;
+  StepRow row;
+  row.step = step.step;
+  row.attempt = step.attempt;
+  row.ranks = static_cast<uint32_t>(step.reports.size());
+  row.world_size = step.world_size;
+  row.loss_mean = stats.loss_mean;
+  row.loss_std = stats.loss_std;
+  row.loss_range = stats.loss_range;
+  row.grad_norm_mean = stats.grad_norm_mean;
+  row.grad_norm_std = stats.grad_norm_std;
+  row.grad_norm_cv = stats.grad_norm_cv;
+  row.grad_cosine_mean = stats.grad_cosine_mean;
+  row.missing_ranks = FormatRankRanges(step.missing_ranks);  // bounded whatever world_size
+  row.timed_out = step.reason != JoinedStep::Reason::kComplete;
+  row.completed_at = completed_at;
+  row.grad_noise_scale = diag.grad_noise_scale;
+  row.replica_checked = diag.replica_checked;
+  row.replica_divergent_ranks = diag.replica_divergent;
+  row.outlier_ranks = std::move(analyzed.outlier_ranks);
+  row.duplicate_groups = FormatDuplicateGroups(analyzed.duplicates);
+  row.drifting_ranks = std::move(analyzed.drifting_ranks);
+  row.slow_ranks = std::move(analyzed.slow_ranks);
+  w.stats = std::move(row);
+  const uint32_t join_size = static_cast<uint32_t>(step.reports.size());
+  w.ranks.reserve(step.reports.size());
+  for (size_t i = 0; i < step.reports.size(); ++i) {
+    RankRow rank_row = ToRankRow(step.reports[i], join_size);
+    rank_row.grad_cosine = stats.per_rank[i].consensus_cosine;
+    rank_row.loss_z = stats.per_rank[i].loss_z;
+    rank_row.grad_norm_z = stats.per_rank[i].grad_norm_z;
+    rank_row.replica_ok = diag.replica_ok[i];
+    rank_row.outlier_score = diag.outliers[i].score;
+    if (!std::isnan(diag.extras[i].step_time_z)) rank_row.step_time_z = diag.extras[i].step_time_z;
+    w.ranks.push_back(std::move(rank_row));
+  }
+  return w;
+}
+
+}  // namespace rankscope::collector

@@ -1,0 +1,49 @@
+// One rank's validated report of one step, as the collector's core sees it.
+#ifndef RANKSCOPE_COLLECTOR_MODEL_RANK_REPORT_H_
+#define RANKSCOPE_COLLECTOR_MODEL_RANK_REPORT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "collector/model/ack.h"
+#include "common/sketch_encoding.h"
+
+namespace rankscope::collector {
+
+struct RankReport {
+  uint32_t rank = 0;
+  uint64_t step = 0;
+  uint32_t attempt = 0;
+  double loss = 0.0;         // may be NaN/Inf
+  bool loss_absent = false;  // no loss this step (a pipeline stage): `loss` is NaN, not a fault
+  double grad_norm = 0.0;    // may be NaN/Inf
+  // The sketch, kept in its wire encoding (common/sketch_encoding.h). float32: the values in
+  // `sketch` (length == the job's sketch_dim). float16 / int8: the packed bins as received in
+  // `sketch_packed` (sketch_dim * bytes per bin) with their scale, and `sketch` is empty.
+  std::vector<float> sketch;
+  std::string sketch_packed;
+  SketchEncoding sketch_encoding = SketchEncoding::kFloat32;
+  float sketch_scale = 1.0f;
+  absl::Time received_at = absl::UnixEpoch();
+  std::optional<uint64_t> reduced_grad_fingerprint;
+  std::optional<uint64_t> param_fingerprint;
+  std::optional<double> reduced_grad_norm;
+  std::optional<double> step_time_seconds;
+  uint32_t local_batch_size = 0;
+  // Everyone to acknowledge once this report is stored (a resend over a new stream adds one).
+  std::vector<AckHandle> acks;
+
+  // The sketch in whichever encoding it is held.
+  SketchView SketchValues() const {
+    if (sketch_encoding == SketchEncoding::kFloat32) return SketchView(sketch);
+    return SketchView(sketch_encoding, sketch_packed.data(),
+                      sketch_packed.size() / SketchBytesPerBin(sketch_encoding), sketch_scale);
+  }
+};
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_MODEL_RANK_REPORT_H_

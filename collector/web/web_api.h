@@ -1,0 +1,112 @@
+// The collector's HTTP JSON API (docs/DESIGN.md "Web view"), as pure functions: parsing a request
+// into what to read, and building each answer's JSON from store rows. web_server.cc does the
+// HTTP, the token and the reads (on the StoreReaderPool); everything here is tested directly.
+//
+//   GET /api/v1/jobs                                   every job key, with its latest step's alerts
+//   GET /api/v1/jobs/NAME/steps?first=F&last=L         step_stats rows of steps F..L
+//   GET /api/v1/jobs/NAME/ranks?first=F&last=L[&rank=R]
+//       every rank's consensus cosine and outlier score per step (a rank x step matrix, one
+//       array per step indexed by rank), or with rank=R that rank's own series
+//
+// NAME is a job name or a group key "JOB/GROUP", its '/' literal or encoded as %2F. `last`
+// defaults to the job's newest step, `first` to a window before it (kDefaultStepsWindow,
+// kDefaultRanksWindow). The limits are Query's (query_checks.h): a steps answer holds at most
+// kStepRangeDefaultLimit steps, a ranks answer at most kStepRangeMaxLimit rank rows (whole steps);
+// a longer range is answered from `first` on and says "truncated": true. first > last, a value
+// that is not a decimal uint64 (or above INT64_MAX, the store's bound) and a bad name are
+// InvalidArgument (400); an unknown job and an unknown path NotFound (404).
+//
+// JSON numbers: non-finite values are null (JSON has no NaN); doubles keep 6 significant digits
+// in the steps answer, 4 in the rank matrix. Times are Unix seconds.
+//
+// Thread-safe (pure functions).
+#ifndef RANKSCOPE_COLLECTOR_WEB_WEB_API_H_
+#define RANKSCOPE_COLLECTOR_WEB_WEB_API_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "collector/model/rows.h"
+#include "rankscope/v1/rankscope.pb.h"
+
+namespace rankscope::collector {
+
+// Steps answered when a request names no `first`.
+inline constexpr uint64_t kDefaultStepsWindow = 300;
+inline constexpr uint64_t kDefaultRanksWindow = 120;
+
+struct ApiRequest {
+  enum class Route { kJobs, kSteps, kRanks };
+  Route route = Route::kJobs;
+  std::string job;  // kSteps, kRanks: the job key, checked by CheckQueryJobName
+  std::optional<uint64_t> first;
+  std::optional<uint64_t> last;
+  std::optional<uint32_t> rank;  // kRanks: one rank's series
+};
+
+// `path`: the URL path after "/api/v1" (e.g. "/jobs/exp-42/steps"), percent-decoded or not;
+// `query`: the raw query string without '?'. Errors: InvalidArgument (bad name, bad number,
+// first > last, unknown parameter), NotFound (no such route).
+absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_view query);
+
+// The steps a request reads: [first, last] with the defaults above applied against the job's
+// newest step (first is clamped at 0).
+struct StepWindow {
+  uint64_t first = 0;
+  uint64_t last = 0;
+};
+StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64_t default_window);
+
+// One job key of the jobs answer: its listing and its newest step_stats row (absent before the
+// first step closes).
+struct JobListEntry {
+  v1::JobInfo info;
+  std::optional<StepRow> latest;
+};
+
+// {"jobs":[{"key","job","group","state","world_size","connected_ranks","last_step",
+//   "first_seen","last_seen","latest":null|{"step","ranks","world_size","missing_ranks",
+//   "timed_out","outlier_ranks","divergent_ranks","drifting_ranks","slow_ranks",
+//   "grad_cosine_mean","completed_at"}}]}; `group` is "" for a job's only group.
+std::string JobsJson(const std::vector<JobListEntry>& jobs);
+
+// {"job","first","last","truncated","steps":[{"step","ranks","world_size","loss_mean",
+//   "loss_std","loss_range","grad_norm_mean","grad_norm_std","grad_norm_cv","grad_cosine_mean",
+//   "grad_noise_scale","missing_ranks","timed_out","outlier_ranks","divergent_ranks",
+//   "drifting_ranks","slow_ranks","completed_at"}]}, oldest step first.
+std::string StepsJson(absl::string_view job, StepWindow window, const std::vector<StepRow>& steps,
+                      bool truncated);
+
+// The rank x step matrix of `rows` (ordered by step, then rank):
+// {"job","first","last","world_size","truncated","steps":[{"step","cosine":[W],"outlier":[W],
+//   "missing":[ranks],"nonfinite":[ranks],"divergent":[ranks]}]}. cosine[r]/outlier[r] are null
+// where rank r has no row or no value; `missing` lists the ranks < world_size without a row at
+// that step, `nonfinite` those whose loss or gradient norm is NaN/Inf, `divergent` those whose
+// replica fingerprint disagreed. world_size is the larger of `world_size` and the highest rank + 1.
+std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_size,
+                      const std::vector<StepRankRow>& rows, bool truncated);
+
+// One rank's series: {"job","rank","first","last","truncated","steps":[{"step","loss",
+// "grad_norm","cosine","outlier","loss_z","grad_norm_z","step_time_z","nonfinite",
+// "replica_ok"}]} from the rows of `rank` in `rows`.
+std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t rank,
+                           const std::vector<StepRankRow>& rows, bool truncated);
+
+// {"error":{"code":"INVALID_ARGUMENT","message":...}}
+std::string ErrorJson(const absl::Status& status);
+
+// The HTTP status for a refusal: InvalidArgument 400, Unauthenticated 401, PermissionDenied 403,
+// NotFound 404, ResourceExhausted and Unavailable 503, DeadlineExceeded 504, anything else 500.
+int HttpStatusFor(const absl::Status& status);
+
+// Appends `s` to *out as a JSON string literal (quotes, escapes, control characters as \uXXXX).
+void AppendJsonString(absl::string_view s, std::string* out);
+
+}  // namespace rankscope::collector
+
+#endif  // RANKSCOPE_COLLECTOR_WEB_WEB_API_H_
