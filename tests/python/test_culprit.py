@@ -225,7 +225,7 @@ def test_healthy_job_has_no_divergence(run):
 def test_healthy_job_outlier_flags(run):
     """No rank is flagged (step_stats.outlier_ranks) on any step of a healthy job. A single step
     above the score threshold is common noise at W = 4 (~4e-2 of rank-steps by the collector's
-    calibration, collector/rank_diagnostics.h; printed below), which is why the collector only
+    calibration, collector/analysis/rank_diagnostics.h; printed below), which is why the collector only
     flags a rank above it on 3 consecutive steps; no healthy rank is the worst on most steps."""
     collector, _, _ = run
     stats = step_table(collector, "culprit-healthy")

@@ -1,4 +1,4 @@
-"""Sequential detection (collector/rank_cusum.h) on real 4-rank DDP runs: gloo ranks, the real
+"""Sequential detection (collector/analysis/rank_cusum.h) on real 4-rank DDP runs: gloo ranks, the real
 shim, the real collector, through bench/detection.py (its default seed, 3 runs per fault, the
 first runs of the benchmark's own table in docs/PERFORMANCE.md).
 
