@@ -1,4 +1,4 @@
-// A client of the collector's Query service, shared by the CLI (tools/cli/rankscope.cc) and the
+// A client of the collector's Query service, shared by the CLI (tools/cli/) and the
 // Python package (rankscope._native.set_control): one channel with the collector's TLS settings
 // (common/client_tls.h), every call with the same deadline and, when set, the shared bearer
 // token, and StepRange paged so that no response nears gRPC's message size limit.
