@@ -277,38 +277,26 @@ def sweep(args) -> dict:
                         tk.sketch_add(rows, ss, x, 12345, DEFAULT_SKETCH_SEED, dim)
 
                     tk._DOT_FAILED.clear()
+                    row = {
+                        "path": ran,
+                        "dtype": str(dtype),
+                        "dim": dim,
+                        "blocks": blocks,
+                        "warps": warps,
+                        "factor": factor,
+                    }
+                    out["rows"].append(row)
                     try:
                         ms = _events_ms(sketch, args.reps)
                         if tk._DOT_FAILED:
                             raise RuntimeError(f"tensor-core kernel: {tk._DOT_FAILED[0]}")
                     except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
                         print(f"{ran:<8}{label}  failed: {e!r}"[:400])
-                        out["rows"].append(
-                            {
-                                "path": ran,
-                                "dtype": str(dtype),
-                                "dim": dim,
-                                "blocks": blocks,
-                                "warps": warps,
-                                "factor": factor,
-                                "failed": repr(e)[:400],
-                            }
-                        )
+                        row["failed"] = repr(e)[:400]
                         continue
-                    gbps = x.numel() * x.element_size() / ms / 1e6
-                    out["rows"].append(
-                        {
-                            "path": ran,
-                            "dtype": str(dtype),
-                            "dim": dim,
-                            "blocks": blocks,
-                            "warps": warps,
-                            "factor": factor,
-                            "ms": ms,
-                            "GBps": gbps,
-                        }
-                    )
-                    print(f"{ran:<8}{label}{ms:>9.3f}{gbps:>8.0f}")
+                    row["ms"] = ms
+                    row["GBps"] = x.numel() * x.element_size() / ms / 1e6
+                    print(f"{ran:<8}{label}{ms:>9.3f}{row['GBps']:>8.0f}")
         x = None  # frees the gradient before the next dtype
     os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
     tk._DOT_FAILED.clear()
