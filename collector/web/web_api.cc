@@ -118,9 +118,9 @@ void AppendStepFlags(const StepRow& row, std::string* out) {
   AppendDouble(UnixSeconds(row.completed_at), 16, out);
 }
 
-bool RowNonfinite(const RankRow& row) {
-  return row.sketch_nonfinite || !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
-}
+// The stored verdict (rank_steps.nonfinite), never the values read back: a pipeline stage's
+// absent loss reads back as NaN without being non-finite.
+bool RowNonfinite(const StepRankRow& row) { return row.nonfinite; }
 
 }  // namespace
 
@@ -189,10 +189,12 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
     if (request.route == ApiRequest::Route::kJobs) {
       return absl::InvalidArgumentError("/api/v1/jobs takes no parameters");
     }
-    if (kv.first == "first" || kv.first == "last") {
+    if (kv.first == "first" || kv.first == "last" || kv.first == "since") {
       auto step = ParseStep(kv.first, value);
       if (!step.ok()) return step.status();
-      (kv.first == "first" ? request.first : request.last) = *step;
+      (kv.first == "first"  ? request.first
+       : kv.first == "last" ? request.last
+                            : request.since) = *step;
     } else if (kv.first == "rank" && request.route == ApiRequest::Route::kRanks) {
       uint32_t rank = 0;
       if (value.empty() || value.size() > 10 ||
@@ -206,7 +208,23 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown parameter (", kv.first.size(),
-                       " characters): steps takes first and last, ranks first, last and rank"));
+                       " characters): steps takes first, last and since, ranks first, last, "
+                       "since and rank"));
+    }
+  }
+  if (request.since.has_value()) {
+    if (request.first.has_value()) {
+      return absl::InvalidArgumentError(
+          "since and first exclude each other: since=S answers the steps after S");
+    }
+    if (*request.since >= kMaxStoredStep) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("since must be below ", kMaxStoredStep, ": no step follows it"));
+    }
+    if (request.last.has_value() && *request.since >= *request.last) {
+      return absl::InvalidArgumentError(absl::StrCat("since (", *request.since,
+                                                     ") must be below last (", *request.last,
+                                                     "): since=S answers the steps after S"));
     }
   }
   if (request.first.has_value() && request.last.has_value()) {
@@ -224,11 +242,17 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
   } else {
     w.last = std::max(newest_step, request.first.value_or(0));
   }
+  const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
+  const uint64_t window_first = w.last > span ? w.last - span : 0;
   if (request.first.has_value()) {
     w.first = *request.first;
+  } else if (request.since.has_value()) {
+    // The steps after `since`, at most the default window's newest (a page that fell far behind
+    // gets the newest window, not the oldest steps it missed). since < INT64_MAX (parsed).
+    w.first = std::max(*request.since + 1, window_first);
+    w.last = std::max(w.last, w.first);
   } else {
-    const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
-    w.first = w.last > span ? w.last - span : 0;
+    w.first = window_first;
   }
   return w;
 }
@@ -347,7 +371,7 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
         continue;
       }
       const RankRow& row = rows[at[r]].row;
-      if (RowNonfinite(row)) nonfinite.push_back(r);
+      if (RowNonfinite(rows[at[r]])) nonfinite.push_back(r);
       if (row.replica_ok.has_value() && !*row.replica_ok) divergent.push_back(r);
     }
     out.append("],\"missing\":");
@@ -387,8 +411,7 @@ std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t ra
     AppendOptional(r.row.grad_norm_z, 6, &out);
     out.append(",\"step_time_z\":");
     AppendOptional(r.row.step_time_z, 6, &out);
-    absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r.row) ? "true" : "false",
-                    ",\"replica_ok\":",
+    absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r) ? "true" : "false", ",\"replica_ok\":",
                     !r.row.replica_ok.has_value() ? "null"
                     : *r.row.replica_ok           ? "true"
                                                   : "false",

@@ -121,7 +121,10 @@ absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& read
   }
   const StepWindow window = ResolveWindow(request, job->last_step(), kDefaultRanksWindow);
   auto rows =
-      reader.RankRowsInRange(request.job, window.first, window.last, kStepRangeMaxLimit + 1);
+      request.rank.has_value()
+          ? reader.RankSeriesInRange(request.job, *request.rank, window.first, window.last,
+                                     kStepRangeMaxLimit + 1)
+          : reader.RankRowsInRange(request.job, window.first, window.last, kStepRangeMaxLimit + 1);
   if (!rows.ok()) return rows.status();
   const bool truncated = rows->size() > static_cast<size_t>(kStepRangeMaxLimit);
   if (truncated) {

@@ -6,6 +6,9 @@
 
 (function () {
   const REFRESH_MS = 2000;
+  // Steps the page holds: the API's default windows (web_api.h kDefaultStepsWindow and
+  // kDefaultRanksWindow).
+  const STEPS_WINDOW = 300, RANKS_WINDOW = 120;
   const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
   const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
   const $ = (id) => document.getElementById(id);
@@ -106,28 +109,79 @@
     }
     return stops[stops.length - 1].slice(1);
   }
-  // Consensus cosine -1..1: red (disagrees) through pale yellow (orthogonal) to blue (agrees).
+  // Consensus cosine -1..1 for the groups picture: red (disagrees) through pale yellow
+  // (orthogonal) to blue (agrees).
   const COSINE = [[0, 178, 24, 43], [0.5, 247, 247, 200], [0.75, 146, 197, 222], [1, 5, 48, 97]];
-  // Outlier score 0..2x threshold: white to dark red; the threshold sits at the midpoint.
-  const OUTLIER = [[0, 255, 255, 255], [0.25, 254, 224, 160], [0.5, 244, 109, 67], [1, 120, 0, 20]];
+  // The rank heatmap's scale (as the report's): 1 is what healthy looks like (green), 0 a full
+  // deviation (red). Each metric maps its value to 0..1 against a healthy anchor (scaleFor()).
+  const HEALTH = [[0, 165, 0, 38], [0.3, 244, 109, 67], [0.6, 254, 224, 139],
+                  [0.85, 145, 207, 96], [1, 26, 152, 80]];
   const METRICS = {
-    cosine: { label: "consensus cosine", stops: COSINE, t: (v) => (v + 1) / 2, lo: "-1", hi: "1" },
-    outlier: { label: "outlier score", stops: OUTLIER, t: (v) => v / (2 * OUTLIER_THRESHOLD),
-               lo: "0", hi: String(2 * OUTLIER_THRESHOLD) + "+" },
+    // Anchored to the window's healthy cosine (the median of every rank's cells, most ranks being
+    // healthy): the median and above is green, min(0, median - 0.5) and below red. A rank whose
+    // direction disagrees (cosine ~0 where healthy ranks sit at ~0.95) is red at any rank count.
+    cosine: { label: "consensus cosine", worst: Math.min },
+    // Already a robust z against the other ranks (rank_diagnostics.h): 0 green, the threshold
+    // yellow-orange, twice it red.
+    outlier: { label: "outlier score", worst: Math.max },
   };
-  // Cells: a missing rank mid grey (apart from both colour ramps), non-finite black, a divergent
-  // replica purple. Ticks in the marks gutter (and the flagged list) use MARK_CSS.
-  const MARK = { missing: [150, 150, 150], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
+  // Cells that have no value to colour, each apart from the ramp and from the page's white:
+  // a missing rank (no row: silent or timed out) mid grey, non-finite (the stored verdict) black,
+  // a divergent replica purple, a row without this metric (a late report) light grey. A cell
+  // covering several ranks or steps shows its worst: non-finite, divergent, missing, then the
+  // worst value (cosine lowest, outlier score highest). Ticks in the marks gutters (and the
+  // flagged list) use MARK_CSS.
+  const MARK = { missing: [128, 128, 128], nonfinite: [0, 0, 0], divergent: [142, 36, 170],
+                 novalue: [222, 222, 222] };
+  const MARK_CODE = { missing: 1, divergent: 2, nonfinite: 3 };  // priority: higher wins
+  const MARK_OF_CODE = [null, MARK.missing, MARK.divergent, MARK.nonfinite];
+  const BACKGROUND = [255, 255, 255];
   const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
                      outlier: "#e08a00" };
-  // A colour per 1/1023 of a metric's range, so a 1,024 x 120 heatmap needs no per-cell ramp().
+  // A colour per 1/1023 of the 0..1 health scale, so a 4,096 x 120 heatmap needs no per-cell
+  // ramp().
   function lut(stops) {
     const t = new Uint8ClampedArray(1024 * 3);
     for (let i = 0; i < 1024; i++) {
       const [r, g, b] = ramp(stops, i / 1023);
-      t[i * 3] = r; t[i * 3 + 1] = g; t[i * 3 + 2] = b;
+      t[i * 3] = Math.round(r); t[i * 3 + 1] = Math.round(g); t[i * 3 + 2] = Math.round(b);
     }
     return t;
+  }
+  const HEALTH_LUT = lut(HEALTH);
+  // The median of the finite cosine values of `steps` (a histogram of 2,001 bins over -1..1).
+  function medianCosine(steps) {
+    const bins = new Uint32Array(2001);
+    let n = 0;
+    for (const s of steps) {
+      for (const v of s.cosine) {
+        if (v === null || v === undefined || !isFinite(v)) continue;
+        bins[Math.max(0, Math.min(2000, Math.round((v + 1) * 1000)))] += 1;
+        n += 1;
+      }
+    }
+    if (!n) return null;
+    let seen = 0;
+    for (let i = 0; i < bins.length; i++) {
+      seen += bins[i];
+      if (seen * 2 >= n) return i / 1000 - 1;
+    }
+    return null;
+  }
+  // The metric's mapping to the 0..1 health scale, and its legend: {t(v), lo, hi, healthy}.
+  function scaleFor(metric, steps) {
+    if (metric === "outlier") {
+      const hi = 2 * OUTLIER_THRESHOLD;
+      return { t: (v) => 1 - v / hi, lo: hi + "+", hi: "0", healthy: 0,
+               text: "outlier score: 0 green, " + OUTLIER_THRESHOLD + " (threshold) orange, " +
+                     hi + "+ red" };
+    }
+    const med = medianCosine(steps);
+    const healthy = med === null ? 1 : med;
+    const lo = Math.min(0, healthy - 0.5), span = Math.max(healthy - lo, 1e-6);
+    return { t: (v) => (v - lo) / span, lo: fmt(lo, 2), hi: fmt(healthy, 2), healthy,
+             text: "consensus cosine: healthy (the median, " + fmt(healthy, 3) +
+                   ") and above green, " + fmt(lo, 2) + " and below red" };
   }
 
   // ---- canvas line charts ----------------------------------------------------------------
@@ -341,7 +395,7 @@
       el("canvas", { id: "groups-picture" }),
       el("h2", { text: "Groups" }),
       el("ul", { id: "groups-list" }));
-    drawLegend($("legend"), METRICS.cosine);
+    drawLegend($("legend"), { label: "direction consistency", stops: COSINE, lo: "-1", hi: "1" });
     every(async () => {
       const fresh = (await api("/jobs")).jobs.filter((j) => j.job === job);
       const series = await Promise.all(fresh.map((k) => api("/jobs/" + enc(k.key) + "/steps")));
@@ -428,11 +482,15 @@
             el("option", { value: "outlier", text: "outlier score" }))),
          el("canvas", { id: "legend" }),
          el("span", { class: "key" },
-            ...["missing", "nonfinite", "divergent", "outlier"].map((k) => el("span", null,
-              el("i", { class: "swatch-" + k }),
-              { missing: "missing (grey cells)", nonfinite: "non-finite (black)",
-                divergent: "divergent replica (purple)", outlier: "outlier" }[k]))),
+            ...["missing", "nonfinite", "divergent", "novalue"].map((k) => el("span", null,
+              el("i", { class: "cell-" + k }),
+              { missing: "missing", nonfinite: "non-finite", divergent: "divergent replica",
+                novalue: "no value" }[k])),
+            ...["outlier", "missing", "nonfinite", "divergent"].map((k) => el("span", null,
+              el("i", { class: "swatch-" + k }), k === "nonfinite" ? "non-finite" : k)),
+            el("span", null, "(flagged-rank ticks)")),
          el("span", { id: "heat-info", class: "muted" })),
+      el("div", { id: "scale-info", class: "muted" }),
       el("div", { class: "heat-wrap" },
          el("div", { class: "heat-scroll" }, el("canvas", { id: "heatmap" })),
          el("div", null, el("div", { class: "title", text: "Flagged ranks (click to open)" }),
@@ -442,24 +500,43 @@
     for (const k of Object.keys(MARK_CSS)) {
       document.querySelectorAll(".swatch-" + k).forEach((i) => { i.style.background = MARK_CSS[k]; });
     }
+    for (const k of Object.keys(MARK)) {
+      document.querySelectorAll(".cell-" + k).forEach((i) => {
+        i.style.background = `rgb(${MARK[k].join(",")})`;
+      });
+    }
+    // The cell colours the page draws with (tests compare the canvas's pixels against them).
+    state.colors = { ...MARK, background: BACKGROUND };
     $("metric").addEventListener("change", (ev) => {
       state.metric = ev.target.value;
-      drawLegend($("legend"), METRICS[state.metric]);
       if (state.matrix) drawHeatmap();
     });
-    drawLegend($("legend"), METRICS.cosine);
     const heat = $("heatmap");
     heat.addEventListener("mousemove", (ev) => {
       const cell = heatCell(ev);
       const tip = $("tooltip");
       if (!cell) { tip.style.display = "none"; return; }
-      const s = state.matrix.steps[cell.col];
-      const v = s[state.metric][cell.rank];
-      let what = state.metric + " " + fmt(v, 3);
-      if (s.missing.includes(cell.rank)) what = "missing";
-      if (s.nonfinite.includes(cell.rank)) what += ", non-finite";
-      if (s.divergent.includes(cell.rank)) what += ", divergent replica";
-      tip.textContent = "rank " + cell.rank + " · step " + s.step + " · " + what;
+      const steps = state.matrix.steps.slice(cell.col, cell.lastCol + 1);
+      const worst = METRICS[state.metric].worst;
+      let v = null, missing = false, nonfinite = false, divergent = false;
+      for (const s of steps) {
+        for (let r = cell.rank; r <= cell.lastRank; r++) {
+          const x = s[state.metric][r];
+          if (x !== null && x !== undefined) v = v === null ? x : worst(v, x);
+          missing = missing || s.missing.includes(r);
+          nonfinite = nonfinite || s.nonfinite.includes(r);
+          divergent = divergent || s.divergent.includes(r);
+        }
+      }
+      let what = state.metric + " " + fmt(v, 3) + (steps.length > 1 || cell.lastRank > cell.rank
+                                                     ? " (worst)" : "");
+      if (missing) what += ", missing";
+      if (nonfinite) what += ", non-finite";
+      if (divergent) what += ", divergent replica";
+      const span = (a, b) => (a === b ? String(a) : a + "–" + b);
+      tip.textContent = (cell.lastRank > cell.rank ? "ranks " : "rank ") +
+        span(cell.rank, cell.lastRank) + " · step" + (steps.length > 1 ? "s " : " ") +
+        span(steps[0].step, steps[steps.length - 1].step) + " · " + what;
       tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
       tip.style.display = "block";
     });
@@ -468,18 +545,45 @@
       const cell = heatCell(ev);
       if (cell) selectRank(cell.rank);
     });
+    // The first read takes the API's default windows; every later one only the steps after the
+    // newest the page holds (?since=), merged in, the oldest dropped beyond the window.
+    const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
+    const merge = (held, fresh, window) => {
+      if (!fresh.length) return held;
+      const out = held.filter((s) => s.step < fresh[0].step).concat(fresh);
+      const newest = out[out.length - 1].step;
+      return out.filter((s) => s.step + window > newest);
+    };
+    state.fetches = [];  // per read: the queries and how many steps each answer held
     every(async () => {
       const f0 = performance.now();
+      const stepsSince = lastOf(state.steps), ranksSince = state.matrix ? lastOf(state.matrix.steps) : null;
+      const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
+      const ranksQ = ranksSince === null ? "" : "?since=" + ranksSince;
       const [steps, matrix] = await Promise.all([
-        api("/jobs/" + enc(key) + "/steps"), api("/jobs/" + enc(key) + "/ranks")]);
+        api("/jobs/" + enc(key) + "/steps" + stepsQ), api("/jobs/" + enc(key) + "/ranks" + ranksQ)]);
       state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
-      state.steps = steps.steps;
-      state.matrix = matrix;
-      state.lastStep = steps.steps.length ? steps.steps[steps.steps.length - 1].step : null;
+      state.fetches.push({ steps: stepsQ, ranks: ranksQ, step_rows: steps.steps.length,
+                           rank_steps: matrix.steps.map((s) => s.step) });
+      if (state.fetches.length > 200) state.fetches.shift();
+      state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
+      if (!ranksQ) {
+        state.matrix = matrix;
+      } else {
+        state.matrix.steps = merge(state.matrix.steps, matrix.steps, RANKS_WINDOW);
+        state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
+        state.matrix.truncated = matrix.truncated;
+        state.matrix.last = matrix.last;
+      }
+      state.lastStep = lastOf(state.steps);
+      const changed = !stepsQ || !ranksQ || steps.steps.length || matrix.steps.length;
+      if (!changed) return;
       drawCharts();
       const t0 = performance.now();
       drawHeatmap();
       state.heatmapMs = performance.now() - t0;  // the heatmap and its flagged list, drawn
+      state.updateMs = performance.now() - f0;  // this read: fetched, parsed, merged and drawn
+      state.draws = (state.draws || 0) + 1;
       // From navigation start to the first heatmap on screen (performance.now() counts from it).
       if (state.firstHeatmapAt === undefined && matrix.steps.length) {
         state.firstHeatmapAt = performance.now();
@@ -504,23 +608,35 @@
       { marks });
   }
 
-  // Layout of the heatmap: rows are ranks (at least 1 px), columns steps.
+  // Layout of the heatmap in whole canvas pixels (1 CSS px = 1 canvas px): every cell is an
+  // integer rectangle, so no background shows between columns or rows. Up to 1,024 ranks each get
+  // their own row (1..14 px); above, ranksPerRow ranks share a 1 px row. Up to 960 steps each get
+  // their own column (1..32 px); above, stepsPerCol steps share a 1 px column. A shared cell
+  // shows its worst (MARK above).
   function heatLayout(W, S) {
-    const rowH = Math.max(1, Math.min(14, Math.floor(720 / Math.max(W, 1))));
-    const gutter = 56, marks = 12;
-    const plotW = Math.max(320, Math.min(1000, S * 8));
-    return { rowH, gutter, marks, plotW, colW: plotW / Math.max(S, 1), top: 8,
-             cssW: gutter + marks + plotW + 4, cssH: W * rowH + 8 + 24 };
+    const ranksPerRow = W <= 1024 ? 1 : Math.ceil(W / 1024);
+    const nRows = Math.max(1, Math.ceil(W / ranksPerRow));
+    const rowH = Math.max(1, Math.min(14, Math.floor(720 / nRows)));
+    const stepsPerCol = S <= 960 ? 1 : Math.ceil(S / 960);
+    const nCols = Math.max(1, Math.ceil(S / stepsPerCol));
+    const colW = Math.max(1, Math.min(32, Math.floor(960 / nCols)));
+    const gutter = 56, marks = 12, top = 8;
+    const plotW = nCols * colW, plotH = nRows * rowH;
+    const x0 = gutter + marks;
+    return { ranksPerRow, nRows, rowH, stepsPerCol, nCols, colW, gutter, marks, top, x0,
+             plotW, plotH, cssW: x0 + plotW + marks + 4, cssH: top + plotH + 24 };
   }
 
   function heatCell(ev) {
     if (!state.matrix || !state.layout) return null;
     const r = $("heatmap").getBoundingClientRect(), lay = state.layout;
-    const x = ev.clientX - r.left - lay.gutter - lay.marks, y = ev.clientY - r.top - lay.top;
-    const rank = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
-    if (x < 0 || rank < 0 || rank >= state.matrix.world_size || col < 0 ||
-        col >= state.matrix.steps.length) return null;
-    return { rank, col };
+    const x = Math.floor(ev.clientX - r.left) - lay.x0, y = Math.floor(ev.clientY - r.top) - lay.top;
+    if (x < 0 || y < 0 || x >= lay.plotW || y >= lay.plotH) return null;
+    const row = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
+    const rank = row * lay.ranksPerRow, c = col * lay.stepsPerCol;
+    if (rank >= state.matrix.world_size || c >= state.matrix.steps.length) return null;
+    return { rank, lastRank: Math.min(state.matrix.world_size, rank + lay.ranksPerRow) - 1,
+             col: c, lastCol: Math.min(state.matrix.steps.length, c + lay.stepsPerCol) - 1 };
   }
 
   // Ranks flagged anywhere in the heatmap's window: kind -> Map(rank -> steps flagged). Outliers
@@ -543,56 +659,74 @@
     return kinds;
   }
 
+  // The cells' colours (r, g, b per cell, row-major nRows x nCols): each cell's worst.
+  function heatCells(m, lay, metricName, scale) {
+    const W = m.world_size, S = m.steps.length, nR = lay.nRows, nC = lay.nCols;
+    const worst = METRICS[metricName].worst;
+    const val = new Float64Array(nR * nC).fill(NaN);
+    const mark = new Uint8Array(nR * nC);
+    const present = new Uint8Array(nR * nC);  // some rank of the cell has a row
+    for (let c = 0; c < S; c++) {
+      const s = m.steps[c], vals = s[metricName], col = Math.floor(c / lay.stepsPerCol);
+      for (let r = 0; r < W; r++) {
+        const i = Math.floor(r / lay.ranksPerRow) * nC + col;
+        const v = vals[r];
+        present[i] = 1;
+        if (v === null || v === undefined) continue;
+        val[i] = isNaN(val[i]) ? v : worst(val[i], v);
+      }
+      for (const [kind, list] of [["missing", s.missing], ["divergent", s.divergent],
+                                  ["nonfinite", s.nonfinite]]) {
+        const code = MARK_CODE[kind];
+        for (const r of list) {
+          if (r >= W) continue;
+          const i = Math.floor(r / lay.ranksPerRow) * nC + col;
+          if (mark[i] < code) mark[i] = code;
+        }
+      }
+    }
+    const rgb = new Uint8ClampedArray(nR * nC * 3);
+    for (let i = 0; i < nR * nC; i++) {
+      let c;
+      if (mark[i]) c = MARK_OF_CODE[mark[i]];
+      else if (!isNaN(val[i])) {
+        const k = Math.round(Math.max(0, Math.min(1, scale.t(val[i]))) * 1023) * 3;
+        rgb[i * 3] = HEALTH_LUT[k]; rgb[i * 3 + 1] = HEALTH_LUT[k + 1];
+        rgb[i * 3 + 2] = HEALTH_LUT[k + 2];
+        continue;
+      } else c = present[i] ? MARK.novalue : MARK.missing;
+      rgb[i * 3] = c[0]; rgb[i * 3 + 1] = c[1]; rgb[i * 3 + 2] = c[2];
+    }
+    return rgb;
+  }
+
   function drawHeatmap() {
     const m = state.matrix, W = m.world_size, S = m.steps.length;
     const lay = (state.layout = heatLayout(W, S));
+    const scale = (state.scale = scaleFor(state.metric, m.steps));
+    drawLegend($("legend"), { label: METRICS[state.metric].label, stops: HEALTH,
+                              lo: scale.lo, hi: scale.hi });
+    $("scale-info").textContent = scale.text;
     const canvas = $("heatmap");
-    // Drawn at 1 CSS px = 1 canvas px into an ImageData: one write per pixel, no path per cell.
-    canvas.width = Math.round(lay.cssW); canvas.height = Math.round(lay.cssH);
+    // Drawn at 1 CSS px = 1 canvas px into an ImageData: one write per pixel, no path per cell,
+    // no smoothing.
+    canvas.width = lay.cssW; canvas.height = lay.cssH;
     canvas.style.width = lay.cssW + "px"; canvas.style.height = lay.cssH + "px";
     const ctx = canvas.getContext("2d");
-    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-    const x0 = lay.gutter + lay.marks, pw = Math.round(lay.plotW), ph = W * lay.rowH;
+    ctx.imageSmoothingEnabled = false;
+    ctx.fillStyle = `rgb(${BACKGROUND.join(",")})`; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const pw = lay.plotW, ph = lay.plotH, top = lay.top, x0 = lay.x0;
+    if (!S) return;
+    const rgb = heatCells(m, lay, state.metric, scale);
     const img = ctx.createImageData(pw, ph), px = img.data;
-    const metric = METRICS[state.metric];
-    if (!metric.lut) metric.lut = lut(metric.stops);
-    const table = metric.lut;
-    const colOf = new Int32Array(pw);
-    for (let x = 0; x < pw; x++) colOf[x] = Math.min(S - 1, Math.floor(x / lay.colW));
-    // Per step: the colour of every rank (r, g, b), then spread over its columns.
-    const rgb = new Uint8ClampedArray(S * W * 3);
-    for (let c = 0; c < S; c++) {
-      const s = m.steps[c], vals = s[state.metric];
-      for (let r = 0; r < W; r++) {
-        const v = vals[r], o = (c * W + r) * 3;
-        if (v === null) {
-          rgb[o] = MARK.missing[0]; rgb[o + 1] = MARK.missing[1]; rgb[o + 2] = MARK.missing[2];
-          continue;
-        }
-        const i = Math.round(Math.max(0, Math.min(1, metric.t(v))) * 1023) * 3;
-        rgb[o] = table[i]; rgb[o + 1] = table[i + 1]; rgb[o + 2] = table[i + 2];
-      }
-      for (const [kind, list] of [["nonfinite", s.nonfinite], ["divergent", s.divergent],
-                                  ["missing", s.missing]]) {
-        for (const r of list) {
-          const o = (c * W + r) * 3;
-          rgb[o] = MARK[kind][0]; rgb[o + 1] = MARK[kind][1]; rgb[o + 2] = MARK[kind][2];
-        }
-      }
-    }
     for (let y = 0; y < ph; y++) {
-      const r = Math.floor(y / lay.rowH);
-      const gap = lay.rowH >= 6 && y % lay.rowH === lay.rowH - 1;
+      const row = Math.floor(y / lay.rowH);
       let p = y * pw * 4;
       for (let x = 0; x < pw; x++, p += 4) {
-        const c = colOf[x];
-        const gapX = lay.colW >= 6 && Math.floor((x + 1) / lay.colW) !== Math.floor(x / lay.colW);
-        if (gap || gapX) { px[p] = px[p + 1] = px[p + 2] = 255; px[p + 3] = 255; continue; }
-        const o = (c * W + r) * 3;
+        const o = (row * lay.nCols + Math.floor(x / lay.colW)) * 3;
         px[p] = rgb[o]; px[p + 1] = rgb[o + 1]; px[p + 2] = rgb[o + 2]; px[p + 3] = 255;
       }
     }
-    const top = lay.top;
     ctx.putImageData(img, x0, top);
     const kinds = flaggedRanks();
     const order = ["outlier", "divergent", "nonfinite", "missing"];
@@ -603,16 +737,18 @@
         flagged.get(r).push([kind, n]);
       }
     }
-    const yOf = (r) => top + r * lay.rowH + lay.rowH / 2;
+    const yOf = (r) => top + Math.floor(r / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
     // Rank axis: a label every `step` ranks, and every flagged rank labelled in its mark's colour
     // (regular labels that would overlap one are left out).
     ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    const every = Math.max(1, Math.ceil(14 / lay.rowH));
-    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096].find((k) => k >= every) || every;
+    const pxPerRank = lay.rowH / lay.ranksPerRow;
+    const every = Math.max(1, Math.ceil(14 / pxPerRank));
+    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+      .find((k) => k >= every) || every;
     const flaggedY = [...flagged.keys()].map(yOf);
     ctx.fillStyle = "#1d232b";
     for (let r = 0; r < W; r += step) {
-      if (lay.rowH < 12 && flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
+      if (flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
       ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
     }
     ctx.font = "bold 11px system-ui, sans-serif";
@@ -621,21 +757,25 @@
       ctx.fillText(String(r), lay.gutter - 4, yOf(r));
     }
     ctx.font = "11px system-ui, sans-serif";
-    // Step axis.
+    // Step axis: labels at the centres of their columns.
     ctx.fillStyle = "#1d232b"; ctx.textAlign = "center"; ctx.textBaseline = "top";
-    for (let i = 0; i <= 5 && S; i++) {
+    for (let i = 0; i <= 5; i++) {
       const c = Math.min(S - 1, Math.round(((S - 1) * i) / 5));
-      ctx.fillText(String(m.steps[c].step), x0 + (c + 0.5) * lay.colW, top + ph + 6);
+      const col = Math.floor(c / lay.stepsPerCol);
+      ctx.fillText(String(m.steps[c].step), x0 + col * lay.colW + lay.colW / 2, top + ph + 6);
     }
-    // Marks gutter: each flagged rank gets a tick at least 4 px tall, so one rank of 1,024 shows.
+    // Flagged rows emphasised: a tick at least 4 px tall in the gutters on both sides of the
+    // heatmap (so one rank of 4,096 shows), in its mark's colour, and a frame around the row.
     for (const [r, list] of flagged) {
       ctx.fillStyle = MARK_CSS[list[0][0]];
-      const h = Math.max(4, lay.rowH);
-      ctx.fillRect(lay.gutter + 1, yOf(r) - h / 2, lay.marks - 2, h);
+      const h = Math.max(4, lay.rowH), y = Math.round(yOf(r) - h / 2);
+      ctx.fillRect(lay.gutter + 1, y, lay.marks - 3, h);
+      ctx.fillRect(x0 + pw + 2, y, lay.marks - 3, h);
     }
     if (state.selectedRank !== null && state.selectedRank < W) {
       ctx.strokeStyle = "#0b5cad"; ctx.lineWidth = 1;
-      ctx.strokeRect(x0 - 0.5, top + state.selectedRank * lay.rowH - 0.5, pw + 1, lay.rowH + 1);
+      const y = top + Math.floor(state.selectedRank / lay.ranksPerRow) * lay.rowH;
+      ctx.strokeRect(x0 - 1.5, y - 1.5, pw + 3, lay.rowH + 3);
     }
     state.flagged = {};
     for (const kind of order) state.flagged[kind] = [...kinds[kind].keys()].sort((a, b) => a - b);
@@ -647,7 +787,12 @@
       ...flagged.get(r).map(([kind, n]) => el("span", { class: "alert " + kind,
         text: (kind === "nonfinite" ? "non-finite" : kind) + " ×" + n })))) :
       [el("li", { class: "ok", text: "no rank flagged in this window" })]));
-    $("heat-info").textContent = W + " ranks × " + S + " steps" + (m.truncated ? " (truncated)" : "");
+    const agg = [];
+    if (lay.ranksPerRow > 1) agg.push(lay.ranksPerRow + " ranks per pixel row");
+    if (lay.stepsPerCol > 1) agg.push(lay.stepsPerCol + " steps per pixel column");
+    $("heat-info").textContent = W + " ranks × " + S + " steps" +
+      (agg.length ? " (" + agg.join(", ") + ", each cell its worst)" : "") +
+      (m.truncated ? " (truncated)" : "");
   }
 
   async function selectRank(rank) {
