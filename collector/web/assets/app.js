@@ -114,24 +114,26 @@
   const COSINE = [[0, 178, 24, 43], [0.5, 247, 247, 200], [0.75, 146, 197, 222], [1, 5, 48, 97]];
   // The rank heatmap's scale (as the report's): 1 is what healthy looks like (green), 0 a full
   // deviation (red). Each metric maps its value to 0..1 against a healthy anchor (scaleFor()).
-  const HEALTH = [[0, 165, 0, 38], [0.3, 244, 109, 67], [0.6, 254, 224, 139],
-                  [0.85, 145, 207, 96], [1, 26, 152, 80]];
+  // The top tenth is one green, so the healthy ranks' own spread below their median reads as
+  // one colour and only a deviation changes it.
+  const HEALTH = [[0, 165, 0, 38], [0.3, 244, 109, 67], [0.55, 254, 224, 139],
+                  [0.78, 145, 207, 96], [0.9, 26, 152, 80], [1, 26, 152, 80]];
   const METRICS = {
     // Anchored to the window's healthy cosine (the median of every rank's cells, most ranks being
     // healthy): the median and above is green, min(0, median - 0.5) and below red. A rank whose
     // direction disagrees (cosine ~0 where healthy ranks sit at ~0.95) is red at any rank count.
     cosine: { label: "consensus cosine", worst: Math.min },
-    // Already a robust z against the other ranks (rank_diagnostics.h): 0 green, the threshold
-    // yellow-orange, twice it red.
+    // Already a robust z against the other ranks (rank_diagnostics.h): 0 to half the threshold
+    // green, the threshold yellow, twice it red.
     outlier: { label: "outlier score", worst: Math.max },
   };
   // Cells that have no value to colour, each apart from the ramp and from the page's white:
-  // a missing rank (no row: silent or timed out) mid grey, non-finite (the stored verdict) black,
+  // a missing rank (no row: silent or timed out) dark grey, non-finite (the stored verdict) black,
   // a divergent replica purple, a row without this metric (a late report) light grey. A cell
   // covering several ranks or steps shows its worst: non-finite, divergent, missing, then the
   // worst value (cosine lowest, outlier score highest). Ticks in the marks gutters (and the
   // flagged list) use MARK_CSS.
-  const MARK = { missing: [128, 128, 128], nonfinite: [0, 0, 0], divergent: [142, 36, 170],
+  const MARK = { missing: [96, 96, 96], nonfinite: [0, 0, 0], divergent: [142, 36, 170],
                  novalue: [222, 222, 222] };
   const MARK_CODE = { missing: 1, divergent: 2, nonfinite: 3 };  // priority: higher wins
   const MARK_OF_CODE = [null, MARK.missing, MARK.divergent, MARK.nonfinite];
@@ -171,10 +173,13 @@
   // The metric's mapping to the 0..1 health scale, and its legend: {t(v), lo, hi, healthy}.
   function scaleFor(metric, steps) {
     if (metric === "outlier") {
-      const hi = 2 * OUTLIER_THRESHOLD;
-      return { t: (v) => 1 - v / hi, lo: hi + "+", hi: "0", healthy: 0,
-               text: "outlier score: 0 green, " + OUTLIER_THRESHOLD + " (threshold) orange, " +
-                     hi + "+ red" };
+      // Healthy ranks' scores spread over 0 .. half the threshold (a robust z of a few
+      // signals): that band is green, the threshold yellow, twice it red.
+      const hi = 2 * OUTLIER_THRESHOLD, ok = OUTLIER_THRESHOLD / 2;
+      return { t: (v) => (v <= ok ? 1 - (0.1 * v) / ok : 0.9 - (0.9 * (v - ok)) / (hi - ok)),
+               lo: hi + "+", hi: "0", healthy: 0,
+               text: "outlier score: 0 to " + ok + " green, " + OUTLIER_THRESHOLD +
+                     " (threshold) yellow, " + hi + "+ red" };
     }
     const med = medianCosine(steps);
     const healthy = med === null ? 1 : med;
