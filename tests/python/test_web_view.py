@@ -129,7 +129,13 @@ def check_heatmap_pixels(browser, deviating, onset, silent, silent_from):
 
     per_row = lay["ranksPerRow"]
     row_of = lambda rank: rank // per_row  # noqa: E731
-    flagged_rows = {row_of(deviating), row_of(silent)}
+    # The flagged rows, and the pixel rows their emphasis band covers (rows under 3 px are
+    # drawn 3 px tall), are not healthy rows.
+    flagged_rows = {
+        row_of(rank) + k
+        for rank in (deviating, silent)
+        for k in range(-lay["emphasis"], lay["emphasis"] + 1)
+    }
     after = [c for c, steps in enumerate(px["col_steps"]) if steps and min(steps) >= onset]
     assert len(after) >= 10, px["col_steps"]
     # The healthy rows' cells that hold a value: on a loaded machine some ranks' reports reach

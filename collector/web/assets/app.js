@@ -628,8 +628,10 @@
     const gutter = 56, marks = 12, top = 8;
     const plotW = nCols * colW, plotH = nRows * rowH;
     const x0 = gutter + marks;
+    // emphasis: pixel rows a flagged row's band covers on each side (drawHeatmap).
     return { ranksPerRow, nRows, rowH, stepsPerCol, nCols, colW, gutter, marks, top, x0,
-             plotW, plotH, cssW: x0 + plotW + marks + 4, cssH: top + plotH + 24 };
+             plotW, plotH, emphasis: rowH < 3 ? 1 : 0, cssW: x0 + plotW + marks + 4,
+             cssH: top + plotH + 24 };
   }
 
   function heatCell(ev) {
@@ -740,6 +742,26 @@
       for (const [r, n] of kinds[kind]) {
         if (!flagged.has(r)) flagged.set(r, []);
         flagged.get(r).push([kind, n]);
+      }
+    }
+    // Flagged rows thinner than 3 px are drawn again 3 px tall (over one pixel row on each
+    // side), so a single deviating or silent rank of 512 or 4,096 reads at a glance; the
+    // tooltip still gives each rank's own value.
+    if (lay.rowH < 3 && flagged.size <= 64) {
+      const band = ctx.createImageData(pw, 3), bp = band.data;
+      for (const r of flagged.keys()) {
+        if (r >= W) continue;
+        const row = Math.floor(r / lay.ranksPerRow), y = top + row * lay.rowH - lay.emphasis;
+        for (let x = 0; x < pw; x++) {
+          const o = (row * lay.nCols + Math.floor(x / lay.colW)) * 3;
+          for (let k = 0; k < 3; k++) {
+            const p = (k * pw + x) * 4;
+            bp[p] = rgb[o]; bp[p + 1] = rgb[o + 1]; bp[p + 2] = rgb[o + 2]; bp[p + 3] = 255;
+          }
+        }
+        // Clipped to the plot: the first and last rows keep their band inside it.
+        const y0 = Math.max(top, Math.min(top + ph - 3, y));
+        if (ph >= 3) ctx.putImageData(band, x0, y0);
       }
     }
     const yOf = (r) => top + Math.floor(r / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
