@@ -341,9 +341,10 @@ def test_page_updates_while_a_job_runs(web_collector, browser):
         browser.eval("window.__not_reloaded = true")
         target = first + 20
         last = browser.wait_for(
-            f"window.rankscope.lastStep >= {target} && window.rankscope.lastStep",
+            f"window.rankscope.lastStep >= {target} && window.rankscope.fetches.length >= 4 && "
+            "window.rankscope.lastStep",
             90,
-            f"the page to show step {target} without a reload",
+            f"the page to show step {target} without a reload, after 4 reads",
         )
         assert browser.eval("window.__not_reloaded === true")
         assert last >= target
