@@ -139,7 +139,7 @@
   const MARK_OF_CODE = [null, MARK.missing, MARK.divergent, MARK.nonfinite];
   const BACKGROUND = [255, 255, 255];
   const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
-                     outlier: "#e08a00" };
+                     outlier: "#e08a00", drifting: "#1565c0", slow: "#6d4c41" };
   // A colour per 1/1023 of the 0..1 health scale, so a 4,096 x 120 heatmap needs no per-cell
   // ramp().
   function lut(stops) {
@@ -281,6 +281,10 @@
     if (latest.divergent_ranks.length) out.push(["divergent", "divergent replicas: " + rankList(latest.divergent_ranks), latest.divergent_ranks]);
     if (latest.outlier_ranks.length) out.push(["outlier", "outlier ranks: " + rankList(latest.outlier_ranks), latest.outlier_ranks]);
     if (latest.missing_ranks) out.push(["missing", "missing ranks: " + latest.missing_ranks, []]);
+    // The sequential verdicts, as `rankscope show` (DRIFTING, SLOW) and the alerts
+    // (RankscopeRankDrifting, RankscopeRankStraggler) name them.
+    if (latest.drifting_ranks.length) out.push(["drifting", "drifting ranks: " + rankList(latest.drifting_ranks), latest.drifting_ranks]);
+    if (latest.slow_ranks.length) out.push(["slow", "slow ranks: " + rankList(latest.slow_ranks), latest.slow_ranks]);
     return out;
   }
 
@@ -295,7 +299,8 @@
                 "direction consistency", "alerts"].map((h) => el("th", { text: h })))),
          el("tbody", { id: "jobs-body" })),
       el("p", { class: "muted", text: "Alerts are the latest stored step's: divergent replicas " +
-        "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out)." }));
+        "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out), " +
+        "drifting and slow ranks (sequential tests), as `rankscope show` names them." }));
     every(async () => {
       const data = await api("/jobs");
       state.jobs = data.jobs;
@@ -491,10 +496,18 @@
               el("i", { class: "cell-" + k }),
               { missing: "missing", nonfinite: "non-finite", divergent: "divergent replica",
                 novalue: "no value" }[k])),
-            ...["outlier", "missing", "nonfinite", "divergent"].map((k) => el("span", null,
+            ...["outlier", "missing", "nonfinite", "divergent", "drifting", "slow"].map((k) => el("span", null,
               el("i", { class: "swatch-" + k }), k === "nonfinite" ? "non-finite" : k)),
             el("span", null, "(flagged-rank ticks)")),
          el("span", { id: "heat-info", class: "muted" })),
+      el("div", { class: "heat-controls" },
+         el("span", null, "steps: "),
+         el("button", { id: "heat-older", text: "◀ older" }),
+         el("button", { id: "heat-newer", text: "newer ▶" }),
+         el("button", { id: "heat-zoom-out", text: "more steps" }),
+         el("button", { id: "heat-zoom-in", text: "fewer steps" }),
+         el("button", { id: "heat-live", text: "live" }),
+         el("span", { id: "heat-window", class: "muted" })),
       el("div", { id: "scale-info", class: "muted" }),
       el("div", { class: "heat-wrap" },
          el("div", { class: "heat-scroll" }, el("canvas", { id: "heatmap" })),
@@ -550,6 +563,45 @@
       const cell = heatCell(ev);
       if (cell) selectRank(cell.rank);
     });
+    // History: the heatmap's window of steps pans (half a window at a time) and zooms (30 to
+    // 960 steps, several steps a pixel column beyond the plot's width); away from the newest
+    // steps it stops following them until "live".
+    state.view = { live: true, span: RANKS_WINDOW };
+    const showWindow = async (first, last) => {
+      first = Math.max(0, first);
+      const m = await api("/jobs/" + enc(key) + "/ranks?first=" + first + "&last=" + last);
+      m.requested = [first, last];
+      state.matrix = m;
+      drawHeatmap();
+    };
+    const newest = () => Math.max(state.lastStep || 0,
+                                  state.matrix ? lastOf(state.matrix.steps) || 0 : 0);
+    const heldFirst = () => (state.matrix && state.matrix.steps.length ? state.matrix.steps[0].step
+                                                                        : newest());
+    const heldLast = () => (state.matrix && state.matrix.steps.length
+                            ? lastOf(state.matrix.steps) : newest());
+    const live = () => { state.view.live = true; return showWindow(newest() - state.view.span + 1, newest()); };
+    $("heat-older").addEventListener("click", () => {
+      state.view.live = false;
+      const first = Math.max(0, heldFirst() - Math.floor(state.view.span / 2));
+      return showWindow(first, first + state.view.span - 1);
+    });
+    $("heat-newer").addEventListener("click", () => {
+      const last = heldLast() + Math.floor(state.view.span / 2);
+      if (last >= newest()) return live();
+      return showWindow(last - state.view.span + 1, last);
+    });
+    const zoom = (span) => {
+      state.view.span = span;
+      if (state.view.live) return live();
+      // About the window's centre; a window that reaches the newest step goes live.
+      const first = Math.max(0, Math.floor((heldFirst() + heldLast() - span) / 2));
+      if (first + span - 1 >= newest()) return live();
+      return showWindow(first, first + span - 1);
+    };
+    $("heat-zoom-out").addEventListener("click", () => zoom(Math.min(960, state.view.span * 2)));
+    $("heat-zoom-in").addEventListener("click", () => zoom(Math.max(30, Math.floor(state.view.span / 2))));
+    $("heat-live").addEventListener("click", live);
     // The first read takes the API's default windows; every later one only the steps after the
     // newest the page holds (?since=), merged in, the oldest dropped beyond the window.
     const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
@@ -566,16 +618,21 @@
       const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
       const ranksQ = ranksSince === null ? "" : "?since=" + ranksSince;
       const [steps, matrix] = await Promise.all([
-        api("/jobs/" + enc(key) + "/steps" + stepsQ), api("/jobs/" + enc(key) + "/ranks" + ranksQ)]);
+        api("/jobs/" + enc(key) + "/steps" + stepsQ),
+        // Away from the newest steps (history) the heatmap's window stays as it is.
+        state.view.live ? api("/jobs/" + enc(key) + "/ranks" + ranksQ)
+                        : Promise.resolve({ steps: [], world_size: 0 })]);
       state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
       state.fetches.push({ steps: stepsQ, ranks: ranksQ, step_rows: steps.steps.length,
                            rank_steps: matrix.steps.map((s) => s.step) });
       if (state.fetches.length > 200) state.fetches.shift();
       state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
-      if (!ranksQ) {
+      if (!state.view.live) {
+        // history: nothing to merge
+      } else if (!ranksQ) {
         state.matrix = matrix;
       } else {
-        state.matrix.steps = merge(state.matrix.steps, matrix.steps, RANKS_WINDOW);
+        state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
         state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
         state.matrix.truncated = matrix.truncated;
         state.matrix.last = matrix.last;
@@ -651,7 +708,7 @@
   // not single steps whose score crossed it.
   function flaggedRanks() {
     const kinds = { missing: new Map(), nonfinite: new Map(), divergent: new Map(),
-                    outlier: new Map() };
+                    outlier: new Map(), drifting: new Map(), slow: new Map() };
     const bump = (m, r) => m.set(r, (m.get(r) || 0) + 1);
     const inWindow = new Set(state.matrix.steps.map((s) => s.step));
     for (const s of state.matrix.steps) {
@@ -662,6 +719,8 @@
     for (const s of state.steps || []) {
       if (!inWindow.has(s.step)) continue;
       for (const r of s.outlier_ranks) bump(kinds.outlier, r);
+      for (const r of s.drifting_ranks) bump(kinds.drifting, r);
+      for (const r of s.slow_ranks) bump(kinds.slow, r);
     }
     return kinds;
   }
@@ -736,7 +795,7 @@
     }
     ctx.putImageData(img, x0, top);
     const kinds = flaggedRanks();
-    const order = ["outlier", "divergent", "nonfinite", "missing"];
+    const order = ["outlier", "divergent", "nonfinite", "missing", "drifting", "slow"];
     const flagged = new Map();
     for (const kind of order) {
       for (const [r, n] of kinds[kind]) {
@@ -772,15 +831,17 @@
     const every = Math.max(1, Math.ceil(14 / pxPerRank));
     const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
       .find((k) => k >= every) || every;
-    const flaggedY = [...flagged.keys()].map(yOf);
+    // More than 64 flagged ranks (a job mostly timing out) are ticked and listed, not labelled.
+    const labelled = flagged.size <= 64 ? [...flagged.keys()] : [];
+    const flaggedY = labelled.map(yOf);
     ctx.fillStyle = "#1d232b";
     for (let r = 0; r < W; r += step) {
       if (flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
       ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
     }
     ctx.font = "bold 11px system-ui, sans-serif";
-    for (const [r, list] of flagged) {
-      ctx.fillStyle = MARK_CSS[list[0][0]];
+    for (const r of labelled) {
+      ctx.fillStyle = MARK_CSS[flagged.get(r)[0][0]];
       ctx.fillText(String(r), lay.gutter - 4, yOf(r));
     }
     ctx.font = "11px system-ui, sans-serif";
@@ -817,6 +878,16 @@
     const agg = [];
     if (lay.ranksPerRow > 1) agg.push(lay.ranksPerRow + " ranks per pixel row");
     if (lay.stepsPerCol > 1) agg.push(lay.stepsPerCol + " steps per pixel column");
+    const req = m.requested, held = S ? [m.steps[0].step, m.steps[S - 1].step] : null;
+    let where = state.view && !state.view.live ? "history (not following new steps)" : "live";
+    if (held) where = "steps " + held[0] + "–" + held[1] + " · " + where;
+    // Steps of the window without rank rows: pruned by retention (their downsampled
+    // rank_windows are in `rankscope export --table=windows`), or not yet stepped.
+    if (req && (!held || held[0] > req[0] + 1) && req[0] < (state.lastStep || 0)) {
+      where += " · no per-rank rows before step " + (held ? held[0] : req[1] + 1) +
+        " in this window (pruned by retention, or before the job's first step)";
+    }
+    $("heat-window").textContent = where;
     $("heat-info").textContent = W + " ranks × " + S + " steps" +
       (agg.length ? " (" + agg.join(", ") + ", each cell its worst)" : "") +
       (m.truncated ? " (truncated)" : "");
