@@ -127,8 +127,8 @@ def check_heatmap_pixels(browser, deviating, onset, silent, silent_from, silent_
     # No column (nor any pixel) of background between steps or ranks.
     assert px["background"] == 0, f"{px['background']} background pixels inside the heatmap"
 
-    per_row = lay["ranksPerRow"]
-    row_of = lambda rank: rank // per_row  # noqa: E731
+    per_row, base = lay["ranksPerRow"], lay["rankBase"]
+    row_of = lambda rank: (rank - base) // per_row  # noqa: E731
     # The flagged rows, and the pixel rows their emphasis band covers (rows under 3 px are
     # drawn 3 px tall), are not healthy rows.
     flagged_rows = {
@@ -511,6 +511,29 @@ def test_512_rank_job_shows_the_deviating_and_the_silent_rank(web_collector, bro
         30,
         "live again",
     )
+
+    # Brushing ranks 70..310 (a drag over the heatmap) draws that band alone, at one pixel row or
+    # more per rank, and the same picture holds in it.
+    browser.eval(
+        """(() => {
+      const st = window.rankscope, lay = st.layout, heat = document.getElementById('heatmap');
+      const rect = heat.getBoundingClientRect(), x = rect.left + lay.x0 + 5;
+      const y = (rank) => rect.top + lay.top +
+        Math.floor((rank - lay.rankBase) / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
+      for (const [type, rank] of [['mousedown', 70], ['mouseup', 310], ['click', 310]]) {
+        heat.dispatchEvent(new MouseEvent(type, {clientX: x, clientY: y(rank), bubbles: true}));
+      }
+    })()"""
+    )
+    band = json.loads(browser.eval("JSON.stringify(window.rankscope.band)"))
+    assert band == [70, 310]
+    assert browser.eval("window.rankscope.selectedRank") is None  # the drag opened no rank
+    px = check_heatmap_pixels(browser, deviating=301, onset=80, silent=77, silent_from=120)
+    assert px["layout"]["nRows"] == 241 and px["layout"]["ranksPerRow"] == 1
+    assert px["layout"]["rowH"] >= 2  # 241 ranks get more than the 1 px of 512
+    browser.screenshot(ARTIFACTS / "job_512_band.png")
+    browser.eval("document.getElementById('heat-all-ranks').click()")
+    assert browser.eval("window.rankscope.layout.nRows") == 512
     measurement = {**state, "redraw_ms": redraw, "ranks": 512, "steps": 120}
     measurement.pop("flagged")
     (ARTIFACTS / "render_512.json").write_text(json.dumps(measurement, indent=2) + "\n")

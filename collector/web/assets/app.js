@@ -507,6 +507,8 @@
          el("button", { id: "heat-zoom-out", text: "more steps" }),
          el("button", { id: "heat-zoom-in", text: "fewer steps" }),
          el("button", { id: "heat-live", text: "live" }),
+         el("span", null, " ranks: drag over the heatmap to zoom into a band, "),
+         el("button", { id: "heat-all-ranks", text: "all ranks" }),
          el("span", { id: "heat-window", class: "muted" })),
       el("div", { id: "scale-info", class: "muted" }),
       el("div", { class: "heat-wrap" },
@@ -559,14 +561,33 @@
       tip.style.display = "block";
     });
     heat.addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+    // Brushing: a vertical drag of 4 px or more selects the band of ranks it covers; a click
+    // (less) opens the rank.
+    let brushFrom = null, brushed = false;
+    heat.addEventListener("mousedown", (ev) => { brushFrom = { y: ev.clientY, cell: heatCell(ev) }; });
+    heat.addEventListener("mouseup", (ev) => {
+      const from = brushFrom;
+      brushFrom = null;
+      brushed = false;
+      if (!from || !from.cell || Math.abs(ev.clientY - from.y) < 4) return;
+      const to = heatCell(ev);
+      if (!to) return;
+      brushed = true;
+      const lo = Math.min(from.cell.rank, to.rank), hi = Math.max(from.cell.lastRank, to.lastRank);
+      state.band = [lo, hi];
+      drawHeatmap();
+    });
     heat.addEventListener("click", (ev) => {
+      if (brushed) { brushed = false; return; }
       const cell = heatCell(ev);
       if (cell) selectRank(cell.rank);
     });
+    $("heat-all-ranks").addEventListener("click", () => { state.band = null; drawHeatmap(); });
     // History: the heatmap's window of steps pans (half a window at a time) and zooms (30 to
     // 960 steps, several steps a pixel column beyond the plot's width); away from the newest
     // steps it stops following them until "live".
     state.view = { live: true, span: RANKS_WINDOW };
+    state.band = null;  // [first rank, last rank] brushed, or every rank
     const showWindow = async (first, last) => {
       first = Math.max(0, first);
       const m = await api("/jobs/" + enc(key) + "/ranks?first=" + first + "&last=" + last);
@@ -697,9 +718,11 @@
     const x = Math.floor(ev.clientX - r.left) - lay.x0, y = Math.floor(ev.clientY - r.top) - lay.top;
     if (x < 0 || y < 0 || x >= lay.plotW || y >= lay.plotH) return null;
     const row = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
-    const rank = row * lay.ranksPerRow, c = col * lay.stepsPerCol;
-    if (rank >= state.matrix.world_size || c >= state.matrix.steps.length) return null;
-    return { rank, lastRank: Math.min(state.matrix.world_size, rank + lay.ranksPerRow) - 1,
+    const rank = lay.rankBase + row * lay.ranksPerRow, c = col * lay.stepsPerCol;
+    const end = lay.rankBase + lay.nRows * lay.ranksPerRow;  // past the drawn ranks
+    if (rank >= Math.min(end, state.matrix.world_size) || c >= state.matrix.steps.length) return null;
+    return { rank, row,
+             lastRank: Math.min(state.matrix.world_size, end, rank + lay.ranksPerRow) - 1,
              col: c, lastCol: Math.min(state.matrix.steps.length, c + lay.stepsPerCol) - 1 };
   }
 
@@ -766,10 +789,26 @@
     return rgb;
   }
 
+  // The matrix of ranks lo..hi only (a brushed band), ranks renumbered from 0.
+  function bandMatrix(full, lo, hi) {
+    const inBand = (r) => r >= lo && r <= hi;
+    const local = (list) => list.filter(inBand).map((r) => r - lo);
+    return { ...full, world_size: hi - lo + 1, steps: full.steps.map((s) => ({
+      step: s.step, cosine: s.cosine.slice(lo, hi + 1), outlier: s.outlier.slice(lo, hi + 1),
+      missing: local(s.missing), nonfinite: local(s.nonfinite), divergent: local(s.divergent) })) };
+  }
+
   function drawHeatmap() {
-    const m = state.matrix, W = m.world_size, S = m.steps.length;
+    // A brushed band of ranks (state.band) is drawn alone, at one pixel row or more per rank;
+    // the colour scale stays anchored to every rank's healthy median.
+    const full = state.matrix;
+    const band = state.band && state.band[0] < full.world_size
+      ? [state.band[0], Math.min(state.band[1], full.world_size - 1)] : null;
+    const base = band ? band[0] : 0;
+    const m = band ? bandMatrix(full, band[0], band[1]) : full, W = m.world_size, S = m.steps.length;
     const lay = (state.layout = heatLayout(W, S));
-    const scale = (state.scale = scaleFor(state.metric, m.steps));
+    lay.rankBase = base;
+    const scale = (state.scale = scaleFor(state.metric, full.steps));
     drawLegend($("legend"), { label: METRICS[state.metric].label, stops: HEALTH,
                               lo: scale.lo, hi: scale.hi });
     $("scale-info").textContent = scale.text;
@@ -806,11 +845,12 @@
     // Flagged rows thinner than 3 px are drawn again 3 px tall (over one pixel row on each
     // side), so a single deviating or silent rank of 512 or 4,096 reads at a glance; the
     // tooltip still gives each rank's own value.
-    if (lay.rowH < 3 && flagged.size <= 64) {
-      const band = ctx.createImageData(pw, 3), bp = band.data;
-      for (const r of flagged.keys()) {
-        if (r >= W) continue;
-        const row = Math.floor(r / lay.ranksPerRow), y = top + row * lay.rowH - lay.emphasis;
+    // Flagged ranks shown (in the band), by their row index in the drawing.
+    const shown = [...flagged.keys()].filter((r) => r >= base && r < base + W);
+    if (lay.rowH < 3 && shown.length <= 64) {
+      const strip = ctx.createImageData(pw, 3), bp = strip.data;
+      for (const r of shown) {
+        const row = Math.floor((r - base) / lay.ranksPerRow), y = top + row * lay.rowH - lay.emphasis;
         for (let x = 0; x < pw; x++) {
           const o = (row * lay.nCols + Math.floor(x / lay.colW)) * 3;
           for (let k = 0; k < 3; k++) {
@@ -820,10 +860,11 @@
         }
         // Clipped to the plot: the first and last rows keep their band inside it.
         const y0 = Math.max(top, Math.min(top + ph - 3, y));
-        if (ph >= 3) ctx.putImageData(band, x0, y0);
+        if (ph >= 3) ctx.putImageData(strip, x0, y0);
       }
     }
-    const yOf = (r) => top + Math.floor(r / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
+    // The centre of rank r's row (r absolute).
+    const yOf = (r) => top + Math.floor((r - base) / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
     // Rank axis: a label every `step` ranks, and every flagged rank labelled in its mark's colour
     // (regular labels that would overlap one are left out).
     ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
@@ -832,10 +873,10 @@
     const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
       .find((k) => k >= every) || every;
     // More than 64 flagged ranks (a job mostly timing out) are ticked and listed, not labelled.
-    const labelled = flagged.size <= 64 ? [...flagged.keys()] : [];
+    const labelled = shown.length <= 64 ? shown : [];
     const flaggedY = labelled.map(yOf);
     ctx.fillStyle = "#1d232b";
-    for (let r = 0; r < W; r += step) {
+    for (let r = base; r < base + W; r += step) {
       if (flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
       ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
     }
@@ -854,15 +895,16 @@
     }
     // Flagged rows emphasised: a tick at least 4 px tall in the gutters on both sides of the
     // heatmap (so one rank of 4,096 shows), in its mark's colour, and a frame around the row.
-    for (const [r, list] of flagged) {
-      ctx.fillStyle = MARK_CSS[list[0][0]];
+    for (const r of shown) {
+      ctx.fillStyle = MARK_CSS[flagged.get(r)[0][0]];
       const h = Math.max(4, lay.rowH), y = Math.round(yOf(r) - h / 2);
       ctx.fillRect(lay.gutter + 1, y, lay.marks - 3, h);
       ctx.fillRect(x0 + pw + 2, y, lay.marks - 3, h);
     }
-    if (state.selectedRank !== null && state.selectedRank < W) {
+    if (state.selectedRank !== null && state.selectedRank >= base &&
+        state.selectedRank < base + W) {
       ctx.strokeStyle = "#0b5cad"; ctx.lineWidth = 1;
-      const y = top + Math.floor(state.selectedRank / lay.ranksPerRow) * lay.rowH;
+      const y = top + Math.floor((state.selectedRank - base) / lay.ranksPerRow) * lay.rowH;
       ctx.strokeRect(x0 - 1.5, y - 1.5, pw + 3, lay.rowH + 3);
     }
     state.flagged = {};
@@ -888,7 +930,8 @@
         " in this window (pruned by retention, or before the job's first step)";
     }
     $("heat-window").textContent = where;
-    $("heat-info").textContent = W + " ranks × " + S + " steps" +
+    $("heat-info").textContent = (band ? "ranks " + band[0] + "–" + band[1] + " of " +
+                                  full.world_size : W + " ranks") + " × " + S + " steps" +
       (agg.length ? " (" + agg.join(", ") + ", each cell its worst)" : "") +
       (m.truncated ? " (truncated)" : "");
   }
