@@ -327,9 +327,11 @@ std::string StepsJson(absl::string_view job, StepWindow window, const std::vecto
 }
 
 std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_size,
-                      const std::vector<StepRankRow>& rows, bool truncated) {
+                      const std::vector<StepRankRow>& rows, bool truncated,
+                      uint64_t downsampled_before, const std::vector<RankWindowRow>& windows) {
   uint32_t width = world_size;
   for (const StepRankRow& r : rows) width = std::max(width, r.row.rank + 1);
+  for (const RankWindowRow& w : windows) width = std::max(width, w.rank + 1);
   std::string out = "{";
   AppendWindow(job, window, truncated, &out);
   absl::StrAppend(&out, ",\"world_size\":", width, ",\"steps\":[");
@@ -383,7 +385,59 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
     out.push_back('}');
     begin = end;
   }
-  out.append("]}");
+  out.append("]");
+  if (downsampled_before > 0 || !windows.empty()) {
+    absl::StrAppend(&out, ",\"downsampled_before\":", downsampled_before, ",\"windows\":[");
+    std::vector<int64_t> at(width, -1);
+    for (size_t begin = 0; begin < windows.size();) {
+      size_t end = begin;
+      const uint64_t first = windows[begin].first_step;
+      std::fill(at.begin(), at.end(), -1);
+      while (end < windows.size() && windows[end].first_step == first) {
+        at[windows[end].rank] = static_cast<int64_t>(end);
+        ++end;
+      }
+      if (begin > 0) out.push_back(',');
+      absl::StrAppend(&out, "{\"first\":", first, ",\"last\":", windows[begin].last_step,
+                      ",\"cosine\":[");
+      for (uint32_t r = 0; r < width; ++r) {
+        if (r > 0) out.push_back(',');
+        if (at[r] < 0) {
+          out.append("null");
+        } else {
+          AppendOptional(windows[at[r]].grad_cosine.min, 4, &out);
+        }
+      }
+      out.append("],\"outlier\":[");
+      for (uint32_t r = 0; r < width; ++r) {
+        if (r > 0) out.push_back(',');
+        if (at[r] < 0) {
+          out.append("null");
+        } else {
+          AppendOptional(windows[at[r]].outlier_score.max, 4, &out);
+        }
+      }
+      std::vector<uint32_t> missing, nonfinite, divergent;
+      for (uint32_t r = 0; r < width; ++r) {
+        if (at[r] < 0) {
+          if (r < world_size) missing.push_back(r);
+          continue;
+        }
+        if (windows[at[r]].nonfinite > 0) nonfinite.push_back(r);
+        if (windows[at[r]].replica_bad > 0) divergent.push_back(r);
+      }
+      out.append("],\"missing\":");
+      AppendRanks(missing, &out);
+      out.append(",\"nonfinite\":");
+      AppendRanks(nonfinite, &out);
+      out.append(",\"divergent\":");
+      AppendRanks(divergent, &out);
+      out.push_back('}');
+      begin = end;
+    }
+    out.append("]");
+  }
+  out.append("}");
   return out;
 }
 

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
 #include "rankscope/v1/rankscope.pb.h"
 
@@ -97,8 +98,18 @@ std::string StepsJson(absl::string_view job, StepWindow window, const std::vecto
 // that step, `nonfinite` those whose stored `nonfinite` column is set (StepRankRow::nonfinite:
 // the loss, gradient norm or sketch was NaN/Inf), `divergent` those whose
 // replica fingerprint disagreed. world_size is the larger of `world_size` and the highest rank + 1.
+//
+// Where retention downsampled the job's rank rows (steps below `downsampled_before`, 0: none),
+// the answer also says so and carries the rank_windows rows overlapping the window (ordered by
+// first_step, then rank), one entry per window of steps: ,"downsampled_before":B,
+// "windows":[{"first","last","cosine":[W] (each rank's lowest),"outlier":[W] (highest),
+// "missing":[ranks without a row],"nonfinite":[ranks with a non-finite row],
+// "divergent":[ranks with a replica mismatch]}]. In those steps `steps` holds only the rows
+// retention kept (flagged ones).
 std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_size,
-                      const std::vector<StepRankRow>& rows, bool truncated);
+                      const std::vector<StepRankRow>& rows, bool truncated,
+                      uint64_t downsampled_before = 0,
+                      const std::vector<RankWindowRow>& windows = {});
 
 // One rank's series: {"job","rank","first","last","truncated","steps":[{"step","loss",
 // "grad_norm","cosine","outlier","loss_z","grad_norm_z","step_time_z","nonfinite",

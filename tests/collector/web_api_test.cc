@@ -198,6 +198,28 @@ TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {
   EXPECT_THAT(RanksJson("exp", {7, 7}, 4, rows, false), HasSubstr("\"missing\":[3]"));
 }
 
+TEST(JsonTest, RankMatrixCarriesTheDownsampledWindows) {
+  std::vector<RankWindowRow> windows;
+  for (uint32_t r : {0u, 2u}) {  // rank 1 of 3 has no row in the window
+    RankWindowRow w;
+    w.first_step = 0;
+    w.last_step = 99;
+    w.rank = r;
+    w.rows = 20;
+    w.grad_cosine = {20, 18.0, 0.25 + r, 0.75};
+    w.outlier_score = {20, 30.0, 0.5, 7.5 + r};
+    w.nonfinite = r == 2 ? 1 : 0;
+    w.replica_bad = r == 0 ? 3 : 0;
+    windows.push_back(w);
+  }
+  const std::string json = RanksJson("exp", {0, 39}, 3, {}, false, 20, windows);
+  EXPECT_THAT(json, HasSubstr("\"steps\":[],\"downsampled_before\":20,\"windows\":[{\"first\":0,"
+                              "\"last\":99,\"cosine\":[0.25,null,2.25],\"outlier\":[7.5,null,9.5],"
+                              "\"missing\":[1],\"nonfinite\":[2],\"divergent\":[0]}]}"));
+  // Nothing downsampled: no such keys.
+  EXPECT_THAT(RanksJson("exp", {0, 39}, 3, {}, false), Not(HasSubstr("downsampled")));
+}
+
 TEST(JsonTest, RankSeriesNonFiniteIsTheStoredColumn) {
   StepRankRow stage;  // a pipeline stage: no loss (NaN read back), nothing non-finite stored
   stage.step = 3;

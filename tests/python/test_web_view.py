@@ -12,6 +12,7 @@ docs/PERFORMANCE.md "Web view", not an assertion) in render_512.json.
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -401,6 +402,77 @@ def test_page_updates_while_a_job_runs(web_collector, browser):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_history_draws_the_downsampled_rank_windows(tmp_path, browser):
+    """Steps whose rank rows retention pruned are drawn from their rank_windows, and the page says
+    so. As tests/python/test_retention.py: a job's steps < 20 are aged a month with the collector
+    stopped; on restart its store thread downsamples them (--retention_rank_steps=7d)."""
+    if not LOADGEN_BIN.exists():
+        pytest.skip(f"{LOADGEN_BIN} not built")
+    c = Collector(tmp_path, step_timeout="1s").start()
+    try:
+        finish(
+            [
+                loadgen(
+                    c,
+                    "web-old",
+                    "--ranks=16",
+                    "--steps=40",
+                    "--start_step=0",
+                    "--step_interval=10ms",
+                    "--outlier_rank=5",
+                    "--outlier_from_step=0",
+                    "--silent_rank=11",
+                    "--silent_from_step=30",
+                    "--flush_timeout=30s",
+                )
+            ]
+        )
+        wait_until(
+            lambda: (
+                c.query("SELECT COUNT(*) FROM step_stats WHERE job = 'web-old' AND step = 39")[0][0]
+                == 1
+            ),
+            30,
+            "the last step stored",
+        )
+        assert c.stop() == 0
+        con = sqlite3.connect(str(c.db_path))
+        month = 30 * 86400
+        for table, column in (("rank_steps", "received_at"), ("step_stats", "completed_at")):
+            con.execute(
+                f"UPDATE {table} SET {column} = {column} - ? WHERE job = 'web-old' AND step < 20",
+                (month,),
+            )
+        con.commit()
+        con.close()
+        c.restart()
+        wait_until(
+            lambda: c.query("SELECT next_step FROM downsampled WHERE job = 'web-old'") == [(20,)],
+            30,
+            "steps < 20 downsampled",
+        )
+        browser.goto(url(c, "/job/web-old"))
+        steps = json.loads(
+            browser.wait_for(
+                "window.rankscope.matrix && window.rankscope.matrix.downsampled_before === 20 && "
+                "JSON.stringify(window.rankscope.matrix.steps.map(s => [s.step, !!s.downsampled]))",
+                30,
+                "the page with the downsampled window",
+            )
+        )
+        # One column for the window of steps 0..99 (its rows: steps 0..19), then steps 20..39.
+        assert steps == [[0, True]] + [[s, False] for s in range(20, 40)]
+        text = browser.eval("document.getElementById('heat-window').textContent")
+        assert "downsampled rank window" in text and "before 20" in text, text
+        # The window column is drawn like the others: rank 5 stands out in it too.
+        check_heatmap_pixels(browser, deviating=5, onset=0, silent=11, silent_from=30)
+        browser.screenshot(ARTIFACTS / "job_downsampled.png")
+        assert browser.console == [], browser.console
+    finally:
+        if c.proc is not None:
+            c.stop()
 
 
 def open_job_measured(c, browser, job):

@@ -556,7 +556,8 @@
       const span = (a, b) => (a === b ? String(a) : a + "–" + b);
       tip.textContent = (cell.lastRank > cell.rank ? "ranks " : "rank ") +
         span(cell.rank, cell.lastRank) + " · step" + (steps.length > 1 ? "s " : " ") +
-        span(steps[0].step, steps[steps.length - 1].step) + " · " + what;
+        span(steps[0].step, steps[steps.length - 1].last ?? steps[steps.length - 1].step) +
+        (steps.some((s) => s.downsampled) ? " (downsampled window)" : "") + " · " + what;
       tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
       tip.style.display = "block";
     });
@@ -592,7 +593,7 @@
       first = Math.max(0, first);
       const m = await api("/jobs/" + enc(key) + "/ranks?first=" + first + "&last=" + last);
       m.requested = [first, last];
-      state.matrix = m;
+      state.matrix = withWindows(m);
       drawHeatmap();
     };
     const newest = () => Math.max(state.lastStep || 0,
@@ -651,7 +652,7 @@
       if (!state.view.live) {
         // history: nothing to merge
       } else if (!ranksQ) {
-        state.matrix = matrix;
+        state.matrix = withWindows(matrix);
       } else {
         state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
         state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
@@ -789,12 +790,24 @@
     return rgb;
   }
 
+  // Steps whose rank rows retention downsampled are drawn from their rank_windows: one column
+  // per window (each rank's lowest cosine, highest score), in place of the flagged rows kept.
+  function withWindows(m) {
+    if (!m.windows || !m.windows.length) return m;
+    const before = m.downsampled_before;
+    const cols = m.windows.map((w) => ({ step: w.first, last: Math.min(w.last, before - 1),
+      cosine: w.cosine, outlier: w.outlier, missing: w.missing, nonfinite: w.nonfinite,
+      divergent: w.divergent, downsampled: true }));
+    return { ...m, steps: cols.concat(m.steps.filter((s) => s.step >= before)) };
+  }
+
   // The matrix of ranks lo..hi only (a brushed band), ranks renumbered from 0.
   function bandMatrix(full, lo, hi) {
     const inBand = (r) => r >= lo && r <= hi;
     const local = (list) => list.filter(inBand).map((r) => r - lo);
     return { ...full, world_size: hi - lo + 1, steps: full.steps.map((s) => ({
-      step: s.step, cosine: s.cosine.slice(lo, hi + 1), outlier: s.outlier.slice(lo, hi + 1),
+      step: s.step, last: s.last, downsampled: s.downsampled,
+      cosine: s.cosine.slice(lo, hi + 1), outlier: s.outlier.slice(lo, hi + 1),
       missing: local(s.missing), nonfinite: local(s.nonfinite), divergent: local(s.divergent) })) };
   }
 
@@ -928,6 +941,12 @@
     if (req && (!held || held[0] > req[0] + 1) && req[0] < (state.lastStep || 0)) {
       where += " · no per-rank rows before step " + (held ? held[0] : req[1] + 1) +
         " in this window (pruned by retention, or before the job's first step)";
+    }
+    const windows = m.steps.filter((s) => s.downsampled).length;
+    if (windows) {
+      where += " · steps before " + m.downsampled_before + ": " + windows + " downsampled rank " +
+        "window" + (windows > 1 ? "s" : "") + " (retention pruned the per-step rows; one column " +
+        "a window, each rank's worst)";
     }
     $("heat-window").textContent = where;
     $("heat-info").textContent = (band ? "ranks " + band[0] + "–" + band[1] + " of " +
