@@ -82,6 +82,10 @@ struct StepRow {
 struct StepRankRow {
   uint64_t step = 0;
   RankRow row;
+  // The stored `nonfinite` column (RankRowsInRange, RankSeriesInRange): the rank's loss, gradient
+  // norm or sketch was NaN/Inf when it reported. The verdict, not a re-judgement of the values
+  // read back (a pipeline stage's absent loss reads back as NaN and is not non-finite).
+  bool nonfinite = false;
 };
 
 // The rows of one step of one job. `stats` is absent for a late report (rank rows only).

@@ -157,8 +157,28 @@ constexpr char kStepRange[] = "SELECT " RANKSCOPE_STEP_COLUMNS
 constexpr char kRankRowsInRange[] =
     "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
     "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
-    "outlier_score, step_time_z, step FROM rank_steps WHERE job = ?1 AND step >= ?2 AND "
-    "step <= ?3 ORDER BY step, rank LIMIT ?4";
+    "outlier_score, step_time_z, step, nonfinite FROM rank_steps WHERE job = ?1 AND step >= ?2 "
+    "AND step <= ?3 ORDER BY step, rank LIMIT ?4";
+// One rank's rows: a loose index scan over the steps of the range (one seek per stored step in
+// the (job, step, rank) key, then one seek for the rank), so it reads that rank's rows only,
+// not every rank's rows of the range. CROSS JOIN keeps s the outer loop (SQLite otherwise scans
+// every row of the job). 4,096 ranks x 120 steps: 0.2 ms, against 34 ms for a rank filter on the
+// range and 290 ms for the whole range (docs/PERFORMANCE.md "Web view at 512 and 4,096 ranks").
+constexpr char kRankSeriesInRange[] = R"sql(
+WITH RECURSIVE s(step) AS (
+  SELECT (SELECT step FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3
+          ORDER BY step LIMIT 1)
+  UNION ALL
+  SELECT (SELECT step FROM rank_steps WHERE job = ?1 AND step > s.step AND step <= ?3
+          ORDER BY step LIMIT 1)
+  FROM s WHERE s.step IS NOT NULL
+)
+SELECT r.rank, r.attempt, r.join_size, r.loss, r.grad_norm, r.grad_cosine, r.loss_z,
+       r.grad_norm_z, r.reduced_grad_fingerprint, r.param_fingerprint, r.step_time_seconds,
+       r.received_at, r.replica_ok, r.outlier_score, r.step_time_z, r.step, r.nonfinite
+FROM s CROSS JOIN rank_steps r ON r.job = ?1 AND r.step = s.step AND r.rank = ?5
+ORDER BY r.step LIMIT ?4
+)sql";
 
 #undef RANKSCOPE_STEP_COLUMNS
 
@@ -219,6 +239,7 @@ struct SqliteStore::Statements {
   Stmt count_rank_rows;
   Stmt step_range;
   Stmt rank_rows_in_range;
+  Stmt rank_series_in_range;
 };
 
 absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string& path) {
@@ -264,6 +285,7 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(const std::string
       {&store->stmts_->count_rank_rows, kCountRankRows},
       {&store->stmts_->step_range, kStepRange},
       {&store->stmts_->rank_rows_in_range, kRankRowsInRange},
+      {&store->stmts_->rank_series_in_range, kRankSeriesInRange},
   };
   for (const auto& s : kStatements) {
     sqlite3_stmt* raw = nullptr;
@@ -592,9 +614,42 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankRowsInRange(absl::stri
                                          StepRankRow& row = rows.emplace_back();
                                          ReadRankRow(stmt, &row.row);
                                          row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
+                                         row.nonfinite = ColumnInt(stmt, 16) != 0;
                                          return absl::OkStatus();
                                        });
   if (!status.ok()) return status;
+  return rows;
+}
+
+absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankSeriesInRange(
+    absl::string_view job, uint32_t rank, uint64_t first_step, uint64_t last_step, int limit) {
+  if (limit < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("RankSeriesInRange: limit %d < 0", limit));
+  }
+  std::vector<StepRankRow> rows;
+  if (first_step > static_cast<uint64_t>(kMaxStep) || first_step > last_step) return rows;
+  last_step = std::min(last_step, static_cast<uint64_t>(kMaxStep));
+  sqlite3_stmt* stmt = stmts_->rank_series_in_range.get();
+  ScopedReset reset(stmt);
+  int rc = Binder(stmt)
+               .Text(job)
+               .Int(static_cast<int64_t>(first_step))
+               .Int(static_cast<int64_t>(last_step))
+               .Int(limit)
+               .Int(rank)
+               .rc();
+  if (rc == SQLITE_OK) {
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      StepRankRow& row = rows.emplace_back();
+      ReadRankRow(stmt, &row.row);
+      row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
+      row.nonfinite = ColumnInt(stmt, 16) != 0;
+    }
+  }
+  if (rc != SQLITE_DONE) {
+    return SqlError(rc, absl::StrFormat("rank %d of job %s steps %d..%d", rank, Quote(job),
+                                        first_step, last_step));
+  }
   return rows;
 }
 
