@@ -33,16 +33,16 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // The latest step's statistics, one gauge each.
 struct StatisticSeries {
   JobFamily family;
-  double StepStatistics::*value;
+  double StepSummary::*value;
 };
 constexpr StatisticSeries kLatestSeries[] = {
-    {kLossMean, &StepStatistics::loss_mean},
-    {kLossStd, &StepStatistics::loss_std},
-    {kLossRange, &StepStatistics::loss_range},
-    {kGradNormMean, &StepStatistics::grad_norm_mean},
-    {kGradNormStd, &StepStatistics::grad_norm_std},
-    {kGradNormCv, &StepStatistics::grad_norm_cv},
-    {kGradCosineMean, &StepStatistics::grad_cosine_mean},
+    {kLossMean, &StepSummary::loss_mean},
+    {kLossStd, &StepSummary::loss_std},
+    {kLossRange, &StepSummary::loss_range},
+    {kGradNormMean, &StepSummary::grad_norm_mean},
+    {kGradNormStd, &StepSummary::grad_norm_std},
+    {kGradNormCv, &StepSummary::grad_norm_cv},
+    {kGradCosineMean, &StepSummary::grad_cosine_mean},
 };
 
 // The spike window's worst values (spike_window.h), one gauge each; replica_divergent is
@@ -84,7 +84,7 @@ void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, do
   family.metric.push_back(std::move(metric));
 }
 
-bool IsNonfinite(const StepStatistics& s, bool loss_absent) {
+bool IsNonfinite(const StepSummary& s, bool loss_absent) {
   if (s.ranks == 0) return false;  // nothing reported: the statistics are empty, not bad
   if (!loss_absent) {
     for (double v : {s.loss_mean, s.loss_std, s.loss_range}) {
@@ -180,18 +180,11 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   const absl::Time now = options_.clock();
 
-  StepStatistics latest;
+  StepSummary latest;
   std::vector<RankPoint> top_ranks;
   if (step.stats != nullptr) {
     const StepStatistics& s = *step.stats;
-    latest.ranks = s.ranks;
-    latest.loss_mean = s.loss_mean;
-    latest.loss_std = s.loss_std;
-    latest.loss_range = s.loss_range;
-    latest.grad_norm_mean = s.grad_norm_mean;
-    latest.grad_norm_std = s.grad_norm_std;
-    latest.grad_norm_cv = s.grad_norm_cv;
-    latest.grad_cosine_mean = s.grad_cosine_mean;
+    latest = s;  // the StepSummary part
     const bool has_extras = step.extras.size() == s.per_rank.size();
     for (uint32_t index :
          SelectDeviatingRanks(s.per_rank, step.extras, options_.per_rank_series_limit)) {
@@ -347,7 +340,7 @@ void JobMetrics::AddJobSeries(const std::string& key, const JobState& state, abs
   add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
   if (!state.has_step) return;
 
-  const StepStatistics& s = state.latest;
+  const StepSummary& s = state.latest;
   add(kStep, static_cast<double>(state.step));
   add(kRanksReporting, state.ranks_reporting);
   for (const StatisticSeries& series : kLatestSeries) add(series.family, s.*series.value);

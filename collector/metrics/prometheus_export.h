@@ -185,7 +185,7 @@ class JobMetrics : public prometheus::Collectable {
     bool has_step = false;
     uint64_t step = 0;
     uint32_t ranks_reporting = 0;
-    StepStatistics latest;             // per_rank cleared; see top_ranks
+    StepSummary latest;                // the latest step's; its ranks: top_ranks
     std::vector<RankPoint> top_ranks;  // already capped and ordered
     std::vector<uint32_t> missing;     // capped
     uint64_t steps_total = 0;
