@@ -199,7 +199,8 @@ class SqliteStore {
                                          double outlier_threshold);
   absl::StatusOr<PruneResult> DropSteps(const PruneAction& action);
   absl::StatusOr<PruneResult> IncrementalVacuum(int64_t pages);
-  // Runs `body` between BEGIN IMMEDIATE and COMMIT (ROLLBACK on error).
+  // Runs `body` in a write transaction (sqlite_transaction.h): BEGIN IMMEDIATE, COMMIT if it
+  // returns OK, else ROLLBACK and its error.
   absl::Status InTransaction(absl::FunctionRef<absl::Status()> body);
   std::string path_;
   sqlite3* db_;
