@@ -98,6 +98,11 @@ class Monitor:
         self._closed = False
         self._refused = False  # the collector refused this rank for good (stats()["refused"])
         self._pending_layouts = {}  # local_gradient index -> replica layout (attach_reducer)
+        # A framework path (rankscope.frameworks) whose reductions can come several times a step
+        # sets this: ``reset()`` at each step start, ``close_step(sketcher)`` at mon.step, which
+        # returns (report?, the step's exact sum of squares or None for the sketch's own).
+        self.framework = None
+        self._sum_squares = None  # close_step's value for the step being emitted
         self.counters = collections.Counter()
         self._warned = set()
         # The four parts behind the monitor: the hook's sketching and fingerprinting, the
@@ -169,7 +174,15 @@ class Monitor:
         s = self._step if step is None else int(step)
         now = time.monotonic()
         if self._active:
-            if self._sketcher.got_grads:
+            if not self._sketcher.got_grads:
+                self.counters["steps_without_gradients"] += 1
+                self._warn_once(
+                    "nograd",
+                    "rankscope: mon.step() was called but no gradient bucket was "
+                    "all-reduced since the previous step (no backward, or no_sync() on every "
+                    "micro-batch?); nothing is reported for such steps",
+                )
+            elif self._close_framework_step():
                 try:
                     self._emit(s, loss, batch_size)
                 except Exception as e:  # monitoring must never break training
@@ -178,14 +191,6 @@ class Monitor:
                         "emit",
                         f"rankscope: could not report step {s} ({e!r}); training is unaffected",
                     )
-            else:
-                self.counters["steps_without_gradients"] += 1
-                self._warn_once(
-                    "nograd",
-                    "rankscope: mon.step() was called but no gradient bucket was "
-                    "all-reduced since the previous step (no backward, or no_sync() on every "
-                    "micro-batch?); nothing is reported for such steps",
-                )
         if self._t_step_end is not None:
             dt = now - self._t_step_end
             self._step_time_ema = (
@@ -293,6 +298,8 @@ class Monitor:
         self._replica.force_torch = bool(value)
 
     def _reset_accumulators(self) -> None:
+        if self.framework is not None:
+            self.framework.reset()
         self._sketcher.reset()
         self._replica.reset()
         self._pending_layouts.clear()
@@ -315,6 +322,19 @@ class Monitor:
     def _decide(self, step: int) -> bool:
         return self._enabled and not self._closed and not self._refused and step % self._every == 0
 
+    def _close_framework_step(self) -> bool:
+        """Asks the framework path (if any) whether the step is reported and for its exact sum
+        of squares; a failure drops the step (counted, warned), never training."""
+        self._sum_squares = None
+        if self.framework is None:
+            return True
+        try:
+            report, self._sum_squares = self.framework.close_step(self._sketcher)
+            return report
+        except Exception as e:  # monitoring must never break training
+            self._hook_failed(e)
+            return False
+
     def _step_time(self):
         t_first_hook = self._sketcher.t_first_hook
         if t_first_hook is None or self._t_step_end is None:
@@ -328,7 +348,12 @@ class Monitor:
         sketcher = self._sketcher
         if not sketcher.device_sketches and not loss_on_device:
             grad_fp, param_fp, reduced_ss = self._replica.step_values(step, torch.device("cpu"))
-            gn = math.sqrt(max(sketcher.cpu_sketch.sum_squares(), 0.0))
+            ss = (
+                sketcher.cpu_sketch.sum_squares()
+                if self._sum_squares is None
+                else self._sum_squares
+            )
+            gn = math.sqrt(max(float(ss), 0.0))
             err = self._agent.record_sketch(
                 step,
                 host_loss(loss),
@@ -351,6 +376,10 @@ class Monitor:
         sketcher = self._sketcher
         # One device holds the gradient (DDP replicates a module on one device per process).
         device = next(iter(sketcher.device_sketches), None)
+        if self._sum_squares is not None and device is not None:
+            # The framework's exact value (a 0-d tensor on the device) replaces the sketch's
+            # sum of squares of the step's reductions.
+            sketcher.device_sketches[device].sum_squares.copy_(self._sum_squares)
         if device is None:
             device = loss.device
         self._deferred.add(

@@ -55,10 +55,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rankscope import _native
+from rankscope import _native, frameworks
 from rankscope import tls as _tls
 from rankscope._adapters import SelfReduced
 from rankscope._ddp_hook import HookState, rankscope_comm_hook
+from rankscope.frameworks._local_grads import refuse
 from rankscope._monitor import Monitor
 from rankscope._options import DEFAULT_SKETCH_BYTES as DEFAULT_SKETCH_BYTES
 from rankscope._options import DEFAULT_SKETCH_ENCODING as DEFAULT_SKETCH_ENCODING
@@ -105,6 +106,7 @@ def attach(
     sketch_bytes: int | None = None,
     sketch_encoding: str | None = None,
     sketch_threads: int | None = None,
+    accumulate_local_grad: bool | None = None,
 ) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
@@ -165,22 +167,48 @@ def attach(
         the whole job, else ``dp<lowest global rank>``). Ranks are compared only within their
         group; give two models of one process (a GAN's generator and discriminator) distinct
         groups, or distinct job names.
+      accumulate_local_grad: FSDP1 / FSDP2 only, where the framework reduces every micro-batch
+        of a step (gradient accumulation without ``no_sync()`` /
+        ``set_requires_gradient_sync(False)``): the step's local gradient norm needs the sum of
+        the micro-batches' gradients, which rankscope keeps in float32 (one unsharded copy of
+        the gradients per rank). True: from the first step; False: never (such steps are not
+        reported); None (default): from the step after the first such step (that one is not
+        reported). One reduction a step needs no copy.
     Returns:
-      the Monitor; call ``mon.step(loss)`` once per optimizer step.
+      the Monitor; call ``mon.step(loss)`` once per optimizer step. For a framework object in a
+      mode rankscope cannot watch exactly (FSDP1 HYBRID_SHARD, DDP's python_reducer, a torch
+      without what the path reads), a stand-in with the same methods that reports nothing,
+      after one warning naming torch's version and the mode: training goes on unwatched.
     Raises:
       TypeError if ``model`` is not DDP; ValueError on a bad job name or option (a TLS file
       that is missing, not PEM, or a key that does not match its certificate), or when this
       process already reports the same (job, group, rank) for another model; RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.
     """
+    options = dict(locals())  # attach's arguments, for a framework path
+    del options["model"]
     self_reduced = isinstance(model, SelfReduced)
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self_reduced:
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    framework_path = None if is_ddp or self_reduced else frameworks.path_for(model)
+    if not is_ddp and not self_reduced and framework_path is None:
         raise TypeError(
-            "rankscope.torch.attach needs a torch.nn.parallel."
-            f"DistributedDataParallel model, got {type(model).__name__}"
+            "rankscope.torch.attach needs a torch.nn.parallel.DistributedDataParallel model, "
+            "an FSDP1 (FullyShardedDataParallel) root or an FSDP2 (fully_shard) module, got "
+            f"{type(model).__name__}"
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("rankscope.torch.attach: torch.distributed is not initialized")
+    if framework_path is not None:
+        return framework_path(model, attach, **options)
+    if is_ddp and getattr(model, "_use_python_reducer", False):
+        return refuse(
+            "DDP",
+            "python_reducer (torch._dynamo.config.optimize_ddp, for compiled autograd)",
+            "DDP calls comm hooks there once per parameter as hook(state, (grad, param)) "
+            "inside the compiled backward, where rankscope's sketch kernel cannot run; the "
+            "default ddp_optimizer mode keeps the bucket hooks and is watched",
+            start_step,
+        )
     collector = collector or os.environ.get("RANKSCOPE_COLLECTOR") or "127.0.0.1:50051"
     job = job or os.environ.get("RANKSCOPE_JOB")
     if not job:
