@@ -46,13 +46,23 @@ def _wrap_fsdp1(model, strategy):
         model,
         auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
         sharding_strategy=getattr(ShardingStrategy, strategy),
+        device_id=torch.device("cpu"),  # torch >= 2.4 looks for an accelerator otherwise
     )
 
 
-def exact_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
+def exact_worker(rank, world_size, collector, out_dir, steps, sketch_dim, scenarios):
+    """Runs each of ``scenarios`` (job name -> scenario) in turn, in these processes."""
+    for job, scenario in scenarios.items():
+        exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario)
+
+
+def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
     """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "accum": micro-batches
-    per step (each reduced), "keep": attach's accumulate_local_grad}."""
+    per step (each reduced), "keep": attach's accumulate_local_grad}. Writes JOB.expected.json
+    (rank 0) and JOB.rankR.json: the monitor's stats and the parameter fingerprint of the replicas
+    after step 0 (pure data-parallel modes), computed here with rankscope.fingerprint."""
     from rankscope import DEFAULT_SKETCH_SEED
+    from rankscope import fingerprint as fp
     import rankscope.torch as rst
 
     torch.manual_seed(7)
@@ -77,6 +87,7 @@ def exact_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, s
         accumulate_local_grad=scenario.get("keep"),
     )
     expected = {}
+    param_fp = None
     for step in range(steps):
         ref.load_state_dict(_full_state(wrapped, framework, model))
         ref.zero_grad(set_to_none=True)
@@ -98,6 +109,13 @@ def exact_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, s
             losses.append(loss.detach())
         opt.step()
         mon.step(torch.stack(losses).mean())
+        if step == 0 and scenario.get("mode") in ("replicate", "NO_SHARD"):
+            replicas = list(mon._replica._params)  # what the path fingerprints
+            if scenario["mode"] == "replicate":
+                assert [id(t) for t in replicas] == [
+                    id(getattr(p, "_local_tensor", p)) for p in wrapped.parameters()
+                ]
+            param_fp = fp.to_uint64(fp.fold_parameters(replicas))
 
         gathered = [torch.zeros_like(g) for _ in range(world_size)]
         dist.all_gather(gathered, g)
@@ -109,9 +127,9 @@ def exact_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, s
             )
     stats = mon.close(timeout=30)
     out_dir = Path(out_dir)
-    sh.write_json(out_dir / f"rank{rank}.json", {"stats": stats})
+    sh.write_json(out_dir / f"{job}.rank{rank}.json", {"stats": stats, "param_fp": param_fp})
     if rank == 0:
-        sh.write_json(out_dir / "expected.json", expected)
+        sh.write_json(out_dir / f"{job}.expected.json", expected)
     dist.barrier()
 
 
@@ -130,6 +148,14 @@ def _full_state(wrapped, framework, model):
     return model.state_dict()
 
 
+def checks_worker(rank, world_size, out_dir, identical_cases):
+    """The bit-identity runs (framework, mode) and both refusals, in these processes."""
+    for framework, mode in identical_cases:
+        identical_worker(rank, world_size, out_dir, 3, framework, mode)
+    refusal_worker(rank, world_size, out_dir)
+    python_reducer_worker(rank, world_size, out_dir)  # last: it sets torch._dynamo's config
+
+
 def identical_worker(rank, world_size, out_dir, steps, framework, mode):
     """Trains two copies of one model from the same weights on the same batches, one watched by
     rankscope and one not, and writes whether their parameters are bit-identical after each
@@ -145,7 +171,9 @@ def identical_worker(rank, world_size, out_dir, steps, framework, mode):
     else:
         watched = _wrap_fsdp2(watched_module, mode, world_size)
         plain = _wrap_fsdp2(plain_module, mode, world_size)
-    mon = rst.attach(watched, collector="127.0.0.1:9", job="identical", sketch_dim=64)
+    mon = rst.attach(
+        watched, collector="127.0.0.1:9", job=f"identical-{framework}-{mode}", sketch_dim=64
+    )
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (watched, plain)]
     same = []
     for step in range(steps):
@@ -161,7 +189,7 @@ def identical_worker(rank, world_size, out_dir, steps, framework, mode):
         same.append(all(torch.equal(a[k], b[k]) for k in a))
     stats = mon.close(timeout=0)
     sh.write_json(
-        Path(out_dir) / f"rank{rank}.json",
+        Path(out_dir) / f"identical-{framework}-{mode}.rank{rank}.json",
         {
             "same": same,
             "buckets": stats.get("shim_buckets", 0),
@@ -180,12 +208,15 @@ def refusal_worker(rank, world_size, out_dir):
     from torch.distributed.fsdp import ShardingStrategy
 
     torch.manual_seed(7)
-    intra = [dist.new_group([r]) for r in range(world_size)][rank]
-    inter = dist.new_group(list(range(world_size)))
+    # Sharded over both ranks, replicated across one "node" each (an intra-node group of one
+    # rank would make FSDP fall back to NO_SHARD).
+    intra = dist.new_group(list(range(world_size)))
+    inter = [dist.new_group([r]) for r in range(world_size)][rank]
     model = FSDP(
         sh.TinyLM(),
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         process_group=(intra, inter),
+        device_id=torch.device("cpu"),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -198,11 +229,43 @@ def refusal_worker(rank, world_size, out_dir):
         opt.step()
         mon.step()
     sh.write_json(
-        Path(out_dir) / f"rank{rank}.json",
+        Path(out_dir) / f"hybrid.rank{rank}.json",
         {
             "messages": [str(w.message) for w in caught if "rankscope" in str(w.message)],
             "stats": mon.close(),
             "steps": mon.step_number,
+        },
+    )
+    dist.barrier()
+
+
+def python_reducer_worker(rank, world_size, out_dir):
+    """DDP built in torch.compile's python_reducer mode (for compiled autograd): attach warns once
+    and returns a stand-in; training goes on."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    try:
+        torch._dynamo.config.optimize_ddp = "python_reducer"
+    except Exception:  # a torch without the mode: the test skips
+        pass
+    torch.manual_seed(7)
+    ddp = nn.parallel.DistributedDataParallel(sh.TinyLM())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(ddp, collector="127.0.0.1:9", job="python-reducer", sketch_dim=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    x, y = sh.batch(rank, 0)
+    sh.lm_loss(ddp, x, y).backward()
+    opt.step()
+    mon.step()
+    sh.write_json(
+        Path(out_dir) / f"python-reducer.rank{rank}.json",
+        {
+            "python_reducer": bool(getattr(ddp, "_use_python_reducer", False)),
+            "messages": [str(w.message) for w in caught if "rankscope" in str(w.message)],
+            "stats": mon.close(),
         },
     )
     dist.barrier()

@@ -208,6 +208,7 @@ def attach(
             "inside the compiled backward, where rankscope's sketch kernel cannot run; the "
             "default ddp_optimizer mode keeps the bucket hooks and is watched",
             start_step,
+            stacklevel=3,
         )
     collector = collector or os.environ.get("RANKSCOPE_COLLECTOR") or "127.0.0.1:50051"
     job = job or os.environ.get("RANKSCOPE_JOB")

@@ -52,9 +52,13 @@ class ParamSpec:
 
 class ParamTable:
     """The model's trainable parameters as ``ParamSpec``s, in rankscope's flat order; what the
-    monitor's sketcher reads as ``model.module``."""
+    monitor's sketcher reads as ``model.module`` (``named_parameters``). ``replica_tensors``: where
+    every rank of the group holds the same parameter values (pure data parallelism), the tensors
+    that hold them, which the replica fingerprints read (``parameters``); else the specs, never
+    read (fingerprints off)."""
 
-    def __init__(self, named_shapes):
+    def __init__(self, named_shapes, replica_tensors=None):
+        self.replica_tensors = None if replica_tensors is None else list(replica_tensors)
         self.specs = []
         offset = 0
         for name, shape in named_shapes:
@@ -67,7 +71,7 @@ class ParamTable:
         return ((s.name, s) for s in self.specs)
 
     def parameters(self):
-        return iter(self.specs)
+        return iter(self.specs if self.replica_tensors is None else self.replica_tensors)
 
 
 class FrameworkModel(SelfReduced):
@@ -224,11 +228,12 @@ class Unwatched:
         return False
 
 
-def refuse(what: str, mode: str, why: str, start_step: int = 0) -> Unwatched:
-    """One clear warning naming torch's version and the mode; an ``Unwatched`` monitor."""
+def refuse(what: str, mode: str, why: str, start_step: int = 0, stacklevel: int = 4) -> Unwatched:
+    """One clear warning naming torch's version and the mode; an ``Unwatched`` monitor.
+    ``stacklevel`` 4 names the script's ``attach`` call from a framework path."""
     message = (
         f"rankscope: {what} in mode {mode} on torch {torch.__version__} is not watched: {why}. "
         "Training goes on unwatched."
     )
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
     return Unwatched(message, start_step)

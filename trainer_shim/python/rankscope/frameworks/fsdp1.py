@@ -15,8 +15,10 @@ path does (same factors), so training is bit-identical with and without rankscop
 its own (``_comm_hook_state``, private), which names the unit's FlatParameter.
 
 Modes and what is compared: FULL_SHARD, SHARD_GRAD_OP and NO_SHARD: each rank's local loss,
-gradient norm and sketch, across the FSDP process group. Replica fingerprints are not sent (no two
-ranks hold the same reduced shard; NO_SHARD's replicas are not fingerprinted yet). HYBRID_SHARD and
+gradient norm and sketch, across the FSDP process group. Replica fingerprints: FULL_SHARD and
+SHARD_GRAD_OP send none (no two ranks hold the same shard); NO_SHARD sends the parameter
+fingerprints (every ``param_check_every`` steps, of the FlatParameters, which every rank holds
+whole), compared across all ranks; the reduced gradient's fingerprint is not sent. HYBRID_SHARD and
 _HYBRID_SHARD_ZERO2: torch refuses comm hooks there; refused with a message, training unwatched.
 Micro-batches: without ``no_sync()`` FSDP1 reduces every backward (see
 rankscope.frameworks._local_grads.StepGradients); with ``no_sync()`` on all but the last, once.
@@ -108,11 +110,16 @@ def attach_fsdp1(
             idx, mname = order[id(module)]
             entries.append(((idx, u, j), f"{mname}.{pname}" if mname else pname, shape, (u, k)))
     entries.sort(key=lambda e: e[0])
-    table = ParamTable((name, shape) for _, name, shape, _ in entries)
+    # Replicas: under NO_SHARD every rank holds every FlatParameter whole, and the parameter
+    # fingerprints compare them.
+    replicas = None
+    if strategies == {"NO_SHARD"} and options.get("fingerprints", True):
+        replicas = [state._handle.flat_param for state, _ in units]
+    table = ParamTable(((name, shape) for _, name, shape, _ in entries), replicas)
     spec_at = {where: spec for (_, _, _, where), spec in zip(entries, table.specs)}
 
     pg = model.process_group
-    options["fingerprints"] = False  # see the module docstring
+    options["fingerprints"] = replicas is not None  # see the module docstring
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
     grads = StepGradients(monitor, keep=accumulate_local_grad)
     monitor.framework = grads

@@ -24,7 +24,9 @@ Modes and what is compared:
   - HSDP (2-D mesh, replicate x shard): the same, across all ranks of the mesh (every rank has its
     own data). Replica fingerprints not sent (ranks with the same shard index in different
     replicas hold equal shards, but the collector compares a group's ranks all against all).
-  - replicate (shard group of one rank): the same; replica fingerprints not sent either.
+  - replicate (shard group of one rank): the same; every rank holds every parameter whole, so
+    the parameter fingerprints (every ``param_check_every`` steps, of each DTensor's local
+    tensor) are sent and compared across all ranks. The reduced gradient's fingerprint is not.
 Micro-batches: FSDP2 reduces every backward unless ``set_requires_gradient_sync(False)``;
 ``rankscope.frameworks._local_grads.StepGradients`` sums the step's reductions (see there).
 
@@ -103,6 +105,11 @@ def _mesh_group(groups):
     return None
 
 
+def _mesh_key(mesh):
+    """A mesh by its ranks and layout (replicate() without a mesh makes one per call)."""
+    return (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+
+
 def _missing(groups) -> str:
     """What this torch lacks of what the path reads, or ""."""
     for g in groups:
@@ -129,7 +136,7 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     mode = mode_of(groups) if not missing else "?"
     if missing:
         return refuse(WHAT, mode, f"this torch has no {missing}", start_step)
-    meshes = {id(g.mesh_info.mesh) for g in groups}
+    meshes = {_mesh_key(g.mesh_info.mesh) for g in groups}
     if len(meshes) > 1:
         return refuse(WHAT, mode, "the model's parameter groups use different meshes", start_step)
     pg = _mesh_group(groups)
@@ -140,7 +147,12 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     # rankscope's flat order: the model's named_parameters() (FSDP2 keeps the names and the
     # global shapes of its DTensor parameters).
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    table = ParamTable((n, p.shape) for n, p in named)
+    # Replicas: with a shard group of one rank every rank holds every parameter whole (its
+    # DTensor's local tensor), and the parameter fingerprints compare them.
+    replicas = None
+    if mode == "replicate" and options.get("fingerprints", True):
+        replicas = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    table = ParamTable(((n, p.shape) for n, p in named), replicas)
     spec_by_param = {id(p): s for (_, p), s in zip(named, table.specs)}
     for g in groups:
         for fp in g.fsdp_params:
@@ -148,7 +160,7 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
                 return refuse(
                     WHAT, mode, "a sharded parameter is not among the model's", start_step
                 )
-    options["fingerprints"] = False  # see the module docstring: no replicas compared
+    options["fingerprints"] = replicas is not None  # see the module docstring
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
     grads = StepGradients(monitor, keep=accumulate_local_grad)
     monitor.framework = grads
