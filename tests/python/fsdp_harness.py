@@ -58,7 +58,8 @@ def exact_worker(rank, world_size, collector, out_dir, steps, sketch_dim, scenar
 
 def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
     """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "accum": micro-batches
-    per step (each reduced), "keep": attach's accumulate_local_grad}. Writes JOB.expected.json
+    per step (each reduced), "keep": attach's accumulate_local_grad, "unused": a branch without
+    gradients}. Writes JOB.expected.json
     (rank 0) and JOB.rankR.json: the monitor's stats and the parameter fingerprint of the replicas
     after step 0 (pure data-parallel modes), computed here with rankscope.fingerprint."""
     from rankscope import DEFAULT_SKETCH_SEED
@@ -66,7 +67,9 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
     import rankscope.torch as rst
 
     torch.manual_seed(7)
-    model = sh.TinyLM()
+    # "unused": a branch no forward takes, on every rank: its parameters never get a gradient,
+    # so FSDP2 leaves them out of the reduction (the layout it reduces changes).
+    model = sh.TinyLM(extra_branch=bool(scenario.get("unused")))
     ref = copy.deepcopy(model)
     framework = scenario["framework"]
     if framework == "fsdp2":

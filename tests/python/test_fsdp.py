@@ -61,6 +61,11 @@ if FSDP2:
         {
             "fsdp2-shard": ({"framework": "fsdp2", "mode": "shard"}, range(STEPS)),
             "fsdp2-replicate": ({"framework": "fsdp2", "mode": "replicate"}, range(STEPS)),
+            # Parameters without a gradient are left out of FSDP2's reduction: the rest is exact.
+            "fsdp2-unused": (
+                {"framework": "fsdp2", "mode": "shard", "unused": True},
+                range(STEPS),
+            ),
             # Each of 3 micro-batches is reduced; kept from the start, every step is exact.
             "fsdp2-accum": (
                 {"framework": "fsdp2", "mode": "shard", "accum": 3, "keep": True},
