@@ -8,6 +8,7 @@ test's collective, not the shim's). Rank 0 writes the exact statistics (shim_har
 for the collector rows to be checked against.
 """
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def exact_worker(rank, world_size, collector, out_dir, steps, sketch_dim, scenar
 def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
     """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "accum": micro-batches
     per step (each reduced), "keep": attach's accumulate_local_grad, "unused": a branch without
-    gradients}. Writes JOB.expected.json
+    gradients, "sync_last": only the last micro-batch reduces}. Writes JOB.expected.json
     (rank 0) and JOB.rankR.json: the monitor's stats and the parameter fingerprint of the replicas
     after step 0 (pure data-parallel modes), computed here with rankscope.fingerprint."""
     from rankscope import DEFAULT_SKETCH_SEED
@@ -107,8 +108,9 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
         losses = []
         for micro in range(accum):
             x, y = sh.batch(rank, step, micro)
-            loss = sh.lm_loss(wrapped, x, y)
-            loss.backward()
+            with _sync(wrapped, framework, micro == accum - 1 or not scenario.get("sync_last")):
+                loss = sh.lm_loss(wrapped, x, y)
+                loss.backward()
             losses.append(loss.detach())
         opt.step()
         mon.step(torch.stack(losses).mean())
@@ -134,6 +136,16 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
     if rank == 0:
         sh.write_json(out_dir / f"{job}.expected.json", expected)
     dist.barrier()
+
+
+def _sync(wrapped, framework, sync: bool):
+    """The context of a micro-batch's forward and backward: reduce its gradient or not (FSDP1's
+    ``no_sync()``, FSDP2's ``set_requires_gradient_sync``)."""
+    if framework == "fsdp2":
+        wrapped.set_requires_gradient_sync(sync)
+    elif not sync:
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
 
 
 def _full_state(wrapped, framework, model):

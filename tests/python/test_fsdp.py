@@ -51,6 +51,11 @@ COMPILE = _dynamo_supported()
 SCENARIOS = {
     "fsdp1-full": ({"framework": "fsdp1", "mode": "FULL_SHARD"}, range(STEPS)),
     "fsdp1-noshard": ({"framework": "fsdp1", "mode": "NO_SHARD"}, range(STEPS)),
+    # no_sync() on all micro-batches but the last: one reduction a step, of their sum.
+    "fsdp1-nosync": (
+        {"framework": "fsdp1", "mode": "FULL_SHARD", "accum": 2, "sync_last": True},
+        range(STEPS),
+    ),
     "fsdp1-accum": (
         {"framework": "fsdp1", "mode": "SHARD_GRAD_OP", "accum": 2, "keep": True},
         range(STEPS),
@@ -69,6 +74,12 @@ if FSDP2:
             # Each of 3 micro-batches is reduced; kept from the start, every step is exact.
             "fsdp2-accum": (
                 {"framework": "fsdp2", "mode": "shard", "accum": 3, "keep": True},
+                range(STEPS),
+            ),
+            # set_requires_gradient_sync(False) on all micro-batches but the last: one
+            # reduction a step, of their sum; exact without a copy.
+            "fsdp2-nosync": (
+                {"framework": "fsdp2", "mode": "shard", "accum": 3, "sync_last": True},
                 range(STEPS),
             ),
             # By default the sum is kept from the step after the first that reduced a parameter
@@ -130,6 +141,8 @@ def test_collector_statistics_equal_exact_local_values(exact_runs, job):
     results = check(collector, out, job, 2, reported)
     if job == "fsdp2-accum-auto":
         assert all(r["stats"]["shim_accumulation_unseen"] == 1 for r in results)
+    if scenario.get("sync_last"):
+        assert all(r["stats"].get("shim_accumulation_unseen", 0) == 0 for r in results)
     rows = collector.query(
         "SELECT step, rank, param_fingerprint, replica_ok FROM rank_steps WHERE job = ? "
         "ORDER BY step, rank",
