@@ -39,6 +39,10 @@ dormant job reports no steps, the collector's view may be stale, so the first ra
 control agrees on the step through the job's c10d store (one ``add``/``set`` per control, never
 per step) and the others adopt it; see docs/shim.md.
 
+Frameworks. ``attach`` also takes an FSDP1 root or an FSDP2 module (and refuses, with one warning
+and a stand-in monitor, the modes it cannot watch exactly); their paths are in
+rankscope.frameworks, and docs/shim.md "Frameworks" says what each sees, through which hook.
+
 Layout. This module is the public surface (``attach``, ``attach_reducer``, ``Monitor`` and the
 option helpers, re-exported); the concepts behind it live in their own modules: ``_options``
 (option resolution), ``_ddp_hook`` (the comm hook), ``_adapters`` (self-reduced models, flat
