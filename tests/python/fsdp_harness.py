@@ -168,6 +168,8 @@ def checks_worker(rank, world_size, out_dir, identical_cases):
     for framework, mode in identical_cases:
         identical_worker(rank, world_size, out_dir, 3, framework, mode)
     refusal_worker(rank, world_size, out_dir)
+    if "fsdp2" in {f for f, _ in identical_cases}:
+        non_root_worker(rank, world_size, out_dir)
     python_reducer_worker(rank, world_size, out_dir)  # last: it sets torch._dynamo's config
 
 
@@ -279,6 +281,29 @@ def python_reducer_worker(rank, world_size, out_dir):
         Path(out_dir) / f"python-reducer.rank{rank}.json",
         {
             "python_reducer": bool(getattr(ddp, "_use_python_reducer", False)),
+            "messages": [str(w.message) for w in caught if "rankscope" in str(w.message)],
+            "stats": mon.close(),
+        },
+    )
+    dist.barrier()
+
+
+def non_root_worker(rank, world_size, out_dir):
+    """attach on an FSDP2 submodule (not the root) after a forward: refused with one message."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    torch.manual_seed(7)
+    model = _wrap_fsdp2(sh.TinyLM(), "shard", world_size)
+    x, y = sh.batch(rank, 0)
+    sh.lm_loss(model, x, y).backward()  # FSDP2 decides its root at the first forward
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(model.block, collector="127.0.0.1:9", job="non-root", sketch_dim=64)
+    sh.write_json(
+        Path(out_dir) / f"non-root.rank{rank}.json",
+        {
             "messages": [str(w.message) for w in caught if "rankscope" in str(w.message)],
             "stats": mon.close(),
         },

@@ -220,3 +220,15 @@ def test_ddp_in_python_reducer_mode_is_refused_with_one_message(checks_run):
         msg = out["messages"][0]
         assert "python_reducer" in msg and f"torch {torch.__version__}" in msg, msg
         assert "unwatched" in out["stats"]
+
+
+@pytest.mark.skipif(
+    not FSDP2, reason=f"torch {torch.__version__} has no FSDP2 path rankscope reads"
+)
+def test_fsdp2_submodule_is_refused_as_not_the_local_gradient(checks_run):
+    """A submodule's gradient is part of the rank's local gradient, not all of it: attach on one
+    (once FSDP2 knows its root) is refused with one message."""
+    for r in range(2):
+        out = load(checks_run / f"non-root.rank{r}.json")
+        assert len(out["messages"]) == 1, out
+        assert "not the root" in out["messages"][0] and "unwatched" in out["stats"]

@@ -129,6 +129,14 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     **options)`` makes the Monitor (rankscope.torch's common path)."""
     if options.pop("comm_hook", None) is not None or options.pop("comm_hook_state", None):
         raise ValueError("attach: FSDP2 has no comm hook to chain to (comm_hook= is for DDP/FSDP1)")
+    if getattr(model._get_fsdp_state(), "_is_root", None) is False:  # known after a forward
+        return refuse(
+            WHAT,
+            "?",
+            "the module is not the root FSDP2 module (pass the model the optimizer steps, the "
+            "last fully_shard call); its gradient is not the rank's local gradient",
+            start_step,
+        )
     groups = param_groups(model)
     if not groups:
         return refuse(WHAT, "?", "the model has no FSDP2 parameter group", start_step)
