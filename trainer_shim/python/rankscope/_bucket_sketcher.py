@@ -95,6 +95,11 @@ class BucketSketcher:
         self.plans_final = False
         self._plans = {}
 
+        # A parameter sketched twice in a step means a backward restarted (DDP: the buckets hold
+        # the accumulated gradient); a framework that reduces every micro-batch clears this, and
+        # then its micro-batch gradients add up in the sketch.
+        self.restart_on_repeat = True
+
         # Per-step state.
         self.got_grads = False
         self.seen_params = set()  # global offsets of the parameters sketched this step
@@ -160,7 +165,7 @@ class BucketSketcher:
         without no_sync()): the buckets now hold the newest, accumulated gradient, which is what
         DDP all-reduces, so the sketch starts over."""
         seen = self.seen_params
-        if any(o in seen for o in offsets):
+        if self.restart_on_repeat and any(o in seen for o in offsets):
             self._counters["backward_restarts"] += 1
             self.reset()
             self._on_restart()

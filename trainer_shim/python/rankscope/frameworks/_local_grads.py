@@ -1,0 +1,239 @@
+"""What the sharded frameworks' paths share (rankscope.frameworks.fsdp1, .fsdp2): the model's
+parameters as rankscope numbers them, a monitor model that stands in for DDP's, the step's local
+gradient when a framework reduces every micro-batch, and the refusal that leaves training
+unwatched.
+
+Flat order. rankscope numbers a model's coordinates in ``named_parameters()`` order of the model as
+written (before any wrapping), the order DDP's path and the truth tests use; each framework path
+maps its gradient pieces onto that order (``ParamSpec.offset``).
+
+Micro-batches. DDP reduces once per step (``no_sync`` on the others); FSDP1 without ``no_sync``
+and FSDP2 (unless ``set_requires_gradient_sync(False)``) reduce every micro-batch, so a step's
+local gradient is the *sum* of the gradients the hook saw. Sketches are linear: they add. Norms
+are not: ``||g1 + g2||`` needs the earlier gradients. ``StepGradients`` therefore keeps, only when
+asked or once a step reduced a parameter twice, a running float32 sum of each parameter's local
+gradient for the step (memory: one unsharded copy of the model's gradients per rank), and the
+step's norm is that sum's exact norm. A step that reduced a parameter twice before the sum was kept
+is not reported (counted as ``shim_accumulation_unseen``, warned once): nothing is reported that is
+not the local gradient it claims to be.
+
+Thread safety: ``add`` runs where the framework's hook runs (the autograd thread, or FSDP1's
+post-backward stream context on the same thread) while backward runs; ``reset`` and ``close_step``
+on the training thread in ``mon.step``; they never overlap.
+"""
+
+import warnings
+
+import torch
+
+from rankscope._adapters import SelfReduced
+
+
+class ParamSpec:
+    """One parameter of the model as rankscope numbers it: its name, shape and global flat offset.
+    Stands in for the parameter in the monitor's tables (id-keyed), so sharded or flattened
+    parameters are never read there."""
+
+    __slots__ = ("name", "shape", "offset", "requires_grad", "_numel")
+
+    def __init__(self, name: str, shape, offset: int):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.offset = offset
+        self.requires_grad = True
+        self._numel = self.shape.numel()
+
+    def numel(self) -> int:
+        return self._numel
+
+    def data_ptr(self) -> int:
+        return 0  # never a tensor's address: the sketcher finds specs by id
+
+
+class ParamTable:
+    """The model's trainable parameters as ``ParamSpec``s, in rankscope's flat order; what the
+    monitor's sketcher reads as ``model.module`` (``named_parameters``). ``replica_tensors``: where
+    every rank of the group holds the same parameter values (pure data parallelism), the tensors
+    that hold them, which the replica fingerprints read (``parameters``); else the specs, never
+    read (fingerprints off)."""
+
+    def __init__(self, named_shapes, replica_tensors=None):
+        self.replica_tensors = None if replica_tensors is None else list(replica_tensors)
+        self.specs = []
+        offset = 0
+        for name, shape in named_shapes:
+            spec = ParamSpec(name, shape, offset)
+            self.specs.append(spec)
+            offset += spec.numel()
+        self.num_coordinates = offset
+
+    def named_parameters(self):
+        return ((s.name, s) for s in self.specs)
+
+    def parameters(self):
+        return iter(self.specs if self.replica_tensors is None else self.replica_tensors)
+
+
+class FrameworkModel(SelfReduced):
+    """What ``Monitor`` reads of a DDP model, for a framework path: the parameter table (as
+    ``module``), the data-parallel process group, and the forward pre-hook on the real model.
+    A ``SelfReduced`` model to ``attach``: the framework path feeds the monitor itself."""
+
+    def __init__(self, real_module, table: ParamTable, process_group):
+        super().__init__(table, process_group)
+        self.real_module = real_module
+
+    def register_forward_pre_hook(self, hook):
+        return self.real_module.register_forward_pre_hook(lambda _m, args: hook(self, args))
+
+
+class _Bucket:
+    """One reduction's local gradients in the shape the sketcher reads (a GradBucket's)."""
+
+    __slots__ = ("_index", "_params", "_grads")
+
+    def __init__(self, index, params, grads):
+        self._index = index
+        self._params = params
+        self._grads = grads
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+
+class StepGradients:
+    """One rank's local gradient of the step, fed by a framework's hook one reduction at a time.
+
+    ``keep``: True keeps the running sum from the first step (exact norms under any number of
+    reductions a step), False never (a step with a parameter reduced twice is not reported),
+    None (default) from the step after the first one that reduced a parameter twice.
+    """
+
+    def __init__(self, monitor, keep: bool | None = None):
+        self._monitor = monitor
+        self._auto = keep is None
+        self._keep = bool(keep)
+        self._reductions = 0
+        monitor._sketcher.restart_on_repeat = False
+        self.reset()
+
+    def reset(self) -> None:
+        self._seen = set()
+        self._sums = {}  # offset -> float32 running sum (kept mode)
+        self._repeated = False
+        self._unseen = False  # a repeat came before the sum was kept
+
+    def add(self, specs, grads) -> None:
+        """Sketches one reduction's local gradients (``specs[i]`` holds ``grads[i]``, in the
+        parameter's shape) and, in kept mode, adds them to the step's running sums."""
+        monitor = self._monitor
+        if not monitor._active:
+            return
+        try:
+            for spec, g in zip(specs, grads):
+                off = spec.offset
+                if off in self._seen:
+                    self._repeated = True
+                    acc = self._sums.get(off)
+                    if acc is None:
+                        self._unseen = True
+                    else:
+                        acc.add_(g.detach().reshape(spec.shape))
+                else:
+                    self._seen.add(off)
+                    if self._keep:
+                        self._sums[off] = g.detach().reshape(spec.shape).to(torch.float32).clone()
+            self._reductions += 1
+            monitor._add_bucket(_Bucket(self._reductions, list(specs), list(grads)))
+        except Exception as e:  # monitoring must never break training
+            monitor._hook_failed(e)
+
+    def close_step(self, sketcher):
+        """(report the step?, its exact sum of squares or None for the sketch's own)."""
+        if not self._repeated:
+            return True, None
+        if self._unseen:
+            counters = self._monitor.counters
+            counters["accumulation_unseen"] += 1
+            if self._auto:
+                self._keep = True
+            self._monitor._warn_once(
+                "accumulation",
+                "rankscope: the framework reduced the gradient of some parameters more than "
+                "once in this step (gradient accumulation, a reduction every micro-batch); the "
+                "step's local gradient norm needs the micro-batches' sum, which rankscope keeps "
+                + (
+                    "from the next step on (one unsharded float32 copy of the gradients per "
+                    "rank); this step is not reported"
+                    if self._auto
+                    else "only with accumulate_local_grad=True; such steps are not reported"
+                )
+                + ". Without that memory: reduce once a step (FSDP2's "
+                "set_requires_gradient_sync(False), FSDP1's no_sync() on the other "
+                "micro-batches)",
+            )
+            return False, None
+        sums = list(self._sums.values())
+        device = sums[0].device if sums else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for acc in sums:
+            a = acc.double()
+            total += torch.dot(a.reshape(-1), a.reshape(-1))
+        if device.type == "cpu":
+            return True, float(total)
+        return True, total
+
+
+class Unwatched:
+    """What ``attach`` returns for a framework version or mode rankscope cannot watch exactly:
+    the Monitor's calls, doing nothing. Training goes on unwatched."""
+
+    enabled = False
+    every = 1
+    sketch_dim = 0
+
+    def __init__(self, reason: str, start_step: int = 0):
+        self.reason = reason
+        self._step = start_step
+
+    @property
+    def step_number(self) -> int:
+        return self._step
+
+    def step(self, loss=None, step: int | None = None, batch_size: int | None = None):
+        self._step = (self._step if step is None else int(step)) + 1
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> dict:
+        return self.stats()
+
+    def stats(self) -> dict:
+        return {"unwatched": self.reason}
+
+    def control(self):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def refuse(what: str, mode: str, why: str, start_step: int = 0, stacklevel: int = 4) -> Unwatched:
+    """One clear warning naming torch's version and the mode; an ``Unwatched`` monitor.
+    ``stacklevel`` 4 names the script's ``attach`` call from a framework path."""
+    message = (
+        f"rankscope: {what} in mode {mode} on torch {torch.__version__} is not watched: {why}. "
+        "Training goes on unwatched."
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+    return Unwatched(message, start_step)

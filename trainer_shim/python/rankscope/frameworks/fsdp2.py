@@ -1,0 +1,203 @@
+"""FSDP2 (``fully_shard``, and ``replicate`` built on it): each rank's local gradient before
+FSDP2 reduces it.
+
+Where it is seen. Every FSDP2 parameter group (one per ``fully_shard`` call) reduces its gradients
+in ``FSDPParamGroup.post_backward``, which hands ``foreach_reduce`` the parameters that have a
+gradient and their *unsharded local* gradients; ``foreach_reduce`` first calls the group's
+``_prepare_reduce_scatter_inputs(fsdp_params, unsharded_grads, world_size)`` (a per-group callable
+that reorders non-dim-0 shards), before the copy into the reduce-scatter buffer. rankscope wraps that
+callable on each group: it sees each parameter's full local gradient in its own shape, in the
+gradient's dtype, only the parameters that have one (an unused expert is simply absent), then calls
+PyTorch's own. The reduction itself is PyTorch's, untouched, so training is bit-identical.
+
+Why not the public ``set_custom_reduce_scatter`` (torch >= 2.9): it sees the same values permuted
+into rank chunks, but (a) it never runs when the shard group has one rank (pure data parallelism
+through ``replicate`` or a replicate-only mesh: ``foreach_reduce`` copies instead), (b) its call
+does not say which parameters the buffer holds, which changes when some have no gradient, and (c)
+it replaces a comm torchtitan and others set themselves. The wrapped callable covers FSDP, HSDP and
+replicate alike. It is private: rankscope checks for it (and the attributes it reads) with
+``hasattr`` and refuses, with one message naming torch's version and the mode, where it is absent.
+
+Modes and what is compared:
+  - FSDP (1-D shard mesh): each rank's local loss, gradient norm and sketch, compared across all
+    ranks of the mesh. No replica fingerprints: no two ranks hold the same reduced shard.
+  - HSDP (2-D mesh, replicate x shard): the same, across all ranks of the mesh (every rank has its
+    own data). Replica fingerprints not sent (ranks with the same shard index in different
+    replicas hold equal shards, but the collector compares a group's ranks all against all).
+  - replicate (shard group of one rank): the same; every rank holds every parameter whole, so
+    the parameter fingerprints (every ``param_check_every`` steps, of each DTensor's local
+    tensor) are sent and compared across all ranks. The reduced gradient's fingerprint is not.
+Micro-batches: FSDP2 reduces every backward unless ``set_requires_gradient_sync(False)``;
+``rankscope.frameworks._local_grads.StepGradients`` sums the step's reductions (see there).
+
+Versions: needs ``FSDPParamGroup._prepare_reduce_scatter_inputs`` (read in torch 2.15). torch 2.2
+has no FSDP2 (``fully_shard`` appeared in torch.distributed._composable.fsdp in 2.4 and in
+torch.distributed.fsdp in 2.6).
+"""
+
+import torch
+import torch.distributed as dist
+
+from rankscope.frameworks._local_grads import (
+    FrameworkModel,
+    ParamTable,
+    StepGradients,
+    refuse,
+)
+
+WHAT = "FSDP2 (fully_shard)"
+
+
+def fsdp_module_class():
+    """FSDP2's ``FSDPModule`` class in this torch, or None."""
+    for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            module = __import__(path, fromlist=["FSDPModule"])
+        except ImportError:
+            continue
+        cls = getattr(module, "FSDPModule", None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def is_fsdp2(model) -> bool:
+    cls = fsdp_module_class()
+    return cls is not None and isinstance(model, cls)
+
+
+def param_groups(model) -> list:
+    """Every FSDP2 parameter group under ``model`` (one per fully_shard / replicate call)."""
+    cls = fsdp_module_class()
+    groups = []
+    for m in model.modules():
+        if not isinstance(m, cls):
+            continue
+        state = m._get_fsdp_state()
+        if hasattr(state, "_fsdp_param_groups"):  # recent torch: several groups per state
+            groups.extend(g for g in state._fsdp_param_groups if g is not None)
+        elif getattr(state, "_fsdp_param_group", None) is not None:
+            groups.append(state._fsdp_param_group)
+    return groups
+
+
+def mode_of(groups) -> str:
+    """ "FSDP", "HSDP" or "replicate", from the groups' mesh (the first group's; FSDP2 builds every
+    group of a model on one mesh unless a shard_placement_fn says otherwise)."""
+    info = groups[0].mesh_info
+    shard = getattr(info, "shard_mesh_size", None)
+    replicate = getattr(info, "replicate_mesh_size", None)
+    if shard is None or shard == 1:
+        return "replicate"
+    if replicate is not None and replicate > 1:
+        return "HSDP"
+    return "FSDP"
+
+
+def _mesh_group(groups):
+    """The process group spanning the model's data-parallel mesh, or None if none exists
+    without communication (a mesh smaller than the job and of more than one dimension)."""
+    mesh = groups[0].mesh_info.mesh
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return None
+
+
+def _mesh_key(mesh):
+    """A mesh by its ranks and layout (replicate() without a mesh makes one per call)."""
+    return (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+
+
+def _missing(groups) -> str:
+    """What this torch lacks of what the path reads, or ""."""
+    for g in groups:
+        if not callable(getattr(g, "_prepare_reduce_scatter_inputs", None)):
+            return "FSDPParamGroup._prepare_reduce_scatter_inputs"
+        if not hasattr(g, "fsdp_params") or not hasattr(g, "mesh_info"):
+            return "FSDPParamGroup.fsdp_params / mesh_info"
+        for p in g.fsdp_params:
+            if not hasattr(p, "sharded_param"):
+                return "FSDPParam.sharded_param"
+    return ""
+
+
+def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_step=0, **options):
+    """``rankscope.torch.attach`` for an FSDP2 model: the Monitor, or an ``Unwatched`` stand-in
+    (warned) where this torch or mode cannot be watched exactly. ``attach_monitor(model_like,
+    **options)`` makes the Monitor (rankscope.torch's common path)."""
+    if options.pop("comm_hook", None) is not None or options.pop("comm_hook_state", None):
+        raise ValueError("attach: FSDP2 has no comm hook to chain to (comm_hook= is for DDP/FSDP1)")
+    if getattr(model._get_fsdp_state(), "_is_root", None) is False:  # known after a forward
+        return refuse(
+            WHAT,
+            "?",
+            "the module is not the root FSDP2 module (pass the model the optimizer steps, the "
+            "last fully_shard call); its gradient is not the rank's local gradient",
+            start_step,
+        )
+    groups = param_groups(model)
+    if not groups:
+        return refuse(WHAT, "?", "the model has no FSDP2 parameter group", start_step)
+    missing = _missing(groups)
+    mode = mode_of(groups) if not missing else "?"
+    if missing:
+        return refuse(WHAT, mode, f"this torch has no {missing}", start_step)
+    meshes = {_mesh_key(g.mesh_info.mesh) for g in groups}
+    if len(meshes) > 1:
+        return refuse(WHAT, mode, "the model's parameter groups use different meshes", start_step)
+    pg = _mesh_group(groups)
+    if pg is None:
+        return refuse(
+            WHAT, mode, "its 2-D mesh spans part of the job (no process group for it)", start_step
+        )
+    # rankscope's flat order: the model's named_parameters() (FSDP2 keeps the names and the
+    # global shapes of its DTensor parameters).
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # Replicas: with a shard group of one rank every rank holds every parameter whole (its
+    # DTensor's local tensor), and the parameter fingerprints compare them.
+    replicas = None
+    if mode == "replicate" and options.get("fingerprints", True):
+        replicas = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    table = ParamTable(((n, p.shape) for n, p in named), replicas)
+    spec_by_param = {id(p): s for (_, p), s in zip(named, table.specs)}
+    for g in groups:
+        for fp in g.fsdp_params:
+            if fp.sharded_param.requires_grad and id(fp.sharded_param) not in spec_by_param:
+                return refuse(
+                    WHAT, mode, "a sharded parameter is not among the model's", start_step
+                )
+    options["fingerprints"] = replicas is not None  # see the module docstring
+    monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
+    grads = StepGradients(monitor, keep=accumulate_local_grad)
+    monitor.framework = grads
+    monitor.framework_mode = f"FSDP2 {mode}"
+    for g in groups:
+        _wrap(g, grads, spec_by_param)
+    return monitor
+
+
+def _wrap(group, grads: StepGradients, spec_by_param: dict) -> None:
+    """Wraps the group's _prepare_reduce_scatter_inputs once; a later attach retargets it."""
+    current = group._prepare_reduce_scatter_inputs
+    target = getattr(current, "_rankscope_target", None)
+    if target is not None:
+        target[0] = (grads, spec_by_param)
+        return
+    target = [(grads, spec_by_param)]
+
+    def prepare(fsdp_params, unsharded_grads, world_size, *args, **kwargs):
+        step_grads, specs = target[0]
+        if step_grads._monitor._active:
+            try:
+                params = [specs[id(fp.sharded_param)] for fp in fsdp_params]
+            except KeyError as e:  # monitoring must never break training
+                step_grads._monitor._hook_failed(e)
+            else:
+                with torch.no_grad():
+                    step_grads.add(params, list(unsharded_grads))
+        return current(fsdp_params, unsharded_grads, world_size, *args, **kwargs)
+
+    prepare._rankscope_target = target
+    group._prepare_reduce_scatter_inputs = prepare
