@@ -46,6 +46,7 @@ runs on the autograd thread while backward runs, which never overlaps ``mon.step
 import atexit
 import collections
 import functools
+import inspect
 import math
 import os
 import time
@@ -262,6 +263,10 @@ def attach(
     """
     self_reduced = isinstance(model, _SelfReduced)
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self_reduced:
+        from rankscope import frameworks  # DeepSpeed, Hugging Face, Lightning
+
+        if frameworks.framework_of(model):
+            return frameworks.attach(model, **_explicit(locals()))
         raise TypeError(
             "rankscope.torch.attach needs a torch.nn.parallel."
             f"DistributedDataParallel model, got {type(model).__name__}"
@@ -333,6 +338,16 @@ def attach(
         ) from e
     _ATTACHED[key] = monitor
     return monitor
+
+
+def _explicit(args: dict) -> dict:
+    """attach's keyword arguments that differ from their defaults (for rankscope.frameworks)."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(attach).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {k: v for k, v in args.items() if k in defaults and v is not defaults[k]}
 
 
 def attach_reducer(module: torch.nn.Module, process_group=None, **kwargs) -> "Monitor":

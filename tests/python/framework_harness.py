@@ -1,0 +1,166 @@
+"""Workers for the framework tests (tests/python/test_frameworks_*.py), run by
+shim_harness.spawn in fresh gloo processes on the CPU.
+
+Each worker trains a tiny model through the framework with rankscope attached the way a user
+would, and computes next to it the exact truth: each rank's local loss and full local gradient of
+the step from a reference replica (same weights, same micro-batches, no framework), all-gathered
+to rank 0 (a collective the test pays).
+"""
+
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shim_harness
+from shim_harness import TinyLM, batch, exact_step_stats, flat_grad, lm_loss, write_json
+
+
+def gather_truth(rank, world_size, loss, grad, sketch_dim):
+    """exact_step_stats on rank 0 from every rank's (loss, flat local gradient); None elsewhere."""
+    from rankscope import DEFAULT_SKETCH_SEED
+
+    grads = [torch.zeros_like(grad) for _ in range(world_size)]
+    dist.all_gather(grads, grad)
+    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(losses, loss.double().reshape(1))
+    if rank != 0:
+        return None
+    return exact_step_stats([float(v) for v in losses], grads, sketch_dim, DEFAULT_SKETCH_SEED)
+
+
+def reference_step(ref, rank, step, accumulation, bsz=4):
+    """(mean micro-batch loss, flat local gradient of the step): the sum over micro-batches of
+    the gradients of loss / accumulation, as DeepSpeed, Hugging Face and Lightning scale it."""
+    ref.zero_grad(set_to_none=True)
+    losses = []
+    for micro in range(accumulation):
+        x, y = batch(rank, step, micro, bsz=bsz)
+        loss = lm_loss(ref, x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), flat_grad(ref)
+
+
+# ---- DeepSpeed ---------------------------------------------------------------------------------
+
+# name -> (ZeRO stage, gradient accumulation steps)
+DEEPSPEED_SCENARIOS = {
+    "zero0": (0, 1),
+    "zero1-accum": (1, 2),
+    "zero2-accum": (2, 3),
+    "zero3-accum": (3, 2),
+}
+
+
+def import_deepspeed():
+    """deepspeed on its CPU accelerator, without the shared-memory all-reduce op that it would
+    compile with a C++ compiler at start-up (minutes; gloo does the collectives)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return deepspeed
+
+
+def full_state(engine, stage):
+    """The engine's full parameters (ZeRO-3 gathers its shards) as a state dict copy."""
+    deepspeed = sys.modules["deepspeed"]
+    if stage < 3:
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def deepspeed_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed = import_deepspeed()
+    import rankscope.torch as rst
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out_dir = Path(out_dir)
+    for name in names:
+        stage, accumulation = DEEPSPEED_SCENARIOS[name]
+        torch.manual_seed(7)
+        model = TinyLM()
+        ref = copy.deepcopy(model)
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": accumulation,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+        }
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config
+        )
+        job = f"{job_prefix}-{name}"
+        mon = rst.attach(engine, collector=collector, job=job, sketch_dim=sketch_dim)
+        assert mon is not None and mon.framework.endswith(f"zero-{stage}"), mon
+        expected = {}
+        for step in range(steps):
+            ref.load_state_dict(full_state(engine, stage))
+            ref_loss, g = reference_step(ref, rank, step, accumulation)
+            for micro in range(accumulation):
+                x, y = batch(rank, step, micro)
+                loss = lm_loss(engine, x, y)
+                engine.backward(loss)
+                engine.step()
+            e = gather_truth(rank, world_size, ref_loss, g, sketch_dim)
+            if rank == 0:
+                expected[step] = e
+        stats = mon.close(timeout=30)
+        write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+        if rank == 0:
+            write_json(out_dir / f"{name}.expected.json", expected)
+        dist.barrier()
+    refusal(rank, out_dir)
+
+
+def refusal(rank, out_dir):
+    """A DeepSpeed version outside SUPPORTED is refused with one warning naming it, before
+    anything is hooked, and the engine trains on."""
+    deepspeed = sys.modules["deepspeed"]
+    import rankscope.torch as rst
+
+    torch.manual_seed(7)
+    model = TinyLM()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 2},
+            "steps_per_print": 10**9,
+        },
+    )
+    deepspeed.__version__, real = "0.99.0", deepspeed.__version__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(engine, collector="127.0.0.1:1", job="refused")
+    deepspeed.__version__ = real
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    x, y = batch(rank, 0)
+    loss = lm_loss(engine, x, y)
+    engine.backward(loss)
+    engine.step()
+    write_json(
+        Path(out_dir) / f"refusal.rank{rank}.json",
+        {"monitor": mon is not None, "messages": messages, "steps": int(engine.global_steps)},
+    )
+
+
+__all__ = [
+    "DEEPSPEED_SCENARIOS",
+    "deepspeed_worker",
+    "gather_truth",
+    "reference_step",
+    "shim_harness",
+]

@@ -1,0 +1,239 @@
+"""DeepSpeed (ZeRO stages 0, 1, 2 and 3): ``attach(engine)``.
+
+What is seen. DeepSpeed has no public hook before its reductions, and the flat buckets its
+reduction entry points receive (``average_tensor`` for stages 1/2, stage 3's
+``__avg_scatter_grads``, ``allreduce_bucket`` for stage 0) are not always the local gradient:
+under gradient accumulation ZeRO-2 points the ``.grad`` of the parameters of this rank's partition
+at the partition buffer that holds the *reduced* gradient of the earlier micro-batches
+(``copy_grads_in_partition`` in 0.19.8), and the next backward adds the new local gradient into
+it, so the next bucket holds "reduced so far + local". rankscope therefore reads each
+parameter's local gradient where autograd produces it, before DeepSpeed's own hooks see it: a
+tensor hook (``Tensor.register_hook``, public PyTorch API) on every trainable parameter of
+``engine.module`` receives that micro-batch's gradient of ``loss / gradient_accumulation_steps``
+(``engine.backward`` divides by it), full-sized in every stage (ZeRO-3 gathers the parameter for
+its backward).
+
+The step's local gradient is the sum over the step's micro-batches of these gradients: the
+gradient of the mean micro-batch loss, the same vector DDP with ``no_sync`` all-reduces. With one
+micro-batch a step each parameter's gradient goes straight to the sketch (no copy). With several,
+ZeRO-2/3 reduce every micro-batch but sketches add and norms do not, so the micro-batch gradients
+are summed in float32, one buffer per parameter (memory: 4 bytes a parameter, the size of an
+fp32 gradient), and the sum is sketched at the optimizer step: norm and sketch are exact, in all
+stages alike.
+
+The step is ``engine.step()`` calls that advanced ``engine.global_steps`` (the accumulation
+boundary); the loss is the mean of the losses given to ``engine.backward`` since the previous
+step. Replica fingerprints: stages 0, 1 and 2 keep a full copy of the (16-bit) parameters on
+every rank, fingerprinted after the optimizer step every ``param_check_every`` steps; stage 3
+partitions them (no replicas: no fingerprint). The reduced gradient is not fingerprinted in any
+stage (ZeRO-1/2/3 leave each rank only its own partition of it).
+
+Refused, with one warning naming the version and mode, the engine left unwatched: DeepSpeed
+versions outside SUPPORTED, fp16 (dynamic loss scaling: the gradients autograd produces are
+scaled), the ZeRO-0 torch-autocast GradScaler, and engines without the methods used here.
+
+Thread safety: the tensor hooks run on the autograd thread while the training thread waits in
+``engine.backward``; everything else on the training thread.
+"""
+
+import warnings
+import weakref
+
+import torch
+
+from rankscope import torch as rst
+
+__all__ = ["attach", "SUPPORTED"]
+
+# DeepSpeed releases whose engine API this module was written and tested against (>= first, <
+# second): 0.19.8 is tested (tests/python/test_frameworks_deepspeed.py).
+SUPPORTED = ((0, 16), (0, 20))
+
+_ENGINE_METHODS = (
+    "backward",
+    "step",
+    "zero_optimization_stage",
+    "gradient_accumulation_steps",
+    "fp16_enabled",
+)
+
+
+def _version() -> str:
+    import deepspeed
+
+    return str(getattr(deepspeed, "__version__", "unknown"))
+
+
+def _version_tuple(v: str):
+    parts = []
+    for piece in v.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 2 else None
+
+
+def unsupported(engine) -> str:
+    """Why this engine is refused ("" when it is supported): names the version and the mode."""
+    version = _version()
+    vt = _version_tuple(version)
+    if vt is None or not (SUPPORTED[0] <= vt < SUPPORTED[1]):
+        lo, hi = SUPPORTED
+        return (
+            f"DeepSpeed {version} is not supported (rankscope reads DeepSpeed "
+            f"{lo[0]}.{lo[1]} to before {hi[0]}.{hi[1]})"
+        )
+    missing = [m for m in _ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    if missing or not hasattr(engine, "global_steps") or not hasattr(engine, "module"):
+        return f"DeepSpeed {version}: the engine lacks {', '.join(missing) or 'global_steps'}"
+    stage = engine.zero_optimization_stage()
+    if engine.fp16_enabled():
+        return (
+            f"DeepSpeed {version} ZeRO-{stage} with fp16: the gradients are loss-scaled "
+            "(dynamic loss scaling); use bf16 or fp32"
+        )
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        return f"DeepSpeed {version} ZeRO-{stage} with torch autocast's GradScaler"
+    if stage not in (0, 1, 2, 3):
+        return f"DeepSpeed {version}: unknown ZeRO stage {stage}"
+    return ""
+
+
+class _Coordinates:
+    """Stands for one parameter in rankscope's flat index: its full numel and shape (ZeRO-3 keeps
+    them in ``ds_numel``/``ds_shape``, the parameter itself being an empty shard)."""
+
+    requires_grad = True
+
+    def __init__(self, param):
+        self.shape = tuple(getattr(param, "ds_shape", None) or param.shape)
+        self._numel = int(getattr(param, "ds_numel", None) or param.numel())
+
+    def numel(self) -> int:
+        return self._numel
+
+    def data_ptr(self) -> int:
+        return id(self)
+
+
+class _Module:
+    """What the Monitor reads of a module: the flat index (``named_parameters``, the engine's
+    trainable parameters in module order, as coordinates) and the parameters to fingerprint
+    (``parameters``: the real ones; empty for ZeRO-3)."""
+
+    def __init__(self, names, coords, params, module):
+        self._named = list(zip(names, coords))
+        self._params = params
+        self._module = module
+
+    def named_parameters(self):
+        return iter(self._named)
+
+    def parameters(self):
+        return iter(self._params)
+
+    def register_forward_pre_hook(self, hook):
+        return self._module.register_forward_pre_hook(hook)
+
+
+class DeepSpeedMonitor:
+    """Feeds one engine's local gradients, losses and steps to a Monitor (``monitor``)."""
+
+    def __init__(self, engine, monitor, params, coords):
+        self.monitor = monitor
+        self.stage = engine.zero_optimization_stage()
+        self.accumulation = int(engine.gradient_accumulation_steps())
+        self._engine = weakref.ref(engine)
+        self._coords = coords
+        self._sums = {}  # parameter index -> float32 sum of its micro-batch gradients
+        self._losses = []
+        self._handles = [p.register_hook(self._param_hook(i)) for i, p in enumerate(params)]
+        self._backward = engine.backward
+        self._step = engine.step
+        engine.backward = self.backward
+        engine.step = self.step
+
+    def _param_hook(self, index: int):
+        def hook(grad):
+            mon = self.monitor
+            if not mon._active:
+                return None
+            if self.accumulation == 1:
+                mon.local_gradient(grad, [self._coords[index]], index=index)
+                return None
+            g = grad.detach()
+            s = self._sums.get(index)
+            if s is None:
+                self._sums[index] = g.to(torch.float32, copy=True)
+            else:
+                s.add_(g)
+            return None
+
+        return hook
+
+    def backward(self, loss, *args, **kwargs):
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()))
+        return self._backward(loss, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        engine = self._engine()
+        before = engine.global_steps if engine is not None else None
+        out = self._step(*args, **kwargs)
+        if engine is not None and engine.global_steps != before:
+            self._boundary()
+        return out
+
+    def _boundary(self) -> None:
+        mon = self.monitor
+        for index, s in sorted(self._sums.items()):
+            mon.local_gradient(s, [self._coords[index]], index=index)
+        self._sums = {}
+        losses, self._losses = self._losses, []
+        loss = None
+        if losses:
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).float().mean()
+        mon.step(loss)
+
+    def close(self, timeout=None):
+        for h in self._handles:
+            h.remove()
+        return self.monitor.close(timeout)
+
+
+def attach(engine, **options):
+    """Attaches rankscope to a DeepSpeed engine (``deepspeed.initialize``'s first value), before
+    its first step; ``options`` are ``rankscope.torch.attach``'s. Steps are closed by the
+    engine's own ``step()``: do not call ``mon.step``. Returns the Monitor (its
+    ``deepspeed`` attribute is the DeepSpeedMonitor), or None when the engine is refused (one
+    RuntimeWarning says why; training is unaffected)."""
+    why = unsupported(engine)
+    if why:
+        warnings.warn(
+            f"rankscope: {why}; this engine is not watched, training is unaffected",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    stage = engine.zero_optimization_stage()
+    names, params, seen = [], [], set()
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            names.append(name)
+            params.append(p)
+    coords = [_Coordinates(p) for p in params]
+    replicas = stage < 3
+    module = _Module(names, coords, list(engine.module.parameters()) if replicas else [], engine)
+    group = getattr(engine, "data_parallel_group", None)
+    if not replicas:
+        options["fingerprints"] = False
+    options.setdefault("group", rst.data_parallel_group(group))
+    mon = rst.attach_reducer(module, process_group=group, **options)
+    # The reduced gradient is partitioned (ZeRO-1/2/3) or reduced in DeepSpeed's own buckets
+    # (ZeRO-0): only the parameters are compared.
+    mon._replica.enabled = False
+    mon.framework = f"deepspeed {_version()} zero-{stage}"
+    mon.deepspeed = DeepSpeedMonitor(engine, mon, params, coords)
+    return mon
