@@ -164,3 +164,97 @@ __all__ = [
     "reference_step",
     "shim_harness",
 ]
+
+
+# ---- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+class LMForTrainer(torch.nn.Module):
+    """TinyLM with the Trainer's calling convention: keyword inputs, a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM()
+
+    def forward(self, input_ids, labels):
+        return {"loss": lm_loss(self.lm, input_ids, labels)}
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n=64, ctx=16):
+        g = torch.Generator().manual_seed(3)
+        self.data = torch.randint(0, shim_harness.VOCAB, (n, ctx + 1), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
+
+
+def huggingface_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, accumulation):
+    """A Trainer on accelerate's DDP backend (gloo, CPU) with rankscope.torch.attach(trainer);
+    the truth comes from the micro-batches the Trainer actually fed this rank."""
+    import transformers
+
+    import rankscope.torch as rst
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # unused: the process group exists already
+    )
+    torch.manual_seed(7)
+    model = LMForTrainer()
+    ref = copy.deepcopy(model.lm)
+    args = transformers.TrainingArguments(
+        output_dir=str(Path(out_dir) / f"hf{rank}"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
+    cb = rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+
+    truth = {"losses": [], "expected": {}}
+    original = trainer.training_step
+
+    def training_step(model_, inputs, *a, **kw):
+        if not truth["losses"]:  # the step's first micro-batch: the weights before its update
+            ref.load_state_dict(model_.module.lm.state_dict())
+            ref.zero_grad(set_to_none=True)
+        loss = lm_loss(ref, inputs["input_ids"], inputs["labels"])
+        (loss / accumulation).backward()
+        truth["losses"].append(loss.detach())
+        return original(model_, inputs, *a, **kw)
+
+    trainer.training_step = training_step
+
+    class Truth(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][state.global_step] = e
+
+    trainer.add_callback(Truth())
+    trainer.train()
+    stats = cb.monitor.close(timeout=30)
+    write_json(Path(out_dir) / f"hf.rank{rank}.json", {"stats": stats, "path": type(cb).__name__})
+    if rank == 0:
+        write_json(Path(out_dir) / "hf.expected.json", truth["expected"])
