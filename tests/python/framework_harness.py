@@ -258,3 +258,76 @@ def huggingface_worker(rank, world_size, collector, job, out_dir, steps, sketch_
     write_json(Path(out_dir) / f"hf.rank{rank}.json", {"stats": stats, "path": type(cb).__name__})
     if rank == 0:
         write_json(Path(out_dir) / "hf.expected.json", truth["expected"])
+
+
+# ---- Lightning ---------------------------------------------------------------------------------
+
+
+def lightning_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, accumulation):
+    """A Lightning Trainer with the DDP strategy on the CPU (the process group exists: Lightning
+    sees LOCAL_RANK and creates no processes) and rankscope.torch.attach(module); the truth comes
+    from the micro-batches Lightning fed this rank."""
+    import lightning.pytorch as pl
+
+    import rankscope.torch as rst
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # unused: the process group exists already
+    )
+    truth = {"losses": [], "expected": {}}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(7)
+            self.lm = TinyLM()
+            self.ref = None
+
+        def training_step(self, batch_, batch_idx):
+            x, y = batch_["input_ids"], batch_["labels"]
+            if not truth["losses"]:  # the step's first micro-batch: weights before its update
+                self.ref = copy.deepcopy(self.lm)
+                self.ref.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                ref_loss = lm_loss(self.ref, x, y)
+                (ref_loss / accumulation).backward()
+            truth["losses"].append(ref_loss.detach())
+            return lm_loss(self.lm, x, y)
+
+        def on_train_batch_end(self, outputs, batch_, batch_idx):
+            if len(truth["losses"]) < accumulation:
+                return
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(self.ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][self.trainer.global_step - 1] = e
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.lm.parameters(), lr=0.05)
+
+    module = Module()
+    cb = rst.attach(module, collector=collector, job=job, sketch_dim=sketch_dim)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=steps,
+        accumulate_grad_batches=accumulation,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    loader = torch.utils.data.DataLoader(TokenData(), batch_size=4, shuffle=True)
+    trainer.fit(module, loader)
+    stats = cb.monitor.close(timeout=30)
+    write_json(Path(out_dir) / f"pl.rank{rank}.json", {"stats": stats})
+    if rank == 0:
+        write_json(Path(out_dir) / "pl.expected.json", truth["expected"])
