@@ -192,12 +192,16 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
 
 
-def huggingface_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, accumulation):
-    """A Trainer on accelerate's DDP backend (gloo, CPU) with rankscope.torch.attach(trainer);
-    the truth comes from the micro-batches the Trainer actually fed this rank."""
+def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum):
+    """Trainers on accelerate's DDP backend (gloo, CPU): one attached with
+    rankscope.torch.attach(trainer) (job ``<prefix>-explicit``), then one attached by the
+    zero-code launch (``rankscope.auto.install``, job ``<prefix>-auto``); the truth comes from the
+    micro-batches each Trainer fed this rank."""
     import transformers
 
+    import rankscope.auto
     import rankscope.torch as rst
+    from rankscope import _autoattach
 
     os.environ.update(
         RANK=str(rank),
@@ -207,57 +211,70 @@ def huggingface_worker(rank, world_size, collector, job, out_dir, steps, sketch_
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",  # unused: the process group exists already
     )
-    torch.manual_seed(7)
-    model = LMForTrainer()
-    ref = copy.deepcopy(model.lm)
-    args = transformers.TrainingArguments(
-        output_dir=str(Path(out_dir) / f"hf{rank}"),
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=accumulation,
-        max_steps=steps,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
-    cb = rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+    for mode in ("explicit", "auto"):
+        job = f"{job_prefix}-{mode}"
+        torch.manual_seed(7)
+        model = LMForTrainer()
+        ref = copy.deepcopy(model.lm)
+        args = transformers.TrainingArguments(
+            output_dir=str(Path(out_dir) / f"hf{rank}"),
+            use_cpu=True,
+            ddp_backend="gloo",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=accum,
+            max_steps=steps,
+            learning_rate=0.05,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        if mode == "auto":
+            options = {"collector": collector, "sketch_dim": sketch_dim}
+            rankscope.auto.install(job, dormant=False, options=options)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
+        if mode == "explicit":
+            rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+        (cb,) = [c for c in trainer.callback_handler.callbacks if getattr(c, "_rankscope", 0)]
 
-    truth = {"losses": [], "expected": {}}
-    original = trainer.training_step
+        truth = {"losses": [], "expected": {}}
+        original = trainer.training_step
 
-    def training_step(model_, inputs, *a, **kw):
-        if not truth["losses"]:  # the step's first micro-batch: the weights before its update
-            ref.load_state_dict(model_.module.lm.state_dict())
-            ref.zero_grad(set_to_none=True)
-        loss = lm_loss(ref, inputs["input_ids"], inputs["labels"])
-        (loss / accumulation).backward()
-        truth["losses"].append(loss.detach())
-        return original(model_, inputs, *a, **kw)
+        def training_step(model_, inputs, *a, _truth=truth, _ref=ref, _original=original, **kw):
+            if not _truth["losses"]:  # the step's first micro-batch: weights before its update
+                _ref.load_state_dict(model_.module.lm.state_dict())
+                _ref.zero_grad(set_to_none=True)
+            loss = lm_loss(_ref, inputs["input_ids"], inputs["labels"])
+            (loss / accum).backward()
+            _truth["losses"].append(loss.detach())
+            return _original(model_, inputs, *a, **kw)
 
-    trainer.training_step = training_step
+        trainer.training_step = training_step
 
-    class Truth(transformers.TrainerCallback):
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            loss = torch.stack(truth["losses"]).mean()
-            truth["losses"] = []
-            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
-            if rank == 0:
-                truth["expected"][state.global_step] = e
+        class Truth(transformers.TrainerCallback):
+            def on_optimizer_step(self, args, state, control, _truth=truth, _ref=ref, **kwargs):
+                loss = torch.stack(_truth["losses"]).mean()
+                _truth["losses"] = []
+                e = gather_truth(rank, world_size, loss, flat_grad(_ref), sketch_dim)
+                if rank == 0:
+                    _truth["expected"][state.global_step] = e
 
-    trainer.add_callback(Truth())
-    trainer.train()
-    stats = cb.monitor.close(timeout=30)
-    write_json(Path(out_dir) / f"hf.rank{rank}.json", {"stats": stats, "path": type(cb).__name__})
-    if rank == 0:
-        write_json(Path(out_dir) / "hf.expected.json", truth["expected"])
+        trainer.add_callback(Truth())
+        trainer.train()
+        attacher = _autoattach.current()
+        info = {
+            "stats": cb.monitor.close(timeout=30),
+            # The DDP model the Trainer built was left to the Trainer's callback.
+            "ddp_attachments": 0 if attacher is None else len(attacher.models),
+        }
+        write_json(Path(out_dir) / f"{mode}.rank{rank}.json", info)
+        if rank == 0:
+            write_json(Path(out_dir) / f"{mode}.expected.json", truth["expected"])
+        dist.barrier()
 
 
 # ---- Lightning ---------------------------------------------------------------------------------

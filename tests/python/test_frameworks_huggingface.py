@@ -1,5 +1,5 @@
 """The Hugging Face Trainer on accelerate's DDP backend (2 gloo processes, CPU, gradient
-accumulation 2) reporting through rankscope.torch.attach(trainer) to a real collector.
+accumulation 2) reporting to a real collector through rankscope.torch.attach(trainer) and through\nthe zero-code launch (rankscope.auto.install: the Trainer is attached when it is built).
 
 The truth for each step comes from the micro-batches the Trainer fed each rank, run through a
 reference replica (same weights): the local gradient is the sum over micro-batches of the
@@ -34,32 +34,46 @@ def load(path):
     return json.loads(path.read_text())
 
 
-def test_trainer_ddp_statistics_equal_exact_values(collector, tmp_path):
+@pytest.fixture(scope="module")
+def run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
     shim_harness.spawn(
         framework_harness.huggingface_worker,
         WORLD,
-        collector.address,
+        module_collector.address,
         "hf",
-        str(tmp_path),
+        str(out),
         STEPS,
         SKETCH_DIM,
         2,
         timeout=240,
     )
-    expected = {int(k): v for k, v in load(tmp_path / "hf.expected.json").items()}
+    return module_collector, out
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_trainer_ddp_statistics_equal_exact_values(run, mode):
+    """explicit: rankscope.torch.attach(trainer); auto: the zero-code launch
+    (rankscope.auto.install before the Trainer is built)."""
+    collector, out = run
+    job = f"hf-{mode}"
+    expected = {int(k): v for k, v in load(out / f"{mode}.expected.json").items()}
     assert sorted(expected) == list(range(STEPS))
-    rows = collector.step_rows("hf")
-    rank_rows = collector.rank_rows("hf")
+    rows = collector.step_rows(job)
+    rank_rows = collector.rank_rows(job)
     assert len(rank_rows) == WORLD * STEPS
     shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
     for rank in range(WORLD):
-        stats = load(tmp_path / f"hf.rank{rank}.json")["stats"]
+        info = load(out / f"{mode}.rank{rank}.json")
+        stats = info["stats"]
         assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
         assert stats.get("shim_hook_errors", 0) == 0
         assert stats.get("shim_backward_restarts", 0) == 0
+        assert info["ddp_attachments"] == 0
     fps = collector.query(
         "SELECT step, rank, reduced_grad_fingerprint, param_fingerprint FROM rank_steps "
-        "WHERE job = 'hf' ORDER BY step, rank"
+        "WHERE job = ? ORDER BY step, rank",
+        (job,),
     )
     for step in range(STEPS):
         grad = {r[2] for r in fps if r[0] == step}

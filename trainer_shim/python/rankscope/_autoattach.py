@@ -314,6 +314,21 @@ class AutoAttacher:
         self.changed()
         return m
 
+    def release(self, model) -> bool:
+        """Stops attaching ``model`` if its monitor is not installed yet (rankscope.frameworks
+        then watches it through the framework); False if it is."""
+        for m in self.models:
+            if m._model() is model:
+                if m.state != "waiting":
+                    return False
+                if m._pre_hook is not None:
+                    m._pre_hook.remove()
+                    m._pre_hook = None
+                m.state = "closed"
+                self.models.remove(m)
+                self.changed()
+        return True
+
     def remember_optimizers(self, optimizers) -> None:
         """Keeps (weakly: the script owns them) the optimizers a heap scan found."""
         self._optimizers = [weakref.ref(o) for o in optimizers]

@@ -48,3 +48,112 @@ def attach(obj, **options):
         "DeepSpeed engine, a Hugging Face Trainer or a Lightning Trainer/LightningModule, got "
         f"{type(obj).__name__}"
     )
+
+
+# ---- the zero-code launch (rankscope.auto) --------------------------------------------------
+
+# module -> (class name, framework): the class whose __init__ the zero-code launch wraps.
+_AUTO_CLASSES = {
+    "transformers.trainer": ("Trainer", "huggingface"),
+    "lightning.pytorch.trainer.trainer": ("Trainer", "lightning"),
+    "pytorch_lightning.trainer.trainer": ("Trainer", "lightning"),
+    "deepspeed.runtime.engine": ("DeepSpeedEngine", "deepspeed"),
+}
+
+
+def install_auto(attacher) -> None:
+    """(rankscope.auto) Attaches every Hugging Face Trainer, Lightning Trainer and DeepSpeed
+    engine constructed from now on, with ``attacher``'s job, dormancy and options: wraps the
+    class's ``__init__`` when its module is imported (a post-import hook on ``sys.meta_path``;
+    at once when it already is). Never raises into the script: failures are warned through
+    ``attacher.warn``."""
+    import sys
+
+    pending = {}
+    for module_name, (cls_name, framework) in _AUTO_CLASSES.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _patch_class(module, cls_name, framework, attacher)
+        else:
+            pending[module_name] = (cls_name, framework)
+    if pending and not any(isinstance(f, _PostImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImport(pending, attacher))
+
+
+def _patch_class(module, cls_name: str, framework: str, attacher) -> None:
+    cls = getattr(module, cls_name, None)
+    if cls is None or getattr(cls.__init__, "_rankscope", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "_rankscope_auto", False):  # a subclass's __init__ called ours
+            return
+        try:
+            self._rankscope_auto = True
+            options = dict(attacher.options, job=attacher.job, dormant=attacher.dormant)
+            attach(self, **options)
+        except Exception as e:  # attaching must never break the script
+            attacher.warn(f"rankscope: could not attach to a {framework} {cls_name} ({e!r})")
+
+    __init__._rankscope = True
+    __init__.__wrapped__ = original
+    cls.__init__ = __init__
+
+
+class _PostImport:
+    """A meta path finder that lets the other finders load a watched module, then patches it."""
+
+    def __init__(self, pending: dict, attacher):
+        self._pending = pending
+        self._attacher = attacher
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self._pending:
+            return None
+        import sys
+
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        cls_name, framework = self._pending.pop(fullname)
+        spec.loader = _PatchingLoader(spec.loader, cls_name, framework, self._attacher)
+        return spec
+
+
+class _PatchingLoader:
+    def __init__(self, loader, cls_name, framework, attacher):
+        self._loader = loader
+        self._args = (cls_name, framework, attacher)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            _patch_class(module, *self._args)
+        except Exception as e:  # attaching must never break the script
+            self._args[2].warn(f"rankscope: could not watch {module.__name__} ({e!r})")
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def release_ddp(model) -> bool:
+    """(framework callbacks) Takes ``model`` (a DDP model the framework built) away from the
+    zero-code DDP attachment, which would attach it at its first forward, so that the framework's
+    own attachment (with its loss and step) watches it instead. False when the DDP attachment
+    already installed its monitor: then it keeps the model."""
+    from rankscope import _autoattach
+
+    attacher = _autoattach.current()
+    return attacher is None or attacher.release(model)

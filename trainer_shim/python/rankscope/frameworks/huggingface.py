@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from rankscope import frameworks
 from rankscope import torch as rst
 
 __all__ = ["attach", "RankscopeCallback"]
@@ -98,6 +99,8 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
                 )
                 warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
                 return
+            if not frameworks.release_ddp(model):
+                return  # the zero-code DDP attachment already watches it
             opts = dict(options)
             opts.setdefault("start_step", int(state.global_step))
             opts.setdefault("local_batch_size", int(args.per_device_train_batch_size))

@@ -25,6 +25,7 @@ import warnings
 
 import torch
 
+from rankscope import frameworks
 from rankscope import torch as rst
 
 __all__ = ["attach"]
@@ -74,6 +75,8 @@ def _callback(options: dict):
             if len(trainer.optimizers) != 1:
                 self._refuse(f"with {strategy} and {len(trainer.optimizers)} optimizers")
                 return
+            if not frameworks.release_ddp(model):
+                return  # the zero-code DDP attachment already watches it
             opts = dict(options)
             opts.setdefault("start_step", int(trainer.global_step))
             self.monitor = rst.attach(model, **opts)
