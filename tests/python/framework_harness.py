@@ -280,12 +280,15 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
 # ---- Lightning ---------------------------------------------------------------------------------
 
 
-def lightning_worker(rank, world_size, collector, job, out_dir, steps, sketch_dim, accumulation):
-    """A Lightning Trainer with the DDP strategy on the CPU (the process group exists: Lightning
-    sees LOCAL_RANK and creates no processes) and rankscope.torch.attach(module); the truth comes
-    from the micro-batches Lightning fed this rank."""
+def lightning_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum):
+    """Lightning Trainers with the DDP strategy on the CPU (the process group exists: Lightning
+    sees LOCAL_RANK and creates no processes): one attached with
+    rankscope.torch.attach(lightning_module) (job ``<prefix>-explicit``), then one attached by the
+    zero-code launch (``rankscope.auto.install``; job ``<prefix>-auto``); the truth comes from the
+    micro-batches Lightning fed this rank."""
     import lightning.pytorch as pl
 
+    import rankscope.auto
     import rankscope.torch as rst
 
     os.environ.update(
@@ -296,7 +299,6 @@ def lightning_worker(rank, world_size, collector, job, out_dir, steps, sketch_di
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",  # unused: the process group exists already
     )
-    truth = {"losses": [], "expected": {}}
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -304,20 +306,23 @@ def lightning_worker(rank, world_size, collector, job, out_dir, steps, sketch_di
             torch.manual_seed(7)
             self.lm = TinyLM()
             self.ref = None
+            self.truth = {"losses": [], "expected": {}}
 
         def training_step(self, batch_, batch_idx):
             x, y = batch_["input_ids"], batch_["labels"]
+            truth = self.truth
             if not truth["losses"]:  # the step's first micro-batch: weights before its update
                 self.ref = copy.deepcopy(self.lm)
                 self.ref.zero_grad(set_to_none=True)
             with torch.enable_grad():
                 ref_loss = lm_loss(self.ref, x, y)
-                (ref_loss / accumulation).backward()
+                (ref_loss / accum).backward()
             truth["losses"].append(ref_loss.detach())
             return lm_loss(self.lm, x, y)
 
         def on_train_batch_end(self, outputs, batch_, batch_idx):
-            if len(truth["losses"]) < accumulation:
+            truth = self.truth
+            if len(truth["losses"]) < accum:
                 return
             loss = torch.stack(truth["losses"]).mean()
             truth["losses"] = []
@@ -328,23 +333,31 @@ def lightning_worker(rank, world_size, collector, job, out_dir, steps, sketch_di
         def configure_optimizers(self):
             return torch.optim.SGD(self.lm.parameters(), lr=0.05)
 
-    module = Module()
-    cb = rst.attach(module, collector=collector, job=job, sketch_dim=sketch_dim)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy="ddp",
-        max_steps=steps,
-        accumulate_grad_batches=accumulation,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    loader = torch.utils.data.DataLoader(TokenData(), batch_size=4, shuffle=True)
-    trainer.fit(module, loader)
-    stats = cb.monitor.close(timeout=30)
-    write_json(Path(out_dir) / f"pl.rank{rank}.json", {"stats": stats})
-    if rank == 0:
-        write_json(Path(out_dir) / "pl.expected.json", truth["expected"])
+    for mode in ("explicit", "auto"):
+        job = f"{job_prefix}-{mode}"
+        module = Module()
+        if mode == "explicit":
+            rst.attach(module, collector=collector, job=job, sketch_dim=sketch_dim)
+        else:
+            options = {"collector": collector, "sketch_dim": sketch_dim}
+            rankscope.auto.install(job, dormant=False, options=options)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_steps=steps,
+            accumulate_grad_batches=accum,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        loader = torch.utils.data.DataLoader(TokenData(), batch_size=4, shuffle=True)
+        trainer.fit(module, loader)
+        (cb,) = [c for c in trainer.callbacks if getattr(c, "_rankscope", False)]
+        stats = cb.monitor.close(timeout=30)
+        write_json(Path(out_dir) / f"{mode}.rank{rank}.json", {"stats": stats})
+        if rank == 0:
+            write_json(Path(out_dir) / f"{mode}.expected.json", module.truth["expected"])
+        dist.barrier()

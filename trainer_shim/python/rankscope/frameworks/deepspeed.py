@@ -208,6 +208,9 @@ def attach(engine, **options):
     engine's own ``step()``: do not call ``mon.step``. Returns the Monitor (its
     ``deepspeed`` attribute is the DeepSpeedMonitor), or None when the engine is refused (one
     RuntimeWarning says why; training is unaffected)."""
+    existing = getattr(engine, "_rankscope_monitor", None)
+    if existing is not None:  # attached already (e.g. by the zero-code launch)
+        return existing
     why = unsupported(engine)
     if why:
         warnings.warn(
@@ -236,4 +239,5 @@ def attach(engine, **options):
     mon._replica.enabled = False
     mon.framework = f"deepspeed {_version()} zero-{stage}"
     mon.deepspeed = DeepSpeedMonitor(engine, mon, params, coords)
+    engine._rankscope_monitor = mon
     return mon

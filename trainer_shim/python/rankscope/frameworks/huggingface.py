@@ -104,7 +104,12 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
             opts = dict(options)
             opts.setdefault("start_step", int(state.global_step))
             opts.setdefault("local_batch_size", int(args.per_device_train_batch_size))
-            self.monitor = rst.attach(model, **opts)
+            try:
+                self.monitor = rst.attach(model, **opts)
+            except Exception as e:  # attaching must never break training
+                self.refused = f"rankscope: could not attach to the Trainer's model ({e!r})"
+                warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
+                return
             self.monitor.framework = f"transformers {_transformers_version()} ddp"
             self._losses.take()
 

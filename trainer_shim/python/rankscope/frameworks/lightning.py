@@ -79,7 +79,11 @@ def _callback(options: dict):
                 return  # the zero-code DDP attachment already watches it
             opts = dict(options)
             opts.setdefault("start_step", int(trainer.global_step))
-            self.monitor = rst.attach(model, **opts)
+            try:
+                self.monitor = rst.attach(model, **opts)
+            except Exception as e:  # attaching must never break training
+                self._refuse(f"with {strategy}: attach failed ({e!r})")
+                return
             self.monitor.framework = f"lightning {pl.__version__} {strategy}"
             self._handle = trainer.optimizers[0].register_step_post_hook(self._optimizer_stepped)
 
@@ -120,6 +124,11 @@ def attach(obj, **options):
             def configure_callbacks():
                 found = original()
                 found = [found] if isinstance(found, pl.Callback) else list(found or [])
+                trainer = getattr(obj, "_trainer", None)
+                if trainer is not None and any(
+                    getattr(c, "_rankscope", False) for c in trainer.callbacks
+                ):
+                    return found  # the trainer is watched already (the zero-code launch)
                 return [*found, cb]
 
             obj.configure_callbacks = configure_callbacks
