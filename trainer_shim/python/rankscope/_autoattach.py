@@ -55,7 +55,11 @@ def find_models_and_optimizers():
         elif isinstance(t, type) and issubclass(t, optimizer_type):
             optimizers.append(o)
     inner = {id(getattr(o, "optim", None)) for o in optimizers}
-    return models, [o for o in optimizers if id(o) not in inner]
+    # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has no
+    # step hooks; the optimizer it wraps steps once per optimizer step.
+    return models, [
+        o for o in optimizers if id(o) not in inner and hasattr(o, "_optimizer_step_post_hooks")
+    ]
 
 
 def optimizer_of(model, optimizers) -> torch.optim.Optimizer | None:

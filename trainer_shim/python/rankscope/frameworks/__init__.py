@@ -157,3 +157,22 @@ def release_ddp(model) -> bool:
 
     attacher = _autoattach.current()
     return attacher is None or attacher.release(model)
+
+
+def huggingface_trainer_owns(models) -> bool:
+    """(rankscope._attach_payload) True when a live ``transformers.Trainer`` of this process
+    trains one of ``models`` (DDP models): its backward losses are divided by the accumulation
+    steps, so the step's loss is their sum. Reads the Trainers the garbage collector tracks."""
+    import gc
+    import sys
+
+    trainer_type = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if not isinstance(trainer_type, type):
+        return False
+    ids = {id(m) for m in models}
+    for o in gc.get_objects():
+        t = type(o)
+        if isinstance(t, type) and issubclass(t, trainer_type):
+            if id(getattr(o, "model_wrapped", None)) in ids:
+                return True
+    return False
