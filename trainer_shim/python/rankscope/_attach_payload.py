@@ -115,8 +115,8 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
     attacher.remember_optimizers(optimizers)
     from rankscope import frameworks
 
-    if frameworks.huggingface_trainer_owns(models):
-        attacher.capture.sum_losses = True  # its losses are divided by the accumulation steps
+    if frameworks.trainer_divides_losses(models):  # Hugging Face or Lightning
+        attacher.capture.sum_losses = True
     for m in models:
         attacher.add(m)
     ack.write(

@@ -200,7 +200,9 @@ def attach(
     Args:
       model: the DDP-wrapped model. No other comm hook may be registered on it (DDP allows one);
         pass your own hook as ``comm_hook`` (with ``comm_hook_state``) and rankscope chains to it
-        instead of the default all-reduce.
+        instead of the default all-reduce. A DeepSpeed engine, a ``transformers.Trainer`` or a
+        Lightning ``Trainer``/``LightningModule`` goes to rankscope.frameworks (the same
+        options; see docs/shim.md "Frameworks"), which closes the steps itself.
       collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
         ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
@@ -256,7 +258,7 @@ def attach(
     Returns:
       the Monitor; call ``mon.step(loss)`` once per optimizer step.
     Raises:
-      TypeError if ``model`` is not DDP; ValueError on a bad job name or option (a TLS file
+      TypeError if ``model`` is not DDP or a known framework's object; ValueError on a bad job name or option (a TLS file
       that is missing, not PEM, or a key that does not match its certificate), or when this
       process already reports the same (job, group, rank) for another model; RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.

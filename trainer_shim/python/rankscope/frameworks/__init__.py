@@ -159,20 +159,30 @@ def release_ddp(model) -> bool:
     return attacher is None or attacher.release(model)
 
 
-def huggingface_trainer_owns(models) -> bool:
-    """(rankscope._attach_payload) True when a live ``transformers.Trainer`` of this process
-    trains one of ``models`` (DDP models): its backward losses are divided by the accumulation
-    steps, so the step's loss is their sum. Reads the Trainers the garbage collector tracks."""
+def trainer_divides_losses(models) -> bool:
+    """(rankscope._attach_payload) True when a live Hugging Face or Lightning Trainer of this
+    process trains one of ``models`` (DDP models): both divide each micro-batch's loss by the
+    accumulation steps before backward, so the step's loss is the sum of the backward losses.
+    Reads the Trainers the garbage collector tracks (one walk, a C-level type test each)."""
     import gc
     import sys
 
-    trainer_type = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
-    if not isinstance(trainer_type, type):
+    owners = []  # (Trainer class, how to read the model it trains)
+    hf = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if isinstance(hf, type):
+        owners.append((hf, lambda t: getattr(t, "model_wrapped", None)))
+    for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        pl = getattr(sys.modules.get(name), "Trainer", None)
+        if isinstance(pl, type):
+            owners.append((pl, lambda t: getattr(getattr(t, "strategy", None), "model", None)))
+    if not owners:
         return False
+    types = tuple(cls for cls, _ in owners)
     ids = {id(m) for m in models}
     for o in gc.get_objects():
         t = type(o)
-        if isinstance(t, type) and issubclass(t, trainer_type):
-            if id(getattr(o, "model_wrapped", None)) in ids:
-                return True
+        if isinstance(t, type) and issubclass(t, types):
+            for cls, model_of in owners:
+                if isinstance(o, cls) and id(model_of(o)) in ids:
+                    return True
     return False

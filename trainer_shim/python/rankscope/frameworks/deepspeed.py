@@ -23,7 +23,8 @@ stages alike.
 
 The step is ``engine.step()`` calls that advanced ``engine.global_steps`` (the accumulation
 boundary); the loss is the mean of the losses given to ``engine.backward`` since the previous
-step. Replica fingerprints: stages 0, 1 and 2 keep a full copy of the (16-bit) parameters on
+step, or, from a caller that divided them by the accumulation steps itself and passes
+``scale_wrt_gas=False`` (the Hugging Face Trainer), their sum: the mean micro-batch loss. Replica fingerprints: stages 0, 1 and 2 keep a full copy of the (16-bit) parameters on
 every rank, fingerprinted after the optimizer step every ``param_check_every`` steps; stage 3
 partitions them (no replicas: no fingerprint). The reduced gradient is not fingerprinted in any
 stage (ZeRO-1/2/3 leave each rank only its own partition of it).
@@ -173,9 +174,28 @@ class DeepSpeedMonitor:
         return hook
 
     def backward(self, loss, *args, **kwargs):
+        # DeepSpeed divides the loss by the accumulation steps (``scale_wrt_gas``, default
+        # True), unless the caller did already (the Hugging Face Trainer passes False).
+        prescaled = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True) is False
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._losses.append(loss.detach().reshape(()))
+            self._losses.append((loss.detach().reshape(()).float(), prescaled))
         return self._backward(loss, *args, **kwargs)
+
+    def _step_loss(self):
+        """The step's loss: the mean of the micro-batch losses (computed as such when DeepSpeed
+        scaled them, not as a sum of divided ones: the same rounding as the script's own mean),
+        or the sum of the caller's pre-divided ones."""
+        losses, self._losses = self._losses, []
+        if not losses:
+            return None
+        raw = [v for v, prescaled in losses if not prescaled]
+        given = [v for v, prescaled in losses if prescaled]
+        if not given:
+            return raw[0] if len(raw) == 1 else torch.stack(raw).mean()
+        total = torch.stack(given).sum()
+        if raw:
+            total = total + torch.stack(raw).sum() / self.accumulation
+        return total
 
     def step(self, *args, **kwargs):
         engine = self._engine()
@@ -190,11 +210,7 @@ class DeepSpeedMonitor:
         for index, s in sorted(self._sums.items()):
             mon.local_gradient(s, [self._coords[index]], index=index)
         self._sums = {}
-        losses, self._losses = self._losses, []
-        loss = None
-        if losses:
-            loss = losses[0] if len(losses) == 1 else torch.stack(losses).float().mean()
-        mon.step(loss)
+        mon.step(self._step_loss())
 
     def close(self, timeout=None):
         for h in self._handles:
