@@ -14,18 +14,18 @@ tensor hook (``Tensor.register_hook``, public PyTorch API) on every trainable pa
 its backward).
 
 The step's local gradient is the sum over the step's micro-batches of these gradients: the
-gradient of the mean micro-batch loss, the same vector DDP with ``no_sync`` all-reduces. With one
-micro-batch a step each parameter's gradient goes straight to the sketch (no copy). With several,
-ZeRO-2/3 reduce every micro-batch but sketches add and norms do not, so the micro-batch gradients
-are summed in float32, one buffer per parameter (memory: 4 bytes a parameter, the size of an
-fp32 gradient), and the sum is sketched at the optimizer step: norm and sketch are exact, in all
-stages alike.
+gradient of the mean micro-batch loss, the same vector DDP with ``no_sync`` all-reduces. ZeRO-2/3
+reduce every micro-batch, but sketches add and norms do not, so the hooks add each micro-batch's
+gradient into one float32 buffer in rankscope's flat order (memory: 4 bytes a parameter, the size
+of an fp32 gradient; one add a parameter a micro-batch), and the whole buffer is sketched once
+at the optimizer step: norm and sketch are exact, in all stages alike.
 
 The step is ``engine.step()`` calls that advanced ``engine.global_steps`` (the accumulation
 boundary); the loss is the mean of the losses given to ``engine.backward`` since the previous
 step, or, from a caller that divided them by the accumulation steps itself and passes
-``scale_wrt_gas=False`` (the Hugging Face Trainer), their sum: the mean micro-batch loss. Replica fingerprints: stages 0, 1 and 2 keep a full copy of the (16-bit) parameters on
-every rank, fingerprinted after the optimizer step every ``param_check_every`` steps; stage 3
+``scale_wrt_gas=False`` (the Hugging Face Trainer), their sum: the mean micro-batch loss.
+Replica fingerprints: stages 0, 1 and 2 keep a full copy of the (16-bit) parameters on every
+rank, fingerprinted after the optimizer step every ``param_check_every`` steps; stage 3
 partitions them (no replicas: no fingerprint). The reduced gradient is not fingerprinted in any
 stage (ZeRO-1/2/3 leave each rank only its own partition of it).
 
@@ -147,7 +147,11 @@ class DeepSpeedMonitor:
         self.accumulation = int(engine.gradient_accumulation_steps())
         self._engine = weakref.ref(engine)
         self._coords = coords
-        self._sums = {}  # parameter index -> float32 sum of its micro-batch gradients
+        # The step's local gradient, float32, in the flat index's order (one view a parameter);
+        # zeroed after each step. One buffer makes the step one sketch call.
+        self._flat = None
+        self._views = []
+        self._got = False
         self._losses = []
         self._handles = [p.register_hook(self._param_hook(i)) for i, p in enumerate(params)]
         self._backward = engine.backward
@@ -155,20 +159,23 @@ class DeepSpeedMonitor:
         engine.backward = self.backward
         engine.step = self.step
 
+    def _buffer(self, device):
+        if self._flat is None:
+            total = sum(c.numel() for c in self._coords)
+            self._flat = torch.zeros(total, dtype=torch.float32, device=device)
+            offset = 0
+            for c in self._coords:
+                self._views.append(self._flat[offset : offset + c.numel()].view(c.shape))
+                offset += c.numel()
+        return self._flat
+
     def _param_hook(self, index: int):
         def hook(grad):
-            mon = self.monitor
-            if not mon._active:
+            if not self.monitor._active:
                 return None
-            if self.accumulation == 1:
-                mon.local_gradient(grad, [self._coords[index]], index=index)
-                return None
-            g = grad.detach()
-            s = self._sums.get(index)
-            if s is None:
-                self._sums[index] = g.to(torch.float32, copy=True)
-            else:
-                s.add_(g)
+            self._buffer(grad.device)
+            self._views[index].add_(grad.detach())
+            self._got = True
             return None
 
         return hook
@@ -207,10 +214,12 @@ class DeepSpeedMonitor:
 
     def _boundary(self) -> None:
         mon = self.monitor
-        for index, s in sorted(self._sums.items()):
-            mon.local_gradient(s, [self._coords[index]], index=index)
-        self._sums = {}
+        if self._got:
+            mon.local_gradient(self._flat, self._coords)
         mon.step(self._step_loss())
+        if self._got:
+            self._flat.zero_()
+            self._got = False
 
     def close(self, timeout=None):
         for h in self._handles:
