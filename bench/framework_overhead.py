@@ -5,7 +5,8 @@
 
 Two ranks (gloo, DeepSpeed's CPU accelerator, one torch thread each) each hold, for every ZeRO
 stage asked for, two engines of the same model (tests/python/shim_harness.py's TinyLM, or a
-wider one with --d-model): **plain**, and **rankscope** (``rankscope.torch.attach(engine)``:
+wider one with --d-model): **plain**, **plain-2** (the same again: plain against plain-2 is the
+noise floor), and **rankscope** (``rankscope.torch.attach(engine)``:
 tensor hooks on every parameter, the float32 sums under accumulation, the sketch at the step).
 They train in turn, one step of each after the other in a rotating order, so both see the same
 machine noise. A step is ``--accum`` micro-batches (forward, ``engine.backward``,
@@ -50,7 +51,7 @@ def worker(rank, world, port, args):
     deepspeed.init_distributed(dist_backend="gloo")
     engines = {}
     for stage in args.stages:
-        for variant in ("plain", "rankscope"):
+        for variant in ("plain", "plain-2", "rankscope"):
             torch.manual_seed(7)
             model = TinyLM(d=args.d_model, ff=4 * args.d_model)
             engine, _, _, _ = deepspeed.initialize(
@@ -85,14 +86,18 @@ def worker(rank, world, port, args):
     if rank == 0:
         rows = []
         for stage in args.stages:
-            plain, rs = times[(stage, "plain")], times[(stage, "rankscope")]
+            plain, plain2 = times[(stage, "plain")], times[(stage, "plain-2")]
+            rs = times[(stage, "rankscope")]
             diff = statistics.median(b - a for a, b in zip(plain, rs))
+            floor = statistics.median(b - a for a, b in zip(plain, plain2))
             rows.append(
                 {
                     "stage": stage,
                     "parameters": params,
                     "accum": args.accum,
                     "plain_ms": 1e3 * statistics.median(plain),
+                    "plain2_ms": 1e3 * statistics.median(plain2),
+                    "noise_floor_pct": 100 * floor / statistics.median(plain),
                     "rankscope_ms": 1e3 * statistics.median(rs),
                     "paired_diff_ms": 1e3 * diff,
                     "paired_diff_pct": 100 * diff / statistics.median(plain),
