@@ -19,7 +19,7 @@ import framework_harness  # noqa: E402
 import shim_harness  # noqa: E402
 
 try:
-    import transformers  # noqa: F401
+    import transformers
 except ImportError:
     if os.environ.get("RANKSCOPE_E2E_REQUIRED"):
         raise
@@ -80,3 +80,37 @@ def test_trainer_ddp_statistics_equal_exact_values(run, mode):
         assert len(grad) == 1 and None not in grad, fps
     first = {r[3] for r in fps if r[0] == 0}
     assert len(first) == 1 and None not in first, fps
+
+
+def test_trainer_without_ddp_is_refused_with_a_message_and_trains(tmp_path):
+    """One process, no DDP model: one RuntimeWarning naming the transformers version and what
+    the Trainer trains; training runs its steps unwatched."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=framework_harness.LMForTrainer(),
+        args=args,
+        train_dataset=framework_harness.TokenData(),
+    )
+    cb = rst.attach(trainer, collector="127.0.0.1:1", job="refused")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    messages = [str(w.message) for w in caught if "rankscope" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert f"transformers {transformers.__version__}" in messages[0]
+    assert "LMForTrainer, not a DistributedDataParallel" in messages[0]
+    assert cb.monitor is None and cb.refused == messages[0]
+    assert trainer.state.global_step == 2
