@@ -54,6 +54,9 @@ DEEPSPEED_SCENARIOS = {
     "zero1-accum": (1, 2),
     "zero2-accum": (2, 3),
     "zero3-accum": (3, 2),
+    # The zero-code launch (rankscope.auto.install) attaches the engine when it is built; runs
+    # last (every engine built after it is attached).
+    "auto-zero2-accum": (2, 2),
 }
 
 
@@ -81,46 +84,66 @@ def full_state(engine, stage):
 def deepspeed_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    auto = [n for n in names if n.startswith("auto-")]
+    for name in [n for n in names if n not in auto]:
+        _deepspeed_scenario(
+            rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+        )
+    refusal(rank, out_dir)
+    for name in auto:
+        import rankscope.auto
+
+        options = {"collector": collector, "sketch_dim": sketch_dim}
+        rankscope.auto.install(f"{job_prefix}-{name}", dormant=False, options=options)
+        _deepspeed_scenario(
+            rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+        )
+
+
+def _deepspeed_scenario(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name):
+    deepspeed = sys.modules["deepspeed"]
     import rankscope.torch as rst
 
-    deepspeed.init_distributed(dist_backend="gloo")
     out_dir = Path(out_dir)
-    for name in names:
-        stage, accumulation = DEEPSPEED_SCENARIOS[name]
-        torch.manual_seed(7)
-        model = TinyLM()
-        ref = copy.deepcopy(model)
-        config = {
-            "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": accumulation,
-            "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": stage},
-            "steps_per_print": 10**9,
-        }
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config
-        )
-        job = f"{job_prefix}-{name}"
+    stage, accumulation = DEEPSPEED_SCENARIOS[name]
+    torch.manual_seed(7)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": accumulation,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config
+    )
+    job = f"{job_prefix}-{name}"
+    if name.startswith("auto-"):  # attached when built; attach again is a no-op
+        mon = engine._rankscope_monitor
+        assert rst.attach(engine, collector=collector, job="other") is mon
+    else:
         mon = rst.attach(engine, collector=collector, job=job, sketch_dim=sketch_dim)
-        assert mon is not None and mon.framework.endswith(f"zero-{stage}"), mon
-        expected = {}
-        for step in range(steps):
-            ref.load_state_dict(full_state(engine, stage))
-            ref_loss, g = reference_step(ref, rank, step, accumulation)
-            for micro in range(accumulation):
-                x, y = batch(rank, step, micro)
-                loss = lm_loss(engine, x, y)
-                engine.backward(loss)
-                engine.step()
-            e = gather_truth(rank, world_size, ref_loss, g, sketch_dim)
-            if rank == 0:
-                expected[step] = e
-        stats = mon.close(timeout=30)
-        write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+    assert mon is not None and mon.framework.endswith(f"zero-{stage}"), mon
+    expected = {}
+    for step in range(steps):
+        ref.load_state_dict(full_state(engine, stage))
+        ref_loss, g = reference_step(ref, rank, step, accumulation)
+        for micro in range(accumulation):
+            x, y = batch(rank, step, micro)
+            loss = lm_loss(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+        e = gather_truth(rank, world_size, ref_loss, g, sketch_dim)
         if rank == 0:
-            write_json(out_dir / f"{name}.expected.json", expected)
-        dist.barrier()
-    refusal(rank, out_dir)
+            expected[step] = e
+    stats = mon.close(timeout=30)
+    write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+    if rank == 0:
+        write_json(out_dir / f"{name}.expected.json", expected)
+    dist.barrier()
 
 
 def refusal(rank, out_dir):

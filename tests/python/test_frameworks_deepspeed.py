@@ -8,7 +8,9 @@ checked as the DDP truth tests check them (shim_harness.check_exact_rows): loss 
 dispersion and each rank's norm to float tolerance, direction consistency equal to the cosine of
 ideal sketches of the exact gradients. ZeRO-2/3 reduce every micro-batch; the accumulation
 scenarios hold the norm to the same exactness. Stages 0-2 fingerprint the (replicated)
-parameters, which must agree across ranks; stage 3 has no replicas and sends none.
+parameters, which must agree across ranks; stage 3 has no replicas and sends none. The
+"auto-" scenario is attached by the zero-code launch (rankscope.auto.install) when the engine is
+built.
 """
 
 import importlib.util
