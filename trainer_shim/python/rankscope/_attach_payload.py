@@ -113,6 +113,10 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
     attacher = _autoattach.get_or_create(job, bool(request.get("dormant")), options)
     attacher._on_change = lambda: ack.write(models=attacher.describe())
     attacher.remember_optimizers(optimizers)
+    from rankscope import frameworks
+
+    if frameworks.trainer_divides_losses(models):  # Hugging Face or Lightning
+        attacher.capture.sum_losses = True
     for m in models:
         attacher.add(m)
     ack.write(

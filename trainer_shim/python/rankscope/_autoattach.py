@@ -55,7 +55,11 @@ def find_models_and_optimizers():
         elif isinstance(t, type) and issubclass(t, optimizer_type):
             optimizers.append(o)
     inner = {id(getattr(o, "optim", None)) for o in optimizers}
-    return models, [o for o in optimizers if id(o) not in inner]
+    # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has no
+    # step hooks; the optimizer it wraps steps once per optimizer step.
+    return models, [
+        o for o in optimizers if id(o) not in inner and hasattr(o, "_optimizer_step_post_hooks")
+    ]
 
 
 def optimizer_of(model, optimizers) -> torch.optim.Optimizer | None:
@@ -313,6 +317,21 @@ class AutoAttacher:
         self.models.append(m)
         self.changed()
         return m
+
+    def release(self, model) -> bool:
+        """Stops attaching ``model`` if its monitor is not installed yet (rankscope.frameworks
+        then watches it through the framework); False if it is."""
+        for m in self.models:
+            if m._model() is model:
+                if m.state != "waiting":
+                    return False
+                if m._pre_hook is not None:
+                    m._pre_hook.remove()
+                    m._pre_hook = None
+                m.state = "closed"
+                self.models.remove(m)
+                self.changed()
+        return True
 
     def remember_optimizers(self, optimizers) -> None:
         """Keeps (weakly: the script owns them) the optimizers a heap scan found."""

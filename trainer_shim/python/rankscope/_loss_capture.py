@@ -3,7 +3,9 @@
 ``Tensor.backward`` calls, records every one-element tensor that a backward starts from.
 
 ``take()`` at an optimizer step returns the mean of the losses recorded since the previous
-``take()`` (several under gradient accumulation) as a tensor on the loss's device, so that reading
+``take()`` (several under gradient accumulation; their sum once ``sum_losses`` is set, for the
+Hugging Face and Lightning Trainers, which divide each by the accumulation steps) as a tensor
+on the loss's device, so that reading
 it never synchronizes with a GPU here; the monitor's deferred reports read it later.
 
 Contract: the wrapper only records (a detached reference, no copy, no device read) and always
@@ -25,6 +27,9 @@ class LossCapture:
         self._losses = []
         self._original = torch.autograd.backward
         self.last_count = 0  # backward calls that made the last taken loss
+        # Sum instead of mean: for frameworks that divide each micro-batch's loss by the
+        # accumulation steps before backward (Hugging Face, Lightning; rankscope._attach_payload).
+        self.sum_losses = False
 
     def record(self, tensors) -> None:
         t = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
@@ -41,7 +46,7 @@ class LossCapture:
             return losses[0].reshape(()), 1
         try:
             stacked = torch.stack([x.reshape(()).to(torch.float32) for x in losses])
-            return stacked.mean(), len(losses)
+            return (stacked.sum() if self.sum_losses else stacked.mean()), len(losses)
         except Exception:  # losses on several devices: the last one stands for the step
             return losses[-1].reshape(()), len(losses)
 

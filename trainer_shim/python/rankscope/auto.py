@@ -78,6 +78,9 @@ def install(job: str, dormant: bool = True, options: dict | None = None):
 
     __init__.__wrapped__ = original_init
     ddp_type.__init__ = __init__
+    from rankscope import frameworks  # Hugging Face, Lightning, DeepSpeed
+
+    frameworks.install_auto(attacher)
     _installed = True
     return attacher
 

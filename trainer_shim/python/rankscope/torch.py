@@ -52,6 +52,7 @@ Thread safety: ``attach`` and ``Monitor`` methods are called from the training t
 runs on the autograd thread while backward runs, which never overlaps ``mon.step``.
 """
 
+import inspect
 import os
 import weakref
 from collections.abc import Callable
@@ -118,7 +119,9 @@ def attach(
     Args:
       model: the DDP-wrapped model. No other comm hook may be registered on it (DDP allows one);
         pass your own hook as ``comm_hook`` (with ``comm_hook_state``) and rankscope chains to it
-        instead of the default all-reduce.
+        instead of the default all-reduce. A DeepSpeed engine, a ``transformers.Trainer`` or a
+        Lightning ``Trainer``/``LightningModule`` goes to rankscope.frameworks (the same
+        options; see docs/shim.md "Frameworks"), which closes the steps itself.
       collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
         ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
@@ -184,7 +187,7 @@ def attach(
       without what the path reads), a stand-in with the same methods that reports nothing,
       after one warning naming torch's version and the mode: training goes on unwatched.
     Raises:
-      TypeError if ``model`` is not DDP; ValueError on a bad job name or option (a TLS file
+      TypeError if ``model`` is not DDP or a known framework's object; ValueError on a bad job name or option (a TLS file
       that is missing, not PEM, or a key that does not match its certificate), or when this
       process already reports the same (job, group, rank) for another model; RuntimeError if
       DDP already has a comm hook or torch.distributed is not initialized.
@@ -195,9 +198,12 @@ def attach(
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     framework_path = None if is_ddp or self_reduced else frameworks.path_for(model)
     if not is_ddp and not self_reduced and framework_path is None:
+        if frameworks.framework_of(model):  # DeepSpeed, Hugging Face, Lightning
+            return frameworks.attach(model, **_explicit(options))
         raise TypeError(
             "rankscope.torch.attach needs a torch.nn.parallel.DistributedDataParallel model, "
-            "an FSDP1 (FullyShardedDataParallel) root or an FSDP2 (fully_shard) module, got "
+            "an FSDP1 (FullyShardedDataParallel) root, an FSDP2 (fully_shard) module, a "
+            "DeepSpeed engine, a Hugging Face Trainer or a Lightning Trainer/LightningModule, got "
             f"{type(model).__name__}"
         )
     if not dist.is_available() or not dist.is_initialized():
@@ -279,6 +285,16 @@ def attach(
         ) from e
     _ATTACHED[key] = monitor
     return monitor
+
+
+def _explicit(args: dict) -> dict:
+    """attach's keyword arguments that differ from their defaults (for rankscope.frameworks)."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(attach).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {k: v for k, v in args.items() if k in defaults and v is not defaults[k]}
 
 
 def attach_reducer(module: torch.nn.Module, process_group=None, **kwargs) -> "Monitor":

@@ -1,0 +1,386 @@
+"""Workers for the framework tests (tests/python/test_frameworks_*.py), run by
+shim_harness.spawn in fresh gloo processes on the CPU.
+
+Each worker trains a tiny model through the framework with rankscope attached the way a user
+would, and computes next to it the exact truth: each rank's local loss and full local gradient of
+the step from a reference replica (same weights, same micro-batches, no framework), all-gathered
+to rank 0 (a collective the test pays).
+"""
+
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shim_harness
+from shim_harness import TinyLM, batch, exact_step_stats, flat_grad, lm_loss, write_json
+
+
+def gather_truth(rank, world_size, loss, grad, sketch_dim):
+    """exact_step_stats on rank 0 from every rank's (loss, flat local gradient); None elsewhere."""
+    from rankscope import DEFAULT_SKETCH_SEED
+
+    grads = [torch.zeros_like(grad) for _ in range(world_size)]
+    dist.all_gather(grads, grad)
+    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(losses, loss.double().reshape(1))
+    if rank != 0:
+        return None
+    return exact_step_stats([float(v) for v in losses], grads, sketch_dim, DEFAULT_SKETCH_SEED)
+
+
+def reference_step(ref, rank, step, accumulation, bsz=4):
+    """(mean micro-batch loss, flat local gradient of the step): the sum over micro-batches of
+    the gradients of loss / accumulation, as DeepSpeed, Hugging Face and Lightning scale it."""
+    ref.zero_grad(set_to_none=True)
+    losses = []
+    for micro in range(accumulation):
+        x, y = batch(rank, step, micro, bsz=bsz)
+        loss = lm_loss(ref, x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), flat_grad(ref)
+
+
+# ---- DeepSpeed ---------------------------------------------------------------------------------
+
+# name -> (ZeRO stage, gradient accumulation steps)
+DEEPSPEED_SCENARIOS = {
+    "zero0": (0, 1),
+    "zero1-accum": (1, 2),
+    "zero2-accum": (2, 3),
+    "zero3-accum": (3, 2),
+    # The zero-code launch (rankscope.auto.install) attaches the engine when it is built; runs
+    # last (every engine built after it is attached).
+    "auto-zero2-accum": (2, 2),
+}
+
+
+def import_deepspeed():
+    """deepspeed on its CPU accelerator, without the shared-memory all-reduce op that it would
+    compile with a C++ compiler at start-up (minutes; gloo does the collectives)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return deepspeed
+
+
+def full_state(engine, stage):
+    """The engine's full parameters (ZeRO-3 gathers its shards) as a state dict copy."""
+    deepspeed = sys.modules["deepspeed"]
+    if stage < 3:
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def deepspeed_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    auto = [n for n in names if n.startswith("auto-")]
+    for name in [n for n in names if n not in auto]:
+        _deepspeed_scenario(
+            rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+        )
+    refusal(rank, out_dir)
+    for name in auto:
+        import rankscope.auto
+
+        options = {"collector": collector, "sketch_dim": sketch_dim}
+        rankscope.auto.install(f"{job_prefix}-{name}", dormant=False, options=options)
+        _deepspeed_scenario(
+            rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+        )
+
+
+def _deepspeed_scenario(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name):
+    deepspeed = sys.modules["deepspeed"]
+    import rankscope.torch as rst
+
+    out_dir = Path(out_dir)
+    stage, accumulation = DEEPSPEED_SCENARIOS[name]
+    torch.manual_seed(7)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": accumulation,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config
+    )
+    job = f"{job_prefix}-{name}"
+    if name.startswith("auto-"):  # attached when built; attach again is a no-op
+        mon = engine._rankscope_monitor
+        assert rst.attach(engine, collector=collector, job="other") is mon
+    else:
+        mon = rst.attach(engine, collector=collector, job=job, sketch_dim=sketch_dim)
+    assert mon is not None and mon.framework.endswith(f"zero-{stage}"), mon
+    expected = {}
+    for step in range(steps):
+        ref.load_state_dict(full_state(engine, stage))
+        ref_loss, g = reference_step(ref, rank, step, accumulation)
+        for micro in range(accumulation):
+            x, y = batch(rank, step, micro)
+            loss = lm_loss(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+        e = gather_truth(rank, world_size, ref_loss, g, sketch_dim)
+        if rank == 0:
+            expected[step] = e
+    stats = mon.close(timeout=30)
+    write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
+    if rank == 0:
+        write_json(out_dir / f"{name}.expected.json", expected)
+    dist.barrier()
+
+
+def refusal(rank, out_dir):
+    """A DeepSpeed version outside SUPPORTED is refused with one warning naming it, before
+    anything is hooked, and the engine trains on."""
+    deepspeed = sys.modules["deepspeed"]
+    import rankscope.torch as rst
+
+    torch.manual_seed(7)
+    model = TinyLM()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 2},
+            "steps_per_print": 10**9,
+        },
+    )
+    deepspeed.__version__, real = "0.99.0", deepspeed.__version__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(engine, collector="127.0.0.1:1", job="refused")
+    deepspeed.__version__ = real
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    x, y = batch(rank, 0)
+    loss = lm_loss(engine, x, y)
+    engine.backward(loss)
+    engine.step()
+    write_json(
+        Path(out_dir) / f"refusal.rank{rank}.json",
+        {"monitor": mon is not None, "messages": messages, "steps": int(engine.global_steps)},
+    )
+
+
+__all__ = [
+    "DEEPSPEED_SCENARIOS",
+    "deepspeed_worker",
+    "gather_truth",
+    "reference_step",
+    "shim_harness",
+]
+
+
+# ---- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+class LMForTrainer(torch.nn.Module):
+    """TinyLM with the Trainer's calling convention: keyword inputs, a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM()
+
+    def forward(self, input_ids, labels):
+        return {"loss": lm_loss(self.lm, input_ids, labels)}
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n=64, ctx=16):
+        g = torch.Generator().manual_seed(3)
+        self.data = torch.randint(0, shim_harness.VOCAB, (n, ctx + 1), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
+
+
+def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum):
+    """Trainers on accelerate's DDP backend (gloo, CPU): one attached with
+    rankscope.torch.attach(trainer) (job ``<prefix>-explicit``), then one attached by the
+    zero-code launch (``rankscope.auto.install``, job ``<prefix>-auto``); the truth comes from the
+    micro-batches each Trainer fed this rank."""
+    import transformers
+
+    import rankscope.auto
+    import rankscope.torch as rst
+    from rankscope import _autoattach
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # unused: the process group exists already
+    )
+    for mode in ("explicit", "auto"):
+        job = f"{job_prefix}-{mode}"
+        torch.manual_seed(7)
+        model = LMForTrainer()
+        ref = copy.deepcopy(model.lm)
+        args = transformers.TrainingArguments(
+            output_dir=str(Path(out_dir) / f"hf{rank}"),
+            use_cpu=True,
+            ddp_backend="gloo",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=accum,
+            max_steps=steps,
+            learning_rate=0.05,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        if mode == "auto":
+            options = {"collector": collector, "sketch_dim": sketch_dim}
+            rankscope.auto.install(job, dormant=False, options=options)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
+        if mode == "explicit":
+            rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+        (cb,) = [c for c in trainer.callback_handler.callbacks if getattr(c, "_rankscope", 0)]
+
+        truth = {"losses": [], "expected": {}}
+        original = trainer.training_step
+
+        def training_step(model_, inputs, *a, _truth=truth, _ref=ref, _original=original, **kw):
+            if not _truth["losses"]:  # the step's first micro-batch: weights before its update
+                _ref.load_state_dict(model_.module.lm.state_dict())
+                _ref.zero_grad(set_to_none=True)
+            loss = lm_loss(_ref, inputs["input_ids"], inputs["labels"])
+            (loss / accum).backward()
+            _truth["losses"].append(loss.detach())
+            return _original(model_, inputs, *a, **kw)
+
+        trainer.training_step = training_step
+
+        class Truth(transformers.TrainerCallback):
+            def on_optimizer_step(self, args, state, control, _truth=truth, _ref=ref, **kwargs):
+                loss = torch.stack(_truth["losses"]).mean()
+                _truth["losses"] = []
+                e = gather_truth(rank, world_size, loss, flat_grad(_ref), sketch_dim)
+                if rank == 0:
+                    _truth["expected"][state.global_step] = e
+
+        trainer.add_callback(Truth())
+        trainer.train()
+        attacher = _autoattach.current()
+        info = {
+            "stats": cb.monitor.close(timeout=30),
+            # The DDP model the Trainer built was left to the Trainer's callback.
+            "ddp_attachments": 0 if attacher is None else len(attacher.models),
+        }
+        write_json(Path(out_dir) / f"{mode}.rank{rank}.json", info)
+        if rank == 0:
+            write_json(Path(out_dir) / f"{mode}.expected.json", truth["expected"])
+        dist.barrier()
+
+
+# ---- Lightning ---------------------------------------------------------------------------------
+
+
+def lightning_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum):
+    """Lightning Trainers with the DDP strategy on the CPU (the process group exists: Lightning
+    sees LOCAL_RANK and creates no processes): one attached with
+    rankscope.torch.attach(lightning_module) (job ``<prefix>-explicit``), then one attached by the
+    zero-code launch (``rankscope.auto.install``; job ``<prefix>-auto``); the truth comes from the
+    micro-batches Lightning fed this rank."""
+    import lightning.pytorch as pl
+
+    import rankscope.auto
+    import rankscope.torch as rst
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # unused: the process group exists already
+    )
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(7)
+            self.lm = TinyLM()
+            self.ref = None
+            self.truth = {"losses": [], "expected": {}}
+
+        def training_step(self, batch_, batch_idx):
+            x, y = batch_["input_ids"], batch_["labels"]
+            truth = self.truth
+            if not truth["losses"]:  # the step's first micro-batch: weights before its update
+                self.ref = copy.deepcopy(self.lm)
+                self.ref.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                ref_loss = lm_loss(self.ref, x, y)
+                (ref_loss / accum).backward()
+            truth["losses"].append(ref_loss.detach())
+            return lm_loss(self.lm, x, y)
+
+        def on_train_batch_end(self, outputs, batch_, batch_idx):
+            truth = self.truth
+            if len(truth["losses"]) < accum:
+                return
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(self.ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][self.trainer.global_step - 1] = e
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.lm.parameters(), lr=0.05)
+
+    for mode in ("explicit", "auto"):
+        job = f"{job_prefix}-{mode}"
+        module = Module()
+        if mode == "explicit":
+            rst.attach(module, collector=collector, job=job, sketch_dim=sketch_dim)
+        else:
+            options = {"collector": collector, "sketch_dim": sketch_dim}
+            rankscope.auto.install(job, dormant=False, options=options)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_steps=steps,
+            accumulate_grad_batches=accum,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        loader = torch.utils.data.DataLoader(TokenData(), batch_size=4, shuffle=True)
+        trainer.fit(module, loader)
+        (cb,) = [c for c in trainer.callbacks if getattr(c, "_rankscope", False)]
+        stats = cb.monitor.close(timeout=30)
+        write_json(Path(out_dir) / f"{mode}.rank{rank}.json", {"stats": stats})
+        if rank == 0:
+            write_json(Path(out_dir) / f"{mode}.expected.json", module.truth["expected"])
+        dist.barrier()

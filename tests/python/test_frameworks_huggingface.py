@@ -1,0 +1,116 @@
+"""The Hugging Face Trainer on accelerate's DDP backend (2 gloo processes, CPU, gradient
+accumulation 2) reporting to a real collector through rankscope.torch.attach(trainer) and through\nthe zero-code launch (rankscope.auto.install: the Trainer is attached when it is built).
+
+The truth for each step comes from the micro-batches the Trainer fed each rank, run through a
+reference replica (same weights): the local gradient is the sum over micro-batches of the
+gradients of loss / gradient_accumulation_steps, the loss their mean; the collector's
+statistics must equal it as the DDP truth tests require (shim_harness.check_exact_rows). The
+replicas' reduced gradients and parameters must agree.
+"""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
+
+import framework_harness  # noqa: E402
+import shim_harness  # noqa: E402
+
+try:
+    import transformers
+except ImportError:
+    if os.environ.get("RANKSCOPE_E2E_REQUIRED"):
+        raise
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+WORLD = 2
+STEPS = 3
+SKETCH_DIM = 1024
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    shim_harness.spawn(
+        framework_harness.huggingface_worker,
+        WORLD,
+        module_collector.address,
+        "hf",
+        str(out),
+        STEPS,
+        SKETCH_DIM,
+        2,
+        timeout=240,
+    )
+    return module_collector, out
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_trainer_ddp_statistics_equal_exact_values(run, mode):
+    """explicit: rankscope.torch.attach(trainer); auto: the zero-code launch
+    (rankscope.auto.install before the Trainer is built)."""
+    collector, out = run
+    job = f"hf-{mode}"
+    expected = {int(k): v for k, v in load(out / f"{mode}.expected.json").items()}
+    assert sorted(expected) == list(range(STEPS))
+    rows = collector.step_rows(job)
+    rank_rows = collector.rank_rows(job)
+    assert len(rank_rows) == WORLD * STEPS
+    shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
+    for rank in range(WORLD):
+        info = load(out / f"{mode}.rank{rank}.json")
+        stats = info["stats"]
+        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
+        assert stats.get("shim_hook_errors", 0) == 0
+        assert stats.get("shim_backward_restarts", 0) == 0
+        assert info["ddp_attachments"] == 0
+    fps = collector.query(
+        "SELECT step, rank, reduced_grad_fingerprint, param_fingerprint FROM rank_steps "
+        "WHERE job = ? ORDER BY step, rank",
+        (job,),
+    )
+    for step in range(STEPS):
+        grad = {r[2] for r in fps if r[0] == step}
+        assert len(grad) == 1 and None not in grad, fps
+    first = {r[3] for r in fps if r[0] == 0}
+    assert len(first) == 1 and None not in first, fps
+
+
+def test_trainer_without_ddp_is_refused_with_a_message_and_trains(tmp_path):
+    """One process, no DDP model: one RuntimeWarning naming the transformers version and what
+    the Trainer trains; training runs its steps unwatched."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=framework_harness.LMForTrainer(),
+        args=args,
+        train_dataset=framework_harness.TokenData(),
+    )
+    cb = rst.attach(trainer, collector="127.0.0.1:1", job="refused")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    messages = [str(w.message) for w in caught if "rankscope" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert f"transformers {transformers.__version__}" in messages[0]
+    assert "LMForTrainer, not a DistributedDataParallel" in messages[0]
+    assert cb.monitor is None and cb.refused == messages[0]
+    assert trainer.state.global_step == 2

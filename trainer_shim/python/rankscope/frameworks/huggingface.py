@@ -1,0 +1,138 @@
+"""Hugging Face Trainer: ``attach(trainer)`` (accelerate's DDP backend).
+
+The Trainer builds its DistributedDataParallel model inside ``train()`` (accelerate's
+``prepare``), so ``attach`` adds a TrainerCallback; at ``on_train_begin`` the model is built and
+the callback attaches rankscope's DDP comm hook to ``trainer.model_wrapped``
+(``rankscope.torch.attach``). What the hook sees is DDP's: under gradient accumulation the
+Trainer runs every micro-batch but the last under ``accelerator.no_sync``, so the buckets hold
+this rank's local gradient summed over the step's micro-batches, each of
+``loss / gradient_accumulation_steps`` (the Trainer's scaling), unreduced.
+
+The step's loss is the sum of what ``trainer.training_step`` returned over the step's micro-batches
+(the Trainer's own ``tr_loss`` accounting: each is the micro-batch loss already divided by the
+accumulation steps, or normalized by the step's item count when the model takes
+``num_items_in_batch``), i.e. the loss the Trainer logs for that step. The step closes at
+``on_optimizer_step``, numbered from ``state.global_step``. Replica fingerprints are DDP's: the
+reduced gradient of every step and the parameters every ``param_check_every`` steps, identical on
+every rank.
+
+Refused with one warning naming the version and backend, the Trainer left unwatched: a model
+that is not a DDP model at ``on_train_begin`` (one process, DeepSpeed, FSDP, DataParallel).
+"""
+
+import warnings
+
+import torch
+
+from rankscope import frameworks
+from rankscope import torch as rst
+
+__all__ = ["attach", "RankscopeCallback"]
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except Exception:
+        return "unknown"
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _Losses:
+    """Sums the losses ``training_step`` returns between optimizer steps."""
+
+    def __init__(self):
+        self.values = []
+
+    def take(self):
+        values, self.values = self.values, []
+        if not values:
+            return None
+        if len(values) == 1:
+            return values[0]
+        return torch.stack([v.reshape(()).float() for v in values]).sum()
+
+
+def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
+    """A TrainerCallback (transformers is imported only here) that attaches rankscope to
+    ``trainer``'s DDP model when training begins and closes a step at each optimizer step."""
+    base = _callback_base()
+
+    class _Callback(base):
+        def __init__(self):
+            self.monitor = None
+            self.refused = ""
+            self._losses = _Losses()
+            self._trainer = trainer
+            self._wrap_training_step(trainer)
+
+        def _wrap_training_step(self, t):
+            original = t.training_step
+            losses = self._losses
+
+            def training_step(*args, **kwargs):
+                loss = original(*args, **kwargs)
+                if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                    losses.values.append(loss.detach().reshape(()))
+                return loss
+
+            training_step.__wrapped__ = original
+            t.training_step = training_step
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if self.monitor is not None or self.refused:
+                return
+            model = self._trainer.model_wrapped
+            if type(model) is not torch.nn.parallel.DistributedDataParallel:
+                backend = type(model).__name__
+                self.refused = (
+                    f"rankscope: the Hugging Face Trainer (transformers "
+                    f"{_transformers_version()}) trains a {backend}, not a DistributedDataParallel "
+                    "model; only its DDP backend is watched, training is unaffected"
+                )
+                warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
+                return
+            if not frameworks.release_ddp(model):
+                return  # the zero-code DDP attachment already watches it
+            opts = dict(options)
+            opts.setdefault("start_step", int(state.global_step))
+            opts.setdefault("local_batch_size", int(args.per_device_train_batch_size))
+            try:
+                self.monitor = rst.attach(model, **opts)
+            except Exception as e:  # attaching must never break training
+                self.refused = f"rankscope: could not attach to the Trainer's model ({e!r})"
+                warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
+                return
+            self.monitor.framework = f"transformers {_transformers_version()} ddp"
+            self._losses.take()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            mon = self.monitor
+            if mon is not None:
+                mon.step(self._losses.take(), step=int(state.global_step))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.monitor is not None:
+                self.monitor.flush(timeout=5.0)
+
+    return _Callback()
+
+
+def attach(trainer, **options):
+    """Attaches rankscope to a ``transformers.Trainer`` before ``trainer.train()``; ``options``
+    are ``rankscope.torch.attach``'s. Returns the callback; its ``monitor`` is the Monitor once
+    training began (None before, or when refused: ``refused`` says why)."""
+    for cb in trainer.callback_handler.callbacks:
+        if getattr(cb, "_rankscope", False):
+            return cb
+    cb = RankscopeCallback(trainer, options)
+    cb._rankscope = True
+    trainer.add_callback(cb)
+    return cb
