@@ -14,7 +14,6 @@ Two kinds of path:
   returns None and training goes on unwatched.
 """
 
-
 __all__ = ["attach", "framework_of", "path_for"]
 
 
