@@ -98,10 +98,13 @@ class Monitor:
         self._closed = False
         self._refused = False  # the collector refused this rank for good (stats()["refused"])
         self._pending_layouts = {}  # local_gradient index -> replica layout (attach_reducer)
-        # A framework path (rankscope.frameworks) whose reductions can come several times a step
-        # sets this: ``reset()`` at each step start, ``close_step(sketcher)`` at mon.step, which
-        # returns (report?, the step's exact sum of squares or None for the sketch's own).
+        # What a framework path (rankscope.frameworks) names itself ("deepspeed 0.19.8 zero-2"),
+        # or None.
         self.framework = None
+        # An FSDP path, whose reductions can come several times a step, sets this:
+        # ``reset()`` at each step start, ``close_step(sketcher)`` at mon.step, which returns
+        # (report?, the step's exact sum of squares or None for the sketch's own).
+        self.local_grads = None
         self._sum_squares = None  # close_step's value for the step being emitted
         self.counters = collections.Counter()
         self._warned = set()
@@ -298,8 +301,8 @@ class Monitor:
         self._replica.force_torch = bool(value)
 
     def _reset_accumulators(self) -> None:
-        if self.framework is not None:
-            self.framework.reset()
+        if self.local_grads is not None:
+            self.local_grads.reset()
         self._sketcher.reset()
         self._replica.reset()
         self._pending_layouts.clear()
@@ -326,10 +329,10 @@ class Monitor:
         """Asks the framework path (if any) whether the step is reported and for its exact sum
         of squares; a failure drops the step (counted, warned), never training."""
         self._sum_squares = None
-        if self.framework is None:
+        if self.local_grads is None:
             return True
         try:
-            report, self._sum_squares = self.framework.close_step(self._sketcher)
+            report, self._sum_squares = self.local_grads.close_step(self._sketcher)
             return report
         except Exception as e:  # monitoring must never break training
             self._hook_failed(e)

@@ -122,7 +122,7 @@ def attach_fsdp1(
     options["fingerprints"] = replicas is not None  # see the module docstring
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
     grads = StepGradients(monitor, keep=accumulate_local_grad)
-    monitor.framework = grads
+    monitor.local_grads = grads
     monitor.framework_mode = "FSDP1 " + "/".join(sorted(strategies))
     shared = _Shared(grads, comm_hook, comm_hook_state, pg)
     try:

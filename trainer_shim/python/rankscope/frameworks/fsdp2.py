@@ -171,7 +171,7 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     options["fingerprints"] = replicas is not None  # see the module docstring
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
     grads = StepGradients(monitor, keep=accumulate_local_grad)
-    monitor.framework = grads
+    monitor.local_grads = grads
     monitor.framework_mode = f"FSDP2 {mode}"
     for g in groups:
         _wrap(g, grads, spec_by_param)
