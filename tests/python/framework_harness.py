@@ -174,9 +174,15 @@ def refusal(rank, out_dir):
     loss = lm_loss(engine, x, y)
     engine.backward(loss)
     engine.step()
+    from rankscope.frameworks._local_grads import Unwatched
+
     write_json(
         Path(out_dir) / f"refusal.rank{rank}.json",
-        {"monitor": mon is not None, "messages": messages, "steps": int(engine.global_steps)},
+        {
+            "monitor": not isinstance(mon, Unwatched),
+            "messages": messages,
+            "steps": int(engine.global_steps),
+        },
     )
 
 

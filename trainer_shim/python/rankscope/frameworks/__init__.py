@@ -10,8 +10,8 @@ Two kinds of path:
   ``attach(obj, **options)`` picks the framework by the object's type (by module name: nothing is
   imported that the script did not import) and returns that framework's Monitor, or raises
   TypeError when no framework knows the object. Each framework module checks its version and
-  mode and refuses what it does not support with one RuntimeWarning naming both; then ``attach``
-  returns None and training goes on unwatched.
+  mode and refuses what it does not support with one RuntimeWarning naming both; training goes
+  on unwatched (a DeepSpeed ``attach`` returns the ``Unwatched`` stand-in, as the FSDP paths do).
 """
 
 __all__ = ["attach", "framework_of", "path_for"]

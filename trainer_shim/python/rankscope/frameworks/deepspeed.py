@@ -43,6 +43,7 @@ import weakref
 import torch
 
 from rankscope import torch as rst
+from rankscope.frameworks._local_grads import Unwatched
 
 __all__ = ["attach", "SUPPORTED"]
 
@@ -231,19 +232,17 @@ def attach(engine, **options):
     """Attaches rankscope to a DeepSpeed engine (``deepspeed.initialize``'s first value), before
     its first step; ``options`` are ``rankscope.torch.attach``'s. Steps are closed by the
     engine's own ``step()``: do not call ``mon.step``. Returns the Monitor (its
-    ``deepspeed`` attribute is the DeepSpeedMonitor), or None when the engine is refused (one
-    RuntimeWarning says why; training is unaffected)."""
+    ``deepspeed`` attribute is the DeepSpeedMonitor), or an ``Unwatched`` stand-in with the
+    Monitor's methods, doing nothing, when the engine is refused (one RuntimeWarning says why;
+    training is unaffected)."""
     existing = getattr(engine, "_rankscope_monitor", None)
     if existing is not None:  # attached already (e.g. by the zero-code launch)
         return existing
     why = unsupported(engine)
     if why:
-        warnings.warn(
-            f"rankscope: {why}; this engine is not watched, training is unaffected",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+        message = f"rankscope: {why}; this engine is not watched, training is unaffected"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return Unwatched(message, int(getattr(engine, "global_steps", 0)))
     stage = engine.zero_optimization_stage()
     names, params, seen = [], [], set()
     for name, p in engine.module.named_parameters():
