@@ -192,7 +192,7 @@ constexpr FamilySpec kFamilies[kFamilyCount] = {
      MetricType::Counter},
     {"rankscope_rank_info",
      "1 for each rank with per-rank series (most deviating, missing, replica-divergent ranks): "
-     "its global rank and host, as its agent stated them.",
+     "its global rank, host and agent version, as its agent stated them.",
      MetricType::Gauge},
     {"rankscope_job_groups", "Data-parallel groups of the training job exported.",
      MetricType::Gauge},
@@ -693,6 +693,7 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
                                              ? absl::StrCat(*who->second.global_rank)
                                              : std::string()});
         labels.push_back({"host", who->second.host});
+        labels.push_back({"version", who->second.agent_version});
         AddSample(families[kRankInfo], std::move(labels), 1);
       }
     }
