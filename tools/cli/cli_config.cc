@@ -106,7 +106,12 @@ std::string PythonDir() {
   if (n <= 0) return "";
   std::string exe(buf, n);
   const size_t slash = exe.rfind('/');
-  return exe.substr(0, slash == std::string::npos ? 0 : slash) + "/../python";
+  const std::string bin = exe.substr(0, slash == std::string::npos ? 0 : slash);
+  // The build tree's layout, else the installed wheel's (site-packages/rankscope/_bin/rankscope).
+  for (const std::string& dir : {bin + "/../python", bin + "/../.."}) {
+    if (access((dir + "/rankscope/__init__.py").c_str(), R_OK) == 0) return dir;
+  }
+  return bin + "/../python";
 }
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {

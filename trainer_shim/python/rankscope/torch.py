@@ -53,6 +53,8 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+# First: one clear ImportError line if torch is missing or older than the supported floor.
+from rankscope import _requirements  # noqa: F401
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
