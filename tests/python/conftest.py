@@ -66,16 +66,22 @@ for _p in ([] if PYTHON_DIR is None else [str(PYTHON_DIR)]) + [str(Path(__file__
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-if INSTALLED:
+
+def pytest_sessionstart(session):
+    """Testing the installed wheel: fails the session unless rankscope comes from this Python's
+    site-packages. (A hook, not at import: the attach tests' jobs import this file through
+    shim_harness and must not import rankscope.)"""
+    if not INSTALLED:
+        return
     import sysconfig
 
-    import rankscope as _installed
+    import rankscope
 
-    _site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
-    if Path(_installed.__file__).resolve().parent.parent not in _site:
-        raise RuntimeError(
-            f"RANKSCOPE_TEST_INSTALLED=1 but rankscope was imported from {_installed.__file__}, "
-            f"not from this Python's site-packages ({', '.join(map(str, sorted(_site)))})"
+    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    if Path(rankscope.__file__).resolve().parent.parent not in site:
+        raise pytest.UsageError(
+            f"RANKSCOPE_TEST_INSTALLED=1 but rankscope was imported from {rankscope.__file__}, "
+            f"not from this Python's site-packages ({', '.join(map(str, sorted(site)))})"
         )
 
 

@@ -29,8 +29,14 @@ WORLD = 4
 
 
 def target_env(extra=None):
-    """The job's environment: no rankscope on its path (it finds tests/python for the model)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
+    """The job's environment: no rankscope settings (it finds tests/python for the model; the
+    harness's conftest, which it imports, keeps RANKSCOPE_TEST_INSTALLED: the package under test
+    is the installed one, not the build's)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RANKSCOPE_") or k == "RANKSCOPE_TEST_INSTALLED"
+    }
     env["PYTHONPATH"] = str(TARGET.parent)
     env.update(extra or {})
     return env

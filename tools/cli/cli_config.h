@@ -49,6 +49,10 @@ std::string PythonInterpreter(const std::string& flag_value);
 // be read.
 std::string PythonDir();
 
+// Whether `path` exists. stat(2), not access(2): access ignores a non-root user's capabilities
+// (CAP_DAC_READ_SEARCH reaching a package under another user's home).
+bool PathExists(const std::string& path);
+
 // The stripped token in `path`; InvalidArgument (with the message to print) if it cannot be
 // read or is empty.
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path);

@@ -13,10 +13,11 @@ import sys
 
 def _exec(name: str) -> None:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bin", name)
-    if not os.access(path, os.X_OK):
-        sys.exit(f"{name}: {path} is missing: this rankscope was not installed from a wheel")
     os.environ.setdefault("RANKSCOPE_PYTHON", sys.executable)
-    os.execv(path, [path, *sys.argv[1:]])
+    try:
+        os.execv(path, [path, *sys.argv[1:]])
+    except OSError as e:  # not os.access first: it ignores capabilities (CAP_DAC_READ_SEARCH)
+        sys.exit(f"{name}: cannot run {path} ({e.strerror}): is rankscope installed from a wheel?")
 
 
 def rankscope() -> None:
