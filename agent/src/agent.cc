@@ -1,28 +1,5 @@
-// The agent's orchestration: a ReportRing fed by Record(); per agent, one gRPC stream on the
-// callback API (StreamCall) whose reactions, on gRPC's threads, chain writes while reports wait
-// and apply acks and controls, and one sender thread that opens the stream, waits for its end
-// and reconnects with backoff; per process, one SendPoller thread (send_poller.h) that starts
-// writing on idle streams whose ring holds reports. Sent reports wait for their ack in an
-// UnackedBuffer (unacked_buffer.h); messages are built by wire.h.
-//
-// Thread safety: every field shared between the training thread, the sender thread, the poller
-// and the reactions is guarded by mu_; the sender's sleep has its own wake_mu_ (never held with
-// mu_). A StreamCall is created, cancelled and destroyed by the sender thread; the poller starts
-// writes on it only while it is live_call_ (the sender waits for poller_starting_ == 0 before it
-// lets the call end). No gRPC call (Start*, TryCancel, RemoveHold) is made with mu_ held: gRPC may
-// run reactions inline in them, and reactions take mu_. Lock order: the SendPoller's mu_ (held
-// across PollSend) before mu_; wake_mu_ and the poller's wake_mu_ are leaves.
-//
-// Cost (docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
-// preallocated ring slot and returns. It makes no syscall and wakes no thread (except the poller
-// once, when the ring reaches half full), so the training thread never pays a futex wake-up, nor
-// the preemption by the woken thread that can follow it. Once a write is started, each
-// OnWriteDone starts the next one on the gRPC thread that completed the previous, so a backlog is
-// written with no thread hand-off. (The first design, blocking Write/Read on a sender and a
-// reader thread, woken by every Record(), cost about two wake-ups per report and 30 us in
-// Record() at the median.)
-#include "rankscope/agent.h"
-
+// The agent's orchestration: AgentImpl (agent_impl.h, which states its threads and locking
+// contract) and Agent::Create.
 #include <pthread.h>
 #include <unistd.h>
 
@@ -42,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "agent_impl.h"
 #include "backoff.h"
 #include "common/client_tls.h"
 #include "common/job_name.h"
@@ -56,12 +34,8 @@
 #include "wire.h"
 
 namespace rankscope {
+namespace internal {
 namespace {
-
-namespace v1 = ::rankscope::v1;
-
-using internal::MessagePtr;
-using internal::SendPoller;
 
 std::string Hostname() {
   char buf[256] = {0};
@@ -86,572 +60,454 @@ bool IsPermanentRefusal(grpc::StatusCode code) {
          code == grpc::StatusCode::PERMISSION_DENIED;
 }
 
-class AgentImpl final : public Agent, private SendPoller::Client {
- public:
-  AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
-      : options_(std::move(options)),
-        ring_(options_.queue_capacity, options_.sketch_dim),
-        unacked_(options_.max_unacked),
-        backoff_(options_.initial_backoff, options_.max_backoff,
-                 static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
-                     (static_cast<uint64_t>(options_.rank) << 32)),
-        sketch_dims_{options_.sketch_dim} {
-    if (options_.host.empty()) options_.host = Hostname();
-    if (options_.instance_id.empty()) options_.instance_id = NewInstanceId(options_.host);
-    grpc::ChannelArguments args;
-    // Keep the channel's own reconnect quick; our backoff governs stream attempts.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-                static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    // Each agent owns its connection, as a rank in its own process does; agents created in one
-    // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    tls::ApplyTargetName(options_.tls, &args);
-    channel_ = grpc::CreateCustomChannel(options_.collector_address, credentials, args);
-    stub_ = v1::Ingest::NewStub(channel_);
-    sender_ = std::thread([this] {
-      pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
-      SenderLoop();
-    });
-    SendPoller::Get().Register(this);
+// What a failed stream means, in the warning a person reads.
+const char* DescribeFailure(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::CANCELLED:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "unavailable";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "refused this rank's credentials";
+    default:
+      return "refused this rank's stream";
   }
+}
 
-  ~AgentImpl() override { Close(absl::ZeroDuration()).IgnoreError(); }
+// The name of the status's code ("UNAVAILABLE"): gRPC's codes are absl's canonical codes,
+// number for number.
+std::string StatusCodeName(const grpc::Status& status) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
+}
 
-  absl::Status Record(const StepReport& report) override {
-    const int64_t now = absl::GetCurrentTimeNanos();
-    bool wake;
-    {
-      MutexLock lock(&mu_);
-      if (closed_) {
-        return absl::FailedPreconditionError("rankscope agent is closed");
-      }
-      if (refused_) {
-        ++stats_.rejected;
-        return absl::FailedPreconditionError(
-            absl::StrCat("the collector refused this rank: ", last_error_));
-      }
-      if (!SketchDimAccepted(sketch_dims_, report.sketch.size())) {
-        ++stats_.invalid;
-        return absl::InvalidArgumentError(absl::StrCat("sketch has ", report.sketch.size(),
-                                                       " values, agent uses sketch_dim ",
-                                                       options_.sketch_dim));
-      }
-      if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
-        ++stats_.dropped;
-        --outstanding_;
-      }
-      ++stats_.recorded;
-      ++outstanding_;
-      // No thread is woken for a report (a wake-up is a syscall, and an IPI, on the training
-      // thread): the SendPoller finds it within kMinSendPoll..kMaxSendPoll (send_poller.h), or
-      // at once when the ring gets half full.
-      wake = ring_.size() == wake_threshold_;
-    }
-    if (wake) SendPoller::Get().Wake();
-    return absl::OkStatus();
-  }
+}  // namespace
 
-  absl::Status Flush(absl::Duration timeout) override {
+AgentImpl::AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : options_(std::move(options)),
+      ring_(options_.queue_capacity, options_.sketch_dim),
+      unacked_(options_.max_unacked),
+      backoff_(options_.initial_backoff, options_.max_backoff,
+               static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
+                   (static_cast<uint64_t>(options_.rank) << 32)),
+      sketch_dims_{options_.sketch_dim} {
+  if (options_.host.empty()) options_.host = Hostname();
+  if (options_.instance_id.empty()) options_.instance_id = NewInstanceId(options_.host);
+  grpc::ChannelArguments args;
+  // Keep the channel's own reconnect quick; our backoff governs stream attempts.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Each agent owns its connection, as a rank in its own process does; agents created in one
+  // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  tls::ApplyTargetName(options_.tls, &args);
+  channel_ = grpc::CreateCustomChannel(options_.collector_address, credentials, args);
+  stub_ = v1::Ingest::NewStub(channel_);
+  sender_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
+    SenderLoop();
+  });
+  SendPoller::Get().Register(this);
+}
+
+AgentImpl::~AgentImpl() { Close(absl::ZeroDuration()).IgnoreError(); }
+
+absl::Status AgentImpl::Record(const StepReport& report) {
+  const int64_t now = absl::GetCurrentTimeNanos();
+  bool wake;
+  {
     MutexLock lock(&mu_);
-    auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return outstanding_ == 0 || sender_done_;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&drained), timeout);
-    if (outstanding_ == 0) return absl::OkStatus();
-    return absl::DeadlineExceededError(
-        absl::StrCat(outstanding_, " rankscope reports not acknowledged by the collector at ",
-                     options_.collector_address, " within ", absl::FormatDuration(timeout)));
-  }
-
-  absl::Status Close(absl::Duration timeout) override {
-    {
-      MutexLock lock(&mu_);
-      if (closed_) return close_status_;
+    if (closed_) {
+      return absl::FailedPreconditionError("rankscope agent is closed");
     }
-    absl::Status flushed = Flush(timeout);
-    {
-      MutexLock lock(&mu_);
-      closed_ = true;
-      stopping_ = true;  // the sender thread cancels the stream and returns
+    if (refused_) {
+      ++stats_.rejected;
+      return absl::FailedPreconditionError(
+          absl::StrCat("the collector refused this rank: ", last_error_));
     }
-    {
-      MutexLock lock(&wake_mu_);
-      stop_requested_ = true;
+    if (!SketchDimAccepted(sketch_dims_, report.sketch.size())) {
+      ++stats_.invalid;
+      return absl::InvalidArgumentError(absl::StrCat("sketch has ", report.sketch.size(),
+                                                     " values, agent uses sketch_dim ",
+                                                     options_.sketch_dim));
     }
-    if (sender_.joinable()) sender_.join();
-    SendPoller::Get().Unregister(this);
-    MutexLock lock(&mu_);
-    // What never got acked is lost: count it.
-    stats_.dropped += outstanding_;
-    outstanding_ = 0;
-    close_status_ = flushed;
-    return flushed;
-  }
-
-  AgentStats stats() const override {
-    MutexLock lock(&mu_);
-    AgentStats s = stats_;
-    s.queued = ring_.size();
-    s.unacked = unacked_.size();
-    s.last_error = last_error_;
-    s.refused = refused_;
-    return s;
-  }
-
-  std::optional<AgentControl> control() const override {
-    MutexLock lock(&mu_);
-    return control_;
-  }
-
-  const AgentOptions& options() const override { return options_; }
-
- private:
-  // One stream (one Ingest.Stream call) on gRPC's callback API. Created, cancelled and destroyed
-  // by the sender thread; its reactions run on gRPC's threads (or inline in a Start* call made
-  // by the sender thread, so no Start* or TryCancel is ever called with mu_ held).
-  //
-  // Writes: at most one in flight. Whoever holds the write token (AgentImpl::writing_) starts the
-  // next write: the sender thread when the stream was idle and work arrived, or OnWriteDone when
-  // more work is waiting, so a backlog is written back to back with no thread hand-off. Reads
-  // (acks, rejections, controls) are applied in OnReadDone; there is no reader thread.
-  class StreamCall final : public grpc::ClientBidiReactor<v1::AgentMessage, v1::CollectorMessage> {
-   public:
-    explicit StreamCall(AgentImpl* agent) : agent_(agent) {}
-
-    // Each reaction acquires what the thread that started its operation released
-    // (RANKSCOPE_TSAN_RELEASE(call) before every Start*, TryCancel and RemoveHold): the ordering
-    // gRPC guarantees, made visible to ThreadSanitizer (common/tsan.h).
-    void OnWriteDone(bool ok) override {
-      RANKSCOPE_TSAN_ACQUIRE(this);
-      agent_->OnWriteDone(this, ok);
-    }
-    void OnReadDone(bool ok) override {
-      RANKSCOPE_TSAN_ACQUIRE(this);
-      agent_->OnReadDone(this, ok);
-    }
-    // The last reaction: after it returns gRPC no longer touches this object.
-    void OnDone(const grpc::Status& status) override {
-      RANKSCOPE_TSAN_ACQUIRE(this);
-      agent_->OnStreamDone(status);
-    }
-
-    grpc::ClientContext context;
-    v1::AgentMessage hello;      // the first write
-    v1::CollectorMessage in;     // reactions only
-    bool hello_written = false;  // write-token holder only
-    bool received_any = false;   // reactions only
-    MessagePtr current;          // the write in flight; write-token holder only
-
-   private:
-    AgentImpl* const agent_;
-  };
-
-  void SenderLoop() {
-    while (true) {
-      RunStream();
-      absl::Duration delay;
-      {
-        MutexLock lock(&mu_);
-        if (stopping_ || refused_) break;
-        delay = backoff_.Next();
-      }
-      {
-        // Waits on wake_mu_, not mu_, so that Record() never evaluates a waiter's condition.
-        MutexLock lock(&wake_mu_);
-        wake_mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), delay);
-      }
-      MutexLock lock(&mu_);
-      if (stopping_ || refused_) break;
-      ++stats_.reconnects;
-    }
-    MutexLock lock(&mu_);
-    sender_done_ = true;
-  }
-
-  // Wakes the sender thread: work is waiting or the stream changed state. Any thread, without
-  // mu_ held.
-  void Wake() ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    MutexLock lock(&wake_mu_);
-    wake_ = true;
-  }
-
-  // Sender thread: sleeps until Wake(), Close() or `timeout`.
-  void WaitForWake(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(wake_mu_) {
-    MutexLock lock(&wake_mu_);
-    auto woken = [this]()
-                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) { return wake_ || stop_requested_; };
-    wake_mu_.AwaitWithTimeout(absl::Condition(&woken), timeout);
-    wake_ = false;
-  }
-
-  // True when a write could be started: an unacked report to resend or a report in the ring.
-  bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return unacked_.HasResend() || !ring_.empty();
-  }
-
-  // Poller thread: starts a write if the stream is live and idle and a report waits. Returns
-  // whether it did.
-  bool PollSend() override {
-    StreamCall* call;
-    {
-      MutexLock lock(&mu_);
-      if (live_call_ == nullptr || writing_ || stopping_ || stream_broken_ || !HasWorkLocked()) {
-        return false;
-      }
-      writing_ = true;
-      call = live_call_;
-      ++poller_starting_;
-    }
-    MessagePtr msg = NextMessage();
-    const bool started = msg != nullptr;
-    if (started) {
-      call->current = std::move(msg);
-      const v1::AgentMessage* next = call->current.get();
-      RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
-      call->StartWrite(next);        // from here on the write token is the chain's
-    }
-    MutexLock lock(&mu_);
-    if (!started) writing_ = false;
-    --poller_starting_;
-    return started;
-  }
-
-  // One stream's life: hello, resend what is unacked, then stream new reports until the stream
-  // breaks or the agent stops. Runs on the sender thread.
-  void RunStream() {
-    auto call = std::make_unique<StreamCall>(this);
-    std::optional<AgentControl> control;  // stated in the hello (a restarted collector's view)
-    {
-      MutexLock lock(&mu_);
-      if (stopping_) return;
-      control = control_;
-      stream_broken_ = false;
-      stream_done_ = false;
-      writing_ = true;  // the hello
-      // Every report sent before this stream and not acked is resent first, in seq order.
-      unacked_.StartResend(next_seq_);
-    }
-    call->hello = internal::HelloMessage(options_, control);
-    stub_->async()->Stream(&call->context, call.get());
-    RANKSCOPE_TSAN_RELEASE(call.get());
-    call->StartWrite(&call->hello);
-    call->StartRead(&call->in);
-    call->AddHold();  // for the poller's StartWrite calls, made outside reactions
-    call->StartCall();
-    {
-      MutexLock lock(&mu_);
-      live_call_ = call.get();  // from now on the poller may start writes on it
-    }
-    // The stream runs by itself (OnWriteDone chains writes, the poller starts them, OnReadDone
-    // applies acks): the sender only waits for its end.
-    while (true) {
-      {
-        MutexLock lock(&mu_);
-        if (stopping_ || stream_broken_) break;
-      }
-      WaitForWake(absl::Seconds(1));
-    }
-    bool stopping;
-    {
-      MutexLock lock(&mu_);
-      stats_.connected = false;
-      stopping = stopping_;
-      live_call_ = nullptr;
-      // A poller StartWrite in progress needs the hold: let it return first.
-      auto no_poller = [this]()
-                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return poller_starting_ == 0; };
-      mu_.Await(absl::Condition(&no_poller));
-    }
-    // A broken stream ends by itself (its status is on the way); a stopping agent cancels.
-    RANKSCOPE_TSAN_RELEASE(call.get());
-    if (stopping) call->context.TryCancel();
-    call->RemoveHold();
-    grpc::Status status;
-    {
-      MutexLock lock(&mu_);
-      auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_done_; };
-      mu_.Await(absl::Condition(&done));
-      status = stream_status_;
-    }
-    call.reset();
-    MutexLock lock(&mu_);
-    if (!status.ok() && !stopping_ && IsPermanentRefusal(status.error_code())) {
-      last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
-      RefuseLocked();
-      return;
-    }
-    if (!status.ok() && !stopping_) {
-      last_error_ = absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
-      // Log once per outage, quietly: the training job must not be spammed.
-      if (!warned_down_) {
-        warned_down_ = true;
-        std::fprintf(stderr,
-                     "rankscope: collector %s %s (%s)%s; training continues, reports are "
-                     "buffered and resent\n",
-                     options_.collector_address.c_str(), DescribeFailure(status.error_code()),
-                     last_error_.c_str(), TransportHint(status).c_str());
-      }
-    }
-  }
-
-  // The collector refused this rank for good: stop reconnecting, say so once, plainly, and
-  // let go of every held report (counted as rejected), so Flush and Close return at once.
-  void RefuseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    refused_ = true;
-    stats_.rejected += outstanding_;
-    outstanding_ = 0;
-    ring_.Clear();
-    unacked_.Clear();
-    std::fprintf(stderr,
-                 "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
-                 "rank stops reporting to it, training continues\n",
-                 options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
-                 options_.rank, last_error_.c_str());
-  }
-
-  static const char* DescribeFailure(grpc::StatusCode code) {
-    switch (code) {
-      case grpc::StatusCode::UNAVAILABLE:
-      case grpc::StatusCode::CANCELLED:
-      case grpc::StatusCode::DEADLINE_EXCEEDED:
-        return "unavailable";
-      case grpc::StatusCode::UNAUTHENTICATED:
-        return "refused this rank's credentials";
-      default:
-        return "refused this rank's stream";
-    }
-  }
-
-  // What a person can do about a connection failure, given how this agent connects. A failed TLS
-  // handshake reaches the agent as UNAVAILABLE like a collector that is down, so the hint names
-  // the likely cause.
-  std::string TransportHint(const grpc::Status& status) const {
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
-    if (!options_.tls.enabled()) {
-      return "; connecting in plaintext: if the collector serves TLS, give the agent its CA "
-             "(tls_ca_file, RANKSCOPE_TLS_CA)";
-    }
-    if (options_.tls.cert_file.empty()) {
-      return "; connecting over TLS without a client certificate: if the collector requires "
-             "mutual TLS, give tls_cert_file/tls_key_file (RANKSCOPE_TLS_CERT/RANKSCOPE_TLS_KEY)";
-    }
-    return "; connecting over mutual TLS: check that the collector's CA signed this rank's "
-           "certificate and that tls_ca_file signed the collector's";
-  }
-
-  static const char* StatusCodeName(grpc::StatusCode code) {
-    switch (code) {
-      case grpc::StatusCode::CANCELLED:
-        return "CANCELLED";
-      case grpc::StatusCode::INVALID_ARGUMENT:
-        return "INVALID_ARGUMENT";
-      case grpc::StatusCode::DEADLINE_EXCEEDED:
-        return "DEADLINE_EXCEEDED";
-      case grpc::StatusCode::PERMISSION_DENIED:
-        return "PERMISSION_DENIED";
-      case grpc::StatusCode::RESOURCE_EXHAUSTED:
-        return "RESOURCE_EXHAUSTED";
-      case grpc::StatusCode::FAILED_PRECONDITION:
-        return "FAILED_PRECONDITION";
-      case grpc::StatusCode::ALREADY_EXISTS:
-        return "ALREADY_EXISTS";
-      case grpc::StatusCode::NOT_FOUND:
-        return "NOT_FOUND";
-      case grpc::StatusCode::INTERNAL:
-        return "INTERNAL";
-      case grpc::StatusCode::UNAVAILABLE:
-        return "UNAVAILABLE";
-      case grpc::StatusCode::UNAUTHENTICATED:
-        return "UNAUTHENTICATED";
-      default:
-        return "ERROR";
-    }
-  }
-
-  // The next message to write, or null when there is none (or the stream is ending). Called by
-  // the write-token holder only, without mu_: a resend of the oldest unacked report not yet
-  // resent on this stream, else the oldest report in the ring (moved out, given the next seq and
-  // kept in the unacked buffer).
-  MessagePtr NextMessage() {
-    uint64_t seq, dropped;
-    {
-      MutexLock lock(&mu_);
-      if (stopping_ || stream_broken_) return nullptr;
-      if (MessagePtr resend = unacked_.NextResend()) return resend;
-      if (!ring_.Pop(&scratch_)) return nullptr;
-      seq = next_seq_++;
-      dropped = stats_.dropped;
-    }
-    // Allocates (and packs the sketch in its encoding): outside mu_.
-    MessagePtr msg = internal::ReportMessage(scratch_, seq, dropped, options_.sketch_encoding);
-    MutexLock lock(&mu_);
-    if (unacked_.Add(seq, msg)) {  // the oldest unacked report was forgotten
+    if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;
       --outstanding_;
     }
-    return msg;
+    ++stats_.recorded;
+    ++outstanding_;
+    // No thread is woken for a report (a wake-up is a syscall, and an IPI, on the training
+    // thread): the SendPoller finds it within kMinSendPoll..kMaxSendPoll (send_poller.h), or
+    // at once when the ring gets half full.
+    wake = ring_.size() == wake_threshold_;
   }
+  if (wake) SendPoller::Get().Wake();
+  return absl::OkStatus();
+}
 
-  // Reaction: the hello or a report was written (ok) or the stream broke (!ok). Passes the
-  // write token on: writes the next message at once if there is one.
-  void OnWriteDone(StreamCall* call, bool ok) {
-    bool keep_writing = true;
+absl::Status AgentImpl::Flush(absl::Duration timeout) {
+  MutexLock lock(&mu_);
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return outstanding_ == 0 || sender_done_;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&drained), timeout);
+  if (outstanding_ == 0) return absl::OkStatus();
+  return absl::DeadlineExceededError(
+      absl::StrCat(outstanding_, " rankscope reports not acknowledged by the collector at ",
+                   options_.collector_address, " within ", absl::FormatDuration(timeout)));
+}
+
+absl::Status AgentImpl::Close(absl::Duration timeout) {
+  {
+    MutexLock lock(&mu_);
+    if (closed_) return close_status_;
+  }
+  absl::Status flushed = Flush(timeout);
+  {
+    MutexLock lock(&mu_);
+    closed_ = true;
+    stopping_ = true;  // the sender thread cancels the stream and returns
+  }
+  {
+    MutexLock lock(&wake_mu_);
+    stop_requested_ = true;
+  }
+  if (sender_.joinable()) sender_.join();
+  SendPoller::Get().Unregister(this);
+  MutexLock lock(&mu_);
+  // What never got acked is lost: count it.
+  stats_.dropped += outstanding_;
+  outstanding_ = 0;
+  close_status_ = flushed;
+  return flushed;
+}
+
+AgentStats AgentImpl::stats() const {
+  MutexLock lock(&mu_);
+  AgentStats s = stats_;
+  s.queued = ring_.size();
+  s.unacked = unacked_.size();
+  s.last_error = last_error_;
+  s.refused = refused_;
+  return s;
+}
+
+std::optional<AgentControl> AgentImpl::control() const {
+  MutexLock lock(&mu_);
+  return control_;
+}
+
+void AgentImpl::StreamCall::OnWriteDone(bool ok) {
+  RANKSCOPE_TSAN_ACQUIRE(this);
+  agent_->OnWriteDone(this, ok);
+}
+
+void AgentImpl::StreamCall::OnReadDone(bool ok) {
+  RANKSCOPE_TSAN_ACQUIRE(this);
+  agent_->OnReadDone(this, ok);
+}
+
+void AgentImpl::StreamCall::OnDone(const grpc::Status& status) {
+  RANKSCOPE_TSAN_ACQUIRE(this);
+  agent_->OnStreamDone(status);
+}
+
+void AgentImpl::SenderLoop() {
+  while (true) {
+    RunStream();
+    absl::Duration delay;
     {
       MutexLock lock(&mu_);
-      if (ok) {
-        if (!call->hello_written) {
-          call->hello_written = true;
-          stats_.connected = true;
-        } else {
-          ++stats_.sent;
-        }
-      } else {
-        stream_broken_ = true;
-      }
-      if (!ok || stopping_ || stream_broken_ || !HasWorkLocked()) {
-        writing_ = false;  // the sender thread takes over when work arrives
-        keep_writing = false;
-      }
+      if (stopping_ || refused_) break;
+      delay = backoff_.Next();
     }
-    if (!keep_writing) {
-      if (!ok) Wake();  // the sender reconnects
-      return;
+    {
+      // Waits on wake_mu_, not mu_, so that Record() never evaluates a waiter's condition.
+      MutexLock lock(&wake_mu_);
+      wake_mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), delay);
     }
-    MessagePtr msg = NextMessage();
-    if (msg == nullptr) {
-      MutexLock lock(&mu_);
-      writing_ = false;
-      return;
+    MutexLock lock(&mu_);
+    if (stopping_ || refused_) break;
+    ++stats_.reconnects;
+  }
+  MutexLock lock(&mu_);
+  sender_done_ = true;
+}
+
+void AgentImpl::Wake() {
+  MutexLock lock(&wake_mu_);
+  wake_ = true;
+}
+
+void AgentImpl::WaitForWake(absl::Duration timeout) {
+  MutexLock lock(&wake_mu_);
+  auto woken = [this]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) { return wake_ || stop_requested_; };
+  wake_mu_.AwaitWithTimeout(absl::Condition(&woken), timeout);
+  wake_ = false;
+}
+
+bool AgentImpl::HasWorkLocked() const { return unacked_.HasResend() || !ring_.empty(); }
+
+bool AgentImpl::PollSend() {
+  StreamCall* call;
+  {
+    MutexLock lock(&mu_);
+    if (live_call_ == nullptr || writing_ || stopping_ || stream_broken_ || !HasWorkLocked()) {
+      return false;
     }
+    writing_ = true;
+    call = live_call_;
+    ++poller_starting_;
+  }
+  MessagePtr msg = NextMessage();
+  const bool started = msg != nullptr;
+  if (started) {
     call->current = std::move(msg);
     const v1::AgentMessage* next = call->current.get();
     RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
-    call->StartWrite(next);
+    call->StartWrite(next);        // from here on the write token is the chain's
   }
+  MutexLock lock(&mu_);
+  if (!started) writing_ = false;
+  --poller_starting_;
+  return started;
+}
 
-  // Reaction: an ack, rejection or control arrived (ok), or the stream ended (!ok).
-  void OnReadDone(StreamCall* call, bool ok) {
-    if (!ok) {
-      {
-        MutexLock lock(&mu_);
-        stream_broken_ = true;
-      }
-      Wake();
-      return;
-    }
+void AgentImpl::RunStream() {
+  auto call = std::make_unique<StreamCall>(this);
+  std::optional<AgentControl> control;  // stated in the hello (a restarted collector's view)
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    control = control_;
+    stream_broken_ = false;
+    stream_done_ = false;
+    writing_ = true;  // the hello
+    // Every report sent before this stream and not acked is resent first, in seq order.
+    unacked_.StartResend(next_seq_);
+  }
+  call->hello = HelloMessage(options_, control);
+  stub_->async()->Stream(&call->context, call.get());
+  RANKSCOPE_TSAN_RELEASE(call.get());
+  call->StartWrite(&call->hello);
+  call->StartRead(&call->in);
+  call->AddHold();  // for the poller's StartWrite calls, made outside reactions
+  call->StartCall();
+  {
+    MutexLock lock(&mu_);
+    live_call_ = call.get();  // from now on the poller may start writes on it
+  }
+  // The stream runs by itself (OnWriteDone chains writes, the poller starts them, OnReadDone
+  // applies acks): the sender only waits for its end.
+  while (true) {
     {
       MutexLock lock(&mu_);
-      if (!call->received_any) {
-        call->received_any = true;
-        backoff_.Reset();
-        warned_down_ = false;
-      }
-      const v1::CollectorMessage& msg = call->in;
-      switch (msg.kind_case()) {
-        case v1::CollectorMessage::kAck:
-          break;  // below, without holding mu_ throughout
-        case v1::CollectorMessage::kRejection:
-          if (unacked_.Reject(msg.rejection().seq())) {
-            ++stats_.rejected;
-            --outstanding_;
-          }
-          break;
-        case v1::CollectorMessage::kControl: {
-          if (std::optional<AgentControl> ctl = internal::NewerControl(msg.control(), control_)) {
-            control_ = ctl;
-            if (ctl->sketch_dim != 0) {
-              sketch_dims_.retuned_dim = ctl->sketch_dim;
-              sketch_dims_.apply_at_step = ctl->apply_at_step;
-            }
-          }
-          break;
-        }
-        case v1::CollectorMessage::KIND_NOT_SET:
-          break;
-      }
+      if (stopping_ || stream_broken_) break;
     }
-    if (call->in.kind_case() == v1::CollectorMessage::kAck) ApplyAcks(call->in.ack().seqs());
-    RANKSCOPE_TSAN_RELEASE(call);
-    call->StartRead(&call->in);
+    WaitForWake(absl::Seconds(1));
   }
+  bool stopping;
+  {
+    MutexLock lock(&mu_);
+    stats_.connected = false;
+    stopping = stopping_;
+    live_call_ = nullptr;
+    // A poller StartWrite in progress needs the hold: let it return first.
+    auto no_poller = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return poller_starting_ == 0; };
+    mu_.Await(absl::Condition(&no_poller));
+  }
+  // A broken stream ends by itself (its status is on the way); a stopping agent cancels.
+  RANKSCOPE_TSAN_RELEASE(call.get());
+  if (stopping) call->context.TryCancel();
+  call->RemoveHold();
+  grpc::Status status;
+  {
+    MutexLock lock(&mu_);
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_done_; };
+    mu_.Await(absl::Condition(&done));
+    status = stream_status_;
+  }
+  call.reset();
+  MutexLock lock(&mu_);
+  if (!status.ok() && !stopping_ && IsPermanentRefusal(status.error_code())) {
+    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
+    RefuseLocked();
+    return;
+  }
+  if (!status.ok() && !stopping_) {
+    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
+    // Log once per outage, quietly: the training job must not be spammed.
+    if (!warned_down_) {
+      warned_down_ = true;
+      std::fprintf(stderr,
+                   "rankscope: collector %s %s (%s)%s; training continues, reports are "
+                   "buffered and resent\n",
+                   options_.collector_address.c_str(), DescribeFailure(status.error_code()),
+                   last_error_.c_str(), TransportHint(status).c_str());
+    }
+  }
+}
 
-  // Forgets acked reports. One Ack may carry thousands of seqs (every report of a rank committed
-  // in one transaction): mu_ is taken per chunk of seqs, and the messages are freed outside it,
-  // so Record() never waits for more than a chunk.
-  void ApplyAcks(const google::protobuf::RepeatedField<uint64_t>& seqs) {
-    constexpr int kChunk = 32;
-    std::vector<MessagePtr> acked;
-    acked.reserve(std::min(seqs.size(), kChunk));
-    for (int begin = 0; begin < seqs.size(); begin += kChunk) {
-      const int end = std::min(begin + kChunk, seqs.size());
-      {
-        MutexLock lock(&mu_);
-        for (int i = begin; i < end; ++i) {
-          MessagePtr message = unacked_.Ack(seqs.Get(i));
-          if (message == nullptr) continue;
-          acked.push_back(std::move(message));
-          ++stats_.acked;
+void AgentImpl::RefuseLocked() {
+  refused_ = true;
+  stats_.rejected += outstanding_;
+  outstanding_ = 0;
+  ring_.Clear();
+  unacked_.Clear();
+  std::fprintf(stderr,
+               "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
+               "rank stops reporting to it, training continues\n",
+               options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
+               options_.rank, last_error_.c_str());
+}
+
+std::string AgentImpl::TransportHint(const grpc::Status& status) const {
+  if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+  if (!options_.tls.enabled()) {
+    return "; connecting in plaintext: if the collector serves TLS, give the agent its CA "
+           "(tls_ca_file, RANKSCOPE_TLS_CA)";
+  }
+  if (options_.tls.cert_file.empty()) {
+    return "; connecting over TLS without a client certificate: if the collector requires "
+           "mutual TLS, give tls_cert_file/tls_key_file (RANKSCOPE_TLS_CERT/RANKSCOPE_TLS_KEY)";
+  }
+  return "; connecting over mutual TLS: check that the collector's CA signed this rank's "
+         "certificate and that tls_ca_file signed the collector's";
+}
+
+MessagePtr AgentImpl::NextMessage() {
+  uint64_t seq, dropped;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || stream_broken_) return nullptr;
+    if (MessagePtr resend = unacked_.NextResend()) return resend;
+    if (!ring_.Pop(&scratch_)) return nullptr;
+    seq = next_seq_++;
+    dropped = stats_.dropped;
+  }
+  // Allocates (and packs the sketch in its encoding): outside mu_.
+  MessagePtr msg = ReportMessage(scratch_, seq, dropped, options_.sketch_encoding);
+  MutexLock lock(&mu_);
+  if (unacked_.Add(seq, msg)) {  // the oldest unacked report was forgotten
+    ++stats_.dropped;
+    --outstanding_;
+  }
+  return msg;
+}
+
+void AgentImpl::OnWriteDone(StreamCall* call, bool ok) {
+  bool keep_writing = true;
+  {
+    MutexLock lock(&mu_);
+    if (ok) {
+      if (!call->hello_written) {
+        call->hello_written = true;
+        stats_.connected = true;
+      } else {
+        ++stats_.sent;
+      }
+    } else {
+      stream_broken_ = true;
+    }
+    if (!ok || stopping_ || stream_broken_ || !HasWorkLocked()) {
+      writing_ = false;  // the sender thread takes over when work arrives
+      keep_writing = false;
+    }
+  }
+  if (!keep_writing) {
+    if (!ok) Wake();  // the sender reconnects
+    return;
+  }
+  MessagePtr msg = NextMessage();
+  if (msg == nullptr) {
+    MutexLock lock(&mu_);
+    writing_ = false;
+    return;
+  }
+  call->current = std::move(msg);
+  const v1::AgentMessage* next = call->current.get();
+  RANKSCOPE_TSAN_RELEASE(call);  // after the last access to *call before the hand-off
+  call->StartWrite(next);
+}
+
+void AgentImpl::OnReadDone(StreamCall* call, bool ok) {
+  if (!ok) {
+    {
+      MutexLock lock(&mu_);
+      stream_broken_ = true;
+    }
+    Wake();
+    return;
+  }
+  {
+    MutexLock lock(&mu_);
+    if (!call->received_any) {
+      call->received_any = true;
+      backoff_.Reset();
+      warned_down_ = false;
+    }
+    const v1::CollectorMessage& msg = call->in;
+    switch (msg.kind_case()) {
+      case v1::CollectorMessage::kAck:
+        break;  // below, without holding mu_ throughout
+      case v1::CollectorMessage::kRejection:
+        if (unacked_.Reject(msg.rejection().seq())) {
+          ++stats_.rejected;
           --outstanding_;
         }
+        break;
+      case v1::CollectorMessage::kControl: {
+        if (std::optional<AgentControl> ctl = NewerControl(msg.control(), control_)) {
+          control_ = ctl;
+          if (ctl->sketch_dim != 0) {
+            sketch_dims_.retuned_dim = ctl->sketch_dim;
+            sketch_dims_.apply_at_step = ctl->apply_at_step;
+          }
+        }
+        break;
       }
-      acked.clear();
+      case v1::CollectorMessage::KIND_NOT_SET:
+        break;
     }
   }
+  if (call->in.kind_case() == v1::CollectorMessage::kAck) ApplyAcks(call->in.ack().seqs());
+  RANKSCOPE_TSAN_RELEASE(call);
+  call->StartRead(&call->in);
+}
 
-  // Reaction: the stream is over. Touches only the agent, so the sender may then destroy the
-  // StreamCall.
-  void OnStreamDone(const grpc::Status& status) {
-    MutexLock lock(&mu_);
-    stream_status_ = status;
-    stream_broken_ = true;
-    stream_done_ = true;  // the sender waits for this on mu_
+void AgentImpl::ApplyAcks(const google::protobuf::RepeatedField<uint64_t>& seqs) {
+  constexpr int kChunk = 32;
+  std::vector<MessagePtr> acked;
+  acked.reserve(std::min(seqs.size(), kChunk));
+  for (int begin = 0; begin < seqs.size(); begin += kChunk) {
+    const int end = std::min(begin + kChunk, seqs.size());
+    {
+      MutexLock lock(&mu_);
+      for (int i = begin; i < end; ++i) {
+        MessagePtr message = unacked_.Ack(seqs.Get(i));
+        if (message == nullptr) continue;
+        acked.push_back(std::move(message));
+        ++stats_.acked;
+        --outstanding_;
+      }
+    }
+    acked.clear();
   }
+}
 
-  AgentOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Ingest::Stub> stub_;
-  internal::QueuedReport scratch_;  // write-token holder only
+void AgentImpl::OnStreamDone(const grpc::Status& status) {
+  MutexLock lock(&mu_);
+  stream_status_ = status;
+  stream_broken_ = true;
+  stream_done_ = true;  // the sender waits for this on mu_
+}
 
-  mutable Mutex mu_;
-  internal::ReportRing ring_ ABSL_GUARDED_BY(mu_);
-  internal::UnackedBuffer unacked_ ABSL_GUARDED_BY(mu_);
-  internal::Backoff backoff_ ABSL_GUARDED_BY(mu_);
-  AgentStats stats_ ABSL_GUARDED_BY(mu_);
-  std::optional<AgentControl> control_ ABSL_GUARDED_BY(mu_);
-  // The sketch lengths Record accepts: the hello's, and a control's re-tuned one.
-  SketchDimSchedule sketch_dims_ ABSL_GUARDED_BY(mu_);
-  // Reports recorded and neither acked, rejected nor dropped yet.
-  uint64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;             // the write token: a write is in flight
-  StreamCall* live_call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the poller may start writes on it
-  int poller_starting_ ABSL_GUARDED_BY(mu_) = 0;          // PollSend calls past live_call_
-  bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool stream_done_ ABSL_GUARDED_BY(mu_) = false;  // the current stream's OnDone ran
-  grpc::Status stream_status_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool sender_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool warned_down_ ABSL_GUARDED_BY(mu_) = false;
-  bool refused_ ABSL_GUARDED_BY(mu_) = false;  // a permanent refusal: see AgentStats::refused
-  const size_t wake_threshold_ = std::max<size_t>(options_.queue_capacity / 2, 1);
-
-  // The sender thread's sleep. Separate from mu_ so that Record(), which takes mu_, normally
-  // unlocks it with no waiter to examine or wake.
-  Mutex wake_mu_;  // never held together with mu_
-  bool wake_ ABSL_GUARDED_BY(wake_mu_) = false;
-  bool stop_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
-  std::string last_error_ ABSL_GUARDED_BY(mu_);
-  absl::Status close_status_ ABSL_GUARDED_BY(mu_);
-
-  std::thread sender_;
-};
-
-}  // namespace
+}  // namespace internal
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   if (absl::Status name = ValidateJobName(options.job, JobNameEcho::kQuote); !name.ok()) {
@@ -700,7 +556,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   // nor abort the job it watches, so it turns the detector off (it is a debugging aid; builds
   // with NDEBUG have it off already).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  return std::unique_ptr<Agent>(new AgentImpl(std::move(options), std::move(*credentials)));
+  return std::unique_ptr<Agent>(
+      new internal::AgentImpl(std::move(options), std::move(*credentials)));
 }
 
 }  // namespace rankscope

@@ -1,5 +1,5 @@
 // SendPoller: the process's one poller thread, which starts a write on every agent stream that
-// is idle while a report waits in its ring (AgentImpl::PollSend, agent.cc).
+// is idle while a report waits in its ring (AgentImpl::PollSend, agent_impl.h).
 //
 // Record() therefore wakes no thread, and a process with many agents (loadgen, tests) pays one
 // wake-up per poll, not one per agent or per report. The poller polls every kMinSendPoll while

@@ -33,12 +33,9 @@
 #include <cstring>
 #include <limits>
 
+#include "common/cpu_isa.h"
 #include "fold_partial_sums.h"
 #include "isa_targets.h"
-
-#ifdef RANKSCOPE_KERNEL_X86
-#include <cpuid.h>
-#endif
 
 namespace rankscope {
 namespace {
@@ -369,11 +366,6 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
   _mm512_storeu_ps(a.partial_squares + 16, sq_hi);
 }
 
-bool CpuHasF16c() {
-  unsigned eax, ebx, ecx, edx;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
-}
-
 #endif  // RANKSCOPE_KERNEL_X86
 
 template <ScalarType kType, bool kPow2>
@@ -416,21 +408,20 @@ void AddTyped(KernelIsa isa, const unsigned char* data, size_t n, uint64_t first
   }
 }
 
+// The kernels for this CPU (common/cpu_isa.h makes the one check): the AVX2 kernels need AVX2,
+// FMA, BMI2 and F16C; the AVX-512 ones AVX-512 F, DQ, VL and BW besides.
 KernelIsa DetectBestIsa() {
 #ifdef RANKSCOPE_KERNEL_X86
-  __builtin_cpu_init();
-  if (!CpuHasF16c() || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2") ||
-      !__builtin_cpu_supports("fma")) {
-    return KernelIsa::kScalar;
+  switch (BestCpuIsaLevel()) {
+    case CpuIsaLevel::kAvx512:
+      return KernelIsa::kAvx512;
+    case CpuIsaLevel::kAvx2:
+      return KernelIsa::kAvx2;
+    case CpuIsaLevel::kBaseline:
+      break;
   }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
-    return KernelIsa::kAvx512;
-  }
-  return KernelIsa::kAvx2;
-#else
-  return KernelIsa::kScalar;
 #endif
+  return KernelIsa::kScalar;
 }
 
 }  // namespace

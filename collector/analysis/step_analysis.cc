@@ -210,15 +210,9 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
   StepRow row;
   row.step = step.step;
   row.attempt = step.attempt;
+  static_cast<StepSummary&>(row) = stats;
   row.ranks = static_cast<uint32_t>(step.reports.size());
   row.world_size = step.world_size;
-  row.loss_mean = stats.loss_mean;
-  row.loss_std = stats.loss_std;
-  row.loss_range = stats.loss_range;
-  row.grad_norm_mean = stats.grad_norm_mean;
-  row.grad_norm_std = stats.grad_norm_std;
-  row.grad_norm_cv = stats.grad_norm_cv;
-  row.grad_cosine_mean = stats.grad_cosine_mean;
   row.missing_ranks = FormatRankRanges(step.missing_ranks);  // bounded whatever world_size
   row.timed_out = step.reason != JoinedStep::Reason::kComplete;
   row.completed_at = completed_at;

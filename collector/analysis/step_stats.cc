@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/cpu_isa.h"
 #include "common/sketch_encoding.h"
 
 namespace rankscope::collector {
@@ -402,11 +403,17 @@ Kernels KernelsFor(KernelIsa isa) {
   }
 }
 
+// The kernels for this CPU (common/cpu_isa.h makes the one check, the same as the agent's).
 KernelIsa BestKernelIsa() {
 #ifdef RANKSCOPE_STATS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return KernelIsa::kAvx512;
-  if (__builtin_cpu_supports("avx2")) return KernelIsa::kAvx2;
+  switch (BestCpuIsaLevel()) {
+    case CpuIsaLevel::kAvx512:
+      return KernelIsa::kAvx512;
+    case CpuIsaLevel::kAvx2:
+      return KernelIsa::kAvx2;
+    case CpuIsaLevel::kBaseline:
+      break;
+  }
 #endif
   return KernelIsa::kBaseline;
 }

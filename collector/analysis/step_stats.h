@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "collector/model/step_summary.h"
 #include "common/sketch_encoding.h"
 
 namespace rankscope::collector {
@@ -47,15 +48,8 @@ struct RankStatistics {
   double grad_norm_z = 0.0;
 };
 
-struct StepStatistics {
-  uint32_t ranks = 0;
-  double loss_mean = 0.0;
-  double loss_std = 0.0;
-  double loss_range = 0.0;
-  double grad_norm_mean = 0.0;
-  double grad_norm_std = 0.0;
-  double grad_norm_cv = 0.0;
-  double grad_cosine_mean = 0.0;
+// The step's statistics (collector/model/step_summary.h) and each rank's.
+struct StepStatistics : StepSummary {
   std::vector<RankStatistics> per_rank;  // same order as the input samples
 };
 

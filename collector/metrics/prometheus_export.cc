@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <string>
@@ -11,6 +12,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "collector/metrics/job_families.h"
+#include "collector/metrics/rank_selection.h"
 #include "common/job_name.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_type.h"
@@ -22,206 +25,37 @@ using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
 
-// The spike window is kept as buckets of spike_window / kWindowBuckets each.
-constexpr int64_t kWindowBuckets = 60;
 // Expired jobs are looked for at most this often (Collect() filters exactly regardless).
 constexpr absl::Duration kPruneInterval = absl::Minutes(1);
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Every family Collect() may emit, in output order.
-enum Family : size_t {
-  kStep,
-  kWorldSize,
-  kRanksReporting,
-  kConnectedAgents,
-  kLossMean,
-  kLossStd,
-  kLossRange,
-  kGradNormMean,
-  kGradNormStd,
-  kGradNormCv,
-  kGradCosineMean,
-  kLossStdMaxWindow,
-  kLossRangeMaxWindow,
-  kGradNormCvMaxWindow,
-  kGradCosineMeanMinWindow,
-  kStepsTotal,
-  kStepsTimedOutTotal,
-  kStepsNonfiniteTotal,
-  kAgentDroppedReportsTotal,
-  kRankGradCosine,
-  kRankLossZ,
-  kRankGradNormZ,
-  kRankMissing,
-  kRankOutlierScore,
-  kRankStepTimeSeconds,
-  kRankStepTimeZ,
-  kGradNoiseScale,
-  kReplicaDivergentRanks,
-  kReplicaChecksTotal,
-  kReplicaDivergentStepsTotal,
-  kRankReplicaDivergent,
-  kDuplicateRanks,
-  kDuplicateStepsTotal,
-  kRankInfo,
-  kJobGroups,
-  kJobGradCosineMeanMin,
-  kJobGroupsWithOutliers,
-  kJobGroupsReplicaDivergent,
-  kRankDriftScore,
-  kRankSlowScore,
-  kDriftingRanks,
-  kSlowRanks,
-  kFamilyCount,
+// The latest step's statistics, one gauge each.
+struct StatisticSeries {
+  JobFamily family;
+  double StepSummary::*value;
+};
+constexpr StatisticSeries kLatestSeries[] = {
+    {kLossMean, &StepSummary::loss_mean},
+    {kLossStd, &StepSummary::loss_std},
+    {kLossRange, &StepSummary::loss_range},
+    {kGradNormMean, &StepSummary::grad_norm_mean},
+    {kGradNormStd, &StepSummary::grad_norm_std},
+    {kGradNormCv, &StepSummary::grad_norm_cv},
+    {kGradCosineMean, &StepSummary::grad_cosine_mean},
 };
 
-struct FamilySpec {
-  const char* name;
-  const char* help;
-  MetricType type;
+// The spike window's worst values (spike_window.h), one gauge each; replica_divergent is
+// exported with the replica series.
+struct WindowSeries {
+  JobFamily family;
+  double WindowValues::*value;
 };
-
-constexpr FamilySpec kFamilies[kFamilyCount] = {
-    {"rankscope_step", "Step number of the training job's latest joined step.", MetricType::Gauge},
-    {"rankscope_world_size", "Number of ranks of the training job.", MetricType::Gauge},
-    {"rankscope_ranks_reporting", "Ranks that reported the latest joined step.", MetricType::Gauge},
-    {"rankscope_connected_agents", "Agents of the training job with an open stream.",
-     MetricType::Gauge},
-    {"rankscope_loss_mean", "Mean of the ranks' local losses at the latest step.",
-     MetricType::Gauge},
-    {"rankscope_loss_std",
-     "Population standard deviation of the ranks' local losses at the "
-     "latest step.",
-     MetricType::Gauge},
-    {"rankscope_loss_range", "Max minus min of the ranks' local losses at the latest step.",
-     MetricType::Gauge},
-    {"rankscope_grad_norm_mean", "Mean of the ranks' local gradient L2 norms at the latest step.",
-     MetricType::Gauge},
-    {"rankscope_grad_norm_std",
-     "Population standard deviation of the ranks' local gradient L2 "
-     "norms at the latest step.",
-     MetricType::Gauge},
-    {"rankscope_grad_norm_cv",
-     "Coefficient of variation (std/mean) of the ranks' local gradient "
-     "L2 norms at the latest step.",
-     MetricType::Gauge},
-    {"rankscope_grad_cosine_mean",
-     "Mean pairwise cosine of the ranks' gradient sketches at the "
-     "latest step (NaN with fewer than two ranks).",
-     MetricType::Gauge},
-    {"rankscope_loss_std_max_window",
-     "Max of rankscope_loss_std over the latest step and the "
-     "steps completed in the spike window.",
-     MetricType::Gauge},
-    {"rankscope_loss_range_max_window",
-     "Max of rankscope_loss_range over the latest step and the "
-     "steps completed in the spike window.",
-     MetricType::Gauge},
-    {"rankscope_grad_norm_cv_max_window",
-     "Max of rankscope_grad_norm_cv over the latest step and "
-     "the steps completed in the spike window.",
-     MetricType::Gauge},
-    {"rankscope_grad_cosine_mean_min_window",
-     "Min of rankscope_grad_cosine_mean over the latest "
-     "step and the steps completed in the spike window.",
-     MetricType::Gauge},
-    {"rankscope_steps_total", "Steps of the training job joined and exported.",
-     MetricType::Counter},
-    {"rankscope_steps_timed_out_total", "Steps closed by the join timeout with ranks missing.",
-     MetricType::Counter},
-    {"rankscope_steps_nonfinite_total",
-     "Steps with a NaN or Inf loss, gradient-norm or cosine "
-     "statistic.",
-     MetricType::Counter},
-    {"rankscope_agent_dropped_reports_total",
-     "Reports dropped by the training job's agents "
-     "because their queue was full.",
-     MetricType::Counter},
-    {"rankscope_rank_grad_cosine",
-     "Consensus cosine of the rank's gradient sketch with the sum "
-     "of the other ranks' at the latest step (most deviating ranks only).",
-     MetricType::Gauge},
-    {"rankscope_rank_loss_z",
-     "Z-score of the rank's local loss at the latest step (most "
-     "deviating ranks only).",
-     MetricType::Gauge},
-    {"rankscope_rank_grad_norm_z",
-     "Z-score of the rank's local gradient L2 norm at the latest "
-     "step (most deviating ranks only).",
-     MetricType::Gauge},
-    {"rankscope_rank_missing",
-     "1 for each rank missing from the latest step (capped; "
-     "world_size - ranks_reporting is the full count).",
-     MetricType::Gauge},
-    {"rankscope_rank_outlier_score",
-     "Robust outlier score of the rank held over its last 3 reported steps (the smallest of "
-     "them): per step the largest of the median/MAD z-scores of its loss and gradient norm and "
-     "the deficit of its consensus cosine (most deviating ranks only; above 6: a persistent "
-     "outlier).",
-     MetricType::Gauge},
-    {"rankscope_rank_step_time_seconds",
-     "The rank's own compute time of the latest step, up to its gradient hook (most deviating "
-     "ranks only).",
-     MetricType::Gauge},
-    {"rankscope_rank_step_time_z",
-     "Robust z-score of the rank's step time at the latest step; a straggler is large and "
-     "positive (most deviating ranks only).",
-     MetricType::Gauge},
-    {"rankscope_grad_noise_scale",
-     "Gradient noise scale B_simple (McCandlish et al. 2018) of the latest step where it was "
-     "defined, in samples.",
-     MetricType::Gauge},
-    {"rankscope_replica_divergent_ranks",
-     "Most ranks whose replica fingerprint differed from the majority in one checked step of "
-     "the spike window.",
-     MetricType::Gauge},
-    {"rankscope_replica_checks_total", "Steps whose replica fingerprints were compared.",
-     MetricType::Counter},
-    {"rankscope_replica_divergent_steps_total",
-     "Checked steps in which some rank's replica fingerprint differed.", MetricType::Counter},
-    {"rankscope_rank_replica_divergent",
-     "1 for each rank whose replica fingerprint differed in a step of the spike window (capped).",
-     MetricType::Gauge},
-    {"rankscope_duplicate_ranks",
-     "Ranks whose local gradient was identical or nearly so (sketch cosine >= 0.999) to another "
-     "rank's at the latest step: ranks that train on the same data.",
-     MetricType::Gauge},
-    {"rankscope_duplicate_steps_total",
-     "Steps in which two or more ranks had identical or near-identical local gradients.",
-     MetricType::Counter},
-    {"rankscope_rank_info",
-     "1 for each rank with per-rank series (most deviating, missing, replica-divergent ranks): "
-     "its global rank, host and agent version, as its agent stated them.",
-     MetricType::Gauge},
-    {"rankscope_job_groups", "Data-parallel groups of the training job exported.",
-     MetricType::Gauge},
-    {"rankscope_job_grad_cosine_mean_min",
-     "The least consistent data-parallel group's mean pairwise cosine at its latest step.",
-     MetricType::Gauge},
-    {"rankscope_job_groups_with_outliers",
-     "Data-parallel groups of the job with a persistent outlier rank at their latest step.",
-     MetricType::Gauge},
-    {"rankscope_job_groups_replica_divergent",
-     "Data-parallel groups of the job whose latest checked step had a divergent replica.",
-     MetricType::Gauge},
-    {"rankscope_rank_drift_score",
-     "The rank's data-drift CUSUM (loss, gradient norm and consensus cosine rank scores) over "
-     "its threshold at the latest step; above 1 the rank is named drifting (most deviating "
-     "ranks only).",
-     MetricType::Gauge},
-    {"rankscope_rank_slow_score",
-     "The rank's step-time CUSUM over its threshold at the latest step; above 1 the rank is "
-     "named slow (most deviating ranks only).",
-     MetricType::Gauge},
-    {"rankscope_drifting_ranks",
-     "Ranks whose data-drift CUSUM was above its threshold at the latest step "
-     "(step_stats.drifting_ranks).",
-     MetricType::Gauge},
-    {"rankscope_slow_ranks",
-     "Ranks whose step-time CUSUM was above its threshold at the latest step "
-     "(step_stats.slow_ranks): stragglers.",
-     MetricType::Gauge},
+constexpr WindowSeries kWindowSeries[] = {
+    {kLossStdMaxWindow, &WindowValues::loss_std},
+    {kLossRangeMaxWindow, &WindowValues::loss_range},
+    {kGradNormCvMaxWindow, &WindowValues::grad_norm_cv},
+    {kGradCosineMeanMinWindow, &WindowValues::grad_cosine_mean},
 };
 
 // The labels of a group key's series: {train_job} for a job with one group (its name), else
@@ -250,11 +84,7 @@ void AddSample(MetricFamily& family, std::vector<ClientMetric::Label> labels, do
   family.metric.push_back(std::move(metric));
 }
 
-// Max/min that ignore NaN unless both are NaN (PromQL's max_over_time semantics).
-double MaxIgnoringNaN(double a, double b) { return std::fmax(a, b); }
-double MinIgnoringNaN(double a, double b) { return std::fmin(a, b); }
-
-bool IsNonfinite(const StepStatistics& s, bool loss_absent) {
+bool IsNonfinite(const StepSummary& s, bool loss_absent) {
   if (s.ranks == 0) return false;  // nothing reported: the statistics are empty, not bad
   if (!loss_absent) {
     for (double v : {s.loss_mean, s.loss_std, s.loss_range}) {
@@ -267,84 +97,15 @@ bool IsNonfinite(const StepStatistics& s, bool loss_absent) {
   return s.ranks >= 2 && !std::isfinite(s.grad_cosine_mean);
 }
 
-// Deviation keys: larger is more deviating; NaN is the most deviating.
-double CosineDeviation(const RankStatistics& r) {
-  return std::isnan(r.consensus_cosine) ? std::numeric_limits<double>::infinity()
-                                        : -r.consensus_cosine;
-}
-double AbsZ(double z) {
-  return std::isnan(z) ? std::numeric_limits<double>::infinity() : std::fabs(z);
-}
-
-// Indices into `ranks` of the (at most) `limit` most deviating by `key(index)`, most deviating
-// first.
-template <typename Key>
-std::vector<uint32_t> TopByDeviation(const std::vector<RankStatistics>& ranks, size_t limit,
-                                     Key key) {
-  std::vector<uint32_t> order(ranks.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  const size_t n = std::min(limit, order.size());
-  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](uint32_t a, uint32_t b) {
-    const double ka = key(a);
-    const double kb = key(b);
-    if (ka != kb) return ka > kb;
-    return ranks[a].rank < ranks[b].rank;
-  });
-  order.resize(n);
-  return order;
-}
-
-// Larger is more deviating; an unknown value (NaN) is the least deviating for these keys, since
-// it means "not measured" (a non-finite rank already has a NaN outlier score, which ranks first
-// through the cosine and z rankings).
-double KnownOrLowest(double v) {
-  return std::isnan(v) ? -std::numeric_limits<double>::infinity() : v;
-}
-
-// The ranks exported per rank: round-robin over the rankings, without duplicates.
-std::vector<uint32_t> SelectDeviatingRanks(const std::vector<RankStatistics>& ranks,
-                                           absl::Span<const RankExtras> extras, size_t limit) {
-  const size_t n = std::min(limit, ranks.size());
-  if (n == 0) return {};
-  const bool has_extras = extras.size() == ranks.size();
-  auto outlier = [&](uint32_t i) {
-    return has_extras ? KnownOrLowest(extras[i].held_outlier_score)
-                      : -std::numeric_limits<double>::infinity();
-  };
-  auto cosine = [&](uint32_t i) { return CosineDeviation(ranks[i]); };
-  if (n == ranks.size()) {
-    // Everything fits: order by the primary ranking only.
-    return has_extras ? TopByDeviation(ranks, n, outlier) : TopByDeviation(ranks, n, cosine);
+// The families of kJobFamilies, HELP and TYPE set, no samples yet.
+std::vector<MetricFamily> EmptyFamilies() {
+  std::vector<MetricFamily> families(kJobFamilyCount);
+  for (const JobFamilySpec& spec : kJobFamilies) {
+    families[spec.family].name = spec.name;
+    families[spec.family].help = spec.help;
+    families[spec.family].type = spec.type;
   }
-  std::vector<std::vector<uint32_t>> rankings;
-  if (has_extras) rankings.push_back(TopByDeviation(ranks, n, outlier));
-  rankings.push_back(TopByDeviation(ranks, n, cosine));
-  rankings.push_back(TopByDeviation(ranks, n, [&](uint32_t i) { return AbsZ(ranks[i].loss_z); }));
-  rankings.push_back(
-      TopByDeviation(ranks, n, [&](uint32_t i) { return AbsZ(ranks[i].grad_norm_z); }));
-  if (has_extras) {
-    rankings.push_back(
-        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].step_time_z); }));
-    rankings.push_back(
-        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].drift_score); }));
-    rankings.push_back(
-        TopByDeviation(ranks, n, [&](uint32_t i) { return KnownOrLowest(extras[i].slow_score); }));
-  }
-  std::vector<uint32_t> chosen;
-  chosen.reserve(n);
-  std::vector<bool> taken(ranks.size(), false);
-  // Each ranking holds n distinct indices, so this ends with n chosen.
-  for (size_t depth = 0; chosen.size() < n; ++depth) {
-    for (const auto& ranking : rankings) {
-      if (chosen.size() == n) break;
-      const uint32_t index = ranking[depth];
-      if (!taken[index]) {
-        taken[index] = true;
-        chosen.push_back(index);
-      }
-    }
-  }
-  return chosen;
+  return families;
 }
 
 }  // namespace
@@ -419,18 +180,11 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   const absl::Time now = options_.clock();
 
-  StepStatistics latest;
+  StepSummary latest;
   std::vector<RankPoint> top_ranks;
   if (step.stats != nullptr) {
     const StepStatistics& s = *step.stats;
-    latest.ranks = s.ranks;
-    latest.loss_mean = s.loss_mean;
-    latest.loss_std = s.loss_std;
-    latest.loss_range = s.loss_range;
-    latest.grad_norm_mean = s.grad_norm_mean;
-    latest.grad_norm_std = s.grad_norm_std;
-    latest.grad_norm_cv = s.grad_norm_cv;
-    latest.grad_cosine_mean = s.grad_cosine_mean;
+    latest = s;  // the StepSummary part
     const bool has_extras = step.extras.size() == s.per_rank.size();
     for (uint32_t index :
          SelectDeviatingRanks(s.per_rank, step.extras, options_.per_rank_series_limit)) {
@@ -486,224 +240,191 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
     }
   }
 
-  const absl::Duration window = options_.spike_window;
-  if (window <= absl::ZeroDuration()) return;  // the window metrics equal the latest step
-  const absl::Duration granularity = window / kWindowBuckets;
-  const WindowPoint point{absl::UnixEpoch() + absl::Floor(now - absl::UnixEpoch(), granularity),
-                          latest.loss_std,
-                          latest.loss_range,
-                          latest.grad_norm_cv,
-                          latest.grad_cosine_mean,
-                          replica_divergent};
-  std::deque<WindowPoint>& points = state.window;
-  if (!points.empty() && points.back().at >= point.at) {
-    // Same bucket (or the clock went back): merge, keeping the deque ordered.
-    WindowPoint& back = points.back();
-    back.loss_std = MaxIgnoringNaN(back.loss_std, point.loss_std);
-    back.loss_range = MaxIgnoringNaN(back.loss_range, point.loss_range);
-    back.grad_norm_cv = MaxIgnoringNaN(back.grad_norm_cv, point.grad_norm_cv);
-    back.grad_cosine_mean = MinIgnoringNaN(back.grad_cosine_mean, point.grad_cosine_mean);
-    back.replica_divergent = MaxIgnoringNaN(back.replica_divergent, point.replica_divergent);
-  } else {
-    points.push_back(point);
-  }
-  while (!points.empty() && points.front().at + granularity <= now - window) points.pop_front();
-  while (points.size() > static_cast<size_t>(kWindowBuckets) + 2) points.pop_front();
+  state.window.Add(now, options_.spike_window,
+                   WindowValues{latest.loss_std, latest.loss_range, latest.grad_norm_cv,
+                                latest.grad_cosine_mean, replica_divergent});
 }
 
 std::vector<MetricFamily> JobMetrics::Collect() const {
   const absl::Time now = options_.clock();
-  const absl::Duration window = options_.spike_window;
-  const absl::Duration granularity =
-      window > absl::ZeroDuration() ? window / kWindowBuckets : absl::ZeroDuration();
-
-  std::vector<MetricFamily> families(kFamilyCount);
-  for (size_t i = 0; i < kFamilyCount; ++i) {
-    families[i].name = kFamilies[i].name;
-    families[i].help = kFamilies[i].help;
-    families[i].type = kFamilies[i].type;
-  }
-
+  Families families = EmptyFamilies();
   {
     MutexLock lock(&mu_);
-    std::vector<const std::pair<const std::string, JobState>*> live;
-    live.reserve(jobs_.size());
-    for (const auto& entry : jobs_) {
-      if (!Expired(entry.second, now)) live.push_back(&entry);
-    }
-    std::sort(live.begin(), live.end(),
-              [](const auto* a, const auto* b) { return a->first < b->first; });
-
-    // Job-level aggregates across the job's data-parallel groups (a job without groups is one).
-    struct JobAggregate {
-      int groups = 0;
-      double cosine_min = kNaN;
-      int with_outliers = 0;
-      int replica_divergent = 0;
-    };
-    std::map<std::string, JobAggregate> by_job;
-    for (const auto* entry : live) {
-      const JobState& state = entry->second;
-      JobAggregate& a = by_job[std::string(SplitGroupKey(entry->first).first)];
-      ++a.groups;
-      if (!state.has_step) continue;
-      a.cosine_min = MinIgnoringNaN(a.cosine_min, state.latest.grad_cosine_mean);
-      a.with_outliers += state.outlier_ranks_latest > 0 ? 1 : 0;
-      a.replica_divergent += state.replica_divergent_checked ? 1 : 0;
-    }
-    for (const auto& [job, a] : by_job) {
-      const std::vector<ClientMetric::Label> labels = {{"train_job", job}};
-      AddSample(families[kJobGroups], labels, a.groups);
-      if (!std::isnan(a.cosine_min))
-        AddSample(families[kJobGradCosineMeanMin], labels, a.cosine_min);
-      AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
-      AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
-    }
-
-    // A job of more groups than per_job_group_series_limit exports the series of its most
-    // deviating groups only (a divergent replica or an outlier first, then the lowest latest
-    // cosine); the aggregates above cover every group.
-    absl::flat_hash_set<const std::string*> hidden;
-    {
-      std::map<absl::string_view, std::vector<const std::pair<const std::string, JobState>*>>
-          groups_of;
-      for (const auto* entry : live) groups_of[SplitGroupKey(entry->first).first].push_back(entry);
-      const size_t limit = options_.per_job_group_series_limit;
-      for (auto& [job, groups] : groups_of) {
-        if (groups.size() <= limit) continue;
-        auto deviation = [](const JobState& st) {
-          const bool flagged = st.outlier_ranks_latest > 0 || st.replica_divergent_checked;
-          const double cos = st.has_step && !std::isnan(st.latest.grad_cosine_mean)
-                                 ? st.latest.grad_cosine_mean
-                                 : std::numeric_limits<double>::infinity();
-          return std::make_pair(!flagged, cos);
-        };
-        std::stable_sort(groups.begin(), groups.end(), [&](const auto* a, const auto* b) {
-          return deviation(a->second) < deviation(b->second);
-        });
-        for (size_t i = limit; i < groups.size(); ++i) hidden.insert(&groups[i]->first);
-      }
-    }
-
-    for (const auto* entry : live) {
-      if (hidden.contains(&entry->first)) continue;
-      const std::string& job = entry->first;
-      const JobState& state = entry->second;
-      const std::vector<ClientMetric::Label> job_labels = JobLabels(job);
-      auto add = [&](Family f, double value) { AddSample(families[f], job_labels, value); };
-
-      if (state.world_size > 0) add(kWorldSize, state.world_size);
-      add(kConnectedAgents, state.connected);
-      add(kStepsTotal, static_cast<double>(state.steps_total));
-      add(kStepsTimedOutTotal, static_cast<double>(state.steps_timed_out_total));
-      add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
-      add(kDuplicateStepsTotal, static_cast<double>(state.duplicate_steps_total));
-      add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
-      if (!state.has_step) continue;
-
-      const StepStatistics& s = state.latest;
-      add(kStep, static_cast<double>(state.step));
-      add(kRanksReporting, state.ranks_reporting);
-      add(kLossMean, s.loss_mean);
-      add(kLossStd, s.loss_std);
-      add(kLossRange, s.loss_range);
-      add(kGradNormMean, s.grad_norm_mean);
-      add(kGradNormStd, s.grad_norm_std);
-      add(kGradNormCv, s.grad_norm_cv);
-      add(kGradCosineMean, s.grad_cosine_mean);
-      add(kDuplicateRanks, state.duplicate_ranks);
-      if (state.has_sequential) {
-        add(kDriftingRanks, state.drifting_ranks);
-        add(kSlowRanks, state.slow_ranks);
-      }
-
-      WindowPoint worst{now,
-                        s.loss_std,
-                        s.loss_range,
-                        s.grad_norm_cv,
-                        s.grad_cosine_mean,
-                        state.replica_divergent_latest};
-      for (const WindowPoint& p : state.window) {
-        if (p.at + granularity <= now - window) continue;  // bucket entirely before the window
-        worst.loss_std = MaxIgnoringNaN(worst.loss_std, p.loss_std);
-        worst.loss_range = MaxIgnoringNaN(worst.loss_range, p.loss_range);
-        worst.grad_norm_cv = MaxIgnoringNaN(worst.grad_norm_cv, p.grad_norm_cv);
-        worst.grad_cosine_mean = MinIgnoringNaN(worst.grad_cosine_mean, p.grad_cosine_mean);
-        worst.replica_divergent = MaxIgnoringNaN(worst.replica_divergent, p.replica_divergent);
-      }
-      add(kLossStdMaxWindow, worst.loss_std);
-      add(kLossRangeMaxWindow, worst.loss_range);
-      add(kGradNormCvMaxWindow, worst.grad_norm_cv);
-      add(kGradCosineMeanMinWindow, worst.grad_cosine_mean);
-
-      // An ended job's latest step is not news: its deviating ranks are not exported.
-      const bool ended = state.had_agents && state.connected == 0;
-      const absl::Span<const RankPoint> top_ranks =
-          ended ? absl::Span<const RankPoint>() : absl::MakeConstSpan(state.top_ranks);
-      for (const RankPoint& r : top_ranks) {
-        std::vector<ClientMetric::Label> labels = RankLabels(job, r.rank);
-        AddSample(families[kRankGradCosine], labels, r.grad_cosine);
-        AddSample(families[kRankLossZ], labels, r.loss_z);
-        AddSample(families[kRankGradNormZ], labels, r.grad_norm_z);
-        if (r.has_extras) {
-          AddSample(families[kRankOutlierScore], labels, r.outlier_score);
-          AddSample(families[kRankDriftScore], labels, r.drift_score);
-          AddSample(families[kRankSlowScore], labels, r.slow_score);
-        }
-        if (!std::isnan(r.step_time_seconds)) {
-          AddSample(families[kRankStepTimeSeconds], labels, r.step_time_seconds);
-          AddSample(families[kRankStepTimeZ], std::move(labels), r.step_time_z);
-        }
-      }
-      if (!std::isnan(state.grad_noise_scale)) add(kGradNoiseScale, state.grad_noise_scale);
-      if (state.replica_checks_total > 0) {
-        add(kReplicaDivergentRanks,
-            std::isnan(worst.replica_divergent) ? 0.0 : worst.replica_divergent);
-        add(kReplicaChecksTotal, static_cast<double>(state.replica_checks_total));
-        add(kReplicaDivergentStepsTotal, static_cast<double>(state.replica_divergent_steps_total));
-        std::vector<uint32_t> divergent;
-        for (const auto& [rank, at] : state.replica_divergent_at) {
-          if (at >= now - window) divergent.push_back(rank);
-        }
-        std::sort(divergent.begin(), divergent.end());
-        if (divergent.size() > options_.per_rank_series_limit) {
-          divergent.resize(options_.per_rank_series_limit);
-        }
-        for (uint32_t rank : divergent) {
-          AddSample(families[kRankReplicaDivergent], RankLabels(job, rank), 1);
-        }
-      }
-      for (uint32_t rank : state.missing) {
-        AddSample(families[kRankMissing], RankLabels(job, rank), 1);
-      }
-      // Who the ranks with per-rank series are: their global rank and host.
-      absl::flat_hash_set<uint32_t> shown;
-      for (const RankPoint& r : top_ranks) shown.insert(r.rank);
-      for (uint32_t rank : state.missing) shown.insert(rank);
-      for (const auto& [rank, at] : state.replica_divergent_at) {
-        if (at >= now - window) shown.insert(rank);
-      }
-      std::vector<uint32_t> ordered(shown.begin(), shown.end());
-      std::sort(ordered.begin(), ordered.end());
-      for (uint32_t rank : ordered) {
-        auto who = state.identities.find(rank);
-        if (who == state.identities.end()) continue;
-        std::vector<ClientMetric::Label> labels = RankLabels(job, rank);
-        labels.push_back({"global_rank", who->second.global_rank
-                                             ? absl::StrCat(*who->second.global_rank)
-                                             : std::string()});
-        labels.push_back({"host", who->second.host});
-        labels.push_back({"version", who->second.agent_version});
-        AddSample(families[kRankInfo], std::move(labels), 1);
-      }
+    const std::vector<const JobEntry*> live = LiveJobsLocked(now);
+    AddJobAggregates(live, families);
+    const absl::flat_hash_set<const std::string*> hidden = HiddenGroups(live);
+    for (const JobEntry* entry : live) {
+      if (!hidden.contains(&entry->first)) AddJobSeries(entry->first, entry->second, now, families);
     }
   }
-
   // A family with no sample would be HELP and TYPE alone: leave it out.
   families.erase(std::remove_if(families.begin(), families.end(),
                                 [](const MetricFamily& f) { return f.metric.empty(); }),
                  families.end());
   return families;
+}
+
+std::vector<const JobMetrics::JobEntry*> JobMetrics::LiveJobsLocked(absl::Time now) const {
+  std::vector<const JobEntry*> live;
+  live.reserve(jobs_.size());
+  for (const JobEntry& entry : jobs_) {
+    if (!Expired(entry.second, now)) live.push_back(&entry);
+  }
+  std::sort(live.begin(), live.end(),
+            [](const JobEntry* a, const JobEntry* b) { return a->first < b->first; });
+  return live;
+}
+
+void JobMetrics::AddJobAggregates(absl::Span<const JobEntry* const> live, Families& families) {
+  // A job without groups is one group.
+  struct JobAggregate {
+    int groups = 0;
+    double cosine_min = kNaN;
+    int with_outliers = 0;
+    int replica_divergent = 0;
+  };
+  std::map<std::string, JobAggregate> by_job;
+  for (const JobEntry* entry : live) {
+    const JobState& state = entry->second;
+    JobAggregate& a = by_job[std::string(SplitGroupKey(entry->first).first)];
+    ++a.groups;
+    if (!state.has_step) continue;
+    a.cosine_min = std::fmin(a.cosine_min, state.latest.grad_cosine_mean);  // NaN ignored
+    a.with_outliers += state.outlier_ranks_latest > 0 ? 1 : 0;
+    a.replica_divergent += state.replica_divergent_checked ? 1 : 0;
+  }
+  for (const auto& [job, a] : by_job) {
+    const std::vector<ClientMetric::Label> labels = {{"train_job", job}};
+    AddSample(families[kJobGroups], labels, a.groups);
+    if (!std::isnan(a.cosine_min)) AddSample(families[kJobGradCosineMeanMin], labels, a.cosine_min);
+    AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
+    AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
+  }
+}
+
+absl::flat_hash_set<const std::string*> JobMetrics::HiddenGroups(
+    absl::Span<const JobEntry* const> live) const {
+  // Most deviating first: a divergent replica or an outlier, then the lowest latest cosine.
+  auto deviation = [](const JobState& st) {
+    const bool flagged = st.outlier_ranks_latest > 0 || st.replica_divergent_checked;
+    const double cos = st.has_step && !std::isnan(st.latest.grad_cosine_mean)
+                           ? st.latest.grad_cosine_mean
+                           : std::numeric_limits<double>::infinity();
+    return std::make_pair(!flagged, cos);
+  };
+  absl::flat_hash_set<const std::string*> hidden;
+  std::map<absl::string_view, std::vector<const JobEntry*>> groups_of;
+  for (const JobEntry* entry : live) groups_of[SplitGroupKey(entry->first).first].push_back(entry);
+  const size_t limit = options_.per_job_group_series_limit;
+  for (auto& [job, groups] : groups_of) {
+    if (groups.size() <= limit) continue;
+    std::stable_sort(groups.begin(), groups.end(), [&](const JobEntry* a, const JobEntry* b) {
+      return deviation(a->second) < deviation(b->second);
+    });
+    for (size_t i = limit; i < groups.size(); ++i) hidden.insert(&groups[i]->first);
+  }
+  return hidden;
+}
+
+void JobMetrics::AddJobSeries(const std::string& key, const JobState& state, absl::Time now,
+                              Families& families) const {
+  const std::vector<ClientMetric::Label> job_labels = JobLabels(key);
+  auto add = [&](JobFamily f, double value) { AddSample(families[f], job_labels, value); };
+
+  if (state.world_size > 0) add(kWorldSize, state.world_size);
+  add(kConnectedAgents, state.connected);
+  add(kStepsTotal, static_cast<double>(state.steps_total));
+  add(kStepsTimedOutTotal, static_cast<double>(state.steps_timed_out_total));
+  add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
+  add(kDuplicateStepsTotal, static_cast<double>(state.duplicate_steps_total));
+  add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
+  if (!state.has_step) return;
+
+  const StepSummary& s = state.latest;
+  add(kStep, static_cast<double>(state.step));
+  add(kRanksReporting, state.ranks_reporting);
+  for (const StatisticSeries& series : kLatestSeries) add(series.family, s.*series.value);
+  add(kDuplicateRanks, state.duplicate_ranks);
+  if (state.has_sequential) {
+    add(kDriftingRanks, state.drifting_ranks);
+    add(kSlowRanks, state.slow_ranks);
+  }
+
+  const WindowValues worst =
+      state.window.Worst(now, options_.spike_window,
+                         WindowValues{s.loss_std, s.loss_range, s.grad_norm_cv, s.grad_cosine_mean,
+                                      state.replica_divergent_latest});
+  for (const WindowSeries& series : kWindowSeries) add(series.family, worst.*series.value);
+
+  if (!std::isnan(state.grad_noise_scale)) add(kGradNoiseScale, state.grad_noise_scale);
+  if (state.replica_checks_total > 0) {
+    add(kReplicaDivergentRanks,
+        std::isnan(worst.replica_divergent) ? 0.0 : worst.replica_divergent);
+    add(kReplicaChecksTotal, static_cast<double>(state.replica_checks_total));
+    add(kReplicaDivergentStepsTotal, static_cast<double>(state.replica_divergent_steps_total));
+  }
+  AddRankSeries(key, state, now, families);
+}
+
+void JobMetrics::AddRankSeries(const std::string& key, const JobState& state, absl::Time now,
+                               Families& families) const {
+  const absl::Duration window = options_.spike_window;
+  // An ended job's latest step is not news: its deviating ranks are not exported.
+  const bool ended = state.had_agents && state.connected == 0;
+  const absl::Span<const RankPoint> top_ranks =
+      ended ? absl::Span<const RankPoint>() : absl::MakeConstSpan(state.top_ranks);
+  for (const RankPoint& r : top_ranks) {
+    std::vector<ClientMetric::Label> labels = RankLabels(key, r.rank);
+    AddSample(families[kRankGradCosine], labels, r.grad_cosine);
+    AddSample(families[kRankLossZ], labels, r.loss_z);
+    AddSample(families[kRankGradNormZ], labels, r.grad_norm_z);
+    if (r.has_extras) {
+      AddSample(families[kRankOutlierScore], labels, r.outlier_score);
+      AddSample(families[kRankDriftScore], labels, r.drift_score);
+      AddSample(families[kRankSlowScore], labels, r.slow_score);
+    }
+    if (!std::isnan(r.step_time_seconds)) {
+      AddSample(families[kRankStepTimeSeconds], labels, r.step_time_seconds);
+      AddSample(families[kRankStepTimeZ], std::move(labels), r.step_time_z);
+    }
+  }
+  if (state.replica_checks_total > 0) {
+    std::vector<uint32_t> divergent;
+    for (const auto& [rank, at] : state.replica_divergent_at) {
+      if (at >= now - window) divergent.push_back(rank);
+    }
+    std::sort(divergent.begin(), divergent.end());
+    if (divergent.size() > options_.per_rank_series_limit) {
+      divergent.resize(options_.per_rank_series_limit);
+    }
+    for (uint32_t rank : divergent) {
+      AddSample(families[kRankReplicaDivergent], RankLabels(key, rank), 1);
+    }
+  }
+  for (uint32_t rank : state.missing) {
+    AddSample(families[kRankMissing], RankLabels(key, rank), 1);
+  }
+
+  // Who the ranks with per-rank series are: their global rank and host.
+  absl::flat_hash_set<uint32_t> shown;
+  for (const RankPoint& r : top_ranks) shown.insert(r.rank);
+  for (uint32_t rank : state.missing) shown.insert(rank);
+  for (const auto& [rank, at] : state.replica_divergent_at) {
+    if (at >= now - window) shown.insert(rank);
+  }
+  std::vector<uint32_t> ordered(shown.begin(), shown.end());
+  std::sort(ordered.begin(), ordered.end());
+  for (uint32_t rank : ordered) {
+    auto who = state.identities.find(rank);
+    if (who == state.identities.end()) continue;
+    std::vector<ClientMetric::Label> labels = RankLabels(key, rank);
+    labels.push_back({"global_rank", who->second.global_rank
+                                         ? absl::StrCat(*who->second.global_rank)
+                                         : std::string()});
+    labels.push_back({"host", who->second.host});
+    labels.push_back({"version", who->second.agent_version});
+    AddSample(families[kRankInfo], std::move(labels), 1);
+  }
 }
 
 }  // namespace rankscope::collector

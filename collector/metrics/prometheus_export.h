@@ -54,19 +54,21 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/step_stats.h"
+#include "collector/metrics/spike_window.h"
 #include "common/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
@@ -170,13 +172,6 @@ class JobMetrics : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
-  // One bucket of the spike window: the worst values of the steps completed in
-  // [at, at + spike_window / 60).
-  struct WindowPoint {
-    absl::Time at;
-    double loss_std, loss_range, grad_norm_cv, grad_cosine_mean;
-    double replica_divergent;  // ranks divergent in a checked step (NaN: no check)
-  };
   struct RankPoint {
     uint32_t rank;
     double grad_cosine, loss_z, grad_norm_z;
@@ -191,7 +186,7 @@ class JobMetrics : public prometheus::Collectable {
     bool has_step = false;
     uint64_t step = 0;
     uint32_t ranks_reporting = 0;
-    StepStatistics latest;             // per_rank cleared; see top_ranks
+    StepSummary latest;                // the latest step's; its ranks: top_ranks
     std::vector<RankPoint> top_ranks;  // already capped and ordered
     std::vector<uint32_t> missing;     // capped
     uint64_t steps_total = 0;
@@ -213,9 +208,31 @@ class JobMetrics : public prometheus::Collectable {
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank
-    std::deque<WindowPoint> window;
+    SpikeWindow window;
     absl::Time last_update = absl::UnixEpoch();
   };
+
+  using JobEntry = std::pair<const std::string, JobState>;
+  using Families = std::vector<prometheus::MetricFamily>;  // indexed by JobFamily (job_families.h)
+
+  // The pieces of Collect(), in the order it runs them. Each appends samples to `families`.
+  // The jobs exported at `now` (not expired), ordered by key.
+  std::vector<const JobEntry*> LiveJobsLocked(absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // rankscope_job_*{train_job}: aggregates across each job's data-parallel groups.
+  static void AddJobAggregates(absl::Span<const JobEntry* const> live, Families& families);
+  // The group keys whose series are not exported: a job's groups beyond
+  // per_job_group_series_limit, the least deviating ones.
+  absl::flat_hash_set<const std::string*> HiddenGroups(
+      absl::Span<const JobEntry* const> live) const;
+  // The series of one group key (the job-level gauges and counters, the window metrics, then
+  // AddRankSeries).
+  void AddJobSeries(const std::string& key, const JobState& state, absl::Time now,
+                    Families& families) const;
+  // The per-rank series of one group key: most deviating, replica-divergent and missing ranks,
+  // and rankscope_rank_info for each of them.
+  void AddRankSeries(const std::string& key, const JobState& state, absl::Time now,
+                     Families& families) const;
 
   // Returns the state of `job`, created if absent, with last_update = now; may free expired jobs.
   JobState& TouchLocked(const std::string& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "collector/model/step_summary.h"
 
 namespace rankscope::collector {
 
@@ -51,18 +52,12 @@ struct RankRow {
   bool loss_absent = false;
 };
 
-struct StepRow {
+// A step_stats row: the step's statistics (StepSummary: ranks and the dispersion of their
+// losses, gradient norms and sketches) and what the analysis found.
+struct StepRow : StepSummary {
   uint64_t step = 0;
   uint32_t attempt = 0;
-  uint32_t ranks = 0;
   uint32_t world_size = 0;
-  double loss_mean = 0.0;
-  double loss_std = 0.0;
-  double loss_range = 0.0;
-  double grad_norm_mean = 0.0;
-  double grad_norm_std = 0.0;
-  double grad_norm_cv = 0.0;
-  double grad_cosine_mean = 0.0;
   std::string missing_ranks;  // compact (rank_ranges.h): "0-5,9", "+N" beyond 64 runs
   bool timed_out = false;
   absl::Time completed_at = absl::UnixEpoch();
@@ -82,6 +77,10 @@ struct StepRow {
 struct StepRankRow {
   uint64_t step = 0;
   RankRow row;
+  // The stored `nonfinite` column (RankRowsInRange, RankSeriesInRange): the rank's loss, gradient
+  // norm or sketch was NaN/Inf when it reported. The verdict, not a re-judgement of the values
+  // read back (a pipeline stage's absent loss reads back as NaN and is not non-finite).
+  bool nonfinite = false;
 };
 
 // The rows of one step of one job. `stats` is absent for a late report (rank rows only).

@@ -83,6 +83,71 @@ Rejection JobRegistry::CheckRoomForJob(const v1::Hello& hello) const {
                    RejectReason::kTooManyJobs};
 }
 
+bool JobRegistry::SameInstance(const RankClaim& claim, const v1::Hello& hello) {
+  // Agents that state no instance are told apart by host, as before instance ids existed.
+  return hello.instance_id().empty() && claim.instance_id.empty()
+             ? claim.host == hello.host()
+             : claim.instance_id == hello.instance_id();
+}
+
+Rejection JobRegistry::CheckHello(Job& job, const v1::Hello& hello, bool* restart) {
+  auto held = job.claims.find(hello.rank());
+  const RankClaim* claim = held == job.claims.end() ? nullptr : &held->second;
+  const bool same_instance = claim != nullptr && SameInstance(*claim, hello);
+  if (claim != nullptr && claim->streams > 0 && claim->attempt == hello.attempt() &&
+      !same_instance) {
+    return Rejection{
+        absl::AlreadyExistsError(absl::StrCat(
+            "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
+            ") is held by a live stream from host '", absl::CHexEscape(claim->host), "' pid ",
+            claim->pid, " (instance '", absl::CHexEscape(claim->instance_id),
+            "'); this hello from host '", absl::CHexEscape(hello.host()), "' pid ", hello.pid(),
+            " claims it too: two runs or two models share a job name and group (give each "
+            "its own job name, or attach with group=...), or two processes were given the "
+            "same rank")),
+        RejectReason::kRankTaken};
+  }
+  *restart = hello.attempt() > job.max_attempt ||
+             (claim != nullptr && !same_instance && !hello.instance_id().empty() &&
+              claim->epoch == job.epoch && hello.attempt() == job.max_attempt);
+  if (*restart) return {};
+  Rejection r = CheckJobIdentity(hello, job.identity);
+  if (!r.status.ok()) return r;
+  // An identity restored from the store does not know its encoding: the first hello says it.
+  if (!job.identity.sketch_encoding)
+    job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
+  if (!job.identity.sketch_block) job.identity.sketch_block = SketchBlockOf(hello);
+  return {};
+}
+
+void JobRegistry::Restart(Job& job, const v1::Hello& hello, Attached* attached) {
+  const JobIdentity identity = IdentityOf(hello);
+  attached->resized = identity.world_size != job.identity.world_size ||
+                      identity.sketch_dim != job.identity.sketch_dim ||
+                      identity.sketch_seed != job.identity.sketch_seed ||
+                      identity.sketch_encoding != job.identity.sketch_encoding ||
+                      identity.sketch_block != job.identity.sketch_block;
+  job.identity = identity;
+  job.epoch = std::max(job.epoch + 1, hello.attempt());
+  job.max_attempt = std::max(job.max_attempt, hello.attempt());
+  if (attached->resized) job.dropped_forwarded.clear();
+  for (const auto& [rank, other] : job.claims) {
+    if (other.streams > 0 && other.attempt < hello.attempt()) {
+      attached->takeover = true;
+      break;
+    }
+  }
+}
+
+uint32_t JobRegistry::EpochFor(const Job& job, const RankClaim& claim, bool restart,
+                               bool same_process, const v1::Hello& hello) {
+  if (restart) return job.epoch;
+  if (same_process) return claim.epoch;  // a reconnect: its reports keep their epoch
+  // A process of an older attempt: its reports lose against the current one's.
+  if (hello.attempt() < job.max_attempt) return std::min(job.epoch, hello.attempt());
+  return job.epoch;
+}
+
 Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
                               const std::shared_ptr<AgentStream>& stream, Attached* attached) {
   *attached = Attached();
@@ -96,79 +161,18 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
     job.first_seen = now;
     job.last_seen = now;
     it = jobs_.emplace(hello.job(), std::move(job)).first;
-  } else {
-    Job& job = it->second;
-    auto held = job.claims.find(hello.rank());
-    const RankClaim* claim = held == job.claims.end() ? nullptr : &held->second;
-    // Agents that state no instance are told apart by host, as before instance ids existed.
-    const bool same_instance =
-        claim != nullptr && (hello.instance_id().empty() && claim->instance_id.empty()
-                                 ? claim->host == hello.host()
-                                 : claim->instance_id == hello.instance_id());
-    if (claim != nullptr && claim->streams > 0 && claim->attempt == hello.attempt() &&
-        !same_instance) {
-      return Rejection{
-          absl::AlreadyExistsError(absl::StrCat(
-              "rank ", hello.rank(), " of job ", hello.job(), " (attempt ", hello.attempt(),
-              ") is held by a live stream from host '", absl::CHexEscape(claim->host), "' pid ",
-              claim->pid, " (instance '", absl::CHexEscape(claim->instance_id),
-              "'); this hello from host '", absl::CHexEscape(hello.host()), "' pid ", hello.pid(),
-              " claims it too: two runs or two models share a job name and group (give each "
-              "its own job name, or attach with group=...), or two processes were given the "
-              "same rank")),
-          RejectReason::kRankTaken};
-    }
-    restart = hello.attempt() > job.max_attempt ||
-              (claim != nullptr && !same_instance && !hello.instance_id().empty() &&
-               claim->epoch == job.epoch && hello.attempt() == job.max_attempt);
-    if (!restart) {
-      Rejection r = CheckJobIdentity(hello, job.identity);
-      if (!r.status.ok()) return r;
-      // An identity restored from the store does not know its encoding: the first hello says it.
-      if (!job.identity.sketch_encoding)
-        job.identity.sketch_encoding = IdentityOf(hello).sketch_encoding;
-      if (!job.identity.sketch_block) job.identity.sketch_block = SketchBlockOf(hello);
-    }
+  } else if (Rejection r = CheckHello(it->second, hello, &restart); !r.status.ok()) {
+    return r;
   }
   Job& job = it->second;
-  if (restart) {
-    const JobIdentity identity = IdentityOf(hello);
-    attached->resized = identity.world_size != job.identity.world_size ||
-                        identity.sketch_dim != job.identity.sketch_dim ||
-                        identity.sketch_seed != job.identity.sketch_seed ||
-                        identity.sketch_encoding != job.identity.sketch_encoding ||
-                        identity.sketch_block != job.identity.sketch_block;
-    job.identity = identity;
-    job.epoch = std::max(job.epoch + 1, hello.attempt());
-    job.max_attempt = std::max(job.max_attempt, hello.attempt());
-    if (attached->resized) job.dropped_forwarded.clear();
-  }
+  if (restart) Restart(job, hello, attached);
   auto [held, first_claim] = job.claims.try_emplace(hello.rank());
   RankClaim& claim = held->second;
-  const bool same_process = !first_claim && claim.attempt == hello.attempt() &&
-                            (hello.instance_id().empty() && claim.instance_id.empty()
-                                 ? claim.host == hello.host()
-                                 : claim.instance_id == hello.instance_id());
-  if (restart) {
-    attached->epoch = job.epoch;
-  } else if (same_process) {
-    attached->epoch = claim.epoch;  // a reconnect: its reports keep their epoch
-  } else if (hello.attempt() < job.max_attempt) {
-    // A process of an older attempt: its reports lose against the current one's.
-    attached->epoch = std::min(job.epoch, hello.attempt());  // < job.epoch
-  } else {
-    attached->epoch = job.epoch;
-  }
+  const bool same_process =
+      !first_claim && claim.attempt == hello.attempt() && SameInstance(claim, hello);
+  attached->epoch = EpochFor(job, claim, restart, same_process, hello);
   attached->restarted = restart;
   attached->new_process = !same_process;
-  if (restart) {
-    for (const auto& [rank, other] : job.claims) {
-      if (other.streams > 0 && other.attempt < hello.attempt()) {
-        attached->takeover = true;
-        break;
-      }
-    }
-  }
   claim.instance_id = hello.instance_id();
   claim.host = hello.host();
   claim.pid = hello.pid();

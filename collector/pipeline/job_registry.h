@@ -187,6 +187,23 @@ class JobRegistry {
     std::vector<std::optional<uint64_t>> dropped_forwarded;
   };
 
+  // Attach's pieces.
+  // Whether `hello` comes from the process that holds or held `claim`: the same instance id, or
+  // for agents that state none the same host.
+  static bool SameInstance(const RankClaim& claim, const v1::Hello& hello);
+  // A hello for a known job: kRankTaken when a live stream of the same attempt from another
+  // process holds its rank; otherwise sets *restart (a newer attempt, or a new instance of the
+  // current one) and, unless it restarts the job, checks the hello against the job's identity
+  // (completing an identity restored from the store).
+  static Rejection CheckHello(Job& job, const v1::Hello& hello, bool* restart);
+  // The job restarts with the hello's identity and a new epoch; sets attached->resized and
+  // attached->takeover (streams of an older attempt are still open).
+  static void Restart(Job& job, const v1::Hello& hello, Attached* attached);
+  // The epoch the new stream's reports join: the job's, a reconnecting process's own, or an
+  // older attempt's (whose reports lose against the current one's).
+  static uint32_t EpochFor(const Job& job, const RankClaim& claim, bool restart, bool same_process,
+                           const v1::Hello& hello);
+
   // The control that follows j's current one (see UpdateControl).
   static v1::Control NextControl(const Job& j, std::optional<bool> enabled,
                                  std::optional<uint32_t> every, std::optional<uint32_t> sketch_dim,

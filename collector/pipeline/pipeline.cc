@@ -12,88 +12,17 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "collector/pipeline/sketch_buffer_pool.h"
 #include "common/job_name.h"
 #include "common/version.h"
 
 namespace rankscope::collector {
 namespace {
 
-// Sketch buffers handed back by the step thread once it is done with a step's reports, reused by
-// OnReport for the next reports' sketches. Without it every report costs a malloc of its sketch
-// on a gRPC thread and its free on the step thread (4 KiB at k = 1024 float32 or k = 4096 int8:
-// glibc serves such chunks from its shared bins, under the arena lock, not from the per-thread
-// cache). Float sketches and packed ones (common/sketch_encoding.h) have a free list each; both
-// together are bounded by kMaxBytes of capacity. Thread-safe.
-class SketchBufferPool {
- public:
-  static SketchBufferPool& Get() {
-    static SketchBufferPool* const pool = new SketchBufferPool();
-    return *pool;
-  }
-
-  // A buffer with no particular size or contents (empty, capacity 0, when the pool is empty).
-  std::vector<float> TakeFloats() {
-    MutexLock lock(&mu_);
-    return TakeLocked(free_floats_);
-  }
-  std::string TakePacked() {
-    MutexLock lock(&mu_);
-    return TakeLocked(free_packed_);
-  }
-
-  // Takes back the buffers of `reports` (their sketches are left empty).
-  void Give(std::vector<RankReport>& reports) {
-    MutexLock lock(&mu_);
-    for (RankReport& r : reports) GiveLocked(r);
-  }
-  void Give(RankReport& report) {
-    // e.g. moved into the joiner: nothing to lock for
-    if (report.sketch.capacity() == 0 && report.sketch_packed.capacity() <= kInlineCapacity) return;
-    MutexLock lock(&mu_);
-    GiveLocked(report);
-  }
-
- private:
-  static constexpr size_t kMaxBytes = 32 << 20;
-  // A std::string of this capacity or less holds its characters inline: nothing to reuse.
-  static constexpr size_t kInlineCapacity = 15;
-
-  static size_t Bytes(const std::vector<float>& v) { return v.capacity() * sizeof(float); }
-  static size_t Bytes(const std::string& s) {
-    return s.capacity() <= kInlineCapacity ? 0 : s.capacity();
-  }
-
-  template <typename Buffer>
-  Buffer TakeLocked(std::vector<Buffer>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (list.empty()) return {};
-    Buffer b = std::move(list.back());
-    list.pop_back();
-    bytes_ -= Bytes(b);
-    return b;
-  }
-
-  template <typename Buffer>
-  void GiveLocked(Buffer& buffer, std::vector<Buffer>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const size_t bytes = Bytes(buffer);
-    if (bytes == 0 || bytes_ + bytes > kMaxBytes) return;
-    bytes_ += bytes;
-    list.push_back(std::move(buffer));
-    buffer = Buffer();
-  }
-
-  void GiveLocked(RankReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    GiveLocked(report.sketch, free_floats_);
-    GiveLocked(report.sketch_packed, free_packed_);
-  }
-
-  Mutex mu_;
-  std::vector<std::vector<float>> free_floats_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> free_packed_ ABSL_GUARDED_BY(mu_);
-  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
+// The report's sketch goes into a buffer from `pool`.
 RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32_t rank,
-                        uint32_t attempt, absl::Time received_at, AckHandle ack) {
+                        uint32_t attempt, absl::Time received_at, AckHandle ack,
+                        SketchBufferPool& pool) {
   RankReport out;
   out.rank = rank;
   out.step = r.step();
@@ -105,11 +34,11 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   if (encoding != SketchEncoding::kFloat32) {
     // Kept packed: the joiner holds k * bytes-per-bin bytes per rank-step. A pooled buffer has
     // the capacity already, so assign() copies without allocating.
-    out.sketch_packed = SketchBufferPool::Get().TakePacked();
+    out.sketch_packed = pool.TakePacked();
     out.sketch_packed.assign(r.sketch_packed());
     out.sketch_scale = r.sketch_scale();
   } else {
-    out.sketch = SketchBufferPool::Get().TakeFloats();
+    out.sketch = pool.TakeFloats();
     // One memcpy: assign() from RepeatedField iterators compiles to a 16-byte loop (4% of the
     // server's CPU in the ingest bench). A pooled buffer already has this size, so resize() does
     // not write it twice.
@@ -142,68 +71,7 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
-      writer_(
-          std::move(store), options_.writer,
-          StoreWriterHooks{
-              .on_commit =
-                  [this](absl::Duration d, size_t) {
-                    health_->ObserveStoreCommit(d);
-                    health_->SetStoreHealthy(true);
-                    if (store_failures_ > 0) {
-                      std::fprintf(stderr,
-                                   "rankscope-collector: SQLite writes recovered after %llu "
-                                   "failed attempts; held reports stored and acked\n",
-                                   static_cast<unsigned long long>(store_failures_));
-                      store_failures_ = 0;
-                    }
-                  },
-              .on_error =
-                  [this](const absl::Status& error) {
-                    health_->StoreError();
-                    health_->SetStoreHealthy(false);
-                    // The first failure of a run of them, then every 60th (one a minute at the
-                    // default retry backoff): clear, without flooding the log.
-                    if (store_failures_++ % 60 == 0) {
-                      std::fprintf(stderr,
-                                   "rankscope-collector: SQLite write failed (attempt %llu): %s; "
-                                   "nothing is acked until a retry commits (agents keep their "
-                                   "reports)\n",
-                                   static_cast<unsigned long long>(store_failures_),
-                                   error.ToString().c_str());
-                    }
-                  },
-              .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
-              .on_drop =
-                  [this](const StoreBatch& rows, size_t items, const absl::Status& why) {
-                    health_->StoreDropped(items);
-                    std::fprintf(stderr,
-                                 "rankscope-collector: dropped %zu unstored store items (%s); "
-                                 "their agents' streams are ended so that they resend\n",
-                                 items, why.ToString().c_str());
-                    ForgetDroppedSteps(rows);
-                  },
-              .on_prune =
-                  [this](const PruneAction& action, const SqliteStore::PruneResult& result,
-                         absl::Duration took) {
-                    const bool downsample = action.kind == PruneAction::Kind::kDownsample;
-                    health_->ObservePrune(
-                        action.reason, result.rank_rows, result.step_rows, result.window_rows,
-                        result.job_rows, downsample ? result.rank_rows + result.rank_rows_kept : 0,
-                        result.pages_vacuumed * page_size_.load(std::memory_order_relaxed), took);
-                  },
-              .on_usage =
-                  [this](const StoreUsage& usage, bool over_cap) {
-                    page_size_.store(usage.page_size, std::memory_order_relaxed);
-                    health_->SetStoreUsage(usage.file_bytes(),
-                                           usage.page_size * usage.freelist_count, over_cap);
-                  },
-              .on_prune_error =
-                  [this](const absl::Status& error) {
-                    health_->PruneError();
-                    std::fprintf(stderr, "rankscope-collector: storage retention: %s\n",
-                                 error.ToString().c_str());
-                  },
-          }),
+      writer_(std::move(store), options_.writer, StoreHooks()),
       joiner_(options_.joiner),
       registry_(options_.max_jobs, options_.identity_ttl) {
   const absl::Time now = options_.clock();
@@ -215,6 +83,74 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     pthread_setname_np(pthread_self(), "rs-step-thread");  // for top -H, perf and the bench
     StepThread();
   });
+}
+
+StoreWriterHooks StepPipeline::StoreHooks() {
+  HealthMetrics* const health = health_;
+  return StoreWriterHooks{
+      .on_commit = [this](absl::Duration took, size_t) { OnStoreCommit(took); },
+      .on_error = [this](const absl::Status& error) { OnStoreError(error); },
+      .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
+      .on_drop = [this](const StoreBatch& rows, size_t items,
+                        const absl::Status& why) { OnStoreDrop(rows, items, why); },
+      .on_prune = [this](const PruneAction& action, const SqliteStore::PruneResult& result,
+                         absl::Duration took) { OnPrune(action, result, took); },
+      .on_usage = [this](const StoreUsage& usage, bool over_cap) { OnStoreUsage(usage, over_cap); },
+      .on_prune_error = [this](const absl::Status& error) { OnPruneError(error); },
+  };
+}
+
+void StepPipeline::OnStoreCommit(absl::Duration took) {
+  health_->ObserveStoreCommit(took);
+  health_->SetStoreHealthy(true);
+  if (store_failures_ > 0) {
+    std::fprintf(stderr,
+                 "rankscope-collector: SQLite writes recovered after %llu "
+                 "failed attempts; held reports stored and acked\n",
+                 static_cast<unsigned long long>(store_failures_));
+    store_failures_ = 0;
+  }
+}
+
+void StepPipeline::OnStoreError(const absl::Status& error) {
+  health_->StoreError();
+  health_->SetStoreHealthy(false);
+  // The first failure of a run of them, then every 60th (one a minute at the default retry
+  // backoff): clear, without flooding the log.
+  if (store_failures_++ % 60 == 0) {
+    std::fprintf(stderr,
+                 "rankscope-collector: SQLite write failed (attempt %llu): %s; "
+                 "nothing is acked until a retry commits (agents keep their "
+                 "reports)\n",
+                 static_cast<unsigned long long>(store_failures_), error.ToString().c_str());
+  }
+}
+
+void StepPipeline::OnStoreDrop(const StoreBatch& rows, size_t items, const absl::Status& why) {
+  health_->StoreDropped(items);
+  std::fprintf(stderr,
+               "rankscope-collector: dropped %zu unstored store items (%s); "
+               "their agents' streams are ended so that they resend\n",
+               items, why.ToString().c_str());
+  ForgetDroppedSteps(rows);
+}
+
+void StepPipeline::OnPrune(const PruneAction& action, const SqliteStore::PruneResult& result,
+                           absl::Duration took) {
+  const bool downsample = action.kind == PruneAction::Kind::kDownsample;
+  health_->ObservePrune(action.reason, result.rank_rows, result.step_rows, result.window_rows,
+                        result.job_rows, downsample ? result.rank_rows + result.rank_rows_kept : 0,
+                        result.pages_vacuumed * page_size_.load(std::memory_order_relaxed), took);
+}
+
+void StepPipeline::OnStoreUsage(const StoreUsage& usage, bool over_cap) {
+  page_size_.store(usage.page_size, std::memory_order_relaxed);
+  health_->SetStoreUsage(usage.file_bytes(), usage.page_size * usage.freelist_count, over_cap);
+}
+
+void StepPipeline::OnPruneError(const absl::Status& error) {
+  health_->PruneError();
+  std::fprintf(stderr, "rankscope-collector: storage retention: %s\n", error.ToString().c_str());
 }
 
 StepPipeline::~StepPipeline() { Stop(absl::Seconds(5)).IgnoreError(); }
@@ -373,7 +309,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
 
   RankReport rr = ToRankReport(
       report, SketchEncodingFromWire(hello.sketch_encoding()).value_or(SketchEncoding::kFloat32),
-      hello.rank(), hello.attempt(), now, std::move(ack));
+      hello.rank(), hello.attempt(), now, std::move(ack), sketch_pool_);
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
   bool dropped_changed = false;
@@ -426,7 +362,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
     }
   }
   // Unless the joiner took the report, its sketch buffer is free again.
-  SketchBufferPool::Get().Give(rr);
+  sketch_pool_.Give(rr);
   return {};
 }
 
@@ -539,7 +475,7 @@ void StepPipeline::Store(ComputedStep computed) {
     item.batch.jobs.push_back(std::move(*job_row));
   }
   writer_.Enqueue(std::move(item));
-  SketchBufferPool::Get().Give(js.reports);  // the analysis is done with them
+  sketch_pool_.Give(js.reports);  // the analysis is done with them
 }
 
 absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(

@@ -47,6 +47,7 @@
 #include "collector/model/ack.h"
 #include "collector/pipeline/agent_stream.h"
 #include "collector/pipeline/job_registry.h"
+#include "collector/pipeline/sketch_buffer_pool.h"
 #include "collector/pipeline/step_joiner.h"
 #include "collector/store/sqlite_store.h"
 #include "collector/store/store_writer.h"
@@ -141,11 +142,24 @@ class StepPipeline {
   // closed, so that the agents' resends are joined and stored again, not taken for duplicates.
   void ForgetDroppedSteps(const StoreBatch& rows);
 
+  // The StoreWriter's hooks, each run on the writer's thread (on_drop also on an Enqueue
+  // caller's): they update HealthMetrics and log.
+  StoreWriterHooks StoreHooks();
+  void OnStoreCommit(absl::Duration took);
+  void OnStoreError(const absl::Status& error);
+  void OnStoreDrop(const StoreBatch& rows, size_t items, const absl::Status& why);
+  void OnPrune(const PruneAction& action, const SqliteStore::PruneResult& result,
+               absl::Duration took);
+  void OnStoreUsage(const StoreUsage& usage, bool over_cap);
+  void OnPruneError(const absl::Status& error);
+
   const PipelineOptions options_;
   JobMetrics* const metrics_;
   HealthMetrics* const health_;
   uint64_t store_failures_ = 0;           // store writer thread only: consecutive failed commits
   std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
+  // Sketch buffers: taken by OnReport (reactor threads), given back by the step thread.
+  SketchBufferPool sketch_pool_;
   StoreWriter writer_;
 
   mutable Mutex mu_;

@@ -1,6 +1,7 @@
 // SqliteStore's storage lifecycle: usage, job extents, downsampling into rank_windows, dropping
-// old steps, incremental vacuum, and the reads of rank_windows. The policy is retention.h; this
-// file only executes its actions, each in one short transaction.
+// old steps and incremental vacuum. The policy is retention.h; this file only executes its
+// actions, each in one short transaction. (The reads of rank_windows are in sqlite_store_read.cc
+// with the other reads; Usage and JobExtents, the policy's inputs, stay here.)
 #include <sqlite3.h>
 
 #include <cstdint>
@@ -100,34 +101,7 @@ const std::string& FoldIntoWindowsSql() {
   return *sql;
 }
 
-constexpr char kWindowColumns[] =
-    "first_step, last_step, rank, rows, first_received, last_received, loss_n, loss_sum, "
-    "loss_min, loss_max, grad_norm_n, grad_norm_sum, grad_norm_min, grad_norm_max, "
-    "grad_cosine_n, grad_cosine_sum, grad_cosine_min, grad_cosine_max, outlier_score_n, "
-    "outlier_score_sum, outlier_score_min, outlier_score_max, nonfinite, outliers, replica_bad";
-
-void ReadStat(sqlite3_stmt* stmt, int col, WindowStat* stat) {
-  stat->count = ColumnInt(stmt, col);
-  stat->sum = IsNull(stmt, col + 1) ? 0.0 : ColumnDouble(stmt, col + 1);
-  stat->min = ColumnOptionalDouble(stmt, col + 2);
-  stat->max = ColumnOptionalDouble(stmt, col + 3);
-}
-
 }  // namespace
-
-absl::Status SqliteStore::InTransaction(absl::FunctionRef<absl::Status()> body) {
-  int rc = sqlite3_exec(db_, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr);
-  if (rc != SQLITE_OK) return SqlError(rc, "BEGIN IMMEDIATE");
-  absl::Status status = body();
-  if (status.ok()) {
-    rc = sqlite3_exec(db_, "COMMIT", nullptr, nullptr, nullptr);
-    if (rc != SQLITE_OK) status = SqlError(rc, "COMMIT");
-  }
-  if (!status.ok() && sqlite3_get_autocommit(db_) == 0) {
-    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
-  }
-  return status;
-}
 
 namespace {
 
@@ -419,61 +393,6 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::IncrementalVacuum(int64_t 
   result.pages_vacuumed = before->page_count - after->page_count;
   result.steps = result.pages_vacuumed > 0 ? 1 : 0;
   return result;
-}
-
-absl::StatusOr<std::vector<RankWindowRow>> SqliteStore::RankWindowsInRange(absl::string_view job,
-                                                                           uint64_t first_step,
-                                                                           uint64_t last_step,
-                                                                           int limit) {
-  if (limit < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("RankWindowsInRange: limit %d < 0", limit));
-  }
-  std::vector<RankWindowRow> rows;
-  if (first_step > last_step || first_step > static_cast<uint64_t>(kMaxStep)) return rows;
-  const std::string sql = absl::StrCat("SELECT ", kWindowColumns,
-                                       " FROM rank_windows WHERE job = ?1 AND first_step <= ?3 AND "
-                                       "last_step >= ?2 ORDER BY first_step, rank LIMIT ?4");
-  OneShot q(db_, sql.c_str());
-  int rc = q.rc == SQLITE_OK ? Binder(q.get())
-                                   .Text(job)
-                                   .Int(ClampStep(first_step))
-                                   .Int(ClampStep(last_step))
-                                   .Int(limit)
-                                   .rc()
-                             : q.rc;
-  if (rc == SQLITE_OK) {
-    while ((rc = sqlite3_step(q.get())) == SQLITE_ROW) {
-      RankWindowRow& w = rows.emplace_back();
-      sqlite3_stmt* s = q.get();
-      w.first_step = static_cast<uint64_t>(ColumnInt(s, 0));
-      w.last_step = static_cast<uint64_t>(ColumnInt(s, 1));
-      w.rank = ColumnU32(s, 2);
-      w.rows = ColumnInt(s, 3);
-      w.first_received = ColumnTime(s, 4);
-      w.last_received = ColumnTime(s, 5);
-      ReadStat(s, 6, &w.loss);
-      ReadStat(s, 10, &w.grad_norm);
-      ReadStat(s, 14, &w.grad_cosine);
-      ReadStat(s, 18, &w.outlier_score);
-      w.nonfinite = ColumnInt(s, 22);
-      w.outliers = ColumnInt(s, 23);
-      w.replica_bad = ColumnInt(s, 24);
-    }
-  }
-  if (rc != SQLITE_DONE) {
-    return SqlError(rc, absl::StrFormat("rank windows of job %s steps %d..%d", Quote(job),
-                                        first_step, last_step));
-  }
-  return rows;
-}
-
-absl::StatusOr<uint64_t> SqliteStore::DownsampledBefore(absl::string_view job) {
-  OneShot q(db_, "SELECT next_step FROM downsampled WHERE job = ?1");
-  int rc = q.rc == SQLITE_OK ? Binder(q.get()).Text(job).rc() : q.rc;
-  if (rc == SQLITE_OK) rc = sqlite3_step(q.get());
-  if (rc == SQLITE_DONE) return uint64_t{0};
-  if (rc != SQLITE_ROW) return SqlError(rc, absl::StrCat("downsampled of job ", Quote(job)));
-  return static_cast<uint64_t>(ColumnInt(q.get(), 0));
 }
 
 }  // namespace rankscope::collector

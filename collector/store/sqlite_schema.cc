@@ -9,12 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collector/store/sqlite_statement.h"
+#include "collector/store/sqlite_transaction.h"
 
 namespace rankscope::collector::sqlite {
 namespace {
@@ -126,145 +128,169 @@ const std::vector<Migration>& Migrations() {
        {"ALTER TABLE step_stats ADD COLUMN drifting_ranks TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE step_stats ADD COLUMN slow_ranks TEXT NOT NULL DEFAULT ''"}},
       // 5: rank_windows and downsampled (created by kCreateSchema), and auto_vacuum=INCREMENTAL
-      // (a VACUUM after the transaction, see ConfigureConnection).
+      // (a VACUUM after the transaction, see EnableIncrementalVacuum).
       {5, {}},
   };
   return *kMigrations;
 }
 
-}  // namespace
+// `db` with its file's path, for errors that name it.
+class Connection {
+ public:
+  Connection(const std::string& path, sqlite3* db) : path_(path), db_(db) {}
 
-// Sets the connection's pragmas and creates (or checks) the schema. Errors name `path`; the
-// caller closes `db` on failure.
-absl::Status ConfigureConnection(const std::string& path, const StoreOptions& options,
-                                 sqlite3* db) {
-  const auto fail = [&](int rc, absl::string_view what) { return SqlStatus(rc, path, what, db); };
-  const auto exec = [&](const std::string& sql, absl::string_view what = {}) -> absl::Status {
-    int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr);
-    if (rc != SQLITE_OK) return fail(rc, what.empty() ? absl::string_view(sql) : what);
+  absl::Status Fail(int rc, absl::string_view what) const {
+    return SqlStatus(rc, path_, what, db_);
+  }
+
+  // Runs constant SQL (DDL, pragmas); an error names `what`, or the SQL itself.
+  absl::Status Exec(const std::string& sql, absl::string_view what = {}) const {
+    const int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr);
+    if (rc != SQLITE_OK) return Fail(rc, what.empty() ? absl::string_view(sql) : what);
     return absl::OkStatus();
-  };
+  }
+
   // Runs a statement that returns one row and returns its first column as text.
-  const auto query = [&](const char* sql, std::string* result) -> absl::Status {
+  absl::StatusOr<std::string> QueryText(const char* sql) const {
     sqlite3_stmt* raw = nullptr;
-    int rc = sqlite3_prepare_v2(db, sql, -1, &raw, nullptr);
+    int rc = sqlite3_prepare_v2(db_, sql, -1, &raw, nullptr);
     Stmt stmt(raw);
-    if (rc != SQLITE_OK) return fail(rc, sql);
+    if (rc != SQLITE_OK) return Fail(rc, sql);
     rc = sqlite3_step(stmt.get());
-    if (rc != SQLITE_ROW) return fail(rc, sql);
-    *result = ColumnText(stmt.get(), 0);
-    return absl::OkStatus();
-  };
+    if (rc != SQLITE_ROW) return Fail(rc, sql);
+    return ColumnText(stmt.get(), 0);
+  }
 
-  sqlite3_extended_result_codes(db, 1);
-  const int64_t busy_ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(options.busy_timeout), 0,
-                                              std::numeric_limits<int>::max());
-  sqlite3_busy_timeout(db, static_cast<int>(busy_ms));  // 0: fail at once with SQLITE_BUSY
-
-  if (options.read_only) {
-    std::string version;
-    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
-    if (version == "0") {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "sqlite_store %s: no rankscope schema (open it read-write once first)", path));
-    }
+  // PRAGMA user_version, the file's schema version (0: a new file). Newer than this build's:
+  // kFailedPrecondition.
+  absl::StatusOr<int> SchemaVersion() const {
+    absl::StatusOr<std::string> version = QueryText("PRAGMA user_version");
+    if (!version.ok()) return version.status();
     int v = 0;
-    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
+    if (!absl::SimpleAtoi(*version, &v) || v > SqliteStore::kSchemaVersion) {
       return absl::FailedPreconditionError(
-          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
-                          version, SqliteStore::kSchemaVersion));
+          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path_,
+                          *version, SqliteStore::kSchemaVersion));
     }
-    if (v < SqliteStore::kSchemaVersion) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "sqlite_store %s: schema_version %s is older than this build's %d (start this build's "
-          "collector on it once to migrate it)",
-          path, version, SqliteStore::kSchemaVersion));
-    }
-    return absl::OkStatus();
+    return v;
   }
 
-  // journal_mode=WAL is persistent in the file; readers do not block the writer.
-  std::string mode;
-  if (absl::Status s = query("PRAGMA journal_mode=WAL", &mode); !s.ok()) return s;
-  if (mode != "wal" && mode != "memory") {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "sqlite_store %s: could not enable WAL (journal_mode is '%s')", path, mode));
-  }
-  // NORMAL in WAL mode: a commit survives a process crash; only power loss or an OS crash can
-  // lose the newest commits (never corrupting the file). FULL fsyncs every commit.
-  if (absl::Status s =
-          exec(options.synchronous_full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
-      !s.ok()) {
-    return s;
-  }
-  if (options.max_size_bytes > 0) {
-    std::string page_size;
-    if (absl::Status s = query("PRAGMA page_size", &page_size); !s.ok()) return s;
-    int64_t bytes_per_page = 4096;
-    if (!absl::SimpleAtoi(page_size, &bytes_per_page) || bytes_per_page <= 0) {
-      bytes_per_page = 4096;
-    }
-    const int64_t pages = std::max<int64_t>(1, options.max_size_bytes / bytes_per_page);
-    if (absl::Status s = exec(absl::StrCat("PRAGMA max_page_count=", pages)); !s.ok()) return s;
-  }
+  const std::string& path() const { return path_; }
+  sqlite3* db() const { return db_; }
 
-  // Freed pages go back to the file system in steps (SqliteStore::IncrementalVacuum, run by the
-  // retention pass), so pruning shrinks the file. On a new, empty file this takes effect at once;
-  // a file created before schema 5 needs one VACUUM, below.
-  if (absl::Status s = exec("PRAGMA auto_vacuum=INCREMENTAL"); !s.ok()) return s;
-  // The WAL is truncated back to this after a checkpoint that found it larger, so a burst of
-  // pruning does not leave a large -wal file behind.
-  if (absl::Status s = exec("PRAGMA journal_size_limit=67108864"); !s.ok()) return s;
+ private:
+  const std::string& path_;
+  sqlite3* const db_;
+};
 
-  // Schema creation and the version check in one write transaction, so two processes opening a
-  // new file at once do not race.
-  if (absl::Status s = exec("BEGIN IMMEDIATE"); !s.ok()) return s;
-  absl::Status status = [&]() -> absl::Status {
-    std::string version;
-    if (absl::Status s = query("PRAGMA user_version", &version); !s.ok()) return s;
-    int v = 0;
-    if (!absl::SimpleAtoi(version, &v) || v > SqliteStore::kSchemaVersion) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("sqlite_store %s: schema_version %s is newer than this build's %d", path,
-                          version, SqliteStore::kSchemaVersion));
-    }
-    // Migrations from older versions, one step at a time (v == 0: a new file, created whole).
-    if (v >= 1) {
-      for (const Migration& m : Migrations()) {
-        if (v >= m.to_version) continue;
-        for (const char* sql : m.statements) {
-          if (absl::Status s = exec(sql, absl::StrFormat("migrate schema %d -> %d: %s",
-                                                         m.to_version - 1, m.to_version, sql));
-              !s.ok()) {
-            return s;
-          }
-        }
-      }
-    }
-    if (absl::Status s = exec(kCreateSchema, "create schema"); !s.ok()) return s;
-    if (v < SqliteStore::kSchemaVersion) {
-      if (absl::Status s = exec(absl::StrCat("PRAGMA user_version=", SqliteStore::kSchemaVersion));
+// Runs the migrations from version `from` (>= 1) to kSchemaVersion, one step at a time.
+absl::Status Migrate(const Connection& connection, int from) {
+  for (const Migration& m : Migrations()) {
+    if (from >= m.to_version) continue;
+    for (const char* sql : m.statements) {
+      if (absl::Status s = connection.Exec(
+              sql,
+              absl::StrFormat("migrate schema %d -> %d: %s", m.to_version - 1, m.to_version, sql));
           !s.ok()) {
         return s;
       }
     }
-    return exec("COMMIT");
-  }();
-  if (!status.ok() && sqlite3_get_autocommit(db) == 0) {
-    sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
   }
-  if (!status.ok()) return status;
-  // A file written before schema 5 has auto_vacuum=NONE, which only a VACUUM can change: it
-  // rewrites the whole file once (seconds per GB, the writer waits; readers keep reading), needs
-  // as much free disk as the file, and never runs again on this file. If it fails (e.g. the disk
-  // is too full), the store still works; the file just does not shrink when pruned.
-  std::string auto_vacuum;
-  if (absl::Status s = query("PRAGMA auto_vacuum", &auto_vacuum); !s.ok()) return s;
-  if (auto_vacuum != "2") {
-    if (absl::Status s = exec("VACUUM", "VACUUM (enable auto_vacuum=INCREMENTAL, once)"); !s.ok()) {
-      std::fprintf(stderr, "rankscope-collector: %s (the file will not shrink when pruned)\n",
-                   s.ToString().c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void SetBusyTimeout(const StoreOptions& options, sqlite3* db) {
+  sqlite3_extended_result_codes(db, 1);
+  const int64_t busy_ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(options.busy_timeout), 0,
+                                              std::numeric_limits<int>::max());
+  sqlite3_busy_timeout(db, static_cast<int>(busy_ms));  // 0: fail at once with SQLITE_BUSY
+}
+
+absl::Status CheckSchemaVersion(const std::string& path, sqlite3* db) {
+  absl::StatusOr<int> version = Connection(path, db).SchemaVersion();
+  if (!version.ok()) return version.status();
+  if (*version == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sqlite_store %s: no rankscope schema (open it read-write once first)", path));
+  }
+  if (*version < SqliteStore::kSchemaVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sqlite_store %s: schema_version %d is older than this build's %d (start this build's "
+        "collector on it once to migrate it)",
+        path, *version, SqliteStore::kSchemaVersion));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetWritePragmas(const std::string& path, const StoreOptions& options, sqlite3* db) {
+  const Connection connection(path, db);
+  // journal_mode=WAL is persistent in the file; readers do not block the writer.
+  absl::StatusOr<std::string> mode = connection.QueryText("PRAGMA journal_mode=WAL");
+  if (!mode.ok()) return mode.status();
+  if (*mode != "wal" && *mode != "memory") {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "sqlite_store %s: could not enable WAL (journal_mode is '%s')", path, *mode));
+  }
+  // NORMAL in WAL mode: a commit survives a process crash; only power loss or an OS crash can
+  // lose the newest commits (never corrupting the file). FULL fsyncs every commit.
+  if (absl::Status s = connection.Exec(options.synchronous_full ? "PRAGMA synchronous=FULL"
+                                                                : "PRAGMA synchronous=NORMAL");
+      !s.ok()) {
+    return s;
+  }
+  if (options.max_size_bytes > 0) {
+    absl::StatusOr<std::string> page_size = connection.QueryText("PRAGMA page_size");
+    if (!page_size.ok()) return page_size.status();
+    int64_t bytes_per_page = 4096;
+    if (!absl::SimpleAtoi(*page_size, &bytes_per_page) || bytes_per_page <= 0) {
+      bytes_per_page = 4096;
     }
+    const int64_t pages = std::max<int64_t>(1, options.max_size_bytes / bytes_per_page);
+    if (absl::Status s = connection.Exec(absl::StrCat("PRAGMA max_page_count=", pages)); !s.ok()) {
+      return s;
+    }
+  }
+  // Freed pages go back to the file system in steps (SqliteStore::IncrementalVacuum, run by the
+  // retention pass), so pruning shrinks the file. On a new, empty file this takes effect at once;
+  // a file created before schema 5 needs one VACUUM (EnableIncrementalVacuum).
+  if (absl::Status s = connection.Exec("PRAGMA auto_vacuum=INCREMENTAL"); !s.ok()) return s;
+  // The WAL is truncated back to this after a checkpoint that found it larger, so a burst of
+  // pruning does not leave a large -wal file behind.
+  return connection.Exec("PRAGMA journal_size_limit=67108864");
+}
+
+absl::Status CreateOrMigrateSchema(const std::string& path, sqlite3* db) {
+  const Connection connection(path, db);
+  absl::StatusOr<TransactionStatements> statements = TransactionStatements::Prepare(db, path);
+  if (!statements.ok()) return statements.status();
+  // The version check, migrations and creation in one write transaction, so two processes
+  // opening a new file at once do not race.
+  return InWriteTransaction(db, path, *statements, [&]() -> absl::Status {
+    absl::StatusOr<int> version = connection.SchemaVersion();
+    if (!version.ok()) return version.status();
+    // v == 0: a new file, created whole by kCreateSchema.
+    if (*version >= 1) {
+      if (absl::Status s = Migrate(connection, *version); !s.ok()) return s;
+    }
+    if (absl::Status s = connection.Exec(kCreateSchema, "create schema"); !s.ok()) return s;
+    if (*version < SqliteStore::kSchemaVersion) {
+      return connection.Exec(absl::StrCat("PRAGMA user_version=", SqliteStore::kSchemaVersion));
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status EnableIncrementalVacuum(const std::string& path, sqlite3* db) {
+  const Connection connection(path, db);
+  absl::StatusOr<std::string> auto_vacuum = connection.QueryText("PRAGMA auto_vacuum");
+  if (!auto_vacuum.ok()) return auto_vacuum.status();
+  if (*auto_vacuum == "2") return absl::OkStatus();  // INCREMENTAL already
+  if (absl::Status s = connection.Exec("VACUUM", "VACUUM (enable auto_vacuum=INCREMENTAL, once)");
+      !s.ok()) {
+    std::fprintf(stderr, "rankscope-collector: %s (the file will not shrink when pruned)\n",
+                 s.ToString().c_str());
   }
   return absl::OkStatus();
 }

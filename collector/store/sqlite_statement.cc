@@ -54,6 +54,17 @@ absl::Time FromUnixSecondsReal(double seconds) {
   return absl::FromUnixMicros(static_cast<int64_t>(micros));
 }
 
+absl::Status PreparePersistent(sqlite3* db, const std::string& path,
+                               std::initializer_list<std::pair<Stmt*, const char*>> statements) {
+  for (const auto& [stmt, sql] : statements) {
+    sqlite3_stmt* raw = nullptr;
+    const int rc = sqlite3_prepare_v3(db, sql, -1, SQLITE_PREPARE_PERSISTENT, &raw, nullptr);
+    stmt->reset(raw);
+    if (rc != SQLITE_OK) return SqlStatus(rc, path, absl::StrCat("prepare ", sql), db);
+  }
+  return absl::OkStatus();
+}
+
 int StepToDone(sqlite3_stmt* stmt) {
   int rc = sqlite3_step(stmt);
   while (rc == SQLITE_ROW) rc = sqlite3_step(stmt);

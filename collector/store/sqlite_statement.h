@@ -14,9 +14,11 @@
 #include <sqlite3.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -63,6 +65,11 @@ std::string Quote(absl::string_view job);
 // rounding back to whole microseconds recovers the value exactly.
 double ToUnixSecondsReal(absl::Time t);
 absl::Time FromUnixSecondsReal(double seconds);
+
+// Prepares each (statement, SQL) pair with SQLITE_PREPARE_PERSISTENT (kept for the connection's
+// life). An error names `path` and the SQL; statements prepared before it stay prepared.
+absl::Status PreparePersistent(sqlite3* db, const std::string& path,
+                               std::initializer_list<std::pair<Stmt*, const char*>> statements);
 
 // Steps `stmt` (bound, no result rows) to completion. Returns SQLITE_DONE or the error code;
 // the caller builds the Status before anything else touches the connection's error message.

@@ -145,6 +145,12 @@ class SqliteStore {
   absl::StatusOr<std::vector<StepRankRow>> RankRowsInRange(absl::string_view job,
                                                            uint64_t first_step, uint64_t last_step,
                                                            int limit);
+  // The rank_steps rows of one rank with first_step <= step <= last_step, ordered by step, at
+  // most `limit`; reads that rank's rows only (one index seek per stored step). InvalidArgument
+  // when limit < 0; empty when first_step > last_step.
+  absl::StatusOr<std::vector<StepRankRow>> RankSeriesInRange(absl::string_view job, uint32_t rank,
+                                                             uint64_t first_step,
+                                                             uint64_t last_step, int limit);
 
   // rank_windows rows of a job overlapping [first_step, last_step], ordered by (first_step,
   // rank), at most `limit` (rank_windows.h). InvalidArgument when limit < 0.
@@ -193,7 +199,8 @@ class SqliteStore {
                                          double outlier_threshold);
   absl::StatusOr<PruneResult> DropSteps(const PruneAction& action);
   absl::StatusOr<PruneResult> IncrementalVacuum(int64_t pages);
-  // Runs `body` between BEGIN IMMEDIATE and COMMIT (ROLLBACK on error).
+  // Runs `body` in a write transaction (sqlite_transaction.h): BEGIN IMMEDIATE, COMMIT if it
+  // returns OK, else ROLLBACK and its error.
   absl::Status InTransaction(absl::FunctionRef<absl::Status()> body);
   std::string path_;
   sqlite3* db_;

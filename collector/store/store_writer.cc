@@ -190,120 +190,134 @@ bool StoreWriter::RetentionPass() {
 
 void StoreWriter::Run() {
   std::vector<WriteItem> items;
-  absl::Time last_commit = absl::InfinitePast();
-  // Retention: prune again at once while the last pass pruned, else at the next check.
-  bool backlog = false;
-  absl::Time next_check = absl::InfinitePast();
-  const auto retention_due = [&] {
-    return options_.retention && (backlog || options_.clock() >= next_check);
-  };
-  const auto prune = [&] {
-    backlog = RetentionPass();
-    if (!backlog) next_check = options_.clock() + options_.retention->check_interval;
-  };
   while (true) {
-    if (retention_due()) {
-      bool idle;
-      {
-        MutexLock lock(&mu_);
-        idle = pending_.empty() && !stopping_;
-      }
-      if (idle) {
-        prune();
-        continue;
-      }
+    if (RetentionDue() && Idle()) {
+      Prune();
+      continue;
     }
+    switch (TakeBatch(items)) {
+      case Take::kAgain:
+        continue;
+      case Take::kStopped:
+        return;
+      case Take::kBatch:
+        break;
+    }
+    if (!CommitBatch(items)) return;
+  }
+}
+
+bool StoreWriter::RetentionDue() const {
+  return options_.retention && (retention_backlog_ || options_.clock() >= next_retention_check_);
+}
+
+void StoreWriter::Prune() {
+  retention_backlog_ = RetentionPass();
+  if (!retention_backlog_) {
+    next_retention_check_ = options_.clock() + options_.retention->check_interval;
+  }
+}
+
+bool StoreWriter::Idle() const {
+  MutexLock lock(&mu_);
+  return pending_.empty() && !stopping_;
+}
+
+StoreWriter::Take StoreWriter::TakeBatch(std::vector<WriteItem>& items) {
+  MutexLock lock(&mu_);
+  auto ready = [this]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.empty() || stopping_; };
+  if (options_.retention) {
+    auto ready_or_wanted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !pending_.empty() || stopping_ || retention_wanted_;
+    };
+    const absl::Duration until_check =
+        retention_backlog_
+            ? absl::ZeroDuration()
+            : std::max(absl::ZeroDuration(), next_retention_check_ - options_.clock());
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_wanted), until_check)) return Take::kAgain;
+    if (retention_wanted_) {
+      retention_wanted_ = false;
+      next_retention_check_ = absl::InfinitePast();
+      if (!ready()) return Take::kAgain;
+    }
+  } else {
+    mu_.Await(absl::Condition(&ready));
+  }
+  // Group commit: wait up to kCommitInterval after the last commit for a full batch.
+  auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return pending_.size() >= std::max<size_t>(options_.max_batch_items, 1) || stopping_;
+  };
+  const absl::Time next_commit = last_commit_ + kCommitInterval;
+  if (const absl::Time now = options_.clock(); !full() && now < next_commit) {
+    mu_.AwaitWithTimeout(absl::Condition(&full), next_commit - now);
+  }
+  last_commit_ = options_.clock();
+  if (pending_.empty() || (stopping_ && options_.clock() >= stop_deadline_)) {
+    stopped_ = true;
+    return Take::kStopped;
+  }
+  const size_t n = std::min(pending_.size(), std::max<size_t>(options_.max_batch_items, 1));
+  items.clear();
+  for (size_t i = 0; i < n; ++i) {
+    items.push_back(std::move(pending_.front()));
+    pending_.pop_front();
+  }
+  return Take::kBatch;
+}
+
+bool StoreWriter::CommitBatch(std::vector<WriteItem>& items) {
+  StoreBatch batch;
+  for (WriteItem& item : items) Append(batch, std::move(item.batch));
+  const absl::Time start = options_.clock();
+  absl::Status status = batch.empty() ? absl::OkStatus() : store_->Write(batch);
+  if (status.ok()) {
+    const absl::Duration commit_time = options_.clock() - start;  // the commit, not the acks
+    SendAcks(items);
+    if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
+    bool stopping;
     {
       MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !pending_.empty() || stopping_;
-      };
-      if (options_.retention) {
-        auto ready_or_wanted = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return !pending_.empty() || stopping_ || retention_wanted_;
-        };
-        const absl::Duration until_check =
-            backlog ? absl::ZeroDuration()
-                    : std::max(absl::ZeroDuration(), next_check - options_.clock());
-        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_wanted), until_check)) continue;
-        if (retention_wanted_) {
-          retention_wanted_ = false;
-          next_check = absl::InfinitePast();
-          if (!ready()) continue;
-        }
-      } else {
-        mu_.Await(absl::Condition(&ready));
-      }
-      auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return pending_.size() >= std::max<size_t>(options_.max_batch_items, 1) || stopping_;
-      };
-      const absl::Time next_commit = last_commit + kCommitInterval;
-      if (const absl::Time now = options_.clock(); !full() && now < next_commit) {
-        mu_.AwaitWithTimeout(absl::Condition(&full), next_commit - now);
-      }
-      last_commit = options_.clock();
-      if (pending_.empty() || (stopping_ && options_.clock() >= stop_deadline_)) {
-        stopped_ = true;
-        return;
-      }
-      const size_t n = std::min(pending_.size(), std::max<size_t>(options_.max_batch_items, 1));
-      items.clear();
-      for (size_t i = 0; i < n; ++i) {
-        items.push_back(std::move(pending_.front()));
-        pending_.pop_front();
-      }
-    }
-    StoreBatch batch;
-    for (WriteItem& item : items) Append(batch, std::move(item.batch));
-    const absl::Time start = options_.clock();
-    absl::Status status = batch.empty() ? absl::OkStatus() : store_->Write(batch);
-    if (status.ok()) {
-      const absl::Duration commit_time = options_.clock() - start;  // the commit, not the acks
-      SendAcks(items);
-      if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
-      bool stopping;
-      {
-        MutexLock lock(&mu_);
-        finished_ += items.size();
-        health_ = absl::OkStatus();
-        if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
-        stopping = stopping_;
-      }
-      // One pruning transaction between two commits while there is a backlog to prune.
-      if (!stopping && retention_due()) prune();
-      continue;
-    }
-    if (hooks_.on_error) hooks_.on_error(status);
-    if (!IsRetryable(status)) {
-      // The same batch would fail the same way forever: drop it unacked so that the queue behind
-      // it keeps moving, and make its agents resend (where validation or the store refuses it
-      // again, or a smaller batch succeeds).
-      if (hooks_.on_drop) hooks_.on_drop(batch, items.size(), status);
-      AbandonSinks(items, status);
-      MutexLock lock(&mu_);
       finished_ += items.size();
-      health_ = status;
-      continue;
+      health_ = absl::OkStatus();
+      if (hooks_.on_queue_depth) hooks_.on_queue_depth(pending_.size());
+      stopping = stopping_;
     }
-    // Not stored: nothing is acked. Put the items back in front (their rows were moved into
-    // `batch`, so rebuild one item holding the whole batch and all acks) and retry later.
-    WriteItem retry;
-    retry.batch = std::move(batch);
-    for (WriteItem& item : items) {
-      std::move(item.acks.begin(), item.acks.end(), std::back_inserter(retry.acks));
-    }
-    MutexLock lock(&mu_);
-    health_ = status;
-    // The merged item stands for items.size() enqueued items.
-    finished_ += items.size() - 1;
-    pending_.push_front(std::move(retry));
-    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-    mu_.AwaitWithTimeout(absl::Condition(&stop), options_.retry_backoff);
-    if (stopping_ && options_.clock() >= stop_deadline_) {
-      stopped_ = true;
-      return;
-    }
+    // One pruning transaction between two commits while there is a backlog to prune.
+    if (!stopping && RetentionDue()) Prune();
+    return true;
   }
+  if (hooks_.on_error) hooks_.on_error(status);
+  if (!IsRetryable(status)) {
+    // The same batch would fail the same way forever: drop it unacked so that the queue behind
+    // it keeps moving, and make its agents resend (where validation or the store refuses it
+    // again, or a smaller batch succeeds).
+    if (hooks_.on_drop) hooks_.on_drop(batch, items.size(), status);
+    AbandonSinks(items, status);
+    MutexLock lock(&mu_);
+    finished_ += items.size();
+    health_ = status;
+    return true;
+  }
+  // Not stored: nothing is acked. Put the items back in front (their rows were moved into
+  // `batch`, so rebuild one item holding the whole batch and all acks) and retry later.
+  WriteItem retry;
+  retry.batch = std::move(batch);
+  for (WriteItem& item : items) {
+    std::move(item.acks.begin(), item.acks.end(), std::back_inserter(retry.acks));
+  }
+  MutexLock lock(&mu_);
+  health_ = status;
+  // The merged item stands for items.size() enqueued items.
+  finished_ += items.size() - 1;
+  pending_.push_front(std::move(retry));
+  auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+  mu_.AwaitWithTimeout(absl::Condition(&stop), options_.retry_backoff);
+  if (stopping_ && options_.clock() >= stop_deadline_) {
+    stopped_ = true;
+    return false;
+  }
+  return true;
 }
 
 }  // namespace rankscope::collector

@@ -113,13 +113,34 @@ class StoreWriter {
   bool WaitRetentionIdle(absl::Duration timeout);
 
  private:
+  // The writer thread's loop, in the pieces below (all writer thread only): prune while idle and
+  // retention is due, take a batch, commit it.
   void Run();
   // One retention check and at most one pruning transaction; returns whether it pruned.
   bool RetentionPass();
+  // A retention pass is due: the last one pruned (a backlog), or check_interval has passed.
+  bool RetentionDue() const;
+  // RetentionPass, and when the next is due.
+  void Prune();
+  // Nothing pending and not stopping.
+  bool Idle() const ABSL_LOCKS_EXCLUDED(mu_);
+  enum class Take { kBatch, kAgain, kStopped };
+  // Waits for pending items (or a retention check: kAgain), then up to kCommitInterval after the
+  // last commit for a full batch, and moves at most max_batch_items into `items` (kBatch).
+  // kStopped: nothing left, or stopping past the deadline.
+  Take TakeBatch(std::vector<WriteItem>& items) ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes `items` in one transaction and settles them: acked when stored; dropped unacked
+  // (their agents resend) on a permanent error; put back in front to retry after retry_backoff
+  // on a transient one. Returns false when the writer stopped while waiting to retry.
+  bool CommitBatch(std::vector<WriteItem>& items) ABSL_LOCKS_EXCLUDED(mu_);
 
   const StoreWriterOptions options_;
   const StoreWriterHooks hooks_;
   std::unique_ptr<SqliteStore> store_;  // writer thread only
+  // Writer thread only: the last group commit, and the retention schedule (RetentionDue).
+  absl::Time last_commit_ = absl::InfinitePast();
+  bool retention_backlog_ = false;
+  absl::Time next_retention_check_ = absl::InfinitePast();
 
   mutable Mutex mu_;
   std::deque<WriteItem> pending_ ABSL_GUARDED_BY(mu_);

@@ -118,9 +118,9 @@ void AppendStepFlags(const StepRow& row, std::string* out) {
   AppendDouble(UnixSeconds(row.completed_at), 16, out);
 }
 
-bool RowNonfinite(const RankRow& row) {
-  return row.sketch_nonfinite || !std::isfinite(row.loss) || !std::isfinite(row.grad_norm);
-}
+// The stored verdict (rank_steps.nonfinite), never the values read back: a pipeline stage's
+// absent loss reads back as NaN without being non-finite.
+bool RowNonfinite(const StepRankRow& row) { return row.nonfinite; }
 
 }  // namespace
 
@@ -189,10 +189,12 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
     if (request.route == ApiRequest::Route::kJobs) {
       return absl::InvalidArgumentError("/api/v1/jobs takes no parameters");
     }
-    if (kv.first == "first" || kv.first == "last") {
+    if (kv.first == "first" || kv.first == "last" || kv.first == "since") {
       auto step = ParseStep(kv.first, value);
       if (!step.ok()) return step.status();
-      (kv.first == "first" ? request.first : request.last) = *step;
+      (kv.first == "first"  ? request.first
+       : kv.first == "last" ? request.last
+                            : request.since) = *step;
     } else if (kv.first == "rank" && request.route == ApiRequest::Route::kRanks) {
       uint32_t rank = 0;
       if (value.empty() || value.size() > 10 ||
@@ -206,7 +208,23 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown parameter (", kv.first.size(),
-                       " characters): steps takes first and last, ranks first, last and rank"));
+                       " characters): steps takes first, last and since, ranks first, last, "
+                       "since and rank"));
+    }
+  }
+  if (request.since.has_value()) {
+    if (request.first.has_value()) {
+      return absl::InvalidArgumentError(
+          "since and first exclude each other: since=S answers the steps after S");
+    }
+    if (*request.since >= kMaxStoredStep) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("since must be below ", kMaxStoredStep, ": no step follows it"));
+    }
+    if (request.last.has_value() && *request.since >= *request.last) {
+      return absl::InvalidArgumentError(absl::StrCat("since (", *request.since,
+                                                     ") must be below last (", *request.last,
+                                                     "): since=S answers the steps after S"));
     }
   }
   if (request.first.has_value() && request.last.has_value()) {
@@ -224,11 +242,17 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
   } else {
     w.last = std::max(newest_step, request.first.value_or(0));
   }
+  const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
+  const uint64_t window_first = w.last > span ? w.last - span : 0;
   if (request.first.has_value()) {
     w.first = *request.first;
+  } else if (request.since.has_value()) {
+    // The steps after `since`, at most the default window's newest (a page that fell far behind
+    // gets the newest window, not the oldest steps it missed). since < INT64_MAX (parsed).
+    w.first = std::max(*request.since + 1, window_first);
+    w.last = std::max(w.last, w.first);
   } else {
-    const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
-    w.first = w.last > span ? w.last - span : 0;
+    w.first = window_first;
   }
   return w;
 }
@@ -303,9 +327,11 @@ std::string StepsJson(absl::string_view job, StepWindow window, const std::vecto
 }
 
 std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_size,
-                      const std::vector<StepRankRow>& rows, bool truncated) {
+                      const std::vector<StepRankRow>& rows, bool truncated,
+                      uint64_t downsampled_before, const std::vector<RankWindowRow>& windows) {
   uint32_t width = world_size;
   for (const StepRankRow& r : rows) width = std::max(width, r.row.rank + 1);
+  for (const RankWindowRow& w : windows) width = std::max(width, w.rank + 1);
   std::string out = "{";
   AppendWindow(job, window, truncated, &out);
   absl::StrAppend(&out, ",\"world_size\":", width, ",\"steps\":[");
@@ -347,7 +373,7 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
         continue;
       }
       const RankRow& row = rows[at[r]].row;
-      if (RowNonfinite(row)) nonfinite.push_back(r);
+      if (RowNonfinite(rows[at[r]])) nonfinite.push_back(r);
       if (row.replica_ok.has_value() && !*row.replica_ok) divergent.push_back(r);
     }
     out.append("],\"missing\":");
@@ -359,7 +385,59 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
     out.push_back('}');
     begin = end;
   }
-  out.append("]}");
+  out.append("]");
+  if (downsampled_before > 0 || !windows.empty()) {
+    absl::StrAppend(&out, ",\"downsampled_before\":", downsampled_before, ",\"windows\":[");
+    std::vector<int64_t> at(width, -1);
+    for (size_t begin = 0; begin < windows.size();) {
+      size_t end = begin;
+      const uint64_t first = windows[begin].first_step;
+      std::fill(at.begin(), at.end(), -1);
+      while (end < windows.size() && windows[end].first_step == first) {
+        at[windows[end].rank] = static_cast<int64_t>(end);
+        ++end;
+      }
+      if (begin > 0) out.push_back(',');
+      absl::StrAppend(&out, "{\"first\":", first, ",\"last\":", windows[begin].last_step,
+                      ",\"cosine\":[");
+      for (uint32_t r = 0; r < width; ++r) {
+        if (r > 0) out.push_back(',');
+        if (at[r] < 0) {
+          out.append("null");
+        } else {
+          AppendOptional(windows[at[r]].grad_cosine.min, 4, &out);
+        }
+      }
+      out.append("],\"outlier\":[");
+      for (uint32_t r = 0; r < width; ++r) {
+        if (r > 0) out.push_back(',');
+        if (at[r] < 0) {
+          out.append("null");
+        } else {
+          AppendOptional(windows[at[r]].outlier_score.max, 4, &out);
+        }
+      }
+      std::vector<uint32_t> missing, nonfinite, divergent;
+      for (uint32_t r = 0; r < width; ++r) {
+        if (at[r] < 0) {
+          if (r < world_size) missing.push_back(r);
+          continue;
+        }
+        if (windows[at[r]].nonfinite > 0) nonfinite.push_back(r);
+        if (windows[at[r]].replica_bad > 0) divergent.push_back(r);
+      }
+      out.append("],\"missing\":");
+      AppendRanks(missing, &out);
+      out.append(",\"nonfinite\":");
+      AppendRanks(nonfinite, &out);
+      out.append(",\"divergent\":");
+      AppendRanks(divergent, &out);
+      out.push_back('}');
+      begin = end;
+    }
+    out.append("]");
+  }
+  out.append("}");
   return out;
 }
 
@@ -387,8 +465,7 @@ std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t ra
     AppendOptional(r.row.grad_norm_z, 6, &out);
     out.append(",\"step_time_z\":");
     AppendOptional(r.row.step_time_z, 6, &out);
-    absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r.row) ? "true" : "false",
-                    ",\"replica_ok\":",
+    absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r) ? "true" : "false", ",\"replica_ok\":",
                     !r.row.replica_ok.has_value() ? "null"
                     : *r.row.replica_ok           ? "true"
                                                   : "false",

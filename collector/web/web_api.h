@@ -6,13 +6,19 @@
 //   GET /api/v1/jobs/NAME/steps?first=F&last=L         step_stats rows of steps F..L
 //   GET /api/v1/jobs/NAME/ranks?first=F&last=L[&rank=R]
 //       every rank's consensus cosine and outlier score per step (a rank x step matrix, one
-//       array per step indexed by rank), or with rank=R that rank's own series
+//       array per step indexed by rank), or with rank=R that rank's own series (read alone:
+//       SqliteStore::RankSeriesInRange)
+//   ...?since=S (steps and ranks, instead of first): only the steps after S, for a page that
+//       already holds S and before. The window is then S+1..L (L as below), but never starts
+//       before the default window's first step: a page that fell far behind gets the newest
+//       window. Empty when nothing is newer than S.
 //
 // NAME is a job name or a group key "JOB/GROUP", its '/' literal or encoded as %2F. `last`
 // defaults to the job's newest step, `first` to a window before it (kDefaultStepsWindow,
 // kDefaultRanksWindow). The limits are Query's (query_checks.h): a steps answer holds at most
 // kStepRangeDefaultLimit steps, a ranks answer at most kStepRangeMaxLimit rank rows (whole steps);
-// a longer range is answered from `first` on and says "truncated": true. first > last, a value
+// a longer range is answered from `first` on and says "truncated": true. first > last, since
+// with first, since >= last, a value
 // that is not a decimal uint64 (or above INT64_MAX, the store's bound) and a bad name are
 // InvalidArgument (400); an unknown job and an unknown path NotFound (404).
 //
@@ -31,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
 #include "rankscope/v1/rankscope.pb.h"
 
@@ -46,7 +53,8 @@ struct ApiRequest {
   std::string job;  // kSteps, kRanks: the job key, checked by CheckQueryJobName
   std::optional<uint64_t> first;
   std::optional<uint64_t> last;
-  std::optional<uint32_t> rank;  // kRanks: one rank's series
+  std::optional<uint64_t> since;  // only steps after it; never with `first`, always < INT64_MAX
+  std::optional<uint32_t> rank;   // kRanks: one rank's series
 };
 
 // `path`: the URL path after "/api/v1" (e.g. "/jobs/exp-42/steps"), percent-decoded or not;
@@ -55,7 +63,8 @@ struct ApiRequest {
 absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_view query);
 
 // The steps a request reads: [first, last] with the defaults above applied against the job's
-// newest step (first is clamped at 0).
+// newest step (first is clamped at 0); with `since`, first = max(since + 1, the default window's
+// first) and last at least first. Always first <= last.
 struct StepWindow {
   uint64_t first = 0;
   uint64_t last = 0;
@@ -86,14 +95,26 @@ std::string StepsJson(absl::string_view job, StepWindow window, const std::vecto
 // {"job","first","last","world_size","truncated","steps":[{"step","cosine":[W],"outlier":[W],
 //   "missing":[ranks],"nonfinite":[ranks],"divergent":[ranks]}]}. cosine[r]/outlier[r] are null
 // where rank r has no row or no value; `missing` lists the ranks < world_size without a row at
-// that step, `nonfinite` those whose loss or gradient norm is NaN/Inf, `divergent` those whose
+// that step, `nonfinite` those whose stored `nonfinite` column is set (StepRankRow::nonfinite:
+// the loss, gradient norm or sketch was NaN/Inf), `divergent` those whose
 // replica fingerprint disagreed. world_size is the larger of `world_size` and the highest rank + 1.
+//
+// Where retention downsampled the job's rank rows (steps below `downsampled_before`, 0: none),
+// the answer also says so and carries the rank_windows rows overlapping the window (ordered by
+// first_step, then rank), one entry per window of steps: ,"downsampled_before":B,
+// "windows":[{"first","last","cosine":[W] (each rank's lowest),"outlier":[W] (highest),
+// "missing":[ranks without a row],"nonfinite":[ranks with a non-finite row],
+// "divergent":[ranks with a replica mismatch]}]. In those steps `steps` holds only the rows
+// retention kept (flagged ones).
 std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_size,
-                      const std::vector<StepRankRow>& rows, bool truncated);
+                      const std::vector<StepRankRow>& rows, bool truncated,
+                      uint64_t downsampled_before = 0,
+                      const std::vector<RankWindowRow>& windows = {});
 
 // One rank's series: {"job","rank","first","last","truncated","steps":[{"step","loss",
 // "grad_norm","cosine","outlier","loss_z","grad_norm_z","step_time_z","nonfinite",
-// "replica_ok"}]} from the rows of `rank` in `rows`.
+// "replica_ok"}]} from the rows of `rank` in `rows` (others are skipped); `nonfinite` is the
+// stored column.
 std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t rank,
                            const std::vector<StepRankRow>& rows, bool truncated);
 

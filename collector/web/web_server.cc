@@ -121,7 +121,10 @@ absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& read
   }
   const StepWindow window = ResolveWindow(request, job->last_step(), kDefaultRanksWindow);
   auto rows =
-      reader.RankRowsInRange(request.job, window.first, window.last, kStepRangeMaxLimit + 1);
+      request.rank.has_value()
+          ? reader.RankSeriesInRange(request.job, *request.rank, window.first, window.last,
+                                     kStepRangeMaxLimit + 1)
+          : reader.RankRowsInRange(request.job, window.first, window.last, kStepRangeMaxLimit + 1);
   if (!rows.ok()) return rows.status();
   const bool truncated = rows->size() > static_cast<size_t>(kStepRangeMaxLimit);
   if (truncated) {
@@ -133,7 +136,17 @@ absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& read
   if (request.rank.has_value()) {
     return RankSeriesJson(request.job, window, *request.rank, *rows, truncated);
   }
-  return RanksJson(request.job, window, job->world_size(), *rows, truncated);
+  // Steps whose rank rows retention downsampled: their rank_windows rows too.
+  absl::StatusOr<uint64_t> before = reader.DownsampledBefore(request.job);
+  if (!before.ok()) return before.status();
+  std::vector<RankWindowRow> windows;
+  if (*before > window.first) {
+    auto read = reader.RankWindowsInRange(request.job, window.first,
+                                          std::min(window.last, *before - 1), kStepRangeMaxLimit);
+    if (!read.ok()) return read.status();
+    windows = *std::move(read);
+  }
+  return RanksJson(request.job, window, job->world_size(), *rows, truncated, *before, windows);
 }
 
 // Opens and closes one TCP connection to the server listening on `address` (civetweb syntax,

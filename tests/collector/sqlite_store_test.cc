@@ -913,6 +913,52 @@ TEST_F(SqliteStoreTest, RangesOfStepsAndRankRowsAreOldestFirstAndBounded) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(SqliteStoreTest, RankSeriesReadsOneRankAndTheStoredNonFiniteVerdict) {
+  auto store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  std::vector<StepWrite> steps;
+  for (uint64_t s : {1, 2, 3, 5, 8}) steps.push_back(MakeStep("a", s, 0, 3));
+  steps.push_back(MakeStep("b", 2, 0, 3));
+  // Step 3: rank 1's loss is NaN (stored NULL, nonfinite 1); rank 2 has no loss at all (a
+  // pipeline stage: NULL, nonfinite 0). Step 5: rank 1's sketch was non-finite.
+  steps[2].ranks[1].loss = std::nan("");
+  steps[2].ranks[2].loss = std::nan("");
+  steps[2].ranks[2].loss_absent = true;
+  steps[3].ranks[1].sketch_nonfinite = true;
+  ASSERT_TRUE(store->Write(Batch(std::move(steps))).ok());
+
+  auto series = store->RankSeriesInRange("a", 1, 2, 8, 100);
+  ASSERT_TRUE(series.ok()) << series.status();
+  std::vector<std::pair<uint64_t, bool>> got;
+  for (const StepRankRow& r : *series) {
+    EXPECT_EQ(r.row.rank, 1u);
+    got.emplace_back(r.step, r.nonfinite);
+  }
+  EXPECT_THAT(got, ElementsAre(std::make_pair(2u, false), std::make_pair(3u, true),
+                               std::make_pair(5u, true), std::make_pair(8u, false)));
+  // The same rows, and verdicts, as the range of every rank.
+  auto all = store->RankRowsInRange("a", 2, 8, 100);
+  ASSERT_TRUE(all.ok());
+  std::vector<std::pair<uint64_t, bool>> filtered;
+  for (const StepRankRow& r : *all) {
+    if (r.row.rank == 1) filtered.emplace_back(r.step, r.nonfinite);
+    // The stage without a loss reads back NaN but is not non-finite.
+    if (r.step == 3 && r.row.rank == 2) {
+      EXPECT_FALSE(r.nonfinite);
+    }
+  }
+  EXPECT_EQ(got, filtered);
+  series = store->RankSeriesInRange("a", 1, 0, std::numeric_limits<uint64_t>::max(), 2);
+  ASSERT_TRUE(series.ok());
+  ASSERT_EQ(series->size(), 2u);
+  EXPECT_EQ((*series)[1].step, 2u);
+  EXPECT_THAT(*store->RankSeriesInRange("a", 7, 0, 100, 10), IsEmpty());
+  EXPECT_THAT(*store->RankSeriesInRange("a", 1, 6, 7, 10), IsEmpty());
+  EXPECT_THAT(*store->RankSeriesInRange("a", 1, 8, 2, 10), IsEmpty());
+  EXPECT_EQ(store->RankSeriesInRange("a", 1, 0, 1, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SqliteStoreTest, AbsentStepsAndJobsReadAsEmpty) {
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);

@@ -102,6 +102,43 @@ TEST(ResolveWindowTest, Defaults) {
   EXPECT_EQ(ResolveWindow(r, 1000, 30).first, 21u);
 }
 
+TEST(ParseApiRequestTest, SinceAsksForTheStepsAfterIt) {
+  for (const char* route : {"/jobs/exp/steps", "/jobs/exp/ranks"}) {
+    auto r = ParseApiRequest(route, "since=41");
+    ASSERT_TRUE(r.ok()) << route << ": " << r.status();
+    EXPECT_EQ(r->since, 41u);
+    EXPECT_FALSE(r->first.has_value());
+  }
+  auto with_last = ParseApiRequest("/jobs/exp/ranks", "since=41&last=50&rank=3");
+  ASSERT_TRUE(with_last.ok()) << with_last.status();
+  EXPECT_EQ(with_last->last, 50u);
+  EXPECT_EQ(with_last->rank, 3u);
+  for (const char* query : {"since=4&first=2", "first=2&since=4", "since=x", "since=-1",
+                            "since=9223372036854775807", "since=50&last=50", "since=51&last=50"}) {
+    auto r = ParseApiRequest("/jobs/exp/ranks", query);
+    ASSERT_FALSE(r.ok()) << query;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << query;
+  }
+}
+
+TEST(ResolveWindowTest, SinceStartsAfterItWithinTheNewestWindow) {
+  ApiRequest r;
+  r.since = 100;
+  // Newer steps: the ones after `since`, up to the newest.
+  EXPECT_EQ(ResolveWindow(r, 104, 120).first, 101u);
+  EXPECT_EQ(ResolveWindow(r, 104, 120).last, 104u);
+  // Nothing newer: an empty window after `since` (first > the newest step), first <= last.
+  EXPECT_EQ(ResolveWindow(r, 100, 120).first, 101u);
+  EXPECT_EQ(ResolveWindow(r, 100, 120).last, 101u);
+  EXPECT_EQ(ResolveWindow(r, 90, 120).first, 101u);
+  // A page far behind gets the newest default window, not the oldest steps it missed.
+  EXPECT_EQ(ResolveWindow(r, 1000, 120).first, 881u);
+  EXPECT_EQ(ResolveWindow(r, 1000, 120).last, 1000u);
+  r.last = 150;
+  EXPECT_EQ(ResolveWindow(r, 1000, 120).first, 101u);
+  EXPECT_EQ(ResolveWindow(r, 1000, 120).last, 150u);
+}
+
 StepRow Step(uint64_t step) {
   StepRow row;
   row.step = step;
@@ -136,7 +173,10 @@ TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {
     StepRankRow row;
     row.step = 7;
     row.row.rank = r;
-    row.row.loss = r == 2 ? std::nan("") : 1.0;
+    // Rank 2's stored row says non-finite; rank 0 is a pipeline stage without a loss (NULL,
+    // read back as NaN), which is not non-finite: the verdict is the stored column's.
+    row.row.loss = r == 1 ? 1.0 : std::nan("");
+    row.nonfinite = r == 2;
     row.row.grad_norm = 1.0;
     row.row.grad_cosine = 0.5 + r * 0.125;
     row.row.outlier_score = r;
@@ -156,6 +196,44 @@ TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {
               HasSubstr("\"world_size\":6,\"steps\":[{\"step\":7,\"cosine\":[0.5,0.625,0.75,"
                         "null,null,0.5],"));
   EXPECT_THAT(RanksJson("exp", {7, 7}, 4, rows, false), HasSubstr("\"missing\":[3]"));
+}
+
+TEST(JsonTest, RankMatrixCarriesTheDownsampledWindows) {
+  std::vector<RankWindowRow> windows;
+  for (uint32_t r : {0u, 2u}) {  // rank 1 of 3 has no row in the window
+    RankWindowRow w;
+    w.first_step = 0;
+    w.last_step = 99;
+    w.rank = r;
+    w.rows = 20;
+    w.grad_cosine = {20, 18.0, 0.25 + r, 0.75};
+    w.outlier_score = {20, 30.0, 0.5, 7.5 + r};
+    w.nonfinite = r == 2 ? 1 : 0;
+    w.replica_bad = r == 0 ? 3 : 0;
+    windows.push_back(w);
+  }
+  const std::string json = RanksJson("exp", {0, 39}, 3, {}, false, 20, windows);
+  EXPECT_THAT(json, HasSubstr("\"steps\":[],\"downsampled_before\":20,\"windows\":[{\"first\":0,"
+                              "\"last\":99,\"cosine\":[0.25,null,2.25],\"outlier\":[7.5,null,9.5],"
+                              "\"missing\":[1],\"nonfinite\":[2],\"divergent\":[0]}]}"));
+  // Nothing downsampled: no such keys.
+  EXPECT_THAT(RanksJson("exp", {0, 39}, 3, {}, false), Not(HasSubstr("downsampled")));
+}
+
+TEST(JsonTest, RankSeriesNonFiniteIsTheStoredColumn) {
+  StepRankRow stage;  // a pipeline stage: no loss (NaN read back), nothing non-finite stored
+  stage.step = 3;
+  stage.row.rank = 0;
+  stage.row.loss = std::nan("");
+  stage.row.grad_norm = 1.0;
+  StepRankRow bad = stage;  // finite values read back, but the stored verdict is non-finite
+  bad.step = 4;
+  bad.row.loss = 1.0;
+  bad.nonfinite = true;
+  const std::string json = RankSeriesJson("exp", {3, 4}, 0, {stage, bad}, false);
+  EXPECT_THAT(json, HasSubstr("{\"step\":3,\"loss\":null,"));
+  EXPECT_THAT(json, HasSubstr("\"step_time_z\":null,\"nonfinite\":false,"));
+  EXPECT_THAT(json, HasSubstr("\"step_time_z\":null,\"nonfinite\":true,"));
 }
 
 TEST(JsonTest, RankSeriesHoldsOneRank) {

@@ -4,7 +4,8 @@
 //  - the only errors are InvalidArgument and NotFound, with messages of at most 512 bytes that
 //    never echo the request (no 9-byte run of it with a byte our messages never hold);
 //  - an accepted steps/ranks request names a valid job key (IsValidGroupKey), has
-//    first <= last when it gives both, steps <= INT64_MAX, and a rank only for ranks;
+//    first <= last when it gives both, steps <= INT64_MAX, since only without first and below
+//    INT64_MAX and last, and a rank only for ranks;
 //  - ResolveWindow gives first <= last whatever the job's newest step;
 //  - AppendJsonString writes one string literal without raw control characters, '<', '>' or '&'.
 #include <cstddef>
@@ -67,6 +68,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (request->last.has_value()) FUZZ_CHECK(*request->last <= kMax);
     if (request->first.has_value() && request->last.has_value()) {
       FUZZ_CHECK(*request->first <= *request->last);
+    }
+    if (request->since.has_value()) {
+      FUZZ_CHECK(!request->first.has_value() && *request->since < kMax);
+      if (request->last.has_value()) FUZZ_CHECK(*request->since < *request->last);
     }
     if (request->rank.has_value()) FUZZ_CHECK(request->route == ApiRequest::Route::kRanks);
     for (uint64_t newest : {uint64_t{0}, uint64_t{7}, kMax}) {

@@ -218,6 +218,19 @@ TEST_F(WebServerTest, HugeRangesAreCappedAndSaySo) {
   EXPECT_EQ(CountSteps(ranks.body), 120u);
   EXPECT_THAT(ranks.body, HasSubstr("\"world_size\":2,"));
   EXPECT_THAT(ranks.body, HasSubstr("\"cosine\":[0.5,0.5],"));
+  // Only the steps after `since`: what a page that holds step kSteps - 3 reads on a refresh.
+  for (const char* route : {"steps", "ranks"}) {
+    HttpResponse newer =
+        Http(port, "GET", absl::StrCat("/api/v1/jobs/stored/", route, "?since=", kSteps - 3));
+    ASSERT_EQ(newer.status, 200) << route << ": " << newer.body.substr(0, 300);
+    EXPECT_EQ(CountSteps(newer.body), 3u) << route;
+    EXPECT_THAT(newer.body, HasSubstr(absl::StrCat("{\"step\":", kSteps - 2, ","))) << route;
+    HttpResponse none =
+        Http(port, "GET", absl::StrCat("/api/v1/jobs/stored/", route, "?since=", kSteps));
+    ASSERT_EQ(none.status, 200) << route;
+    EXPECT_EQ(CountSteps(none.body), 0u) << route;
+  }
+  EXPECT_EQ(Http(port, "GET", "/api/v1/jobs/stored/ranks?since=3&first=1").status, 400);
   // One rank's series.
   HttpResponse one = Http(port, "GET", "/api/v1/jobs/stored/ranks?rank=1&first=5&last=6");
   ASSERT_EQ(one.status, 200);

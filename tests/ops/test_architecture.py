@@ -123,3 +123,22 @@ def test_pure_core_includes_no_edge(path):
         elif header.startswith("collector/") and header not in pure:
             bad.append(f"{header} (a collector header outside the pure core)")
     assert not bad, f"{path.relative_to(REPO)} is in the pure core but includes " + ", ".join(bad)
+
+
+def test_pure_libraries_named_are_those_the_build_checks():
+    """The pure libraries the pure core's paragraph lists are rankscope_check_pure's arguments."""
+    text = ARCHITECTURE.read_text()
+    paragraph = next(p for p in re.split(r"\n\s*\n", text) if p.lstrip().startswith(PURE_PARAGRAPH))
+    listed = re.search(r"the pure libraries \(([^)]*)\)", paragraph)
+    assert listed, "the pure core's paragraph no longer lists the pure libraries"
+    documented = {
+        span.removeprefix("rankscope::") for span in re.findall(r"`([^`]+)`", listed.group(1))
+    }
+    cmake = (REPO / "collector" / "CMakeLists.txt").read_text()
+    call = re.search(r"^rankscope_check_pure\(([^)]*)\)", cmake, re.MULTILINE)
+    assert call, "collector/CMakeLists.txt no longer calls rankscope_check_pure"
+    checked = {name.removeprefix("rankscope::") for name in call.group(1).split()}
+    assert documented == checked, (
+        f"only in docs/ARCHITECTURE.md: {sorted(documented - checked)}; "
+        f"only in rankscope_check_pure: {sorted(checked - documented)}"
+    )

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -29,6 +30,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/random/random.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -126,86 +128,79 @@ rlim_t RaiseFileLimit() {
   return lim.rlim_cur;
 }
 
-struct Shared {
-  int ranks, sketch_dim;
-  double cosine;
-  std::vector<std::vector<float>> pool;  // unit-variance Gaussian vectors
+// The simulated ranks, as the flags describe them. Agent i is rank RankOf(i) of job
+// i / local_ranks.
+struct Plan {
+  int ranks = 0;       // world size of the whole job (--ranks)
+  int dim = 0;         // --sketch_dim
+  int jobs = 0;        // --jobs
+  int groups = 0;      // --groups
+  int group_size = 0;  // ranks / groups: each agent's world size
+  double cosine = 0;   // --cosine, clamped to [0, 1]
+  int only_rank = -1;  // --rank: simulate this rank only (-1: every rank)
+  int local_ranks = 0;
+  int total_agents = 0;
+  int RankOf(int agent) const { return only_rank >= 0 ? only_rank : agent % ranks; }
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "rankscope-loadgen: simulated ranks of one job streaming to a rankscope collector\n"
-      "through the real agent library. Prints a final line:\n"
-      "  loadgen: job=J ranks=W recorded=N acked=N dropped=N rejected=N elapsed=S rate=R/s");
-  rankscope::HandleHelpFlag(argc, argv, "loadgen/loadgen.cc");  // --help: its flags, exits 0
-  absl::ParseCommandLine(argc, argv);
-  const int ranks = absl::GetFlag(FLAGS_ranks);
-  const int dim = absl::GetFlag(FLAGS_sketch_dim);
-  const int jobs = absl::GetFlag(FLAGS_jobs);
-  if (ranks < 1 || dim < 1 || jobs < 1) {
+// The plan from the flags, or nullopt after saying why (exit status 2).
+std::optional<Plan> PlanFromFlags() {
+  Plan plan;
+  plan.ranks = absl::GetFlag(FLAGS_ranks);
+  plan.dim = absl::GetFlag(FLAGS_sketch_dim);
+  plan.jobs = absl::GetFlag(FLAGS_jobs);
+  if (plan.ranks < 1 || plan.dim < 1 || plan.jobs < 1) {
     std::fprintf(stderr, "loadgen: --ranks, --jobs and --sketch_dim must be >= 1\n");
-    return 2;
+    return std::nullopt;
   }
-  const int groups = absl::GetFlag(FLAGS_groups);
-  if (groups < 1 || ranks % groups != 0) {
-    std::fprintf(stderr, "loadgen: --groups %d must be >= 1 and divide --ranks %d\n", groups,
-                 ranks);
-    return 2;
+  plan.groups = absl::GetFlag(FLAGS_groups);
+  if (plan.groups < 1 || plan.ranks % plan.groups != 0) {
+    std::fprintf(stderr, "loadgen: --groups %d must be >= 1 and divide --ranks %d\n", plan.groups,
+                 plan.ranks);
+    return std::nullopt;
   }
-  const int group_size = ranks / groups;
-  const double cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
-  const rlim_t file_limit = RaiseFileLimit();
-  if (file_limit != RLIM_INFINITY && static_cast<rlim_t>(ranks) * jobs + 64 > file_limit) {
-    std::fprintf(stderr,
-                 "loadgen: warning: %d agents need about as many file descriptors; the limit is "
-                 "%llu (ulimit -Hn)\n",
-                 ranks * jobs, static_cast<unsigned long long>(file_limit));
+  plan.group_size = plan.ranks / plan.groups;
+  plan.cosine = std::clamp(absl::GetFlag(FLAGS_cosine), 0.0, 1.0);
+  plan.only_rank = absl::GetFlag(FLAGS_rank);
+  if (plan.only_rank >= plan.ranks) {
+    std::fprintf(stderr, "loadgen: --rank %d >= --ranks %d\n", plan.only_rank, plan.ranks);
+    return std::nullopt;
   }
-  std::string auth_token;
-  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    std::ifstream in(absl::GetFlag(FLAGS_auth_token_file));
-    if (!in) {
-      std::fprintf(stderr, "loadgen: cannot read --auth_token_file %s\n",
-                   absl::GetFlag(FLAGS_auth_token_file).c_str());
-      return 2;
-    }
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    auth_token = std::string(absl::StripAsciiWhitespace(text));
-  }
+  plan.local_ranks = plan.only_rank >= 0 ? 1 : plan.ranks;
+  plan.total_agents = plan.local_ranks * plan.jobs;
+  return plan;
+}
 
-  Shared shared{ranks, dim, cosine, {}};
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  shared.pool.assign(kPoolSize, std::vector<float>(dim));
-  for (auto& v : shared.pool) {
-    for (float& x : v) x = normal(rng);
+// The token of --auth_token_file ("" without one), or nullopt after saying why it cannot be read.
+std::optional<std::string> ReadAuthToken() {
+  const std::string path = absl::GetFlag(FLAGS_auth_token_file);
+  if (path.empty()) return std::string();
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "loadgen: cannot read --auth_token_file %s\n", path.c_str());
+    return std::nullopt;
   }
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return std::string(absl::StripAsciiWhitespace(text));
+}
 
-  // Agent i is rank ranks_of[i] of job i / (ranks per job simulated here).
-  const int only_rank = absl::GetFlag(FLAGS_rank);
-  if (only_rank >= ranks) {
-    std::fprintf(stderr, "loadgen: --rank %d >= --ranks %d\n", only_rank, ranks);
-    return 2;
-  }
-  const int local_ranks = only_rank >= 0 ? 1 : ranks;
-  auto rank_of = [&](int i) { return only_rank >= 0 ? only_rank : i % ranks; };
+// One agent per simulated rank of each job.
+absl::StatusOr<std::vector<std::unique_ptr<rankscope::Agent>>> CreateAgents(
+    const Plan& plan, const std::string& auth_token) {
   std::vector<std::unique_ptr<rankscope::Agent>> agents;
-  const int total_agents = local_ranks * jobs;
-  for (int i = 0; i < total_agents; ++i) {
-    const int r = rank_of(i);
+  for (int i = 0; i < plan.total_agents; ++i) {
+    const int r = plan.RankOf(i);
     rankscope::AgentOptions o;
     o.collector_address = absl::GetFlag(FLAGS_collector);
-    o.job = jobs == 1 ? absl::GetFlag(FLAGS_job)
-                      : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / local_ranks);
-    o.rank = r % group_size;
-    o.world_size = group_size;
-    if (groups > 1) {
-      o.group = absl::StrCat("g", r / group_size);
+    o.job = plan.jobs == 1 ? absl::GetFlag(FLAGS_job)
+                           : absl::StrCat(absl::GetFlag(FLAGS_job), "-", i / plan.local_ranks);
+    o.rank = r % plan.group_size;
+    o.world_size = plan.group_size;
+    if (plan.groups > 1) {
+      o.group = absl::StrCat("g", r / plan.group_size);
       o.global_rank = r;
     }
-    o.sketch_dim = dim;
+    o.sketch_dim = plan.dim;
     o.sketch_seed = absl::GetFlag(FLAGS_sketch_seed);
     o.attempt = absl::GetFlag(FLAGS_attempt);
     o.framework_version = "rankscope-loadgen";
@@ -218,145 +213,181 @@ int main(int argc, char** argv) {
     o.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
     o.tls.target_name = absl::GetFlag(FLAGS_tls_target_name);
     auto agent = rankscope::Agent::Create(o);
-    if (!agent.ok()) {
-      std::fprintf(stderr, "loadgen: %s\n", agent.status().ToString().c_str());
-      return 2;
-    }
+    if (!agent.ok()) return agent.status();
     agents.push_back(std::move(*agent));
   }
+  return agents;
+}
 
-  if (absl::GetFlag(FLAGS_wait_connected)) {
-    const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
-    size_t connected = 0;
-    while (true) {
-      connected = 0;
-      for (auto& a : agents) connected += a->stats().connected ? 1 : 0;
-      if (connected == agents.size() || absl::Now() >= deadline) break;
-      absl::SleepFor(absl::Milliseconds(100));
+// Waits up to --flush_timeout for every agent's stream. Returns false, after closing the agents
+// and saying how many connected, when not all did.
+bool WaitConnected(std::vector<std::unique_ptr<rankscope::Agent>>& agents) {
+  const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
+  size_t connected = 0;
+  while (true) {
+    connected = 0;
+    for (auto& a : agents) connected += a->stats().connected ? 1 : 0;
+    if (connected == agents.size() || absl::Now() >= deadline) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  if (connected < agents.size()) {
+    std::string why = agents.empty() ? "" : agents.front()->stats().last_error;
+    std::fprintf(stderr, "loadgen: only %zu of %zu agents connected within --flush_timeout (%s)\n",
+                 connected, agents.size(), why.c_str());
+    for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
+    return false;
+  }
+  std::printf("loadgen: all %zu agents connected\n", agents.size());
+  std::fflush(stdout);
+  return true;
+}
+
+// Records the simulated steps (the model at the top of this file) into the agents, on `threads`
+// driver threads, each driving every threads-th agent. Thread-safe: Drive runs on each driver
+// thread, max_step_done and record_errors may be read from any.
+class Driver {
+ public:
+  Driver(const Plan& plan, std::vector<std::unique_ptr<rankscope::Agent>>& agents, int threads)
+      : plan_(plan), agents_(agents), threads_(threads) {
+    std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    pool_.assign(kPoolSize, std::vector<float>(plan.dim));
+    for (auto& v : pool_) {
+      for (float& x : v) x = normal(rng);
     }
-    if (connected < agents.size()) {
-      std::string why = agents.empty() ? "" : agents.front()->stats().last_error;
-      std::fprintf(stderr,
-                   "loadgen: only %zu of %zu agents connected within --flush_timeout (%s)\n",
-                   connected, agents.size(), why.c_str());
-      for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
-      return 1;
-    }
-    std::printf("loadgen: all %zu agents connected\n", agents.size());
-    std::fflush(stdout);
   }
 
-  const int threads =
-      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : std::min(total_agents, 4);
-  const absl::Duration interval = absl::GetFlag(FLAGS_step_interval);
-  const absl::Duration duration = absl::GetFlag(FLAGS_duration);
-  const int steps = absl::GetFlag(FLAGS_steps);
-  const int start_step = absl::GetFlag(FLAGS_start_step);
-  const int max_inflight = absl::GetFlag(FLAGS_max_inflight);
-  const absl::Time start = absl::Now();
-  const absl::Time end =
-      duration > absl::ZeroDuration() ? start + duration : absl::InfiniteFuture();
-  std::atomic<bool> done{false};
-  std::atomic<uint64_t> record_errors{0};
-  std::atomic<int64_t> max_step_done{0};
+  // Starts the clock: step i is due at start + i * --step_interval.
+  void Start() {
+    start_ = absl::Now();
+    const absl::Duration duration = absl::GetFlag(FLAGS_duration);
+    end_ = duration > absl::ZeroDuration() ? start_ + duration : absl::InfiniteFuture();
+  }
 
-  auto drive = [&](int tid) {
-    std::mt19937_64 trng(absl::GetFlag(FLAGS_seed) * 7919 + tid);
-    std::normal_distribution<double> z(0.0, 1.0);
-    std::uniform_int_distribution<int> pick(0, kPoolSize - 1);
-    std::vector<float> sketch(dim);
-    const float a = static_cast<float>(std::sqrt(cosine));
-    const float b = static_cast<float>(std::sqrt(1.0 - cosine));
+  // Driver thread `tid`: every step, for agents tid, tid + threads, ...
+  void Drive(int tid) {
+    ThreadRandom random{std::mt19937_64(absl::GetFlag(FLAGS_seed) * 7919 + tid)};
+    const absl::Duration interval = absl::GetFlag(FLAGS_step_interval);
+    const absl::Duration duration = absl::GetFlag(FLAGS_duration);
+    const int steps = absl::GetFlag(FLAGS_steps);
+    const int start_step = absl::GetFlag(FLAGS_start_step);
+    const int max_inflight = absl::GetFlag(FLAGS_max_inflight);
+    std::vector<float> sketch(plan_.dim);
     for (int i = 0;; ++i) {
       const int64_t step = start_step + i;
-      if (duration > absl::ZeroDuration() ? absl::Now() >= end : i >= steps) break;
-      const absl::Time tick = start + interval * i;
+      if (duration > absl::ZeroDuration() ? absl::Now() >= end_ : i >= steps) break;
+      const absl::Time tick = start_ + interval * i;
       if (interval > absl::ZeroDuration()) absl::SleepFor(tick - absl::Now());
-      const std::vector<float>& common = shared.pool[static_cast<size_t>(step) % kPoolSize];
-      const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
-      const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
-      for (int i = tid; i < total_agents; i += threads) {
-        const int r = rank_of(i);
+      for (int i = tid; i < plan_.total_agents; i += threads_) {
+        const int r = plan_.RankOf(i);
         if (r == absl::GetFlag(FLAGS_silent_rank) &&
             step >= absl::GetFlag(FLAGS_silent_from_step)) {
           continue;
         }
-        rankscope::Agent& agent = *agents[i];
+        rankscope::Agent& agent = *agents_[i];
         while (max_inflight > 0 && interval == absl::ZeroDuration() &&
                agent.stats().unacked + agent.stats().queued >= static_cast<size_t>(max_inflight)) {
           absl::SleepFor(absl::Microseconds(200));  // flow control for as-fast-as-possible runs
         }
-        const bool outlier = r == absl::GetFlag(FLAGS_outlier_rank) &&
-                             step >= absl::GetFlag(FLAGS_outlier_from_step);
-        const std::vector<float>& noise = shared.pool[pick(trng)];
-        // Rotate the noise by a random offset so ranks sharing a pool vector still differ.
-        const int shift = pick(trng) * 131 % dim;
-        for (int j = 0; j < dim; ++j) {
-          const float n = noise[(j + shift) % dim];
-          sketch[j] = outlier ? n : a * common[j] + b * n;
-        }
-        double loss = base_loss + absl::GetFlag(FLAGS_loss_std) * z(trng);
-        double norm = base_norm * (1.0 + absl::GetFlag(FLAGS_grad_norm_cv) * z(trng));
-        if (outlier) {
-          loss += absl::GetFlag(FLAGS_outlier_loss_shift);
-          norm *= absl::GetFlag(FLAGS_outlier_norm_scale);
-        }
-        rankscope::StepReport report;
-        report.step = static_cast<uint64_t>(step);
-        report.loss = loss;
-        report.grad_norm = std::abs(norm);
-        report.sketch = sketch;
-        report.local_batch_size = static_cast<uint32_t>(absl::GetFlag(FLAGS_local_batch_size));
-        report.reduced_grad_norm = base_norm * std::sqrt(cosine + (1.0 - cosine) / group_size);
-        if (absl::GetFlag(FLAGS_fingerprints)) {
-          const bool divergent = r == absl::GetFlag(FLAGS_divergent_rank) &&
-                                 step >= absl::GetFlag(FLAGS_divergent_from_step);
-          const uint64_t fp =
-              (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL) ^ (divergent ? 0x1ULL : 0x0ULL);
-          report.reduced_grad_fingerprint = fp;
-          const int every = std::max(1, absl::GetFlag(FLAGS_param_check_every));
-          if (step % every == 0) report.param_fingerprint = ~fp;
-        }
-        if (absl::GetFlag(FLAGS_step_time) > 0) {
-          double t = absl::GetFlag(FLAGS_step_time) * (1.0 + 0.05 * z(trng));
-          if (r == absl::GetFlag(FLAGS_straggler_rank)) t *= absl::GetFlag(FLAGS_straggler_factor);
-          report.step_time_seconds = std::max(0.0, t);
-        }
-        if (!agent.Record(report).ok()) ++record_errors;
+        if (!agent.Record(Report(step, r, random, sketch)).ok()) ++record_errors_;
       }
-      if (tid == 0) max_step_done = step;
+      if (tid == 0) max_step_done_ = step;
     }
+  }
+
+  absl::Time start() const { return start_; }
+  int64_t max_step_done() const { return max_step_done_.load(); }
+  uint64_t record_errors() const { return record_errors_.load(); }
+
+ private:
+  // A driver thread's random numbers (the distributions keep state between draws).
+  struct ThreadRandom {
+    std::mt19937_64 engine;
+    std::normal_distribution<double> z{0.0, 1.0};
+    std::uniform_int_distribution<int> pick{0, kPoolSize - 1};
   };
 
-  std::thread progress;
-  if (absl::GetFlag(FLAGS_progress)) {
-    progress = std::thread([&] {
-      while (!done.load()) {
-        absl::SleepFor(absl::GetFlag(FLAGS_progress_interval));
-        rankscope::AgentStats sum;
-        for (auto& a : agents) sum.Add(a->stats());
-        std::fprintf(stderr,
-                     "loadgen: progress step=%lld recorded=%llu acked=%llu dropped=%llu "
-                     "queued=%zu unacked=%zu\n",
-                     static_cast<long long>(max_step_done.load()),
-                     static_cast<unsigned long long>(sum.recorded),
-                     static_cast<unsigned long long>(sum.acked),
-                     static_cast<unsigned long long>(sum.dropped), sum.queued, sum.unacked);
-      }
-    });
-  }
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) workers.emplace_back(drive, t);
-  for (auto& w : workers) w.join();
-  const absl::Time recorded_at = absl::Now();
-  {
-    uint64_t recorded = 0;
-    for (auto& a : agents) recorded += a->stats().recorded;
-    std::fprintf(stderr, "loadgen: recording done recorded=%llu in %.3f s; flushing\n",
-                 static_cast<unsigned long long>(recorded),
-                 absl::ToDoubleSeconds(recorded_at - start));
+  // Rank r's report of `step`; `sketch` is the driver thread's buffer.
+  rankscope::StepReport Report(int64_t step, int r, ThreadRandom& random,
+                               std::vector<float>& sketch) const {
+    std::mt19937_64& trng = random.engine;
+    std::normal_distribution<double>& z = random.z;
+    std::uniform_int_distribution<int>& pick = random.pick;
+    const int dim = plan_.dim;
+    const float a = static_cast<float>(std::sqrt(plan_.cosine));
+    const float b = static_cast<float>(std::sqrt(1.0 - plan_.cosine));
+    const std::vector<float>& common = pool_[static_cast<size_t>(step) % kPoolSize];
+    const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
+    const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
+    const bool outlier =
+        r == absl::GetFlag(FLAGS_outlier_rank) && step >= absl::GetFlag(FLAGS_outlier_from_step);
+    const std::vector<float>& noise = pool_[pick(trng)];
+    // Rotate the noise by a random offset so ranks sharing a pool vector still differ.
+    const int shift = pick(trng) * 131 % dim;
+    for (int j = 0; j < dim; ++j) {
+      const float n = noise[(j + shift) % dim];
+      sketch[j] = outlier ? n : a * common[j] + b * n;
+    }
+    double loss = base_loss + absl::GetFlag(FLAGS_loss_std) * z(trng);
+    double norm = base_norm * (1.0 + absl::GetFlag(FLAGS_grad_norm_cv) * z(trng));
+    if (outlier) {
+      loss += absl::GetFlag(FLAGS_outlier_loss_shift);
+      norm *= absl::GetFlag(FLAGS_outlier_norm_scale);
+    }
+    rankscope::StepReport report;
+    report.step = static_cast<uint64_t>(step);
+    report.loss = loss;
+    report.grad_norm = std::abs(norm);
+    report.sketch = sketch;
+    report.local_batch_size = static_cast<uint32_t>(absl::GetFlag(FLAGS_local_batch_size));
+    report.reduced_grad_norm =
+        base_norm * std::sqrt(plan_.cosine + (1.0 - plan_.cosine) / plan_.group_size);
+    if (absl::GetFlag(FLAGS_fingerprints)) {
+      const bool divergent = r == absl::GetFlag(FLAGS_divergent_rank) &&
+                             step >= absl::GetFlag(FLAGS_divergent_from_step);
+      const uint64_t fp =
+          (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL) ^ (divergent ? 0x1ULL : 0x0ULL);
+      report.reduced_grad_fingerprint = fp;
+      const int every = std::max(1, absl::GetFlag(FLAGS_param_check_every));
+      if (step % every == 0) report.param_fingerprint = ~fp;
+    }
+    if (absl::GetFlag(FLAGS_step_time) > 0) {
+      double t = absl::GetFlag(FLAGS_step_time) * (1.0 + 0.05 * z(trng));
+      if (r == absl::GetFlag(FLAGS_straggler_rank)) t *= absl::GetFlag(FLAGS_straggler_factor);
+      report.step_time_seconds = std::max(0.0, t);
+    }
+    return report;
   }
 
+  const Plan plan_;
+  std::vector<std::unique_ptr<rankscope::Agent>>& agents_;
+  const int threads_;
+  std::vector<std::vector<float>> pool_;  // unit-variance Gaussian vectors
+  absl::Time start_;
+  absl::Time end_;
+  std::atomic<uint64_t> record_errors_{0};
+  std::atomic<int64_t> max_step_done_{0};
+};
+
+// Prints a progress line every --progress_interval until `done`.
+void PrintProgress(const std::vector<std::unique_ptr<rankscope::Agent>>& agents,
+                   const Driver& driver, const std::atomic<bool>& done) {
+  while (!done.load()) {
+    absl::SleepFor(absl::GetFlag(FLAGS_progress_interval));
+    rankscope::AgentStats sum;
+    for (auto& a : agents) sum.Add(a->stats());
+    std::fprintf(stderr,
+                 "loadgen: progress step=%lld recorded=%llu acked=%llu dropped=%llu "
+                 "queued=%zu unacked=%zu\n",
+                 static_cast<long long>(driver.max_step_done()),
+                 static_cast<unsigned long long>(sum.recorded),
+                 static_cast<unsigned long long>(sum.acked),
+                 static_cast<unsigned long long>(sum.dropped), sum.queued, sum.unacked);
+  }
+}
+
+// Flushes every agent within --flush_timeout in all; returns whether every report was acked.
+bool FlushAll(std::vector<std::unique_ptr<rankscope::Agent>>& agents) {
   const absl::Time flush_deadline = absl::Now() + absl::GetFlag(FLAGS_flush_timeout);
   bool flushed = true;
   for (auto& a : agents) {
@@ -364,6 +395,94 @@ int main(int argc, char** argv) {
       flushed = false;
     }
   }
+  return flushed;
+}
+
+std::string JsonStats(const rankscope::AgentStats& s) {
+  return absl::StrFormat(
+      "\"recorded\": %d, \"sent\": %d, \"acked\": %d, \"dropped\": %d, \"rejected\": %d, "
+      "\"invalid\": %d, \"reconnects\": %d",
+      s.recorded, s.sent, s.acked, s.dropped, s.rejected, s.invalid, s.reconnects);
+}
+
+// The agents' stats summed; with --summary_json, written there with each agent's (atomically:
+// a temporary file renamed). Returns false when the file cannot be written.
+bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, bool flushed,
+               rankscope::AgentStats* total) {
+  std::string per_agent;
+  for (auto& a : agents) {
+    const rankscope::AgentStats s = a->stats();
+    total->Add(s);
+    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
+                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
+                                    a->options().rank, JsonStats(s)));
+  }
+  const std::string path = absl::GetFlag(FLAGS_summary_json);
+  if (path.empty()) return true;
+  std::ofstream out(path + ".tmp");
+  out << absl::StrFormat(
+      "{\n  \"flushed\": %s,\n  \"total\": {%s},\n  \"agents\": [\n    %s\n  ]\n}\n",
+      flushed ? "true" : "false", JsonStats(*total), per_agent);
+  out.close();
+  if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
+    std::fprintf(stderr, "loadgen: cannot write --summary_json %s\n", path.c_str());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "rankscope-loadgen: simulated ranks of one job streaming to a rankscope collector\n"
+      "through the real agent library. Prints a final line:\n"
+      "  loadgen: job=J ranks=W recorded=N acked=N dropped=N rejected=N elapsed=S rate=R/s");
+  rankscope::HandleHelpFlag(argc, argv, "loadgen/loadgen.cc");  // --help: its flags, exits 0
+  absl::ParseCommandLine(argc, argv);
+  const std::optional<Plan> plan = PlanFromFlags();
+  if (!plan) return 2;
+  const rlim_t file_limit = RaiseFileLimit();
+  if (file_limit != RLIM_INFINITY &&
+      static_cast<rlim_t>(plan->ranks) * plan->jobs + 64 > file_limit) {
+    std::fprintf(stderr,
+                 "loadgen: warning: %d agents need about as many file descriptors; the limit is "
+                 "%llu (ulimit -Hn)\n",
+                 plan->ranks * plan->jobs, static_cast<unsigned long long>(file_limit));
+  }
+  const std::optional<std::string> auth_token = ReadAuthToken();
+  if (!auth_token) return 2;
+  absl::StatusOr<std::vector<std::unique_ptr<rankscope::Agent>>> created =
+      CreateAgents(*plan, *auth_token);
+  if (!created.ok()) {
+    std::fprintf(stderr, "loadgen: %s\n", created.status().ToString().c_str());
+    return 2;
+  }
+  std::vector<std::unique_ptr<rankscope::Agent>>& agents = *created;
+  if (absl::GetFlag(FLAGS_wait_connected) && !WaitConnected(agents)) return 1;
+
+  const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
+                                                       : std::min(plan->total_agents, 4);
+  Driver driver(*plan, agents, threads);
+  driver.Start();
+  std::atomic<bool> done{false};
+  std::thread progress;
+  if (absl::GetFlag(FLAGS_progress)) {
+    progress = std::thread([&] { PrintProgress(agents, driver, done); });
+  }
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) workers.emplace_back([&driver, t] { driver.Drive(t); });
+  for (auto& w : workers) w.join();
+  const absl::Time recorded_at = absl::Now();
+  {
+    uint64_t recorded = 0;
+    for (auto& a : agents) recorded += a->stats().recorded;
+    std::fprintf(stderr, "loadgen: recording done recorded=%llu in %.3f s; flushing\n",
+                 static_cast<unsigned long long>(recorded),
+                 absl::ToDoubleSeconds(recorded_at - driver.start()));
+  }
+
+  const bool flushed = FlushAll(agents);
   const absl::Time acked_at = absl::Now();
   if (absl::GetFlag(FLAGS_hold) > absl::ZeroDuration()) {
     size_t connected = 0;
@@ -379,43 +498,19 @@ int main(int argc, char** argv) {
   }
   // Closing counts what is still unacked as dropped, so the summary is taken after Close.
   for (auto& a : agents) a->Close(absl::ZeroDuration()).IgnoreError();
-  rankscope::AgentStats total;
-  std::string per_agent;
-  auto json_stats = [](const rankscope::AgentStats& s) {
-    return absl::StrFormat(
-        "\"recorded\": %d, \"sent\": %d, \"acked\": %d, \"dropped\": %d, \"rejected\": %d, "
-        "\"invalid\": %d, \"reconnects\": %d",
-        s.recorded, s.sent, s.acked, s.dropped, s.rejected, s.invalid, s.reconnects);
-  };
-  for (auto& a : agents) {
-    const rankscope::AgentStats s = a->stats();
-    total.Add(s);
-    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
-                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
-                                    a->options().rank, json_stats(s)));
-  }
-  if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
-    std::ofstream out(path + ".tmp");
-    out << absl::StrFormat(
-        "{\n  \"flushed\": %s,\n  \"total\": {%s},\n  \"agents\": [\n    %s\n  ]\n}\n",
-        flushed ? "true" : "false", json_stats(total), per_agent);
-    out.close();
-    if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
-      std::fprintf(stderr, "loadgen: cannot write --summary_json %s\n", path.c_str());
-      return 1;
-    }
-  }
   done = true;
   if (progress.joinable()) progress.join();
-  const double elapsed = absl::ToDoubleSeconds(acked_at - start);
+  rankscope::AgentStats total;
+  if (!Summarize(agents, flushed, &total)) return 1;
+  const double elapsed = absl::ToDoubleSeconds(acked_at - driver.start());
   std::printf(
       "loadgen: job=%s jobs=%d ranks=%d recorded=%llu acked=%llu dropped=%llu rejected=%llu "
       "sent=%llu elapsed=%.3f record_elapsed=%.3f rate=%.0f/s\n",
-      absl::GetFlag(FLAGS_job).c_str(), jobs, ranks,
+      absl::GetFlag(FLAGS_job).c_str(), plan->jobs, plan->ranks,
       static_cast<unsigned long long>(total.recorded), static_cast<unsigned long long>(total.acked),
       static_cast<unsigned long long>(total.dropped),
       static_cast<unsigned long long>(total.rejected), static_cast<unsigned long long>(total.sent),
-      elapsed, absl::ToDoubleSeconds(recorded_at - start),
+      elapsed, absl::ToDoubleSeconds(recorded_at - driver.start()),
       elapsed > 0 ? static_cast<double>(total.acked) / elapsed : 0.0);
   std::fflush(stdout);
   if (!flushed) {
@@ -423,5 +518,5 @@ int main(int argc, char** argv) {
                  last_error.empty() ? "" : "; last stream error: ", last_error.c_str());
     return 1;
   }
-  return record_errors.load() == 0 ? 0 : 1;
+  return driver.record_errors() == 0 ? 0 : 1;
 }

@@ -273,45 +273,13 @@ class PyAgent {
   const AgentOptions& options() const { return agent_->options(); }
 };
 
-AgentOptions MakeAgentOptions(const std::string& collector, const std::string& job, uint32_t rank,
-                              uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
-                              uint32_t attempt, const std::string& host,
-                              const std::string& framework_version, const std::string& auth_token,
-                              size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
-                              double max_backoff_s, const std::string& tls_ca_file,
-                              const std::string& tls_cert_file, const std::string& tls_key_file,
-                              const std::string& tls_target_name, const std::string& group,
-                              int64_t global_rank, const std::string& instance_id,
-                              const std::string& sketch_encoding) {
-  AgentOptions o;
-  std::optional<SketchEncoding> encoding = ParseSketchEncoding(sketch_encoding);
+// The encoding Agent(sketch_encoding=...) names; ValueError for another name.
+SketchEncoding SketchEncodingArg(const std::string& name) {
+  std::optional<SketchEncoding> encoding = ParseSketchEncoding(name);
   if (!encoding) {
-    throw py::value_error("sketch_encoding must be float32, float16 or int8, got '" +
-                          sketch_encoding + "'");
+    throw py::value_error("sketch_encoding must be float32, float16 or int8, got '" + name + "'");
   }
-  o.sketch_encoding = *encoding;
-  o.group = group;
-  if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
-  o.instance_id = instance_id;
-  o.collector_address = collector;
-  o.job = job;
-  o.rank = rank;
-  o.world_size = world_size;
-  o.sketch_dim = sketch_dim;
-  o.sketch_seed = sketch_seed;
-  o.attempt = attempt;
-  o.host = host;
-  o.framework_version = framework_version;
-  o.auth_token = auth_token;
-  o.queue_capacity = queue_capacity;
-  o.max_unacked = max_unacked;
-  o.initial_backoff = absl::Seconds(initial_backoff_s);
-  o.max_backoff = absl::Seconds(max_backoff_s);
-  o.tls.ca_file = tls_ca_file;
-  o.tls.cert_file = tls_cert_file;
-  o.tls.key_file = tls_key_file;
-  o.tls.target_name = tls_target_name;
-  return o;
+  return *encoding;
 }
 
 // Query.SetControl, as `rankscope ctl` sends it. Returns the control the collector will push
@@ -487,11 +455,31 @@ PYBIND11_MODULE(_native, m) {
                   const std::string& tls_cert_file, const std::string& tls_key_file,
                   const std::string& tls_target_name, const std::string& group, int64_t global_rank,
                   const std::string& instance_id, const std::string& sketch_encoding) {
-                 return std::make_unique<PyAgent>(MakeAgentOptions(
-                     collector, job, rank, world_size, sketch_dim, sketch_seed, attempt, host,
-                     framework_version, auth_token, queue_capacity, max_unacked, initial_backoff_s,
-                     max_backoff_s, tls_ca_file, tls_cert_file, tls_key_file, tls_target_name,
-                     group, global_rank, instance_id, sketch_encoding));
+                 // Each keyword argument to its AgentOptions field, by name.
+                 AgentOptions o;
+                 o.sketch_encoding = SketchEncodingArg(sketch_encoding);
+                 o.group = group;
+                 if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
+                 o.instance_id = instance_id;
+                 o.collector_address = collector;
+                 o.job = job;
+                 o.rank = rank;
+                 o.world_size = world_size;
+                 o.sketch_dim = sketch_dim;
+                 o.sketch_seed = sketch_seed;
+                 o.attempt = attempt;
+                 o.host = host;
+                 o.framework_version = framework_version;
+                 o.auth_token = auth_token;
+                 o.queue_capacity = queue_capacity;
+                 o.max_unacked = max_unacked;
+                 o.initial_backoff = absl::Seconds(initial_backoff_s);
+                 o.max_backoff = absl::Seconds(max_backoff_s);
+                 o.tls.ca_file = tls_ca_file;
+                 o.tls.cert_file = tls_cert_file;
+                 o.tls.key_file = tls_key_file;
+                 o.tls.target_name = tls_target_name;
+                 return std::make_unique<PyAgent>(std::move(o));
                }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,

@@ -6,6 +6,9 @@
 
 (function () {
   const REFRESH_MS = 2000;
+  // Steps the page holds: the API's default windows (web_api.h kDefaultStepsWindow and
+  // kDefaultRanksWindow).
+  const STEPS_WINDOW = 300, RANKS_WINDOW = 120;
   const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
   const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
   const $ = (id) => document.getElementById(id);
@@ -106,28 +109,84 @@
     }
     return stops[stops.length - 1].slice(1);
   }
-  // Consensus cosine -1..1: red (disagrees) through pale yellow (orthogonal) to blue (agrees).
+  // Consensus cosine -1..1 for the groups picture: red (disagrees) through pale yellow
+  // (orthogonal) to blue (agrees).
   const COSINE = [[0, 178, 24, 43], [0.5, 247, 247, 200], [0.75, 146, 197, 222], [1, 5, 48, 97]];
-  // Outlier score 0..2x threshold: white to dark red; the threshold sits at the midpoint.
-  const OUTLIER = [[0, 255, 255, 255], [0.25, 254, 224, 160], [0.5, 244, 109, 67], [1, 120, 0, 20]];
+  // The rank heatmap's scale (as the report's): 1 is what healthy looks like (green), 0 a full
+  // deviation (red). Each metric maps its value to 0..1 against a healthy anchor (scaleFor()).
+  // The top tenth is one green, so the healthy ranks' own spread below their median reads as
+  // one colour and only a deviation changes it.
+  const HEALTH = [[0, 165, 0, 38], [0.3, 244, 109, 67], [0.55, 254, 224, 139],
+                  [0.78, 145, 207, 96], [0.9, 26, 152, 80], [1, 26, 152, 80]];
   const METRICS = {
-    cosine: { label: "consensus cosine", stops: COSINE, t: (v) => (v + 1) / 2, lo: "-1", hi: "1" },
-    outlier: { label: "outlier score", stops: OUTLIER, t: (v) => v / (2 * OUTLIER_THRESHOLD),
-               lo: "0", hi: String(2 * OUTLIER_THRESHOLD) + "+" },
+    // Anchored to the window's healthy cosine (the median of every rank's cells, most ranks being
+    // healthy): the median and above is green, min(0, median - 0.5) and below red. A rank whose
+    // direction disagrees (cosine ~0 where healthy ranks sit at ~0.95) is red at any rank count.
+    cosine: { label: "consensus cosine", worst: Math.min },
+    // Already a robust z against the other ranks (rank_diagnostics.h): 0 to half the threshold
+    // green, the threshold yellow, twice it red.
+    outlier: { label: "outlier score", worst: Math.max },
   };
-  // Cells: a missing rank mid grey (apart from both colour ramps), non-finite black, a divergent
-  // replica purple. Ticks in the marks gutter (and the flagged list) use MARK_CSS.
-  const MARK = { missing: [150, 150, 150], nonfinite: [0, 0, 0], divergent: [142, 36, 170] };
+  // Cells that have no value to colour, each apart from the ramp and from the page's white:
+  // a missing rank (no row: silent or timed out) dark grey, non-finite (the stored verdict) black,
+  // a divergent replica purple, a row without this metric (a late report) light grey. A cell
+  // covering several ranks or steps shows its worst: non-finite, divergent, missing, then the
+  // worst value (cosine lowest, outlier score highest). Ticks in the marks gutters (and the
+  // flagged list) use MARK_CSS.
+  const MARK = { missing: [96, 96, 96], nonfinite: [0, 0, 0], divergent: [142, 36, 170],
+                 novalue: [222, 222, 222] };
+  const MARK_CODE = { missing: 1, divergent: 2, nonfinite: 3 };  // priority: higher wins
+  const MARK_OF_CODE = [null, MARK.missing, MARK.divergent, MARK.nonfinite];
+  const BACKGROUND = [255, 255, 255];
   const MARK_CSS = { missing: "#c62828", nonfinite: "#000", divergent: "#8e24aa",
-                     outlier: "#e08a00" };
-  // A colour per 1/1023 of a metric's range, so a 1,024 x 120 heatmap needs no per-cell ramp().
+                     outlier: "#e08a00", drifting: "#1565c0", slow: "#6d4c41" };
+  // A colour per 1/1023 of the 0..1 health scale, so a 4,096 x 120 heatmap needs no per-cell
+  // ramp().
   function lut(stops) {
     const t = new Uint8ClampedArray(1024 * 3);
     for (let i = 0; i < 1024; i++) {
       const [r, g, b] = ramp(stops, i / 1023);
-      t[i * 3] = r; t[i * 3 + 1] = g; t[i * 3 + 2] = b;
+      t[i * 3] = Math.round(r); t[i * 3 + 1] = Math.round(g); t[i * 3 + 2] = Math.round(b);
     }
     return t;
+  }
+  const HEALTH_LUT = lut(HEALTH);
+  // The median of the finite cosine values of `steps` (a histogram of 2,001 bins over -1..1).
+  function medianCosine(steps) {
+    const bins = new Uint32Array(2001);
+    let n = 0;
+    for (const s of steps) {
+      for (const v of s.cosine) {
+        if (v === null || v === undefined || !isFinite(v)) continue;
+        bins[Math.max(0, Math.min(2000, Math.round((v + 1) * 1000)))] += 1;
+        n += 1;
+      }
+    }
+    if (!n) return null;
+    let seen = 0;
+    for (let i = 0; i < bins.length; i++) {
+      seen += bins[i];
+      if (seen * 2 >= n) return i / 1000 - 1;
+    }
+    return null;
+  }
+  // The metric's mapping to the 0..1 health scale, and its legend: {t(v), lo, hi, healthy}.
+  function scaleFor(metric, steps) {
+    if (metric === "outlier") {
+      // Healthy ranks' scores spread over 0 .. half the threshold (a robust z of a few
+      // signals): that band is green, the threshold yellow, twice it red.
+      const hi = 2 * OUTLIER_THRESHOLD, ok = OUTLIER_THRESHOLD / 2;
+      return { t: (v) => (v <= ok ? 1 - (0.1 * v) / ok : 0.9 - (0.9 * (v - ok)) / (hi - ok)),
+               lo: hi + "+", hi: "0", healthy: 0,
+               text: "outlier score: 0 to " + ok + " green, " + OUTLIER_THRESHOLD +
+                     " (threshold) yellow, " + hi + "+ red" };
+    }
+    const med = medianCosine(steps);
+    const healthy = med === null ? 1 : med;
+    const lo = Math.min(0, healthy - 0.5), span = Math.max(healthy - lo, 1e-6);
+    return { t: (v) => (v - lo) / span, lo: fmt(lo, 2), hi: fmt(healthy, 2), healthy,
+             text: "consensus cosine: healthy (the median, " + fmt(healthy, 3) +
+                   ") and above green, " + fmt(lo, 2) + " and below red" };
   }
 
   // ---- canvas line charts ----------------------------------------------------------------
@@ -222,6 +281,10 @@
     if (latest.divergent_ranks.length) out.push(["divergent", "divergent replicas: " + rankList(latest.divergent_ranks), latest.divergent_ranks]);
     if (latest.outlier_ranks.length) out.push(["outlier", "outlier ranks: " + rankList(latest.outlier_ranks), latest.outlier_ranks]);
     if (latest.missing_ranks) out.push(["missing", "missing ranks: " + latest.missing_ranks, []]);
+    // The sequential verdicts, as `rankscope show` (DRIFTING, SLOW) and the alerts
+    // (RankscopeRankDrifting, RankscopeRankStraggler) name them.
+    if (latest.drifting_ranks.length) out.push(["drifting", "drifting ranks: " + rankList(latest.drifting_ranks), latest.drifting_ranks]);
+    if (latest.slow_ranks.length) out.push(["slow", "slow ranks: " + rankList(latest.slow_ranks), latest.slow_ranks]);
     return out;
   }
 
@@ -236,7 +299,8 @@
                 "direction consistency", "alerts"].map((h) => el("th", { text: h })))),
          el("tbody", { id: "jobs-body" })),
       el("p", { class: "muted", text: "Alerts are the latest stored step's: divergent replicas " +
-        "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out)." }));
+        "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out), " +
+        "drifting and slow ranks (sequential tests), as `rankscope show` names them." }));
     every(async () => {
       const data = await api("/jobs");
       state.jobs = data.jobs;
@@ -341,7 +405,7 @@
       el("canvas", { id: "groups-picture" }),
       el("h2", { text: "Groups" }),
       el("ul", { id: "groups-list" }));
-    drawLegend($("legend"), METRICS.cosine);
+    drawLegend($("legend"), { label: "direction consistency", stops: COSINE, lo: "-1", hi: "1" });
     every(async () => {
       const fresh = (await api("/jobs")).jobs.filter((j) => j.job === job);
       const series = await Promise.all(fresh.map((k) => api("/jobs/" + enc(k.key) + "/steps")));
@@ -428,11 +492,25 @@
             el("option", { value: "outlier", text: "outlier score" }))),
          el("canvas", { id: "legend" }),
          el("span", { class: "key" },
-            ...["missing", "nonfinite", "divergent", "outlier"].map((k) => el("span", null,
-              el("i", { class: "swatch-" + k }),
-              { missing: "missing (grey cells)", nonfinite: "non-finite (black)",
-                divergent: "divergent replica (purple)", outlier: "outlier" }[k]))),
+            ...["missing", "nonfinite", "divergent", "novalue"].map((k) => el("span", null,
+              el("i", { class: "cell-" + k }),
+              { missing: "missing", nonfinite: "non-finite", divergent: "divergent replica",
+                novalue: "no value" }[k])),
+            ...["outlier", "missing", "nonfinite", "divergent", "drifting", "slow"].map((k) => el("span", null,
+              el("i", { class: "swatch-" + k }), k === "nonfinite" ? "non-finite" : k)),
+            el("span", null, "(flagged-rank ticks)")),
          el("span", { id: "heat-info", class: "muted" })),
+      el("div", { class: "heat-controls" },
+         el("span", null, "steps: "),
+         el("button", { id: "heat-older", text: "◀ older" }),
+         el("button", { id: "heat-newer", text: "newer ▶" }),
+         el("button", { id: "heat-zoom-out", text: "more steps" }),
+         el("button", { id: "heat-zoom-in", text: "fewer steps" }),
+         el("button", { id: "heat-live", text: "live" }),
+         el("span", null, " ranks: drag over the heatmap to zoom into a band, "),
+         el("button", { id: "heat-all-ranks", text: "all ranks" }),
+         el("span", { id: "heat-window", class: "muted" })),
+      el("div", { id: "scale-info", class: "muted" }),
       el("div", { class: "heat-wrap" },
          el("div", { class: "heat-scroll" }, el("canvas", { id: "heatmap" })),
          el("div", null, el("div", { class: "title", text: "Flagged ranks (click to open)" }),
@@ -442,44 +520,154 @@
     for (const k of Object.keys(MARK_CSS)) {
       document.querySelectorAll(".swatch-" + k).forEach((i) => { i.style.background = MARK_CSS[k]; });
     }
+    for (const k of Object.keys(MARK)) {
+      document.querySelectorAll(".cell-" + k).forEach((i) => {
+        i.style.background = `rgb(${MARK[k].join(",")})`;
+      });
+    }
+    // The cell colours the page draws with (tests compare the canvas's pixels against them).
+    state.colors = { ...MARK, background: BACKGROUND };
     $("metric").addEventListener("change", (ev) => {
       state.metric = ev.target.value;
-      drawLegend($("legend"), METRICS[state.metric]);
       if (state.matrix) drawHeatmap();
     });
-    drawLegend($("legend"), METRICS.cosine);
     const heat = $("heatmap");
     heat.addEventListener("mousemove", (ev) => {
       const cell = heatCell(ev);
       const tip = $("tooltip");
       if (!cell) { tip.style.display = "none"; return; }
-      const s = state.matrix.steps[cell.col];
-      const v = s[state.metric][cell.rank];
-      let what = state.metric + " " + fmt(v, 3);
-      if (s.missing.includes(cell.rank)) what = "missing";
-      if (s.nonfinite.includes(cell.rank)) what += ", non-finite";
-      if (s.divergent.includes(cell.rank)) what += ", divergent replica";
-      tip.textContent = "rank " + cell.rank + " · step " + s.step + " · " + what;
+      const steps = state.matrix.steps.slice(cell.col, cell.lastCol + 1);
+      const worst = METRICS[state.metric].worst;
+      let v = null, missing = false, nonfinite = false, divergent = false;
+      for (const s of steps) {
+        for (let r = cell.rank; r <= cell.lastRank; r++) {
+          const x = s[state.metric][r];
+          if (x !== null && x !== undefined) v = v === null ? x : worst(v, x);
+          missing = missing || s.missing.includes(r);
+          nonfinite = nonfinite || s.nonfinite.includes(r);
+          divergent = divergent || s.divergent.includes(r);
+        }
+      }
+      let what = state.metric + " " + fmt(v, 3) + (steps.length > 1 || cell.lastRank > cell.rank
+                                                     ? " (worst)" : "");
+      if (missing) what += ", missing";
+      if (nonfinite) what += ", non-finite";
+      if (divergent) what += ", divergent replica";
+      const span = (a, b) => (a === b ? String(a) : a + "–" + b);
+      tip.textContent = (cell.lastRank > cell.rank ? "ranks " : "rank ") +
+        span(cell.rank, cell.lastRank) + " · step" + (steps.length > 1 ? "s " : " ") +
+        span(steps[0].step, steps[steps.length - 1].last ?? steps[steps.length - 1].step) +
+        (steps.some((s) => s.downsampled) ? " (downsampled window)" : "") + " · " + what;
       tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
       tip.style.display = "block";
     });
     heat.addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+    // Brushing: a vertical drag of 4 px or more selects the band of ranks it covers; a click
+    // (less) opens the rank.
+    let brushFrom = null, brushed = false;
+    heat.addEventListener("mousedown", (ev) => { brushFrom = { y: ev.clientY, cell: heatCell(ev) }; });
+    heat.addEventListener("mouseup", (ev) => {
+      const from = brushFrom;
+      brushFrom = null;
+      brushed = false;
+      if (!from || !from.cell || Math.abs(ev.clientY - from.y) < 4) return;
+      const to = heatCell(ev);
+      if (!to) return;
+      brushed = true;
+      const lo = Math.min(from.cell.rank, to.rank), hi = Math.max(from.cell.lastRank, to.lastRank);
+      state.band = [lo, hi];
+      drawHeatmap();
+    });
     heat.addEventListener("click", (ev) => {
+      if (brushed) { brushed = false; return; }
       const cell = heatCell(ev);
       if (cell) selectRank(cell.rank);
     });
+    $("heat-all-ranks").addEventListener("click", () => { state.band = null; drawHeatmap(); });
+    // History: the heatmap's window of steps pans (half a window at a time) and zooms (30 to
+    // 960 steps, several steps a pixel column beyond the plot's width); away from the newest
+    // steps it stops following them until "live".
+    state.view = { live: true, span: RANKS_WINDOW };
+    state.band = null;  // [first rank, last rank] brushed, or every rank
+    const showWindow = async (first, last) => {
+      first = Math.max(0, first);
+      const m = await api("/jobs/" + enc(key) + "/ranks?first=" + first + "&last=" + last);
+      m.requested = [first, last];
+      state.matrix = withWindows(m);
+      drawHeatmap();
+    };
+    const newest = () => Math.max(state.lastStep || 0,
+                                  state.matrix ? lastOf(state.matrix.steps) || 0 : 0);
+    const heldFirst = () => (state.matrix && state.matrix.steps.length ? state.matrix.steps[0].step
+                                                                        : newest());
+    const heldLast = () => (state.matrix && state.matrix.steps.length
+                            ? lastOf(state.matrix.steps) : newest());
+    const live = () => { state.view.live = true; return showWindow(newest() - state.view.span + 1, newest()); };
+    $("heat-older").addEventListener("click", () => {
+      state.view.live = false;
+      const first = Math.max(0, heldFirst() - Math.floor(state.view.span / 2));
+      return showWindow(first, first + state.view.span - 1);
+    });
+    $("heat-newer").addEventListener("click", () => {
+      const last = heldLast() + Math.floor(state.view.span / 2);
+      if (last >= newest()) return live();
+      return showWindow(last - state.view.span + 1, last);
+    });
+    const zoom = (span) => {
+      state.view.span = span;
+      if (state.view.live) return live();
+      // About the window's centre; a window that reaches the newest step goes live.
+      const first = Math.max(0, Math.floor((heldFirst() + heldLast() - span) / 2));
+      if (first + span - 1 >= newest()) return live();
+      return showWindow(first, first + span - 1);
+    };
+    $("heat-zoom-out").addEventListener("click", () => zoom(Math.min(960, state.view.span * 2)));
+    $("heat-zoom-in").addEventListener("click", () => zoom(Math.max(30, Math.floor(state.view.span / 2))));
+    $("heat-live").addEventListener("click", live);
+    // The first read takes the API's default windows; every later one only the steps after the
+    // newest the page holds (?since=), merged in, the oldest dropped beyond the window.
+    const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
+    const merge = (held, fresh, window) => {
+      if (!fresh.length) return held;
+      const out = held.filter((s) => s.step < fresh[0].step).concat(fresh);
+      const newest = out[out.length - 1].step;
+      return out.filter((s) => s.step + window > newest);
+    };
+    state.fetches = [];  // per read: the queries and how many steps each answer held
     every(async () => {
       const f0 = performance.now();
+      const stepsSince = lastOf(state.steps), ranksSince = state.matrix ? lastOf(state.matrix.steps) : null;
+      const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
+      const ranksQ = ranksSince === null ? "" : "?since=" + ranksSince;
       const [steps, matrix] = await Promise.all([
-        api("/jobs/" + enc(key) + "/steps"), api("/jobs/" + enc(key) + "/ranks")]);
+        api("/jobs/" + enc(key) + "/steps" + stepsQ),
+        // Away from the newest steps (history) the heatmap's window stays as it is.
+        state.view.live ? api("/jobs/" + enc(key) + "/ranks" + ranksQ)
+                        : Promise.resolve({ steps: [], world_size: 0 })]);
       state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
-      state.steps = steps.steps;
-      state.matrix = matrix;
-      state.lastStep = steps.steps.length ? steps.steps[steps.steps.length - 1].step : null;
+      state.fetches.push({ steps: stepsQ, ranks: ranksQ, step_rows: steps.steps.length,
+                           rank_steps: matrix.steps.map((s) => s.step) });
+      if (state.fetches.length > 200) state.fetches.shift();
+      state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
+      if (!state.view.live) {
+        // history: nothing to merge
+      } else if (!ranksQ) {
+        state.matrix = withWindows(matrix);
+      } else {
+        state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
+        state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
+        state.matrix.truncated = matrix.truncated;
+        state.matrix.last = matrix.last;
+      }
+      state.lastStep = lastOf(state.steps);
+      const changed = !stepsQ || !ranksQ || steps.steps.length || matrix.steps.length;
+      if (!changed) return;
       drawCharts();
       const t0 = performance.now();
       drawHeatmap();
       state.heatmapMs = performance.now() - t0;  // the heatmap and its flagged list, drawn
+      state.updateMs = performance.now() - f0;  // this read: fetched, parsed, merged and drawn
+      state.draws = (state.draws || 0) + 1;
       // From navigation start to the first heatmap on screen (performance.now() counts from it).
       if (state.firstHeatmapAt === undefined && matrix.steps.length) {
         state.firstHeatmapAt = performance.now();
@@ -504,23 +692,39 @@
       { marks });
   }
 
-  // Layout of the heatmap: rows are ranks (at least 1 px), columns steps.
+  // Layout of the heatmap in whole canvas pixels (1 CSS px = 1 canvas px): every cell is an
+  // integer rectangle, so no background shows between columns or rows. Up to 1,024 ranks each get
+  // their own row (1..14 px); above, ranksPerRow ranks share a 1 px row. Up to 960 steps each get
+  // their own column (1..32 px); above, stepsPerCol steps share a 1 px column. A shared cell
+  // shows its worst (MARK above).
   function heatLayout(W, S) {
-    const rowH = Math.max(1, Math.min(14, Math.floor(720 / Math.max(W, 1))));
-    const gutter = 56, marks = 12;
-    const plotW = Math.max(320, Math.min(1000, S * 8));
-    return { rowH, gutter, marks, plotW, colW: plotW / Math.max(S, 1), top: 8,
-             cssW: gutter + marks + plotW + 4, cssH: W * rowH + 8 + 24 };
+    const ranksPerRow = W <= 1024 ? 1 : Math.ceil(W / 1024);
+    const nRows = Math.max(1, Math.ceil(W / ranksPerRow));
+    const rowH = Math.max(1, Math.min(14, Math.floor(720 / nRows)));
+    const stepsPerCol = S <= 960 ? 1 : Math.ceil(S / 960);
+    const nCols = Math.max(1, Math.ceil(S / stepsPerCol));
+    const colW = Math.max(1, Math.min(32, Math.floor(960 / nCols)));
+    const gutter = 56, marks = 12, top = 8;
+    const plotW = nCols * colW, plotH = nRows * rowH;
+    const x0 = gutter + marks;
+    // emphasis: pixel rows a flagged row's band covers on each side (drawHeatmap).
+    return { ranksPerRow, nRows, rowH, stepsPerCol, nCols, colW, gutter, marks, top, x0,
+             plotW, plotH, emphasis: rowH < 3 ? 1 : 0, cssW: x0 + plotW + marks + 4,
+             cssH: top + plotH + 24 };
   }
 
   function heatCell(ev) {
     if (!state.matrix || !state.layout) return null;
     const r = $("heatmap").getBoundingClientRect(), lay = state.layout;
-    const x = ev.clientX - r.left - lay.gutter - lay.marks, y = ev.clientY - r.top - lay.top;
-    const rank = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
-    if (x < 0 || rank < 0 || rank >= state.matrix.world_size || col < 0 ||
-        col >= state.matrix.steps.length) return null;
-    return { rank, col };
+    const x = Math.floor(ev.clientX - r.left) - lay.x0, y = Math.floor(ev.clientY - r.top) - lay.top;
+    if (x < 0 || y < 0 || x >= lay.plotW || y >= lay.plotH) return null;
+    const row = Math.floor(y / lay.rowH), col = Math.floor(x / lay.colW);
+    const rank = lay.rankBase + row * lay.ranksPerRow, c = col * lay.stepsPerCol;
+    const end = lay.rankBase + lay.nRows * lay.ranksPerRow;  // past the drawn ranks
+    if (rank >= Math.min(end, state.matrix.world_size) || c >= state.matrix.steps.length) return null;
+    return { rank, row,
+             lastRank: Math.min(state.matrix.world_size, end, rank + lay.ranksPerRow) - 1,
+             col: c, lastCol: Math.min(state.matrix.steps.length, c + lay.stepsPerCol) - 1 };
   }
 
   // Ranks flagged anywhere in the heatmap's window: kind -> Map(rank -> steps flagged). Outliers
@@ -528,7 +732,7 @@
   // not single steps whose score crossed it.
   function flaggedRanks() {
     const kinds = { missing: new Map(), nonfinite: new Map(), divergent: new Map(),
-                    outlier: new Map() };
+                    outlier: new Map(), drifting: new Map(), slow: new Map() };
     const bump = (m, r) => m.set(r, (m.get(r) || 0) + 1);
     const inWindow = new Set(state.matrix.steps.map((s) => s.step));
     for (const s of state.matrix.steps) {
@@ -539,63 +743,111 @@
     for (const s of state.steps || []) {
       if (!inWindow.has(s.step)) continue;
       for (const r of s.outlier_ranks) bump(kinds.outlier, r);
+      for (const r of s.drifting_ranks) bump(kinds.drifting, r);
+      for (const r of s.slow_ranks) bump(kinds.slow, r);
     }
     return kinds;
   }
 
-  function drawHeatmap() {
-    const m = state.matrix, W = m.world_size, S = m.steps.length;
-    const lay = (state.layout = heatLayout(W, S));
-    const canvas = $("heatmap");
-    // Drawn at 1 CSS px = 1 canvas px into an ImageData: one write per pixel, no path per cell.
-    canvas.width = Math.round(lay.cssW); canvas.height = Math.round(lay.cssH);
-    canvas.style.width = lay.cssW + "px"; canvas.style.height = lay.cssH + "px";
-    const ctx = canvas.getContext("2d");
-    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
-    const x0 = lay.gutter + lay.marks, pw = Math.round(lay.plotW), ph = W * lay.rowH;
-    const img = ctx.createImageData(pw, ph), px = img.data;
-    const metric = METRICS[state.metric];
-    if (!metric.lut) metric.lut = lut(metric.stops);
-    const table = metric.lut;
-    const colOf = new Int32Array(pw);
-    for (let x = 0; x < pw; x++) colOf[x] = Math.min(S - 1, Math.floor(x / lay.colW));
-    // Per step: the colour of every rank (r, g, b), then spread over its columns.
-    const rgb = new Uint8ClampedArray(S * W * 3);
+  // The cells' colours (r, g, b per cell, row-major nRows x nCols): each cell's worst.
+  function heatCells(m, lay, metricName, scale) {
+    const W = m.world_size, S = m.steps.length, nR = lay.nRows, nC = lay.nCols;
+    const worst = METRICS[metricName].worst;
+    const val = new Float64Array(nR * nC).fill(NaN);
+    const mark = new Uint8Array(nR * nC);
+    const present = new Uint8Array(nR * nC);  // some rank of the cell has a row
     for (let c = 0; c < S; c++) {
-      const s = m.steps[c], vals = s[state.metric];
+      const s = m.steps[c], vals = s[metricName], col = Math.floor(c / lay.stepsPerCol);
       for (let r = 0; r < W; r++) {
-        const v = vals[r], o = (c * W + r) * 3;
-        if (v === null) {
-          rgb[o] = MARK.missing[0]; rgb[o + 1] = MARK.missing[1]; rgb[o + 2] = MARK.missing[2];
-          continue;
-        }
-        const i = Math.round(Math.max(0, Math.min(1, metric.t(v))) * 1023) * 3;
-        rgb[o] = table[i]; rgb[o + 1] = table[i + 1]; rgb[o + 2] = table[i + 2];
+        const i = Math.floor(r / lay.ranksPerRow) * nC + col;
+        const v = vals[r];
+        present[i] = 1;
+        if (v === null || v === undefined) continue;
+        val[i] = isNaN(val[i]) ? v : worst(val[i], v);
       }
-      for (const [kind, list] of [["nonfinite", s.nonfinite], ["divergent", s.divergent],
-                                  ["missing", s.missing]]) {
+      for (const [kind, list] of [["missing", s.missing], ["divergent", s.divergent],
+                                  ["nonfinite", s.nonfinite]]) {
+        const code = MARK_CODE[kind];
         for (const r of list) {
-          const o = (c * W + r) * 3;
-          rgb[o] = MARK[kind][0]; rgb[o + 1] = MARK[kind][1]; rgb[o + 2] = MARK[kind][2];
+          if (r >= W) continue;
+          const i = Math.floor(r / lay.ranksPerRow) * nC + col;
+          if (mark[i] < code) mark[i] = code;
         }
       }
     }
+    const rgb = new Uint8ClampedArray(nR * nC * 3);
+    for (let i = 0; i < nR * nC; i++) {
+      let c;
+      if (mark[i]) c = MARK_OF_CODE[mark[i]];
+      else if (!isNaN(val[i])) {
+        const k = Math.round(Math.max(0, Math.min(1, scale.t(val[i]))) * 1023) * 3;
+        rgb[i * 3] = HEALTH_LUT[k]; rgb[i * 3 + 1] = HEALTH_LUT[k + 1];
+        rgb[i * 3 + 2] = HEALTH_LUT[k + 2];
+        continue;
+      } else c = present[i] ? MARK.novalue : MARK.missing;
+      rgb[i * 3] = c[0]; rgb[i * 3 + 1] = c[1]; rgb[i * 3 + 2] = c[2];
+    }
+    return rgb;
+  }
+
+  // Steps whose rank rows retention downsampled are drawn from their rank_windows: one column
+  // per window (each rank's lowest cosine, highest score), in place of the flagged rows kept.
+  function withWindows(m) {
+    if (!m.windows || !m.windows.length) return m;
+    const before = m.downsampled_before;
+    const cols = m.windows.map((w) => ({ step: w.first, last: Math.min(w.last, before - 1),
+      cosine: w.cosine, outlier: w.outlier, missing: w.missing, nonfinite: w.nonfinite,
+      divergent: w.divergent, downsampled: true }));
+    return { ...m, steps: cols.concat(m.steps.filter((s) => s.step >= before)) };
+  }
+
+  // The matrix of ranks lo..hi only (a brushed band), ranks renumbered from 0.
+  function bandMatrix(full, lo, hi) {
+    const inBand = (r) => r >= lo && r <= hi;
+    const local = (list) => list.filter(inBand).map((r) => r - lo);
+    return { ...full, world_size: hi - lo + 1, steps: full.steps.map((s) => ({
+      step: s.step, last: s.last, downsampled: s.downsampled,
+      cosine: s.cosine.slice(lo, hi + 1), outlier: s.outlier.slice(lo, hi + 1),
+      missing: local(s.missing), nonfinite: local(s.nonfinite), divergent: local(s.divergent) })) };
+  }
+
+  function drawHeatmap() {
+    // A brushed band of ranks (state.band) is drawn alone, at one pixel row or more per rank;
+    // the colour scale stays anchored to every rank's healthy median.
+    const full = state.matrix;
+    const band = state.band && state.band[0] < full.world_size
+      ? [state.band[0], Math.min(state.band[1], full.world_size - 1)] : null;
+    const base = band ? band[0] : 0;
+    const m = band ? bandMatrix(full, band[0], band[1]) : full, W = m.world_size, S = m.steps.length;
+    const lay = (state.layout = heatLayout(W, S));
+    lay.rankBase = base;
+    const scale = (state.scale = scaleFor(state.metric, full.steps));
+    drawLegend($("legend"), { label: METRICS[state.metric].label, stops: HEALTH,
+                              lo: scale.lo, hi: scale.hi });
+    $("scale-info").textContent = scale.text;
+    const canvas = $("heatmap");
+    // Drawn at 1 CSS px = 1 canvas px into an ImageData: one write per pixel, no path per cell,
+    // no smoothing.
+    canvas.width = lay.cssW; canvas.height = lay.cssH;
+    canvas.style.width = lay.cssW + "px"; canvas.style.height = lay.cssH + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.imageSmoothingEnabled = false;
+    ctx.fillStyle = `rgb(${BACKGROUND.join(",")})`; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const pw = lay.plotW, ph = lay.plotH, top = lay.top, x0 = lay.x0;
+    if (!S) return;
+    const rgb = heatCells(m, lay, state.metric, scale);
+    const img = ctx.createImageData(pw, ph), px = img.data;
     for (let y = 0; y < ph; y++) {
-      const r = Math.floor(y / lay.rowH);
-      const gap = lay.rowH >= 6 && y % lay.rowH === lay.rowH - 1;
+      const row = Math.floor(y / lay.rowH);
       let p = y * pw * 4;
       for (let x = 0; x < pw; x++, p += 4) {
-        const c = colOf[x];
-        const gapX = lay.colW >= 6 && Math.floor((x + 1) / lay.colW) !== Math.floor(x / lay.colW);
-        if (gap || gapX) { px[p] = px[p + 1] = px[p + 2] = 255; px[p + 3] = 255; continue; }
-        const o = (c * W + r) * 3;
+        const o = (row * lay.nCols + Math.floor(x / lay.colW)) * 3;
         px[p] = rgb[o]; px[p + 1] = rgb[o + 1]; px[p + 2] = rgb[o + 2]; px[p + 3] = 255;
       }
     }
-    const top = lay.top;
     ctx.putImageData(img, x0, top);
     const kinds = flaggedRanks();
-    const order = ["outlier", "divergent", "nonfinite", "missing"];
+    const order = ["outlier", "divergent", "nonfinite", "missing", "drifting", "slow"];
     const flagged = new Map();
     for (const kind of order) {
       for (const [r, n] of kinds[kind]) {
@@ -603,39 +855,70 @@
         flagged.get(r).push([kind, n]);
       }
     }
-    const yOf = (r) => top + r * lay.rowH + lay.rowH / 2;
+    // Flagged rows thinner than 3 px are drawn again 3 px tall (over one pixel row on each
+    // side), so a single deviating or silent rank of 512 or 4,096 reads at a glance; the
+    // tooltip still gives each rank's own value.
+    // Flagged ranks shown (in the band), by their row index in the drawing.
+    const shown = [...flagged.keys()].filter((r) => r >= base && r < base + W);
+    if (lay.rowH < 3 && shown.length <= 64) {
+      const strip = ctx.createImageData(pw, 3), bp = strip.data;
+      for (const r of shown) {
+        const row = Math.floor((r - base) / lay.ranksPerRow), y = top + row * lay.rowH - lay.emphasis;
+        for (let x = 0; x < pw; x++) {
+          const o = (row * lay.nCols + Math.floor(x / lay.colW)) * 3;
+          for (let k = 0; k < 3; k++) {
+            const p = (k * pw + x) * 4;
+            bp[p] = rgb[o]; bp[p + 1] = rgb[o + 1]; bp[p + 2] = rgb[o + 2]; bp[p + 3] = 255;
+          }
+        }
+        // Clipped to the plot: the first and last rows keep their band inside it.
+        const y0 = Math.max(top, Math.min(top + ph - 3, y));
+        if (ph >= 3) ctx.putImageData(strip, x0, y0);
+      }
+    }
+    // The centre of rank r's row (r absolute).
+    const yOf = (r) => top + Math.floor((r - base) / lay.ranksPerRow) * lay.rowH + lay.rowH / 2;
     // Rank axis: a label every `step` ranks, and every flagged rank labelled in its mark's colour
     // (regular labels that would overlap one are left out).
     ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    const every = Math.max(1, Math.ceil(14 / lay.rowH));
-    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096].find((k) => k >= every) || every;
-    const flaggedY = [...flagged.keys()].map(yOf);
+    const pxPerRank = lay.rowH / lay.ranksPerRow;
+    const every = Math.max(1, Math.ceil(14 / pxPerRank));
+    const step = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+      .find((k) => k >= every) || every;
+    // More than 64 flagged ranks (a job mostly timing out) are ticked and listed, not labelled.
+    const labelled = shown.length <= 64 ? shown : [];
+    const flaggedY = labelled.map(yOf);
     ctx.fillStyle = "#1d232b";
-    for (let r = 0; r < W; r += step) {
-      if (lay.rowH < 12 && flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
+    for (let r = base; r < base + W; r += step) {
+      if (flaggedY.some((y) => Math.abs(y - yOf(r)) < 12)) continue;
       ctx.fillText("rank " + r, lay.gutter - 4, yOf(r));
     }
     ctx.font = "bold 11px system-ui, sans-serif";
-    for (const [r, list] of flagged) {
-      ctx.fillStyle = MARK_CSS[list[0][0]];
+    for (const r of labelled) {
+      ctx.fillStyle = MARK_CSS[flagged.get(r)[0][0]];
       ctx.fillText(String(r), lay.gutter - 4, yOf(r));
     }
     ctx.font = "11px system-ui, sans-serif";
-    // Step axis.
+    // Step axis: labels at the centres of their columns.
     ctx.fillStyle = "#1d232b"; ctx.textAlign = "center"; ctx.textBaseline = "top";
-    for (let i = 0; i <= 5 && S; i++) {
+    for (let i = 0; i <= 5; i++) {
       const c = Math.min(S - 1, Math.round(((S - 1) * i) / 5));
-      ctx.fillText(String(m.steps[c].step), x0 + (c + 0.5) * lay.colW, top + ph + 6);
+      const col = Math.floor(c / lay.stepsPerCol);
+      ctx.fillText(String(m.steps[c].step), x0 + col * lay.colW + lay.colW / 2, top + ph + 6);
     }
-    // Marks gutter: each flagged rank gets a tick at least 4 px tall, so one rank of 1,024 shows.
-    for (const [r, list] of flagged) {
-      ctx.fillStyle = MARK_CSS[list[0][0]];
-      const h = Math.max(4, lay.rowH);
-      ctx.fillRect(lay.gutter + 1, yOf(r) - h / 2, lay.marks - 2, h);
+    // Flagged rows emphasised: a tick at least 4 px tall in the gutters on both sides of the
+    // heatmap (so one rank of 4,096 shows), in its mark's colour, and a frame around the row.
+    for (const r of shown) {
+      ctx.fillStyle = MARK_CSS[flagged.get(r)[0][0]];
+      const h = Math.max(4, lay.rowH), y = Math.round(yOf(r) - h / 2);
+      ctx.fillRect(lay.gutter + 1, y, lay.marks - 3, h);
+      ctx.fillRect(x0 + pw + 2, y, lay.marks - 3, h);
     }
-    if (state.selectedRank !== null && state.selectedRank < W) {
+    if (state.selectedRank !== null && state.selectedRank >= base &&
+        state.selectedRank < base + W) {
       ctx.strokeStyle = "#0b5cad"; ctx.lineWidth = 1;
-      ctx.strokeRect(x0 - 0.5, top + state.selectedRank * lay.rowH - 0.5, pw + 1, lay.rowH + 1);
+      const y = top + Math.floor((state.selectedRank - base) / lay.ranksPerRow) * lay.rowH;
+      ctx.strokeRect(x0 - 1.5, y - 1.5, pw + 3, lay.rowH + 3);
     }
     state.flagged = {};
     for (const kind of order) state.flagged[kind] = [...kinds[kind].keys()].sort((a, b) => a - b);
@@ -647,7 +930,29 @@
       ...flagged.get(r).map(([kind, n]) => el("span", { class: "alert " + kind,
         text: (kind === "nonfinite" ? "non-finite" : kind) + " ×" + n })))) :
       [el("li", { class: "ok", text: "no rank flagged in this window" })]));
-    $("heat-info").textContent = W + " ranks × " + S + " steps" + (m.truncated ? " (truncated)" : "");
+    const agg = [];
+    if (lay.ranksPerRow > 1) agg.push(lay.ranksPerRow + " ranks per pixel row");
+    if (lay.stepsPerCol > 1) agg.push(lay.stepsPerCol + " steps per pixel column");
+    const req = m.requested, held = S ? [m.steps[0].step, m.steps[S - 1].step] : null;
+    let where = state.view && !state.view.live ? "history (not following new steps)" : "live";
+    if (held) where = "steps " + held[0] + "–" + held[1] + " · " + where;
+    // Steps of the window without rank rows: pruned by retention (their downsampled
+    // rank_windows are in `rankscope export --table=windows`), or not yet stepped.
+    if (req && (!held || held[0] > req[0] + 1) && req[0] < (state.lastStep || 0)) {
+      where += " · no per-rank rows before step " + (held ? held[0] : req[1] + 1) +
+        " in this window (pruned by retention, or before the job's first step)";
+    }
+    const windows = m.steps.filter((s) => s.downsampled).length;
+    if (windows) {
+      where += " · steps before " + m.downsampled_before + ": " + windows + " downsampled rank " +
+        "window" + (windows > 1 ? "s" : "") + " (retention pruned the per-step rows; one column " +
+        "a window, each rank's worst)";
+    }
+    $("heat-window").textContent = where;
+    $("heat-info").textContent = (band ? "ranks " + band[0] + "–" + band[1] + " of " +
+                                  full.world_size : W + " ranks") + " × " + S + " steps" +
+      (agg.length ? " (" + agg.join(", ") + ", each cell its worst)" : "") +
+      (m.truncated ? " (truncated)" : "");
   }
 
   async function selectRank(rank) {
