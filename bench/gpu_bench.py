@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """What rankscope's GPU path costs, on a CUDA GPU, measured side by side in one run.
 
-    PYTHONPATH=build-gpu/python python3 bench/gpu_bench.py kernels
-    PYTHONPATH=build-gpu/python python3 bench/gpu_bench.py train --build-dir build-gpu
+    python3 bench/gpu_bench.py kernels          # rankscope installed (the wheel), or
+    python3 bench/gpu_bench.py train            # PYTHONPATH=build/python --collector build/bin/...
 
-(tools/gpu/run_checks.sh runs both on the GPU machine.)
+(tools/gpu/run_checks.sh runs both on the GPU machine, from the installed cp312 wheel.)
 
 kernels  The device-to-device copy bandwidth (bytes read + bytes written per second, one large
          tensor), then the count sketch and the replica fingerprint of a large gradient, float32
@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -354,11 +355,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_collector(build_dir: Path, tmp: Path):
+def _start_collector(collector: str, tmp: Path):
     log = open(tmp / "collector.log", "w+")
     proc = subprocess.Popen(
         [
-            str(build_dir / "bin" / "rankscope-collector"),
+            collector,
             "--grpc_address=127.0.0.1:0",
             "--metrics_address=127.0.0.1:0",
             "--http_address=",
@@ -392,7 +393,7 @@ def train(args) -> dict:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
-    proc, address = _start_collector(Path(args.build_dir).resolve(), tmp)
+    proc, address = _start_collector(args.collector, tmp)
     variants = [
         "plain",
         "plain-2",
@@ -557,7 +558,11 @@ def main(argv=None):
         help="blocks:warps:programs-per-SM,...",
     )
     t = sub.add_parser("train")
-    t.add_argument("--build-dir", default=os.environ.get("RANKSCOPE_BUILD_DIR", "build-gpu"))
+    t.add_argument(
+        "--collector",
+        default=shutil.which("rankscope-collector") or "build/bin/rankscope-collector",
+        help="the collector binary (default: the installed wheel's on PATH, else the build's)",
+    )
     t.add_argument("--layers", type=int, default=12)
     t.add_argument("--ctx", type=int, default=512)
     t.add_argument("--batch", type=int, default=8)

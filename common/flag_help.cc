@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 
 namespace rankscope {
 namespace {
@@ -56,6 +58,12 @@ void HandleHelpFlag(int argc, char** argv, absl::string_view main_file) {
     if (arg == "--help" || arg == "-help" || arg == "--helpshort" || arg == "-h") {
       const std::string text = FlagHelpText(main_file);
       std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+      std::exit(0);
+    }
+    if (arg == "--version" || arg == "-version") {
+      const char* slash = std::strrchr(argv[0], '/');
+      std::printf("%s %s\n", slash != nullptr ? slash + 1 : argv[0], RANKSCOPE_VERSION);
       std::fflush(stdout);
       std::exit(0);
     }

@@ -180,7 +180,7 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
      prometheus::MetricType::Counter},
     {kRankInfo, "rankscope_rank_info",
      "1 for each rank with per-rank series (most deviating, missing, replica-divergent ranks): "
-     "its global rank and host, as its agent stated them.",
+     "its global rank, host and agent version, as its agent stated them.",
      prometheus::MetricType::Gauge},
     {kJobGroups, "rankscope_job_groups", "Data-parallel groups of the training job exported.",
      prometheus::MetricType::Gauge},

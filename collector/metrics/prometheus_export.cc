@@ -422,6 +422,7 @@ void JobMetrics::AddRankSeries(const std::string& key, const JobState& state, ab
                                          ? absl::StrCat(*who->second.global_rank)
                                          : std::string()});
     labels.push_back({"host", who->second.host});
+    labels.push_back({"version", who->second.agent_version});
     AddSample(families[kRankInfo], std::move(labels), 1);
   }
 }

@@ -116,6 +116,7 @@ struct RankIdentity {
   uint32_t rank = 0;
   std::optional<uint32_t> global_rank;
   std::string host;
+  std::string agent_version;  // Hello.agent_version: mixed versions in one job show
 };
 
 class JobMetrics : public prometheus::Collectable {
@@ -162,8 +163,8 @@ class JobMetrics : public prometheus::Collectable {
   //     its threshold, capped as above) and rankscope_drifting_ranks, rankscope_slow_ranks
   //     {train_job} (ranks above it at the latest step: the CUSUM keeps a rank named for many
   //     steps, so no spike window is needed);
-  //   who: rankscope_rank_info{train_job,rank,global_rank,host} 1 for each rank with per-rank
-  //     series above (top, missing, replica-divergent ranks) whose identity is known.
+  //   who: rankscope_rank_info{train_job,rank,global_rank,host,version} 1 for each rank with
+  //     per-rank series above (top, missing, replica-divergent ranks) whose identity is known.
   //   groups: a key "JOB/GROUP" (common/job_name.h) is exported as {train_job=JOB, group=GROUP};
   //     per train_job, across its groups (a job without groups is one): rankscope_job_groups,
   //     rankscope_job_grad_cosine_mean_min (the least consistent group's latest cosine),

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
 #include "common/job_name.h"
+#include "common/version.h"
 
 namespace rankscope::collector {
 namespace {
@@ -212,6 +213,13 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
                  absl::CHexEscape(hello.host()).c_str(), hello.pid());
   }
   if (attached.new_process) metrics_->OnAgentStarted(hello.job(), hello.rank());
+  if (attached.new_process && hello.agent_version() != RANKSCOPE_VERSION) {
+    std::fprintf(stderr,
+                 "rankscope-collector: job %s: rank %u (host %s) runs agent version %s, this "
+                 "collector is %s (rankscope_rank_info{version})\n",
+                 hello.job().c_str(), hello.rank(), absl::CHexEscape(hello.host()).c_str(),
+                 absl::CHexEscape(hello.agent_version()).c_str(), RANKSCOPE_VERSION);
+  }
   if (attached.restarted) {
     std::fprintf(stderr,
                  "rankscope-collector: job %s restarted (rank %u came back as a new process or "
@@ -224,6 +232,7 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   identity.rank = hello.rank();
   if (hello.has_global_rank()) identity.global_rank = hello.global_rank();
   identity.host = hello.host();
+  identity.agent_version = hello.agent_version();
   metrics_->OnAgentConnected(hello.job(), hello.world_size(), std::move(identity));
   if (attached.control) stream->SendControl(*attached.control);
   JobRow row;

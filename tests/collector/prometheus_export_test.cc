@@ -348,6 +348,7 @@ TEST(JobMetricsTest, GroupsAreLabelledAndAggregatedPerJob) {
     who.rank = r;
     who.global_rank = 2 * r + 1;  // the odd ranks: group dp1
     who.host = absl::StrCat("node-", r);
+    who.agent_version = r == 0 ? "0.1.0" : "0.0.9";  // mixed versions in one job
     metrics.OnAgentConnected("exp/dp1", 2, who);
   }
   metrics.OnAgentConnected("exp/dp0", 2);  // an agent that stated nothing
@@ -379,7 +380,8 @@ TEST(JobMetricsTest, GroupsAreLabelledAndAggregatedPerJob) {
                    {"group", "dp1"},
                    {"rank", "1"},
                    {"global_rank", "3"},
-                   {"host", "node-1"}}),
+                   {"host", "node-1"},
+                   {"version", "0.0.9"}}),
             1);
   // dp0's agent stated no identity: no info series for it.
   const MetricFamily* info = FindFamily(families, "rankscope_rank_info");
@@ -1037,7 +1039,11 @@ TEST(JobMetricsDiagnosticsTest, EndedJobExportsNoDeviatingRanks) {
   families = metrics.Collect();
   EXPECT_TRUE(shown(families));
   EXPECT_EQ(Value(families, "rankscope_rank_info",
-                  {{"train_job", "j"}, {"rank", "1"}, {"global_rank", ""}, {"host", "host-1"}}),
+                  {{"train_job", "j"},
+                   {"rank", "1"},
+                   {"global_rank", ""},
+                   {"host", "host-1"},
+                   {"version", ""}}),
             1);
 }
 

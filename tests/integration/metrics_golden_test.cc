@@ -31,7 +31,8 @@ namespace {
 constexpr char kGoldenPath[] = RANKSCOPE_SOURCE_DIR "/tests/integration/golden/metrics.golden";
 
 // Label values replaced by "<name>" in the golden: which ranks are exported depends on which
-// deviate most (prometheus_export.h caps per-rank series).
+// deviate most (prometheus_export.h caps per-rank series). A `version` equal to this build's
+// (kAgentVersion) is written "<this build>"; any other version stays as it is.
 bool IsNormalisedLabel(absl::string_view name) { return name == "rank"; }
 
 // One sample line without its value and timestamp, label values normalised. Label values of the
@@ -45,8 +46,15 @@ std::string NormaliseSample(absl::string_view line) {
        absl::StrSplit(line.substr(brace + 1, close - brace - 1), ',', absl::SkipEmpty())) {
     const size_t eq = label.find('=');
     const absl::string_view name = label.substr(0, eq);
-    labels.push_back(IsNormalisedLabel(name) ? absl::StrCat(name, "=\"<", name, ">\"")
-                                             : std::string(label));
+    if (IsNormalisedLabel(name)) {
+      labels.push_back(absl::StrCat(name, "=\"<", name, ">\""));
+    } else if (name == "version" &&
+               label.substr(eq + 1) == absl::StrCat("\"", kAgentVersion, "\"")) {
+      // The agents' version, the project's (common/version.h): no golden change per release.
+      labels.push_back("version=\"<this build>\"");
+    } else {
+      labels.push_back(std::string(label));
+    }
   }
   return absl::StrCat(line.substr(0, brace), "{", absl::StrJoin(labels, ","), "}");
 }

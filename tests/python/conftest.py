@@ -2,6 +2,12 @@
 
 The build directory is $RANKSCOPE_BUILD_DIR (default <repo>/build); its python/ folder must be on
 PYTHONPATH (./run test does both). Every wait here polls a condition against a deadline.
+
+With RANKSCOPE_TEST_INSTALLED=1 the suites test the installed wheel instead (./run test's wheel
+stage): the package is the one this Python imports from its site-packages (no PYTHONPATH; the
+session fails if it is imported from anywhere else), and the collector and the CLI are the
+wheel's console scripts beside this interpreter (<env>/bin/rankscope-collector, <env>/bin/rankscope),
+which exec the binaries in site-packages/rankscope/_bin. RANKSCOPE_BUILD_DIR is not read then.
 """
 
 import os
@@ -21,18 +27,62 @@ import pytest
 pytest.register_assert_rewrite("shim_harness")
 
 REPO = Path(__file__).resolve().parents[2]
+INSTALLED = os.environ.get("RANKSCOPE_TEST_INSTALLED") == "1"
 BUILD_DIR = Path(os.environ.get("RANKSCOPE_BUILD_DIR") or REPO / "build")
 if not BUILD_DIR.is_absolute():
     BUILD_DIR = (REPO / BUILD_DIR).resolve()
-COLLECTOR_BIN = BUILD_DIR / "bin" / "rankscope-collector"
-CLI_BIN = BUILD_DIR / "bin" / "rankscope"
-PYTHON_DIR = BUILD_DIR / "python"
+if INSTALLED:
+    # The console scripts pip put beside this interpreter (not sys.executable's resolved path:
+    # a virtual environment's python is a link to the base interpreter).
+    SCRIPTS_DIR = Path(sys.executable).parent
+    COLLECTOR_BIN = SCRIPTS_DIR / "rankscope-collector"
+    CLI_BIN = SCRIPTS_DIR / "rankscope"
+    PYTHON_DIR = None
+else:
+    COLLECTOR_BIN = BUILD_DIR / "bin" / "rankscope-collector"
+    CLI_BIN = BUILD_DIR / "bin" / "rankscope"
+    PYTHON_DIR = BUILD_DIR / "python"
+
+
+def child_pythonpath(*dirs, autostart: bool = False) -> str:
+    """A child process's PYTHONPATH: the folder of the rankscope package under test (the build's
+    python/; none when testing the installed wheel), with ``autostart`` the folder of the
+    package's sitecustomize.py (RANKSCOPE_AUTO=1; the wheel's rankscope/_autostart), then
+    ``dirs``."""
+    paths = []
+    if PYTHON_DIR is not None:
+        paths.append(str(PYTHON_DIR))
+    if autostart and INSTALLED:
+        import rankscope
+
+        paths.append(str(Path(rankscope.__file__).parent / "_autostart"))
+    paths += [str(d) for d in dirs]
+    return ":".join(paths)
+
 
 # Child processes (DDP workers spawned by torch.multiprocessing) import rankscope and the
 # harness from these folders.
-for _p in (str(PYTHON_DIR), str(Path(__file__).resolve().parent)):
+for _p in ([] if PYTHON_DIR is None else [str(PYTHON_DIR)]) + [str(Path(__file__).parent)]:
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+
+def pytest_sessionstart(session):
+    """Testing the installed wheel: fails the session unless rankscope comes from this Python's
+    site-packages. (A hook, not at import: the attach tests' jobs import this file through
+    shim_harness and must not import rankscope.)"""
+    if not INSTALLED:
+        return
+    import sysconfig
+
+    import rankscope
+
+    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    if Path(rankscope.__file__).resolve().parent.parent not in site:
+        raise pytest.UsageError(
+            f"RANKSCOPE_TEST_INSTALLED=1 but rankscope was imported from {rankscope.__file__}, "
+            f"not from this Python's site-packages ({', '.join(map(str, sorted(site)))})"
+        )
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
 
-from conftest import CLI_BIN, PYTHON_DIR, free_port, wait_until  # noqa: E402
+from conftest import CLI_BIN, child_pythonpath, free_port, wait_until  # noqa: E402
 
 TARGET = Path(__file__).resolve().parent / "attach_target.py"
 PY = sys.executable  # the project's environment, with torch
@@ -29,8 +29,14 @@ WORLD = 4
 
 
 def target_env(extra=None):
-    """The job's environment: no rankscope on its path (it finds tests/python for the model)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
+    """The job's environment: no rankscope settings (it finds tests/python for the model; the
+    harness's conftest, which it imports, keeps RANKSCOPE_TEST_INSTALLED: the package under test
+    is the installed one, not the build's)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RANKSCOPE_") or k == "RANKSCOPE_TEST_INSTALLED"
+    }
     env["PYTHONPATH"] = str(TARGET.parent)
     env.update(extra or {})
     return env
@@ -352,7 +358,7 @@ def test_zero_code_launch_with_accumulation_and_a_framework(module_collector, tm
             "--sketch_encoding=float16",
             f"--collector={module_collector.address}",
         ),
-        env=target_env({"PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}"}),
+        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
     )
     job.join()
     rows = module_collector.step_rows("zero-code")
@@ -372,7 +378,7 @@ def test_auto_env_with_own_comm_hook_uses_parameter_hooks(module_collector, tmp_
     steps = 14
     env = target_env(
         {
-            "PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+            "PYTHONPATH": child_pythonpath(TARGET.parent, autostart=True),
             "RANKSCOPE_AUTO": "1",
             "RANKSCOPE_JOB": "auto-hooks",
             "RANKSCOPE_DORMANT": "0",
@@ -419,7 +425,7 @@ def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_p
     work.mkdir()
     env = target_env(
         {
-            "PYTHONPATH": f"{PYTHON_DIR}:{TARGET.parent}",
+            "PYTHONPATH": child_pythonpath(TARGET.parent),
             "RANKSCOPE_COLLECTOR": module_collector.address,
             "OMP_NUM_THREADS": "1",
         }

@@ -15,7 +15,7 @@ namespace rankscope::cli {
 
 int Attach(int argc, char** argv, int verb_index) {
   const std::string pydir = PythonDir();
-  if (access((pydir + "/rankscope/attach.py").c_str(), R_OK) != 0) {
+  if (!PathExists(pydir + "/rankscope/attach.py")) {
     std::fprintf(stderr,
                  "rankscope: %s/rankscope/attach.py not found (attach needs the rankscope "
                  "Python package beside the binary, as the build lays it out)\n",

@@ -1,5 +1,6 @@
 #include "tools/cli/cli_config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -100,13 +101,23 @@ CliConfig ReadFlags() {
   return c;
 }
 
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
 std::string PythonDir() {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   if (n <= 0) return "";
   std::string exe(buf, n);
   const size_t slash = exe.rfind('/');
-  return exe.substr(0, slash == std::string::npos ? 0 : slash) + "/../python";
+  const std::string bin = exe.substr(0, slash == std::string::npos ? 0 : slash);
+  // The build tree's layout, else the installed wheel's (site-packages/rankscope/_bin/rankscope).
+  for (const std::string& dir : {bin + "/../python", bin + "/../.."}) {
+    if (PathExists(dir + "/rankscope/__init__.py")) return dir;
+  }
+  return bin + "/../python";
 }
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {

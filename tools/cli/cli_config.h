@@ -43,9 +43,15 @@ CliConfig ReadFlags();
 // the build's (RANKSCOPE_DEFAULT_PYTHON).
 std::string PythonInterpreter(const std::string& flag_value);
 
-// <directory of this binary>/../python, where the build puts the rankscope package ("" if the
-// binary's path cannot be read).
+// The folder holding the rankscope package the report and attach verbs run: <directory of this
+// binary>/../python where the build puts it, else <directory of this binary>/../.. (the wheel
+// installs the binary as site-packages/rankscope/_bin/rankscope); "" if the binary's path cannot
+// be read.
 std::string PythonDir();
+
+// Whether `path` exists. stat(2), not access(2): access ignores a non-root user's capabilities
+// (CAP_DAC_READ_SEARCH reaching a package under another user's home).
+bool PathExists(const std::string& path);
 
 // The stripped token in `path`; InvalidArgument (with the message to print) if it cannot be
 // read or is empty.

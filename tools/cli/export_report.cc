@@ -223,7 +223,7 @@ int Report(const Cli& cli, const std::string& job) {
     return 2;
   }
   const std::string pydir = PythonDir();
-  if (access((pydir + "/rankscope/report.py").c_str(), R_OK) != 0) {
+  if (!PathExists(pydir + "/rankscope/report.py")) {
     std::fprintf(stderr,
                  "rankscope: %s/rankscope/report.py not found (the report needs the "
                  "rankscope Python package beside the binary, as the build lays it out)\n",

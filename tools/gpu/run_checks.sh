@@ -1,35 +1,48 @@
 #!/usr/bin/env bash
 # Runs rankscope's GPU checks on a GPU machine (CUDA, torch 2.x on Python 3.12, Triton), from the
-# repository root, with build-gpu/ made by tools/gpu/bundle.sh carried beside it:
+# repository root, from the installed cp312 wheel: `./run wheel` here builds it into
+# build/wheels/ (carry that folder); this script pip-installs it with --no-deps (no network there)
+# into a virtual environment over the machine's own packages (its torch and Triton stay), then
+# runs each step with that environment's Python and the wheel's rankscope-collector on PATH:
 #
-#   tools/gpu/run_checks.sh [all|env|kernels|test|train|cpu]...     (default: all)
+#   tools/gpu/run_checks.sh [all|env|kernels|test|train]...     (default: all)
 #
-#   env      the machine: GPU, driver, torch, Triton, CPU
+#   env      the machine: GPU, driver, torch, Triton, CPU, and the installed rankscope
 #   kernels  bench/gpu_bench.py kernels: sketch and fingerprint throughput against the
 #            device-to-device copy, torch ops against the Triton kernels, and their agreement
 #   test     tests/python/test_gpu.py: exact statistics on CUDA, the one-ulp nudge, and no
 #            synchronization under torch.cuda.set_sync_debug_mode("error")
 #   train    bench/gpu_bench.py train: a GPT-2-small-sized step, plain DDP against rankscope
 #            against an in-band all_gather
-#   cpu      build-gpu/bin/sketch_bench on the GPU machine's host CPU (a second machine for the
-#            CPU sketch kernel's figures, docs/PERFORMANCE.md)
 #
-# Logs and JSON go to $OUT (default /tmp/rankscope-gpu); the exit status is the number of steps
-# that failed.
+# The wheel is $RANKSCOPE_WHEEL, else build/wheels/rankscope-*-cp312-*.whl; the base Python
+# $PYTHON (default python3); the environment $RANKSCOPE_GPU_VENV (default
+# /tmp/rankscope-gpu-venv, made again each run). Without a GPU, `test` runs and skips (a dry run
+# of the install). Logs and JSON go to $OUT (default /tmp/rankscope-gpu); the exit status is the
+# number of steps that failed.
 set -u
 cd "$(dirname "$0")/../.."
-B="$PWD/build-gpu"
 OUT="${OUT:-/tmp/rankscope-gpu}"
+VENV="${RANKSCOPE_GPU_VENV:-/tmp/rankscope-gpu-venv}"
+WHEEL="${RANKSCOPE_WHEEL:-$(ls build/wheels/rankscope-*-cp312-*.whl 2>/dev/null | tail -n 1)}"
 mkdir -p "$OUT"
-if [[ ! -x "$B/bin/rankscope-collector" ]]; then
-  echo "run_checks.sh: $B is missing: run tools/gpu/bundle.sh here and carry build-gpu" >&2
+if [[ -z "$WHEEL" || ! -f "$WHEEL" ]]; then
+  echo "run_checks.sh: no cp312 wheel in build/wheels: run ./run wheel here and carry build/wheels" >&2
   exit 2
 fi
-export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$B/python:$PWD/tests/python" RANKSCOPE_BUILD_DIR="$B" PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
+rm -rf "$VENV"
+if ! "${PYTHON:-python3}" -m venv --system-site-packages "$VENV" ||
+  ! "$VENV/bin/python" -m pip install -q --no-input --no-deps --no-index "$WHEEL"; then
+  echo "run_checks.sh: cannot install $WHEEL into $VENV" >&2
+  exit 2
+fi
+PY="$VENV/bin/python"
+# tests/python for the suites' helpers only: rankscope itself is the installed one
+# (RANKSCOPE_TEST_INSTALLED, tests/python/conftest.py).
+export PATH="$VENV/bin:$PATH" PYTHONPATH="$PWD/tests/python" RANKSCOPE_TEST_INSTALLED=1
+export PYTHONUNBUFFERED=1
 steps=("$@")
-[[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(env kernels test train cpu)
+[[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(env kernels test train)
 failed=0
 
 run() {  # run NAME TIMEOUT COMMAND...: logs to $OUT/NAME.txt, prints its tail
@@ -50,12 +63,11 @@ for s in "${steps[@]}"; do
         --format=csv; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", \
         torch.__version__, \"cuda\", torch.version.cuda); import triton; print(\"triton\", \
         triton.__version__)'; lscpu | grep -E \"Model name|^CPU\\(s\\)|Thread|Socket|L3\"; \
-        nproc; $PY -c 'from rankscope import _native; print(\"rankscope._native\", \
-        _native.AGENT_VERSION)'" ;;
+        nproc; $PY -c 'import rankscope, rankscope._native; print(\"rankscope\", \
+        rankscope.__version__, rankscope._native.__file__)'; rankscope-collector --version" ;;
     kernels) run kernels 120 "$PY" bench/gpu_bench.py kernels --json "$OUT/kernels.json" ;;
     test) run test 200 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_gpu.py -rA ;;
     train) run train 150 "$PY" bench/gpu_bench.py train --json "$OUT/train.json" ;;
-    cpu) run cpu 110 "$B/bin/sketch_bench" --isa=all --threads=1,2,4,8 --mib=512 --reps=5 ;;
     *) echo "run_checks.sh: unknown step $s" >&2; failed=$((failed + 1)) ;;
   esac
 done

@@ -43,11 +43,13 @@
 #include "absl/types/span.h"
 #include "common/client_tls_files.h"
 #include "common/sketch_encoding.h"
+#include "common/version.h"
 #include "rankscope/sketch.h"
 
 namespace rankscope {
 
-inline constexpr char kAgentVersion[] = "0.1.0";
+// The Hello.agent_version of this build (common/version.h: the project's one version).
+inline constexpr char kAgentVersion[] = RANKSCOPE_VERSION;
 
 // TLS to the collector: the options every collector client shares (common/client_tls_files.h).
 // Plaintext unless ca_file, cert_file or key_file is set; target_name is the name to check in the

@@ -57,6 +57,8 @@ import os
 import weakref
 from collections.abc import Callable
 
+# First: one clear ImportError line if torch is missing or older than the supported floor.
+from rankscope import _requirements  # noqa: F401
 import torch
 import torch.distributed as dist
 
