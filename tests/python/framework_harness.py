@@ -8,6 +8,7 @@ to rank 0 (a collective the test pays).
 """
 
 import copy
+import json
 import os
 import sys
 import warnings
@@ -390,3 +391,48 @@ def lightning_worker(rank, world_size, collector, job_prefix, out_dir, steps, sk
         if rank == 0:
             write_json(Path(out_dir) / f"{mode}.expected.json", module.truth["expected"])
         dist.barrier()
+
+
+# ---- checks the framework test files share (run in the pytest process) -----------------------
+
+
+def load(path):
+    return json.loads(Path(path).read_text())
+
+
+def check_framework_job(collector, out, job, prefix, world, steps, sketch_dim, zero_counters=()):
+    """Holds job ``job`` to the exact truth the workers wrote (``<prefix>.expected.json``; the
+    DDP truth tests' shim_harness.check_exact_rows) and each rank's counters
+    (``<prefix>.rank<R>.json``: every step recorded and acked, no hook error, no backward
+    restart, and 0 for each name in ``zero_counters``). Returns (the ranks' json dicts, the
+    rows (step, rank, reduced_grad_fingerprint, param_fingerprint) ordered by step, rank)."""
+    expected = {int(k): v for k, v in load(Path(out) / f"{prefix}.expected.json").items()}
+    assert sorted(expected) == list(range(steps))
+    rows = collector.step_rows(job)
+    rank_rows = collector.rank_rows(job)
+    assert len(rank_rows) == world * steps
+    shim_harness.check_exact_rows(rows, rank_rows, expected, world, sketch_dim)
+    infos = []
+    for rank in range(world):
+        info = load(Path(out) / f"{prefix}.rank{rank}.json")
+        stats = info["stats"]
+        assert stats["recorded"] == steps and stats["acked"] == steps, stats
+        for name in ("shim_hook_errors", "shim_backward_restarts", *zero_counters):
+            assert stats.get(name, 0) == 0, (name, stats)
+        infos.append(info)
+    fps = collector.query(
+        "SELECT step, rank, reduced_grad_fingerprint, param_fingerprint FROM rank_steps "
+        "WHERE job = ? ORDER BY step, rank",
+        (job,),
+    )
+    return infos, fps
+
+
+def check_ddp_replicas(fps, steps) -> None:
+    """Replicas of a DDP-backed framework: one reduced-gradient fingerprint per step, and one
+    parameter fingerprint on the first step."""
+    for step in range(steps):
+        grad = {r[2] for r in fps if r[0] == step}
+        assert len(grad) == 1 and None not in grad, fps
+    first = {r[3] for r in fps if r[0] == 0}
+    assert len(first) == 1 and None not in first, fps

@@ -14,7 +14,6 @@ built.
 """
 
 import importlib.util
-import json
 import os
 
 import pytest
@@ -52,46 +51,34 @@ def run(module_collector, tmp_path_factory):
     return module_collector, out
 
 
-def load(path):
-    return json.loads(path.read_text())
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_collector_statistics_equal_exact_values(run, scenario):
     collector, out = run
-    job = f"ds-{scenario}"
-    stage, accumulation = framework_harness.DEEPSPEED_SCENARIOS[scenario]
-    expected = {int(k): v for k, v in load(out / f"{scenario}.expected.json").items()}
-    assert sorted(expected) == list(range(STEPS))
-    rows = collector.step_rows(job)
-    rank_rows = collector.rank_rows(job)
-    assert len(rank_rows) == WORLD * STEPS
-    shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
-    for rank in range(WORLD):
-        stats = load(out / f"{scenario}.rank{rank}.json")["stats"]
-        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
-        assert stats.get("shim_hook_errors", 0) == 0
-        assert stats.get("shim_unknown_parameters", 0) == 0
-        assert stats.get("shim_backward_restarts", 0) == 0
-        assert stats.get("shim_steps_without_gradients", 0) == 0
-    fps = collector.query(
-        "SELECT step, rank, param_fingerprint, reduced_grad_fingerprint FROM rank_steps "
-        "WHERE job = ? ORDER BY step, rank",
-        (job,),
+    stage, _ = framework_harness.DEEPSPEED_SCENARIOS[scenario]
+    _, fps = framework_harness.check_framework_job(
+        collector,
+        out,
+        f"ds-{scenario}",
+        scenario,
+        WORLD,
+        STEPS,
+        SKETCH_DIM,
+        ("shim_unknown_parameters", "shim_steps_without_gradients"),
     )
-    assert all(r[3] is None for r in fps), "the reduced gradient is partitioned: not compared"
-    first = [r[2] for r in fps if r[0] == 0]
+    # Rows: (step, rank, reduced_grad_fingerprint, param_fingerprint).
+    assert all(r[2] is None for r in fps), "the reduced gradient is partitioned: not compared"
+    first = [r[3] for r in fps if r[0] == 0]
     if stage < 3:
         # The first reported step fingerprints the parameters: replicas agree.
         assert len(first) == WORLD and first[0] is not None and len(set(first)) == 1, fps
     else:
-        assert all(r[2] is None for r in fps), "ZeRO-3 parameters are shards: not compared"
+        assert all(r[3] is None for r in fps), "ZeRO-3 parameters are shards: not compared"
 
 
 def test_unsupported_version_is_refused_and_training_goes_on(run):
     _, out = run
     for rank in range(WORLD):
-        r = load(out / f"refusal.rank{rank}.json")
+        r = framework_harness.load(out / f"refusal.rank{rank}.json")
         assert r["monitor"] is False
         assert len(r["messages"]) == 1 and "DeepSpeed 0.99.0 is not supported" in r["messages"][0]
         assert r["steps"] == 1

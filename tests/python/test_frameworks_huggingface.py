@@ -8,7 +8,6 @@ statistics must equal it as the DDP truth tests require (shim_harness.check_exac
 replicas' reduced gradients and parameters must agree.
 """
 
-import json
 import os
 
 import pytest
@@ -28,10 +27,6 @@ except ImportError:
 WORLD = 2
 STEPS = 3
 SKETCH_DIM = 1024
-
-
-def load(path):
-    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +51,11 @@ def test_trainer_ddp_statistics_equal_exact_values(run, mode):
     """explicit: rankscope.torch.attach(trainer); auto: the zero-code launch
     (rankscope.auto.install before the Trainer is built)."""
     collector, out = run
-    job = f"hf-{mode}"
-    expected = {int(k): v for k, v in load(out / f"{mode}.expected.json").items()}
-    assert sorted(expected) == list(range(STEPS))
-    rows = collector.step_rows(job)
-    rank_rows = collector.rank_rows(job)
-    assert len(rank_rows) == WORLD * STEPS
-    shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
-    for rank in range(WORLD):
-        info = load(out / f"{mode}.rank{rank}.json")
-        stats = info["stats"]
-        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
-        assert stats.get("shim_hook_errors", 0) == 0
-        assert stats.get("shim_backward_restarts", 0) == 0
-        assert info["ddp_attachments"] == 0
-    fps = collector.query(
-        "SELECT step, rank, reduced_grad_fingerprint, param_fingerprint FROM rank_steps "
-        "WHERE job = ? ORDER BY step, rank",
-        (job,),
+    infos, fps = framework_harness.check_framework_job(
+        collector, out, f"hf-{mode}", mode, WORLD, STEPS, SKETCH_DIM
     )
-    for step in range(STEPS):
-        grad = {r[2] for r in fps if r[0] == step}
-        assert len(grad) == 1 and None not in grad, fps
-    first = {r[3] for r in fps if r[0] == 0}
-    assert len(first) == 1 and None not in first, fps
+    assert all(info["ddp_attachments"] == 0 for info in infos)
+    framework_harness.check_ddp_replicas(fps, STEPS)
 
 
 def test_trainer_without_ddp_is_refused_with_a_message_and_trains(tmp_path):

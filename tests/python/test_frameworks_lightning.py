@@ -10,7 +10,6 @@ replicas' reduced gradients and parameters must agree.
 """
 
 import importlib.util
-import json
 import os
 
 import pytest
@@ -28,10 +27,6 @@ if importlib.util.find_spec("lightning") is None:  # imported by the workers onl
 WORLD = 2
 STEPS = 3
 SKETCH_DIM = 1024
-
-
-def load(path):
-    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +51,7 @@ def test_lightning_ddp_statistics_equal_exact_values(run, mode):
     """explicit: rankscope.torch.attach(lightning_module); auto: the zero-code launch
     (rankscope.auto.install before the Trainer is built)."""
     collector, out = run
-    job = f"pl-{mode}"
-    expected = {int(k): v for k, v in load(out / f"{mode}.expected.json").items()}
-    assert sorted(expected) == list(range(STEPS))
-    rows = collector.step_rows(job)
-    rank_rows = collector.rank_rows(job)
-    assert len(rank_rows) == WORLD * STEPS
-    shim_harness.check_exact_rows(rows, rank_rows, expected, WORLD, SKETCH_DIM)
-    for rank in range(WORLD):
-        stats = load(out / f"{mode}.rank{rank}.json")["stats"]
-        assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
-        assert stats.get("shim_hook_errors", 0) == 0
-        assert stats.get("shim_backward_restarts", 0) == 0
-    fps = collector.query(
-        "SELECT step, rank, reduced_grad_fingerprint, param_fingerprint FROM rank_steps "
-        "WHERE job = ? ORDER BY step, rank",
-        (job,),
+    _, fps = framework_harness.check_framework_job(
+        collector, out, f"pl-{mode}", mode, WORLD, STEPS, SKETCH_DIM
     )
-    for step in range(STEPS):
-        grad = {r[2] for r in fps if r[0] == step}
-        assert len(grad) == 1 and None not in grad, fps
-    first = {r[3] for r in fps if r[0] == 0}
-    assert len(first) == 1 and None not in first, fps
+    framework_harness.check_ddp_replicas(fps, STEPS)
