@@ -375,22 +375,25 @@ def test_page_updates_while_a_job_runs(web_collector, browser):
         )
         assert browser.eval("window.__not_reloaded === true")
         assert last >= target
-        # Each update read only the steps after the newest one the page held: the first read
-        # took the default window, every later one ?since=its newest step, and no step of the
-        # rank matrix came twice.
+        # Each update read only the steps after the newest one the page held, the rank matrix
+        # also its last lateSteps steps again (for late reports): the first read took the
+        # default window, every later one ?since=its newest step (the matrix: less lateSteps),
+        # and no step newer than the page held came twice.
+        late = browser.eval("window.rankscope.lateSteps")
+        assert isinstance(late, int) and late > 0
         fetches = json.loads(browser.eval("JSON.stringify(window.rankscope.fetches)"))
         assert len(fetches) >= 3, fetches
         assert fetches[0]["ranks"] == "" and fetches[0]["steps"] == ""
-        received = [s for f in fetches for s in f["rank_steps"]]
-        assert len(received) == len(set(received)), fetches
-        held = fetches[0]["rank_steps"][-1] if fetches[0]["rank_steps"] else None
-        for f in fetches[1:]:
-            if held is None:
-                break
-            assert f["ranks"] == f"?since={held}", (f, held)
-            assert all(s > held for s in f["rank_steps"]), f
+        received, held = [], None
+        for f in fetches:
+            # Until the page holds a step of the matrix, it reads the default window.
+            since = None if held is None else max(0, held - late)
+            assert f["ranks"] == ("" if since is None else f"?since={since}"), (f, held)
+            assert since is None or all(s > since for s in f["rank_steps"]), f
+            received += [s for s in f["rank_steps"] if held is None or s > held]
             if f["rank_steps"]:
-                held = f["rank_steps"][-1]
+                held = f["rank_steps"][-1] if held is None else max(held, f["rank_steps"][-1])
+        assert len(received) == len(set(received)), fetches
         shown = browser.eval("JSON.stringify(window.rankscope.matrix.steps.map(s => s.step))")
         shown = json.loads(shown)
         assert shown == sorted(set(shown)) and shown[-1] == max(received)
@@ -402,6 +405,83 @@ def test_page_updates_while_a_job_runs(web_collector, browser):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_late_report_shows_without_a_reload(web_collector, browser):
+    """A rank's reports stored after the page read their steps (late: the steps closed by timeout
+    without it) show at the next refresh for the page's last lateSteps steps: the rank's cells go
+    from missing to a row (no value: a late report carries no cosine). Older steps are not read
+    again; they show after a reload."""
+    c = web_collector
+    job = "web-late"
+    steps = 12
+    common = ("--ranks=4", f"--steps={steps}", "--step_interval=50ms")
+    # Ranks 0..2, one process each; every step closes by timeout without rank 3.
+    finish([loadgen(c, job, *common, f"--rank={r}") for r in range(3)])
+    wait_until(
+        lambda: c.query("SELECT COUNT(*) FROM step_stats WHERE job = ?", (job,))[0][0] == steps,
+        30,
+        "every step stored without rank 3",
+    )
+    browser.goto(url(c, f"/job/{job}"))
+    matrix_js = "JSON.stringify(window.rankscope.matrix.steps.map(s => [s.step, s.missing]))"
+    before = json.loads(
+        browser.wait_for(
+            f"window.rankscope.matrix && window.rankscope.matrix.steps.length === {steps} && "
+            + matrix_js,
+            30,
+            "the page holding every step",
+        )
+    )
+    assert before == [[s, [3]] for s in range(1, steps + 1)]
+    px = json.loads(browser.eval(HEAT_PIXELS_JS))
+    assert all(cell == px["colors"]["missing"] for cell in px["cells"][3])
+    late = browser.eval("window.rankscope.lateSteps")
+    assert 0 < late < steps
+    browser.eval("window.__not_reloaded = true")
+    draws = browser.eval("window.rankscope.draws")
+
+    # Rank 3 reports every step now: stored as late rows.
+    finish([loadgen(c, job, *common, "--rank=3")])
+    wait_until(
+        lambda: (
+            c.query("SELECT COUNT(*) FROM rank_steps WHERE job = ? AND rank = 3", (job,))[0][0]
+            == steps
+        ),
+        30,
+        "rank 3's late rows stored",
+    )
+    reread = steps - late  # the newest step not read again
+    after = json.loads(
+        browser.wait_for(
+            f"window.rankscope.matrix.steps.filter(s => s.step > {reread})"
+            ".every(s => s.missing.length === 0) && " + matrix_js,
+            30,
+            "rank 3's late reports on the page",
+        )
+    )
+    assert browser.eval("window.__not_reloaded === true")
+    assert browser.eval("window.rankscope.draws") > draws
+    assert after == [[s, [3] if s <= reread else []] for s in range(1, steps + 1)]
+    px = json.loads(browser.eval(HEAT_PIXELS_JS))
+    colors = px["colors"]
+    assert [c[0] for c in px["col_steps"]] == list(range(1, steps + 1))
+    assert px["cells"][3] == [
+        colors["missing"] if s <= reread else colors["novalue"] for s in range(1, steps + 1)
+    ]
+    browser.screenshot(ARTIFACTS / "job_late.png")
+    # A reload reads every step again.
+    browser.goto(url(c, f"/job/{job}"))
+    reloaded = json.loads(
+        browser.wait_for(
+            f"window.rankscope.matrix && window.rankscope.matrix.steps.length === {steps} && "
+            + matrix_js,
+            30,
+            "the reloaded page",
+        )
+    )
+    assert reloaded == [[s, []] for s in range(1, steps + 1)]
+    assert browser.console == [], browser.console
 
 
 def test_history_draws_the_downsampled_rank_windows(tmp_path, browser):

@@ -9,6 +9,9 @@
   // Steps the page holds: the API's default windows (web_api.h kDefaultStepsWindow and
   // kDefaultRanksWindow).
   const STEPS_WINDOW = 300, RANKS_WINDOW = 120;
+  // How many of the newest rank-matrix steps the page holds each refresh reads again, so that a
+  // late report for one of them shows (jobPage()).
+  const LATE_STEPS = 8;
   const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
   const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
   const $ = (id) => document.getElementById(id);
@@ -625,20 +628,36 @@
     $("heat-zoom-in").addEventListener("click", () => zoom(Math.max(30, Math.floor(state.view.span / 2))));
     $("heat-live").addEventListener("click", live);
     // The first read takes the API's default windows; every later one only the steps after the
-    // newest the page holds (?since=), merged in, the oldest dropped beyond the window.
+    // newest the page holds (?since=), merged in, the oldest dropped beyond the window. The rank
+    // matrix's reads also take the last LATE_STEPS steps the page holds again (?since=newest -
+    // LATE_STEPS), replacing them: a late report stored after the page read its step (the
+    // rank's cell goes from missing to a row) shows at the next refresh.
     const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
+    // What of a rank-matrix step a late report can change: which ranks have a row, and the
+    // verdicts of the rows.
+    const nulls = (a) => a.reduce((n, v) => n + (v === null), 0);
+    const shape = (s) => [s.missing.length, s.nonfinite.length, s.divergent.length,
+                          nulls(s.cosine), nulls(s.outlier), s.cosine.length].join();
+    // Whether `fresh` (an answer to ?since=) adds a step after `held`'s newest or changes one
+    // `held` has.
+    const changes = (held, fresh) => {
+      const newest = lastOf(held), at = new Map(held.map((s) => [s.step, s]));
+      return fresh.some((s) => s.step > newest || !at.has(s.step) ||
+                               shape(at.get(s.step)) !== shape(s));
+    };
     const merge = (held, fresh, window) => {
       if (!fresh.length) return held;
       const out = held.filter((s) => s.step < fresh[0].step).concat(fresh);
       const newest = out[out.length - 1].step;
       return out.filter((s) => s.step + window > newest);
     };
+    state.lateSteps = LATE_STEPS;
     state.fetches = [];  // per read: the queries and how many steps each answer held
     every(async () => {
       const f0 = performance.now();
       const stepsSince = lastOf(state.steps), ranksSince = state.matrix ? lastOf(state.matrix.steps) : null;
       const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
-      const ranksQ = ranksSince === null ? "" : "?since=" + ranksSince;
+      const ranksQ = ranksSince === null ? "" : "?since=" + Math.max(0, ranksSince - LATE_STEPS);
       const [steps, matrix] = await Promise.all([
         api("/jobs/" + enc(key) + "/steps" + stepsQ),
         // Away from the newest steps (history) the heatmap's window stays as it is.
@@ -649,18 +668,20 @@
                            rank_steps: matrix.steps.map((s) => s.step) });
       if (state.fetches.length > 200) state.fetches.shift();
       state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
+      let matrixChanged = !ranksQ;
       if (!state.view.live) {
         // history: nothing to merge
       } else if (!ranksQ) {
         state.matrix = withWindows(matrix);
       } else {
+        matrixChanged = changes(state.matrix.steps, matrix.steps);
         state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
         state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
         state.matrix.truncated = matrix.truncated;
         state.matrix.last = matrix.last;
       }
       state.lastStep = lastOf(state.steps);
-      const changed = !stepsQ || !ranksQ || steps.steps.length || matrix.steps.length;
+      const changed = !stepsQ || steps.steps.length || matrixChanged;
       if (!changed) return;
       drawCharts();
       const t0 = performance.now();
