@@ -343,6 +343,33 @@ def test_jobs_list_faulty_heatmap_and_groups(web_collector, browser):
         browser.eval("document.querySelector('#groups-list li[data-worst=\"true\"]').dataset.group")
         == "g2"
     )
+    # The groups picture is drawn on the heatmap's healthy-anchored green-to-red scale: the
+    # healthy groups' cells are green, g2's (a rank of it deviating from step 10) stand out red.
+    groups_px = json.loads(
+        browser.eval(
+            """(() => {
+      const st = window.rankscope, lay = st.groupsLayout, dpr = window.devicePixelRatio || 1;
+      const ctx = document.getElementById('groups-picture').getContext('2d');
+      return JSON.stringify({steps: lay.steps, scale: document.getElementById('scale-info')
+        .textContent, rows: st.groups.map((g, r) => [g.group, lay.steps.map((s, c) => {
+          const x = Math.floor((lay.labelW + (c + 0.5) * lay.cw) * dpr);
+          const y = Math.floor((r * lay.rowH + lay.rowH / 2) * dpr);
+          return Array.from(ctx.getImageData(x, y, 1, 1).data.slice(0, 3));
+        })])});
+    })()"""
+        )
+    )
+    assert "healthy" in groups_px["scale"], groups_px["scale"]
+    cols = [c for c, s in enumerate(groups_px["steps"]) if s >= 12]
+    assert len(cols) >= 60, groups_px["steps"]
+    by_group = dict(groups_px["rows"])
+    healthy_cells = [by_group[g][col] for g in ("g0", "g1", "g3") for col in cols]
+    typical = [sorted(cell[i] for cell in healthy_cells)[len(healthy_cells) // 2] for i in range(3)]
+    assert typical[1] > typical[0] and typical[1] > typical[2], f"healthy groups {typical}"
+    for col in cols:
+        cell, step = by_group["g2"][col], groups_px["steps"][col]
+        assert dist(cell, typical) >= DEVIATION_DISTANCE, (step, cell, typical)
+        assert cell[0] > cell[1] and cell[0] > cell[2], (step, cell)
     browser.screenshot(ARTIFACTS / "job_groups.png")
     # One group's page, by ?group=.
     browser.goto(url(c, "/job/web-groups?group=g2"))
