@@ -316,12 +316,17 @@ class Driver {
     const int dim = plan_.dim;
     const float a = static_cast<float>(std::sqrt(plan_.cosine));
     const float b = static_cast<float>(std::sqrt(1.0 - plan_.cosine));
-    const std::vector<float>& common = pool_[static_cast<size_t>(step) % kPoolSize];
+    const size_t common_index = static_cast<size_t>(step) % kPoolSize;
+    const std::vector<float>& common = pool_[common_index];
     const double base_loss = 2.0 + std::exp(-static_cast<double>(step) / 200.0);
     const double base_norm = 1.0 + 0.5 * std::exp(-static_cast<double>(step) / 100.0);
     const bool outlier =
         r == absl::GetFlag(FLAGS_outlier_rank) && step >= absl::GetFlag(FLAGS_outlier_from_step);
-    const std::vector<float>& noise = pool_[pick(trng)];
+    size_t noise_index = static_cast<size_t>(pick(trng));
+    // The outlier's pure noise is never the step's own direction c_t: drawn with no rotation (1
+    // in kPoolSize^2 of its reports) it would agree with the consensus at a step it deviates.
+    if (outlier && noise_index == common_index) noise_index = (noise_index + 1) % kPoolSize;
+    const std::vector<float>& noise = pool_[noise_index];
     // Rotate the noise by a random offset so ranks sharing a pool vector still differ.
     const int shift = pick(trng) * 131 % dim;
     for (int j = 0; j < dim; ++j) {

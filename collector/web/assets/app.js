@@ -9,6 +9,9 @@
   // Steps the page holds: the API's default windows (web_api.h kDefaultStepsWindow and
   // kDefaultRanksWindow).
   const STEPS_WINDOW = 300, RANKS_WINDOW = 120;
+  // How many of the newest rank-matrix steps the page holds each refresh reads again, so that a
+  // late report for one of them shows (jobPage()).
+  const LATE_STEPS = 8;
   const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
   const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
   const $ = (id) => document.getElementById(id);
@@ -109,10 +112,7 @@
     }
     return stops[stops.length - 1].slice(1);
   }
-  // Consensus cosine -1..1 for the groups picture: red (disagrees) through pale yellow
-  // (orthogonal) to blue (agrees).
-  const COSINE = [[0, 178, 24, 43], [0.5, 247, 247, 200], [0.75, 146, 197, 222], [1, 5, 48, 97]];
-  // The rank heatmap's scale (as the report's): 1 is what healthy looks like (green), 0 a full
+  // The one colour scale of the rank heatmap and the groups picture (as the report's): 1 is what healthy looks like (green), 0 a full
   // deviation (red). Each metric maps its value to 0..1 against a healthy anchor (scaleFor()).
   // The top tenth is one green, so the healthy ranks' own spread below their median reads as
   // one colour and only a deviation changes it.
@@ -151,12 +151,18 @@
     return t;
   }
   const HEALTH_LUT = lut(HEALTH);
-  // The median of the finite cosine values of `steps` (a histogram of 2,001 bins over -1..1).
-  function medianCosine(steps) {
+  // The colour of a value already mapped to the 0..1 health scale (clamped), as [r, g, b].
+  function healthColor(t) {
+    const k = Math.round(Math.max(0, Math.min(1, t)) * 1023) * 3;
+    return [HEALTH_LUT[k], HEALTH_LUT[k + 1], HEALTH_LUT[k + 2]];
+  }
+  // The median of the finite values of the arrays `lists` (cosines: a histogram of 2,001 bins
+  // over -1..1).
+  function medianCosine(lists) {
     const bins = new Uint32Array(2001);
     let n = 0;
-    for (const s of steps) {
-      for (const v of s.cosine) {
+    for (const list of lists) {
+      for (const v of list) {
         if (v === null || v === undefined || !isFinite(v)) continue;
         bins[Math.max(0, Math.min(2000, Math.round((v + 1) * 1000)))] += 1;
         n += 1;
@@ -181,11 +187,16 @@
                text: "outlier score: 0 to " + ok + " green, " + OUTLIER_THRESHOLD +
                      " (threshold) yellow, " + hi + "+ red" };
     }
-    const med = medianCosine(steps);
+    return cosineScale(medianCosine(steps.map((s) => s.cosine)), "consensus cosine");
+  }
+  // A cosine's mapping to the health scale, anchored to the healthy median `med` (null: none
+  // known, 1): the median and above green, min(0, median - 0.5) and below red. The rank
+  // heatmap's consensus cosine and the groups picture's direction consistency both use it.
+  function cosineScale(med, label) {
     const healthy = med === null ? 1 : med;
     const lo = Math.min(0, healthy - 0.5), span = Math.max(healthy - lo, 1e-6);
     return { t: (v) => (v - lo) / span, lo: fmt(lo, 2), hi: fmt(healthy, 2), healthy,
-             text: "consensus cosine: healthy (the median, " + fmt(healthy, 3) +
+             text: label + ": healthy (the median, " + fmt(healthy, 3) +
                    ") and above green, " + fmt(lo, 2) + " and below red" };
   }
 
@@ -400,19 +411,26 @@
     $("main").replaceChildren(
       el("h2", { text: "Direction consistency per data-parallel group" }),
       el("p", { class: "muted", text: "Each row is a group, each column a step; colour is the " +
-        "group's mean pairwise gradient cosine. A group that is off stands out as a redder row." }),
+        "group's mean pairwise gradient cosine, on the rank heatmap's scale (the groups' median " +
+        "and above green). A group that is off stands out as a redder row." }),
       el("div", { class: "heat-controls" }, el("canvas", { id: "legend" })),
+      el("div", { id: "scale-info", class: "muted" }),
       el("canvas", { id: "groups-picture" }),
       el("h2", { text: "Groups" }),
       el("ul", { id: "groups-list" }));
-    drawLegend($("legend"), { label: "direction consistency", stops: COSINE, lo: "-1", hi: "1" });
     every(async () => {
       const fresh = (await api("/jobs")).jobs.filter((j) => j.job === job);
       const series = await Promise.all(fresh.map((k) => api("/jobs/" + enc(k.key) + "/steps")));
       state.groups = fresh.map((k, i) => ({ group: k.group, key: k.key,
         steps: series[i].steps.map((s) => s.step),
         cosine: series[i].steps.map((s) => s.grad_cosine_mean) }));
-      drawGroupsPicture($("groups-picture"), state.groups);
+      // Anchored as the heatmap's cosine: most groups are healthy, so their median is.
+      const scale = cosineScale(medianCosine(state.groups.map((g) => g.cosine)),
+                                "direction consistency");
+      drawLegend($("legend"), { label: "direction consistency", stops: HEALTH,
+                                lo: scale.lo, hi: scale.hi });
+      $("scale-info").textContent = scale.text;
+      drawGroupsPicture($("groups-picture"), state.groups, scale);
       let worst = null;
       for (const g of state.groups) {
         const last = g.cosine.length ? g.cosine[g.cosine.length - 1] : null;
@@ -429,7 +447,9 @@
     });
   }
 
-  function drawGroupsPicture(canvas, groups) {
+  // Groups x steps, each cell the group's direction consistency coloured by `scale`
+  // (cosineScale()); the geometry is kept in state.groupsLayout (tests read the pixels).
+  function drawGroupsPicture(canvas, groups, scale) {
     const steps = [...new Set(groups.flatMap((g) => g.steps))].sort((a, b) => a - b);
     const labelW = 140, rowH = Math.max(6, Math.min(28, Math.floor(480 / Math.max(groups.length, 1))));
     const cols = steps.length, plotW = Math.max(300, Math.min(1100, cols * 3));
@@ -437,6 +457,7 @@
     const ctx = sizeCanvas(canvas, cssW, cssH);
     const col = new Map(steps.map((s, i) => [s, i]));
     const cw = plotW / Math.max(cols, 1);
+    state.groupsLayout = { labelW, rowH, cw, cols, steps };
     ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "right";
     groups.forEach((g, r) => {
       ctx.fillStyle = "#1d232b";
@@ -444,9 +465,11 @@
       ctx.fillStyle = "#eee"; ctx.fillRect(labelW, r * rowH, plotW, rowH - (rowH > 8 ? 1 : 0));
       g.steps.forEach((s, i) => {
         const v = g.cosine[i];
-        const [R, G, B] = v === null ? MARK.missing : ramp(COSINE, (v + 1) / 2);
+        const [R, G, B] = v === null ? MARK.missing : healthColor(scale.t(v));
         ctx.fillStyle = `rgb(${R | 0},${G | 0},${B | 0})`;
-        ctx.fillRect(labelW + col.get(s) * cw, r * rowH, Math.ceil(cw), rowH - (rowH > 8 ? 1 : 0));
+        // Whole-pixel columns (as the heatmap's): no seam between steps.
+        const x0 = Math.floor(col.get(s) * cw), x1 = Math.floor((col.get(s) + 1) * cw);
+        ctx.fillRect(labelW + x0, r * rowH, Math.max(1, x1 - x0), rowH - (rowH > 8 ? 1 : 0));
       });
     });
     ctx.fillStyle = "#6a737d"; ctx.textAlign = "center"; ctx.textBaseline = "top";
@@ -462,7 +485,7 @@
     const ctx = sizeCanvas(canvas, 360, 30);
     ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#1d232b"; ctx.textBaseline = "top";
     ctx.fillText(metric.label + ":", 0, 2);
-    const x0 = 110, w = 160;
+    const x0 = Math.max(110, Math.ceil(ctx.measureText(metric.label + ":").width) + 8), w = 160;
     for (let i = 0; i < w; i++) {
       const [r, g, b] = ramp(metric.stops, i / (w - 1));
       ctx.fillStyle = `rgb(${r | 0},${g | 0},${b | 0})`; ctx.fillRect(x0 + i, 2, 1, 12);
@@ -625,20 +648,36 @@
     $("heat-zoom-in").addEventListener("click", () => zoom(Math.max(30, Math.floor(state.view.span / 2))));
     $("heat-live").addEventListener("click", live);
     // The first read takes the API's default windows; every later one only the steps after the
-    // newest the page holds (?since=), merged in, the oldest dropped beyond the window.
+    // newest the page holds (?since=), merged in, the oldest dropped beyond the window. The rank
+    // matrix's reads also take the last LATE_STEPS steps the page holds again (?since=newest -
+    // LATE_STEPS), replacing them: a late report stored after the page read its step (the
+    // rank's cell goes from missing to a row) shows at the next refresh.
     const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
+    // What of a rank-matrix step a late report can change: which ranks have a row, and the
+    // verdicts of the rows.
+    const nulls = (a) => a.reduce((n, v) => n + (v === null), 0);
+    const shape = (s) => [s.missing.length, s.nonfinite.length, s.divergent.length,
+                          nulls(s.cosine), nulls(s.outlier), s.cosine.length].join();
+    // Whether `fresh` (an answer to ?since=) adds a step after `held`'s newest or changes one
+    // `held` has.
+    const changes = (held, fresh) => {
+      const newest = lastOf(held), at = new Map(held.map((s) => [s.step, s]));
+      return fresh.some((s) => s.step > newest || !at.has(s.step) ||
+                               shape(at.get(s.step)) !== shape(s));
+    };
     const merge = (held, fresh, window) => {
       if (!fresh.length) return held;
       const out = held.filter((s) => s.step < fresh[0].step).concat(fresh);
       const newest = out[out.length - 1].step;
       return out.filter((s) => s.step + window > newest);
     };
+    state.lateSteps = LATE_STEPS;
     state.fetches = [];  // per read: the queries and how many steps each answer held
     every(async () => {
       const f0 = performance.now();
       const stepsSince = lastOf(state.steps), ranksSince = state.matrix ? lastOf(state.matrix.steps) : null;
       const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
-      const ranksQ = ranksSince === null ? "" : "?since=" + ranksSince;
+      const ranksQ = ranksSince === null ? "" : "?since=" + Math.max(0, ranksSince - LATE_STEPS);
       const [steps, matrix] = await Promise.all([
         api("/jobs/" + enc(key) + "/steps" + stepsQ),
         // Away from the newest steps (history) the heatmap's window stays as it is.
@@ -649,18 +688,20 @@
                            rank_steps: matrix.steps.map((s) => s.step) });
       if (state.fetches.length > 200) state.fetches.shift();
       state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
+      let matrixChanged = !ranksQ;
       if (!state.view.live) {
         // history: nothing to merge
       } else if (!ranksQ) {
         state.matrix = withWindows(matrix);
       } else {
+        matrixChanged = changes(state.matrix.steps, matrix.steps);
         state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
         state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
         state.matrix.truncated = matrix.truncated;
         state.matrix.last = matrix.last;
       }
       state.lastStep = lastOf(state.steps);
-      const changed = !stepsQ || !ranksQ || steps.steps.length || matrix.steps.length;
+      const changed = !stepsQ || steps.steps.length || matrixChanged;
       if (!changed) return;
       drawCharts();
       const t0 = performance.now();
@@ -780,10 +821,7 @@
       let c;
       if (mark[i]) c = MARK_OF_CODE[mark[i]];
       else if (!isNaN(val[i])) {
-        const k = Math.round(Math.max(0, Math.min(1, scale.t(val[i]))) * 1023) * 3;
-        rgb[i * 3] = HEALTH_LUT[k]; rgb[i * 3 + 1] = HEALTH_LUT[k + 1];
-        rgb[i * 3 + 2] = HEALTH_LUT[k + 2];
-        continue;
+        c = healthColor(scale.t(val[i]));
       } else c = present[i] ? MARK.novalue : MARK.missing;
       rgb[i * 3] = c[0]; rgb[i * 3 + 1] = c[1]; rgb[i * 3 + 2] = c[2];
     }
