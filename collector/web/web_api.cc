@@ -122,6 +122,45 @@ void AppendStepFlags(const StepRow& row, std::string* out) {
 // absent loss reads back as NaN without being non-finite.
 bool RowNonfinite(const StepRankRow& row) { return row.nonfinite; }
 
+// Appends a heatmap column's cells, `"cosine":[...],"outlier":[...],"missing":[...],
+// "nonfinite":[...],"divergent":[...]`: `at[r]` is the index of rank r's entry, -1 for none (null
+// cells; missing when r < world_size); `cosine(i)` and `outlier(i)` are entry i's values,
+// `nonfinite(i)` and `divergent(i)` its flags.
+template <typename Cosine, typename Outlier, typename Nonfinite, typename Divergent>
+void AppendHeatmapCells(const std::vector<int64_t>& at, uint32_t world_size, Cosine cosine,
+                        Outlier outlier, Nonfinite nonfinite, Divergent divergent,
+                        std::string* out) {
+  const auto append_values = [&](auto value) {
+    for (size_t r = 0; r < at.size(); ++r) {
+      if (r > 0) out->push_back(',');
+      if (at[r] < 0) {
+        out->append("null");
+      } else {
+        AppendOptional(value(at[r]), 4, out);
+      }
+    }
+  };
+  out->append("\"cosine\":[");
+  append_values(cosine);
+  out->append("],\"outlier\":[");
+  append_values(outlier);
+  std::vector<uint32_t> missing, nonfinite_ranks, divergent_ranks;
+  for (uint32_t r = 0; r < at.size(); ++r) {
+    if (at[r] < 0) {
+      if (r < world_size) missing.push_back(r);
+      continue;
+    }
+    if (nonfinite(at[r])) nonfinite_ranks.push_back(r);
+    if (divergent(at[r])) divergent_ranks.push_back(r);
+  }
+  out->append("],\"missing\":");
+  AppendRanks(missing, out);
+  out->append(",\"nonfinite\":");
+  AppendRanks(nonfinite_ranks, out);
+  out->append(",\"divergent\":");
+  AppendRanks(divergent_ranks, out);
+}
+
 }  // namespace
 
 void AppendJsonString(absl::string_view s, std::string* out) {
@@ -348,40 +387,16 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
     }
     if (!first_step) out.push_back(',');
     first_step = false;
-    absl::StrAppend(&out, "{\"step\":", step, ",\"cosine\":[");
-    for (uint32_t r = 0; r < width; ++r) {
-      if (r > 0) out.push_back(',');
-      if (at[r] < 0) {
-        out.append("null");
-      } else {
-        AppendOptional(rows[at[r]].row.grad_cosine, 4, &out);
-      }
-    }
-    out.append("],\"outlier\":[");
-    for (uint32_t r = 0; r < width; ++r) {
-      if (r > 0) out.push_back(',');
-      if (at[r] < 0) {
-        out.append("null");
-      } else {
-        AppendOptional(rows[at[r]].row.outlier_score, 4, &out);
-      }
-    }
-    std::vector<uint32_t> missing, nonfinite, divergent;
-    for (uint32_t r = 0; r < width; ++r) {
-      if (at[r] < 0) {
-        if (r < world_size) missing.push_back(r);
-        continue;
-      }
-      const RankRow& row = rows[at[r]].row;
-      if (RowNonfinite(rows[at[r]])) nonfinite.push_back(r);
-      if (row.replica_ok.has_value() && !*row.replica_ok) divergent.push_back(r);
-    }
-    out.append("],\"missing\":");
-    AppendRanks(missing, &out);
-    out.append(",\"nonfinite\":");
-    AppendRanks(nonfinite, &out);
-    out.append(",\"divergent\":");
-    AppendRanks(divergent, &out);
+    absl::StrAppend(&out, "{\"step\":", step, ",");
+    AppendHeatmapCells(
+        at, world_size, [&](int64_t i) { return rows[i].row.grad_cosine; },
+        [&](int64_t i) { return rows[i].row.outlier_score; },
+        [&](int64_t i) { return RowNonfinite(rows[i]); },
+        [&](int64_t i) {
+          const std::optional<bool>& ok = rows[i].row.replica_ok;
+          return ok.has_value() && !*ok;
+        },
+        &out);
     out.push_back('}');
     begin = end;
   }
@@ -398,40 +413,12 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
         ++end;
       }
       if (begin > 0) out.push_back(',');
-      absl::StrAppend(&out, "{\"first\":", first, ",\"last\":", windows[begin].last_step,
-                      ",\"cosine\":[");
-      for (uint32_t r = 0; r < width; ++r) {
-        if (r > 0) out.push_back(',');
-        if (at[r] < 0) {
-          out.append("null");
-        } else {
-          AppendOptional(windows[at[r]].grad_cosine.min, 4, &out);
-        }
-      }
-      out.append("],\"outlier\":[");
-      for (uint32_t r = 0; r < width; ++r) {
-        if (r > 0) out.push_back(',');
-        if (at[r] < 0) {
-          out.append("null");
-        } else {
-          AppendOptional(windows[at[r]].outlier_score.max, 4, &out);
-        }
-      }
-      std::vector<uint32_t> missing, nonfinite, divergent;
-      for (uint32_t r = 0; r < width; ++r) {
-        if (at[r] < 0) {
-          if (r < world_size) missing.push_back(r);
-          continue;
-        }
-        if (windows[at[r]].nonfinite > 0) nonfinite.push_back(r);
-        if (windows[at[r]].replica_bad > 0) divergent.push_back(r);
-      }
-      out.append("],\"missing\":");
-      AppendRanks(missing, &out);
-      out.append(",\"nonfinite\":");
-      AppendRanks(nonfinite, &out);
-      out.append(",\"divergent\":");
-      AppendRanks(divergent, &out);
+      absl::StrAppend(&out, "{\"first\":", first, ",\"last\":", windows[begin].last_step, ",");
+      AppendHeatmapCells(
+          at, world_size, [&](int64_t i) { return windows[i].grad_cosine.min; },
+          [&](int64_t i) { return windows[i].outlier_score.max; },
+          [&](int64_t i) { return windows[i].nonfinite > 0; },
+          [&](int64_t i) { return windows[i].replica_bad > 0; }, &out);
       out.push_back('}');
       begin = end;
     }
