@@ -246,23 +246,7 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
         torch.manual_seed(7)
         model = LMForTrainer()
         ref = copy.deepcopy(model.lm)
-        args = transformers.TrainingArguments(
-            output_dir=str(Path(out_dir) / f"hf{rank}"),
-            use_cpu=True,
-            ddp_backend="gloo",
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=accum,
-            max_steps=steps,
-            learning_rate=0.05,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            max_grad_norm=0.0,
-            report_to=[],
-            save_strategy="no",
-            logging_strategy="no",
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-        )
+        args = trainer_arguments(Path(out_dir) / f"hf{rank}", accum, steps)
         if mode == "auto":
             options = {"collector": collector, "sketch_dim": sketch_dim}
             rankscope.auto.install(job, dormant=False, options=options)
@@ -436,3 +420,28 @@ def check_ddp_replicas(fps, steps) -> None:
         assert len(grad) == 1 and None not in grad, fps
     first = {r[3] for r in fps if r[0] == 0}
     assert len(first) == 1 and None not in first, fps
+
+
+def trainer_arguments(output_dir, accum: int, max_steps: int):
+    """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU, plain SGD
+    at a constant rate, no clipping, nothing logged or saved (so the reference replica's steps
+    are the Trainer's own)."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accum,
+        max_steps=max_steps,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )

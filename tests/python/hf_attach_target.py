@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from framework_harness import LMForTrainer, TokenData  # noqa: E402  (no rankscope inside)
+from framework_harness import LMForTrainer, TokenData, trainer_arguments  # noqa: E402  (no rankscope inside)
 from shim_harness import flat_grad, lm_loss  # noqa: E402
 
 
@@ -56,23 +56,7 @@ def main():
     model = LMForTrainer()
     ref = copy.deepcopy(model.lm)
     accum = args.accum
-    targs = transformers.TrainingArguments(
-        output_dir=str(out / f"hf{args.rank}"),
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=accum,
-        max_steps=10**6,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    targs = trainer_arguments(out / f"hf{args.rank}", accum, 10**6)
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenData(n=4096))
     truth = {"losses": []}
     expected = {}
