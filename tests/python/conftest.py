@@ -67,6 +67,14 @@ for _p in ([] if PYTHON_DIR is None else [str(PYTHON_DIR)]) + [str(Path(__file__
         sys.path.insert(0, _p)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "alone: the test measures step times, so ./run test runs it after the side-by-side pass, "
+        "with no other test's processes sharing the CPUs (tests/python/test_sequential.py)",
+    )
+
+
 def pytest_sessionstart(session):
     """Testing the installed wheel: fails the session unless rankscope comes from this Python's
     site-packages. (A hook, not at import: the attach tests' jobs import this file through
