@@ -43,6 +43,9 @@ ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created i
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
           "missing ranks are named.");
+ABSL_FLAG(int, analysis_threads, 0,
+          "Threads that join and analyse closed steps, each for the groups whose key hashes to it "
+          "(a group's steps stay in order on its thread); 0: one per core.");
 ABSL_FLAG(int, max_open_steps, 256,
           "Open (incomplete) steps kept per job; beyond, the oldest "
           "is closed early.");
@@ -217,6 +220,8 @@ int main(int argc, char** argv) {
   options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
   options.pipeline.joiner.max_open_steps_per_job =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
+  options.pipeline.analysis_threads =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_analysis_threads)));
   options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
   options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
   options.pipeline.limits.max_world_size =
