@@ -156,6 +156,7 @@ def run_streams(
     hold: float = 3.0,
     collector_args=(),
     groups: int = 1,
+    silent_rank: int = -1,
 ) -> dict:
     """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
     Returns the figures (KiB, counts, seconds)."""
@@ -182,6 +183,11 @@ def run_streams(
                     f"--hold={hold}s",
                     "--flush_timeout=120s",
                     f"--groups={groups}",
+                    *(
+                        [f"--silent_rank={silent_rank}", "--silent_in_every_group"]
+                        if silent_rank >= 0
+                        else []
+                    ),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -270,6 +276,14 @@ def main() -> int:
         help="comma-separated group counts: each N is run once per count, side by "
         "side (e.g. 1,128: one group of N ranks, then 128 groups of N/128)",
     )
+    ap.add_argument(
+        "--silent-rank",
+        type=int,
+        default=-1,
+        help="memory per open step: each case runs again with this rank of every group silent "
+        "(loadgen --silent_in_every_group) and --step_timeout above the run, so every step "
+        "of every group stays open; (peak RSS silent - peak RSS normal) / open steps",
+    )
     args = ap.parse_args()
     build = Path(args.build_dir).resolve()
     print(
@@ -299,6 +313,33 @@ def main() -> int:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1
         rows.append(f)
+        if args.silent_rank >= 0:
+            timeout = args.duration + 60
+            o = run_streams(
+                build,
+                n,
+                args.duration,
+                args.step_interval,
+                args.sketch_dim,
+                collector_args=[f"--step_timeout={timeout:.0f}s"],
+                groups=g,
+                silent_rank=args.silent_rank,
+            )
+            steps = o["recorded"] // (n - g)  # steps each reporting rank recorded
+            open_steps = g * steps
+            per_step = (o["peak_kib"] - f["peak_kib"]) / open_steps
+            print(
+                f"N={n} groups={g}, rank {args.silent_rank} of every group silent: "
+                f"{open_steps} steps open at once ({g} groups x {steps}), peak "
+                f"{o['peak_kib'] / 1024:.1f} MiB vs {f['peak_kib'] / 1024:.1f} MiB: "
+                f"{per_step:.0f} KiB per open step of {n // g - 1} reports "
+                f"({per_step / (n // g - 1):.1f} KiB per held report); stored {o['rows']} / "
+                f"{o['recorded']}",
+                flush=True,
+            )
+            if o["rows"] != o["recorded"]:
+                print(f"FAIL: N={n} silent: {o}", file=sys.stderr)
+                return 1
     print()
     print(
         "| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"

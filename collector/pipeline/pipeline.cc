@@ -417,8 +417,7 @@ void StepPipeline::StepThread(Shard& shard) {
     {
       MutexLock lock(&shard.mu);
       auto ready = [this, &shard]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
-        return !shard.closed.empty() || shard.stopping ||
-               options_.clock() >= shard.next_deadline;
+        return !shard.closed.empty() || shard.stopping || options_.clock() >= shard.next_deadline;
       };
       // Wake at the earliest deadline even if nobody signals.
       while (!ready()) {
@@ -457,8 +456,7 @@ void StepPipeline::StepThread(Shard& shard) {
   }
 }
 
-StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer,
-                                                          JoinedStep js) {
+StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer, JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
   AnalyzedStep analyzed = analyzer.Analyze(js);
 

@@ -162,7 +162,7 @@ TEST(StepPipelineJobsTest, AtMaxJobsAnIdleJobMakesRoom) {
 // its shard, so the order-dependent results (persistent outliers, CUSUM drift, every score) are
 // stored exactly as with one analysis thread, every step once.
 struct GroupRun {
-  std::vector<StepRow> steps;           // per group, steps 1..kSteps
+  std::vector<StepRow> steps;  // per group, steps 1..kSteps
   std::vector<std::vector<RankRow>> ranks;
 };
 constexpr int kGroups = 8;
