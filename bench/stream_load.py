@@ -157,6 +157,7 @@ def run_streams(
     collector_args=(),
     groups: int = 1,
     silent_rank: int = -1,
+    flush_timeout: float = 120.0,
 ) -> dict:
     """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
     Returns the figures (KiB, counts, seconds)."""
@@ -181,7 +182,7 @@ def run_streams(
                     "--step_time=0",
                     "--wait_connected",
                     f"--hold={hold}s",
-                    "--flush_timeout=120s",
+                    f"--flush_timeout={flush_timeout:.0f}s",
                     f"--groups={groups}",
                     *(
                         [f"--silent_rank={silent_rank}", "--silent_in_every_group"]
@@ -284,6 +285,12 @@ def main() -> int:
         "(loadgen --silent_in_every_group) and --step_timeout above the run, so every step "
         "of every group stays open; (peak RSS silent - peak RSS normal) / open steps",
     )
+    ap.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the loadgen waits for all streams to connect, and for every ack",
+    )
     args = ap.parse_args()
     build = Path(args.build_dir).resolve()
     print(
@@ -297,7 +304,15 @@ def main() -> int:
             print(f"--groups {g} does not divide --streams {n}", file=sys.stderr)
             return 2
     for n, g in cases:
-        f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim, groups=g)
+        f = run_streams(
+            build,
+            n,
+            args.duration,
+            args.step_interval,
+            args.sketch_dim,
+            groups=g,
+            flush_timeout=args.flush_timeout,
+        )
         print(
             f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
             f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
@@ -324,6 +339,7 @@ def main() -> int:
                 collector_args=[f"--step_timeout={timeout:.0f}s"],
                 groups=g,
                 silent_rank=args.silent_rank,
+                flush_timeout=args.flush_timeout,
             )
             steps = o["recorded"] // (n - g)  # steps each reporting rank recorded
             open_steps = g * steps
