@@ -1029,6 +1029,7 @@ int main(int argc, char** argv) {
   }
 
   bool pass = true;
+  for (const CollectorRun& r : collector_runs) pass &= r.stored_ok;  // every side-by-side run
   std::printf("targets:\n");
   if (coll.ran) {
     const bool rate_ok = coll.load.rate() >= 50'000;
