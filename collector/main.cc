@@ -15,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
 #include "collector/store/retention.h"
@@ -43,6 +44,9 @@ ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created i
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
           "missing ranks are named.");
+ABSL_FLAG(int, analysis_threads, 0,
+          "Threads that join and analyse closed steps, each for the groups whose key hashes to it "
+          "(a group's steps stay in order on its thread); 0: one per core.");
 ABSL_FLAG(int, max_open_steps, 256,
           "Open (incomplete) steps kept per job; beyond, the oldest "
           "is closed early.");
@@ -161,6 +165,14 @@ int main(int argc, char** argv) {
   rankscope::HandleHelpFlag(argc, argv, "collector/main.cc");  // --help: exits 0
   absl::ParseCommandLine(argc, argv);
 
+  // Debian's libabsl is built without NDEBUG, so every Mutex acquisition taken while another is
+  // held (OnReport takes its group's shard lock before releasing the pipeline's mu_, on every
+  // report) would insert an edge into absl's global lock-order graph under its own global lock:
+  // 7 % of the collector's instructions under callgrind, and a serial section shared by every
+  // thread (docs/PERFORMANCE.md, "Analysis on every core"). The tests keep the detection on (a
+  // lock-order cycle fails them); the daemon, as the agent does, turns it off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+
   // A file-size limit (ulimit -f, prlimit --fsize) must fail SQLite's write with EFBIG, which the
   // store treats as a transient disk condition (retried, nothing acked), not kill the collector
   // with SIGXFSZ's default action.
@@ -217,6 +229,8 @@ int main(int argc, char** argv) {
   options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
   options.pipeline.joiner.max_open_steps_per_job =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
+  options.pipeline.analysis_threads =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_analysis_threads)));
   options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
   options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
   options.pipeline.limits.max_world_size =
