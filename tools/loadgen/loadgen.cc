@@ -39,7 +39,9 @@
 #include "common/flag_help.h"
 #include "rankscope/agent.h"
 
-ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
+ABSL_FLAG(std::string, collector, "127.0.0.1:50051",
+          "Collector gRPC address, or a fleet's list (a:50051,b:50051): each job's agents pick "
+          "its shard (rankscope/agent.h).");
 ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
 ABSL_FLAG(int, jobs, 1,
           "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
@@ -94,7 +96,7 @@ ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between progress lines.");
 ABSL_FLAG(std::string, summary_json, "",
-          "If set, write a JSON summary here at the end: per agent (job, rank) and in total, "
+          "If set, write a JSON summary here at the end: per agent (job, rank, collector) and in total, "
           "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
 ABSL_FLAG(std::string, auth_token_file, "", "File holding the collector's shared token.");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA of the collector's certificate: connect over TLS.");
@@ -419,8 +421,9 @@ bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, boo
     const rankscope::AgentStats s = a->stats();
     total->Add(s);
     absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
-                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
-                                    a->options().rank, JsonStats(s)));
+                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, \"collector\": \"%s\", %s}",
+                                    a->options().job, a->options().rank, a->collector(),
+                                    JsonStats(s)));
   }
   const std::string path = absl::GetFlag(FLAGS_summary_json);
   if (path.empty()) return true;
