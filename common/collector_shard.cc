@@ -39,13 +39,13 @@ absl::StatusOr<std::vector<std::string>> ParseCollectorList(absl::string_view li
     ++index;
     entry = absl::StripAsciiWhitespace(entry);
     if (entry.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("entry ", index, " of the collector list '",
-                                                     list, "' is empty"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", index, " of the collector list '", list, "' is empty"));
     }
     if (std::any_of(entry.begin(), entry.end(),
                     [](char c) { return absl::ascii_isspace(static_cast<unsigned char>(c)); })) {
-      return absl::InvalidArgumentError(absl::StrCat("entry ", index, " of the collector list ('",
-                                                     entry, "') holds a space"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", index, " of the collector list ('", entry, "') holds a space"));
     }
     if (std::find(shards.begin(), shards.end(), entry) == shards.end()) {
       shards.emplace_back(entry);

@@ -351,8 +351,8 @@ void AgentImpl::RunStream() {
       std::fprintf(stderr,
                    "rankscope: collector %s %s (%s)%s; training continues, reports are "
                    "buffered and resent\n",
-                   collector_.c_str(), DescribeFailure(status.error_code()),
-                   last_error_.c_str(), TransportHint(status).c_str());
+                   collector_.c_str(), DescribeFailure(status.error_code()), last_error_.c_str(),
+                   TransportHint(status).c_str());
     }
   }
 }
@@ -366,8 +366,8 @@ void AgentImpl::RefuseLocked() {
   std::fprintf(stderr,
                "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
                "rank stops reporting to it, training continues\n",
-               collector_.c_str(), options_.job.c_str(), options_.group.c_str(),
-               options_.rank, last_error_.c_str());
+               collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
+               last_error_.c_str());
 }
 
 std::string AgentImpl::TransportHint(const grpc::Status& status) const {

@@ -81,9 +81,9 @@ TEST(PickCollector, IsTheShardOfHighestWeight) {
 TEST(PickCollector, DoesNotDependOnOrderNorDuplicates) {
   std::vector<std::string> shards = Shards(5);
   std::vector<std::string> reversed(shards.rbegin(), shards.rend());
-  auto listed_twice = ParseCollectorList(absl::StrCat(
-      shards[3], ",", shards[1], ",", shards[3], ",", shards[0], ",", shards[4], ",", shards[2],
-      ",", shards[1]));
+  auto listed_twice =
+      ParseCollectorList(absl::StrCat(shards[3], ",", shards[1], ",", shards[3], ",", shards[0],
+                                      ",", shards[4], ",", shards[2], ",", shards[1]));
   ASSERT_TRUE(listed_twice.ok());
   for (const std::string& job : Jobs(500)) {
     const std::string& picked = PickCollector(shards, job);

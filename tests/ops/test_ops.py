@@ -731,7 +731,9 @@ def test_k8s_fleet_is_a_statefulset_of_shards_behind_a_headless_service():
     assert {m["name"] for m in container["volumeMounts"]} <= claims | {
         v["name"] for v in pod["spec"]["volumes"]
     }
-    assert "data" in claims and all("persistentVolumeClaim" not in v for v in pod["spec"]["volumes"])
+    assert "data" in claims and all(
+        "persistentVolumeClaim" not in v for v in pod["spec"]["volumes"]
+    )
     # Headless, and a shard that is down stays in DNS (retried, never skipped).
     svc = objs[("Service", sts["spec"]["serviceName"])]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
@@ -743,7 +745,9 @@ def test_k8s_fleet_is_a_statefulset_of_shards_behind_a_headless_service():
     # job=~"rankscope-collector.*" matches the job label the operator derives from its name.
     mon = objs[("ServiceMonitor", "rankscope-collector")]
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {
+        p["name"] for p in svc["spec"]["ports"]
+    }
     assert svc["metadata"]["name"].startswith("rankscope-collector")
     assert objs[("PrometheusRule", "rankscope")]["spec"] == yaml.safe_load(RULES.read_text())
     assert (

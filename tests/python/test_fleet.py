@@ -152,7 +152,9 @@ def test_one_shard_killed_only_its_jobs_pause_and_nothing_is_lost(tmp_path, flee
 
     def every_rank_stored():
         ranks = {
-            c.address: dict(c.query("SELECT job, COUNT(DISTINCT rank) FROM rank_steps GROUP BY job"))
+            c.address: dict(
+                c.query("SELECT job, COUNT(DISTINCT rank) FROM rank_steps GROUP BY job")
+            )
             for c in shards
         }
         return all(ranks[c.address].get(j, 0) == RANKS for j, c in expected_shard.items())
@@ -187,8 +189,10 @@ def test_one_shard_killed_only_its_jobs_pause_and_nothing_is_lost(tmp_path, flee
     tiny_summary = tiny.wait()
     tiny_dropped = tiny_summary["total"]["dropped"]
     wait_until(
-        lambda: victim.metric("rankscope_agent_dropped_reports_total", train_job=tiny_job)
-        == tiny_dropped,
+        lambda: (
+            victim.metric("rankscope_agent_dropped_reports_total", train_job=tiny_job)
+            == tiny_dropped
+        ),
         DEADLINE,
         "the tiny job's drop count in the restarted shard's /metrics",
     )

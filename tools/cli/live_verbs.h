@@ -8,7 +8,6 @@
 
 #include "absl/types/span.h"
 #include "common/query_client.h"
-
 #include "tools/cli/cli_config.h"
 
 namespace rankscope::cli {

@@ -95,9 +95,10 @@ ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60),
 ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between progress lines.");
-ABSL_FLAG(std::string, summary_json, "",
-          "If set, write a JSON summary here at the end: per agent (job, rank, collector) and in total, "
-          "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
+ABSL_FLAG(
+    std::string, summary_json, "",
+    "If set, write a JSON summary here at the end: per agent (job, rank, collector) and in total, "
+    "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
 ABSL_FLAG(std::string, auth_token_file, "", "File holding the collector's shared token.");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA of the collector's certificate: connect over TLS.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate (mutual TLS).");
@@ -420,10 +421,10 @@ bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, boo
   for (auto& a : agents) {
     const rankscope::AgentStats s = a->stats();
     total->Add(s);
-    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
-                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, \"collector\": \"%s\", %s}",
-                                    a->options().job, a->options().rank, a->collector(),
-                                    JsonStats(s)));
+    absl::StrAppend(
+        &per_agent, per_agent.empty() ? "" : ",\n    ",
+        absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, \"collector\": \"%s\", %s}",
+                        a->options().job, a->options().rank, a->collector(), JsonStats(s)));
   }
   const std::string path = absl::GetFlag(FLAGS_summary_json);
   if (path.empty()) return true;

@@ -526,7 +526,8 @@ PYBIND11_MODULE(_native, m) {
         return PickCollector(ExpandCollectorName(*std::move(shards)), job);
       },
       py::arg("collector"), py::arg("job"),
-      "The collector of a list (a fleet) that `job`'s agents stream to (common/collector_shard.h).");
+      "The collector of a list (a fleet) that `job`'s agents stream to "
+      "(common/collector_shard.h).");
   m.def("set_control", &SetControl, py::arg("collector"), py::arg("job"),
         py::arg("enabled") = py::none(), py::arg("every") = py::none(),
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,
