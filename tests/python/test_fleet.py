@@ -10,22 +10,31 @@ killed and restarted, is test_shim_control.py::test_collector_killed_mid_trainin
   keep storing while the victim is down;
 - a job whose buffers are smaller than the outage says so: its drops are counted by its agents
   and exported by its (restarted) shard, as with a lone collector;
-- `rankscope jobs --collector=LIST` lists every shard's jobs, each with its collector.
+- `rankscope jobs --collector=LIST` lists every shard's jobs, each with its collector, and so
+  does every shard's web view (--fleet=LIST); a job's view names its shard.
 
 Every wait polls an observable condition against a generous deadline that only fails the test.
 """
 
+import json
 import subprocess
+import urllib.error
+import urllib.request
 
 import pytest
 
-from conftest import BUILD_DIR, Collector, wait_until
+from conftest import BUILD_DIR, Collector, free_port, wait_until
 from test_faults import DEADLINE, Loadgen
 
 _native = pytest.importorskip("rankscope._native", reason="build the trainer shim")
 
 CLI_BIN = BUILD_DIR / "bin" / "rankscope"
 JOBS, RANKS, STEPS = 30, 2, 400  # 8 s of steps at 20 ms: the outage falls inside
+
+
+def http_get(c: Collector, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{c.http_port}{path}", timeout=10) as r:
+        return r.read().decode()
 
 
 def rows_by_job(c: Collector) -> dict:
@@ -55,10 +64,14 @@ def fleet(tmp_path):
 def test_one_shard_killed_only_its_jobs_pause_and_nothing_is_lost(tmp_path, fleet):
     shards, started = fleet
     for c in shards:
-        c.start()
-    # Duplicates count once (docs/deploy.md): the list as agents and the CLI are given it.
+        c.port = free_port()
+    # Duplicates count once (docs/deploy.md): the list as agents, the CLI and the collectors'
+    # web views (--fleet) are given it.
     addresses = [c.address for c in shards]
     collector_list = ",".join(addresses + [addresses[0]])
+    for c in shards:
+        c.extra_args.append(f"--fleet={collector_list}")
+        c.start()
     by_address = {c.address: c for c in shards}
     jobs = [f"fleet-{i}" for i in range(JOBS)]
     # The victim: the shard of a job with small buffers, which the outage outlasts.
@@ -134,6 +147,18 @@ def test_one_shard_killed_only_its_jobs_pause_and_nothing_is_lost(tmp_path, flee
     assert cli.returncode == 0, cli.stderr
     listed = {ln.split()[0]: ln.split()[-1] for ln in cli.stdout.splitlines()[1:]}
     assert listed == shard_of, cli.stdout
+    # So do the web views: every shard lists every job with its shard, and names the shard of a
+    # job it does not hold.
+    for c in shards:
+        web = json.loads(http_get(c, "/api/v1/jobs"))
+        assert {j["key"]: j["collector"] for j in web["jobs"]} == shard_of, web
+        assert all(j["remote"] == (j["collector"] != c.address) for j in web["jobs"]), web
+        assert "unreachable" not in web
+        elsewhere = next(j for j, a in shard_of.items() if a != c.address)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_get(c, f"/api/v1/jobs/{elsewhere}/steps")
+        assert e.value.code == 404
+        assert f"job {elsewhere} is on {shard_of[elsewhere]}" in e.value.read().decode()
 
     for c in shards:
         assert c.stop() == 0
