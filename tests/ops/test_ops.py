@@ -721,10 +721,24 @@ def test_k8s_fleet_is_a_statefulset_of_shards_behind_a_headless_service():
     assert replicas >= 2
     pod = sts["spec"]["template"]
     assert sts["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    # The shard's pod is the single collector's: same image, flags, probes, limits, security.
-    container = pod["spec"]["containers"][0]
+    # The shard's pod is the single collector's: same image, flags, probes, limits, security,
+    # plus the fleet's list (the agents' ConfigMap) for the web view.
+    container = dict(pod["spec"]["containers"][0])
     single = base[("Deployment", "rankscope-collector")]["spec"]["template"]["spec"]
-    assert container == single["containers"][0]
+    assert container.pop("args") == single["containers"][0]["args"] + [
+        "--fleet=$(RANKSCOPE_COLLECTOR)"
+    ]
+    assert container.pop("env") == [
+        {
+            "name": "RANKSCOPE_COLLECTOR",
+            "valueFrom": {
+                "configMapKeyRef": {"name": "rankscope-agents", "key": "RANKSCOPE_COLLECTOR"}
+            },
+        }
+    ]
+    assert container == {
+        k: v for k, v in single["containers"][0].items() if k not in ("args", "env")
+    }
     assert pod["spec"]["securityContext"] == single["securityContext"]
     # One volume per shard, mounted where the single collector mounts its PVC.
     claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
