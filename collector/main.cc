@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "collector/collector.h"
 #include "collector/store/retention.h"
+#include "common/collector_shard.h"
 #include "common/flag_help.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
@@ -36,6 +37,12 @@ ABSL_FLAG(std::string, http_address, "127.0.0.1:9465",
           "(/api/v1/jobs, /api/v1/jobs/NAME/steps, /api/v1/jobs/NAME/ranks); empty disables it. "
           "Loopback by default. With --auth_token_file the API requires the same token "
           "(Authorization: Bearer).");
+ABSL_FLAG(std::string, fleet, "",
+          "The fleet this collector is a shard of: the collector list its agents are given "
+          "(a:50051,b:50051,c:50051, this collector among them). The web view then lists every "
+          "shard's jobs (asking each shard's Query service, plaintext, with this collector's "
+          "token), each with the collector that holds it, and names the shard of a job it does "
+          "not hold. Empty: a lone collector.");
 ABSL_FLAG(int, http_threads, 8, "HTTP threads of the web view (one per connection being served).");
 ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(5),
           "A web view connection that has not sent its request (or read the answer) within this "
@@ -223,6 +230,15 @@ int main(int argc, char** argv) {
   options.http_address = absl::GetFlag(FLAGS_http_address);
   options.http_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_http_threads)));
   options.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
+  if (const std::string fleet = absl::GetFlag(FLAGS_fleet); !fleet.empty()) {
+    absl::StatusOr<std::vector<std::string>> shards = rankscope::ParseCollectorList(fleet);
+    if (!shards.ok()) {
+      std::fprintf(stderr, "rankscope-collector: --fleet: %s\n",
+                   std::string(shards.status().message()).c_str());
+      return 2;
+    }
+    options.fleet = *std::move(shards);
+  }
   options.db_path = absl::GetFlag(FLAGS_db_path);
   options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
   options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);

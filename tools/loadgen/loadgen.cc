@@ -40,7 +40,9 @@
 #include "common/mutex.h"
 #include "rankscope/agent.h"
 
-ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
+ABSL_FLAG(std::string, collector, "127.0.0.1:50051",
+          "Collector gRPC address, or a fleet's list (a:50051,b:50051): each job's agents pick "
+          "its shard (rankscope/agent.h).");
 ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
 ABSL_FLAG(int, jobs, 1,
           "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
@@ -98,9 +100,10 @@ ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60),
 ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between progress lines.");
-ABSL_FLAG(std::string, summary_json, "",
-          "If set, write a JSON summary here at the end: per agent (job, rank) and in total, "
-          "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
+ABSL_FLAG(
+    std::string, summary_json, "",
+    "If set, write a JSON summary here at the end: per agent (job, rank, collector) and in total, "
+    "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
 ABSL_FLAG(std::string, dump_reports, "",
           "Connect nothing: write every report the flags describe to this file instead (no "
           "pacing), for bench/relay_sim.py. Same --seed, --threads and shape: the same reports "
@@ -455,9 +458,10 @@ bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, boo
   for (auto& a : agents) {
     const rankscope::AgentStats s = a->stats();
     total->Add(s);
-    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
-                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
-                                    a->options().rank, JsonStats(s)));
+    absl::StrAppend(
+        &per_agent, per_agent.empty() ? "" : ",\n    ",
+        absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, \"collector\": \"%s\", %s}",
+                        a->options().job, a->options().rank, a->collector(), JsonStats(s)));
   }
   const std::string path = absl::GetFlag(FLAGS_summary_json);
   if (path.empty()) return true;
