@@ -366,7 +366,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 5);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 6);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -393,12 +393,12 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 6");
+  RawDb(path_).Exec("PRAGMA user_version = 7");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 6"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 7"));
 }
 
 // A file the first release (schema 1) wrote: a read-only open refuses it and says how to
