@@ -340,7 +340,8 @@ def test_straggler_is_named(run):
 
 
 def deviating(collector, job):
-    """{step: {rank: [bucket names]}} of the rank rows that name deviating buckets."""
+    """{step: {rank: [(bucket name, z)]}} of the rank rows that name deviating buckets, most
+    deviating first (the collector's order)."""
     rows = collector.query(
         "SELECT step, rank, deviating_buckets FROM rank_steps WHERE job = ? "
         "AND deviating_buckets <> '' ORDER BY step, rank",
@@ -348,8 +349,11 @@ def deviating(collector, job):
     )
     out = {}
     for step, rank, text in rows:
-        names = [part.split(" z=")[0] for part in text.split("; ")]
-        out.setdefault(step, {})[rank] = names
+        named = []
+        for part in text.split("; "):
+            name, z = part.rsplit(" z=", 1)
+            named.append((name, float(z)))
+        out.setdefault(step, {})[rank] = named
     return out
 
 
@@ -378,8 +382,12 @@ def test_one_corrupted_layer_names_its_bucket(run):
         f"{STEPS['layer'] - LAYER_FROM} steps: {[dev[s][LAYER_RANK] for s in named][:3]}"
     )
     assert len(named) >= 0.8 * (STEPS["layer"] - LAYER_FROM)
-    # Exactly the layer's bucket, never another one of that rank.
-    assert all(dev[s][LAYER_RANK] == ["net.2"] for s in named)
+    # The layer's bucket first, carrying the deviation: its |z| at least 10x any other bucket
+    # named beside it (healthy noise at W = 4 puts a bucket above 6 now and then).
+    for s in named:
+        (first, z), *rest = dev[s][LAYER_RANK]
+        assert first == "net.2", (s, dev[s][LAYER_RANK])
+        assert all(abs(z) >= 10 * abs(other) for _, other in rest), (s, dev[s][LAYER_RANK])
     # Before the fault the rank carries no bucket deviation.
     assert not any(LAYER_RANK in dev.get(s, {}) for s in range(LAYER_FROM))
     # The per-bucket norms are kept for the flagged rows (4 bytes a bucket, and their z).
@@ -389,6 +397,32 @@ def test_one_corrupted_layer_names_its_bucket(run):
         ("culprit-layer", LAYER_RANK, LAYER_FROM),
     )
     assert sum(1 for b in blobs if b == (12, 12)) >= len(named)
+
+
+def test_show_and_the_web_rank_panel_say_where(run):
+    """`rankscope show` and the web view's rank series (the rank panel) name the layer's
+    bucket."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from conftest import CLI_BIN
+
+    collector, _, _ = run
+    out = subprocess.run(
+        [str(CLI_BIN), f"--collector={collector.address}", "show", "--job=culprit-layer"]
+        + ["--once", "--limit=2", "--worst=4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"\nrank {LAYER_RANK}: net.2 z=" in out.stdout, out.stdout
+    base = f"http://127.0.0.1:{collector.http_port}/api/v1/jobs/culprit-layer"
+    last = STEPS["layer"] - 1
+    with urllib.request.urlopen(f"{base}/ranks?rank={LAYER_RANK}&first={last}&last={last}") as r:
+        series = json.load(r)
+    assert series["steps"][0]["deviating_buckets"].startswith("net.2 z="), series
 
 
 def test_data_fault_names_many_buckets(run):
@@ -401,7 +435,7 @@ def test_data_fault_names_many_buckets(run):
     ]
     print(f"corrupt: rank {CORRUPT_RANK} named buckets on {len(named)} steps: {named[:3]}")
     assert len(named) >= 0.5 * (STEPS["corrupt"] - CORRUPT_FROM)
-    many = sum(1 for n in named if len(n) >= 2)
+    many = sum(1 for n in named if len(n) >= 2)  # of the 3 buckets
     assert many >= 0.8 * len(named)
 
 
