@@ -408,7 +408,7 @@ def test_show_and_the_web_rank_panel_say_where(run):
 
     from conftest import CLI_BIN
 
-    collector, _, _ = run
+    collector, out_dir, _ = run
     out = subprocess.run(
         [str(CLI_BIN), f"--collector={collector.address}", "show", "--job=culprit-layer"]
         + ["--once", "--limit=2", "--worst=4"],
@@ -423,6 +423,21 @@ def test_show_and_the_web_rank_panel_say_where(run):
     with urllib.request.urlopen(f"{base}/ranks?rank={LAYER_RANK}&first={last}&last={last}") as r:
         series = json.load(r)
     assert series["steps"][0]["deviating_buckets"].startswith("net.2 z="), series
+    # The report's line (rankscope.report.where_lines) from the job's export.
+    from rankscope.report import load, where_lines
+
+    export = subprocess.run(
+        [str(CLI_BIN), f"--collector={collector.address}", "export", "--job=culprit-layer"]
+        + ["--format=json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert export.returncode == 0, export.stderr
+    path = out_dir / "layer.export.json"
+    path.write_text(export.stdout)
+    lines = where_lines(load(str(path)))
+    assert lines[0].startswith(f"rank {LAYER_RANK} (step {last}): net.2 z="), lines
 
 
 def test_data_fault_names_many_buckets(run):
