@@ -996,8 +996,8 @@ TEST(JobMetricsDiagnosticsTest, DeviatingBucketRidesWithTheExportedRank) {
   const auto families = metrics.Collect();
   std::vector<ClientMetric::Label> labels = Labels("j", 41);
   labels.push_back({"bucket", "layers.20-23.mlp"});
-  EXPECT_EQ(Value(families, "rankscope_rank_deviating_bucket", labels), 45.1);
-  EXPECT_EQ(RanksOf(families, "rankscope_rank_deviating_bucket", "j").size(), 1u);
+  EXPECT_EQ(Value(families, "rankscope_rank_deviating_bucket_z", labels), 45.1);
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_deviating_bucket_z", "j").size(), 1u);
   ExpectPromtoolClean(Serialize(families));
 }
 
