@@ -88,7 +88,7 @@ AgentImpl::AgentImpl(AgentOptions options, std::string collector,
                      std::shared_ptr<grpc::ChannelCredentials> credentials)
     : options_(std::move(options)),
       collector_(std::move(collector)),
-      ring_(options_.queue_capacity, options_.sketch_dim),
+      ring_(options_.queue_capacity, options_.sketch_dim, options_.bucket_names.size()),
       unacked_(options_.max_unacked),
       backoff_(options_.initial_backoff, options_.max_backoff,
                static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) ^
@@ -137,6 +137,13 @@ absl::Status AgentImpl::Record(const StepReport& report) {
       return absl::InvalidArgumentError(absl::StrCat("sketch has ", report.sketch.size(),
                                                      " values, agent uses sketch_dim ",
                                                      options_.sketch_dim));
+    }
+    if (!report.bucket_norms.empty() &&
+        report.bucket_norms.size() != options_.bucket_names.size()) {
+      ++stats_.invalid;
+      return absl::InvalidArgumentError(
+          absl::StrCat("bucket_norms has ", report.bucket_norms.size(), " values, the agent names ",
+                       options_.bucket_names.size(), " buckets"));
     }
     if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;
@@ -546,6 +553,17 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   if (!shards.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("collector_address: ", shards.status().message()));
+  }
+  if (options.bucket_names.size() > kMaxBucketNames) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket_names has ", options.bucket_names.size(),
+                                                   " names; at most ", kMaxBucketNames));
+  }
+  for (const std::string& name : options.bucket_names) {
+    if (name.size() > kMaxBucketNameLength) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket name \"", name.substr(0, 32),
+                                                     "...\" has ", name.size(), " bytes; at most ",
+                                                     kMaxBucketNameLength));
+    }
   }
   *shards = ExpandCollectorName(*std::move(shards));
   std::string collector = PickCollector(*shards, options.job);

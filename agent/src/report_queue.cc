@@ -5,9 +5,12 @@
 
 namespace rankscope::internal {
 
-ReportRing::ReportRing(size_t capacity, uint32_t sketch_dim)
+ReportRing::ReportRing(size_t capacity, uint32_t sketch_dim, size_t buckets)
     : slots_(std::max<size_t>(capacity, 1)) {
-  for (QueuedReport& slot : slots_) slot.sketch.reserve(sketch_dim);
+  for (QueuedReport& slot : slots_) {
+    slot.sketch.reserve(sketch_dim);
+    slot.bucket_norms.reserve(buckets);
+  }
 }
 
 bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
@@ -24,6 +27,7 @@ bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
   slot.grad_norm = report.grad_norm;
   // assign() reuses the slot's capacity: no allocation once warm.
   slot.sketch.assign(report.sketch.begin(), report.sketch.end());
+  slot.bucket_norms.assign(report.bucket_norms.begin(), report.bucket_norms.end());
   slot.reduced_grad_fingerprint = report.reduced_grad_fingerprint;
   slot.param_fingerprint = report.param_fingerprint;
   slot.reduced_grad_norm = report.reduced_grad_norm;

@@ -24,6 +24,7 @@ struct QueuedReport {
   bool loss_absent = false;
   double grad_norm = 0.0;
   std::vector<float> sketch;
+  std::vector<float> bucket_norms;
   std::optional<uint64_t> reduced_grad_fingerprint;
   std::optional<uint64_t> param_fingerprint;
   std::optional<double> reduced_grad_norm;
@@ -35,7 +36,8 @@ struct QueuedReport {
 class ReportRing {
  public:
   // Requires capacity >= 1. Each slot's sketch buffer is reserved for `sketch_dim` floats.
-  ReportRing(size_t capacity, uint32_t sketch_dim);
+  // `buckets` floats are reserved for the per-bucket norms.
+  ReportRing(size_t capacity, uint32_t sketch_dim, size_t buckets = 0);
 
   // Copies `report` into the ring. Returns true if the oldest report was dropped to make room.
   bool Push(const StepReport& report, int64_t recorded_unix_nanos);

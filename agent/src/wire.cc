@@ -29,6 +29,7 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
   h->set_pid(static_cast<uint32_t>(getpid()));
   h->set_sketch_encoding(static_cast<v1::SketchEncoding>(options.sketch_encoding));
   h->set_sketch_block(kSketchBlock);  // the hash this agent's CountSketch uses
+  for (const std::string& name : options.bucket_names) h->add_bucket_names(name);
   if (control) {
     v1::Control* c = h->mutable_control();
     c->set_generation(control->generation);
@@ -63,6 +64,7 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
   if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
   r->set_local_batch_size(q.local_batch_size);
   r->set_loss_absent(q.loss_absent);
+  r->mutable_bucket_norms()->Add(q.bucket_norms.begin(), q.bucket_norms.end());
   return msg;
 }
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "collector/model/rank_ranges.h"
 
 namespace rankscope::collector {
@@ -165,6 +166,43 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   }
   std::sort(out.drifting_ranks.begin(), out.drifting_ranks.end());
   std::sort(out.slow_ranks.begin(), out.slow_ranks.end());
+  // Where in the model: every rank's per-bucket norms against the other ranks'.
+  std::vector<absl::Span<const float>> bucket_norms;
+  bucket_norms.reserve(step.reports.size());
+  for (const RankReport& r : step.reports) bucket_norms.emplace_back(r.bucket_norms);
+  out.bucket_z = BucketNormZ(bucket_norms);
+  if (!out.bucket_z.empty()) {
+    static const std::vector<std::string> kNoNames;
+    const std::vector<std::string>& names = step.bucket_names ? *step.bucket_names : kNoNames;
+    out.deviating_buckets.resize(step.reports.size());
+    out.keep_bucket_norms.resize(step.reports.size(), false);
+    out.top_bucket.resize(step.reports.size());
+    auto named = [](const std::vector<uint32_t>& ranks, uint32_t rank) {
+      return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
+    };
+    for (size_t i = 0; i < step.reports.size(); ++i) {
+      if (out.bucket_z[i].empty()) continue;
+      const RankReport& r = step.reports[i];
+      // Flagged for any reason: this step's outlier score, a persistent outlier, a divergent
+      // replica, the drift or slow statistics, or a non-finite value (the sketch's last: O(k)).
+      const bool flagged = out.diag.outliers[i].flagged || named(out.outlier_ranks, r.rank) ||
+                           out.diag.replica_ok[i] == false || named(out.drifting_ranks, r.rank) ||
+                           named(out.slow_ranks, r.rank) || !std::isfinite(r.grad_norm) ||
+                           (!r.loss_absent && !std::isfinite(r.loss)) ||
+                           !r.SketchValues().AllFinite();
+      if (flagged) {
+        const std::vector<BucketDeviation> deviations = DeviatingBuckets(out.bucket_z[i]);
+        out.deviating_buckets[i] = FormatDeviatingBuckets(deviations, names);
+        if (!deviations.empty()) {
+          const BucketDeviation& top = deviations.front();
+          out.top_bucket[i] = {
+              top.bucket < names.size() ? names[top.bucket] : absl::StrCat("bucket ", top.bucket),
+              top.z};
+        }
+      }
+      out.keep_bucket_norms[i] = flagged || step.step % kBucketSampleEvery == 0;
+    }
+  }
   return out;
 }
 
@@ -234,6 +272,13 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
     rank_row.replica_ok = diag.replica_ok[i];
     rank_row.outlier_score = diag.outliers[i].score;
     if (!std::isnan(diag.extras[i].step_time_z)) rank_row.step_time_z = diag.extras[i].step_time_z;
+    if (i < analyzed.deviating_buckets.size()) {
+      rank_row.deviating_buckets = std::move(analyzed.deviating_buckets[i]);
+      if (analyzed.keep_bucket_norms[i]) {
+        rank_row.bucket_norms = step.reports[i].bucket_norms;
+        rank_row.bucket_z = analyzed.bucket_z[i];
+      }
+    }
     w.ranks.push_back(std::move(rank_row));
   }
   return w;

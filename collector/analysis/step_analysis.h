@@ -28,6 +28,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collector/analysis/bucket_scores.h"
 #include "collector/analysis/duplicate_ranks.h"
 #include "collector/analysis/rank_cusum.h"
 #include "collector/analysis/rank_diagnostics.h"
@@ -64,7 +65,22 @@ struct AnalyzedStep {
   // sorted.
   std::vector<uint32_t> drifting_ranks;
   std::vector<uint32_t> slow_ranks;
+  // Robust z of each rank's per-bucket norm (bucket_scores.h), in the order of
+  // JoinedStep::reports; empty when the step's reports carry no comparable norms.
+  std::vector<std::vector<float>> bucket_z;
+  // With bucket_z: per report, the buckets that carry the deviation of a rank flagged for any
+  // reason (FormatDeviatingBuckets; empty for a rank not flagged), and whether its per-bucket
+  // norms are stored (flagged, or a step that is a multiple of kBucketSampleEvery).
+  std::vector<std::string> deviating_buckets;
+  std::vector<bool> keep_bucket_norms;
+  // The most deviating bucket of each such rank, by name (what Prometheus exports); name empty
+  // when none.
+  std::vector<std::pair<std::string, double>> top_bucket;
 };
+
+// Every rank's per-bucket norms are kept on the steps that are multiples of this (a healthy
+// baseline beside the flagged rows); on other steps only flagged ranks keep theirs.
+inline constexpr uint64_t kBucketSampleEvery = 100;
 
 // The statistics of a joined step; direction consistency and consensus cosines are NaN when its
 // reports' sketches differ in length.

@@ -94,6 +94,21 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
                     RejectReason::kBadHello);
     }
   }
+  if (hello.bucket_names_size() > kMaxHelloBuckets) {
+    return Reject(
+        absl::InvalidArgumentError(absl::StrCat(
+            "hello names ", hello.bucket_names_size(), " buckets, more than ", kMaxHelloBuckets,
+            " for job ", hello.job(), ": group the parameters coarser")),
+        RejectReason::kBadHello);
+  }
+  for (const std::string& name : hello.bucket_names()) {
+    if (name.size() > kMaxBucketNameBytes) {
+      return Reject(absl::InvalidArgumentError(
+                        absl::StrCat("a bucket name has ", name.size(), " bytes, more than ",
+                                     kMaxBucketNameBytes, " for job ", hello.job())),
+                    RejectReason::kBadHello);
+    }
+  }
   return {};
 }
 
@@ -136,6 +151,13 @@ Rejection CheckJobIdentity(const v1::Hello& hello, const JobIdentity& identity) 
 
 Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                          const SketchDimSchedule& dims) {
+  if (report.bucket_norms_size() != 0 && report.bucket_norms_size() != hello.bucket_names_size()) {
+    return Reject(absl::InvalidArgumentError(
+                      absl::StrCat("report of step ", report.step(), " carries ",
+                                   report.bucket_norms_size(), " bucket norms, the hello of job ",
+                                   hello.job(), " names ", hello.bucket_names_size(), " buckets")),
+                  RejectReason::kInvalidReport);
+  }
   if (report.step() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("step ", report.step(), " of job ",
                                                           hello.job(), " exceeds 2^63-1")),

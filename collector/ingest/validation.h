@@ -32,6 +32,10 @@ struct IngestLimits {
 };
 
 inline constexpr size_t kMaxInstanceIdLength = 128;
+// Hello.bucket_names: at most this many names of at most kMaxBucketNameBytes bytes each (the
+// agent's kMaxBucketNames, kMaxBucketNameLength).
+inline constexpr int kMaxHelloBuckets = 256;
+inline constexpr size_t kMaxBucketNameBytes = 128;
 
 // What a job is fixed to once its first hello was accepted.
 struct JobIdentity {

@@ -55,6 +55,7 @@ enum JobFamily : size_t {
   kRankSlowScore,
   kDriftingRanks,
   kSlowRanks,
+  kRankDeviatingBucket,
   kJobFamilyCount,
 };
 
@@ -209,6 +210,11 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kSlowRanks, "rankscope_slow_ranks",
      "Ranks whose step-time CUSUM was above its threshold at the latest step "
      "(step_stats.slow_ranks): stragglers.",
+     prometheus::MetricType::Gauge},
+    {kRankDeviatingBucket, "rankscope_rank_deviating_bucket_z",
+     "Where in the model: for a flagged rank with per-rank series, the robust z of its local "
+     "gradient norm in the parameter group (label bucket, e.g. layers.20-23.mlp) that deviates "
+     "most from the other ranks' (one series per rank; NaN for a non-finite norm).",
      prometheus::MetricType::Gauge},
 };
 

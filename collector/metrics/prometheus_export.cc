@@ -190,9 +190,13 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
          SelectDeviatingRanks(s.per_rank, step.extras, options_.per_rank_series_limit)) {
       const RankStatistics& r = s.per_rank[index];
       const RankExtras e = has_extras ? step.extras[index] : RankExtras{};
+      const bool has_bucket =
+          step.top_bucket.size() == s.per_rank.size() && !step.top_bucket[index].first.empty();
       top_ranks.push_back({r.rank, r.consensus_cosine, r.loss_z, r.grad_norm_z,
                            e.held_outlier_score, e.step_time_seconds, e.step_time_z, e.drift_score,
-                           e.slow_score, has_extras});
+                           e.slow_score, has_extras,
+                           has_bucket ? step.top_bucket[index].first : std::string(),
+                           has_bucket ? step.top_bucket[index].second : kNaN});
     }
   } else {
     // No statistics: as ComputeStepStatistics({}) gives (ranks 0, cosine NaN, the rest 0).
@@ -382,6 +386,11 @@ void JobMetrics::AddRankSeries(const std::string& key, const JobState& state, ab
       AddSample(families[kRankOutlierScore], labels, r.outlier_score);
       AddSample(families[kRankDriftScore], labels, r.drift_score);
       AddSample(families[kRankSlowScore], labels, r.slow_score);
+    }
+    if (!r.top_bucket.empty()) {
+      std::vector<ClientMetric::Label> where = labels;
+      where.push_back({"bucket", r.top_bucket});
+      AddSample(families[kRankDeviatingBucket], std::move(where), r.top_bucket_z);
     }
     if (!std::isnan(r.step_time_seconds)) {
       AddSample(families[kRankStepTimeSeconds], labels, r.step_time_seconds);

@@ -108,6 +108,9 @@ struct ExportedStep {
   // `extras` only.
   absl::Span<const uint32_t> drifting_ranks;
   absl::Span<const uint32_t> slow_ranks;
+  // Where in the model: per rank (same order as per_rank; empty: none), the name and robust z
+  // of the bucket that carries most of a flagged rank's deviation (bucket_scores.h).
+  absl::Span<const std::pair<std::string, double>> top_bucket;
 };
 
 // Who an agent is, as its hello stated (rankscope_rank_info).
@@ -177,7 +180,9 @@ class JobMetrics : public prometheus::Collectable {
     double grad_cosine, loss_z, grad_norm_z;
     double outlier_score, step_time_seconds, step_time_z;
     double drift_score, slow_score;
-    bool has_extras;  // the step carried RankExtras
+    bool has_extras;         // the step carried RankExtras
+    std::string top_bucket;  // ExportedStep::top_bucket, empty when none
+    double top_bucket_z;
   };
   struct JobState {
     uint32_t world_size = 0;

@@ -33,6 +33,8 @@ struct RankReport {
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;
+  // The local gradient's norm per bucket the hello names (Hello.bucket_names), or empty.
+  std::vector<float> bucket_norms;
   // Everyone to acknowledge once this report is stored (a resend over a new stream adds one).
   std::vector<AckHandle> acks;
 

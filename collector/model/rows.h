@@ -50,6 +50,14 @@ struct RankRow {
   // The rank had no loss (a pipeline stage): `loss` is stored NULL and is not counted as
   // non-finite. Not stored itself (a NULL loss with nonfinite 0 says it).
   bool loss_absent = false;
+  // Where in the model (collector/analysis/bucket_scores.h): the buckets that carry a flagged
+  // rank's deviation, "layers.20-23.mlp z=45.1; ..." (rank_steps.deviating_buckets; empty when
+  // the rank was not flagged or no bucket deviates). Schema version 9 (sqlite_schema.cc).
+  std::string deviating_buckets;
+  // The rank's per-bucket norms and their robust z, kept (rank_bucket_norms) only for a flagged
+  // rank and on sampled steps (kBucketSampleEvery); empty otherwise.
+  std::vector<float> bucket_norms;
+  std::vector<float> bucket_z;
 };
 
 // A step_stats row: the step's statistics (StepSummary: ranks and the dispersion of their

@@ -183,6 +183,15 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
   job.last_seen = now;
   job.streams.insert(stream);
   if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
+  // The newest hello's bucket names (every rank of a job sends the same ones); a job whose
+  // agents name none keeps none.
+  if (hello.bucket_names_size() > 0 &&
+      (!job.bucket_names ||
+       !std::equal(job.bucket_names->begin(), job.bucket_names->end(), hello.bucket_names().begin(),
+                   hello.bucket_names().end()))) {
+    job.bucket_names = std::make_shared<const std::vector<std::string>>(
+        hello.bucket_names().begin(), hello.bucket_names().end());
+  }
   // A restarted collector learns the job's control from its agents (each states the newest
   // control it received); the newest generation wins, so `ctl` continues from what the ranks
   // apply instead of from the defaults.
@@ -235,6 +244,12 @@ bool JobRegistry::NoteReport(const v1::Hello& hello, uint64_t step, uint64_t dro
   *dropped_changed = forwarded != dropped_total;
   forwarded = dropped_total;
   return true;
+}
+
+std::shared_ptr<const std::vector<std::string>> JobRegistry::BucketNames(
+    const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? nullptr : it->second.bucket_names;
 }
 
 std::optional<JobRow> JobRegistry::StoredRow(const std::string& job) const {

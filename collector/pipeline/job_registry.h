@@ -136,6 +136,10 @@ class JobRegistry {
   // The current epoch of a tracked job (0 for an unknown one).
   uint32_t Epoch(const std::string& job) const;
 
+  // The bucket names (Hello.bucket_names) of the newest hello of a tracked job that sent any,
+  // or null.
+  std::shared_ptr<const std::vector<std::string>> BucketNames(const std::string& job) const;
+
   // The jobs row of a tracked job (last_step left 0), or nullopt.
   std::optional<JobRow> StoredRow(const std::string& job) const;
 
@@ -185,6 +189,7 @@ class JobRegistry {
     // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics
     // state that may have expired meanwhile) sees its first count.
     std::vector<std::optional<uint64_t>> dropped_forwarded;
+    std::shared_ptr<const std::vector<std::string>> bucket_names;  // see BucketNames
   };
 
   // Attach's pieces.

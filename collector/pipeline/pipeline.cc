@@ -54,6 +54,7 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   if (r.has_reduced_grad_norm()) out.reduced_grad_norm = r.reduced_grad_norm();
   if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();
   out.local_batch_size = r.local_batch_size();
+  out.bucket_norms.assign(r.bucket_norms().begin(), r.bucket_norms().end());
   out.acks.push_back(std::move(ack));
   return out;
 }
@@ -458,6 +459,11 @@ void StepPipeline::StepThread(Shard& shard) {
 
 StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer, JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
+  if (std::any_of(js.reports.begin(), js.reports.end(),
+                  [](const RankReport& r) { return !r.bucket_norms.empty(); })) {
+    MutexLock lock(&mu_);
+    js.bucket_names = registry_.BucketNames(js.job);
+  }
   AnalyzedStep analyzed = analyzer.Analyze(js);
 
   ExportedStep exported;
@@ -476,6 +482,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer
                                      [](const RankReport& r) { return r.loss_absent; });
   exported.drifting_ranks = analyzed.drifting_ranks;
   exported.slow_ranks = analyzed.slow_ranks;
+  exported.top_bucket = analyzed.top_bucket;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
@@ -68,6 +69,9 @@ struct JoinedStep {
   absl::Time opened_at = absl::UnixEpoch();  // first report's arrival
   std::vector<RankReport> reports;           // sorted by rank, one per rank
   std::vector<uint32_t> missing_ranks;       // sorted
+  // The job's bucket names (Hello.bucket_names) when its agents send per-bucket norms; set by
+  // the pipeline before the analysis (the joiner leaves it empty).
+  std::shared_ptr<const std::vector<std::string>> bucket_names;
 };
 
 enum class AddOutcome {

@@ -62,6 +62,7 @@ void FillRankStep(const StepRankRow& in, v1::RankStep* out) {
   if (r.replica_ok) out->set_replica_ok(*r.replica_ok);
   if (r.outlier_score) out->set_outlier_score(*r.outlier_score);
   if (r.step_time_z) out->set_step_time_z(*r.step_time_z);
+  out->set_deviating_buckets(r.deviating_buckets);
   out->set_received_at_unix_nanos(absl::ToUnixNanos(r.received_at));
 }
 

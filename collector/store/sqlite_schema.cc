@@ -62,6 +62,11 @@ CREATE TABLE IF NOT EXISTS rank_steps(
   replica_ok INTEGER,                -- 1, 0, or NULL when no fingerprint was checked
   outlier_score REAL,
   step_time_z REAL,
+  -- Where in the model (schema 6): "layers.20-23.mlp z=45.1; ..." for a flagged rank, and its
+  -- per-bucket norms and their robust z as float32 BLOBs (flagged rows and every 100th step).
+  deviating_buckets TEXT NOT NULL DEFAULT '',
+  bucket_norms BLOB,
+  bucket_z BLOB,
   PRIMARY KEY(job, step, rank)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS step_stats(
   job TEXT NOT NULL,
@@ -130,6 +135,11 @@ const std::vector<Migration>& Migrations() {
       // 5: rank_windows and downsampled (created by kCreateSchema), and auto_vacuum=INCREMENTAL
       // (a VACUUM after the transaction, see EnableIncrementalVacuum).
       {5, {}},
+      // 6: where in the model (rank_steps.deviating_buckets, bucket_norms, bucket_z).
+      {6,
+       {"ALTER TABLE rank_steps ADD COLUMN deviating_buckets TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE rank_steps ADD COLUMN bucket_norms BLOB",
+        "ALTER TABLE rank_steps ADD COLUMN bucket_z BLOB"}},
   };
   return *kMigrations;
 }

@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -104,6 +105,13 @@ class Binder {
     return value.has_value() ? Int(*value ? 1 : 0) : Null();
   }
   Binder& Null() { return Check(sqlite3_bind_null(stmt_, index_)); }
+  // float32 values as a BLOB of 4 bytes each (the host's byte order: little-endian on every
+  // supported machine); none becomes NULL.
+  Binder& Floats(const std::vector<float>& values) {
+    if (values.empty()) return Null();
+    return Check(sqlite3_bind_blob(stmt_, index_, values.data(),
+                                   static_cast<int>(values.size() * sizeof(float)), SQLITE_STATIC));
+  }
 
   // SQLITE_OK, or the first binding's error (SQLITE_TOOBIG for a huge string).
   int rc() const { return rc_; }

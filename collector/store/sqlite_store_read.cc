@@ -62,7 +62,8 @@ constexpr char kGetStep[] =
 constexpr char kRankRows[] =
     "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
     "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
-    "outlier_score, step_time_z FROM rank_steps WHERE job = ?1 AND step = ?2 ORDER BY rank";
+    "outlier_score, step_time_z, deviating_buckets FROM rank_steps WHERE job = ?1 AND step = ?2 "
+    "ORDER BY rank";
 constexpr char kCountRankRows[] = "SELECT count(*) FROM rank_steps WHERE job = ?1";
 constexpr char kStepRange[] = "SELECT " RANKSCOPE_STEP_COLUMNS
                               " FROM step_stats WHERE job = ?1 AND step >= ?2 AND "
@@ -70,7 +71,8 @@ constexpr char kStepRange[] = "SELECT " RANKSCOPE_STEP_COLUMNS
 constexpr char kRankRowsInRange[] =
     "SELECT rank, attempt, join_size, loss, grad_norm, grad_cosine, loss_z, grad_norm_z, "
     "reduced_grad_fingerprint, param_fingerprint, step_time_seconds, received_at, replica_ok, "
-    "outlier_score, step_time_z, step, nonfinite FROM rank_steps WHERE job = ?1 AND step >= ?2 "
+    "outlier_score, step_time_z, step, nonfinite, deviating_buckets FROM rank_steps WHERE job = ?1 "
+    "AND step >= ?2 "
     "AND step <= ?3 ORDER BY step, rank LIMIT ?4";
 // One rank's rows: a loose index scan over the steps of the range (one seek per stored step in
 // the (job, step, rank) key, then one seek for the rank), so it reads that rank's rows only,
@@ -88,7 +90,8 @@ WITH RECURSIVE s(step) AS (
 )
 SELECT r.rank, r.attempt, r.join_size, r.loss, r.grad_norm, r.grad_cosine, r.loss_z,
        r.grad_norm_z, r.reduced_grad_fingerprint, r.param_fingerprint, r.step_time_seconds,
-       r.received_at, r.replica_ok, r.outlier_score, r.step_time_z, r.step, r.nonfinite
+       r.received_at, r.replica_ok, r.outlier_score, r.step_time_z, r.step, r.nonfinite,
+       r.deviating_buckets
 FROM s CROSS JOIN rank_steps r ON r.job = ?1 AND r.step = s.step AND r.rank = ?5
 ORDER BY r.step LIMIT ?4
 )sql";
@@ -251,6 +254,7 @@ absl::StatusOr<std::vector<RankRow>> SqliteStore::RankRows(absl::string_view job
   if (rc == SQLITE_OK) {
     while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
       ReadRankRow(stmt, &ranks.emplace_back());
+      ranks.back().deviating_buckets = ColumnText(stmt, 15);
     }
   }
   if (rc != SQLITE_DONE) {
@@ -316,6 +320,8 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankRowsInRange(absl::stri
                        ReadRankRow(stmt, &row.row);
                        row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
                        row.nonfinite = ColumnInt(stmt, 16) != 0;
+                       row.row.deviating_buckets = ColumnText(stmt, 17);
+                       row.row.deviating_buckets = ColumnText(stmt, 17);
                        return absl::OkStatus();
                      });
   if (!status.ok()) return status;
@@ -344,6 +350,7 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankSeriesInRange(
       ReadRankRow(stmt, &row.row);
       row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
       row.nonfinite = ColumnInt(stmt, 16) != 0;
+      row.row.deviating_buckets = ColumnText(stmt, 17);
     }
   }
   if (rc != SQLITE_DONE) {

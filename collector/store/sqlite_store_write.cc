@@ -57,8 +57,9 @@ constexpr char kUpsertRank[] = R"sql(
 INSERT INTO rank_steps(job, step, rank, attempt, join_size, loss, grad_norm, grad_cosine,
                        loss_z, grad_norm_z, nonfinite, reduced_grad_fingerprint,
                        param_fingerprint, step_time_seconds, received_at, replica_ok,
-                       outlier_score, step_time_z)
-VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)
+                       outlier_score, step_time_z, deviating_buckets, bucket_norms, bucket_z)
+VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
+       ?21)
 ON CONFLICT(job, step, rank) DO UPDATE SET
   attempt = excluded.attempt,
   join_size = excluded.join_size,
@@ -74,7 +75,10 @@ ON CONFLICT(job, step, rank) DO UPDATE SET
   received_at = excluded.received_at,
   replica_ok = excluded.replica_ok,
   outlier_score = excluded.outlier_score,
-  step_time_z = excluded.step_time_z
+  step_time_z = excluded.step_time_z,
+  deviating_buckets = excluded.deviating_buckets,
+  bucket_norms = excluded.bucket_norms,
+  bucket_z = excluded.bucket_z
 WHERE excluded.attempt > rank_steps.attempt
    OR (excluded.attempt = rank_steps.attempt AND excluded.join_size >= rank_steps.join_size)
 )sql";
@@ -197,6 +201,9 @@ int UpsertRank(sqlite3_stmt* stmt, const std::string& job, uint64_t step, const 
                      .OptionalBool(row.replica_ok)
                      .Double(row.outlier_score)
                      .Double(row.step_time_z)
+                     .Text(row.deviating_buckets)
+                     .Floats(row.bucket_norms)
+                     .Floats(row.bucket_z)
                      .rc();
   return rc == SQLITE_OK ? StepToDone(stmt) : rc;
 }

@@ -467,6 +467,11 @@ std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t ra
     AppendOptional(r.row.grad_norm_z, 6, &out);
     out.append(",\"step_time_z\":");
     AppendOptional(r.row.step_time_z, 6, &out);
+    if (!r.row.deviating_buckets.empty()) {
+      // Where in the model: the buckets that carry a flagged rank's deviation.
+      out.append(",\"deviating_buckets\":");
+      AppendJsonString(r.row.deviating_buckets, &out);
+    }
     absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r) ? "true" : "false", ",\"replica_ok\":",
                     !r.row.replica_ok.has_value() ? "null"
                     : *r.row.replica_ok           ? "true"

@@ -979,6 +979,28 @@ std::vector<RankExtras> OneOutlier(uint32_t world, uint32_t outlier) {
   return extras;
 }
 
+// Where in the model: an exported flagged rank carries its most deviating bucket as one
+// series {train_job, rank, bucket}; ranks without one (or not exported) have none.
+TEST(JobMetricsDiagnosticsTest, DeviatingBucketRidesWithTheExportedRank) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));
+  const StepStatistics stats = HealthyStats(64);
+  const std::vector<RankExtras> extras = OneOutlier(64, 41);
+  std::vector<std::pair<std::string, double>> top(64);
+  top[41] = {"layers.20-23.mlp", 45.1};
+  top[7] = {"embed", 8.0};  // not among the 2 exported ranks: no series
+  ExportedStep step = Step(1, stats, 64);
+  step.extras = extras;
+  step.top_bucket = top;
+  metrics.OnStep("j", step);
+  const auto families = metrics.Collect();
+  std::vector<ClientMetric::Label> labels = Labels("j", 41);
+  labels.push_back({"bucket", "layers.20-23.mlp"});
+  EXPECT_EQ(Value(families, "rankscope_rank_deviating_bucket_z", labels), 45.1);
+  EXPECT_EQ(RanksOf(families, "rankscope_rank_deviating_bucket_z", "j").size(), 1u);
+  ExpectPromtoolClean(Serialize(families));
+}
+
 TEST(JobMetricsDiagnosticsTest, OutlierScoreLeadsThePerRankSelection) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock, /*per_rank_limit=*/2));

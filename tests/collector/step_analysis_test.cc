@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -379,6 +380,46 @@ TEST(StepAnalysisTest, StepsWithDuplicateRanksHoldTheDataDriftStatistics) {
   }
   EXPECT_EQ(analyzer.Drift("exp-42", 0).data, 0.0);
   EXPECT_EQ(analyzer.Drift("exp-42", 2).data, 0.0);
+}
+
+}  // namespace
+}  // namespace rankscope::collector
+
+namespace rankscope::collector {
+namespace {
+
+// Where in the model: a rank whose gradient norm is 50x in one bucket is flagged (its gradient
+// norm's robust z) and its row names that bucket; the healthy ranks' rows name none and keep no
+// per-bucket norms (step 7 is not a sampled step), the flagged row keeps its norms and z.
+TEST(StepAnalysisTest, FlaggedRankNamesTheBucketThatCarriesItsDeviation) {
+  StepAnalyzer analyzer;
+  JoinedStep js = Step(7, 5, AllRanks(5));
+  js.bucket_names = std::make_shared<const std::vector<std::string>>(
+      std::vector<std::string>{"embed", "layers.0-3.attn", "layers.20-23.mlp"});
+  for (RankReport& r : js.reports) {
+    r.bucket_norms = {1.0f + r.rank / 100.0f, 2.0f - r.rank / 100.0f, 1.5f + r.rank / 200.0f};
+  }
+  js.reports[3].bucket_norms[2] *= 50.0f;
+  js.reports[3].grad_norm *= 30.0;
+  AnalyzedStep a = analyzer.Analyze(js);
+  const StepWrite w = StepRows(js, std::move(a), kT0);
+  ASSERT_EQ(w.ranks.size(), 5u);
+  for (const RankRow& row : w.ranks) {
+    if (row.rank == 3) {
+      EXPECT_THAT(row.deviating_buckets, ::testing::StartsWith("layers.20-23.mlp z="));
+      EXPECT_EQ(row.deviating_buckets.find(';'), std::string::npos) << row.deviating_buckets;
+      EXPECT_EQ(row.bucket_norms.size(), 3u);
+      EXPECT_EQ(row.bucket_z.size(), 3u);
+    } else {
+      EXPECT_THAT(row.deviating_buckets, IsEmpty()) << row.rank;
+      EXPECT_THAT(row.bucket_norms, IsEmpty()) << row.rank;
+    }
+  }
+  // A sampled step keeps every rank's norms.
+  JoinedStep sampled = Step(kBucketSampleEvery, 5, AllRanks(5));
+  for (RankReport& r : sampled.reports) r.bucket_norms = {1.0f, 2.0f, 3.0f + r.rank / 100.0f};
+  const StepWrite ws = StepRows(sampled, analyzer.Analyze(sampled), kT0);
+  for (const RankRow& row : ws.ranks) EXPECT_EQ(row.bucket_norms.size(), 3u) << row.rank;
 }
 
 }  // namespace

@@ -113,6 +113,33 @@ TEST(ValidationTest, NonFiniteValuesAreAccepted) {
   EXPECT_TRUE(ValidateReport(report, GoodHello(), {4}).status.ok());
 }
 
+// Where in the model: a report carries no bucket norms or exactly one per name of its hello;
+// a hello names at most kMaxHelloBuckets buckets of at most kMaxBucketNameBytes bytes.
+TEST(ValidationTest, BucketNormsMatchTheHellosNames) {
+  v1::Hello hello = GoodHello();
+  hello.add_bucket_names("net.0");
+  hello.add_bucket_names("net.2");
+  EXPECT_TRUE(ValidateHello(hello, IngestLimits{}).status.ok());
+  v1::StepReport report;
+  report.set_step(5);
+  for (int i = 0; i < 1024; ++i) report.add_sketch(0.0f);
+  EXPECT_TRUE(ValidateReport(report, hello, {1024}).status.ok());
+  report.add_bucket_norms(1.0f);
+  report.add_bucket_norms(2.0f);
+  EXPECT_TRUE(ValidateReport(report, hello, {1024}).status.ok());
+  report.add_bucket_norms(3.0f);
+  Rejection r = ValidateReport(report, hello, {1024});
+  EXPECT_EQ(ReasonLabel(r.reason), "invalid_report");
+  EXPECT_EQ(r.status.message(),
+            "report of step 5 carries 3 bucket norms, the hello of job exp-42 names 2 buckets");
+
+  hello.add_bucket_names(std::string(kMaxBucketNameBytes + 1, 'x'));
+  EXPECT_EQ(ReasonLabel(ValidateHello(hello, IngestLimits{}).reason), "bad_hello");
+  hello = GoodHello();
+  for (int i = 0; i <= kMaxHelloBuckets; ++i) hello.add_bucket_names("b");
+  EXPECT_THAT(ValidateHello(hello, IngestLimits{}).status.message(), HasSubstr("257 buckets"));
+}
+
 v1::Hello PackedHello(v1::SketchEncoding encoding) {
   v1::Hello h = GoodHello();
   h.set_sketch_encoding(encoding);

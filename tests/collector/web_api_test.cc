@@ -236,6 +236,23 @@ TEST(JsonTest, RankSeriesNonFiniteIsTheStoredColumn) {
   EXPECT_THAT(json, HasSubstr("\"step_time_z\":null,\"nonfinite\":true,"));
 }
 
+// Where in the model: a flagged row's deviating buckets ride in the rank's series (the rank
+// panel shows them); a row without them has no such key.
+TEST(JsonTest, RankSeriesCarriesDeviatingBuckets) {
+  StepRankRow plain;
+  plain.step = 3;
+  plain.row.rank = 2;
+  plain.row.loss = 1.0;
+  plain.row.grad_norm = 1.0;
+  StepRankRow flagged = plain;
+  flagged.step = 4;
+  flagged.row.deviating_buckets = "layers.20-23.mlp z=45.1; \"x\" z=7.0";
+  const std::string json = RankSeriesJson("exp", {3, 4}, 2, {plain, flagged}, false);
+  EXPECT_THAT(json,
+              HasSubstr("\"deviating_buckets\":\"layers.20-23.mlp z=45.1; \\\"x\\\" z=7.0\""));
+  EXPECT_EQ(json.find("deviating_buckets"), json.rfind("deviating_buckets"));
+}
+
 TEST(JsonTest, RankSeriesHoldsOneRank) {
   std::vector<StepRankRow> rows;
   for (uint64_t step : {1u, 2u}) {

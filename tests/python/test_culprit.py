@@ -8,7 +8,9 @@ One spawned run trains a small regression MLP through five scenarios, each its o
   perturb   rank 1's *reduced* gradient perturbed by one ulp on step 25 (a chained comm hook that
             runs after the all-reduce, before rankscope's fingerprint);
   corrupt   rank 3 fed pure-noise targets from step 40;
-  straggler rank 1 sleeps before every backward.
+  straggler rank 1 sleeps before every backward;
+  layer     rank 1's gradient of one layer (net.2.weight) scaled by 45 from step 15 (a tensor
+            hook: a kernel fault in one layer), for "where in the model".
 The workers write the ground truth they know (e.g. whether rank 2's parameters still differ at
 the check) to JSON; the tests read what the collector stored in SQLite.
 """
@@ -34,7 +36,15 @@ NUDGE_AFTER, NUDGE_RANK = 30, 2
 PERTURB_STEP, PERTURB_RANK = 25, 1
 CORRUPT_FROM, CORRUPT_RANK = 40, 3
 STRAGGLER_RANK, STRAGGLER_SLEEP = 1, 0.05
-STEPS = {"healthy": 60, "nudge": 60, "perturb": 40, "corrupt": 80, "straggler": 25}
+LAYER_FROM, LAYER_RANK, LAYER_SCALE = 15, 1, 45.0
+STEPS = {
+    "healthy": 60,
+    "nudge": 60,
+    "perturb": 40,
+    "corrupt": 80,
+    "straggler": 25,
+    "layer": 30,
+}
 
 
 class Mlp(nn.Module):
@@ -114,7 +124,13 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
         )
         mon._force_torch_sketch = name == "nudge"  # the device (torch-op) path, on the CPU
         truth = {}
+        current = [0]
+        if name == "layer" and rank == LAYER_RANK:
+            ddp.module.net[2].weight.register_hook(
+                lambda g: g * LAYER_SCALE if current[0] >= LAYER_FROM else g
+            )
         for step in range(steps):
+            current[0] = step
             if pstate is not None:
                 pstate.step = step
             x, y = data(
@@ -136,9 +152,11 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
                     w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
             if name in ("nudge", "perturb") and step % PARAM_CHECK_EVERY == 0:
                 truth[step] = params_differ_from_rank0(ddp.module)
+        buckets = list(mon._sketcher.bucket_names)
         stats = mon.close(timeout=30)
         if rank == 0:
             write_json(out_dir / f"{name}.truth.json", truth)
+            write_json(out_dir / f"{name}.buckets.json", buckets)
         write_json(out_dir / f"{name}.rank{rank}.json", stats)
         dist.barrier()
 
@@ -319,3 +337,135 @@ def test_straggler_is_named(run):
     )
     assert hits >= 0.9 * len(steps)
     assert all(t >= STRAGGLER_SLEEP for t in slow)
+
+
+def deviating(collector, job):
+    """{step: {rank: [(bucket name, z)]}} of the rank rows that name deviating buckets, most
+    deviating first (the collector's order)."""
+    rows = collector.query(
+        "SELECT step, rank, deviating_buckets FROM rank_steps WHERE job = ? "
+        "AND deviating_buckets <> '' ORDER BY step, rank",
+        (job,),
+    )
+    out = {}
+    for step, rank, text in rows:
+        named = []
+        for part in text.split("; "):
+            name, z = part.rsplit(" z=", 1)
+            named.append((name, float(z)))
+        out.setdefault(step, {})[rank] = named
+    return out
+
+
+def test_bucket_names_in_the_hello_are_the_model_layers(run):
+    """The shim's parameter groups are named from the model's parameter names (one group per
+    Linear here: its weight and bias), and those names reach the collector (the deviating text
+    below is built from the hello's names)."""
+    _, out, _ = run
+    import json
+
+    names = json.loads((out / "layer.buckets.json").read_text())
+    modules = []
+    for n, _ in Mlp().named_parameters():
+        m = n.rsplit(".", 1)[0]
+        if m not in modules:
+            modules.append(m)
+    assert names == modules == ["net.0", "net.2", "net.4"]
+
+
+def test_one_corrupted_layer_names_its_bucket(run):
+    collector, _, _ = run
+    dev = deviating(collector, "culprit-layer")
+    named = [s for s in range(LAYER_FROM, STEPS["layer"]) if LAYER_RANK in dev.get(s, {})]
+    print(
+        f"layer: rank {LAYER_RANK} named buckets on {len(named)} of "
+        f"{STEPS['layer'] - LAYER_FROM} steps: {[dev[s][LAYER_RANK] for s in named][:3]}"
+    )
+    assert len(named) >= 0.8 * (STEPS["layer"] - LAYER_FROM)
+    # The layer's bucket first, carrying the deviation: its |z| at least 10x any other bucket
+    # named beside it (healthy noise at W = 4 puts a bucket above 6 now and then).
+    for s in named:
+        (first, z), *rest = dev[s][LAYER_RANK]
+        assert first == "net.2", (s, dev[s][LAYER_RANK])
+        assert all(abs(z) >= 10 * abs(other) for _, other in rest), (s, dev[s][LAYER_RANK])
+    # Before the fault the rank carries no bucket deviation.
+    assert not any(LAYER_RANK in dev.get(s, {}) for s in range(LAYER_FROM))
+    # The per-bucket norms are kept for the flagged rows (4 bytes a bucket, and their z).
+    blobs = collector.query(
+        "SELECT length(bucket_norms), length(bucket_z) FROM rank_steps WHERE job = ? "
+        "AND rank = ? AND step >= ?",
+        ("culprit-layer", LAYER_RANK, LAYER_FROM),
+    )
+    assert sum(1 for b in blobs if b == (12, 12)) >= len(named)
+
+
+def test_show_and_the_web_rank_panel_say_where(run):
+    """`rankscope show` and the web view's rank series (the rank panel) name the layer's
+    bucket."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from conftest import CLI_BIN
+
+    collector, out_dir, _ = run
+    out = subprocess.run(
+        [str(CLI_BIN), f"--collector={collector.address}", "show", "--job=culprit-layer"]
+        + ["--once", "--limit=2", "--worst=4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"\nrank {LAYER_RANK}: net.2 z=" in out.stdout, out.stdout
+    base = f"http://127.0.0.1:{collector.http_port}/api/v1/jobs/culprit-layer"
+    last = STEPS["layer"] - 1
+    with urllib.request.urlopen(f"{base}/ranks?rank={LAYER_RANK}&first={last}&last={last}") as r:
+        series = json.load(r)
+    assert series["steps"][0]["deviating_buckets"].startswith("net.2 z="), series
+    # The report's line (rankscope.report.where_lines) from the job's export.
+    from rankscope.report import load, where_lines
+
+    export = subprocess.run(
+        [str(CLI_BIN), f"--collector={collector.address}", "export", "--job=culprit-layer"]
+        + ["--format=json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert export.returncode == 0, export.stderr
+    path = out_dir / "layer.export.json"
+    path.write_text(export.stdout)
+    lines = where_lines(load(str(path)))
+    assert lines[0].startswith(f"rank {LAYER_RANK} (step {last}): net.2 z="), lines
+
+
+def test_data_fault_names_many_buckets(run):
+    """Pure-noise targets move the whole gradient: the flagged rank's deviation is in most
+    buckets, not one."""
+    collector, _, _ = run
+    dev = deviating(collector, "culprit-corrupt")
+    named = [
+        dev[s][CORRUPT_RANK] for s in sorted(dev) if s >= CORRUPT_FROM and CORRUPT_RANK in dev[s]
+    ]
+    print(f"corrupt: rank {CORRUPT_RANK} named buckets on {len(named)} steps: {named[:3]}")
+    assert len(named) >= 0.5 * (STEPS["corrupt"] - CORRUPT_FROM)
+    many = sum(1 for n in named if len(n) >= 2)  # of the 3 buckets
+    assert many >= 0.8 * len(named)
+
+
+def test_unflagged_rows_keep_no_bucket_norms(run):
+    """Stored only where it matters: per-bucket norms are kept on the sampled steps (multiples
+    of 100: step 0 here) and on the rows of ranks flagged for any reason, nowhere else."""
+    collector, _, _ = run
+    rows = collector.query(
+        "SELECT r.step, r.rank, r.outlier_score, r.nonfinite, r.replica_ok, s.outlier_ranks, "
+        "s.drifting_ranks, s.slow_ranks, r.bucket_norms IS NOT NULL FROM rank_steps r "
+        "JOIN step_stats s ON s.job = r.job AND s.step = r.step WHERE r.job = ?",
+        ("culprit-healthy",),
+    )
+    assert rows
+    for step, rank, score, nonfinite, ok, outliers, drifting, slow, kept in rows:
+        named = any(str(rank) in (x or "").split(",") for x in (outliers, drifting, slow))
+        flagged = score is None or score > 6.0 or nonfinite or ok == 0 or named
+        assert kept == (step == 0 or flagged), (step, rank)

@@ -98,6 +98,17 @@ int ShowOnce(const Cli& cli, const std::string& job) {
                 Opt(r->has_step_time_z(), r->step_time_z(), 3).c_str(),
                 !r->has_replica_ok() ? "-" : (r->replica_ok() ? "ok" : "DIVERGED"));
   }
+  // Where in the model: the buckets that carry each flagged rank's deviation.
+  bool where_header = false;
+  for (const v1::RankStep& r : ranks->ranks()) {
+    if (r.deviating_buckets().empty()) continue;
+    if (!where_header) {
+      std::printf("\nwhere in the model (step %llu; robust z of each bucket's gradient norm):\n",
+                  static_cast<unsigned long long>(newest));
+      where_header = true;
+    }
+    std::printf("rank %u: %s\n", r.rank(), r.deviating_buckets().c_str());
+  }
   return 0;
 }
 

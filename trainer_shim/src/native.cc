@@ -194,8 +194,10 @@ class PyAgent {
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
                            std::optional<uint64_t> param_fingerprint,
-                           std::optional<double> reduced_grad_norm, bool loss_absent) {
+                           std::optional<double> reduced_grad_norm, bool loss_absent,
+                           const std::vector<float>& bucket_norms) {
     StepReport r;
+    r.bucket_norms = bucket_norms;
     r.step = step;
     r.loss = loss;
     r.loss_absent = loss_absent;
@@ -214,8 +216,10 @@ class PyAgent {
                         size_t sketch_len, std::optional<double> step_time_seconds,
                         uint32_t local_batch_size, std::optional<uint64_t> reduced_grad_fingerprint,
                         std::optional<uint64_t> param_fingerprint,
-                        std::optional<double> reduced_grad_norm, bool loss_absent) {
+                        std::optional<double> reduced_grad_norm, bool loss_absent,
+                        const std::vector<float>& bucket_norms) {
     StepReport r;
+    r.bucket_norms = bucket_norms;
     r.step = step;
     r.loss = loss;
     r.loss_absent = loss_absent;
@@ -462,13 +466,15 @@ PYBIND11_MODULE(_native, m) {
                   double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
                   const std::string& tls_cert_file, const std::string& tls_key_file,
                   const std::string& tls_target_name, const std::string& group, int64_t global_rank,
-                  const std::string& instance_id, const std::string& sketch_encoding) {
+                  const std::string& instance_id, const std::string& sketch_encoding,
+                  const std::vector<std::string>& bucket_names) {
                  // Each keyword argument to its AgentOptions field, by name.
                  AgentOptions o;
                  o.sketch_encoding = SketchEncodingArg(sketch_encoding);
                  o.group = group;
                  if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
                  o.instance_id = instance_id;
+                 o.bucket_names = bucket_names;
                  o.collector_address = collector;
                  o.job = job;
                  o.rank = rank;
@@ -497,20 +503,21 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_backoff_s") = 10.0, py::arg("tls_ca_file") = "",
            py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
            py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
-           py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32")
+           py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32",
+           py::arg("bucket_names") = std::vector<std::string>{})
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("collector", [](const PyAgent& a) { return a.collector(); })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
-           py::arg("loss_absent") = false)
+           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{})
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
            py::arg("reduced_grad_fingerprint") = py::none(),
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
-           py::arg("loss_absent") = false)
+           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{})
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

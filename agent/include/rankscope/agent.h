@@ -36,6 +36,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -93,7 +94,14 @@ struct AgentOptions {
   size_t max_unacked = 8192;      // reports kept for resending
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(10);
+  // Where in the model: the names of the parameter groups whose local gradient norms
+  // StepReport::bucket_norms carries (Hello.bucket_names; at most kMaxBucketNames, each at most
+  // kMaxBucketNameLength bytes). Empty: reports carry no per-bucket norms.
+  std::vector<std::string> bucket_names;
 };
+
+inline constexpr size_t kMaxBucketNames = 256;
+inline constexpr size_t kMaxBucketNameLength = 128;
 
 // One rank's view of one step. `sketch` must have exactly sketch_dim values.
 struct StepReport {
@@ -108,6 +116,9 @@ struct StepReport {
   uint32_t local_batch_size = 0;
   // No loss this step (a pipeline stage before the last): `loss` is ignored, never flagged.
   bool loss_absent = false;
+  // The local gradient's L2 norm per parameter group of AgentOptions::bucket_names, in that
+  // order: empty (not measured) or exactly as many values as names.
+  absl::Span<const float> bucket_norms;
 };
 
 struct AgentStats {

@@ -1022,6 +1022,7 @@
     if (!panel.dataset.rank || panel.dataset.rank !== String(rank)) {
       panel.dataset.rank = String(rank);
       panel.replaceChildren(el("h2", { text: "Rank " + rank, id: "rank-title" }),
+        el("p", { id: "rank-where" }),
         el("div", { class: "charts" },
            chartBox("rank-loss", "loss of rank " + rank + " (blue) and the ranks' mean (grey)"),
            chartBox("rank-gn", "gradient norm of rank " + rank + " and the ranks' mean (grey)"),
@@ -1029,6 +1030,12 @@
            chartBox("rank-out", "outlier score of rank " + rank + " (threshold " + OUTLIER_THRESHOLD + ")")));
     }
     const st = data.steps, xs = st.map((s) => s.step);
+    // Where in the model: the buckets of the newest step on which the rank was flagged.
+    const where = st.filter((s) => s.deviating_buckets).pop();
+    $("rank-where").textContent = where
+      ? "rank " + rank + " at step " + where.step + ": " + where.deviating_buckets +
+        " (robust z of each bucket's gradient norm against the other ranks)"
+      : "";
     const mean = state.steps.filter((s) => s.step >= first);
     lineChart($("rank-loss"), [
       { xs: mean.map((s) => s.step), ys: mean.map((s) => s.loss_mean), color: "#9aa4ad" },

@@ -15,10 +15,17 @@ The sketcher also tracks which parameters this step has sketched: a parameter se
 second synchronized backward ran before ``mon.step()``, and the step starts over (``reset``, then
 ``on_restart`` for the rest of the monitor's per-step state).
 
+Where in the model: the sketcher also sums each parameter group's squared local gradient norm
+(rankscope._buckets: the groups and their names, fixed at attach), one ``torch._foreach_norm``
+per bucket on the gradient's device (no host copy, no synchronization); ``bucket_norms`` reads
+them at the step. It is one more read of each gradient, beside the sketch's. A failure there
+turns the per-bucket norms off (warned once), never the sketch.
+
 Thread safety: used from the autograd thread while backward runs (``add_bucket``) and from the
 training thread in ``mon.step`` (everything else); the two never overlap.
 """
 
+import bisect
 import time
 import weakref
 from collections.abc import Callable
@@ -26,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from rankscope import _native
+from rankscope._buckets import DEFAULT_MAX_BUCKETS, group_parameters
 from rankscope.fingerprint import SegmentLayout
 from rankscope.torch_sketch import TorchSketch
 
@@ -65,6 +73,7 @@ class BucketSketcher:
         warn_once: Callable,
         on_restart: Callable,
         threads: int = 1,
+        max_buckets: int = DEFAULT_MAX_BUCKETS,
     ):
         self._counters = counters
         self._warn_once = warn_once
@@ -73,14 +82,27 @@ class BucketSketcher:
         self._offset_by_id = {}
         self._offset_by_ptr = {}
         total = 0
-        for _, p in model.module.named_parameters():
+        param_names, param_starts = [], []
+        for name, p in model.module.named_parameters():
             if not p.requires_grad or id(p) in self._offset_by_id:
                 continue
             self._offset_by_id[id(p)] = total
             if p.numel() > 0:
                 self._offset_by_ptr[p.data_ptr()] = total
+                param_names.append(name)
+                param_starts.append(total)
             total += p.numel()
         self.num_coordinates = total
+
+        # Where in the model: the parameter groups (rankscope._buckets), each parameter's group
+        # by its global offset, and per device the step's squared norm of each group.
+        self.bucket_names = []
+        self._param_starts = param_starts
+        self._param_bucket = []
+        if max_buckets > 0 and param_names:
+            self.bucket_names, self._param_bucket = group_parameters(param_names, max_buckets)
+        self._bucket_sq = {}  # device -> float32 tensor, one squared norm per bucket
+        self._norm_index = {}  # bucket index -> (len(grads), kept positions, group indices)
 
         self.dim = dim
         self._seed = seed
@@ -126,6 +148,7 @@ class BucketSketcher:
                 else:
                     self.cpu_sketch.add_plan(plan, entry[0])
                 self._counters["planned_buckets"] += 1
+                self._add_bucket_norms(bucket)
                 return
         else:
             self.plans_final = buckets_are_final(self._ddp_ref())
@@ -143,12 +166,82 @@ class BucketSketcher:
             self._add_on_device(offsets, grads)
             if self.plans_final:
                 self._make_plan(bucket, offsets, grads)
+        self._add_bucket_norms(bucket, offsets, grads)
+
+    def bucket_of_offset(self, offset: int) -> int:
+        """The bucket (index into ``bucket_names``) of the parameter holding global coordinate
+        ``offset``."""
+        return self._param_bucket[bisect.bisect_right(self._param_starts, offset) - 1]
+
+    def _add_bucket_norms(self, bucket, offsets=None, grads=None) -> None:
+        """Adds each gradient's squared norm into its parameter group's (a chunk of a parameter,
+        as FSDP's, counts for the group of the parameter it starts in)."""
+        if not self.bucket_names:
+            return
+        try:
+            if grads is None:
+                grads = bucket.gradients()
+            cached = self._norm_index.get(bucket.index()) if self.plans_final else None
+            if cached is None or cached[0] != len(grads):
+                if offsets is None:
+                    offsets = [self.offset_of(p) for p in bucket.parameters()]
+                keep = [
+                    k
+                    for k, (o, g) in enumerate(zip(offsets, grads))
+                    if o is not None and g.numel() > 0 and not g.is_sparse
+                ]
+                index = None
+                if keep:
+                    index = torch.tensor(
+                        [self.bucket_of_offset(offsets[k]) for k in keep],
+                        dtype=torch.long,
+                        device=grads[keep[0]].device,
+                    )
+                cached = (len(grads), keep, index)
+                if self.plans_final:
+                    self._norm_index[bucket.index()] = cached
+            _, keep, index = cached
+            if not keep:
+                return
+            chosen = [grads[k] for k in keep]
+            norms = torch._foreach_norm(chosen, 2, dtype=torch.float32)
+            acc = self._bucket_sq.get(chosen[0].device)
+            if acc is None:
+                acc = self._bucket_sq[chosen[0].device] = torch.zeros(
+                    len(self.bucket_names), dtype=torch.float32, device=chosen[0].device
+                )
+            acc.index_add_(0, index, torch.stack(norms).square())
+        except Exception as e:  # the norms must never cost the sketch
+            self._counters["bucket_norm_errors"] += 1
+            self._warn_once(
+                "bucket_norms",
+                f"rankscope: per-bucket gradient norms failed ({e!r}); they are off from now on",
+            )
+            self.bucket_names = []
+            self._bucket_sq = {}
+
+    def bucket_sq(self, device):
+        """The step's squared norm per bucket on ``device`` (a tensor), or None."""
+        return self._bucket_sq.get(device) if self.bucket_names else None
+
+    def bucket_norms(self) -> list:
+        """The step's local gradient norm per bucket, on the host (CPU gradients; a model on a
+        device reads them through DeferredReports), or [] when not measured."""
+        if not self.bucket_names or not self._bucket_sq:
+            return []
+        total = None
+        for t in self._bucket_sq.values():
+            t = t.to("cpu")
+            total = t if total is None else total + t
+        return total.sqrt().tolist()
 
     def reset(self) -> None:
         """Empties the sketches and forgets the step's buckets (the next step starts)."""
         self.cpu_sketch.reset()
         for s in self.device_sketches.values():
             s.reset()
+        for t in self._bucket_sq.values():
+            t.zero_()
         self.seen_params.clear()
         self.got_grads = False
         self.t_first_hook = None

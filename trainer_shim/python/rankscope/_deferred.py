@@ -46,6 +46,7 @@ class _Pending:
         "fp_host",
         "fp_present",
         "loss_absent",
+        "buckets",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class _Pending:
         self.step_time = step_time
         self.batch = batch
         self.loss_absent = False
+        self.buckets = None  # float32 squared norm per bucket (host), or None
 
 
 class DeferredReports:
@@ -104,11 +106,13 @@ class DeferredReports:
         step_time,
         batch,
         after_record: Callable[[str], None],
+        bucket_sq=None,
     ) -> None:
         """Starts copying one step's report from ``device``: ``sketch`` (the TorchSketch on
         ``device``, or None), ``cpu_sketch`` (added when not empty: a model split across CPU and
         a device), ``loss`` (a tensor on ``device`` travels in the payload; anything else is
-        read now) and ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``)."""
+        read now), ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``) and
+        ``bucket_sq`` (the squared norm per bucket on ``device``, or None)."""
         payload = torch.empty(dim + 2, dtype=torch.float64, device=device)
         if sketch is not None:
             payload[:dim].copy_(sketch.bins)
@@ -139,7 +143,11 @@ class DeferredReports:
                 fp_payload[1].copy_(param_fp)
             if present[2] is _IN_PAYLOAD:
                 fp_payload[2:].copy_(reduced_ss.to(torch.float64).reshape(1).view(torch.int64))
+        buckets_host = None
         if device.type == "cuda":
+            if bucket_sq is not None:
+                buckets_host = torch.empty(bucket_sq.numel(), dtype=torch.float32, pin_memory=True)
+                buckets_host.copy_(bucket_sq, non_blocking=True)
             host = torch.empty(dim + 2, dtype=torch.float64, pin_memory=True)
             host.copy_(payload, non_blocking=True)
             fp_host = None
@@ -150,10 +158,12 @@ class DeferredReports:
             event.record()
         else:  # no portable event: copied when drained (a later step), which waits there
             host, fp_host, event = payload, fp_payload, None
+            buckets_host = None if bucket_sq is None else bucket_sq.clone()
         pending = _Pending(
             step, host, event, cpu_bins, cpu_ss, loss_value, step_time, batch, fp_host, present
         )
         pending.loss_absent = loss is None  # mon.step() without a loss: a pipeline stage
+        pending.buckets = buckets_host
         self._pending.append(pending)
         if len(self._pending) > MAX_PENDING:
             self._counters["pending_overflow_waits"] += 1
@@ -207,6 +217,9 @@ class DeferredReports:
                 param_fingerprint=fps[1],
                 reduced_grad_norm=fps[2],
                 loss_absent=p.loss_absent,
+                bucket_norms=[]
+                if p.buckets is None
+                else p.buckets.to("cpu", torch.float32).sqrt().tolist(),
             )
             after_record(err)
             self._pending.popleft()

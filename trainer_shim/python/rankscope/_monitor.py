@@ -23,6 +23,7 @@ from rankscope import _native
 from rankscope import fingerprint as _fp
 from rankscope._adapters import FlatBucket, flat
 from rankscope._bucket_sketcher import BucketSketcher
+from rankscope._buckets import DEFAULT_MAX_BUCKETS
 from rankscope._control_agreement import ControlAgreement
 from rankscope._deferred import DeferredReports, host_loss
 from rankscope._options import PARAM_CHECK_EVERY
@@ -57,6 +58,7 @@ class Monitor:
         max_backoff,
         control_margin,
         close_timeout,
+        max_buckets=DEFAULT_MAX_BUCKETS,
     ):
         pg = model.process_group
         self.rank = dist.get_rank(pg)
@@ -70,30 +72,6 @@ class Monitor:
         self._local_batch_size = local_batch_size
         self._warn_after = warn_after
         self._close_timeout = close_timeout
-
-        self._agent = _native.Agent(
-            collector=collector,
-            job=job,
-            rank=self.rank,
-            world_size=self.world_size,
-            sketch_dim=sketch_dim,
-            sketch_seed=sketch_seed,
-            attempt=self.attempt,
-            framework_version=f"torch {torch.__version__}",
-            auth_token=auth_token,
-            queue_capacity=queue_capacity,
-            max_unacked=max_unacked,
-            initial_backoff_s=min(0.1, max_backoff),
-            max_backoff_s=max_backoff,
-            group=group,
-            global_rank=self.global_rank,
-            sketch_encoding=sketch_encoding,
-            **(tls_options or {}),
-        )
-        self.sketch_encoding = sketch_encoding
-        self.instance_id = self._agent.instance_id()
-        # The collector this rank streams to: `collector` itself, or the job's shard of a list.
-        self.collector = self._agent.collector()
 
         self._every = every
         self._enabled = enabled
@@ -125,7 +103,33 @@ class Monitor:
             warn_once,
             on_restart=self._replica.reset,
             threads=sketch_threads,
+            max_buckets=max_buckets,
         )
+        # The hello names the sketcher's parameter groups (Where in the model).
+        self._agent = _native.Agent(
+            collector=collector,
+            job=job,
+            rank=self.rank,
+            world_size=self.world_size,
+            sketch_dim=sketch_dim,
+            sketch_seed=sketch_seed,
+            attempt=self.attempt,
+            framework_version=f"torch {torch.__version__}",
+            auth_token=auth_token,
+            queue_capacity=queue_capacity,
+            max_unacked=max_unacked,
+            initial_backoff_s=min(0.1, max_backoff),
+            max_backoff_s=max_backoff,
+            group=group,
+            global_rank=self.global_rank,
+            sketch_encoding=sketch_encoding,
+            bucket_names=self._sketcher.bucket_names,
+            **(tls_options or {}),
+        )
+        self.sketch_encoding = sketch_encoding
+        self.instance_id = self._agent.instance_id()
+        # The collector this rank streams to: `collector` itself, or the job's shard of a list.
+        self.collector = self._agent.collector()
         self.sketch_threads = sketch_threads
         self.num_coordinates = self._sketcher.num_coordinates
         self._deferred = DeferredReports(self._agent, self.counters)
@@ -372,6 +376,7 @@ class Monitor:
                 if reduced_ss is None
                 else math.sqrt(max(float(reduced_ss), 0.0)),
                 loss_absent=loss is None,
+                bucket_norms=sketcher.bucket_norms(),
             )
             self._after_record(err)
             return
@@ -398,6 +403,7 @@ class Monitor:
             step_time,
             batch,
             self._after_record,
+            bucket_sq=sketcher.bucket_sq(device),
         )
 
     def _after_record(self, err: str) -> None:

@@ -13,7 +13,8 @@ Panels, sharing the step axis:
 3. rank x step heatmap of every rank's consensus cosine (the worst, lowest, value of a cell);
 4. rank x step heatmap of every rank's outlier score (the worst, highest; >= 6 is an outlier);
 5. events on the same rank axis: replica divergence, missing, non-finite, drifting and slow
-   ranks, persistent outliers.
+   ranks, persistent outliers;
+and, under the panels, where in the model the flagged ranks deviate (``where_lines``).
 
 When there are more steps (ranks) than pixels, steps (ranks) are aggregated into columns (rows),
 each cell showing its worst value, so one bad rank in 1,024 stays visible. Where the collector's
@@ -167,6 +168,25 @@ def events(data: dict, grid: "Grid"):
         if int(w.get("replica_bad", 0) or 0) > 0:
             kinds["replica divergent"].update((c, row) for c in cols)
     return kinds
+
+
+def where_lines(data: dict, limit: int = 6) -> list:
+    """Where in the model: for each rank whose rows name deviating buckets (the collector's
+    ``deviating_buckets``), its newest such row, as "rank 5 (step 120): layers.20-23.mlp
+    z=45.1; ...", newest first, at most ``limit`` ranks (and a line counting the rest)."""
+    newest = {}
+    for r in data["ranks"]:
+        text = r.get("deviating_buckets") or r.get("deviatingBuckets") or ""
+        if not text:
+            continue
+        rank, step = int(r.get("rank", 0)), int(r.get("step", 0))
+        if rank not in newest or step > newest[rank][0]:
+            newest[rank] = (step, text)
+    ordered = sorted(newest.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    lines = [f"rank {rank} (step {step}): {text}" for rank, (step, text) in ordered[:limit]]
+    if len(ordered) > limit:
+        lines.append(f"... and {len(ordered) - limit} more ranks")
+    return lines
 
 
 def _say(ax, text: str) -> None:
@@ -364,6 +384,17 @@ def plot(data: dict, job: str, output: str) -> None:
         a.grid(alpha=0.3)
     # Fixed margins (not tight_layout): room on the right for the twin axes, the colour bars and
     # the events legend, the same for every panel.
+    where = where_lines(data)
+    if where:
+        fig.text(
+            0.07,
+            0.005,
+            "where in the model (robust z of each parameter group's gradient norm): "
+            + " | ".join(where),
+            fontsize=8,
+            va="bottom",
+            wrap=True,
+        )
     fig.subplots_adjust(left=0.07, right=0.80, top=0.96, bottom=0.04, hspace=0.25)
     fig.savefig(output, dpi=100)
     plt.close(fig)

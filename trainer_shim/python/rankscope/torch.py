@@ -65,6 +65,7 @@ import torch.distributed as dist
 from rankscope import _native, frameworks
 from rankscope import tls as _tls
 from rankscope._adapters import SelfReduced
+from rankscope._buckets import DEFAULT_MAX_BUCKETS
 from rankscope._ddp_hook import HookState, rankscope_comm_hook
 from rankscope.frameworks._local_grads import refuse
 from rankscope._monitor import Monitor
@@ -114,6 +115,7 @@ def attach(
     sketch_encoding: str | None = None,
     sketch_threads: int | None = None,
     accumulate_local_grad: bool | None = None,
+    max_buckets: int = DEFAULT_MAX_BUCKETS,
 ) -> "Monitor":
     """Attaches rankscope to a DistributedDataParallel model; call it on every rank at the same
     point of training (before the first step, or after any number of steps).
@@ -185,6 +187,9 @@ def attach(
         the gradients per rank). True: from the first step; False: never (such steps are not
         reported); None (default): from the step after the first such step (that one is not
         reported). One reduction a step needs no copy.
+      max_buckets: where in the model: the most parameter groups whose local gradient norms
+        every report carries (4 bytes each), named from the parameters' names in the hello
+        (``layers.20-23.mlp``; docs/shim.md "Where in the model"); 0 sends none.
     Returns:
       the Monitor; call ``mon.step(loss)`` once per optimizer step. For a framework object in a
       mode rankscope cannot watch exactly (FSDP1 HYBRID_SHARD, DDP's python_reducer, a torch
@@ -273,6 +278,7 @@ def attach(
         max_backoff=float(max_backoff),
         control_margin=float(control_margin),
         close_timeout=float(close_timeout),
+        max_buckets=int(max_buckets),
     )
     if self_reduced:  # the trainer hands over its gradients (Monitor.local_gradient)
         _ATTACHED[key] = monitor
