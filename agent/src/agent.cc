@@ -134,6 +134,15 @@ absl::Status AgentImpl::Record(const StepReport& report) {
                                                      " values, agent uses sketch_dim ",
                                                      options_.sketch_dim));
     }
+    if (!report.reduced_sketch.empty() &&
+        (report.reduced_sketch.size() != report.sketch.size() ||
+         report.reduced_grad_mantissa_bits < 1 || report.reduced_grad_mantissa_bits > 53)) {
+      ++stats_.invalid;
+      return absl::InvalidArgumentError(
+          absl::StrCat("reduced_sketch has ", report.reduced_sketch.size(),
+                       " values and mantissa bits ", report.reduced_grad_mantissa_bits,
+                       "; the sketch has ", report.sketch.size(), " and bits must be in [1, 53]"));
+    }
     if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;
       --outstanding_;

@@ -63,6 +63,10 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
   if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
   r->set_local_batch_size(q.local_batch_size);
   r->set_loss_absent(q.loss_absent);
+  if (!q.reduced_sketch.empty()) {
+    r->mutable_reduced_sketch()->Add(q.reduced_sketch.begin(), q.reduced_sketch.end());
+    r->set_reduced_grad_mantissa_bits(q.reduced_grad_mantissa_bits);
+  }
   return msg;
 }
 

@@ -28,6 +28,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collector/analysis/aggregation_integrity.h"
 #include "collector/analysis/duplicate_ranks.h"
 #include "collector/analysis/rank_cusum.h"
 #include "collector/analysis/rank_diagnostics.h"
@@ -64,7 +65,13 @@ struct AnalyzedStep {
   // sorted.
   std::vector<uint32_t> drifting_ranks;
   std::vector<uint32_t> slow_ranks;
+  // Aggregation integrity (aggregation_integrity.h), when a rank sent the reduced sketch.
+  AggregationVerdict integrity;
 };
+
+// The aggregation check of a joined step: the reduced sketch of its lowest rank that sent one
+// against every rank's local sketch (unchecked when none sent one or a rank is missing).
+AggregationVerdict CheckStepAggregation(const JoinedStep& step);
 
 // The statistics of a joined step; direction consistency and consensus cosines are NaN when its
 // reports' sketches differ in length.

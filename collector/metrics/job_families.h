@@ -55,6 +55,10 @@ enum JobFamily : size_t {
   kRankSlowScore,
   kDriftingRanks,
   kSlowRanks,
+  kIntegrityChecksTotal,
+  kIntegrityFailedStepsTotal,
+  kIntegrityErrorRatio,
+  kIntegritySuspectRank,
   kJobFamilyCount,
 };
 
@@ -209,6 +213,22 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kSlowRanks, "rankscope_slow_ranks",
      "Ranks whose step-time CUSUM was above its threshold at the latest step "
      "(step_stats.slow_ranks): stragglers.",
+     prometheus::MetricType::Gauge},
+    {kIntegrityChecksTotal, "rankscope_integrity_checks_total",
+     "Steps whose reduced-gradient sketch was compared with the mean of the ranks' local "
+     "sketches (aggregation integrity).",
+     prometheus::MetricType::Counter},
+    {kIntegrityFailedStepsTotal, "rankscope_integrity_failed_steps_total",
+     "Checked steps whose reduced gradient differed from the mean of the local gradients beyond "
+     "the arithmetic's tolerance: a wrong all-reduce (step_stats.integrity_fault).",
+     prometheus::MetricType::Counter},
+    {kIntegrityErrorRatio, "rankscope_integrity_error_ratio",
+     "||reduced sketch - mean of local sketches|| over its tolerance at the latest checked step; "
+     "above 1 the step is flagged.",
+     prometheus::MetricType::Gauge},
+    {kIntegritySuspectRank, "rankscope_integrity_suspect_rank",
+     "The rank whose contribution the latest failed check found missing, doubled or corrupted "
+     "(labelled with the fault); absent when no rank was named.",
      prometheus::MetricType::Gauge},
 };
 

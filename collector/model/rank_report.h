@@ -33,6 +33,10 @@ struct RankReport {
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;
+  // Aggregation integrity: the reduced gradient's sketch (float32, empty unless this rank checks
+  // this step) and the precision of the dtype its reduction ran in.
+  std::vector<float> reduced_sketch;
+  uint32_t reduced_grad_mantissa_bits = 0;
   // Everyone to acknowledge once this report is stored (a resend over a new stream adds one).
   std::vector<AckHandle> acks;
 

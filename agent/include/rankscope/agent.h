@@ -102,6 +102,10 @@ struct StepReport {
   uint32_t local_batch_size = 0;
   // No loss this step (a pipeline stage before the last): `loss` is ignored, never flagged.
   bool loss_absent = false;
+  // Aggregation integrity: the count sketch of the reduced gradient (empty, or as long as
+  // `sketch`), sent in float32, and the precision of the dtype the reduction ran in.
+  absl::Span<const float> reduced_sketch;
+  uint32_t reduced_grad_mantissa_bits = 0;
 };
 
 struct AgentStats {
