@@ -386,7 +386,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 5);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 6);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
