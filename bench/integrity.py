@@ -120,7 +120,8 @@ def clean_steps(args) -> dict:
     import shim_harness
 
     per_combo = args.steps // (len(DTYPES) * len(ENCODINGS))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.keep) as tmp:
+        print(f"collector database under {tmp}", flush=True)
         proc, address, db = start_collector(
             Path(args.build) / "bin" / "rankscope-collector", Path(tmp)
         )
@@ -219,6 +220,7 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip-clean", action="store_true")
+    p.add_argument("--keep", help="make the collector's database in this directory (default: /tmp)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     results = {"cost": cost(args)}
