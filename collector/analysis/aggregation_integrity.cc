@@ -152,20 +152,28 @@ AggregationVerdict CheckAggregation(absl::Span<const IntegrityInput> locals,
     if (!std::isfinite(f)) return v;
   }
   const double inv_w = 1.0 / static_cast<double>(world_size);
-  // The decoded local sketches (kept for the regression), their mean and the encodings' bound.
-  std::vector<double> values(locals.size() * k);
+  // One streaming pass over the local sketches: their mean and the encodings' bound per bin.
   std::vector<double> mean(k, 0.0), enc_var(k, 0.0);
   double sum_norm_sq = 0.0;
-  for (size_t r = 0; r < locals.size(); ++r) {
-    const SketchView& x = locals[r].sketch;
-    double* row = &values[r * k];
-    for (size_t b = 0; b < k; ++b) {
-      row[b] = x.Value(b);
-      mean[b] += row[b];
-      const double d = EncodingBound(x.encoding, row[b], x.scale);
-      enc_var[b] += d * d;
+  for (const IntegrityInput& in : locals) {
+    const SketchView& x = in.sketch;
+    if (x.encoding == SketchEncoding::kFloat32) {
+      const absl::Span<const float> f = x.floats();
+      for (size_t b = 0; b < k; ++b) {
+        const double v = f[b];
+        mean[b] += v;
+        enc_var[b] += kFloat32Half * kFloat32Half * v * v;
+      }
+    } else {
+      const std::vector<double> row = DecodeSketch(x);  // one dispatch on the encoding
+      for (size_t b = 0; b < k; ++b) {
+        const double v = row[b];
+        mean[b] += v;
+        const double d = EncodingBound(x.encoding, v, x.scale);
+        enc_var[b] += d * d;
+      }
     }
-    sum_norm_sq += locals[r].grad_norm * locals[r].grad_norm;
+    sum_norm_sq += in.grad_norm * in.grad_norm;
   }
   double diff_sq = 0.0, mean_sq = 0.0, reduced_sq = 0.0, v_enc = 0.0;
   for (size_t b = 0; b < k; ++b) {
@@ -191,6 +199,13 @@ AggregationVerdict CheckAggregation(absl::Span<const IntegrityInput> locals,
   if (!v.flagged) return v;
   v.fault = AggregationFault::kSum;
   if (world_size <= kIntegrityMaxRegressionRanks && world_size < k) {
+    // The decoded local sketches, row by rank (a flagged step only).
+    std::vector<double> values;
+    values.reserve(locals.size() * k);
+    for (const IntegrityInput& in : locals) {
+      const std::vector<double> row = DecodeSketch(in.sketch);
+      values.insert(values.end(), row.begin(), row.end());
+    }
     Regress(locals, values, reduced, &v);
   }
   return v;
