@@ -14,6 +14,9 @@
 //   BM_JoinerMemory/W/open_steps/bytes/encoding: heap bytes per rank-step the joiner holds for open
 //   steps whose sketches take `bytes` in each encoding (so k = bytes / bytes-per-bin).
 //   BM_OutlierScores/W: ComputeOutlierScores (three medians and MADs) over W ranks.
+//   BM_AggregationCheck/W/k/encoding/fault: CheckAggregation (aggregation_integrity.h) of one
+//   step whose reduced sketch is the mean of the W local sketches (fault 0: the clean step's
+//   O(W k) comparison) or misses rank 0's contribution (fault 1: flagged, plus the regression).
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "collector/analysis/aggregation_integrity.h"
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/step_stats.h"
 #include "collector/pipeline/step_joiner.h"
@@ -229,6 +233,31 @@ BENCHMARK(BM_StepStatisticsIsa)
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK(BM_OutlierScores)->Arg(1024)->Unit(benchmark::kMicrosecond);
+
+void BM_AggregationCheck(benchmark::State& state) {
+  const size_t w = static_cast<size_t>(state.range(0));
+  const size_t k = static_cast<size_t>(state.range(1));
+  const auto encoding = static_cast<SketchEncoding>(state.range(2));
+  const Step step = MakeStep(w, k, 7, encoding);
+  std::vector<IntegrityInput> locals;
+  for (const RankSample& s : step.samples) locals.push_back({s.rank, s.sketch, s.grad_norm});
+  std::vector<double> mean(k, 0.0);
+  for (size_t r = state.range(3) != 0 ? 1 : 0; r < w; ++r) {
+    for (size_t b = 0; b < k; ++b) mean[b] += step.samples[r].sketch.Value(b);
+  }
+  std::vector<float> reduced(k);
+  for (size_t b = 0; b < k; ++b) reduced[b] = static_cast<float>(mean[b] / static_cast<double>(w));
+  for (auto _ : state) {
+    AggregationVerdict v =
+        CheckAggregation(locals, reduced, 0, static_cast<uint32_t>(w), /*mantissa_bits=*/24);
+    benchmark::DoNotOptimize(v.error);
+  }
+}
+// 1,024 ranks: the clean step (every encoding) and a flagged one (the regression, W <= 256).
+BENCHMARK(BM_AggregationCheck)
+    ->ArgsProduct({{1024}, {1024}, {0, 1, 2}, {0}})
+    ->Args({256, 1024, 0, 1})
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace rankscope::collector

@@ -145,6 +145,15 @@ absl::Status AgentImpl::Record(const StepReport& report) {
           absl::StrCat("bucket_norms has ", report.bucket_norms.size(), " values, the agent names ",
                        options_.bucket_names.size(), " buckets"));
     }
+    if (!report.reduced_sketch.empty() &&
+        (report.reduced_sketch.size() != report.sketch.size() ||
+         report.reduced_grad_mantissa_bits < 1 || report.reduced_grad_mantissa_bits > 53)) {
+      ++stats_.invalid;
+      return absl::InvalidArgumentError(
+          absl::StrCat("reduced_sketch has ", report.reduced_sketch.size(),
+                       " values and mantissa bits ", report.reduced_grad_mantissa_bits,
+                       "; the sketch has ", report.sketch.size(), " and bits must be in [1, 53]"));
+    }
     if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;
       --outstanding_;

@@ -33,6 +33,8 @@ bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
   slot.reduced_grad_norm = report.reduced_grad_norm;
   slot.step_time_seconds = report.step_time_seconds;
   slot.local_batch_size = report.local_batch_size;
+  slot.reduced_sketch.assign(report.reduced_sketch.begin(), report.reduced_sketch.end());
+  slot.reduced_grad_mantissa_bits = report.reduced_grad_mantissa_bits;
   slot.recorded_unix_nanos = recorded_unix_nanos;
   ++size_;
   return dropped;

@@ -30,6 +30,8 @@ struct QueuedReport {
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;
+  std::vector<float> reduced_sketch;  // empty on most steps
+  uint32_t reduced_grad_mantissa_bits = 0;
   int64_t recorded_unix_nanos = 0;
 };
 

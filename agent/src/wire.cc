@@ -65,6 +65,10 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
   r->set_local_batch_size(q.local_batch_size);
   r->set_loss_absent(q.loss_absent);
   r->mutable_bucket_norms()->Add(q.bucket_norms.begin(), q.bucket_norms.end());
+  if (!q.reduced_sketch.empty()) {
+    r->mutable_reduced_sketch()->Add(q.reduced_sketch.begin(), q.reduced_sketch.end());
+    r->set_reduced_grad_mantissa_bits(q.reduced_grad_mantissa_bits);
+  }
   return msg;
 }
 

@@ -114,6 +114,20 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   return d;
 }
 
+AggregationVerdict CheckStepAggregation(const JoinedStep& step) {
+  const RankReport* sender = nullptr;
+  for (const RankReport& r : step.reports) {
+    if (!r.reduced_sketch.empty() && (sender == nullptr || r.rank < sender->rank)) sender = &r;
+  }
+  if (sender == nullptr) return {};
+  std::vector<IntegrityInput> locals;
+  locals.reserve(step.reports.size());
+  for (const RankReport& r : step.reports)
+    locals.push_back({r.rank, r.SketchValues(), r.grad_norm});
+  return CheckAggregation(locals, sender->reduced_sketch, sender->rank, step.world_size,
+                          sender->reduced_grad_mantissa_bits);
+}
+
 AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   AnalyzedStep out;
   bool same_dim = true;
@@ -203,6 +217,7 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
       out.keep_bucket_norms[i] = flagged || step.step % kBucketSampleEvery == 0;
     }
   }
+  out.integrity = CheckStepAggregation(step);
   return out;
 }
 
@@ -261,6 +276,14 @@ StepWrite StepRows(const JoinedStep& step, AnalyzedStep analyzed, absl::Time com
   row.duplicate_groups = FormatDuplicateGroups(analyzed.duplicates);
   row.drifting_ranks = std::move(analyzed.drifting_ranks);
   row.slow_ranks = std::move(analyzed.slow_ranks);
+  const AggregationVerdict& integrity = analyzed.integrity;
+  if (integrity.checked) {
+    row.integrity_error_ratio = integrity.error / integrity.tolerance;
+    row.integrity_relative_error = integrity.relative_error;
+    row.integrity_fault = AggregationFaultName(integrity.fault);
+    row.integrity_rank = integrity.suspect_rank;
+    if (integrity.suspect_rank) row.integrity_weight = integrity.suspect_weight;
+  }
   w.stats = std::move(row);
   const uint32_t join_size = static_cast<uint32_t>(step.reports.size());
   w.ranks.reserve(step.reports.size());

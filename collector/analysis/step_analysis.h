@@ -28,6 +28,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collector/analysis/aggregation_integrity.h"
 #include "collector/analysis/bucket_scores.h"
 #include "collector/analysis/duplicate_ranks.h"
 #include "collector/analysis/rank_cusum.h"
@@ -76,11 +77,17 @@ struct AnalyzedStep {
   // The most deviating bucket of each such rank, by name (what Prometheus exports); name empty
   // when none.
   std::vector<std::pair<std::string, double>> top_bucket;
+  // Aggregation integrity (aggregation_integrity.h), when a rank sent the reduced sketch.
+  AggregationVerdict integrity;
 };
 
 // Every rank's per-bucket norms are kept on the steps that are multiples of this (a healthy
 // baseline beside the flagged rows); on other steps only flagged ranks keep theirs.
 inline constexpr uint64_t kBucketSampleEvery = 100;
+
+// The aggregation check of a joined step: the reduced sketch of its lowest rank that sent one
+// against every rank's local sketch (unchecked when none sent one or a rank is missing).
+AggregationVerdict CheckStepAggregation(const JoinedStep& step);
 
 // The statistics of a joined step; direction consistency and consensus cosines are NaN when its
 // reports' sketches differ in length.

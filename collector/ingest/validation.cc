@@ -202,6 +202,16 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                       " values, job ", hello.job(), " uses sketch_dim ", dims.base_dim)),
                   RejectReason::kSketchLength);
   }
+  if (report.reduced_sketch_size() != 0 &&
+      (static_cast<uint64_t>(report.reduced_sketch_size()) != dim ||
+       report.reduced_grad_mantissa_bits() < 1 || report.reduced_grad_mantissa_bits() > 53)) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "reduced_sketch of step ", report.step(), " has ",
+                      report.reduced_sketch_size(), " values and reduced_grad_mantissa_bits ",
+                      report.reduced_grad_mantissa_bits(), "; job ", hello.job(), "'s report has ",
+                      dim, " sketch bins, and the bits must be in [1, 53]")),
+                  RejectReason::kSketchLength);
+  }
   return {};
 }
 

@@ -56,6 +56,11 @@ enum JobFamily : size_t {
   kDriftingRanks,
   kSlowRanks,
   kRankDeviatingBucket,
+     prometheus::MetricType::Gauge},
+  kIntegrityChecksTotal,
+  kIntegrityFailedStepsTotal,
+  kIntegrityErrorRatio,
+  kIntegritySuspectRank,
   kJobFamilyCount,
 };
 
@@ -215,6 +220,22 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
      "Where in the model: for a flagged rank with per-rank series, the robust z of its local "
      "gradient norm in the parameter group (label bucket, e.g. layers.20-23.mlp) that deviates "
      "most from the other ranks' (one series per rank; NaN for a non-finite norm).",
+     prometheus::MetricType::Gauge},
+    {kIntegrityChecksTotal, "rankscope_integrity_checks_total",
+     "Steps whose reduced-gradient sketch was compared with the mean of the ranks' local "
+     "sketches (aggregation integrity).",
+     prometheus::MetricType::Counter},
+    {kIntegrityFailedStepsTotal, "rankscope_integrity_failed_steps_total",
+     "Checked steps whose reduced gradient differed from the mean of the local gradients beyond "
+     "the arithmetic's tolerance: a wrong all-reduce (step_stats.integrity_fault).",
+     prometheus::MetricType::Counter},
+    {kIntegrityErrorRatio, "rankscope_integrity_error_ratio",
+     "||reduced sketch - mean of local sketches|| over its tolerance at the latest checked step; "
+     "above 1 the step is flagged.",
+     prometheus::MetricType::Gauge},
+    {kIntegritySuspectRank, "rankscope_integrity_suspect_rank",
+     "The rank whose contribution the latest failed check found missing, doubled or corrupted "
+     "(labelled with the fault); absent when no rank was named.",
      prometheus::MetricType::Gauge},
 };
 

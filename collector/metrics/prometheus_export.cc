@@ -220,6 +220,16 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   state.has_sequential = !step.extras.empty();
   state.drifting_ranks = static_cast<uint32_t>(step.drifting_ranks.size());
   state.slow_ranks = static_cast<uint32_t>(step.slow_ranks.size());
+  if (step.integrity != nullptr && step.integrity->checked) {
+    const AggregationVerdict& v = *step.integrity;
+    ++state.integrity_checks_total;
+    state.integrity_error_ratio = v.error / v.tolerance;
+    if (v.flagged) {
+      ++state.integrity_failed_total;
+      state.integrity_suspect = v.suspect_rank;
+      state.integrity_fault = AggregationFaultName(v.fault);
+    }
+  }
   if (step.duplicate_ranks > 0) ++state.duplicate_steps_total;
   state.outlier_ranks_latest = step.outlier_ranks;
   if (step.replica_checked) state.replica_divergent_checked = !step.replica_divergent_ranks.empty();
@@ -366,6 +376,16 @@ void JobMetrics::AddJobSeries(const std::string& key, const JobState& state, abs
         std::isnan(worst.replica_divergent) ? 0.0 : worst.replica_divergent);
     add(kReplicaChecksTotal, static_cast<double>(state.replica_checks_total));
     add(kReplicaDivergentStepsTotal, static_cast<double>(state.replica_divergent_steps_total));
+  }
+  if (state.integrity_checks_total > 0) {
+    add(kIntegrityChecksTotal, static_cast<double>(state.integrity_checks_total));
+    add(kIntegrityFailedStepsTotal, static_cast<double>(state.integrity_failed_total));
+    add(kIntegrityErrorRatio, state.integrity_error_ratio);
+    if (state.integrity_suspect) {
+      std::vector<ClientMetric::Label> labels = job_labels;
+      labels.push_back({"fault", state.integrity_fault});
+      AddSample(families[kIntegritySuspectRank], std::move(labels), *state.integrity_suspect);
+    }
   }
   AddRankSeries(key, state, now, families);
 }

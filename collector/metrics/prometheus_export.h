@@ -66,6 +66,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collector/analysis/aggregation_integrity.h"
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/step_stats.h"
 #include "collector/metrics/spike_window.h"
@@ -111,6 +112,8 @@ struct ExportedStep {
   // Where in the model: per rank (same order as per_rank; empty: none), the name and robust z
   // of the bucket that carries most of a flagged rank's deviation (bucket_scores.h).
   absl::Span<const std::pair<std::string, double>> top_bucket;
+  // Aggregation integrity (aggregation_integrity.h): nullptr when the step was not checked.
+  const AggregationVerdict* integrity = nullptr;
 };
 
 // Who an agent is, as its hello stated (rankscope_rank_info).
@@ -166,6 +169,10 @@ class JobMetrics : public prometheus::Collectable {
   //     its threshold, capped as above) and rankscope_drifting_ranks, rankscope_slow_ranks
   //     {train_job} (ranks above it at the latest step: the CUSUM keeps a rank named for many
   //     steps, so no spike window is needed);
+  //   aggregation integrity (once a step was checked): rankscope_integrity_checks_total,
+  //     rankscope_integrity_failed_steps_total {train_job} (counters),
+  //     rankscope_integrity_error_ratio{train_job} (latest checked step) and
+  //     rankscope_integrity_suspect_rank{train_job,fault} (the rank the latest failed check named);
   //   who: rankscope_rank_info{train_job,rank,global_rank,host,version} 1 for each rank with
   //     per-rank series above (top, missing, replica-divergent ranks) whose identity is known.
   //   groups: a key "JOB/GROUP" (common/job_name.h) is exported as {train_job=JOB, group=GROUP};
@@ -210,6 +217,11 @@ class JobMetrics : public prometheus::Collectable {
     bool has_sequential = false;  // the latest step carried RankExtras
     uint32_t drifting_ranks = 0;
     uint32_t slow_ranks = 0;
+    uint64_t integrity_checks_total = 0;
+    uint64_t integrity_failed_total = 0;
+    double integrity_error_ratio = std::numeric_limits<double>::quiet_NaN();
+    std::optional<uint32_t> integrity_suspect;  // of the latest failed check
+    std::string integrity_fault;                // of the latest failed check
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank

@@ -35,6 +35,10 @@ struct RankReport {
   uint32_t local_batch_size = 0;
   // The local gradient's norm per bucket the hello names (Hello.bucket_names), or empty.
   std::vector<float> bucket_norms;
+  // Aggregation integrity: the reduced gradient's sketch (float32, empty unless this rank checks
+  // this step) and the precision of the dtype its reduction ran in.
+  std::vector<float> reduced_sketch;
+  uint32_t reduced_grad_mantissa_bits = 0;
   // Everyone to acknowledge once this report is stored (a resend over a new stream adds one).
   std::vector<AckHandle> acks;
 

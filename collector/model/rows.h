@@ -79,6 +79,15 @@ struct StepRow : StepSummary {
   // gradient norm, consensus cosine) and slow (step time). Schema version 4.
   std::vector<uint32_t> drifting_ranks;
   std::vector<uint32_t> slow_ranks;
+  // Aggregation integrity (collector/analysis/aggregation_integrity.h), present when a rank sent
+  // the reduced gradient's sketch: ||s - m|| / tolerance (> 1: flagged), ||s - m|| / ||s||, the
+  // fault ("" clean, "sum", "missing", "doubled", "scaled", "corrupted"), the rank named and its
+  // W * weight. Schema version 6.
+  std::optional<double> integrity_error_ratio;
+  std::optional<double> integrity_relative_error;
+  std::string integrity_fault;
+  std::optional<uint32_t> integrity_rank;
+  std::optional<double> integrity_weight;
 };
 
 // A rank row with its step (range queries).

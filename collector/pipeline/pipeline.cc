@@ -55,6 +55,10 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();
   out.local_batch_size = r.local_batch_size();
   out.bucket_norms.assign(r.bucket_norms().begin(), r.bucket_norms().end());
+  if (r.reduced_sketch_size() > 0) {
+    out.reduced_sketch.assign(r.reduced_sketch().begin(), r.reduced_sketch().end());
+    out.reduced_grad_mantissa_bits = r.reduced_grad_mantissa_bits();
+  }
   out.acks.push_back(std::move(ack));
   return out;
 }
@@ -483,6 +487,7 @@ StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer
   exported.drifting_ranks = analyzed.drifting_ranks;
   exported.slow_ranks = analyzed.slow_ranks;
   exported.top_bucket = analyzed.top_bucket;
+  if (analyzed.integrity.checked) exported.integrity = &analyzed.integrity;
   metrics_->OnStep(js.job, exported);
 
   absl::Time last_received = absl::InfinitePast();

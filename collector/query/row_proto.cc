@@ -1,6 +1,7 @@
 #include "collector/query/row_proto.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +45,14 @@ void FillStepStats(const StepRow& row, v1::StepStats* s) {
   s->set_duplicate_groups(row.duplicate_groups);
   s->mutable_drifting_ranks()->Add(row.drifting_ranks.begin(), row.drifting_ranks.end());
   s->mutable_slow_ranks()->Add(row.slow_ranks.begin(), row.slow_ranks.end());
+  if (row.integrity_error_ratio) {
+    s->set_integrity_checked(true);
+    s->set_integrity_error_ratio(*row.integrity_error_ratio);
+    s->set_integrity_relative_error(row.integrity_relative_error.value_or(std::nan("")));
+    s->set_integrity_fault(row.integrity_fault);
+    if (row.integrity_rank) s->set_integrity_rank(*row.integrity_rank);
+    if (row.integrity_weight) s->set_integrity_weight(*row.integrity_weight);
+  }
 }
 
 void FillRankStep(const StepRankRow& in, v1::RankStep* out) {

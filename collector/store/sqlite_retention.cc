@@ -44,17 +44,18 @@ int64_t ClampStep(uint64_t step) {
 
 // Flagged rank rows outlive the per-rank retention (DESIGN.md "Storage lifecycle"): the row of a
 // rank that was non-finite, scored as an outlier or failed its replica check at that step, or
-// that its step's step_stats names as a (persistent) outlier, divergent, drifting or slow rank.
-// The other rows of a flagged step are downsampled like any (the step's statistics stay in
-// step_stats): keeping whole steps would keep every row of a job with one chronic straggler.
-// Missing ranks have no row to keep; step_stats.missing_ranks names them.
-// ?1 job, ?4 outlier threshold; evaluated on a rank_steps row.
+// that its step's step_stats names as a (persistent) outlier, divergent, drifting or slow rank, or
+// as the rank the aggregation check named. The other rows of a flagged step are downsampled like
+// any (the step's statistics stay in step_stats): keeping whole steps would keep every row of a job
+// with one chronic straggler. Missing ranks have no row to keep; step_stats.missing_ranks names
+// them. ?1 job, ?4 outlier threshold; evaluated on a rank_steps row.
 constexpr char kRowIsFlagged[] = R"sql(
   (rank_steps.nonfinite <> 0 OR coalesce(rank_steps.outlier_score >= ?4, 0) OR
    coalesce(rank_steps.replica_ok = 0, 0) OR
    EXISTS (SELECT 1 FROM step_stats s WHERE s.job = ?1 AND s.step = rank_steps.step AND
      instr(',' || s.outlier_ranks || ',' || s.replica_divergent_ranks || ',' ||
-           s.drifting_ranks || ',' || s.slow_ranks || ',', ',' || rank_steps.rank || ',') > 0))
+           s.drifting_ranks || ',' || s.slow_ranks || ',' || coalesce(s.integrity_rank, '') ||
+           ',', ',' || rank_steps.rank || ',') > 0))
 )sql";
 
 // The rank_steps columns a window summarises as count, sum, min and max (rank_windows.h).

@@ -91,6 +91,11 @@ CREATE TABLE IF NOT EXISTS step_stats(
   duplicate_groups TEXT NOT NULL DEFAULT '',  -- "0,2;1,3": ranks with identical gradients
   drifting_ranks TEXT NOT NULL DEFAULT '',    -- "1,5": data-drift CUSUM above h (rank_cusum.h)
   slow_ranks TEXT NOT NULL DEFAULT '',        -- "3": step-time CUSUM above h
+  integrity_error_ratio REAL,     -- ||s - m|| / tolerance (aggregation_integrity.h); NULL: unchecked
+  integrity_relative_error REAL,  -- ||s - m|| / ||s||
+  integrity_fault TEXT NOT NULL DEFAULT '',  -- "", "sum", "missing", "doubled", "scaled", ...
+  integrity_rank INTEGER,         -- the rank named, NULL: none
+  integrity_weight REAL,          -- its W * weight in the reduction (1 expected)
   PRIMARY KEY(job, step)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS rank_windows(
   job TEXT NOT NULL,
@@ -140,6 +145,13 @@ const std::vector<Migration>& Migrations() {
        {"ALTER TABLE rank_steps ADD COLUMN deviating_buckets TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE rank_steps ADD COLUMN bucket_norms BLOB",
         "ALTER TABLE rank_steps ADD COLUMN bucket_z BLOB"}},
+      // 7: aggregation integrity (collector/analysis/aggregation_integrity.h).
+      {7,
+       {"ALTER TABLE step_stats ADD COLUMN integrity_error_ratio REAL",
+        "ALTER TABLE step_stats ADD COLUMN integrity_relative_error REAL",
+        "ALTER TABLE step_stats ADD COLUMN integrity_fault TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE step_stats ADD COLUMN integrity_rank INTEGER",
+        "ALTER TABLE step_stats ADD COLUMN integrity_weight REAL"}},
   };
   return *kMigrations;
 }

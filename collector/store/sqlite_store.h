@@ -96,7 +96,10 @@ class SqliteStore {
   // The schema this build writes (PRAGMA user_version).
   // 1: the first release. 2: step_stats.duplicate_groups. 3: jobs.attempt.
   // 4: step_stats.drifting_ranks, slow_ranks. 5: rank_windows, downsampled, auto_vacuum.
-  static constexpr int kSchemaVersion = 6;
+  // 6: rank_steps.deviating_buckets, bucket_norms, bucket_z (where in the model).
+  // 7: step_stats.integrity_error_ratio, integrity_relative_error, integrity_fault,
+  // integrity_rank, integrity_weight (aggregation integrity).
+  static constexpr int kSchemaVersion = 7;
 
   // Opens (creating if needed) the database at `path`, enables WAL and creates the schema.
   // Errors carry the path and SQLite's message:

@@ -46,11 +46,12 @@ namespace {
   "grad_cosine_n, grad_cosine_sum, grad_cosine_min, grad_cosine_max, outlier_score_n, "  \
   "outlier_score_sum, outlier_score_min, outlier_score_max, nonfinite, outliers, replica_bad"
 
-#define RANKSCOPE_STEP_COLUMNS                                                                    \
-  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "           \
-  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, "       \
-  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups, " \
-  "drifting_ranks, slow_ranks"
+#define RANKSCOPE_STEP_COLUMNS                                                                     \
+  "step, attempt, ranks, world_size, loss_mean, loss_std, loss_range, grad_norm_mean, "            \
+  "grad_norm_std, grad_norm_cv, grad_cosine_mean, missing_ranks, timed_out, completed_at, "        \
+  "grad_noise_scale, replica_checked, replica_divergent_ranks, outlier_ranks, duplicate_groups, "  \
+  "drifting_ranks, slow_ranks, integrity_error_ratio, integrity_relative_error, integrity_fault, " \
+  "integrity_rank, integrity_weight"
 
 constexpr char kListJobs[] =
     "SELECT job, world_size, sketch_dim, sketch_seed, first_seen, last_seen, last_step, attempt "
@@ -136,6 +137,11 @@ bool ReadStepRow(sqlite3_stmt* stmt, StepRow* row) {
   row->replica_checked = ColumnInt(stmt, 15) != 0;
   row->duplicate_groups = ColumnText(stmt, 18);
   row->missing_ranks = ColumnText(stmt, 11);
+  row->integrity_error_ratio = ColumnOptionalDouble(stmt, 21);
+  row->integrity_relative_error = ColumnOptionalDouble(stmt, 22);
+  row->integrity_fault = ColumnText(stmt, 23);
+  if (sqlite3_column_type(stmt, 24) != SQLITE_NULL) row->integrity_rank = ColumnU32(stmt, 24);
+  row->integrity_weight = ColumnOptionalDouble(stmt, 25);
   RankRanges missing;
   return ParseRankRanges(row->missing_ranks, &missing) &&
          ParseRanks(ColumnText(stmt, 16), &row->replica_divergent_ranks) &&

@@ -88,9 +88,11 @@ INSERT INTO step_stats(job, step, attempt, ranks, world_size, loss_mean, loss_st
                        grad_norm_mean, grad_norm_std, grad_norm_cv, grad_cosine_mean,
                        missing_ranks, timed_out, completed_at, grad_noise_scale,
                        replica_checked, replica_divergent_ranks, outlier_ranks,
-                       duplicate_groups, drifting_ranks, slow_ranks)
+                       duplicate_groups, drifting_ranks, slow_ranks, integrity_error_ratio,
+                       integrity_relative_error, integrity_fault, integrity_rank,
+                       integrity_weight)
 VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
-       ?21, ?22)
+       ?21, ?22, ?23, ?24, ?25, ?26, ?27)
 ON CONFLICT(job, step) DO UPDATE SET
   attempt = excluded.attempt,
   ranks = excluded.ranks,
@@ -111,7 +113,12 @@ ON CONFLICT(job, step) DO UPDATE SET
   outlier_ranks = excluded.outlier_ranks,
   duplicate_groups = excluded.duplicate_groups,
   drifting_ranks = excluded.drifting_ranks,
-  slow_ranks = excluded.slow_ranks
+  slow_ranks = excluded.slow_ranks,
+  integrity_error_ratio = excluded.integrity_error_ratio,
+  integrity_relative_error = excluded.integrity_relative_error,
+  integrity_fault = excluded.integrity_fault,
+  integrity_rank = excluded.integrity_rank,
+  integrity_weight = excluded.integrity_weight
 WHERE excluded.attempt > step_stats.attempt
    OR (excluded.attempt = step_stats.attempt AND excluded.ranks >= step_stats.ranks)
 )sql";
@@ -152,30 +159,38 @@ int UpsertStep(sqlite3_stmt* stmt, const std::string& job, const StepRow& row) {
   const std::string outliers = JoinRanks(row.outlier_ranks);
   const std::string drifting = JoinRanks(row.drifting_ranks);
   const std::string slow = JoinRanks(row.slow_ranks);
-  const int rc = Binder(stmt)
-                     .Text(job)
-                     .Int(static_cast<int64_t>(row.step))
-                     .Int(row.attempt)
-                     .Int(row.ranks)
-                     .Int(row.world_size)
-                     .Double(row.loss_mean)
-                     .Double(row.loss_std)
-                     .Double(row.loss_range)
-                     .Double(row.grad_norm_mean)
-                     .Double(row.grad_norm_std)
-                     .Double(row.grad_norm_cv)
-                     .Double(row.grad_cosine_mean)
-                     .Text(row.missing_ranks)
-                     .Int(row.timed_out ? 1 : 0)
-                     .Time(row.completed_at)
-                     .Double(row.grad_noise_scale)
-                     .Int(row.replica_checked ? 1 : 0)
-                     .Text(divergent)
-                     .Text(outliers)
-                     .Text(row.duplicate_groups)
-                     .Text(drifting)
-                     .Text(slow)
-                     .rc();
+  Binder b(stmt);
+  b.Text(job)
+      .Int(static_cast<int64_t>(row.step))
+      .Int(row.attempt)
+      .Int(row.ranks)
+      .Int(row.world_size)
+      .Double(row.loss_mean)
+      .Double(row.loss_std)
+      .Double(row.loss_range)
+      .Double(row.grad_norm_mean)
+      .Double(row.grad_norm_std)
+      .Double(row.grad_norm_cv)
+      .Double(row.grad_cosine_mean)
+      .Text(row.missing_ranks)
+      .Int(row.timed_out ? 1 : 0)
+      .Time(row.completed_at)
+      .Double(row.grad_noise_scale)
+      .Int(row.replica_checked ? 1 : 0)
+      .Text(divergent)
+      .Text(outliers)
+      .Text(row.duplicate_groups)
+      .Text(drifting)
+      .Text(slow)
+      .Double(row.integrity_error_ratio)
+      .Double(row.integrity_relative_error)
+      .Text(row.integrity_fault);
+  if (row.integrity_rank) {
+    b.Int(*row.integrity_rank);
+  } else {
+    b.Null();
+  }
+  const int rc = b.Double(row.integrity_weight).rc();
   return rc == SQLITE_OK ? StepToDone(stmt) : rc;
 }
 

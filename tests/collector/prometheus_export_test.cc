@@ -298,6 +298,43 @@ TEST(JobMetricsTest, CountsStepsTimedOutAndNonfinite) {
   EXPECT_EQ(Value(families, "rankscope_steps_nonfinite_total", Labels("j")), 1);
 }
 
+TEST(JobMetricsTest, CountsAggregationChecksAndNamesTheLatestFailure) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  const StepStatistics ok = HealthyStats(4);
+  metrics.OnStep("j", Step(1, ok, 4));  // not checked: no integrity series yet
+  EXPECT_EQ(Value(metrics.Collect(), "rankscope_integrity_checks_total", Labels("j")),
+            std::nullopt);
+
+  AggregationVerdict clean;
+  clean.checked = true;
+  clean.error = 1.0;
+  clean.tolerance = 4.0;
+  AggregationVerdict missing = clean;
+  missing.error = 40.0;
+  missing.flagged = true;
+  missing.fault = AggregationFault::kMissing;
+  missing.suspect_rank = 2;
+  ExportedStep step = Step(2, ok, 4);
+  step.integrity = &clean;
+  metrics.OnStep("j", step);
+  step = Step(3, ok, 4);
+  step.integrity = &missing;
+  metrics.OnStep("j", step);
+  step = Step(4, ok, 4);
+  step.integrity = &clean;
+  metrics.OnStep("j", step);
+
+  const auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_integrity_checks_total", Labels("j")), 3);
+  EXPECT_EQ(Value(families, "rankscope_integrity_failed_steps_total", Labels("j")), 1);
+  EXPECT_EQ(Value(families, "rankscope_integrity_error_ratio", Labels("j")), 0.25);
+  EXPECT_EQ(Value(families, "rankscope_integrity_suspect_rank",
+                  {{"train_job", "j"}, {"fault", "missing"}}),
+            2);
+  ExpectPromtoolClean(Serialize(families));
+}
+
 TEST(JobMetricsTest, NaNIsExportedAsNaN) {
   FakeClock clock;
   JobMetrics metrics(OptionsWith(clock));

@@ -238,6 +238,11 @@ void ExpectStepEq(const StepRow& want, const StepRow& got) {
   EXPECT_EQ(want.outlier_ranks, got.outlier_ranks);
   EXPECT_EQ(want.drifting_ranks, got.drifting_ranks);
   EXPECT_EQ(want.slow_ranks, got.slow_ranks);
+  EXPECT_EQ(want.integrity_error_ratio, got.integrity_error_ratio);
+  EXPECT_EQ(want.integrity_relative_error, got.integrity_relative_error);
+  EXPECT_EQ(want.integrity_fault, got.integrity_fault);
+  EXPECT_EQ(want.integrity_rank, got.integrity_rank);
+  EXPECT_EQ(want.integrity_weight, got.integrity_weight);
 }
 
 void ExpectRankEq(const RankRow& want, const RankRow& got) {
@@ -281,6 +286,19 @@ class SqliteStoreTest : public ::testing::Test {
   }
 
   // Every row of every table, for "nothing changed" comparisons.
+  // Every row of `before` is in `after`, in order, with the same values in its columns; later
+  // schemas append columns (ALTER TABLE ADD COLUMN), which `after` may have beyond them.
+  static void ExpectRowsKept(const std::vector<std::vector<std::string>>& before,
+                             const std::vector<std::vector<std::string>>& after) {
+    ASSERT_EQ(after.size(), before.size());
+    for (size_t i = 0; i < before.size(); ++i) {
+      ASSERT_GE(after[i].size(), before[i].size()) << "row " << i;
+      EXPECT_EQ(std::vector<std::string>(after[i].begin(), after[i].begin() + before[i].size()),
+                before[i])
+          << "row " << i;
+    }
+  }
+
   std::vector<std::vector<std::string>> DumpAll() {
     RawDb raw(path_);
     auto rows = raw.Rows("SELECT 'jobs', * FROM jobs ORDER BY job");
@@ -356,7 +374,9 @@ TEST_F(SqliteStoreTest, CreatesTheDocumentedSchema) {
                           "loss_range", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
                           "grad_cosine_mean", "missing_ranks", "timed_out", "completed_at",
                           "grad_noise_scale", "replica_checked", "replica_divergent_ranks",
-                          "outlier_ranks", "duplicate_groups", "drifting_ranks", "slow_ranks"));
+                          "outlier_ranks", "duplicate_groups", "drifting_ranks", "slow_ranks",
+                          "integrity_error_ratio", "integrity_relative_error", "integrity_fault",
+                          "integrity_rank", "integrity_weight"));
   EXPECT_THAT(stats.primary_key, ElementsAre("job", "step"));
 }
 
@@ -367,7 +387,7 @@ TEST_F(SqliteStoreTest, UsesWalAndRecordsTheSchemaVersion) {
   RawDb raw(path_);
   EXPECT_EQ(raw.One("PRAGMA journal_mode"), "t:wal");
   EXPECT_EQ(raw.Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
-  EXPECT_EQ(SqliteStore::kSchemaVersion, 6);
+  EXPECT_EQ(SqliteStore::kSchemaVersion, 7);
 }
 
 TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
@@ -394,12 +414,12 @@ TEST_F(SqliteStoreTest, OpenTwiceAndReopenKeepData) {
 
 TEST_F(SqliteStoreTest, RefusesAFileFromANewerSchema) {
   ASSERT_NE(OpenStore(), nullptr);
-  RawDb(path_).Exec("PRAGMA user_version = 7");
+  RawDb(path_).Exec("PRAGMA user_version = 8");
   auto store = SqliteStore::Open(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(store.status().message(), HasSubstr(path_));
-  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 7"));
+  EXPECT_THAT(store.status().message(), HasSubstr("schema_version 8"));
 }
 
 // A file the first release (schema 1) wrote: a read-only open refuses it and says how to
@@ -486,13 +506,12 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
     EXPECT_EQ(raw.Int("SELECT count(*) FROM rank_windows"), 0);
     EXPECT_EQ(raw.Int("SELECT count(*) FROM downsampled"), 0);
   }
-  // Every row of jobs, step_stats and rank_steps kept as it was; the migration to 6 adds
-  // rank_steps' where-in-the-model columns, empty.
-  auto expected = before;
-  for (auto& row : expected) {
-    if (row[0] == "t:ranks") row.insert(row.end(), {"t:", "NULL", "NULL"});
-  }
-  EXPECT_EQ(DumpAll(), expected);
+  // Every row of jobs, step_stats and rank_steps kept as it was; the migrations to 6 and 7 add
+  // rank_steps' where-in-the-model columns and step_stats' integrity columns, empty.
+  ExpectRowsKept(before, DumpAll());
+  EXPECT_EQ(RawDb(path_).Int("SELECT count(*) FROM rank_steps WHERE deviating_buckets != '' OR "
+                             "bucket_norms IS NOT NULL OR bucket_z IS NOT NULL"),
+            0);
   EXPECT_EQ(*store->CountRankRows("v4-job"), 24);
   auto outlier = store->GetStep("v4-job", 6);
   ASSERT_TRUE(outlier.ok() && outlier->has_value());
@@ -519,6 +538,44 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
   for (const RankWindowRow& w : *windows) EXPECT_EQ(w.rows, 6);
   auto reader = SqliteStore::Open(path_, read_only);
   EXPECT_TRUE(reader.ok()) << reader.status();
+}
+
+// A file the schema-5 release wrote (tests/collector/testdata/schema_v5.sql, dumped from a real
+// collector fed by loadgen): the migrations to 6 and 7 keep every row, and the aggregation-integrity
+// columns of its steps read back unset (never checked).
+TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema5) {
+  std::ifstream in(std::string(RANKSCOPE_SOURCE_DIR) + "/tests/collector/testdata/schema_v5.sql");
+  ASSERT_TRUE(in.good());
+  std::stringstream sql;
+  sql << in.rdbuf();
+  RawDb(path_).Exec(sql.str());
+  ASSERT_EQ(RawDb(path_).Int("PRAGMA user_version"), 5);
+  const auto before = DumpAll();
+  ASSERT_FALSE(before.empty());
+
+  auto store = OpenStore();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(RawDb(path_).Int("PRAGMA user_version"), SqliteStore::kSchemaVersion);
+  ExpectRowsKept(before, DumpAll());
+  auto old = store->GetStep("v5-job", 6);
+  ASSERT_TRUE(old.ok() && old->has_value()) << old.status();
+  EXPECT_THAT((*old)->outlier_ranks, ElementsAre(2));
+  EXPECT_FALSE((*old)->integrity_error_ratio.has_value());
+  EXPECT_EQ((*old)->integrity_fault, "");
+  EXPECT_FALSE((*old)->integrity_rank.has_value());
+
+  StoreBatch batch = Batch({MakeStep("v5-job", 7, 0, 4)}, {});
+  batch.steps[0].stats->integrity_error_ratio = 37.0;
+  batch.steps[0].stats->integrity_relative_error = 0.25;
+  batch.steps[0].stats->integrity_fault = "doubled";
+  batch.steps[0].stats->integrity_rank = 1;
+  batch.steps[0].stats->integrity_weight = 2.0;
+  ASSERT_TRUE(store->Write(batch).ok());
+  auto fresh = store->GetStep("v5-job", 7);
+  ASSERT_TRUE(fresh.ok() && fresh->has_value());
+  EXPECT_EQ((*fresh)->integrity_fault, "doubled");
+  EXPECT_EQ((*fresh)->integrity_rank, 1u);
+  EXPECT_EQ((*fresh)->integrity_weight, 2.0);
 }
 
 TEST_F(SqliteStoreTest, OpenErrorsNameThePath) {
@@ -564,6 +621,11 @@ TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   stats.outlier_ranks = {0, 2};
   stats.drifting_ranks = {1};
   stats.slow_ranks = {2, 5};
+  stats.integrity_error_ratio = 412.5;
+  stats.integrity_relative_error = 0.25;
+  stats.integrity_fault = "missing";
+  stats.integrity_rank = 3;
+  stats.integrity_weight = 0.0078125;
   write.stats = stats;
 
   RankRow full = MakeRank(0, 3, 6);

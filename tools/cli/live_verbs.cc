@@ -39,6 +39,15 @@ std::string Ranks(const Container& ranks, const char* none) {
   return ranks.empty() ? std::string(none) : absl::StrJoin(ranks, ",");
 }
 
+// The step's aggregation check (docs/DESIGN.md "Aggregation integrity"): "-" when not checked,
+// "ok", the fault ("sum"), or the fault and the rank it names ("missing:2").
+std::string Aggregation(const v1::StepStats& st) {
+  if (!st.integrity_checked()) return "-";
+  if (st.integrity_fault().empty()) return "ok";
+  if (!st.has_integrity_rank()) return st.integrity_fault();
+  return absl::StrCat(st.integrity_fault(), ":", st.integrity_rank());
+}
+
 int ShowOnce(const Cli& cli, const std::string& job) {
   v1::RecentStepsRequest req;
   req.set_job(job);
@@ -47,20 +56,22 @@ int ShowOnce(const Cli& cli, const std::string& job) {
   if (!recent.ok()) return Fail(cli.config, recent.status());
   const v1::RecentStepsResponse& resp = *recent;
   std::printf("job %s: %d steps (newest first)\n", job.c_str(), resp.steps_size());
-  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n", "STEP",
-              "RANKS", "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV", "COSINE",
-              "NOISE_B", "DIVERGENT", "OUTLIERS", "DRIFTING", "SLOW", "DUPLICATES", "MISSING");
+  std::printf("%10s %6s %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %-11s %s\n",
+              "STEP", "RANKS", "LOSS_MEAN", "LOSS_STD", "LOSS_RANGE", "GNORM_MEAN", "GNORM_CV",
+              "COSINE", "NOISE_B", "DIVERGENT", "OUTLIERS", "DRIFTING", "SLOW", "DUPLICATES",
+              "AGGREGATION", "MISSING");
   for (const v1::StepStats& st : resp.steps()) {
-    std::printf("%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %s\n",
-                static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
-                Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(),
-                Num(st.grad_norm_mean()).c_str(), Num(st.grad_norm_cv()).c_str(),
-                Num(st.grad_cosine_mean(), 3).c_str(), Num(st.grad_noise_scale()).c_str(),
-                st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
-                Ranks(st.outlier_ranks(), "-").c_str(), Ranks(st.drifting_ranks(), "-").c_str(),
-                Ranks(st.slow_ranks(), "-").c_str(),
-                st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
-                MissingRanks(st, ",").c_str());
+    std::printf(
+        "%10llu %6u %10s %10s %10s %10s %10s %8s %10s  %-9s %-9s %-9s %-9s %-11s %-11s %s\n",
+        static_cast<unsigned long long>(st.step()), st.ranks(), Num(st.loss_mean()).c_str(),
+        Num(st.loss_std()).c_str(), Num(st.loss_range()).c_str(), Num(st.grad_norm_mean()).c_str(),
+        Num(st.grad_norm_cv()).c_str(), Num(st.grad_cosine_mean(), 3).c_str(),
+        Num(st.grad_noise_scale()).c_str(),
+        st.replica_checked() ? Ranks(st.replica_divergent_ranks(), "ok").c_str() : "-",
+        Ranks(st.outlier_ranks(), "-").c_str(), Ranks(st.drifting_ranks(), "-").c_str(),
+        Ranks(st.slow_ranks(), "-").c_str(),
+        st.duplicate_groups().empty() ? "-" : st.duplicate_groups().c_str(),
+        Aggregation(st).c_str(), MissingRanks(st, ",").c_str());
   }
   if (resp.steps_size() == 0 || cli.config.worst <= 0) return 0;
 

@@ -189,13 +189,15 @@ class PyAgent {
 
   // Records one step whose sketch is `sketch`'s bins. Returns "" or the refusal's message.
   // The optional replica fields (fingerprints as uint64, the reduced gradient's norm) are sent
-  // when given (rankscope.fingerprint).
+  // when given (rankscope.fingerprint); `reduced_sketch` (a Sketch or None) is the reduced
+  // gradient's sketch on the steps this rank checks the aggregation (rankscope._integrity).
   std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
                            std::optional<uint64_t> param_fingerprint,
                            std::optional<double> reduced_grad_norm, bool loss_absent,
-                           const std::vector<float>& bucket_norms) {
+                           const std::vector<float>& bucket_norms, py::object reduced_sketch,
+                           uint32_t reduced_grad_mantissa_bits) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -203,6 +205,10 @@ class PyAgent {
     r.loss_absent = loss_absent;
     r.grad_norm = grad_norm;
     r.sketch = sketch.Floats();
+    if (!reduced_sketch.is_none()) {
+      r.reduced_sketch = reduced_sketch.cast<PySketch&>().Floats();
+      r.reduced_grad_mantissa_bits = reduced_grad_mantissa_bits;
+    }
     r.step_time_seconds = step_time_seconds;
     r.local_batch_size = local_batch_size;
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
@@ -217,7 +223,8 @@ class PyAgent {
                         uint32_t local_batch_size, std::optional<uint64_t> reduced_grad_fingerprint,
                         std::optional<uint64_t> param_fingerprint,
                         std::optional<double> reduced_grad_norm, bool loss_absent,
-                        const std::vector<float>& bucket_norms) {
+                        const std::vector<float>& bucket_norms, py::object reduced_sketch,
+                        uint32_t reduced_grad_mantissa_bits) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -225,6 +232,10 @@ class PyAgent {
     r.loss_absent = loss_absent;
     r.grad_norm = grad_norm;
     r.sketch = absl::MakeConstSpan(reinterpret_cast<const float*>(sketch_address), sketch_len);
+    if (!reduced_sketch.is_none()) {
+      r.reduced_sketch = reduced_sketch.cast<PySketch&>().Floats();
+      r.reduced_grad_mantissa_bits = reduced_grad_mantissa_bits;
+    }
     r.step_time_seconds = step_time_seconds;
     r.local_batch_size = local_batch_size;
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
@@ -511,13 +522,15 @@ PYBIND11_MODULE(_native, m) {
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
-           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{})
+           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
+           py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0)
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
            py::arg("reduced_grad_fingerprint") = py::none(),
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
-           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{})
+           py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
+           py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0)
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

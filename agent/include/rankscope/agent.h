@@ -119,6 +119,10 @@ struct StepReport {
   // The local gradient's L2 norm per parameter group of AgentOptions::bucket_names, in that
   // order: empty (not measured) or exactly as many values as names.
   absl::Span<const float> bucket_norms;
+  // Aggregation integrity: the count sketch of the reduced gradient (empty, or as long as
+  // `sketch`), sent in float32, and the precision of the dtype the reduction ran in.
+  absl::Span<const float> reduced_sketch;
+  uint32_t reduced_grad_mantissa_bits = 0;
 };
 
 struct AgentStats {

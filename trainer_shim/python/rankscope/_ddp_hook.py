@@ -38,7 +38,7 @@ def rankscope_comm_hook(
     replica = monitor._replica
     try:
         monitor._add_bucket(bucket)
-        if replica.enabled:
+        if replica.wants_reduced:
             layout = replica.bucket_layout(bucket, monitor._sketcher)
     except Exception as e:  # monitoring must never break training
         monitor._hook_failed(e)

@@ -26,6 +26,7 @@ from rankscope._bucket_sketcher import BucketSketcher
 from rankscope._buckets import DEFAULT_MAX_BUCKETS
 from rankscope._control_agreement import ControlAgreement
 from rankscope._deferred import DeferredReports, host_loss
+from rankscope._integrity import INTEGRITY_EVERY, ReducedSketch
 from rankscope._options import PARAM_CHECK_EVERY
 from rankscope._replica import ReplicaFingerprints
 
@@ -52,6 +53,7 @@ class Monitor:
         tls_options=None,
         param_check_every=PARAM_CHECK_EVERY,
         fingerprints=True,
+        integrity_every=INTEGRITY_EVERY,
         queue_capacity,
         max_unacked,
         warn_after,
@@ -94,6 +96,9 @@ class Monitor:
         warn_once = functools.partial(_warn_once, self._warned)
         self._replica = ReplicaFingerprints(
             model, fingerprints, param_check_every, self.counters, warn_once
+        )
+        self._replica.integrity = ReducedSketch(
+            sketch_dim, sketch_seed, self.rank, self.world_size, integrity_every, self.counters
         )
         self._sketcher = BucketSketcher(
             model,
@@ -150,6 +155,7 @@ class Monitor:
         self._next_health_check = self._t_attach + self._health_interval
 
         self._active = self._decide(self._step)
+        self._replica.integrity.begin_step(self._step)
         # The step time of the first step runs from the start of its forward.
         self._forward_hook = model.register_forward_pre_hook(_forward_started(weakref.ref(self)))
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -210,6 +216,7 @@ class Monitor:
             self._forward_hook.remove()
             self._forward_hook = None
         self._step = s + 1
+        self._replica.integrity.begin_step(self._step)
         if self._deferred:
             self._deferred.drain(self._after_record, block=False)
         self._poll_control()
@@ -272,7 +279,7 @@ class Monitor:
         try:
             bucket = FlatBucket(index, flat(gradient), params)
             self._add_bucket(bucket)
-            if self._replica.enabled:
+            if self._replica.wants_reduced:
                 self._pending_layouts[index] = self._replica.bucket_layout(bucket, self._sketcher)
         except Exception as e:  # monitoring must never break training
             self._hook_failed(e)
@@ -363,6 +370,7 @@ class Monitor:
                 else self._sum_squares
             )
             gn = math.sqrt(max(float(ss), 0.0))
+            reduced_sketch, mantissa_bits = self._replica.integrity.take()
             err = self._agent.record_sketch(
                 step,
                 host_loss(loss),
@@ -377,6 +385,8 @@ class Monitor:
                 else math.sqrt(max(float(reduced_ss), 0.0)),
                 loss_absent=loss is None,
                 bucket_norms=sketcher.bucket_norms(),
+                reduced_sketch=reduced_sketch,
+                reduced_grad_mantissa_bits=mantissa_bits,
             )
             self._after_record(err)
             return
@@ -418,6 +428,7 @@ class Monitor:
         monitor on or leaves it dormant: called at the forward of the step every rank of the group
         agreed to start at, so that step numbers and the first reported step match across ranks."""
         self._step = int(step)
+        self._replica.integrity.begin_step(self._step)
         self._enabled = bool(enabled)
         self._active = self._decide(self._step)
         if self._active:
@@ -433,6 +444,7 @@ class Monitor:
             self._every = every
             if dim and dim != self._sketcher.dim:
                 self._sketcher.set_dim(dim)
+                self._replica.integrity.set_dim(dim)
             self.counters["controls_applied"] += 1
 
     # ---- health -------------------------------------------------------------------------------

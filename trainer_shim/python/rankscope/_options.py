@@ -16,6 +16,26 @@ from rankscope import _native
 # at most 4 steps after it diverged (50, the earlier default, took up to 49).
 PARAM_CHECK_EVERY = 5
 
+# Default aggregation-integrity interval (rankscope._integrity), from its measured cost
+# (docs/PERFORMANCE.md "Aggregation integrity"): every step, one rank of the group sketches the
+# reduced gradient once more.
+INTEGRITY_EVERY = 1
+
+
+def integrity_every_for(value) -> int:
+    """attach's ``integrity_every``: the value given, else ``$RANKSCOPE_INTEGRITY_EVERY``, else
+    rankscope._integrity.INTEGRITY_EVERY. Raises ValueError when it is not a whole number >= 0."""
+    if value is None:
+        env = os.environ.get("RANKSCOPE_INTEGRITY_EVERY", "").strip()
+        value = env if env else INTEGRITY_EVERY
+    try:
+        every = int(value)
+    except (TypeError, ValueError):
+        every = -1
+    if every < 0:
+        raise ValueError(f"integrity_every must be a whole number >= 0, got {value!r}")
+    return every
+
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

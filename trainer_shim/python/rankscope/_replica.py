@@ -47,6 +47,9 @@ class ReplicaFingerprints:
         self._fold_tables = {}  # the parameters' offset tables for fingerprint.fold_many
         # Tests: fold CPU tensors with torch ops (as on a GPU) instead of the C++ kernel.
         self.force_torch = False
+        # Aggregation integrity (rankscope._integrity.ReducedSketch), set by the monitor: the
+        # reduced buckets of the steps this rank checks are sketched here too.
+        self.integrity = None
         # Per step: one value per reduced bucket (appended by future callbacks: list.append
         # only).
         self._buckets = 0
@@ -60,6 +63,14 @@ class ReplicaFingerprints:
         self._incomplete = False
         self._grad_fps = []
         self._reduced_ss = []
+        if self.integrity is not None:
+            self.integrity.reset()
+
+    @property
+    def wants_reduced(self) -> bool:
+        """The reduced buckets of the step being accumulated are read (fingerprint or
+        aggregation check)."""
+        return self.enabled or (self.integrity is not None and self.integrity.due)
 
     def bucket_layout(self, bucket, sketcher):
         """Where this bucket's parameters lie in its buffer and in the global flat vector (a
@@ -104,12 +115,17 @@ class ReplicaFingerprints:
 
     def fold_reduced(self, fut, layout):
         """Future callback (after the all-reduce): folds the reduced bucket into the step's
-        fingerprint and sum of squares on its device, and passes the value on unchanged."""
+        fingerprint and sum of squares on its device, adds it to the step's reduced sketch when
+        this rank checks the aggregation, and passes the value on unchanged."""
         value = fut.value()
         try:
             t = value[0] if isinstance(value, (list, tuple)) else value
             flat = t.detach().reshape(-1)
-            if _fp.native_supported(flat) and not self.force_torch:  # C++: one pass
+            if self.integrity is not None:
+                self.integrity.add(flat, layout)
+            if not self.enabled:
+                pass
+            elif _fp.native_supported(flat) and not self.force_torch:  # C++: one pass
                 f, ss = _fp.fold_segments_cpu(flat, layout)
                 self._grad_fps.append(f)
                 self._reduced_ss.append(ss)

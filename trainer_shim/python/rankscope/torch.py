@@ -74,6 +74,7 @@ from rankscope._options import DEFAULT_SKETCH_ENCODING as DEFAULT_SKETCH_ENCODIN
 from rankscope._options import MAX_DEFAULT_SKETCH_THREADS as MAX_DEFAULT_SKETCH_THREADS
 from rankscope._options import PARAM_CHECK_EVERY as PARAM_CHECK_EVERY
 from rankscope._options import env_flag
+from rankscope._options import integrity_every_for
 from rankscope._options import data_parallel_group as data_parallel_group
 from rankscope._options import default_sketch_threads as default_sketch_threads
 from rankscope._options import sketch_dim_for as sketch_dim_for
@@ -97,6 +98,7 @@ def attach(
     local_batch_size: int = 0,
     param_check_every: int = PARAM_CHECK_EVERY,
     fingerprints: bool = True,
+    integrity_every: int | None = None,
     comm_hook: Callable | None = None,
     comm_hook_state=None,
     auth_token: str | None = None,
@@ -162,6 +164,13 @@ def attach(
         never. The collector names the ranks whose parameters differ (replica divergence).
       fingerprints: fingerprint the reduced gradient of every reported step (and the parameters,
         see ``param_check_every``); see rankscope.fingerprint.
+      integrity_every: check the all-reduce itself every N steps (docs/DESIGN.md "Aggregation
+        integrity"): on the steps whose number is a multiple of N, one rank of the group
+        (rotating: rank (step // N) % world) also sends the count sketch of the reduced
+        gradient, and the collector compares it with the mean of the ranks' local sketches,
+        naming a dropped, doubled or corrupted contribution. 0 never. Default
+        ``$RANKSCOPE_INTEGRITY_EVERY``, else 1 (its cost: docs/PERFORMANCE.md "Aggregation
+        integrity"). CPU gradients only for now.
       auth_token: the collector's shared token (``--auth_token_file``), if it requires one.
       tls_ca: PEM CA that signs the collector's certificate: connect over TLS. Default
         ``$RANKSCOPE_TLS_CA``; plaintext when no CA, certificate or key is set.
@@ -239,6 +248,7 @@ def attach(
         raise ValueError(f"every must be >= 1, got {every}")
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
+    integrity_every = integrity_every_for(integrity_every)
     sketch_dim, sketch_encoding = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
     if sketch_threads is None:
         sketch_threads = default_sketch_threads()
@@ -270,6 +280,7 @@ def attach(
         local_batch_size=int(local_batch_size),
         param_check_every=int(param_check_every) if fingerprints else 0,
         fingerprints=bool(fingerprints),
+        integrity_every=integrity_every,
         auth_token=auth_token or "",
         tls_options=_tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
         queue_capacity=int(queue_capacity),

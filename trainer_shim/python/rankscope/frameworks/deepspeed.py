@@ -261,6 +261,7 @@ def attach(engine, **options):
     # The reduced gradient is partitioned (ZeRO-1/2/3) or reduced in DeepSpeed's own buckets
     # (ZeRO-0): only the parameters are compared.
     mon._replica.enabled = False
+    mon._replica.integrity.disable()  # nor the aggregation (the reduced gradient is partitioned)
     mon.framework = f"deepspeed {_version()} zero-{stage}"
     mon.deepspeed = DeepSpeedMonitor(engine, mon, params, coords)
     engine._rankscope_monitor = mon
