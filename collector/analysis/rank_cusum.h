@@ -91,14 +91,23 @@ inline constexpr double kCusumDrift = 0.5;      // k
 inline constexpr double kCusumThreshold = 8.0;  // h at W <= 4
 // Weight of the prior variance of the data-drift sum (in rank-steps).
 inline constexpr double kCusumPriorRankSteps = 64.0;
-// Slowdown floor of the slow statistic: a rank late by at most
-// max(kSlowFloorSeconds, kSlowFloorFraction * median step time) counts as not late.
+// The slow statistic (see above): a rank is late on a step when it trails the step's median time
+// by more than max(kSlowFloorSeconds, kSlowMargin * r), r the median over the last
+// kSlowWindowSteps steps (at least kSlowMinWindowSteps of them) of the lateness of the latest
+// *other* rank; its count moves +1 on a late step and -1 on any other, and it is named above
+// kSlowThreshold + ln(max(W, 4) / 4).
 inline constexpr double kSlowFloorSeconds = 1e-3;
-inline constexpr double kSlowFloorFraction = 0.05;
+inline constexpr double kSlowMargin = 2.0;
+inline constexpr size_t kSlowWindowSteps = 16;
+inline constexpr size_t kSlowMinWindowSteps = 4;
+inline constexpr double kSlowThreshold = 7.0;
 
 // h for a job of `world_size` ranks: kCusumThreshold + ln(max(W, 4) / 4), so that the expected
 // steps between false alarms of the whole job (any rank) stay about the same whatever W.
 double CusumThreshold(uint32_t world_size);
+
+// h of the slow statistic: kSlowThreshold + ln(max(W, 4) / 4).
+double SlowThreshold(uint32_t world_size);
 
 // Centred uniform rank scores of `values` (see above), same order. NaN/Inf values get 0 and are
 // not ranked; with fewer than two finite values every score is 0.
@@ -128,6 +137,7 @@ class RankCusum {
   explicit RankCusum(uint32_t world_size);
 
   double threshold() const { return h_; }
+  double slow_threshold() const { return h_slow_; }
 
   // Feeds one step: `ranks` are the ranks that reported it (distinct). Returns each one's
   // statistics after the step, same order. Ranks absent from the step keep theirs. With
@@ -147,7 +157,22 @@ class RankCusum {
  private:
   RankDrift Flagged(RankDrift d) const;
 
+  // One step of the slowdown window: the largest and second-largest lateness (time minus the
+  // step's median) and the rank with the largest.
+  struct Lateness {
+    double first = 0.0;
+    double second = 0.0;
+    uint32_t latest = 0;
+  };
+  // The late flags of `times` (same order as `ranks`; NaN: not late), after pushing this step's
+  // lateness into the window.
+  std::vector<bool> LateRanks(absl::Span<const RankDriftSignals> ranks,
+                              absl::Span<const double> times);
+
   double h_;
+  double h_slow_;
+  std::vector<Lateness> window_;  // ring of the last kSlowWindowSteps steps' lateness
+  size_t window_next_ = 0;
   double y2_sum_ = 3.0 * kCusumPriorRankSteps;  // prior: variance 3
   double y2_count_ = kCusumPriorRankSteps;
   absl::flat_hash_map<uint32_t, RankDrift> state_;
