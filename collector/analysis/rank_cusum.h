@@ -96,8 +96,8 @@ inline constexpr double kCusumPriorRankSteps = 64.0;
 // kSlowWindowSteps steps (at least kSlowMinWindowSteps of them) of the lateness of the latest
 // *other* rank; its count moves +1 on a late step and -1 on any other, and it is named above
 // kSlowThreshold + ln(max(W, 4) / 4).
-inline constexpr double kSlowFloorSeconds = 1e-3;
-inline constexpr double kSlowMargin = 2.0;
+inline constexpr double kSlowFloorSeconds = 5e-3;
+inline constexpr double kSlowMargin = 1.5;
 inline constexpr size_t kSlowWindowSteps = 16;
 inline constexpr size_t kSlowMinWindowSteps = 4;
 inline constexpr double kSlowThreshold = 7.0;
