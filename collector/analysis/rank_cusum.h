@@ -70,9 +70,10 @@
 //               bench/detection.py replayed, 28 within 10). On Gaussian step times (a scale-free
 //               check, the floor never binding) W = 4 sees one alarm per ~270,000 rank-steps.
 // The data-drift one is S_t = min(2h, max(0, S_{t-1} + x_t - k)), started at 0, updated on the
-// steps the rank reported; the rank is named (drifting / slow) while S_t > h (slow: its own h). The cap 2h bounds how long a rank
-// stays named after the fault stops: S falls by k = 0.5 a step on average once the rank is
-// healthy again (by at least k when it is then the best rank), so ~2h steps to fall below h.
+// steps the rank reported; the rank is named (drifting / slow) while S_t > h (slow: its own h). The
+// cap 2h bounds how long a rank stays named after the fault stops: S falls by k = 0.5 a step on
+// average once the rank is healthy again (by at least k when it is then the best rank), so ~2h
+// steps to fall below h.
 //
 // Parameters: k = 0.5 (half of a shift of one unit of x: a rank one standard deviation worse on
 // its signals' scores), h = 8 + ln(max(W, 4) / 4) (W: the job's world size), so that the expected
@@ -104,9 +105,9 @@
 //
 // State: per rank of one job, two doubles; ranks at zero are not stored, so a detector holds at
 // most world-size entries; per job, the last kSlowWindowSteps steps' largest and second-largest
-// lateness (kSlowWindowSteps x 24 bytes). The owner (StepAnalyzer) keeps one per job and epoch and frees it with
-// the job. A collector restart starts every statistic from zero (a persistent fault is named
-// again after the same delay).
+// lateness (kSlowWindowSteps x 24 bytes). The owner (StepAnalyzer) keeps one per job and epoch and
+// frees it with the job. A collector restart starts every statistic from zero (a persistent fault
+// is named again after the same delay).
 #ifndef RANKSCOPE_COLLECTOR_ANALYSIS_RANK_CUSUM_H_
 #define RANKSCOPE_COLLECTOR_ANALYSIS_RANK_CUSUM_H_
 

@@ -12,10 +12,9 @@ latest *other* rank usually is), so that is not named, while a 40 ms straggler i
 step and named 7 steps after its onset.
 
 These tests stay marked `alone` (./run test runs them after the other Python tests, on CPUs no
-other test shares): replayed on the step times of 100 + 100 clean benchmark runs recorded
-at load averages of 20 to 55 the new statistic named nothing, but passing repeatedly beside
-another test file's ranks has not
-been shown yet (issue 36).
+other test shares): replayed on the step times of 100 + 100 clean benchmark runs recorded at
+load averages of 20 to 55 the new statistic named nothing, but passing repeatedly beside another
+test file's ranks has not been shown yet (issue 36).
 """
 
 import json
