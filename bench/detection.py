@@ -622,6 +622,11 @@ def main(argv=None):
         help="N for every world size, or W:N,W:N (default: %(default)s)",
     )
     ap.add_argument(
+        "--clean-runs",
+        help="runs of the `clean` fault, N or W:N,W:N like --runs-per-fault (default: the same "
+        "as --runs-per-fault); the false-alarm target of issue 36 is 100 clean runs per W",
+    )
+    ap.add_argument(
         "--faults",
         default=",".join(FAULTS),
         help="comma-separated subset of the faults (default: all)",
@@ -689,6 +694,9 @@ def main(argv=None):
     if any(w < 2 for w in world_sizes):
         ap.error("world sizes must be >= 2")
     per_world = parse_runs_per_fault(args.runs_per_fault, world_sizes)
+    per_world_clean = (
+        parse_runs_per_fault(args.clean_runs, world_sizes) if args.clean_runs else per_world
+    )
     opts = {
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -699,13 +707,17 @@ def main(argv=None):
         "run_timeout": args.run_timeout,
     }
     plans = {
-        w: [plan_run(args.seed, w, f, i, args.steps) for f in faults for i in range(per_world[w])]
+        w: [
+            plan_run(args.seed, w, f, i, args.steps)
+            for f in faults
+            for i in range((per_world_clean if f == "clean" else per_world)[w])
+        ]
         for w in world_sizes
     }
     total = sum(len(p) for p in plans.values())
     print(
         f"detection benchmark: seed {args.seed}, world sizes {world_sizes}, runs per fault "
-        f"{per_world}, {args.steps} steps, batch {args.batch_size}, lr {args.lr}, momentum {args.momentum}, sketch_dim "
+        f"{per_world} (clean: {per_world_clean}), {args.steps} steps, batch {args.batch_size}, lr {args.lr}, momentum {args.momentum}, sketch_dim "
         f"{args.sketch_dim}, param_check_every {args.param_check_every}; {total} runs",
         flush=True,
     )

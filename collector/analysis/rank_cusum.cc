@@ -21,11 +21,16 @@ double CusumThreshold(uint32_t world_size) {
   return kCusumThreshold + std::log(std::max(static_cast<double>(world_size), 4.0) / 4.0);
 }
 
-RankCusum::RankCusum(uint32_t world_size) : h_(CusumThreshold(world_size)) {}
+double SlowThreshold(uint32_t world_size) {
+  return kSlowThreshold + std::log(std::max(static_cast<double>(world_size), 4.0) / 4.0);
+}
+
+RankCusum::RankCusum(uint32_t world_size)
+    : h_(CusumThreshold(world_size)), h_slow_(SlowThreshold(world_size)) {}
 
 RankDrift RankCusum::Flagged(RankDrift d) const {
   d.drifting = d.data > h_;
-  d.is_slow = d.slow > h_;
+  d.is_slow = d.slow > h_slow_;
   return d;
 }
 
@@ -52,6 +57,59 @@ std::vector<double> UniformRankScores(absl::Span<const double> values) {
   return out;
 }
 
+std::vector<bool> RankCusum::LateRanks(absl::Span<const RankDriftSignals> ranks,
+                                       absl::Span<const double> times) {
+  const size_t n = ranks.size();
+  std::vector<bool> late(n, false);
+  const double median = FiniteMedian(times);
+  // This step's largest and second-largest lateness, over the ranks with a time.
+  Lateness step{-std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                0};
+  size_t finite = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(times[i])) continue;
+    ++finite;
+    const double d = times[i] - median;
+    if (d > step.first) {
+      step.second = step.first;
+      step.first = d;
+      step.latest = ranks[i].rank;
+    } else if (d > step.second) {
+      step.second = d;
+    }
+  }
+  if (finite < 2) return late;
+  if (window_.size() < kSlowWindowSteps) {
+    window_.push_back(step);
+  } else {
+    window_[window_next_] = step;
+    window_next_ = (window_next_ + 1) % kSlowWindowSteps;
+  }
+  if (window_.size() < kSlowMinWindowSteps) return late;
+  // r of a rank on a window step: the largest lateness of the *other* ranks, i.e. the step's
+  // largest unless the rank was the latest itself. Ranks that were never the latest in the window
+  // share one median (of the steps' largest); the few that were (at most kSlowWindowSteps) get
+  // their own.
+  std::vector<double> others(window_.size());
+  auto median_for = [&](uint32_t rank, bool was_latest) {
+    for (size_t j = 0; j < window_.size(); ++j) {
+      others[j] = was_latest && window_[j].latest == rank ? window_[j].second : window_[j].first;
+    }
+    return FiniteMedian(others);
+  };
+  const double shared = median_for(0, /*was_latest=*/false);
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(times[i])) continue;
+    const uint32_t rank = ranks[i].rank;
+    bool was_latest = false;
+    for (const Lateness& l : window_) was_latest = was_latest || l.latest == rank;
+    const double r = was_latest ? median_for(rank, true) : shared;
+    const double floor = std::max(kSlowFloorSeconds, kSlowMargin * std::max(r, 0.0));
+    late[i] = times[i] - median > floor;
+  }
+  return late;
+}
+
 double RankCusum::data_sigma() const { return std::sqrt(y2_sum_ / y2_count_); }
 
 std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> ranks,
@@ -67,13 +125,7 @@ std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> rank
   const std::vector<double> u_loss = UniformRankScores(loss);
   const std::vector<double> u_norm = UniformRankScores(norm);
   const std::vector<double> u_cos = UniformRankScores(neg_cos);
-  std::vector<double> u_time = UniformRankScores(time);
-  // Slowdown floor: a rank no later than it is not late (see the header).
-  const double median_time = FiniteMedian(time);
-  const double floor = std::max(kSlowFloorSeconds, kSlowFloorFraction * median_time);
-  for (size_t i = 0; i < n; ++i) {
-    if (!(time[i] - median_time > floor)) u_time[i] = std::min(u_time[i], 0.0);
-  }
+  const std::vector<bool> late = LateRanks(ranks, time);
   std::vector<double> y(n);
   for (size_t i = 0; i < n; ++i) y[i] = u_loss[i] + u_norm[i] + u_cos[i];
   if (exchangeable) {
@@ -87,7 +139,10 @@ std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> rank
     auto it = state_.find(ranks[i].rank);
     RankDrift d = it == state_.end() ? RankDrift{} : it->second;
     if (exchangeable) d.data = Step(d.data, y[i] / sigma, 2.0 * h_);
-    d.slow = Step(d.slow, u_time[i], 2.0 * h_);
+    // A rank without a time this step keeps its count.
+    if (std::isfinite(time[i])) {
+      d.slow = std::min(2.0 * h_slow_, std::max(0.0, d.slow + (late[i] ? 1.0 : -1.0)));
+    }
     d = Flagged(d);
     if (d.data == 0.0 && d.slow == 0.0) {
       if (it != state_.end()) state_.erase(it);

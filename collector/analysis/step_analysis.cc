@@ -174,7 +174,7 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   const std::vector<RankDrift> drift = cusum.Update(signals, out.duplicates.empty());
   for (size_t i = 0; i < drift.size(); ++i) {
     out.diag.extras[i].drift_score = drift[i].data / cusum.threshold();
-    out.diag.extras[i].slow_score = drift[i].slow / cusum.threshold();
+    out.diag.extras[i].slow_score = drift[i].slow / cusum.slow_threshold();
     if (drift[i].drifting) out.drifting_ranks.push_back(step.reports[i].rank);
     if (drift[i].is_slow) out.slow_ranks.push_back(step.reports[i].rank);
   }

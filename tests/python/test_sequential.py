@@ -5,16 +5,18 @@ first runs of the benchmark's own table in docs/PERFORMANCE.md).
 Issue 18 asks: 10 % label noise on one rank is named within 20 steps of the onset in most runs; a
 40 ms straggler is named; clean runs raise nothing. The training, and so every data signal, is
 deterministic for a seed; step times are not: on this 2-core machine 4 ranks and the collector
-share the CPUs, and a healthy rank can be the latest, by a few hundred microseconds of its ~1 ms
-compute, on most of 15 steps. The slow statistic's slowdown floor (rank_cusum.h: late by no more
-than max(1 ms, 5 % of the median) is not late) is what keeps that from being named; without it
-a replay of this fixture's runs under load named a healthy rank slow (run noise10 #1).
+share the CPUs, and the scheduler keeps a healthy rank a few milliseconds late (of its ~1 ms
+compute) for 10 to 15 steps in a row. The slow statistic (rank_cusum.h, issue 36) counts a step
+only when the rank is later than the step's median by more than max(5 ms, 1.5 times how late the
+latest *other* rank usually is), so that is not named, while a 40 ms straggler is late on every
+step and named 7 steps after its onset.
 
-The floor does not cover a machine oversubscribed by other tests: with a second test file's ranks
-on the same 2 cores (./run test's side-by-side pass), a clean run's healthy rank was really late,
-past the floor, for long enough to be named slow (CI, clean run 0 at seed 17, rank 2 at step 36).
-That is a true statement about the run, not a false alarm of the statistic, so these tests are
-marked `alone`: ./run test runs them after the other Python tests, on CPUs no other test shares.
+These tests are still marked `alone` (./run test runs them after the other Python tests, on CPUs
+no other test shares), though under load they pass: replayed on the step times of 100 + 100
+clean benchmark runs recorded at load averages of 20 to 55 the new statistic named nothing, and
+this file passed 5 times of 5 with bench/detection.py's 4- and 8-rank runs beside it on the same
+2 cores (load averages 23 to 150, 2026-11-27). Moving it into the side-by-side pass needs ./run's
+`-m alone` pass removed (it would collect nothing); left to the merge (issue 36).
 """
 
 import json
@@ -84,6 +86,6 @@ def test_a_40ms_straggler_is_named_slow(runs):
     assert len(slow) == 3
     for r in slow:
         assert r["detected"] and r["how"] == "slow", (r["job"], r["delay"], r["how"])
-        # Slowest on every step: the fixed delay of rank_cusum.h (11 steps at W = 4), give or
-        # take what the rank had accumulated before the onset.
-        assert r["delay"] <= 12, r["delay"]
+        # Late on every step: named 7 steps after the onset (rank_cusum.h); issue 36 asks for
+        # within 10 on a loaded machine.
+        assert r["delay"] <= 10, r["delay"]
