@@ -333,7 +333,7 @@ class AlertWatcher(threading.Thread):
         self.url, self.interval = url, interval
         self.seen = {}  # (name, train_job, rank, signal/condition/scope) -> {state: time}
         self.errors = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def poll(self):
         try:
@@ -354,11 +354,11 @@ class AlertWatcher(threading.Thread):
             self.seen.setdefault(key, {}).setdefault(a["state"], now)
 
     def run(self):
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             self.poll()
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join(10)
         self.poll()
 
@@ -446,7 +446,7 @@ def make_opts(steps, onset, step_interval, seed, tag=None):
         "data_seed": seed,
         "model_seed": seed + 1,
         "pg_timeout": 3600,
-        "run_timeout": 300 + steps * (step_interval + 0.5),
+        "run_timeout": 1800 + steps * (step_interval + 0.5),
         "jobs": {c: f"realbug-{c}-{tag}" for c in CASES},
     }
 
