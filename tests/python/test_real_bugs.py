@@ -1,7 +1,7 @@
 """Two of bench/real_bugs.py's reproductions of real data-parallel bugs, end to end (issue 36):
 4 real gloo ranks per case with the real shim, one real collector on port 0, real SQLite. Each
 bug must be named (the faulty rank, in the collector's per-step verdicts) and no other rank may
-be named divergent or missing. The benchmark itself (all cases, a real Prometheus and its alerts)
+be named divergent. The benchmark itself (all cases, a real Prometheus and its alerts)
 is run by hand: docs/PERFORMANCE.md, "Real bugs, reproduced"."""
 
 import shutil
