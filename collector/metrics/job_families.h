@@ -56,7 +56,6 @@ enum JobFamily : size_t {
   kDriftingRanks,
   kSlowRanks,
   kRankDeviatingBucket,
-     prometheus::MetricType::Gauge},
   kIntegrityChecksTotal,
   kIntegrityFailedStepsTotal,
   kIntegrityErrorRatio,
