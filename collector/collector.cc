@@ -29,8 +29,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
         "serve TLS: mutual TLS is server TLS plus client certificates)");
   }
   if (tls.reload_interval < absl::Seconds(1)) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_reload_interval must be at least 1s, not ",
-                                                   absl::FormatDuration(tls.reload_interval)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_reload_interval must be at least 1s, not ",
+                     absl::FormatDuration(tls.reload_interval)));
   }
   tls::PemPaths paths;
   paths.cert_file = tls.cert_file;
