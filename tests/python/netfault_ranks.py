@@ -1,7 +1,10 @@
 """Real DDP ranks (gloo, the real shim) training through network faults, for test_net_faults.py
 and bench/net_faults.py. Run as a program inside the ranks' network namespace::
 
-    python netfault_ranks.py --collector HOST:PORT --job J --work DIR [--world 2] [--queue N]
+    python netfault_ranks.py --collector HOST:PORT --job J --work DIR [--world 2] [--attach JSON]
+
+It starts --world processes of itself (--rank r), which join a gloo group on 127.0.0.1 and train
+(the launcher itself imports no torch: on a loaded 2-core machine each import costs seconds).
 
 Rank 0 reads the current phase (an integer) from DIR/phase each step and broadcasts it, so every
 rank changes phase at the same step; a negative phase ends the run. Rank 0 writes
@@ -12,6 +15,8 @@ DIR/rank{r}.json: the steps it trained, its step times (seconds) per phase, its 
 
 import argparse
 import json
+import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -19,15 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-import shim_harness  # noqa: E402
-from shim_harness import TinyLM, batch, lm_loss, write_json  # noqa: E402
-
 
 def _phase_from_rank0(rank: int, work: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
     value = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         try:
@@ -39,7 +40,11 @@ def _phase_from_rank0(rank: int, work: Path) -> int:
 
 
 def worker(rank, world_size, collector, job, work_dir, attach_kwargs):
+    import torch
+    import torch.nn as nn
+
     import rankscope.torch as rst
+    from shim_harness import TinyLM, batch, lm_loss, write_json
 
     work = Path(work_dir)
     torch.manual_seed(7)
@@ -87,9 +92,39 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--attach", default="{}", help="JSON of more rankscope.torch.attach arguments")
+    p.add_argument("--rank", type=int, default=-1, help="(internal) run this rank")
+    p.add_argument("--port", type=int, default=0, help="(internal) the gloo rendezvous port")
     a = p.parse_args()
-    kwargs = {"sketch_dim": 256, "warn_after": 0.5, "max_backoff": 0.5, **json.loads(a.attach)}
-    shim_harness.spawn(worker, a.world, a.collector, a.job, a.work, kwargs, timeout=a.timeout)
+    if a.rank >= 0:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
+        )
+        kwargs = {"sketch_dim": 256, "warn_after": 0.5, "max_backoff": 0.5, **json.loads(a.attach)}
+        try:
+            worker(a.rank, a.world, a.collector, a.job, a.work, kwargs)
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], f"--rank={r}", f"--port={port}"])
+        for r in range(a.world)
+    ]
+    deadline = time.monotonic() + a.timeout
+    codes = [None] * a.world
+    while None in codes:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            sys.exit(f"netfault_ranks: rank exit codes {codes} (or past --timeout {a.timeout} s)")
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

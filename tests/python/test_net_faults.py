@@ -28,6 +28,7 @@ pytest.importorskip("rankscope._native")
 
 WORLD = 2
 PHASE_STEPS = 15  # steps each phase trains at least
+PARTITION_STEPS = 200  # seconds of training with the link down (~8 ms a step here)
 CLEAN, PARTITION, HEALED, RESET, BLACKHOLE, AFTER = range(6)
 
 
@@ -116,7 +117,7 @@ def test_partition_reset_and_blackhole_lose_nothing(net, tmp_path):
         # (no FIN crosses), then heal and everything buffered arrives.
         net.partition()
         try:
-            at_heal = ranks.run_phase(PARTITION)
+            at_heal = ranks.run_phase(PARTITION, steps=PARTITION_STEPS)
             stored_during = stored()
         finally:
             net.heal()
