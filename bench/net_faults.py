@@ -11,8 +11,9 @@ seconds unless said:
     partition     the ranks' link down for --partition seconds (30), then healed
     latency       500 ms added each way
     throttle      64 KiB/s each way
-    blackhole     every connection reset, reconnects accepted and never answered; healed by
-                  passing again *without* resetting them: the agents must notice by themselves
+    blackhole     every connection reset, reconnects accepted and never answered (60 s at
+                  least); healed by passing again *without* resetting them: the agents must
+                  notice by themselves (keepalive)
     reset         every connection reset mid-stream, --phase seconds
     half-open     every connection frozen (no FIN, no answer): both sides must notice by
                   keepalive; new connections pass
@@ -139,7 +140,11 @@ def main():
             c, r = sample()
             samples.append((name, time.monotonic(), c, r, progress()["step"]))
             time.sleep(1)
-        print(f"  {name}: {seconds:.0f} s, step {progress()['step']}", flush=True)
+        print(
+            f"  {name}: {seconds:.0f} s, step {progress()['step']}, rows stored {stored()}, "
+            f"connections accepted by the proxy so far {proxy.accepted}",
+            flush=True,
+        )
 
     def stored():
         return collector.query("SELECT COUNT(*) FROM rank_steps WHERE job = ?", (job,))[0][0]
@@ -165,7 +170,7 @@ def main():
         names.append("blackhole")
         proxy.set_mode("blackhole")
         proxy.reset_all()
-        run(4, a.phase, "blackhole")
+        run(4, max(a.phase, 60), "blackhole")
         proxy.set_mode("pass")  # no reset: the agents must notice the blackhole themselves
         names.append("reset")
         for _ in range(int(a.phase // 5)):

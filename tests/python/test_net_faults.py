@@ -13,6 +13,7 @@ Skips unless network namespaces can be made (root and iproute2; CI runs as root)
 """
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,7 @@ class Ranks:
                 f"--world={WORLD}",
                 "--timeout=240",
             ],
-            env={**__import__("os").environ, "PYTHONPATH": child_pythonpath()},
+            env={**os.environ, "PYTHONPATH": child_pythonpath()},
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
