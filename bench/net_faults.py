@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -63,7 +64,7 @@ def descendants(pid: int) -> list:
         if p.name.isdigit():
             try:
                 fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, IndexError):
+            except (OSError, IndexError):  # gone meanwhile
                 continue
             if int(fields[1]) == pid:
                 kids.append(int(p.name))
@@ -112,6 +113,7 @@ def main():
         env={**os.environ, "PYTHONPATH": child_pythonpath()},
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # the launcher and its ranks: one process group to kill
     )
     peaks = {"collector": 0, "ranks": 0}
     samples = []
@@ -201,9 +203,15 @@ def main():
         results = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
         time.sleep(2)
         metrics = collector.scrape()
+    except BaseException:
+        collector.stop()
+        net.destroy()
+        raise
     finally:
-        if ranks.poll() is None:
-            ranks.kill()
+        try:
+            os.killpg(ranks.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proxy.close()
 
     steps = results[0]["steps"]

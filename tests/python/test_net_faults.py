@@ -14,6 +14,7 @@ Skips unless network namespaces can be made (root and iproute2; CI runs as root)
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,12 +71,20 @@ class Ranks:
             env={**os.environ, "PYTHONPATH": child_pythonpath()},
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # the launcher and its ranks: one process group (kill())
         )
 
     def progress(self):
         if self.proc.poll() is not None:
             raise AssertionError(f"ranks exited {self.proc.returncode}: {self.output()}")
         return read_json(self.work / "progress.json", {"step": 0, "phase": 0, "phase_steps": 0})
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def output(self):
         return (self.work / "ranks.log").read_text()
@@ -154,8 +163,7 @@ def test_partition_reset_and_blackhole_lose_nothing(net, tmp_path):
         assert stored_in_blackhole < WORLD * entered
         results = ranks.finish()
     finally:
-        if ranks.proc.poll() is None:
-            ranks.proc.kill()
+        ranks.kill()
         proxy.close()
         collector.stop()
 
