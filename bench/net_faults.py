@@ -191,9 +191,17 @@ def main():
             names.append("(no long partition)")
         names.append("after")
         (work / "phase").write_text("8")
+        # Until everything the agents still hold is stored: every step, or (after drops) no
+        # new row for 15 s; at most 300 s.
         deadline = time.monotonic() + 300
+        last, still_since = -1, time.monotonic()
         while time.monotonic() < deadline:
-            if stored() >= 2 * progress()["step"] - 4:
+            n = stored()
+            if n >= 2 * progress()["step"] - 4:
+                break
+            if n != last:
+                last, still_since = n, time.monotonic()
+            elif time.monotonic() - still_since > 15:
                 break
             sample()
             time.sleep(1)
