@@ -78,6 +78,13 @@ def main():
     ap.add_argument("--partition", type=float, default=30.0)
     ap.add_argument("--long", type=float, default=0.0, help="seconds of the long partition")
     ap.add_argument("--half-open", type=int, default=0, help="half-open connections to make")
+    ap.add_argument(
+        "--queue",
+        type=int,
+        default=8192,
+        help="the agents' queue_capacity: the buffer horizon in steps (the shim's default, 1,024, "
+        "lasts 13 s at this bench's ~80 steps a second, minutes at real step rates)",
+    )
     ap.add_argument("--json", default="", help="write the results here too")
     a = ap.parse_args()
     os.environ["RANKSCOPE_BUILD_DIR"] = str(Path(a.build).resolve())
@@ -109,6 +116,7 @@ def main():
             f"--job={job}",
             f"--work={work}",
             f"--timeout={a.long + 20 * a.phase + 600}",
+            "--attach=" + json.dumps({"queue_capacity": a.queue}),
         ],
         env={**os.environ, "PYTHONPATH": child_pythonpath()},
         stdout=log,
@@ -133,8 +141,11 @@ def main():
         except (FileNotFoundError, json.JSONDecodeError):
             return {"step": 0, "phase": 0}
 
+    bounds = []  # (phase name, first step, step after its end), as rank 0 saw them
+
     def run(phase, seconds, name):
         (work / "phase").write_text(str(phase))
+        first = progress()["step"]
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             if ranks.poll() is not None:
@@ -142,6 +153,7 @@ def main():
             c, r = sample()
             samples.append((name, time.monotonic(), c, r, progress()["step"]))
             time.sleep(1)
+        bounds.append((name, first, progress()["step"]))
         print(
             f"  {name}: {seconds:.0f} s, step {progress()['step']}, rows stored {stored()}, "
             f"connections accepted by the proxy so far {proxy.accepted}",
@@ -245,6 +257,16 @@ def main():
         clean = [statistics.median(r["times"]["0"]) for r in results]
         if meds:
             out["step_time_ratio"][name] = round(max(m / c for m, c in zip(meds, clean)), 3)
+    # Reports missing from the store, by the phase their step was trained in (each is one the
+    # agents dropped and counted, when lost_silently is 0).
+    out["missing_by_phase"] = {}
+    for name, first, after in bounds:
+        n = collector.query(
+            "SELECT COUNT(*) FROM rank_steps WHERE job = ? AND step >= ? AND step < ?",
+            (job, first, after),
+        )[0][0]
+        key = name if name not in out["missing_by_phase"] else f"{name} ({first})"
+        out["missing_by_phase"][key] = 2 * (after - first) - n
     out["clean_step_ms"] = round(1e3 * max(statistics.median(r["times"]["0"]) for r in results), 2)
     out["rss_by_phase_mib"] = {
         name: {
