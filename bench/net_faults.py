@@ -203,13 +203,16 @@ def main():
             names.append("(no long partition)")
         names.append("after")
         (work / "phase").write_text("8")
-        # Until everything the agents still hold is stored: every step, or (after drops) no
-        # new row for 15 s; at most 300 s.
+        # Until everything the agents still hold of the steps before the heal is stored: every
+        # one, or (after drops) no new row of them for 15 s; at most 300 s.
         deadline = time.monotonic() + 300
         last, still_since = -1, time.monotonic()
+        healed_at = progress()["step"]
         while time.monotonic() < deadline:
-            n = stored()
-            if n >= 2 * progress()["step"] - 4:
+            n = collector.query(
+                "SELECT COUNT(*) FROM rank_steps WHERE job = ? AND step < ?", (job, healed_at)
+            )[0][0]
+            if n >= 2 * healed_at:
                 break
             if n != last:
                 last, still_since = n, time.monotonic()
