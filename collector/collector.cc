@@ -8,8 +8,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/keepalive.h"
 #include "common/tls_files.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "prometheus/exposer.h"
 
 namespace rankscope::collector {
@@ -24,6 +28,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
         "TLS needs both --tls_cert_file and --tls_key_file (--tls_client_ca_file alone cannot "
         "serve TLS: mutual TLS is server TLS plus client certificates)");
   }
+  if (tls.reload_interval < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_reload_interval must be at least 1s, not ",
+                     absl::FormatDuration(tls.reload_interval)));
+  }
   tls::PemPaths paths;
   paths.cert_file = tls.cert_file;
   paths.key_file = tls.key_file;
@@ -33,12 +42,21 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
   paths.ca_name = "--tls_client_ca_file";
   auto pem = tls::LoadPemFiles(paths);
   if (!pem.ok()) return pem.status();
-  grpc::SslServerCredentialsOptions options(
-      tls.mutual() ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  options.pem_root_certs = pem->ca;
-  options.pem_key_cert_pairs.push_back({pem->key, pem->cert});
-  return grpc::SslServerCredentials(options);
+  // The files were checked above; from here gRPC's file watcher re-reads them every
+  // reload_interval, so a certificate, key or client CA replaced on disk serves every handshake
+  // after the next read, and connections already made keep their streams.
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      tls.key_file, tls.cert_file, tls.client_ca_file,
+      static_cast<unsigned int>(std::max<int64_t>(absl::ToInt64Seconds(tls.reload_interval), 1)));
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_identity_key_cert_pairs();
+  if (tls.mutual()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 }  // namespace
@@ -83,6 +101,7 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, *credentials, &c->grpc_port_);
+  keepalive::ApplyToServer(&builder);  // a vanished agent noticed within 40 s
   // The ingest service refuses messages over max_message_bytes with an actionable status; gRPC's
   // own limit, at twice that, stops a grossly oversized one before it is buffered.
   builder.SetMaxReceiveMessageSize(

@@ -45,10 +45,16 @@ namespace rankscope::collector {
 //                                          certificate signed by client_ca_file, or its
 //                                          handshake is refused before any RPC.
 // client_ca_file without cert_file/key_file is an error.
+// The three files are read again every reload_interval (gRPC's FileWatcherCertificateProvider):
+// a certificate and key, or a client CA bundle, replaced on disk are used by every handshake after
+// the next read, without a restart; connections already made keep their streams. Replace each file
+// atomically (write beside it, then rename over it, as cert-manager's symlink swap does): a file
+// read half-written fails the handshakes until the next read.
 struct ServerTlsOptions {
   std::string cert_file;       // PEM certificate chain of the collector
   std::string key_file;        // PEM private key of cert_file (unencrypted)
   std::string client_ca_file;  // PEM CA bundle that signs the clients' certificates
+  absl::Duration reload_interval = absl::Seconds(60);  // whole seconds, at least 1
   bool enabled() const {
     return !cert_file.empty() || !key_file.empty() || !client_ca_file.empty();
   }

@@ -122,6 +122,11 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA bundle: with it, mutual TLS: every agent and CLI must present a client "
           "certificate signed by this CA, or its connection is refused. Without it, TLS only "
           "authenticates the collector (use --auth_token_file to authenticate agents).");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(60),
+          "How often --tls_cert_file, --tls_key_file and --tls_client_ca_file are read again: a "
+          "certificate renewed on disk (replaced atomically, by rename) serves new connections "
+          "after at most this long, without a restart; open streams are kept. Whole seconds, at "
+          "least 1s.");
 
 namespace {
 
@@ -272,6 +277,7 @@ int main(int argc, char** argv) {
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
 
   auto collector = rankscope::collector::Collector::Start(options);
   if (!collector.ok()) {

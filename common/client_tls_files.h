@@ -18,6 +18,11 @@ struct ClientTlsFiles {
   std::string key_file;     // its PEM private key (unencrypted)
   std::string target_name;  // checked against the collector's certificate instead of the host
                             // of the address (e.g. "rankscope-collector" when dialing an IP)
+  // With a ca_file, the three files are read again every reload_interval_s seconds (at least 1):
+  // a trust bundle or client certificate replaced on disk (atomically, by rename) is used by the
+  // next connection, e.g. the reconnect after the collector's certificate changed CA, without
+  // restarting the process. Without a ca_file (the system's roots) the files are read once.
+  int reload_interval_s = 60;
   // Names for messages (the flags, options or environment variables the person set).
   std::string ca_name = "tls_ca_file";
   std::string cert_name = "tls_cert_file";

@@ -139,9 +139,11 @@ class Collector:
         db_path: Path = None,
         prefix=(),
         extra_args=(),
+        host: str = "127.0.0.1",
     ):
-        """``prefix``: a command the collector runs under (e.g. setpriv to drop root);
-        ``extra_args``: more collector flags."""
+        """``prefix``: a command the collector runs under (e.g. setpriv to drop root, ip netns
+        exec); ``extra_args``: more collector flags; ``host``: the address it serves gRPC, /metrics
+        and the web view on (one of its network namespace's)."""
         if not COLLECTOR_BIN.exists():
             pytest.skip(f"{COLLECTOR_BIN} not built (set RANKSCOPE_BUILD_DIR)")
         self.tmp_dir = Path(tmp_dir)
@@ -149,6 +151,7 @@ class Collector:
         self.step_timeout = step_timeout
         self.prefix = list(prefix)
         self.extra_args = list(extra_args)
+        self.host = host
         self.port = 0
         self.metrics_port = 0
         self.http_port = 0  # the web view and JSON API
@@ -157,7 +160,7 @@ class Collector:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "Collector":
         assert self.proc is None
@@ -169,9 +172,9 @@ class Collector:
             [
                 *self.prefix,
                 str(COLLECTOR_BIN),
-                f"--grpc_address=127.0.0.1:{port}",
-                "--metrics_address=127.0.0.1:0",
-                "--http_address=127.0.0.1:0",
+                f"--grpc_address={self.host}:{port}",
+                f"--metrics_address={self.host}:0",
+                f"--http_address={self.host}:0",
                 f"--db_path={self.db_path}",
                 f"--step_timeout={self.step_timeout}",
                 *self.extra_args,
@@ -205,7 +208,7 @@ class Collector:
     def scrape(self) -> str:
         """The collector's /metrics text (raises if it is not served)."""
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+            f"http://{self.host}:{self.metrics_port}/metrics", timeout=10
         ) as r:
             return r.read().decode()
 

@@ -7,7 +7,9 @@
   ``DNS:rankscope-collector``;
 - ``client.pem`` / ``client.key``: an agent (client certificate signed by the CA);
 - ``rogue-ca.pem`` / ``rogue-client.pem`` / ``rogue-client.key``: a second, untrusted CA and a
-  client certificate it signed.
+  client certificate it signed;
+- ``ca2.pem`` / ``server2.*`` / ``client2.*``: the PKI a rotation moves to, a new CA with a
+  collector and an agent certificate like the first ones.
 
 EC P-256 keys (fast to make); certificates valid for one day.
 """
@@ -114,6 +116,22 @@ def make_pki(d: Path) -> Path:
         d,
         "rogue-client",
         "rogue-ca",
+        "rank-0",
+        "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+    )
+    _make_ca(d, "ca2", "rankscope test CA, renewed")
+    _make_leaf(
+        d,
+        "server2",
+        "ca2",
+        "rankscope-collector",
+        "subjectAltName=IP:127.0.0.1,DNS:rankscope-collector\n"
+        "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
+    )
+    _make_leaf(
+        d,
+        "client2",
+        "ca2",
         "rank-0",
         "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
     )

@@ -478,7 +478,7 @@ PYBIND11_MODULE(_native, m) {
                   const std::string& tls_cert_file, const std::string& tls_key_file,
                   const std::string& tls_target_name, const std::string& group, int64_t global_rank,
                   const std::string& instance_id, const std::string& sketch_encoding,
-                  const std::vector<std::string>& bucket_names) {
+                  const std::vector<std::string>& bucket_names, int tls_reload_interval_s) {
                  // Each keyword argument to its AgentOptions field, by name.
                  AgentOptions o;
                  o.sketch_encoding = SketchEncodingArg(sketch_encoding);
@@ -504,6 +504,7 @@ PYBIND11_MODULE(_native, m) {
                  o.tls.cert_file = tls_cert_file;
                  o.tls.key_file = tls_key_file;
                  o.tls.target_name = tls_target_name;
+                 o.tls.reload_interval_s = tls_reload_interval_s;
                  return std::make_unique<PyAgent>(std::move(o));
                }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
@@ -515,7 +516,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
            py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
            py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32",
-           py::arg("bucket_names") = std::vector<std::string>{})
+           py::arg("bucket_names") = std::vector<std::string>{},
+           py::arg("tls_reload_interval_s") = 60)
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("collector", [](const PyAgent& a) { return a.collector(); })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),

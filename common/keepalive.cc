@@ -1,0 +1,22 @@
+#include "common/keepalive.h"
+
+namespace rankscope::keepalive {
+
+void ApplyToChannel(grpc::ChannelArguments* args) {
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kPingIntervalMs);
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPingTimeoutMs);
+  args->SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args->SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // default 2: an idle stream goes blind
+}
+
+void ApplyToServer(grpc::ServerBuilder* builder) {
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kPingIntervalMs);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPingTimeoutMs);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                              kServerMinPingIntervalMs);
+  builder->AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kServerHandshakeTimeoutMs);
+}
+
+}  // namespace rankscope::keepalive

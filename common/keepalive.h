@@ -1,0 +1,39 @@
+// The gRPC keepalive settings of both ends of an agent's stream, in one place: how often each side
+// pings an idle connection and how long it waits for the answer, hence how long each side takes to
+// notice a peer that vanished without closing its socket (a node powered off, a network partition,
+// a half-open connection left behind). docs/reliability.md "Network faults" gives the figures.
+//
+//   agent      notices a dead collector within kPingIntervalMs + kPingTimeoutMs (40 s): its stream
+//              fails UNAVAILABLE, it reconnects with backoff and resends everything unacked.
+//   collector  notices a dead agent within kPingIntervalMs + kPingTimeoutMs (40 s): the stream is
+//              cancelled, its rank slot and memory are freed. A connection that never completes
+//              its TLS/HTTP2 handshake is closed after kServerHandshakeTimeoutMs (10 s).
+//
+// Pings go on without data and without calls (a paused job, an agent between streams), so both
+// sides keep watching an idle connection; the collector accepts the agent's pings down to
+// kServerMinPingIntervalMs apart instead of gRPC's default 5 minutes (which would answer the
+// agent's 30 s pings with GOAWAY "too_many_pings").
+//
+// Pure functions over gRPC's argument objects; thread-compatible.
+#ifndef RANKSCOPE_COMMON_KEEPALIVE_H_
+#define RANKSCOPE_COMMON_KEEPALIVE_H_
+
+#include "grpcpp/grpcpp.h"
+
+namespace rankscope::keepalive {
+
+inline constexpr int kPingIntervalMs = 30000;  // a ping after this long without one (each side)
+inline constexpr int kPingTimeoutMs = 10000;   // no ping ack within this: the peer is dead
+inline constexpr int kServerMinPingIntervalMs = 10000;   // the agent may ping this often
+inline constexpr int kServerHandshakeTimeoutMs = 10000;  // TCP accepted, handshake unfinished
+
+// The agent's channel: pings every kPingIntervalMs, gives up after kPingTimeoutMs.
+void ApplyToChannel(grpc::ChannelArguments* args);
+
+// The collector's server: the same pings towards agents, the agents' pings allowed, the handshake
+// timeout.
+void ApplyToServer(grpc::ServerBuilder* builder);
+
+}  // namespace rankscope::keepalive
+
+#endif  // RANKSCOPE_COMMON_KEEPALIVE_H_
