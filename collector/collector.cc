@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
+#include "collector/query/parse_error_interceptor.h"
 #include "common/tls_files.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
@@ -87,6 +90,29 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   // own limit, at twice that, stops a grossly oversized one before it is buffered.
   builder.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(int64_t{options.max_message_bytes} * 2, INT32_MAX)));
+  if (options.keepalive_time > absl::ZeroDuration()) {
+    // The server pings each connection (also while its streams send nothing) and closes one
+    // whose ping goes unanswered: see CollectorOptions::keepalive_time.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_time)));
+    builder.AddChannelArgument(
+        GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+        static_cast<int>(absl::ToInt64Milliseconds(std::max(options.keepalive_timeout,
+                                                            absl::Milliseconds(1)))));
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
+  // Agents ping every 30 s (agent.cc), also with no call open: allowed, never a "too many pings"
+  // GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  {
+    // A Query request that does not parse is answered INVALID_ARGUMENT saying so, not gRPC's
+    // bare UNIMPLEMENTED (query/parse_error_interceptor.h).
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(std::make_unique<ParseErrorInterceptorFactory>(
+        std::vector<std::string>{v1::Query::service_full_name()}));
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   builder.RegisterService(c->ingest_.get());
   builder.RegisterService(c->query_.get());
   c->server_ = builder.BuildAndStart();

@@ -61,6 +61,13 @@ ABSL_FLAG(absl::Duration, hello_timeout, absl::Seconds(5),
           "A stream whose first message (the agent's Hello) has not come this long after it "
           "opened is ended with DEADLINE_EXCEEDED, so idle connections cannot hold the "
           "--max_streams slots. 0 disables the deadline.");
+ABSL_FLAG(absl::Duration, grpc_keepalive_time, absl::Seconds(20),
+          "Every gRPC connection idle this long is pinged; 0 keeps gRPC's default (2 h). With "
+          "--grpc_keepalive_timeout it bounds how long a crashed node's streams (no FIN) hold "
+          "their ranks: time + timeout (30 s by default), after which a rank refused because of "
+          "them (ALREADY_EXISTS) is admitted on its next retry.");
+ABSL_FLAG(absl::Duration, grpc_keepalive_timeout, absl::Seconds(10),
+          "A keepalive ping unanswered this long closes its connection and cancels its streams.");
 ABSL_FLAG(int, max_jobs, 10000,
           "Jobs (data-parallel groups) tracked at once. At the limit, the least recently seen "
           "job with no stream and no open step is forgotten to make room; when none is, a hello "
@@ -229,6 +236,8 @@ int main(int argc, char** argv) {
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
   options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
+  options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
   RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));

@@ -172,9 +172,15 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
   MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   uint64_t& last = state.dropped_by_rank[rank];
-  // A smaller count means the agent restarted and counts from zero again.
-  state.dropped_total += dropped_total >= last ? dropped_total - last : dropped_total;
-  last = dropped_total;
+  // Monotonic per agent process: a new process starts from zero through OnAgentStarted, so a
+  // smaller count from the same one is a client's error (or a lie) and adds nothing. One report
+  // adds at most kMaxDroppedPerReport; a larger rise is taken in steps over the next reports (an
+  // honest agent's count is caught up, a hostile 2^64 - 1 adds a bounded amount per report).
+  if (dropped_total <= last) return;
+  const uint64_t added = std::min(dropped_total - last, kMaxDroppedPerReport);
+  last += added;
+  state.dropped_total = state.dropped_total > UINT64_MAX - added ? UINT64_MAX
+                                                                 : state.dropped_total + added;
 }
 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {

@@ -132,7 +132,10 @@ class JobMetrics : public prometheus::Collectable {
   // A new agent process holds (job, rank) (not a reconnect): its cumulative dropped count starts
   // from zero, so its first count is counted whole.
   void OnAgentStarted(const std::string& job, uint32_t rank);
-  // The agent of (job, rank) reported its cumulative count of dropped reports.
+  // The agent of (job, rank) reported its cumulative count of dropped reports. The exported
+  // rankscope_agent_dropped_reports_total never decreases: a count below the process's previous
+  // one adds nothing, one report adds at most kMaxDroppedPerReport, and the total saturates.
+  static constexpr uint64_t kMaxDroppedPerReport = 65'536;
   void OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total);
   // A step of `job` was joined and its statistics computed.
   void OnStep(const std::string& job, const ExportedStep& step);

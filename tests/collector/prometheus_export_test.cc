@@ -424,10 +424,45 @@ TEST(JobMetricsTest, DroppedReportsCounterSumsRanksAndSurvivesAgentRestart) {
   metrics.OnAgentDropped("j", 1, 3);
   metrics.OnAgentDropped("j", 0, 7);  // +2
   metrics.OnAgentDropped("j", 0, 7);  // repeated cumulative count: +0
-  metrics.OnAgentDropped("j", 1, 1);  // rank 1's agent restarted: +1
+  metrics.OnAgentStarted("j", 1);     // rank 1's agent restarted (a new process's hello)
+  metrics.OnAgentDropped("j", 1, 1);  // +1
   metrics.OnAgentDropped("j", 1, 4);  // +3
   EXPECT_EQ(Value(metrics.Collect(), "rankscope_agent_dropped_reports_total", Labels("j")),
             5 + 3 + 2 + 1 + 3);
+}
+
+// Issue 34.5: a hostile agent's dropped_total of 2^64 - 1 followed by a small value made the
+// counter go down (a uint64 wrap). The counter never decreases, and one report adds a bound.
+TEST(JobMetricsTest, DroppedReportsCounterNeverDecreasesAndOneReportAddsABound) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  auto total = [&] {
+    return *Value(metrics.Collect(), "rankscope_agent_dropped_reports_total", Labels("j"));
+  };
+  metrics.OnAgentDropped("j", 0, 3);
+  EXPECT_EQ(total(), 3);
+  metrics.OnAgentDropped("j", 0, UINT64_MAX);
+  const double after_max = total();
+  EXPECT_EQ(after_max, 3 + JobMetrics::kMaxDroppedPerReport);
+  metrics.OnAgentDropped("j", 0, 5);  // smaller, same process: adds nothing, takes nothing
+  EXPECT_EQ(total(), after_max);
+  metrics.OnAgentDropped("j", 0, UINT64_MAX);  // another bounded step
+  EXPECT_EQ(total(), after_max + JobMetrics::kMaxDroppedPerReport);
+  // A new process of the rank counts from zero again, still never below the total.
+  metrics.OnAgentStarted("j", 0);
+  metrics.OnAgentDropped("j", 0, 2);
+  EXPECT_EQ(total(), after_max + JobMetrics::kMaxDroppedPerReport + 2);
+  // Thousands of hostile reports: monotonic and saturating, never wrapping.
+  double previous = total();
+  for (int i = 0; i < 1000; ++i) {
+    metrics.OnAgentStarted("j", 0);
+    metrics.OnAgentDropped("j", 0, UINT64_MAX - static_cast<uint64_t>(i));
+    metrics.OnAgentDropped("j", 0, static_cast<uint64_t>(i));
+    const double now = total();
+    ASSERT_GE(now, previous) << i;
+    ASSERT_LE(now - previous, JobMetrics::kMaxDroppedPerReport) << i;
+    previous = now;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -825,7 +860,8 @@ TEST(HealthMetricsTest, EveryRejectReasonIsExportedFromZero) {
               UnorderedElementsAreArray({"before_hello", "bad_hello", "rank_out_of_range",
                                          "world_size_changed", "sketch_mismatch", "sketch_length",
                                          "message_too_large", "unauthenticated", "too_many_streams",
-                                         "too_many_jobs", "rank_taken", "invalid_report"}));
+                                         "too_many_jobs", "rank_taken", "invalid_report",
+                                         "run_collision"}));
 }
 
 double Scalar(const std::vector<MetricFamily>& families, const std::string& name,

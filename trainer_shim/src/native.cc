@@ -252,6 +252,7 @@ class PyAgent {
     d["unacked"] = s.unacked;
     d["last_error"] = s.last_error;
     d["refused"] = s.refused;
+    d["held_elsewhere"] = s.held_elsewhere;
     return d;
   }
 
@@ -454,13 +455,15 @@ PYBIND11_MODULE(_native, m) {
                   double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
                   const std::string& tls_cert_file, const std::string& tls_key_file,
                   const std::string& tls_target_name, const std::string& group, int64_t global_rank,
-                  const std::string& instance_id, const std::string& sketch_encoding) {
+                  const std::string& instance_id, const std::string& sketch_encoding,
+                  const std::string& run_id) {
                  // Each keyword argument to its AgentOptions field, by name.
                  AgentOptions o;
                  o.sketch_encoding = SketchEncodingArg(sketch_encoding);
                  o.group = group;
                  if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
                  o.instance_id = instance_id;
+                 o.run_id = run_id;
                  o.collector_address = collector;
                  o.job = job;
                  o.rank = rank;
@@ -489,7 +492,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_backoff_s") = 10.0, py::arg("tls_ca_file") = "",
            py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
            py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
-           py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32")
+           py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32",
+           py::arg("run_id") = "")
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
