@@ -48,6 +48,11 @@ ABSL_FLAG(int, max_open_steps, 256,
           "is closed early.");
 ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
+ABSL_FLAG(int, max_exported_series, 100000,
+          "The collector's /metrics budget of per-job series per scrape (0: no cap): beyond it "
+          "whole data-parallel groups are left out, the least deviating first, and counted in "
+          "rankscope_export_groups_capped. A group exports at most about 30 + 11 x "
+          "--per_rank_series_limit series (382 by default).");
 ABSL_FLAG(int, per_job_group_series_limit, 32,
           "Data-parallel groups of one job whose Prometheus series are exported (the most "
           "deviating first: a divergent replica or an outlier rank, then the lowest direction "
@@ -230,6 +235,8 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
   options.export_options.per_rank_series_limit =
       static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
+  options.export_options.max_series =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_max_exported_series)));
   options.export_options.per_job_group_series_limit =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_per_job_group_series_limit)));
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);

@@ -55,6 +55,8 @@ enum JobFamily : size_t {
   kRankSlowScore,
   kDriftingRanks,
   kSlowRanks,
+  kExportSeries,
+  kExportGroupsCapped,
   kJobFamilyCount,
 };
 
@@ -209,6 +211,13 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kSlowRanks, "rankscope_slow_ranks",
      "Ranks whose step-time CUSUM was above its threshold at the latest step "
      "(step_stats.slow_ranks): stragglers.",
+     prometheus::MetricType::Gauge},
+    {kExportSeries, "rankscope_export_series",
+     "Per-job series in this scrape (these two included), at most --max_exported_series.",
+     prometheus::MetricType::Gauge},
+    {kExportGroupsCapped, "rankscope_export_groups_capped",
+     "Jobs (data-parallel groups) whose series this scrape left out because the collector's "
+     "--max_exported_series budget was spent on more deviating ones.",
      prometheus::MetricType::Gauge},
 };
 
