@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "grpc/grpc.h"
 #include "collector/query/parse_error_interceptor.h"
 #include "common/tls_files.h"
+#include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 
@@ -95,10 +95,9 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
     // whose ping goes unanswered: see CollectorOptions::keepalive_time.
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
                                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_time)));
-    builder.AddChannelArgument(
-        GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-        static_cast<int>(absl::ToInt64Milliseconds(std::max(options.keepalive_timeout,
-                                                            absl::Milliseconds(1)))));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(
+                                   std::max(options.keepalive_timeout, absl::Milliseconds(1)))));
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   }
   // Agents ping every 30 s (agent.cc), also with no call open: allowed, never a "too many pings"

@@ -350,8 +350,8 @@ void AgentImpl::RunStream() {
                    "rankscope: collector %s does NOT store job %s group '%s' rank %u: %s; this "
                    "rank keeps its reports (bounded) and retries until the holder's streams are "
                    "gone, training continues\n",
-                   options_.collector_address.c_str(), options_.job.c_str(),
-                   options_.group.c_str(), options_.rank, last_error_.c_str());
+                   options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
+                   options_.rank, last_error_.c_str());
     }
     return;
   }

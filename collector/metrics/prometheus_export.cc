@@ -181,8 +181,8 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
   if (dropped_total <= last) return;
   const uint64_t added = std::min(dropped_total - last, kMaxDroppedPerReport);
   last += added;
-  state.dropped_total = state.dropped_total > UINT64_MAX - added ? UINT64_MAX
-                                                                 : state.dropped_total + added;
+  state.dropped_total =
+      state.dropped_total > UINT64_MAX - added ? UINT64_MAX : state.dropped_total + added;
 }
 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {

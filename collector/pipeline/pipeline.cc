@@ -191,11 +191,11 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
     r = registry_.Attach(hello, now, stream, &attached);
     if (!r.status.ok()) {
       // A collision is logged once per refused run (each may be a different user's mistake).
-      LogRefusalOnceLocked(r.reason == RejectReason::kRunCollision
-                               ? absl::StrCat(hello.job(), " (run '",
-                                              absl::CHexEscape(hello.run_id()), "')")
-                               : hello.job(),
-                           r);
+      LogRefusalOnceLocked(
+          r.reason == RejectReason::kRunCollision
+              ? absl::StrCat(hello.job(), " (run '", absl::CHexEscape(hello.run_id()), "')")
+              : hello.job(),
+          r);
       return r;
     }
     if (attached.resized) {

@@ -465,6 +465,54 @@ TEST(JobMetricsTest, DroppedReportsCounterNeverDecreasesAndOneReportAddsABound) 
   }
 }
 
+// Issue 34.5: the collector's series budget (--max_exported_series) is a cap: whole groups are
+// left out, the least deviating first, and the scrape says how many.
+TEST(JobMetricsTest, SeriesBudgetLeavesOutWholeLeastDeviatingGroups) {
+  FakeClock clock;
+  const StepStatistics healthy = HealthyStats(8, 0.1);
+  StepStatistics deviating = HealthyStats(8, 0.1);
+  deviating.grad_cosine_mean = 0.1;
+  auto feed = [&](JobMetrics& metrics, int jobs) {
+    for (int j = 0; j < jobs; ++j) {
+      metrics.OnStep(absl::StrCat("j", j), Step(1, j == 7 ? deviating : healthy, 8));
+    }
+  };
+  auto exported = [](const std::vector<MetricFamily>& families) {
+    return *Value(families, "rankscope_export_series", {});
+  };
+  JobMetrics one(OptionsWith(clock));
+  feed(one, 1);
+  const std::vector<MetricFamily> one_families = one.Collect();
+  size_t samples = 0;
+  for (const MetricFamily& f : one_families) samples += f.metric.size();
+  EXPECT_EQ(exported(one_families), samples);  // it counts what the scrape holds
+  const size_t per_group = samples - 2 - 4;    // less the two budget gauges and 4 job aggregates
+
+  ExportOptions options = OptionsWith(clock);
+  options.max_series = 2 + 10 * 4 + 3 * per_group;  // room for exactly 3 of 10 groups
+  JobMetrics capped(options);
+  feed(capped, 10);
+  const std::vector<MetricFamily> families = capped.Collect();
+  samples = 0;
+  for (const MetricFamily& f : families) samples += f.metric.size();
+  EXPECT_EQ(samples, options.max_series);
+  EXPECT_EQ(exported(families), options.max_series);
+  EXPECT_EQ(Value(families, "rankscope_export_groups_capped", {}), 7);
+  EXPECT_TRUE(Value(families, "rankscope_step", Labels("j7")).has_value());  // most deviating
+  int groups_with_step = 0;
+  for (int j = 0; j < 10; ++j) {
+    groups_with_step += Value(families, "rankscope_step", Labels(absl::StrCat("j", j))) ? 1 : 0;
+    // The aggregates cover every job, exported or not.
+    EXPECT_TRUE(Value(families, "rankscope_job_groups", Labels(absl::StrCat("j", j))));
+  }
+  EXPECT_EQ(groups_with_step, 3);
+
+  options.max_series = 0;  // no cap
+  JobMetrics unlimited(options);
+  feed(unlimited, 10);
+  EXPECT_EQ(Value(unlimited.Collect(), "rankscope_export_groups_capped", {}), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The spike window.
 
@@ -856,12 +904,11 @@ TEST(HealthMetricsTest, EveryRejectReasonIsExportedFromZero) {
     EXPECT_EQ(m.counter.value, 0);
     reasons.push_back(m.label[0].value);
   }
-  EXPECT_THAT(reasons,
-              UnorderedElementsAreArray({"before_hello", "bad_hello", "rank_out_of_range",
-                                         "world_size_changed", "sketch_mismatch", "sketch_length",
-                                         "message_too_large", "unauthenticated", "too_many_streams",
-                                         "too_many_jobs", "rank_taken", "invalid_report",
-                                         "run_collision"}));
+  EXPECT_THAT(reasons, UnorderedElementsAreArray(
+                           {"before_hello", "bad_hello", "rank_out_of_range", "world_size_changed",
+                            "sketch_mismatch", "sketch_length", "message_too_large",
+                            "unauthenticated", "too_many_streams", "too_many_jobs", "rank_taken",
+                            "invalid_report", "run_collision"}));
 }
 
 double Scalar(const std::vector<MetricFamily>& families, const std::string& name,

@@ -589,11 +589,10 @@ TEST_F(BadInputTest, AQueryRequestOfGarbageBytesIsAnsweredWithWhatIsWrong) {
     grpc::ByteBuffer response;
     absl::Notification done;
     grpc::Status status;
-    stub_->UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
-                     [&](grpc::Status s) {
-                       status = std::move(s);
-                       done.Notify();
-                     });
+    stub_->UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+      status = std::move(s);
+      done.Notify();
+    });
     done.WaitForNotification();
     return status;
   };

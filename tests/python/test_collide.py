@@ -54,9 +54,7 @@ def _run_rank(rank, port, run, address, work_dir):
     err = open(work / f"run{run}.rank{rank}.stderr", "w")
     os.dup2(err.fileno(), 2)  # the agent's own lines (fprintf to fd 2)
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     import rankscope.torch as rst
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,7 +82,12 @@ def _run_rank(rank, port, run, address, work_dir):
     s = mon.stats()
     shim_harness.write_json(
         work / f"run{run}.rank{rank}.decided.json",
-        {"pid": os.getpid(), "held": s["held_elsewhere"], "acked": s["acked"], "run_id": mon.run_id},
+        {
+            "pid": os.getpid(),
+            "held": s["held_elsewhere"],
+            "acked": s["acked"],
+            "run_id": mon.run_id,
+        },
     )
     wait_until(lambda: (work / "go").exists(), 120, "the test's go")
     # Only the refused run gets here (the holder is stopped): train on until stored.

@@ -447,43 +447,43 @@ PYBIND11_MODULE(_native, m) {
       .def("values", &PySketch::values);
 
   py::class_<PyAgent>(m, "Agent", "One rank's agent (rankscope/agent.h).")
-      .def(py::init(
-               [](const std::string& collector, const std::string& job, uint32_t rank,
-                  uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed, uint32_t attempt,
-                  const std::string& host, const std::string& framework_version,
-                  const std::string& auth_token, size_t queue_capacity, size_t max_unacked,
-                  double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
-                  const std::string& tls_cert_file, const std::string& tls_key_file,
-                  const std::string& tls_target_name, const std::string& group, int64_t global_rank,
-                  const std::string& instance_id, const std::string& sketch_encoding,
-                  const std::string& run_id) {
-                 // Each keyword argument to its AgentOptions field, by name.
-                 AgentOptions o;
-                 o.sketch_encoding = SketchEncodingArg(sketch_encoding);
-                 o.group = group;
-                 if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
-                 o.instance_id = instance_id;
-                 o.run_id = run_id;
-                 o.collector_address = collector;
-                 o.job = job;
-                 o.rank = rank;
-                 o.world_size = world_size;
-                 o.sketch_dim = sketch_dim;
-                 o.sketch_seed = sketch_seed;
-                 o.attempt = attempt;
-                 o.host = host;
-                 o.framework_version = framework_version;
-                 o.auth_token = auth_token;
-                 o.queue_capacity = queue_capacity;
-                 o.max_unacked = max_unacked;
-                 o.initial_backoff = absl::Seconds(initial_backoff_s);
-                 o.max_backoff = absl::Seconds(max_backoff_s);
-                 o.tls.ca_file = tls_ca_file;
-                 o.tls.cert_file = tls_cert_file;
-                 o.tls.key_file = tls_key_file;
-                 o.tls.target_name = tls_target_name;
-                 return std::make_unique<PyAgent>(std::move(o));
-               }),
+      .def(py::init([](const std::string& collector, const std::string& job, uint32_t rank,
+                       uint32_t world_size, uint32_t sketch_dim, uint64_t sketch_seed,
+                       uint32_t attempt, const std::string& host,
+                       const std::string& framework_version, const std::string& auth_token,
+                       size_t queue_capacity, size_t max_unacked, double initial_backoff_s,
+                       double max_backoff_s, const std::string& tls_ca_file,
+                       const std::string& tls_cert_file, const std::string& tls_key_file,
+                       const std::string& tls_target_name, const std::string& group,
+                       int64_t global_rank, const std::string& instance_id,
+                       const std::string& sketch_encoding, const std::string& run_id) {
+             // Each keyword argument to its AgentOptions field, by name.
+             AgentOptions o;
+             o.sketch_encoding = SketchEncodingArg(sketch_encoding);
+             o.group = group;
+             if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
+             o.instance_id = instance_id;
+             o.run_id = run_id;
+             o.collector_address = collector;
+             o.job = job;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.sketch_dim = sketch_dim;
+             o.sketch_seed = sketch_seed;
+             o.attempt = attempt;
+             o.host = host;
+             o.framework_version = framework_version;
+             o.auth_token = auth_token;
+             o.queue_capacity = queue_capacity;
+             o.max_unacked = max_unacked;
+             o.initial_backoff = absl::Seconds(initial_backoff_s);
+             o.max_backoff = absl::Seconds(max_backoff_s);
+             o.tls.ca_file = tls_ca_file;
+             o.tls.cert_file = tls_cert_file;
+             o.tls.key_file = tls_key_file;
+             o.tls.target_name = tls_target_name;
+             return std::make_unique<PyAgent>(std::move(o));
+           }),
            py::arg("collector"), py::arg("job"), py::arg("rank"), py::arg("world_size"),
            py::arg("sketch_dim") = kDefaultSketchDim, py::arg("sketch_seed") = kDefaultSketchSeed,
            py::arg("attempt") = 0, py::arg("host") = "", py::arg("framework_version") = "",
