@@ -297,8 +297,11 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
                                   std::make_move_iterator(from.end()));
       }
     }
-    AddSample(families[kExportSeries], {}, static_cast<double>(exported));
-    AddSample(families[kExportGroupsCapped], {}, static_cast<double>(capped));
+    // The collector's own two gauges (no label), once there is a job to budget.
+    if (!live.empty()) {
+      AddSample(families[kExportSeries], {}, static_cast<double>(exported));
+      AddSample(families[kExportGroupsCapped], {}, static_cast<double>(capped));
+    }
   }
   // A family with no sample would be HELP and TYPE alone: leave it out.
   families.erase(std::remove_if(families.begin(), families.end(),

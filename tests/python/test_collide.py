@@ -90,15 +90,17 @@ def _run_rank(rank, port, run, address, work_dir):
         },
     )
     wait_until(lambda: (work / "go").exists(), 120, "the test's go")
-    # Only the refused run gets here (the holder is stopped): train on until stored.
+    # Only the refused run gets here (the holder is stopped): train on until admitted, then wait
+    # (recording nothing more) until the collector has acked every report of this rank.
     deadline = time.monotonic() + 90
     while True:
         train_step()
-        s = mon.stats()
-        done = not s["held_elsewhere"] and s["acked"] == s["recorded"]
-        if _all_ranks(done) or time.monotonic() > deadline:
+        if _all_ranks(not mon.stats()["held_elsewhere"]) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    wait_until(
+        lambda: (lambda s: s["acked"] == s["recorded"])(mon.stats()), 60, "every report acked"
+    )
     final = mon.close(timeout=10)
     shim_harness.write_json(work / f"run{run}.rank{rank}.final.json", final)
     dist.destroy_process_group()
@@ -138,7 +140,7 @@ def test_two_live_runs_under_one_name_collide_and_the_refused_run_is_told(tmp_pa
                 for k in (0, 1)
             }
 
-        d = wait_until(decided, 150, "both runs to learn the collector's decision")
+        d = wait_until(decided, 300, "both runs to start and learn the collector's decision")
         assert d[(0, 0)]["run_id"] == d[(0, 1)]["run_id"] != d[(1, 0)]["run_id"]
         assert d[(1, 0)]["run_id"] == d[(1, 1)]["run_id"] != ""
         held = {run: [d[(run, k)]["held"] for k in (0, 1)] for run in (0, 1)}
