@@ -23,7 +23,8 @@ std::string RequestTypeOf(const std::string& method) {
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
+  ParseErrorInterceptor(std::string method, std::string request_type)
+      : method_(std::move(method)), request_type_(std::move(request_type)) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
@@ -31,11 +32,9 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
       const grpc::Status status = methods->GetSendStatus();
       if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED &&
           status.error_message().empty()) {
-        const std::string type = RequestTypeOf(method_);
         methods->ModifySendStatus(grpc::Status(
             grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("the request to ", method_, " could not be parsed",
-                         type.empty() ? "" : absl::StrCat(" as a ", type),
+            absl::StrCat("the request to ", method_, " could not be parsed as a ", request_type_,
                          " (truncated, corrupted, or not rankscope's protocol: use the rankscope "
                          "CLI, or a client generated from proto/rankscope/v1/rankscope.proto)")));
       }
@@ -45,6 +44,7 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
 
  private:
   const std::string method_;
+  const std::string request_type_;
 };
 
 }  // namespace
@@ -61,7 +61,11 @@ grpc::experimental::Interceptor* ParseErrorInterceptorFactory::CreateServerInter
   const char* method = info->method();
   if (method == nullptr) return nullptr;
   for (const std::string& prefix : prefixes_) {
-    if (absl::StartsWith(method, prefix)) return new ParseErrorInterceptor(method);
+    if (!absl::StartsWith(method, prefix)) continue;
+    // A method the service does not have keeps gRPC's own UNIMPLEMENTED.
+    std::string request_type = RequestTypeOf(method);
+    if (request_type.empty()) return nullptr;
+    return new ParseErrorInterceptor(method, std::move(request_type));
   }
   return nullptr;
 }

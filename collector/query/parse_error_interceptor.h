@@ -5,8 +5,8 @@
 // "if deserialization or reactor creator failed"), which reads as "this collector has no such
 // method". For the methods of the services given, this interceptor rewrites exactly that status
 // (UNIMPLEMENTED with no message) into INVALID_ARGUMENT naming the method and the message type it
-// expected. None of those handlers returns UNIMPLEMENTED itself; a method the server does not
-// serve never reaches a registered handler, so it keeps gRPC's own UNIMPLEMENTED.
+// expected. None of those handlers returns UNIMPLEMENTED itself; a method the service does not
+// have (not in the generated descriptors) gets no interceptor and keeps gRPC's UNIMPLEMENTED.
 //
 // Calls to other services get no interceptor at all (the factory returns none), so the Ingest
 // stream's hot path pays nothing.
