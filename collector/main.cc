@@ -51,8 +51,8 @@ ABSL_FLAG(int, per_rank_series_limit, 32,
 ABSL_FLAG(int, max_exported_series, 100000,
           "The collector's /metrics budget of per-job series per scrape (0: no cap): beyond it "
           "whole data-parallel groups are left out, the least deviating first, and counted in "
-          "rankscope_export_groups_capped. A group exports at most about 30 + 11 x "
-          "--per_rank_series_limit series (382 by default).");
+          "rankscope_export_groups_capped. A group exports at most about 30 + 13 x "
+          "--per_rank_series_limit series (446 by default).");
 ABSL_FLAG(int, per_job_group_series_limit, 32,
           "Data-parallel groups of one job whose Prometheus series are exported (the most "
           "deviating first: a divergent replica or an outlier rank, then the lowest direction "

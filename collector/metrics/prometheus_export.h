@@ -50,8 +50,8 @@
 // Series budget (docs/reliability.md "What a hostile client can still do"): one group (a job
 // without groups is one) exports at most ~30 job-level series plus, for at most
 // per_rank_series_limit ranks each, 8 per-rank gauges and rankscope_rank_info, plus at most
-// per_rank_series_limit missing and replica-divergent ranks (with their rank_info): about
-// 30 + 11 * per_rank_series_limit = 382 at the default 32; a job exports at most
+// per_rank_series_limit missing and as many replica-divergent ranks (each with its rank_info):
+// about 30 + 13 * per_rank_series_limit = 446 at the default 32; a job exports at most
 // per_job_group_series_limit groups, plus 4 aggregates. A collector exports at most
 // `max_series` per-job series per scrape: groups are taken most deviating first (a divergent
 // replica or an outlier, then the lowest cosine; ties by name) and a group that would overrun
