@@ -95,6 +95,13 @@ extern char** environ;
 ABSL_FLAG(int, seconds, 30, "Length of the measured window for each server.");
 ABSL_FLAG(int, warmup_seconds, 5, "Load before the window starts (connections, caches).");
 ABSL_FLAG(int, ranks, 1024, "Agents (ranks of one job).");
+ABSL_FLAG(
+    int, groups, 1,
+    "Data-parallel groups the --ranks form (must divide it): rank r is rank r % (ranks/groups) "
+    "of group g<r / (ranks/groups)>, as loadgen --groups lays them out; 1: one group.");
+ABSL_FLAG(std::string, analysis_threads, "1",
+          "The collector's analysis threads (PipelineOptions::analysis_threads), a comma-separated "
+          "list: the collector phase runs once per value, side by side in one run.");
 ABSL_FLAG(int, sketch_dim, 1024, "Sketch dimension k.");
 ABSL_FLAG(std::string, sketch_encoding, "float32",
           "How the agents send the sketch: float32, float16 or int8 (common/sketch_encoding.h).");
@@ -454,12 +461,15 @@ LoadResult RunLoad(const std::string& target, const std::string& job,
 
   std::vector<std::unique_ptr<Agent>> agents;
   agents.reserve(ranks);
+  const int groups = std::max(1, absl::GetFlag(FLAGS_groups));
+  const int group_size = ranks / groups;
   for (int r = 0; r < ranks; ++r) {
     rankscope::AgentOptions o;
     o.collector_address = target;
     o.job = job;
-    o.rank = static_cast<uint32_t>(r);
-    o.world_size = static_cast<uint32_t>(ranks);
+    o.rank = static_cast<uint32_t>(r % group_size);
+    o.world_size = static_cast<uint32_t>(group_size);
+    if (groups > 1) o.group = absl::StrCat("g", r / group_size);
     o.sketch_dim = static_cast<uint32_t>(dim);
     o.sketch_encoding = rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))
                             .value_or(rankscope::SketchEncoding::kFloat32);
@@ -627,6 +637,7 @@ LoadResult RunLoadInChild(const std::string& target, const std::string& job,
       absl::StrCat("--seconds=", absl::GetFlag(FLAGS_seconds)),
       absl::StrCat("--warmup_seconds=", absl::GetFlag(FLAGS_warmup_seconds)),
       absl::StrCat("--ranks=", absl::GetFlag(FLAGS_ranks)),
+      absl::StrCat("--groups=", absl::GetFlag(FLAGS_groups)),
       absl::StrCat("--sketch_dim=", absl::GetFlag(FLAGS_sketch_dim)),
       absl::StrCat("--sketch_encoding=", absl::GetFlag(FLAGS_sketch_encoding)),
       absl::StrCat("--drivers=", absl::GetFlag(FLAGS_drivers)),
@@ -846,120 +857,179 @@ int main(int argc, char** argv) {
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     PrintPhase("bare", bare, inprocess);
   }
-  if (only.empty() || only == "collector") {
-    std::string dir = absl::GetFlag(FLAGS_tmpdir);
-    if (dir.empty()) dir = getenv("TMPDIR") != nullptr ? getenv("TMPDIR") : "/tmp";
-    std::string tmpl = dir + "/ingest_bench-XXXXXX";
-    if (mkdtemp(tmpl.data()) == nullptr) {
-      std::fprintf(stderr, "ingest_bench: cannot create a temp dir under %s\n", dir.c_str());
+  // One collector phase per --analysis_threads value, side by side.
+  std::vector<size_t> thread_counts;
+  for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_analysis_threads), ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(t, &n) || n < 0) {
+      std::fprintf(stderr,
+                   "ingest_bench: --analysis_threads takes counts >= 0 (0: one per core)\n");
       return 2;
     }
-    const std::string db_path = tmpl + "/rankscope.db";
-    rankscope::collector::CollectorOptions o;
-    o.grpc_address = "127.0.0.1:0";
-    o.metrics_address = "127.0.0.1:0";
-    o.db_path = db_path;
-    const absl::Duration retention = absl::GetFlag(FLAGS_retention_rank_steps);
-    if (retention > absl::ZeroDuration()) {
-      rankscope::collector::RetentionOptions r;
-      r.rank_steps = retention;
-      r.steps = absl::ZeroDuration();
-      r.check_interval = absl::Milliseconds(100);
-      o.pipeline.writer.retention = r;
-    }
-    auto started = rankscope::collector::Collector::Start(o);
-    if (!started.ok()) {
-      std::fprintf(stderr, "ingest_bench: %s\n", started.status().ToString().c_str());
-      return 2;
-    }
-    rankscope::collector::Collector& c = **started;
-    const auto registry = c.health().registry();
+    thread_counts.push_back(static_cast<size_t>(n));
+  }
+  struct CollectorRun {
+    size_t threads;
+    double rate, server_cores, server_us, p50_ms, p99_ms, share_50ms, others;
+    bool stored_ok;
+  };
+  std::vector<CollectorRun> collector_runs;
+  for (const size_t analysis_threads : thread_counts) {
+    if (only.empty() || only == "collector") {
+      coll = Phase{};
+      std::string dir = absl::GetFlag(FLAGS_tmpdir);
+      if (dir.empty()) dir = getenv("TMPDIR") != nullptr ? getenv("TMPDIR") : "/tmp";
+      std::string tmpl = dir + "/ingest_bench-XXXXXX";
+      if (mkdtemp(tmpl.data()) == nullptr) {
+        std::fprintf(stderr, "ingest_bench: cannot create a temp dir under %s\n", dir.c_str());
+        return 2;
+      }
+      const std::string db_path = tmpl + "/rankscope.db";
+      rankscope::collector::CollectorOptions o;
+      o.grpc_address = "127.0.0.1:0";
+      o.metrics_address = "127.0.0.1:0";
+      o.db_path = db_path;
+      o.pipeline.analysis_threads = analysis_threads;
+      const absl::Duration retention = absl::GetFlag(FLAGS_retention_rank_steps);
+      if (retention > absl::ZeroDuration()) {
+        rankscope::collector::RetentionOptions r;
+        r.rank_steps = retention;
+        r.steps = absl::ZeroDuration();
+        r.check_interval = absl::Milliseconds(100);
+        o.pipeline.writer.retention = r;
+      }
+      auto started = rankscope::collector::Collector::Start(o);
+      if (!started.ok()) {
+        std::fprintf(stderr, "ingest_bench: %s\n", started.status().ToString().c_str());
+        return 2;
+      }
+      rankscope::collector::Collector& c = **started;
+      const auto registry = c.health().registry();
 
-    std::atomic<bool> scraping{true};
-    std::atomic<uint64_t> scrapes{0}, scrape_bytes{0};
-    std::thread scraper([&] {
-      pthread_setname_np(pthread_self(), "bench-scraper");
-      const int every = absl::GetFlag(FLAGS_scrape_ms);
-      while (every > 0 && scraping.load()) {
-        const size_t n = HttpGetBytes(c.metrics_port(), "/metrics");
-        if (n > 0) {
-          ++scrapes;
-          scrape_bytes += n;
+      std::atomic<bool> scraping{true};
+      std::atomic<uint64_t> scrapes{0}, scrape_bytes{0};
+      std::thread scraper([&] {
+        pthread_setname_np(pthread_self(), "bench-scraper");
+        const int every = absl::GetFlag(FLAGS_scrape_ms);
+        while (every > 0 && scraping.load()) {
+          const size_t n = HttpGetBytes(c.metrics_port(), "/metrics");
+          if (n > 0) {
+            ++scrapes;
+            scrape_bytes += n;
+          }
+          absl::SleepFor(absl::Milliseconds(every));
         }
-        absl::SleepFor(absl::Milliseconds(every));
+      });
+      Histogram latency0, commits0, prunes0, prunes;
+      run(c.grpc_target(), "bench-collector", &coll, [&](bool start) {
+        Histogram h = ReadHistogram(*registry, "rankscope_ingest_latency_seconds");
+        Histogram k = ReadHistogram(*registry, "rankscope_store_commit_seconds");
+        Histogram p = ReadHistogram(*registry, "rankscope_store_prune_seconds");
+        if (start) {
+          latency0 = h;
+          commits0 = k;
+          prunes0 = p;
+        } else {
+          latency = Delta(h, latency0);
+          commits = Delta(k, commits0);
+          prunes = Delta(p, prunes0);
+        }
+      });
+      scraping = false;
+      scraper.join();
+      const bool flushed = c.Flush(absl::Seconds(60));
+      const double late = CounterValue(*registry, "rankscope_reports_late_total");
+      const double dup = CounterValue(*registry, "rankscope_reports_duplicate_total");
+      const double evicted = CounterValue(*registry, "rankscope_steps_evicted_total");
+      const double store_errors = CounterValue(*registry, "rankscope_store_errors_total");
+      const absl::Status shut = c.Shutdown(absl::Seconds(10));
+      // Rows the retention pruned (after Shutdown: no pass runs any more) count as stored.
+      const int64_t pruned = static_cast<int64_t>(LabeledCounterValue(
+          *registry, "rankscope_store_pruned_rows_total", "table", "rank_steps"));
+      rankscope::collector::StoreOptions ro;
+      ro.read_only = true;
+      auto store = rankscope::collector::SqliteStore::Open(db_path, ro);
+      if (store.ok()) {
+        // Every group's rows (stored under its group key).
+        auto jobs = (*store)->ListJobs();
+        if (jobs.ok()) {
+          stored = pruned;
+          for (const rankscope::collector::JobRow& j : *jobs) {
+            auto n = (*store)->CountRankRows(j.job);
+            if (n.ok()) stored += *n;
+          }
+        }
       }
-    });
-    Histogram latency0, commits0, prunes0, prunes;
-    run(c.grpc_target(), "bench-collector", &coll, [&](bool start) {
-      Histogram h = ReadHistogram(*registry, "rankscope_ingest_latency_seconds");
-      Histogram k = ReadHistogram(*registry, "rankscope_store_commit_seconds");
-      Histogram p = ReadHistogram(*registry, "rankscope_store_prune_seconds");
-      if (start) {
-        latency0 = h;
-        commits0 = k;
-        prunes0 = p;
-      } else {
-        latency = Delta(h, latency0);
-        commits = Delta(k, commits0);
-        prunes = Delta(p, prunes0);
-      }
-    });
-    scraping = false;
-    scraper.join();
-    const bool flushed = c.Flush(absl::Seconds(60));
-    const double late = CounterValue(*registry, "rankscope_reports_late_total");
-    const double dup = CounterValue(*registry, "rankscope_reports_duplicate_total");
-    const double evicted = CounterValue(*registry, "rankscope_steps_evicted_total");
-    const double store_errors = CounterValue(*registry, "rankscope_store_errors_total");
-    const absl::Status shut = c.Shutdown(absl::Seconds(10));
-    // Rows the retention pruned (after Shutdown: no pass runs any more) count as stored.
-    const int64_t pruned = static_cast<int64_t>(
-        LabeledCounterValue(*registry, "rankscope_store_pruned_rows_total", "table", "rank_steps"));
-    rankscope::collector::StoreOptions ro;
-    ro.read_only = true;
-    auto store = rankscope::collector::SqliteStore::Open(db_path, ro);
-    if (store.ok()) {
-      auto n = (*store)->CountRankRows("bench-collector");
-      if (n.ok()) stored = *n + pruned;
+      stored_ok = flushed && shut.ok() && stored == static_cast<int64_t>(coll.load.acked);
+      std::printf("collector, analysis_threads=%zu%s:\n", analysis_threads,
+                  analysis_threads == 0 ? " (one per core)" : "");
+      PrintPhase("collector", coll, inprocess);
+      std::printf(
+          "          stored in SQLite: %lld rows %s %llu acked; late=%.0f duplicate=%.0f "
+          "evicted=%.0f store_errors=%.0f; /metrics scraped %llu times (%.0f KiB each)%s\n",
+          static_cast<long long>(stored),
+          stored == static_cast<int64_t>(coll.load.acked) ? "==" : "!=",
+          static_cast<unsigned long long>(coll.load.acked), late, dup, evicted, store_errors,
+          static_cast<unsigned long long>(scrapes.load()),
+          scrapes.load() > 0 ? scrape_bytes.load() / 1024.0 / scrapes.load() : 0.0,
+          stored_ok ? "" : "  STORE CHECK FAILED");
+      std::printf(
+          "          SQLite commits in the window: %llu (%.1f/s, %.0f reports each, %.1f ms "
+          "mean)\n",
+          static_cast<unsigned long long>(commits.count),
+          commits.count / std::max(1e-9, coll.load.window_seconds),
+          commits.count > 0 ? static_cast<double>(coll.load.window_acked) / commits.count : 0.0,
+          commits.count > 0 ? commits.sum / commits.count * 1e3 : 0.0);
+      std::printf(
+          "          SQLite commit p50=%.1f ms p99=%.1f ms; retention %s: %llu pruning "
+          "transactions in the window (p99 %.1f ms), %lld rank rows pruned in all\n",
+          Quantile(commits, 0.5) * 1e3, Quantile(commits, 0.99) * 1e3,
+          retention > absl::ZeroDuration() ? absl::FormatDuration(retention).c_str() : "off",
+          static_cast<unsigned long long>(prunes.count), Quantile(prunes, 0.99) * 1e3,
+          static_cast<long long>(pruned));
+      std::printf(
+          "          ingest latency (last report of a step -> its metrics updated), %llu steps: "
+          "p50=%.1f ms p99=%.1f ms mean=%.1f ms, <= 50 ms: %.2f%%\n",
+          static_cast<unsigned long long>(latency.count), Quantile(latency, 0.5) * 1e3,
+          Quantile(latency, 0.99) * 1e3,
+          latency.count > 0 ? latency.sum / latency.count * 1e3 : 0.0,
+          100.0 * FractionAtMost(latency, 0.05));
+      std::fflush(stdout);
+      std::remove((db_path + "-wal").c_str());
+      std::remove((db_path + "-shm").c_str());
+      std::remove(db_path.c_str());
+      rmdir(tmpl.c_str());
+      const double w = std::max(1e-9, coll.load.window_seconds);
+      const double n = static_cast<double>(std::max<uint64_t>(coll.load.window_acked, 1));
+      collector_runs.push_back(CollectorRun{
+          .threads = analysis_threads,
+          .rate = coll.load.rate(),
+          .server_cores = coll.server.seconds / w,
+          .server_us = 1e6 * coll.server.seconds / n,
+          .p50_ms = Quantile(latency, 0.5) * 1e3,
+          .p99_ms = Quantile(latency, 0.99) * 1e3,
+          .share_50ms = 100.0 * FractionAtMost(latency, 0.05),
+          .others =
+              std::max(0.0, coll.machine_busy - coll.server.seconds - coll.load.cpu.seconds) / w,
+          .stored_ok = stored_ok && coll.load.valid(),
+      });
     }
-    stored_ok = flushed && shut.ok() && stored == static_cast<int64_t>(coll.load.acked);
-    PrintPhase("collector", coll, inprocess);
+  }
+  if (collector_runs.size() > 1) {
     std::printf(
-        "          stored in SQLite: %lld rows %s %llu acked; late=%.0f duplicate=%.0f "
-        "evicted=%.0f store_errors=%.0f; /metrics scraped %llu times (%.0f KiB each)%s\n",
-        static_cast<long long>(stored),
-        stored == static_cast<int64_t>(coll.load.acked) ? "==" : "!=",
-        static_cast<unsigned long long>(coll.load.acked), late, dup, evicted, store_errors,
-        static_cast<unsigned long long>(scrapes.load()),
-        scrapes.load() > 0 ? scrape_bytes.load() / 1024.0 / scrapes.load() : 0.0,
-        stored_ok ? "" : "  STORE CHECK FAILED");
-    std::printf(
-        "          SQLite commits in the window: %llu (%.1f/s, %.0f reports each, %.1f ms mean)\n",
-        static_cast<unsigned long long>(commits.count),
-        commits.count / std::max(1e-9, coll.load.window_seconds),
-        commits.count > 0 ? static_cast<double>(coll.load.window_acked) / commits.count : 0.0,
-        commits.count > 0 ? commits.sum / commits.count * 1e3 : 0.0);
-    std::printf(
-        "          SQLite commit p50=%.1f ms p99=%.1f ms; retention %s: %llu pruning "
-        "transactions in the window (p99 %.1f ms), %lld rank rows pruned in all\n",
-        Quantile(commits, 0.5) * 1e3, Quantile(commits, 0.99) * 1e3,
-        retention > absl::ZeroDuration() ? absl::FormatDuration(retention).c_str() : "off",
-        static_cast<unsigned long long>(prunes.count), Quantile(prunes, 0.99) * 1e3,
-        static_cast<long long>(pruned));
-    std::printf(
-        "          ingest latency (last report of a step -> its metrics updated), %llu steps: "
-        "p50=%.1f ms p99=%.1f ms mean=%.1f ms, <= 50 ms: %.2f%%\n",
-        static_cast<unsigned long long>(latency.count), Quantile(latency, 0.5) * 1e3,
-        Quantile(latency, 0.99) * 1e3, latency.count > 0 ? latency.sum / latency.count * 1e3 : 0.0,
-        100.0 * FractionAtMost(latency, 0.05));
-    std::fflush(stdout);
-    std::remove((db_path + "-wal").c_str());
-    std::remove((db_path + "-shm").c_str());
-    std::remove(db_path.c_str());
-    rmdir(tmpl.c_str());
+        "side by side (groups=%d):\n  analysis_threads | reports/s | server cores | server "
+        "us/report"
+        " | ingest p50 / p99 ms (<= 50 ms) | other processes (cores) | stored == acked\n",
+        absl::GetFlag(FLAGS_groups));
+    for (const CollectorRun& r : collector_runs) {
+      std::printf("  %16zu | %9.0f | %12.2f | %16.1f | %8.1f / %6.1f (%.1f%%) | %23.2f | %s\n",
+                  r.threads, r.rate, r.server_cores, r.server_us, r.p50_ms, r.p99_ms, r.share_50ms,
+                  r.others, r.stored_ok ? "yes" : "NO");
+    }
   }
 
   bool pass = true;
+  for (const CollectorRun& r : collector_runs) pass &= r.stored_ok;  // every side-by-side run
   std::printf("targets:\n");
   if (coll.ran) {
     const bool rate_ok = coll.load.rate() >= 50'000;

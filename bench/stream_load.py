@@ -156,6 +156,8 @@ def run_streams(
     hold: float = 3.0,
     collector_args=(),
     groups: int = 1,
+    silent_rank: int = -1,
+    flush_timeout: float = 120.0,
 ) -> dict:
     """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
     Returns the figures (KiB, counts, seconds)."""
@@ -180,8 +182,13 @@ def run_streams(
                     "--step_time=0",
                     "--wait_connected",
                     f"--hold={hold}s",
-                    "--flush_timeout=120s",
+                    f"--flush_timeout={flush_timeout:.0f}s",
                     f"--groups={groups}",
+                    *(
+                        [f"--silent_rank={silent_rank}", "--silent_in_every_group"]
+                        if silent_rank >= 0
+                        else []
+                    ),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -270,6 +277,20 @@ def main() -> int:
         help="comma-separated group counts: each N is run once per count, side by "
         "side (e.g. 1,128: one group of N ranks, then 128 groups of N/128)",
     )
+    ap.add_argument(
+        "--silent-rank",
+        type=int,
+        default=-1,
+        help="memory per open step: each case runs again with this rank of every group silent "
+        "(loadgen --silent_in_every_group) and --step_timeout above the run, so every step "
+        "of every group stays open; (peak RSS silent - peak RSS normal) / open steps",
+    )
+    ap.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the loadgen waits for all streams to connect, and for every ack",
+    )
     args = ap.parse_args()
     build = Path(args.build_dir).resolve()
     print(
@@ -283,7 +304,15 @@ def main() -> int:
             print(f"--groups {g} does not divide --streams {n}", file=sys.stderr)
             return 2
     for n, g in cases:
-        f = run_streams(build, n, args.duration, args.step_interval, args.sketch_dim, groups=g)
+        f = run_streams(
+            build,
+            n,
+            args.duration,
+            args.step_interval,
+            args.sketch_dim,
+            groups=g,
+            flush_timeout=args.flush_timeout,
+        )
         print(
             f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
             f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
@@ -299,6 +328,34 @@ def main() -> int:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1
         rows.append(f)
+        if args.silent_rank >= 0:
+            timeout = args.duration + 60
+            o = run_streams(
+                build,
+                n,
+                args.duration,
+                args.step_interval,
+                args.sketch_dim,
+                collector_args=[f"--step_timeout={timeout:.0f}s"],
+                groups=g,
+                silent_rank=args.silent_rank,
+                flush_timeout=args.flush_timeout,
+            )
+            steps = o["recorded"] // (n - g)  # steps each reporting rank recorded
+            open_steps = g * steps
+            per_step = (o["peak_kib"] - f["peak_kib"]) / open_steps
+            print(
+                f"N={n} groups={g}, rank {args.silent_rank} of every group silent: "
+                f"{open_steps} steps open at once ({g} groups x {steps}), peak "
+                f"{o['peak_kib'] / 1024:.1f} MiB vs {f['peak_kib'] / 1024:.1f} MiB: "
+                f"{per_step:.0f} KiB per open step of {n // g - 1} reports "
+                f"({per_step / (n // g - 1):.1f} KiB per held report); stored {o['rows']} / "
+                f"{o['recorded']}",
+                flush=True,
+            )
+            if o["rows"] != o["recorded"]:
+                print(f"FAIL: N={n} silent: {o}", file=sys.stderr)
+                return 1
     print()
     print(
         "| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"

@@ -149,6 +149,7 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
     web.threads = options.http_threads;
     web.request_timeout = options.http_request_timeout;
     web.auth_token = options.pipeline.auth_token;
+    web.fleet = options.fleet;
     auto server = WebServer::Start(web, c->pipeline_.get(), c->readers_.get());
     if (!server.ok()) {
       c->exposer_.reset();

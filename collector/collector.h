@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -69,6 +70,9 @@ struct CollectorOptions {
   std::string http_address;
   size_t http_threads = 8;
   absl::Duration http_request_timeout = absl::Seconds(5);
+  // The fleet this collector is a shard of (WebServerOptions::fleet): the web view lists every
+  // shard's jobs. Empty: a lone collector.
+  std::vector<std::string> fleet;
   std::string db_path = "rankscope.db";
   PipelineOptions pipeline;
   ExportOptions export_options;

@@ -15,9 +15,11 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collector/collector.h"
 #include "collector/store/retention.h"
+#include "common/collector_shard.h"
 #include "common/flag_help.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
@@ -35,6 +37,12 @@ ABSL_FLAG(std::string, http_address, "127.0.0.1:9465",
           "(/api/v1/jobs, /api/v1/jobs/NAME/steps, /api/v1/jobs/NAME/ranks); empty disables it. "
           "Loopback by default. With --auth_token_file the API requires the same token "
           "(Authorization: Bearer).");
+ABSL_FLAG(std::string, fleet, "",
+          "The fleet this collector is a shard of: the collector list its agents are given "
+          "(a:50051,b:50051,c:50051, this collector among them). The web view then lists every "
+          "shard's jobs (asking each shard's Query service, plaintext, with this collector's "
+          "token), each with the collector that holds it, and names the shard of a job it does "
+          "not hold. Empty: a lone collector.");
 ABSL_FLAG(int, http_threads, 8, "HTTP threads of the web view (one per connection being served).");
 ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(5),
           "A web view connection that has not sent its request (or read the answer) within this "
@@ -43,6 +51,9 @@ ABSL_FLAG(std::string, db_path, "rankscope.db", "SQLite database file (created i
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(30),
           "A step closes this long after its first report even if ranks are missing; the "
           "missing ranks are named.");
+ABSL_FLAG(int, analysis_threads, 0,
+          "Threads that join and analyse closed steps, each for the groups whose key hashes to it "
+          "(a group's steps stay in order on its thread); 0: one per core.");
 ABSL_FLAG(int, max_open_steps, 256,
           "Open (incomplete) steps kept per job; beyond, the oldest "
           "is closed early.");
@@ -173,6 +184,14 @@ int main(int argc, char** argv) {
   rankscope::HandleHelpFlag(argc, argv, "collector/main.cc");  // --help: exits 0
   absl::ParseCommandLine(argc, argv);
 
+  // Debian's libabsl is built without NDEBUG, so every Mutex acquisition taken while another is
+  // held (OnReport takes its group's shard lock before releasing the pipeline's mu_, on every
+  // report) would insert an edge into absl's global lock-order graph under its own global lock:
+  // 7 % of the collector's instructions under callgrind, and a serial section shared by every
+  // thread (docs/PERFORMANCE.md, "Analysis on every core"). The tests keep the detection on (a
+  // lock-order cycle fails them); the daemon, as the agent does, turns it off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+
   // A file-size limit (ulimit -f, prlimit --fsize) must fail SQLite's write with EFBIG, which the
   // store treats as a transient disk condition (retried, nothing acked), not kill the collector
   // with SIGXFSZ's default action.
@@ -223,12 +242,23 @@ int main(int argc, char** argv) {
   options.http_address = absl::GetFlag(FLAGS_http_address);
   options.http_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_http_threads)));
   options.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
+  if (const std::string fleet = absl::GetFlag(FLAGS_fleet); !fleet.empty()) {
+    absl::StatusOr<std::vector<std::string>> shards = rankscope::ParseCollectorList(fleet);
+    if (!shards.ok()) {
+      std::fprintf(stderr, "rankscope-collector: --fleet: %s\n",
+                   std::string(shards.status().message()).c_str());
+      return 2;
+    }
+    options.fleet = *std::move(shards);
+  }
   options.db_path = absl::GetFlag(FLAGS_db_path);
   options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
   options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);
   options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
   options.pipeline.joiner.max_open_steps_per_job =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
+  options.pipeline.analysis_threads =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_analysis_threads)));
   options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
   options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
   options.pipeline.limits.max_world_size =

@@ -22,6 +22,8 @@
 #include "agent_impl.h"
 #include "backoff.h"
 #include "common/client_tls.h"
+#include "common/collector_dns.h"
+#include "common/collector_shard.h"
 #include "common/job_name.h"
 #include "common/mutex.h"
 #include "common/sketch_dim.h"
@@ -83,8 +85,10 @@ std::string StatusCodeName(const grpc::Status& status) {
 
 }  // namespace
 
-AgentImpl::AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials)
+AgentImpl::AgentImpl(AgentOptions options, std::string collector,
+                     std::shared_ptr<grpc::ChannelCredentials> credentials)
     : options_(std::move(options)),
+      collector_(std::move(collector)),
       ring_(options_.queue_capacity, options_.sketch_dim),
       unacked_(options_.max_unacked),
       backoff_(options_.initial_backoff, options_.max_backoff,
@@ -105,7 +109,7 @@ AgentImpl::AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredenti
   // process (loadgen, tests, benchmarks) would otherwise share one TCP connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   tls::ApplyTargetName(options_.tls, &args);
-  channel_ = grpc::CreateCustomChannel(options_.collector_address, credentials, args);
+  channel_ = grpc::CreateCustomChannel(collector_, credentials, args);
   stub_ = v1::Ingest::NewStub(channel_);
   sender_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "rs-agent-send");  // visible in top -H and py-spy
@@ -159,7 +163,7 @@ absl::Status AgentImpl::Flush(absl::Duration timeout) {
   if (outstanding_ == 0) return absl::OkStatus();
   return absl::DeadlineExceededError(
       absl::StrCat(outstanding_, " rankscope reports not acknowledged by the collector at ",
-                   options_.collector_address, " within ", absl::FormatDuration(timeout)));
+                   collector_, " within ", absl::FormatDuration(timeout)));
 }
 
 absl::Status AgentImpl::Close(absl::Duration timeout) {
@@ -350,8 +354,8 @@ void AgentImpl::RunStream() {
                    "rankscope: collector %s does NOT store job %s group '%s' rank %u: %s; this "
                    "rank keeps its reports (bounded) and retries until the holder's streams are "
                    "gone, training continues\n",
-                   options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
-                   options_.rank, last_error_.c_str());
+                   collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
+                   last_error_.c_str());
     }
     return;
   }
@@ -363,8 +367,8 @@ void AgentImpl::RunStream() {
       std::fprintf(stderr,
                    "rankscope: collector %s %s (%s)%s; training continues, reports are "
                    "buffered and resent\n",
-                   options_.collector_address.c_str(), DescribeFailure(status.error_code()),
-                   last_error_.c_str(), TransportHint(status).c_str());
+                   collector_.c_str(), DescribeFailure(status.error_code()), last_error_.c_str(),
+                   TransportHint(status).c_str());
     }
   }
 }
@@ -378,8 +382,8 @@ void AgentImpl::RefuseLocked() {
   std::fprintf(stderr,
                "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
                "rank stops reporting to it, training continues\n",
-               options_.collector_address.c_str(), options_.job.c_str(), options_.group.c_str(),
-               options_.rank, last_error_.c_str());
+               collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
+               last_error_.c_str());
 }
 
 std::string AgentImpl::TransportHint(const grpc::Status& status) const {
@@ -471,8 +475,8 @@ void AgentImpl::OnReadDone(StreamCall* call, bool ok) {
         std::fprintf(stderr,
                      "rankscope: collector %s now stores job %s group '%s' rank %u (the run "
                      "that held it is gone)\n",
-                     options_.collector_address.c_str(), options_.job.c_str(),
-                     options_.group.c_str(), options_.rank);
+                     collector_.c_str(), options_.job.c_str(), options_.group.c_str(),
+                     options_.rank);
       }
     }
     const v1::CollectorMessage& msg = call->in;
@@ -564,9 +568,15 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
     return absl::InvalidArgumentError(
         absl::StrCat("run_id has ", options.run_id.size(), " characters; at most 128"));
   }
-  if (options.collector_address.empty()) {
-    return absl::InvalidArgumentError("collector_address is empty");
+  // A fleet: every rank of the job picks the same shard of the list (common/collector_shard.h),
+  // once, here; a shard that is down is retried like a lone collector, never skipped.
+  absl::StatusOr<std::vector<std::string>> shards = ParseCollectorList(options.collector_address);
+  if (!shards.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("collector_address: ", shards.status().message()));
   }
+  *shards = ExpandCollectorName(*std::move(shards));
+  std::string collector = PickCollector(*shards, options.job);
   if (options.queue_capacity == 0) options.queue_capacity = 1;
   if (!options.tls.enabled() && !options.tls.target_name.empty()) {
     return absl::InvalidArgumentError(
@@ -585,7 +595,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   // with NDEBUG have it off already).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return std::unique_ptr<Agent>(
-      new internal::AgentImpl(std::move(options), std::move(*credentials)));
+      new internal::AgentImpl(std::move(options), std::move(collector), std::move(*credentials)));
 }
 
 }  // namespace rankscope

@@ -58,8 +58,10 @@ namespace rankscope::internal {
 class AgentImpl final : public Agent, private SendPoller::Client {
  public:
   // Starts the sender thread and registers with the SendPoller. `options` are validated
-  // (Agent::Create).
-  AgentImpl(AgentOptions options, std::shared_ptr<grpc::ChannelCredentials> credentials);
+  // (Agent::Create); `collector` is the one address of options.collector_address this agent
+  // streams to (the job's shard).
+  AgentImpl(AgentOptions options, std::string collector,
+            std::shared_ptr<grpc::ChannelCredentials> credentials);
   ~AgentImpl() override;
 
   // Training thread(s); see rankscope/agent.h.
@@ -69,6 +71,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   AgentStats stats() const ABSL_LOCKS_EXCLUDED(mu_) override;
   std::optional<AgentControl> control() const ABSL_LOCKS_EXCLUDED(mu_) override;
   const AgentOptions& options() const override { return options_; }
+  const std::string& collector() const override { return collector_; }
 
  private:
   // One stream (one Ingest.Stream call) on gRPC's callback API. Created, cancelled and destroyed
@@ -145,6 +148,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
 
   // Set in the constructor, then read-only.
   AgentOptions options_;
+  const std::string collector_;  // the job's shard of options_.collector_address
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Ingest::Stub> stub_;
   const size_t wake_threshold_ = std::max<size_t>(options_.queue_capacity / 2, 1);

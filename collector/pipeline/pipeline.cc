@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
@@ -72,17 +73,34 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
       metrics_(metrics),
       health_(health),
       writer_(std::move(store), options_.writer, StoreHooks()),
-      joiner_(options_.joiner),
       registry_(options_.max_jobs, options_.identity_ttl) {
+  const size_t n = options_.analysis_threads != 0
+                       ? options_.analysis_threads
+                       : std::max<size_t>(1, std::thread::hardware_concurrency());
+  shards_.reserve(n);
+  for (size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options_.joiner));
   const absl::Time now = options_.clock();
-  MutexLock lock(&mu_);
-  for (const JobRow& row : known_jobs) {
-    if (registry_.Restore(row, now)) joiner_.RegisterJob(row.job, row.world_size).IgnoreError();
+  {
+    MutexLock lock(&mu_);
+    for (const JobRow& row : known_jobs) {
+      if (!registry_.Restore(row, now)) continue;
+      Shard& shard = ShardOf(row.job);
+      MutexLock shard_lock(&shard.mu);
+      shard.joiner.RegisterJob(row.job, row.world_size).IgnoreError();
+    }
   }
-  step_thread_ = std::thread([this] {
-    pthread_setname_np(pthread_self(), "rs-step-thread");  // for top -H, perf and the bench
-    StepThread();
-  });
+  for (const std::unique_ptr<Shard>& shard : shards_) {
+    shard->thread = std::thread([this, s = shard.get()] {
+      // Every shard's thread has the one name, for top -H, perf and the bench's per-name CPU.
+      pthread_setname_np(pthread_self(), "rs-step-thread");
+      StepThread(*s);
+    });
+  }
+}
+
+StepPipeline::Shard& StepPipeline::ShardOf(const std::string& job) const {
+  // absl::Hash is seeded per process: stable for the pipeline's life, which is all it needs.
+  return *shards_[absl::Hash<std::string>{}(job) % shards_.size()];
 }
 
 StoreWriterHooks StepPipeline::StoreHooks() {
@@ -155,10 +173,10 @@ void StepPipeline::OnPruneError(const absl::Status& error) {
 
 StepPipeline::~StepPipeline() { Stop(absl::Seconds(5)).IgnoreError(); }
 
-void StepPipeline::EnqueueClosedLocked(std::vector<JoinedStep>& steps) {
+void StepPipeline::EnqueueClosedLocked(Shard& shard, std::vector<JoinedStep>& steps) {
   for (JoinedStep& s : steps) {
-    closed_.push_back(std::move(s));
-    ++closed_enqueued_;
+    shard.closed.push_back(std::move(s));
+    ++shard.closed_enqueued;
   }
 }
 
@@ -171,21 +189,24 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   // From here on the group is the unit: joined, stored and exported under its key.
   if (!hello.group().empty()) hello.set_job(GroupKey(hello.job(), hello.group()));
   JobRegistry::Attached attached;
+  Shard& shard = ShardOf(hello.job());
   {
     MutexLock lock(&mu_);
     if (registry_.ForgetIfIdle(hello.job(), now)) {
       // Long idle: the name may be reused by a new run with another shape. Whatever the old run
       // left open is closed (and stored) first.
       std::vector<JoinedStep> forgotten;
-      joiner_.ForgetJob(hello.job(), &forgotten);
-      EnqueueClosedLocked(forgotten);
-      forgotten_jobs_.push_back(hello.job());
+      MutexLock shard_lock(&shard.mu);
+      shard.joiner.ForgetJob(hello.job(), &forgotten);
+      EnqueueClosedLocked(shard, forgotten);
+      shard.forgotten_jobs.push_back(hello.job());
     }
     if (!registry_.Contains(hello.job())) {
       r = registry_.CheckRoomForJob(hello);
       if (!r.status.ok() && ForgetAnIdleJobLocked()) r = registry_.CheckRoomForJob(hello);
       if (!r.status.ok()) return r;
-      absl::Status st = joiner_.RegisterJob(hello.job(), hello.world_size());
+      MutexLock shard_lock(&shard.mu);
+      absl::Status st = shard.joiner.RegisterJob(hello.job(), hello.world_size());
       if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
     }
     r = registry_.Attach(hello, now, stream, &attached);
@@ -202,9 +223,10 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
       // An elastic resize (or a restart with another sketch): the old epoch's open steps are
       // closed and stored as they are; steps from now on are joined at the new size.
       std::vector<JoinedStep> old_steps;
-      joiner_.ForgetJob(hello.job(), &old_steps);
-      EnqueueClosedLocked(old_steps);
-      joiner_.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
+      MutexLock shard_lock(&shard.mu);
+      shard.joiner.ForgetJob(hello.job(), &old_steps);
+      EnqueueClosedLocked(shard, old_steps);
+      shard.joiner.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
     }
   }
   if (attached.takeover) {
@@ -266,11 +288,13 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
 
 bool StepPipeline::ForgetAnIdleJobLocked() {
   for (const std::string& job : registry_.IdleJobsOldestFirst()) {
-    if (joiner_.open_steps(job) != 0) continue;  // its open steps still need their identity
+    Shard& shard = ShardOf(job);
+    MutexLock shard_lock(&shard.mu);
+    if (shard.joiner.open_steps(job) != 0) continue;  // its open steps still need their identity
     registry_.ForgetIdle(job);
     std::vector<JoinedStep> none;
-    joiner_.ForgetJob(job, &none);  // closed-step memory only: no open step
-    forgotten_jobs_.push_back(job);
+    shard.joiner.ForgetJob(job, &none);  // closed-step memory only: no open step
+    shard.forgotten_jobs.push_back(job);
     return true;
   }
   return false;
@@ -318,6 +342,7 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
   std::vector<JoinedStep> closed;
   AddOutcome outcome;
   bool dropped_changed = false;
+  Shard& shard = ShardOf(hello.job());
   {
     MutexLock lock(&mu_);
     if (!registry_.NoteReport(hello, report.step(), report.dropped_total(), now,
@@ -326,10 +351,13 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
                            absl::StrCat("job ", hello.job(), " is no longer tracked; reconnect")),
                        RejectReason::kInvalidReport};
     }
-    outcome = joiner_.Add(hello.job(), rr, now, &closed);
-    EnqueueClosedLocked(closed);
-    next_deadline_ = joiner_.NextDeadline();
+    // Hand over hand (file comment): the shard lock is taken before mu_ is released.
+    shard.mu.Lock();
   }
+  outcome = shard.joiner.Add(hello.job(), rr, now, &closed);
+  EnqueueClosedLocked(shard, closed);
+  shard.next_deadline = shard.joiner.NextDeadline();
+  shard.mu.Unlock();
   // JobMetrics takes only what changed: a repeated count is a no-op there
   // (JobRegistry::NoteReport).
   if (dropped_changed) metrics_->OnAgentDropped(hello.job(), hello.rank(), report.dropped_total());
@@ -372,11 +400,12 @@ Rejection StepPipeline::OnReport(const v1::Hello& hello, const v1::StepReport& r
 }
 
 void StepPipeline::ForgetDroppedSteps(const StoreBatch& rows) {
-  MutexLock lock(&mu_);
   for (const StepWrite& w : rows.steps) {
     const uint32_t attempt =
         w.stats ? w.stats->attempt : (w.ranks.empty() ? 0 : w.ranks.front().attempt);
-    joiner_.ForgetClosedStep(w.job, w.step, attempt);
+    Shard& shard = ShardOf(w.job);
+    MutexLock lock(&shard.mu);
+    shard.joiner.ForgetClosedStep(w.job, w.step, attempt);
   }
 }
 
@@ -386,37 +415,37 @@ void StepPipeline::EnqueueAcksOnly(std::vector<AckHandle> acks) {
   writer_.Enqueue(std::move(item));
 }
 
-void StepPipeline::StepThread() {
+void StepPipeline::StepThread(Shard& shard) {
   std::vector<JoinedStep> batch;
   std::vector<std::string> forgotten;
   while (true) {
     {
-      MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !closed_.empty() || stopping_ || options_.clock() >= next_deadline_;
+      MutexLock lock(&shard.mu);
+      auto ready = [this, &shard]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
+        return !shard.closed.empty() || shard.stopping || options_.clock() >= shard.next_deadline;
       };
       // Wake at the earliest deadline even if nobody signals.
       while (!ready()) {
         const absl::Duration wait =
-            next_deadline_ == absl::InfiniteFuture()
+            shard.next_deadline == absl::InfiniteFuture()
                 ? absl::Seconds(1)
                 : std::max(absl::Milliseconds(1),
-                           (next_deadline_ - options_.clock()) / options_.clock_rate);
-        mu_.AwaitWithTimeout(absl::Condition(&ready), std::min(wait, absl::Seconds(1)));
+                           (shard.next_deadline - options_.clock()) / options_.clock_rate);
+        shard.mu.AwaitWithTimeout(absl::Condition(&ready), std::min(wait, absl::Seconds(1)));
       }
       std::vector<JoinedStep> expired;
-      joiner_.Expire(stopping_ ? absl::InfiniteFuture() : options_.clock(), &expired);
-      EnqueueClosedLocked(expired);
-      next_deadline_ = joiner_.NextDeadline();
+      shard.joiner.Expire(shard.stopping ? absl::InfiniteFuture() : options_.clock(), &expired);
+      EnqueueClosedLocked(shard, expired);
+      shard.next_deadline = shard.joiner.NextDeadline();
       batch.clear();
       forgotten.clear();
-      forgotten.swap(forgotten_jobs_);
-      while (!closed_.empty()) {
-        batch.push_back(std::move(closed_.front()));
-        closed_.pop_front();
+      forgotten.swap(shard.forgotten_jobs);
+      while (!shard.closed.empty()) {
+        batch.push_back(std::move(shard.closed.front()));
+        shard.closed.pop_front();
       }
-      if (batch.empty() && stopping_) {
-        stopped_ = true;
+      if (batch.empty() && shard.stopping) {
+        shard.stopped = true;
         return;
       }
     }
@@ -424,17 +453,17 @@ void StepPipeline::StepThread() {
     // rows of the steps closed before it in the same batch (a lagging rank closes dozens at once).
     std::vector<ComputedStep> computed;
     computed.reserve(batch.size());
-    for (JoinedStep& s : batch) computed.push_back(AnalyzeAndExport(std::move(s)));
+    for (JoinedStep& s : batch) computed.push_back(AnalyzeAndExport(shard.analyzer, std::move(s)));
     for (ComputedStep& c : computed) Store(std::move(c));
-    for (const std::string& job : forgotten) analyzer_.ForgetJob(job);
-    MutexLock lock(&mu_);
-    closed_processed_ += batch.size();
+    for (const std::string& job : forgotten) shard.analyzer.ForgetJob(job);
+    MutexLock lock(&shard.mu);
+    shard.closed_processed += batch.size();
   }
 }
 
-StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(JoinedStep js) {
+StepPipeline::ComputedStep StepPipeline::AnalyzeAndExport(StepAnalyzer& analyzer, JoinedStep js) {
   if (js.reason == JoinedStep::Reason::kEvicted) health_->StepEvicted();
-  AnalyzedStep analyzed = analyzer_.Analyze(js);
+  AnalyzedStep analyzed = analyzer.Analyze(js);
 
   ExportedStep exported;
   exported.step = js.step;
@@ -507,24 +536,36 @@ std::vector<JobSummary> StepPipeline::ListJobs() const {
 
 bool StepPipeline::Flush(absl::Duration timeout) {
   const absl::Time start = options_.clock();
-  {
-    MutexLock lock(&mu_);
-    const uint64_t target = closed_enqueued_;
-    auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return closed_processed_ >= target || stopped_;
+  // What every shard had closed when Flush was called: each shard's count is taken under its
+  // own lock, so a step closed before the call (on any shard) is waited for.
+  std::vector<uint64_t> targets;
+  targets.reserve(shards_.size());
+  for (const std::unique_ptr<Shard>& shard : shards_) {
+    MutexLock lock(&shard->mu);
+    targets.push_back(shard->closed_enqueued);
+  }
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    Shard& shard = *shards_[i];
+    const uint64_t target = targets[i];
+    MutexLock lock(&shard.mu);
+    auto done = [&shard, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu) {
+      return shard.closed_processed >= target || shard.stopped;
     };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) return false;
+    const absl::Duration left = timeout - (options_.clock() - start) / options_.clock_rate;
+    if (!shard.mu.AwaitWithTimeout(absl::Condition(&done), left)) return false;
   }
   return writer_.Flush(timeout - (options_.clock() - start) / options_.clock_rate);
 }
 
 absl::Status StepPipeline::Stop(absl::Duration timeout) {
   const absl::Time start = options_.clock();
-  {
-    MutexLock lock(&mu_);
-    stopping_ = true;
+  for (const std::unique_ptr<Shard>& shard : shards_) {
+    MutexLock lock(&shard->mu);
+    shard->stopping = true;
   }
-  if (step_thread_.joinable()) step_thread_.join();
+  for (const std::unique_ptr<Shard>& shard : shards_) {
+    if (shard->thread.joinable()) shard->thread.join();
+  }
   return writer_.Stop(
       std::max(absl::ZeroDuration(), timeout - (options_.clock() - start) / options_.clock_rate));
 }

@@ -1,22 +1,34 @@
 // StepPipeline: everything between a validated message and the sinks; it orchestrates, the
 // pieces decide.
 //
-//   ingest reactor ──AcceptHello/OnReport──► [mu_: JobRegistry, StepJoiner] ──closed steps──►
-//   step thread: StepAnalyzer (statistics, diagnostics, outlier streaks, rows)
+//   ingest reactor ──AcceptHello/OnReport──► [mu_: JobRegistry] ─► [shard(group).mu: StepJoiner]
+//       ──closed steps──► analysis thread of the group's shard (one of analysis_threads):
+//                StepAnalyzer (statistics, diagnostics, outlier streaks, rows)
 //                ─► JobMetrics (Prometheus snapshot)
-//                └► StoreWriter (SQLite, then acks to the agents)
+//                └► StoreWriter (one for all shards: SQLite, then acks to the agents)
+//
+// Shards: joining and analysis are split over `analysis_threads` shards by the group key
+// (common/job_name.h GroupKey; the job's name for an agent that states no group). A group
+// always maps to the same shard, so its steps are joined, analysed, exported and handed to the
+// StoreWriter in the order its joiner closed them, as with one thread; groups of different
+// shards proceed in parallel, in no order relative to each other. The StoreWriter stays one
+// (SQLite has one writer) and batches whatever the shards queued into one transaction.
 //
 // Threads and locks:
 // - Reactor threads (AcceptHello, OnReport, StreamClosed) and query threads (SetControl,
-//   ListJobs) take mu_ only for O(1) work: the JobRegistry (admission, rank claims, controls),
-//   the joiner's Add and a queue push. Validation runs before, outside mu_.
-// - The step thread (rs-step-thread) drains the closed steps, closes timed-out ones at their
-//   deadline (joiner.NextDeadline(), measured with options.clock), runs the StepAnalyzer (which
-//   only it touches) outside mu_, exports to JobMetrics and hands rows to the StoreWriter.
+//   ListJobs) take mu_ only for O(1) work: the JobRegistry (admission, rank claims, controls).
+//   OnReport takes its group's shard lock before releasing mu_ (hand over hand), so that the
+//   registry's view of the report and the joiner's Add are one atomic step with respect to
+//   AcceptHello, which changes a group's joiner under mu_ and its shard lock. The joiner's Add
+//   and the queue push run under the shard lock alone. Validation runs before, outside any lock.
+// - Each shard's analysis thread (rs-step-thread, one per shard) drains its closed steps,
+//   closes its timed-out ones at their deadline (its joiner's NextDeadline(), measured with
+//   options.clock), runs its StepAnalyzer (which only it touches) outside every lock, exports to
+//   JobMetrics and hands rows to the StoreWriter.
 // - The StoreWriter's own thread commits to SQLite and acks; its hooks (health, dropped rows)
 //   run there.
-// Lock order: mu_ is never held while calling JobMetrics, HealthMetrics, the StoreWriter or an
-// AgentStream.
+// Lock order: mu_ before any Shard::mu; at most one Shard::mu at a time. Neither is held while
+// calling JobMetrics, HealthMetrics, the StoreWriter or an AgentStream.
 //
 // Time: every time the pipeline stamps or compares comes from options.clock.
 //
@@ -67,6 +79,9 @@ struct PipelineOptions {
   // The pipeline's only source of time (receive and completion stamps, step deadlines, control
   // generations, the budget of Flush and Stop).
   std::function<absl::Time()> clock = &absl::Now;
+  // Shards of joining and analysis, each with its own thread (see the file comment). 0: one per
+  // core (std::thread::hardware_concurrency()).
+  size_t analysis_threads = 0;
   // Seconds of `clock` per real second (the collector's --time_scale, for soak benchmarks): the
   // durations measured with `clock` that are real waits or exported metrics (the ingest latency,
   // Flush and Stop budgets, the wait for the next step deadline) are divided by it. 1 for a
@@ -123,14 +138,35 @@ class StepPipeline {
   absl::Status store_health() const { return writer_.health(); }
 
  private:
-  void StepThread();
+  // One shard of joining and analysis: the groups whose key it is given (ShardOf).
+  struct Shard {
+    explicit Shard(const JoinerOptions& options) : joiner(options) {}
+    Mutex mu;
+    StepJoiner joiner ABSL_GUARDED_BY(mu);
+    std::deque<JoinedStep> closed ABSL_GUARDED_BY(mu);
+    // Groups the registry forgot since the shard's thread last looked: it frees their analysis
+    // state (StepAnalyzer::ForgetJob) after the closed steps taken with them.
+    std::vector<std::string> forgotten_jobs ABSL_GUARDED_BY(mu);
+    absl::Time next_deadline ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+    uint64_t closed_enqueued ABSL_GUARDED_BY(mu) = 0;
+    uint64_t closed_processed ABSL_GUARDED_BY(mu) = 0;
+    bool stopping ABSL_GUARDED_BY(mu) = false;
+    bool stopped ABSL_GUARDED_BY(mu) = false;
+    StepAnalyzer analyzer;  // the shard's thread only
+    std::thread thread;
+  };
+  // The shard of a group key: fixed for the pipeline's life.
+  Shard& ShardOf(const std::string& job) const;
+
+  void StepThread(Shard& shard);
   struct ComputedStep;  // pipeline.cc
-  // Step thread: a closed step analysed, exported to JobMetrics.
-  ComputedStep AnalyzeAndExport(JoinedStep step);
-  // Step thread: the step's rows to the store writer (whose commit acks its reports).
+  // Analysis thread: a closed step analysed, exported to JobMetrics.
+  ComputedStep AnalyzeAndExport(StepAnalyzer& analyzer, JoinedStep step);
+  // Analysis thread: the step's rows to the store writer (whose commit acks its reports).
   void Store(ComputedStep computed);
-  // Queues closed steps for the step thread.
-  void EnqueueClosedLocked(std::vector<JoinedStep>& steps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues closed steps for the shard's thread.
+  static void EnqueueClosedLocked(Shard& shard, std::vector<JoinedStep>& steps)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
   // At --max_jobs: forgets the least recently seen job with no stream and no open step (its
   // identity is then no longer enforced, as after identity_ttl). Returns whether one was.
@@ -158,26 +194,17 @@ class StepPipeline {
   HealthMetrics* const health_;
   uint64_t store_failures_ = 0;           // store writer thread only: consecutive failed commits
   std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
-  // Sketch buffers: taken by OnReport (reactor threads), given back by the step thread.
+  // Sketch buffers: taken by OnReport (reactor threads), given back by the analysis threads.
   SketchBufferPool sketch_pool_;
   StoreWriter writer_;
 
   mutable Mutex mu_;
-  StepJoiner joiner_ ABSL_GUARDED_BY(mu_);
   JobRegistry registry_ ABSL_GUARDED_BY(mu_);
-  std::deque<JoinedStep> closed_ ABSL_GUARDED_BY(mu_);
-  // Jobs the registry forgot since the step thread last looked: it frees their analysis state
-  // (StepAnalyzer::ForgetJob) after the closed steps taken with them.
-  std::vector<std::string> forgotten_jobs_ ABSL_GUARDED_BY(mu_);
-  absl::Time next_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  uint64_t closed_enqueued_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t closed_processed_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   static constexpr size_t kMaxRefusalsLogged = 10'000;
   absl::flat_hash_set<std::pair<std::string, RejectReason>> refusals_logged_ ABSL_GUARDED_BY(mu_);
-  StepAnalyzer analyzer_;  // step thread only
-  std::thread step_thread_;
+  // Fixed at construction (the vector and the shards' addresses never change; each shard's
+  // fields are guarded as declared).
+  std::vector<std::unique_ptr<Shard>> shards_;
 };
 
 }  // namespace rankscope::collector

@@ -296,7 +296,8 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
   return w;
 }
 
-std::string JobsJson(const std::vector<JobListEntry>& jobs) {
+std::string JobsJson(const std::vector<JobListEntry>& jobs,
+                     const std::vector<std::string>& unreachable) {
   std::string out = "{\"jobs\":[";
   for (size_t i = 0; i < jobs.size(); ++i) {
     const v1::JobInfo& info = jobs[i].info;
@@ -328,9 +329,23 @@ std::string JobsJson(const std::vector<JobListEntry>& jobs) {
       AppendStepFlags(row, &out);
       out.push_back('}');
     }
+    if (!jobs[i].collector.empty()) {
+      out.append(",\"collector\":");
+      AppendJsonString(jobs[i].collector, &out);
+      out.append(jobs[i].remote ? ",\"remote\":true" : ",\"remote\":false");
+    }
     out.push_back('}');
   }
-  out.append("]}");
+  out.push_back(']');
+  if (!unreachable.empty()) {
+    out.append(",\"unreachable\":[");
+    for (size_t i = 0; i < unreachable.size(); ++i) {
+      if (i > 0) out.push_back(',');
+      AppendJsonString(unreachable[i], &out);
+    }
+    out.push_back(']');
+  }
+  out.push_back('}');
   return out;
 }
 

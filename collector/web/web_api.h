@@ -76,13 +76,20 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
 struct JobListEntry {
   v1::JobInfo info;
   std::optional<StepRow> latest;
+  // A fleet (--fleet): the collector that holds the job (its address in the fleet's list), and
+  // whether that is another shard (listed from its Query service, without `latest`).
+  std::string collector;
+  bool remote = false;
 };
 
 // {"jobs":[{"key","job","group","state","world_size","connected_ranks","last_step",
 //   "first_seen","last_seen","latest":null|{"step","ranks","world_size","missing_ranks",
 //   "timed_out","outlier_ranks","divergent_ranks","drifting_ranks","slow_ranks",
-//   "grad_cosine_mean","completed_at"}}]}; `group` is "" for a job's only group.
-std::string JobsJson(const std::vector<JobListEntry>& jobs);
+//   "grad_cosine_mean","completed_at"}}]}; `group` is "" for a job's only group. In a fleet each
+// entry also has "collector" and "remote", and `unreachable` (non-empty) adds
+// ,"unreachable":[shards whose jobs could not be listed].
+std::string JobsJson(const std::vector<JobListEntry>& jobs,
+                     const std::vector<std::string>& unreachable = {});
 
 // {"job","first","last","truncated","steps":[{"step","ranks","world_size","loss_mean",
 //   "loss_std","loss_range","grad_norm_mean","grad_norm_std","grad_norm_cv","grad_cosine_mean",

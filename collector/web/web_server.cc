@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -22,6 +23,7 @@
 #include "collector/query/query_checks.h"
 #include "collector/web/web_api.h"
 #include "collector/web/web_assets.h"
+#include "common/collector_shard.h"
 #include "common/mutex.h"
 
 namespace rankscope::collector {
@@ -77,7 +79,11 @@ struct ReadResult {
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::Status status ABSL_GUARDED_BY(mu);
   std::string body ABSL_GUARDED_BY(mu);
+  std::vector<JobListEntry> entries ABSL_GUARDED_BY(mu);  // a fleet's jobs request
 };
+
+// The job name of a job key "JOB" or "JOB/GROUP".
+absl::string_view JobOfKey(absl::string_view key) { return key.substr(0, key.find('/')); }
 
 std::optional<v1::JobInfo> FindJob(const std::vector<v1::JobInfo>& jobs, absl::string_view key) {
   auto it = std::lower_bound(jobs.begin(), jobs.end(), key,
@@ -86,23 +92,37 @@ std::optional<v1::JobInfo> FindJob(const std::vector<v1::JobInfo>& jobs, absl::s
   return *it;
 }
 
-// The reads of one API request on a reader thread; returns the JSON body.
+// The jobs this collector holds, each with its newest step (on a reader thread).
+absl::StatusOr<std::vector<JobListEntry>> ReadJobEntries(std::vector<v1::JobInfo> jobs,
+                                                         SqliteStore& reader) {
+  std::vector<JobListEntry> entries;
+  entries.reserve(jobs.size());
+  for (v1::JobInfo& info : jobs) {
+    JobListEntry entry;
+    auto latest = reader.RecentSteps(info.job(), 1);
+    if (!latest.ok()) return latest.status();
+    if (!latest->empty()) entry.latest = std::move(latest->front());
+    entry.info = std::move(info);
+    entries.push_back(std::move(entry));
+  }
+  return entries;
+}
+
+// The reads of one API request on a reader thread; returns the JSON body. With `entries` (a
+// fleet's jobs request), the jobs are left there for FleetJobsJson and the body is empty.
 absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& reader,
-                                    const StepPipeline& pipeline) {
+                                    const StepPipeline& pipeline,
+                                    std::vector<JobListEntry>* entries = nullptr) {
   auto jobs = ListKnownJobs(reader, pipeline);
   if (!jobs.ok()) return jobs.status();
   if (request.route == ApiRequest::Route::kJobs) {
-    std::vector<JobListEntry> entries;
-    entries.reserve(jobs->size());
-    for (v1::JobInfo& info : *jobs) {
-      JobListEntry entry;
-      auto latest = reader.RecentSteps(info.job(), 1);
-      if (!latest.ok()) return latest.status();
-      if (!latest->empty()) entry.latest = std::move(latest->front());
-      entry.info = std::move(info);
-      entries.push_back(std::move(entry));
+    auto read = ReadJobEntries(*std::move(jobs), reader);
+    if (!read.ok()) return read.status();
+    if (entries != nullptr) {
+      *entries = *std::move(read);
+      return std::string();
     }
-    return JobsJson(entries);
+    return JobsJson(*read);
   }
   const std::optional<v1::JobInfo> job = FindJob(*jobs, request.job);
   if (!job.has_value()) {
@@ -179,6 +199,15 @@ absl::StatusOr<std::unique_ptr<WebServer>> WebServer::Start(WebServerOptions opt
                                                             StoreReaderPool* readers) {
   mg_init_library(0);
   std::unique_ptr<WebServer> server(new WebServer(std::move(options), pipeline, readers));
+  for (const std::string& address : server->options_.fleet) {
+    query::QueryClientOptions shard;
+    shard.address = address;
+    shard.auth_token = server->options_.auth_token;
+    shard.timeout = server->options_.fleet_timeout;
+    auto client = query::QueryClient::Create(std::move(shard));
+    if (!client.ok()) return client.status();
+    server->shards_.push_back(*std::move(client));
+  }
   const std::string threads = std::to_string(std::max<size_t>(server->options_.threads, 1));
   const std::string timeout_ms = std::to_string(
       std::max<int64_t>(absl::ToInt64Milliseconds(server->options_.request_timeout), 1));
@@ -285,12 +314,18 @@ void WebServer::ServeApi(mg_connection* conn, const std::string& path, const std
   }
   auto result = std::make_shared<ReadResult>();
   const StepPipeline* pipeline = pipeline_;
-  absl::Status queued =
-      readers_->Submit([result, pipeline, request = *std::move(request)](SqliteStore& reader) {
-        absl::StatusOr<std::string> body = ReadApi(request, reader, *pipeline);
+  const bool fleet_jobs = !shards_.empty() && request->route == ApiRequest::Route::kJobs;
+  const bool fleet_job = !shards_.empty() && request->route != ApiRequest::Route::kJobs;
+  const std::string job_key = request->job;
+  absl::Status queued = readers_->Submit(
+      [result, pipeline, fleet_jobs, request = *std::move(request)](SqliteStore& reader) {
+        std::vector<JobListEntry> entries;
+        absl::StatusOr<std::string> body =
+            ReadApi(request, reader, *pipeline, fleet_jobs ? &entries : nullptr);
         MutexLock lock(&result->mu);
         result->status = body.status();
         if (body.ok()) result->body = *std::move(body);
+        result->entries = std::move(entries);
         result->done = true;
       });
   if (!queued.ok()) {
@@ -299,6 +334,7 @@ void WebServer::ServeApi(mg_connection* conn, const std::string& path, const std
   }
   absl::Status status;
   std::string body;
+  std::vector<JobListEntry> entries;
   {
     MutexLock lock(&result->mu);
     const bool done =
@@ -310,13 +346,49 @@ void WebServer::ServeApi(mg_connection* conn, const std::string& path, const std
     } else {
       status = result->status;
       body = std::move(result->body);
+      entries = std::move(result->entries);
     }
+  }
+  if (status.ok() && fleet_jobs) body = FleetJobsJson(std::move(entries));
+  if (fleet_job && status.code() == absl::StatusCode::kNotFound) {
+    // The name passed CheckQueryJobName: safe to echo.
+    status = absl::NotFoundError(absl::StrCat(
+        status.message(), "; in this fleet job ", JobOfKey(job_key), " is on ",
+        PickCollector(options_.fleet, JobOfKey(job_key)), " (open that collector's web view)"));
   }
   if (!status.ok()) {
     RespondError(conn, status, head);
     return;
   }
   Respond(conn, 200, "application/json", body, "", head);
+}
+
+std::string WebServer::FleetJobsJson(std::vector<JobListEntry> local) const {
+  absl::flat_hash_set<std::string> keys;
+  for (JobListEntry& entry : local) {
+    keys.insert(entry.info.job());
+    entry.collector = PickCollector(options_.fleet, JobOfKey(entry.info.job()));
+  }
+  std::vector<std::string> unreachable;
+  for (const auto& shard : shards_) {
+    absl::StatusOr<v1::ListJobsResponse> jobs = shard->ListJobs();
+    if (!jobs.ok()) {
+      unreachable.push_back(shard->options().address);
+      continue;
+    }
+    for (const v1::JobInfo& info : jobs->jobs()) {
+      // This collector's own jobs (it is in the list too) come from its store, with their step.
+      if (!keys.insert(info.job()).second) continue;
+      JobListEntry& entry = local.emplace_back();
+      entry.info = info;
+      entry.collector = shard->options().address;
+      entry.remote = true;
+    }
+  }
+  std::sort(local.begin(), local.end(), [](const JobListEntry& a, const JobListEntry& b) {
+    return a.info.job() < b.info.job();
+  });
+  return JobsJson(local, unreachable);
 }
 
 }  // namespace rankscope::collector

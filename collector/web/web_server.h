@@ -17,19 +17,26 @@
 // its request within `request_timeout` is closed (as the /metrics server does), so slow clients
 // cannot hold every thread.
 //
+// In a fleet (WebServerOptions::fleet) the jobs answer also asks every shard's Query service,
+// on the civetweb thread serving the request, never on a reader thread.
+//
 // Thread safety: Start and the destructor (which stops the server and waits for its threads)
 // are called by the Collector; handlers run on civetweb's threads and share only immutable
-// state and the thread-safe StoreReaderPool and StepPipeline. Stop it before the pool.
+// state, the thread-safe StoreReaderPool and StepPipeline and the fleet's QueryClients
+// (thread-safe). Stop it before the pool.
 #ifndef RANKSCOPE_COLLECTOR_WEB_WEB_SERVER_H_
 #define RANKSCOPE_COLLECTOR_WEB_WEB_SERVER_H_
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "collector/pipeline/pipeline.h"
 #include "collector/store/store_reader_pool.h"
+#include "collector/web/web_api.h"
+#include "common/query_client.h"
 
 struct mg_context;
 struct mg_connection;
@@ -42,6 +49,13 @@ struct WebServerOptions {
   absl::Duration request_timeout = absl::Seconds(5);
   absl::Duration read_timeout = absl::Seconds(10);
   std::string auth_token;  // empty: no token required
+  // A fleet of collectors (docs/deploy.md "A fleet of collectors"): the list its agents are given,
+  // this collector among them. Non-empty: /api/v1/jobs also lists the jobs of every other shard
+  // (each shard's Query.ListJobs, plaintext, with auth_token, at most fleet_timeout each; a shard
+  // that does not answer is named in "unreachable"), each entry with the collector that holds
+  // it; a job this collector does not hold is answered with 404 naming its shard.
+  std::vector<std::string> fleet;
+  absl::Duration fleet_timeout = absl::Seconds(2);
 };
 
 class WebServer {
@@ -66,11 +80,14 @@ class WebServer {
   static int HandleRequest(mg_connection* conn, void* self);
   void Serve(mg_connection* conn);
   void ServeApi(mg_connection* conn, const std::string& path, const std::string& query);
+  // The jobs answer of a fleet: this collector's `local` entries and every other shard's jobs.
+  std::string FleetJobsJson(std::vector<JobListEntry> local) const;
 
   const WebServerOptions options_;
   const StepPipeline* const pipeline_;
   StoreReaderPool* const readers_;
-  mg_context* context_ = nullptr;  // null once stopped
+  std::vector<std::unique_ptr<query::QueryClient>> shards_;  // one per options_.fleet address
+  mg_context* context_ = nullptr;                            // null once stopped
   int port_ = 0;
 };
 

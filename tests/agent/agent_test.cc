@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collector/collector.h"
+#include "common/collector_shard.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rankscope/agent_c.h"
@@ -61,6 +62,29 @@ TEST(AgentTest, CreateRejectsBadOptions) {
   o = Options(1);
   o.sketch_dim = 0;
   EXPECT_EQ(Agent::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AgentTest, CollectorListPicksTheJobsShardAndRefusesEmptyEntries) {
+  // A fleet (common/collector_shard.h): the agent streams to the job's shard, whatever the order
+  // and duplicates of the list; nothing listens on these ports (the agent does not wait).
+  const std::vector<std::string> shards = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  for (const std::string job : {"exp-1", "exp-2", "exp-3", "exp-4", "exp-5", "exp-6"}) {
+    AgentOptions o = Options(1);
+    o.job = job;
+    o.collector_address = "127.0.0.1:3, 127.0.0.1:1,127.0.0.1:2,127.0.0.1:3";
+    auto agent = Agent::Create(o);
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    EXPECT_EQ((*agent)->collector(), PickCollector(shards, job));
+    EXPECT_EQ((*agent)->options().collector_address, o.collector_address);
+  }
+  AgentOptions o = Options(1);
+  EXPECT_EQ((*Agent::Create(o))->collector(), "127.0.0.1:1");
+  for (const char* bad : {"", "127.0.0.1:1,", "127.0.0.1:1,,127.0.0.1:2"}) {
+    o.collector_address = bad;
+    absl::Status status = Agent::Create(o).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("collector_address")) << bad;
+  }
 }
 
 TEST(AgentTest, RecordRejectsWrongSketchLengthAndRecordAfterClose) {

@@ -272,6 +272,24 @@ TEST(JsonTest, JobsSplitGroupKeysAndCarryTheLatestStepsAlerts) {
   EXPECT_THAT(json, HasSubstr("\"latest\":null}"));
 }
 
+TEST(JsonTest, FleetJobsNameTheirCollectorAndTheShardsThatDidNotAnswer) {
+  JobListEntry here;
+  here.info.set_job("a");
+  here.collector = "c0:50051";
+  JobListEntry there;
+  there.info.set_job("b");
+  there.collector = "c1:50051";
+  there.remote = true;
+  const std::string json = JobsJson({here, there}, {"c2:50051"});
+  EXPECT_THAT(json, HasSubstr("\"latest\":null,\"collector\":\"c0:50051\",\"remote\":false}"));
+  EXPECT_THAT(json, HasSubstr("\"latest\":null,\"collector\":\"c1:50051\",\"remote\":true}"));
+  EXPECT_THAT(json, HasSubstr("],\"unreachable\":[\"c2:50051\"]}"));
+  // A lone collector's answer has neither.
+  const std::string lone = JobsJson({JobListEntry()});
+  EXPECT_THAT(lone, Not(HasSubstr("collector")));
+  EXPECT_THAT(lone, Not(HasSubstr("unreachable")));
+}
+
 TEST(JsonTest, StringsAreEscaped) {
   std::string out;
   AppendJsonString("a\"b\\c\n\x01<", &out);

@@ -691,3 +691,88 @@ def test_systemd_unit_verifies(tmp_path):
         "NoNewPrivileges=yes",
     ]:
         assert directive in text
+
+
+K8S_FLEET = REPO / "deploy" / "kubernetes-fleet"
+
+
+def test_k8s_fleet_is_a_statefulset_of_shards_behind_a_headless_service():
+    """deploy/kubernetes-fleet (docs/deploy.md "A fleet of collectors"): the base with its one
+    collector replaced by N shards; Prometheus discovers every shard through the base's
+    ServiceMonitor; rules and dashboards are the base's, unchanged; the agents' list names every
+    shard by its stable DNS name."""
+    r = run([tool("kubectl"), "kustomize", str(K8S_FLEET)])
+    assert r.returncode == 0, r.stderr
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout)}
+    assert sorted(kind for kind, _ in objs) == sorted(
+        [
+            "Namespace",
+            "StatefulSet",
+            "Service",
+            "ServiceMonitor",
+            "PrometheusRule",
+            "ConfigMap",
+            "ConfigMap",
+        ]
+    )
+    base = k8s_objects()
+    sts = objs[("StatefulSet", "rankscope-collector")]
+    replicas = sts["spec"]["replicas"]
+    assert replicas >= 2
+    pod = sts["spec"]["template"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # The shard's pod is the single collector's: same image, flags, probes, limits, security,
+    # plus the fleet's list (the agents' ConfigMap) for the web view.
+    container = dict(pod["spec"]["containers"][0])
+    single = base[("Deployment", "rankscope-collector")]["spec"]["template"]["spec"]
+    assert container.pop("args") == single["containers"][0]["args"] + [
+        "--fleet=$(RANKSCOPE_COLLECTOR)"
+    ]
+    assert container.pop("env") == [
+        {
+            "name": "RANKSCOPE_COLLECTOR",
+            "valueFrom": {
+                "configMapKeyRef": {"name": "rankscope-agents", "key": "RANKSCOPE_COLLECTOR"}
+            },
+        }
+    ]
+    assert container == {
+        k: v for k, v in single["containers"][0].items() if k not in ("args", "env")
+    }
+    assert pod["spec"]["securityContext"] == single["securityContext"]
+    # One volume per shard, mounted where the single collector mounts its PVC.
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    assert {m["name"] for m in container["volumeMounts"]} <= claims | {
+        v["name"] for v in pod["spec"]["volumes"]
+    }
+    assert "data" in claims and all(
+        "persistentVolumeClaim" not in v for v in pod["spec"]["volumes"]
+    )
+    # Headless, and a shard that is down stays in DNS (retried, never skipped).
+    svc = objs[("Service", sts["spec"]["serviceName"])]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {
+        p["name"] for p in container["ports"]
+    }
+    # Every shard is scraped: the ServiceMonitor selects the headless Service; the alerts'
+    # job=~"rankscope-collector.*" matches the job label the operator derives from its name.
+    mon = objs[("ServiceMonitor", "rankscope-collector")]
+    assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {e["port"] for e in mon["spec"]["endpoints"]} <= {
+        p["name"] for p in svc["spec"]["ports"]
+    }
+    assert svc["metadata"]["name"].startswith("rankscope-collector")
+    assert objs[("PrometheusRule", "rankscope")]["spec"] == yaml.safe_load(RULES.read_text())
+    assert (
+        objs[("ConfigMap", "rankscope-dashboards")]["data"]
+        == base[("ConfigMap", "rankscope-dashboards")]["data"]
+    )
+    # The agents' list: every shard once, by the name the StatefulSet gives it.
+    ns = sts["metadata"]["namespace"]
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    listed = objs[("ConfigMap", "rankscope-agents")]["data"]["RANKSCOPE_COLLECTOR"].split(",")
+    assert listed == [
+        f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}.{ns}.svc:{grpc_port}"
+        for i in range(replicas)
+    ]

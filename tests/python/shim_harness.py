@@ -438,5 +438,11 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
         stats = mon.close(timeout=60)
     write_json(
         work_dir / f"rank{rank}.json",
-        {"steps": step, "times": times, "warnings": caught, "stats": stats},
+        {
+            "steps": step,
+            "times": times,
+            "warnings": caught,
+            "stats": stats,
+            "collector": mon.collector,
+        },
     )

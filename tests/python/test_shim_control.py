@@ -5,7 +5,8 @@ real `rankscope ctl`.
   applies each control at the same step, and the collector stores exactly the steps the settings
   say, each joined from all 4 ranks;
 - the collector is SIGKILLed mid-training: training goes on at full speed and warns once; after
-  a restart on the same port and database, every report arrives.
+  a restart on the same port and database, every report arrives. The ranks are given the
+  collector as one shard of a fleet (a list): each picks it and retries it, never the other.
 """
 
 import json
@@ -146,11 +147,26 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
         assert stats.get("shim_late_controls", 0) == 0, stats
 
 
+def fleet_around(address: str, job: str) -> str:
+    """A collector list (docs/deploy.md "A fleet of collectors") of `address` and a shard that
+    never runs, in which `job` hashes to `address`."""
+    import rankscope._native as native
+
+    for port in range(1, 1024):
+        fleet = f"127.0.0.1:{port}, {address}"
+        if native.pick_collector(fleet, job) == address:
+            return fleet
+    raise AssertionError("no list found")
+
+
 def test_collector_killed_mid_training(collector, tmp_path):
     job = "outage"
     work = tmp_path / "work"
     work.mkdir()
-    run = Background(shim_harness.outage_worker, collector.address, job, str(work), 20, timeout=240)
+    # The ranks are given a fleet: they pick the job's shard, this collector, and retry it
+    # through the outage, never the other shard (which never runs).
+    fleet = fleet_around(collector.address, job)
+    run = Background(shim_harness.outage_worker, fleet, job, str(work), 20, timeout=240)
     wait_until(
         lambda: run.alive() and len(collector.step_rows(job)) >= 5,
         90,
@@ -188,6 +204,7 @@ def test_collector_killed_mid_training(collector, tmp_path):
         stats = r["stats"]
         assert stats["acked"] == steps and stats["dropped"] == 0, stats
         assert stats["reconnects"] >= 1, stats
+        assert r["collector"] == collector.address
 
 
 def test_controls_survive_collector_restarts(collector, tmp_path):

@@ -15,7 +15,10 @@
 #include "absl/time/time.h"
 #include "common/client_tls.h"
 
-ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
+ABSL_FLAG(std::string, collector, "",
+          "Collector gRPC address, or a fleet's list (a:50051,b:50051,c:50051, or one DNS name "
+          "of several addresses): jobs lists every shard's jobs, the other verbs talk to the "
+          "job's shard. Default $RANKSCOPE_COLLECTOR, else 127.0.0.1:50051.");
 ABSL_FLAG(std::string, job, "", "Training job name (show, ctl).");
 ABSL_FLAG(bool, once, false, "show: print once and exit (for scripts).");
 ABSL_FLAG(int, limit, 20, "show: number of steps.");
@@ -71,7 +74,8 @@ std::string PythonInterpreter(const std::string& flag_value) {
 
 CliConfig ReadFlags() {
   CliConfig c;
-  c.query.address = absl::GetFlag(FLAGS_collector);
+  c.query.address = FlagOrEnv(FLAGS_collector, "RANKSCOPE_COLLECTOR");
+  if (c.query.address.empty()) c.query.address = "127.0.0.1:50051";
   c.query.timeout = absl::GetFlag(FLAGS_timeout);
   c.query.max_receive_message_size = 64 << 20;  // export pages stay far below; headroom for show
   c.query.tls.ca_file = FlagOrEnv(FLAGS_tls_ca_file, "RANKSCOPE_TLS_CA");

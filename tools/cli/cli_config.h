@@ -15,7 +15,9 @@ namespace rankscope::cli {
 // Everything the flags (and their environment variables) say, read once by main before any
 // verb runs; verbs take it instead of reading flags.
 struct CliConfig {
-  rankscope::query::QueryClientOptions query;  // address, TLS, token, deadline
+  // address (--collector: one collector or a fleet's list; main narrows it to the job's shard),
+  // TLS, token, deadline
+  rankscope::query::QueryClientOptions query;
   std::string auth_token_file;
   std::string job;
   bool once = false;

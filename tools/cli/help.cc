@@ -19,13 +19,20 @@ const char kUsage[] =
     "  rankscope attach --job=J [--collector=HOST:PORT] [--dormant] PID... | --all-local\n"
     "\n"
     "ctl changes are applied by every rank of the job at the same future step (the job's newest\n"
-    "step + lead_steps), so the ranks' sketches stay comparable.";
+    "step + lead_steps), so the ranks' sketches stay comparable.\n"
+    "\n"
+    "--collector (default $RANKSCOPE_COLLECTOR, else 127.0.0.1:50051) may be a fleet's\n"
+    "list, a:50051,b:50051,c:50051: jobs lists every shard's jobs, the other verbs go to the\n"
+    "job's shard.";
 
 const char* VerbHelp(const std::string& verb) {
   if (verb == "jobs") {
     return "rankscope [--collector=HOST:PORT] jobs\n\n"
            "Lists the jobs the collector knows: world size, sketch size, last step, connected\n"
-           "ranks, state (active: a rank is connected; idle) and when a rank last reported.\n";
+           "ranks, state (active: a rank is connected; idle) and when a rank last reported.\n"
+           "With a fleet's list (--collector=a:50051,b:50051,...), every shard's jobs, each\n"
+           "with the collector that holds it (a shard that does not answer is named on stderr,\n"
+           "exit 1).\n";
   }
   if (verb == "groups") {
     return "rankscope groups --job=J [--limit=N] [--collector=HOST:PORT]\n\n"

@@ -103,21 +103,52 @@ int ShowOnce(const Cli& cli, const std::string& job) {
 
 }  // namespace
 
+namespace {
+
+// One line of `jobs`; `collector` is the fleet's extra column ("" for a lone collector).
+void PrintJob(const v1::JobInfo& j, const std::string& collector) {
+  std::printf("%-32s %8u %8u %10llu %10u %-7s %s%s%s\n", j.job().c_str(), j.world_size(),
+              j.sketch_dim(), static_cast<unsigned long long>(j.last_step()), j.connected_ranks(),
+              j.state().c_str(),
+              absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixNanos(j.last_seen_unix_nanos()),
+                               absl::UTCTimeZone())
+                  .c_str(),
+              collector.empty() ? "" : " ", collector.c_str());
+}
+
+void PrintJobsHeader(bool fleet) {
+  std::printf("%-32s %8s %8s %10s %10s %-7s %s\n", "JOB", "WORLD", "SKETCH", "LAST_STEP",
+              "CONNECTED", "STATE", fleet ? "LAST_SEEN            COLLECTOR" : "LAST_SEEN");
+}
+
+}  // namespace
+
 int Jobs(const Cli& cli) {
   absl::StatusOr<v1::ListJobsResponse> jobs = cli.client.ListJobs();
   if (!jobs.ok()) return Fail(cli.config, jobs.status());
-  const v1::ListJobsResponse& resp = *jobs;
-  std::printf("%-32s %8s %8s %10s %10s %-7s %s\n", "JOB", "WORLD", "SKETCH", "LAST_STEP",
-              "CONNECTED", "STATE", "LAST_SEEN");
-  for (const v1::JobInfo& j : resp.jobs()) {
-    std::printf("%-32s %8u %8u %10llu %10u %-7s %s\n", j.job().c_str(), j.world_size(),
-                j.sketch_dim(), static_cast<unsigned long long>(j.last_step()), j.connected_ranks(),
-                j.state().c_str(),
-                absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
-                                 absl::FromUnixNanos(j.last_seen_unix_nanos()), absl::UTCTimeZone())
-                    .c_str());
-  }
+  PrintJobsHeader(/*fleet=*/false);
+  for (const v1::JobInfo& j : jobs->jobs()) PrintJob(j, "");
   return 0;
+}
+
+int FleetJobs(const CliConfig& config, absl::Span<rankscope::query::QueryClient* const> shards) {
+  std::vector<std::pair<v1::JobInfo, std::string>> all;
+  int rc = 0;
+  for (rankscope::query::QueryClient* shard : shards) {
+    absl::StatusOr<v1::ListJobsResponse> jobs = shard->ListJobs();
+    if (!jobs.ok()) {
+      CliConfig one = config;
+      one.query.address = shard->options().address;
+      rc = Fail(one, jobs.status());
+      continue;
+    }
+    for (const v1::JobInfo& j : jobs->jobs()) all.emplace_back(j, shard->options().address);
+  }
+  std::sort(all.begin(), all.end(),
+            [](const auto& a, const auto& b) { return a.first.job() < b.first.job(); });
+  PrintJobsHeader(/*fleet=*/true);
+  for (const auto& [job, collector] : all) PrintJob(job, collector);
+  return rc;
 }
 
 int Groups(const Cli& cli, const std::string& job) {

@@ -6,12 +6,19 @@
 
 #include <string>
 
+#include "absl/types/span.h"
+#include "common/query_client.h"
 #include "tools/cli/cli_config.h"
 
 namespace rankscope::cli {
 
 // The jobs the collector knows, one line each.
 int Jobs(const Cli& cli);
+
+// The jobs of every shard of a fleet (`shards`: one client per collector of the list), one line
+// each with the collector that holds it. A shard that fails is named on stderr and the others
+// are still listed; returns 1 then.
+int FleetJobs(const CliConfig& config, absl::Span<rankscope::query::QueryClient* const> shards);
 
 // The data-parallel groups of `job` (keys "JOB/GROUP", or the job itself when stored without
 // groups), their newest --limit steps side by side (tools/cli/groups_view.h).

@@ -10,7 +10,8 @@
 //   rankscope attach --job J [--dormant] PID... | --all-local
 //                                           attach to live processes started without rankscope
 //
-// Every verb talks to the collector's Query service at --collector; export and report read a
+// Every verb talks to the collector's Query service at --collector (a fleet's list: jobs asks
+// every shard, the other verbs the job's shard); export and report read a
 // SQLite file directly instead with --db. report runs `PYTHON -m rankscope.report` on the package
 // installed beside the binary (<bin>/../python), handing it an export as JSON; attach runs
 // `PYTHON -m rankscope.attach`. PYTHON: report's --python, else $RANKSCOPE_PYTHON, else the
@@ -19,6 +20,7 @@
 // main: the attach hand-over, --help, flags, the Query client, then the verb
 // (tools/cli/{live_verbs,export_report,attach_handover,help}.h).
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
+#include "common/collector_dns.h"
+#include "common/collector_shard.h"
 #include "common/flag_help.h"
 #include "common/query_client.h"
 #include "tools/cli/attach_handover.h"
@@ -61,23 +65,46 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", cli::kUsage);
     return 2;
   }
-  const cli::CliConfig config = cli::ReadFlags();
+  cli::CliConfig config = cli::ReadFlags();
+  const std::string verb = args[1];
+  // A fleet (docs/deploy.md "A fleet of collectors"): jobs asks every shard, the other verbs the
+  // job's shard, picked as the job's agents pick it (common/collector_shard.h).
+  absl::StatusOr<std::vector<std::string>> shards =
+      rankscope::ParseCollectorList(config.query.address);
+  if (!shards.ok()) {
+    std::fprintf(stderr, "rankscope: --collector: %s\n",
+                 std::string(shards.status().message()).c_str());
+    return 2;
+  }
+  *shards = rankscope::ExpandCollectorName(*std::move(shards));
+  const bool fleet_jobs = verb == "jobs" && shards->size() > 1;
+  if (!fleet_jobs) config.query.address = rankscope::PickCollector(*shards, config.job);
   // A bad TLS setting is reported before an unreadable token.
   absl::StatusOr<std::string> token = std::string();
   if (!config.auth_token_file.empty()) token = cli::ReadAuthToken(config.auth_token_file);
-  rankscope::query::QueryClientOptions query = config.query;
-  if (token.ok()) query.auth_token = *token;
-  auto client = rankscope::query::QueryClient::Create(std::move(query));
-  if (!client.ok()) {
-    std::fprintf(stderr, "rankscope: %s\n", std::string(client.status().message()).c_str());
-    return 2;
+  std::vector<std::unique_ptr<rankscope::query::QueryClient>> clients;
+  for (const std::string& address :
+       fleet_jobs ? *shards : std::vector<std::string>{config.query.address}) {
+    rankscope::query::QueryClientOptions query = config.query;
+    query.address = address;
+    if (token.ok()) query.auth_token = *token;
+    auto client = rankscope::query::QueryClient::Create(std::move(query));
+    if (!client.ok()) {
+      std::fprintf(stderr, "rankscope: %s\n", std::string(client.status().message()).c_str());
+      return 2;
+    }
+    clients.push_back(*std::move(client));
   }
   if (!token.ok()) {
     std::fprintf(stderr, "rankscope: %s\n", std::string(token.status().message()).c_str());
     return 2;
   }
-  const cli::Cli context{config, **client};
-  const std::string verb = args[1];
+  if (fleet_jobs) {
+    std::vector<rankscope::query::QueryClient*> each;
+    for (auto& c : clients) each.push_back(c.get());
+    return cli::FleetJobs(config, each);
+  }
+  const cli::Cli context{config, *clients[0]};
   const std::string& job = config.job;
   if (verb == "jobs") return cli::Jobs(context);
   if (verb == "show" || verb == "ctl" || verb == "export" || verb == "report" || verb == "groups") {

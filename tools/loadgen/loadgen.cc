@@ -37,9 +37,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flag_help.h"
+#include "common/mutex.h"
 #include "rankscope/agent.h"
 
-ABSL_FLAG(std::string, collector, "127.0.0.1:50051", "Collector gRPC address.");
+ABSL_FLAG(std::string, collector, "127.0.0.1:50051",
+          "Collector gRPC address, or a fleet's list (a:50051,b:50051): each job's agents pick "
+          "its shard (rankscope/agent.h).");
 ABSL_FLAG(std::string, job, "loadgen", "Training job name.");
 ABSL_FLAG(int, jobs, 1,
           "Jobs to simulate; with more than one they are named JOB-0, JOB-1, ... "
@@ -68,6 +71,10 @@ ABSL_FLAG(int, outlier_from_step, 0, "Step from which the outlier rank deviates.
 ABSL_FLAG(double, outlier_loss_shift, 1.0, "Added to the outlier rank's loss.");
 ABSL_FLAG(double, outlier_norm_scale, 3.0, "Multiplies the outlier rank's gradient norm.");
 ABSL_FLAG(int, silent_rank, -1, "Rank that stops reporting (-1: none).");
+ABSL_FLAG(bool, silent_in_every_group, false,
+          "--silent_rank names a rank within each group (rank r % (ranks/groups)): every group "
+          "has one silent rank, so every group's steps stay open until --step_timeout (the "
+          "collector's memory per open step, bench/stream_load.py --silent-rank).");
 ABSL_FLAG(int, silent_from_step, 0, "Step from which the silent rank stops reporting.");
 ABSL_FLAG(int, attempt, 0, "Job attempt (restart count).");
 ABSL_FLAG(bool, fingerprints, true,
@@ -93,9 +100,15 @@ ABSL_FLAG(absl::Duration, flush_timeout, absl::Seconds(60),
 ABSL_FLAG(uint64_t, seed, 42, "Random seed of the simulated data.");
 ABSL_FLAG(bool, progress, false, "Print a progress line every second.");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1), "Time between progress lines.");
-ABSL_FLAG(std::string, summary_json, "",
-          "If set, write a JSON summary here at the end: per agent (job, rank) and in total, "
-          "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
+ABSL_FLAG(
+    std::string, summary_json, "",
+    "If set, write a JSON summary here at the end: per agent (job, rank, collector) and in total, "
+    "the reports recorded, sent, acked, dropped and rejected, and whether all were acked.");
+ABSL_FLAG(std::string, dump_reports, "",
+          "Connect nothing: write every report the flags describe to this file instead (no "
+          "pacing), for bench/relay_sim.py. Same --seed, --threads and shape: the same reports "
+          "a run against a collector sends. Format: per report, little-endian uint32 global "
+          "rank, uint64 step, float64 loss, float64 grad_norm, uint32 k, then k float32.");
 ABSL_FLAG(std::string, auth_token_file, "", "File holding the collector's shared token.");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA of the collector's certificate: connect over TLS.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate (mutual TLS).");
@@ -247,8 +260,11 @@ bool WaitConnected(std::vector<std::unique_ptr<rankscope::Agent>>& agents) {
 // thread, max_step_done and record_errors may be read from any.
 class Driver {
  public:
-  Driver(const Plan& plan, std::vector<std::unique_ptr<rankscope::Agent>>& agents, int threads)
-      : plan_(plan), agents_(agents), threads_(threads) {
+  // With a `dump` file (--dump_reports) the reports go there instead of into `agents`, which is
+  // then empty, and steps are not paced.
+  Driver(const Plan& plan, std::vector<std::unique_ptr<rankscope::Agent>>& agents, int threads,
+         std::FILE* dump = nullptr)
+      : plan_(plan), agents_(agents), threads_(threads), dump_(dump) {
     std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     pool_.assign(kPoolSize, std::vector<float>(plan.dim));
@@ -277,11 +293,16 @@ class Driver {
       const int64_t step = start_step + i;
       if (duration > absl::ZeroDuration() ? absl::Now() >= end_ : i >= steps) break;
       const absl::Time tick = start_ + interval * i;
-      if (interval > absl::ZeroDuration()) absl::SleepFor(tick - absl::Now());
+      if (interval > absl::ZeroDuration() && dump_ == nullptr) absl::SleepFor(tick - absl::Now());
       for (int i = tid; i < plan_.total_agents; i += threads_) {
         const int r = plan_.RankOf(i);
-        if (r == absl::GetFlag(FLAGS_silent_rank) &&
+        const int silent_as = absl::GetFlag(FLAGS_silent_in_every_group) ? r % plan_.group_size : r;
+        if (silent_as == absl::GetFlag(FLAGS_silent_rank) &&
             step >= absl::GetFlag(FLAGS_silent_from_step)) {
+          continue;
+        }
+        if (dump_ != nullptr) {
+          Dump(r, Report(step, r, random, sketch));
           continue;
         }
         rankscope::Agent& agent = *agents_[i];
@@ -300,6 +321,23 @@ class Driver {
   uint64_t record_errors() const { return record_errors_.load(); }
 
  private:
+  // One report to dump_ (the format of --dump_reports), whole under dump_mu_.
+  void Dump(int global_rank, const rankscope::StepReport& report) {
+    std::string rec;
+    auto put = [&rec](const void* p, size_t n) { rec.append(static_cast<const char*>(p), n); };
+    const uint32_t rank = static_cast<uint32_t>(global_rank);
+    const uint64_t step = report.step;
+    const uint32_t k = static_cast<uint32_t>(report.sketch.size());
+    put(&rank, sizeof rank);
+    put(&step, sizeof step);
+    put(&report.loss, sizeof report.loss);
+    put(&report.grad_norm, sizeof report.grad_norm);
+    put(&k, sizeof k);
+    put(report.sketch.data(), k * sizeof(float));
+    rankscope::MutexLock lock(&dump_mu_);
+    if (std::fwrite(rec.data(), 1, rec.size(), dump_) != rec.size()) ++record_errors_;
+  }
+
   // A driver thread's random numbers (the distributions keep state between draws).
   struct ThreadRandom {
     std::mt19937_64 engine;
@@ -368,6 +406,8 @@ class Driver {
   std::vector<std::unique_ptr<rankscope::Agent>>& agents_;
   const int threads_;
   std::vector<std::vector<float>> pool_;  // unit-variance Gaussian vectors
+  std::FILE* const dump_;
+  rankscope::Mutex dump_mu_;
   absl::Time start_;
   absl::Time end_;
   std::atomic<uint64_t> record_errors_{0};
@@ -418,9 +458,10 @@ bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, boo
   for (auto& a : agents) {
     const rankscope::AgentStats s = a->stats();
     total->Add(s);
-    absl::StrAppend(&per_agent, per_agent.empty() ? "" : ",\n    ",
-                    absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, %s}", a->options().job,
-                                    a->options().rank, JsonStats(s)));
+    absl::StrAppend(
+        &per_agent, per_agent.empty() ? "" : ",\n    ",
+        absl::StrFormat("{\"job\": \"%s\", \"rank\": %d, \"collector\": \"%s\", %s}",
+                        a->options().job, a->options().rank, a->collector(), JsonStats(s)));
   }
   const std::string path = absl::GetFlag(FLAGS_summary_json);
   if (path.empty()) return true;
@@ -454,6 +495,26 @@ int main(int argc, char** argv) {
                  "loadgen: warning: %d agents need about as many file descriptors; the limit is "
                  "%llu (ulimit -Hn)\n",
                  plan->ranks * plan->jobs, static_cast<unsigned long long>(file_limit));
+  }
+  if (!absl::GetFlag(FLAGS_dump_reports).empty()) {
+    const std::string path = absl::GetFlag(FLAGS_dump_reports);
+    std::FILE* out = std::fopen(path.c_str(), "wb");
+    if (out == nullptr) {
+      std::fprintf(stderr, "loadgen: cannot write --dump_reports %s\n", path.c_str());
+      return 2;
+    }
+    std::vector<std::unique_ptr<rankscope::Agent>> none;
+    const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
+                                                         : std::min(plan->total_agents, 4);
+    Driver driver(*plan, none, threads, out);
+    driver.Start();
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) workers.emplace_back([&driver, t] { driver.Drive(t); });
+    for (auto& w : workers) w.join();
+    const bool ok = std::fclose(out) == 0 && driver.record_errors() == 0;
+    std::printf("loadgen: dumped the reports of %d ranks to %s%s\n", plan->total_agents,
+                path.c_str(), ok ? "" : " (WRITE FAILED)");
+    return ok ? 0 : 1;
   }
   const std::optional<std::string> auth_token = ReadAuthToken();
   if (!auth_token) return 2;

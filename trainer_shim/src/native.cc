@@ -31,6 +31,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/client_tls.h"
+#include "common/collector_dns.h"
+#include "common/collector_shard.h"
 #include "common/query_client.h"
 #include "common/sketch_encoding.h"
 #include "grpcpp/grpcpp.h"
@@ -272,6 +274,7 @@ class PyAgent {
 
  public:
   const AgentOptions& options() const { return agent_->options(); }
+  const std::string& collector() const { return agent_->collector(); }
 };
 
 // The encoding Agent(sketch_encoding=...) names; ValueError for another name.
@@ -291,8 +294,13 @@ py::dict SetControl(const std::string& collector, const std::string& job,
                     const std::string& tls_ca_file, const std::string& tls_cert_file,
                     const std::string& tls_key_file, const std::string& tls_target_name,
                     const std::string& auth_token) {
+  // A fleet's list: the job's shard, as its agents pick it (common/collector_shard.h).
+  absl::StatusOr<std::vector<std::string>> shards = ParseCollectorList(collector);
+  if (!shards.ok()) throw py::value_error("collector: " + std::string(shards.status().message()));
+  *shards = ExpandCollectorName(*std::move(shards));
+  const std::string shard = PickCollector(*shards, job);
   query::QueryClientOptions options;
-  options.address = collector;
+  options.address = shard;
   options.tls.ca_file = tls_ca_file;
   options.tls.cert_file = tls_cert_file;
   options.tls.key_file = tls_key_file;
@@ -315,7 +323,7 @@ py::dict SetControl(const std::string& collector, const std::string& job,
     client->reset();  // the channel's teardown, too, without the GIL
   }
   if (!set.ok()) {
-    throw std::runtime_error("SetControl on " + collector +
+    throw std::runtime_error("SetControl on " + shard +
                              " failed: " + std::to_string(static_cast<int>(set.status().code())) +
                              " " + std::string(set.status().message()));
   }
@@ -495,6 +503,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32",
            py::arg("run_id") = "")
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
+      .def("collector", [](const PyAgent& a) { return a.collector(); })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch"), py::arg("step_time_seconds") = py::none(),
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
@@ -511,6 +520,18 @@ PYBIND11_MODULE(_native, m) {
       .def("stats", &PyAgent::Stats)
       .def("control", &PyAgent::Control);
 
+  m.def(
+      "pick_collector",
+      [](const std::string& collector, const std::string& job) {
+        absl::StatusOr<std::vector<std::string>> shards = ParseCollectorList(collector);
+        if (!shards.ok()) {
+          throw py::value_error("collector: " + std::string(shards.status().message()));
+        }
+        return PickCollector(ExpandCollectorName(*std::move(shards)), job);
+      },
+      py::arg("collector"), py::arg("job"),
+      "The collector of a list (a fleet) that `job`'s agents stream to "
+      "(common/collector_shard.h).");
   m.def("set_control", &SetControl, py::arg("collector"), py::arg("job"),
         py::arg("enabled") = py::none(), py::arg("every") = py::none(),
         py::arg("sketch_dim") = py::none(), py::arg("lead_steps") = 5,

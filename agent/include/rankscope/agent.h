@@ -60,6 +60,12 @@ inline constexpr char kAgentVersion[] = RANKSCOPE_VERSION;
 using ClientTlsOptions = tls::ClientTlsFiles;
 
 struct AgentOptions {
+  // One collector "host:port", or a fleet: "a:50051,b:50051,c:50051" (or one DNS name that
+  // resolves to several addresses, as a Kubernetes headless service does). Of a fleet, Create()
+  // picks the job's shard by rendezvous hashing of `job` (common/collector_shard.h): every rank
+  // of the job meets there with no coordination. The agent keeps that shard for its life: one
+  // that is down is retried with backoff while reports are buffered, never swapped for another.
+  // Duplicates count once; an empty entry is an InvalidArgument.
   std::string collector_address = "127.0.0.1:50051";
   std::string job;          // required, [A-Za-z0-9_.:-]{1,128}
   uint32_t rank = 0;        // required, < world_size
@@ -186,6 +192,9 @@ class Agent {
   virtual std::optional<AgentControl> control() const = 0;
 
   virtual const AgentOptions& options() const = 0;
+
+  // The collector this agent streams to: collector_address itself, or the job's shard of it.
+  virtual const std::string& collector() const = 0;
 };
 
 }  // namespace rankscope

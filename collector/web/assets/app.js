@@ -329,7 +329,11 @@
         const lastStep = Math.max(...keys.map((k) => k.last_step));
         const cos = grouped ? Math.min(...keys.map((k) => k.latest ? k.latest.grad_cosine_mean : Infinity))
                             : (keys[0].latest ? keys[0].latest.grad_cosine_mean : null);
-        rows.push(jobRow({ name: job, href: "/job/" + encodeURIComponent(job),
+        // A fleet (--fleet): a job another shard holds is named with its collector, whose web
+        // view shows it; this collector's own jobs link to their page as always.
+        const remote = keys.every((k) => k.remote);
+        rows.push(jobRow({ name: job, href: remote ? null : "/job/" + encodeURIComponent(job),
+          collector: keys[0].collector || "",
           state: active ? "active" : "idle",
           world: keys.reduce((a, k) => a + k.world_size, 0),
           connected: keys.reduce((a, k) => a + k.connected_ranks, 0), lastStep,
@@ -337,8 +341,9 @@
           key: grouped ? job : keys[0].key, cls: "job" }));
         if (grouped) {
           for (const k of keys) {
-            rows.push(jobRow({ name: k.group || "(default)",
-              href: "/job/" + encodeURIComponent(job) + "?group=" + encodeURIComponent(k.group),
+            rows.push(jobRow({ name: k.group || "(default)", collector: k.collector || "",
+              href: k.remote ? null
+                : "/job/" + encodeURIComponent(job) + "?group=" + encodeURIComponent(k.group),
               state: k.state, world: k.world_size, connected: k.connected_ranks,
               lastStep: k.last_step, cos: k.latest ? k.latest.grad_cosine_mean : null,
               alerts: alertsOf(k.latest), key: k.key, cls: "group" }));
@@ -357,9 +362,14 @@
     const alerts = el("td", { class: "alerts" });
     if (!r.alerts.length) alerts.append(el("span", { class: "ok", text: "none" }));
     for (const [kind, text] of r.alerts) alerts.append(el("span", { class: "alert " + kind, text }));
-    const name = el("td", { class: "name" }, el("a", { href: r.href, text: r.name }));
+    const name = el("td", { class: "name" },
+      r.href ? el("a", { href: r.href, text: r.name }) : el("span", { text: r.name }));
     if (r.groups) name.append(el("span", { class: "muted", text: "  " + r.groups + " groups" }));
+    if (!r.href && r.collector) {
+      name.append(el("span", { class: "muted", text: "  on " + r.collector }));
+    }
     return el("tr", { class: r.cls, "data-key": r.key, "data-state": r.state,
+                      "data-collector": r.collector,
                       "data-alerts": [...new Set(r.alerts.map((a) => a[0]))].join(",") },
       name, el("td", { class: "state-" + r.state, text: r.state }),
       el("td", { class: "num", text: String(r.world) }),

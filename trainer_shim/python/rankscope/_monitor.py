@@ -95,6 +95,8 @@ class Monitor:
         )
         self.sketch_encoding = sketch_encoding
         self.instance_id = self._agent.instance_id()
+        # The collector this rank streams to: `collector` itself, or the job's shard of a list.
+        self.collector = self._agent.collector()
 
         self._every = every
         self._enabled = enabled

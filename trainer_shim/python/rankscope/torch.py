@@ -124,8 +124,10 @@ def attach(
         instead of the default all-reduce. A DeepSpeed engine, a ``transformers.Trainer`` or a
         Lightning ``Trainer``/``LightningModule`` goes to rankscope.frameworks (the same
         options; see docs/shim.md "Frameworks"), which closes the steps itself.
-      collector: ``host:port`` of the collector; default ``$RANKSCOPE_COLLECTOR`` or
-        ``127.0.0.1:50051``.
+      collector: ``host:port`` of the collector, or a fleet's list (``"a:50051,b:50051"``, or
+        one DNS name of several addresses): every rank of the job picks the job's shard by
+        rendezvous hashing of ``job`` (docs/deploy.md "A fleet of collectors"); default
+        ``$RANKSCOPE_COLLECTOR`` or ``127.0.0.1:50051``.
       job: the training job's name; default ``$RANKSCOPE_JOB``. Required.
       sketch_dim: count sketch size k, the number of bins (same on every rank); without
         ``sketch_encoding`` these are float32 bins, as before encodings existed. Give
