@@ -3,13 +3,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collector/query/parse_error_interceptor.h"
 #include "common/keepalive.h"
 #include "common/tls_files.h"
+#include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/security/tls_certificate_provider.h"
@@ -101,11 +104,20 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, *credentials, &c->grpc_port_);
-  keepalive::ApplyToServer(&builder);  // a vanished agent noticed within 40 s
+  // A vanished agent noticed within keepalive_time + keepalive_timeout (common/keepalive.h).
+  keepalive::ApplyToServer(&builder, options.keepalive_time, options.keepalive_timeout);
   // The ingest service refuses messages over max_message_bytes with an actionable status; gRPC's
   // own limit, at twice that, stops a grossly oversized one before it is buffered.
   builder.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(int64_t{options.max_message_bytes} * 2, INT32_MAX)));
+  {
+    // A Query request that does not parse is answered INVALID_ARGUMENT saying so, not gRPC's
+    // bare UNIMPLEMENTED (query/parse_error_interceptor.h).
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(std::make_unique<ParseErrorInterceptorFactory>(
+        std::vector<std::string>{v1::Query::service_full_name()}));
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   builder.RegisterService(c->ingest_.get());
   builder.RegisterService(c->query_.get());
   c->server_ = builder.BuildAndStart();

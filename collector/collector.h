@@ -29,6 +29,7 @@
 #include "collector/query/query_service.h"
 #include "collector/store/store_reader_pool.h"
 #include "collector/web/web_server.h"
+#include "common/keepalive.h"
 #include "common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
@@ -90,6 +91,13 @@ struct CollectorOptions {
   int max_message_bytes = 8 << 20;
   // See IngestOptions: a stream's first message must come within this; per-stream queue bounds.
   absl::Duration hello_timeout = absl::Seconds(5);
+  // Server keepalive (--grpc_keepalive_time/--grpc_keepalive_timeout): every connection is pinged
+  // after keepalive_time without activity and closed when the ping is unanswered after
+  // keepalive_timeout, which cancels its streams (their ranks are released). A node that died
+  // without a FIN, or a process that stopped answering, lets go of its ranks within
+  // keepalive_time + keepalive_timeout (30 s by default). <= 0: gRPC's defaults (2 h).
+  absl::Duration keepalive_time = keepalive::kServerPingInterval;
+  absl::Duration keepalive_timeout = keepalive::kServerPingTimeout;
   size_t max_queued_messages_per_stream = 1024;
   size_t max_pending_acks_per_stream = 65'536;
   ServerTlsOptions tls;

@@ -59,6 +59,11 @@ ABSL_FLAG(int, max_open_steps, 256,
           "is closed early.");
 ABSL_FLAG(int, per_rank_series_limit, 32,
           "Per-rank Prometheus series per job and metric (the most deviating ranks first).");
+ABSL_FLAG(int, max_exported_series, 100000,
+          "The collector's /metrics budget of per-job series per scrape (0: no cap): beyond it "
+          "whole data-parallel groups are left out, the least deviating first, and counted in "
+          "rankscope_export_groups_capped. A group exports at most about 30 + 13 x "
+          "--per_rank_series_limit series (446 by default).");
 ABSL_FLAG(int, per_job_group_series_limit, 32,
           "Data-parallel groups of one job whose Prometheus series are exported (the most "
           "deviating first: a divergent replica or an outlier rank, then the lowest direction "
@@ -72,6 +77,13 @@ ABSL_FLAG(absl::Duration, hello_timeout, absl::Seconds(5),
           "A stream whose first message (the agent's Hello) has not come this long after it "
           "opened is ended with DEADLINE_EXCEEDED, so idle connections cannot hold the "
           "--max_streams slots. 0 disables the deadline.");
+ABSL_FLAG(absl::Duration, grpc_keepalive_time, rankscope::keepalive::kServerPingInterval,
+          "Every gRPC connection idle this long is pinged; 0 keeps gRPC's default (2 h). With "
+          "--grpc_keepalive_timeout it bounds how long a crashed node's streams (no FIN) hold "
+          "their ranks: time + timeout (30 s by default), after which a rank refused because of "
+          "them (ALREADY_EXISTS) is admitted on its next retry.");
+ABSL_FLAG(absl::Duration, grpc_keepalive_timeout, rankscope::keepalive::kServerPingTimeout,
+          "A keepalive ping unanswered this long closes its connection and cancels its streams.");
 ABSL_FLAG(int, max_jobs, 10000,
           "Jobs (data-parallel groups) tracked at once. At the limit, the least recently seen "
           "job with no stream and no open step is forgotten to make room; when none is, a hello "
@@ -258,12 +270,16 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
   options.export_options.per_rank_series_limit =
       static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
+  options.export_options.max_series =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_max_exported_series)));
   options.export_options.per_job_group_series_limit =
       static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_per_job_group_series_limit)));
   options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
   options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
   options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
   options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
+  options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
   RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));

@@ -1,5 +1,7 @@
 #include "common/keepalive.h"
 
+#include <algorithm>
+
 namespace rankscope::keepalive {
 
 void ApplyToChannel(grpc::ChannelArguments* args) {
@@ -9,9 +11,15 @@ void ApplyToChannel(grpc::ChannelArguments* args) {
   args->SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // default 2: an idle stream goes blind
 }
 
-void ApplyToServer(grpc::ServerBuilder* builder) {
-  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kPingIntervalMs);
-  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPingTimeoutMs);
+void ApplyToServer(grpc::ServerBuilder* builder, absl::Duration ping_interval,
+                   absl::Duration ping_timeout) {
+  if (ping_interval > absl::ZeroDuration()) {
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                                static_cast<int>(absl::ToInt64Milliseconds(ping_interval)));
+    builder->AddChannelArgument(
+        GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+        static_cast<int>(absl::ToInt64Milliseconds(std::max(ping_timeout, absl::Milliseconds(1)))));
+  }
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,

@@ -5,9 +5,11 @@
 //
 //   agent      notices a dead collector within kPingIntervalMs + kPingTimeoutMs (40 s): its stream
 //              fails UNAVAILABLE, it reconnects with backoff and resends everything unacked.
-//   collector  notices a dead agent within kPingIntervalMs + kPingTimeoutMs (40 s): the stream is
-//              cancelled, its rank slot and memory are freed. A connection that never completes
-//              its TLS/HTTP2 handshake is closed after kServerHandshakeTimeoutMs (10 s).
+//   collector  notices a dead agent within its --grpc_keepalive_time + --grpc_keepalive_timeout
+//              (20 s + 10 s by default, kServerPingInterval + kServerPingTimeout): the stream is
+//              cancelled, its rank slot and memory are freed, and a run refused because that
+//              stream held the job is admitted at its next retry. A connection that never
+//              completes its TLS/HTTP2 handshake is closed after kServerHandshakeTimeoutMs (10 s).
 //
 // Pings go on without data and without calls (a paused job, an agent between streams), so both
 // sides keep watching an idle connection; the collector accepts the agent's pings down to
@@ -18,21 +20,26 @@
 #ifndef RANKSCOPE_COMMON_KEEPALIVE_H_
 #define RANKSCOPE_COMMON_KEEPALIVE_H_
 
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace rankscope::keepalive {
 
 inline constexpr int kPingIntervalMs = 30000;  // a ping after this long without one (each side)
 inline constexpr int kPingTimeoutMs = 10000;   // no ping ack within this: the peer is dead
+inline constexpr absl::Duration kServerPingInterval = absl::Seconds(20);  // flag defaults
+inline constexpr absl::Duration kServerPingTimeout = absl::Seconds(10);
 inline constexpr int kServerMinPingIntervalMs = 10000;   // the agent may ping this often
 inline constexpr int kServerHandshakeTimeoutMs = 10000;  // TCP accepted, handshake unfinished
 
 // The agent's channel: pings every kPingIntervalMs, gives up after kPingTimeoutMs.
 void ApplyToChannel(grpc::ChannelArguments* args);
 
-// The collector's server: the same pings towards agents, the agents' pings allowed, the handshake
-// timeout.
-void ApplyToServer(grpc::ServerBuilder* builder);
+// The collector's server: pings towards agents every `ping_interval`, a connection whose ping is
+// unanswered after `ping_timeout` closed (ping_interval <= 0: gRPC's defaults, 2 h), the agents'
+// pings allowed, the handshake timeout.
+void ApplyToServer(grpc::ServerBuilder* builder, absl::Duration ping_interval,
+                   absl::Duration ping_timeout);
 
 }  // namespace rankscope::keepalive
 

@@ -55,11 +55,12 @@ std::string NewInstanceId(const std::string& host) {
 }
 
 // True for the codes that mean the collector will refuse this stream again, whatever the
-// backoff: another process holds the rank (ALREADY_EXISTS), the job's shape differs
-// (FAILED_PRECONDITION), or this rank may not report (PERMISSION_DENIED).
+// backoff: the job's shape differs (FAILED_PRECONDITION), or this rank may not report
+// (PERMISSION_DENIED). ALREADY_EXISTS (another process or run holds the rank) is not: it lasts
+// while the holder's streams live, and a crashed holder's stream is dropped by the collector's
+// keepalive, so the agent retries (AgentStats::held_elsewhere).
 bool IsPermanentRefusal(grpc::StatusCode code) {
-  return code == grpc::StatusCode::ALREADY_EXISTS ||
-         code == grpc::StatusCode::FAILED_PRECONDITION ||
+  return code == grpc::StatusCode::FAILED_PRECONDITION ||
          code == grpc::StatusCode::PERMISSION_DENIED;
 }
 
@@ -212,6 +213,7 @@ AgentStats AgentImpl::stats() const {
   s.unacked = unacked_.size();
   s.last_error = last_error_;
   s.refused = refused_;
+  s.held_elsewhere = held_elsewhere_;
   return s;
 }
 
@@ -358,6 +360,20 @@ void AgentImpl::RunStream() {
     RefuseLocked();
     return;
   }
+  if (!status.ok() && !stopping_ && status.error_code() == grpc::StatusCode::ALREADY_EXISTS) {
+    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
+    // Said once per episode: nothing of this rank is stored until the holder's streams are gone.
+    if (!held_elsewhere_) {
+      held_elsewhere_ = true;
+      std::fprintf(stderr,
+                   "rankscope: collector %s does NOT store job %s group '%s' rank %u: %s; this "
+                   "rank keeps its reports (bounded) and retries until the holder's streams are "
+                   "gone, training continues\n",
+                   collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
+                   last_error_.c_str());
+    }
+    return;
+  }
   if (!status.ok() && !stopping_) {
     last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
     // Log once per outage, quietly: the training job must not be spammed.
@@ -469,6 +485,14 @@ void AgentImpl::OnReadDone(StreamCall* call, bool ok) {
       call->received_any = true;
       backoff_.Reset();
       warned_down_ = false;
+      if (held_elsewhere_) {
+        held_elsewhere_ = false;
+        std::fprintf(stderr,
+                     "rankscope: collector %s now stores job %s group '%s' rank %u (the run "
+                     "that held it is gone)\n",
+                     collector_.c_str(), options_.job.c_str(), options_.group.c_str(),
+                     options_.rank);
+      }
     }
     const v1::CollectorMessage& msg = call->in;
     switch (msg.kind_case()) {
@@ -554,6 +578,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options) {
   if (options.instance_id.size() > 128) {
     return absl::InvalidArgumentError(
         absl::StrCat("instance_id has ", options.instance_id.size(), " characters; at most 128"));
+  }
+  if (options.run_id.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("run_id has ", options.run_id.size(), " characters; at most 128"));
   }
   // A fleet: every rank of the job picks the same shard of the list (common/collector_shard.h),
   // once, here; a shard that is down is retried like a lone collector, never skipped.

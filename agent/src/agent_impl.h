@@ -177,6 +177,7 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   bool sender_done_ ABSL_GUARDED_BY(mu_) = false;
   bool warned_down_ ABSL_GUARDED_BY(mu_) = false;
   bool refused_ ABSL_GUARDED_BY(mu_) = false;  // a permanent refusal: see AgentStats::refused
+  bool held_elsewhere_ ABSL_GUARDED_BY(mu_) = false;  // see AgentStats::held_elsewhere
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   absl::Status close_status_ ABSL_GUARDED_BY(mu_);
 

@@ -26,6 +26,7 @@ v1::AgentMessage HelloMessage(const AgentOptions& options,
   h->set_group(options.group);
   if (options.global_rank) h->set_global_rank(*options.global_rank);
   h->set_instance_id(options.instance_id);
+  h->set_run_id(options.run_id);
   h->set_pid(static_cast<uint32_t>(getpid()));
   h->set_sketch_encoding(static_cast<v1::SketchEncoding>(options.sketch_encoding));
   h->set_sketch_block(kSketchBlock);  // the hash this agent's CountSketch uses

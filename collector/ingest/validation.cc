@@ -53,6 +53,12 @@ Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
                                                 " bytes; at most ", kMaxInstanceIdLength)),
         RejectReason::kBadHello);
   }
+  if (hello.run_id().size() > kMaxInstanceIdLength) {
+    return Reject(
+        absl::InvalidArgumentError(absl::StrCat("run_id has ", hello.run_id().size(),
+                                                " bytes; at most ", kMaxInstanceIdLength)),
+        RejectReason::kBadHello);
+  }
   if (hello.world_size() == 0 || hello.world_size() > limits.max_world_size) {
     return Reject(absl::InvalidArgumentError(absl::StrCat("world_size ", hello.world_size(),
                                                           " must be in [1, ", limits.max_world_size,

@@ -60,6 +60,8 @@ enum JobFamily : size_t {
   kIntegrityFailedStepsTotal,
   kIntegrityErrorRatio,
   kIntegritySuspectRank,
+  kExportSeries,
+  kExportGroupsCapped,
   kJobFamilyCount,
 };
 
@@ -235,6 +237,13 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kIntegritySuspectRank, "rankscope_integrity_suspect_rank",
      "The rank whose contribution the latest failed check found missing, doubled or corrupted "
      "(labelled with the fault); absent when no rank was named.",
+     prometheus::MetricType::Gauge},
+    {kExportSeries, "rankscope_export_series",
+     "Per-job series in this scrape (these two included), at most --max_exported_series.",
+     prometheus::MetricType::Gauge},
+    {kExportGroupsCapped, "rankscope_export_groups_capped",
+     "Jobs (data-parallel groups) whose series this scrape left out because the collector's "
+     "--max_exported_series budget was spent on more deviating ones.",
      prometheus::MetricType::Gauge},
 };
 

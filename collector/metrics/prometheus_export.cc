@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -172,9 +174,15 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
   MutexLock lock(&mu_);
   JobState& state = TouchLocked(job, now);
   uint64_t& last = state.dropped_by_rank[rank];
-  // A smaller count means the agent restarted and counts from zero again.
-  state.dropped_total += dropped_total >= last ? dropped_total - last : dropped_total;
-  last = dropped_total;
+  // Monotonic per agent process: a new process starts from zero through OnAgentStarted, so a
+  // smaller count from the same one is a client's error (or a lie) and adds nothing. One report
+  // adds at most kMaxDroppedPerReport; a larger rise is taken in steps over the next reports (an
+  // honest agent's count is caught up, a hostile 2^64 - 1 adds a bounded amount per report).
+  if (dropped_total <= last) return;
+  const uint64_t added = std::min(dropped_total - last, kMaxDroppedPerReport);
+  last += added;
+  state.dropped_total =
+      state.dropped_total > UINT64_MAX - added ? UINT64_MAX : state.dropped_total + added;
 }
 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
@@ -267,8 +275,46 @@ std::vector<MetricFamily> JobMetrics::Collect() const {
     const std::vector<const JobEntry*> live = LiveJobsLocked(now);
     AddJobAggregates(live, families);
     const absl::flat_hash_set<const std::string*> hidden = HiddenGroups(live);
+    std::vector<const JobEntry*> shown;
+    shown.reserve(live.size());
     for (const JobEntry* entry : live) {
-      if (!hidden.contains(&entry->first)) AddJobSeries(entry->first, entry->second, now, families);
+      if (!hidden.contains(&entry->first)) shown.push_back(entry);
+    }
+    // The budget goes to the most deviating groups first (each group's series built apart);
+    // the groups that fit are then appended in key order, as without a budget.
+    const size_t budget = options_.max_series == 0 ? SIZE_MAX : options_.max_series;
+    size_t exported = 2;  // rankscope_export_series and rankscope_export_groups_capped
+    for (const MetricFamily& f : families) exported += f.metric.size();
+    size_t capped = 0;
+    std::vector<const JobEntry*> by_deviation = shown;
+    std::stable_sort(by_deviation.begin(), by_deviation.end(), MoreDeviating);
+    absl::flat_hash_map<const JobEntry*, Families> fitted;
+    for (const JobEntry* entry : by_deviation) {
+      Families own(families.size());
+      for (size_t f = 0; f < families.size(); ++f) own[f].type = families[f].type;
+      AddJobSeries(entry->first, entry->second, now, own);
+      size_t series = 0;
+      for (const MetricFamily& f : own) series += f.metric.size();
+      if (exported + series > budget) {
+        ++capped;
+        continue;
+      }
+      exported += series;
+      fitted.emplace(entry, std::move(own));
+    }
+    for (const JobEntry* entry : shown) {
+      auto it = fitted.find(entry);
+      if (it == fitted.end()) continue;
+      for (size_t f = 0; f < families.size(); ++f) {
+        std::vector<ClientMetric>& from = it->second[f].metric;
+        families[f].metric.insert(families[f].metric.end(), std::make_move_iterator(from.begin()),
+                                  std::make_move_iterator(from.end()));
+      }
+    }
+    // The collector's own two gauges (no label), once there is a job to budget.
+    if (!live.empty()) {
+      AddSample(families[kExportSeries], {}, static_cast<double>(exported));
+      AddSample(families[kExportGroupsCapped], {}, static_cast<double>(capped));
     }
   }
   // A family with no sample would be HELP and TYPE alone: leave it out.
@@ -314,6 +360,20 @@ void JobMetrics::AddJobAggregates(absl::Span<const JobEntry* const> live, Famili
     AddSample(families[kJobGroupsWithOutliers], labels, a.with_outliers);
     AddSample(families[kJobGroupsReplicaDivergent], labels, a.replica_divergent);
   }
+}
+
+bool JobMetrics::MoreDeviating(const JobEntry* a, const JobEntry* b) {
+  auto deviation = [](const JobState& st) {
+    const bool flagged = st.outlier_ranks_latest > 0 || st.replica_divergent_checked;
+    const double cos = st.has_step && !std::isnan(st.latest.grad_cosine_mean)
+                           ? st.latest.grad_cosine_mean
+                           : std::numeric_limits<double>::infinity();
+    return std::make_pair(!flagged, cos);
+  };
+  const auto da = deviation(a->second);
+  const auto db = deviation(b->second);
+  if (da != db) return da < db;
+  return a->first < b->first;
 }
 
 absl::flat_hash_set<const std::string*> JobMetrics::HiddenGroups(

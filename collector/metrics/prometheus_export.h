@@ -47,6 +47,17 @@
 // would hold a per-rank alert for that long. Job-level series, missing and replica-divergent
 // ranks stay until expiry.
 //
+// Series budget (docs/reliability.md "What a hostile client can still do"): one group (a job
+// without groups is one) exports at most ~30 job-level series plus, for at most
+// per_rank_series_limit ranks each, 8 per-rank gauges and rankscope_rank_info, plus at most
+// per_rank_series_limit missing and as many replica-divergent ranks (each with its rank_info):
+// about 30 + 13 * per_rank_series_limit = 446 at the default 32; a job exports at most
+// per_job_group_series_limit groups, plus 4 aggregates. A collector exports at most
+// `max_series` per-job series per scrape: groups are taken most deviating first (a divergent
+// replica or an outlier, then the lowest cosine; ties by name) and a group that would overrun
+// the budget is left out whole, so no alert sees half a group. rankscope_export_series and
+// rankscope_export_groups_capped say what happened.
+//
 // Thread safety: thread-safe. OnAgent*/OnStep are called by the collector's threads (the clock
 // is called without the lock held); Collect() by the HTTP exposer's threads.
 #ifndef RANKSCOPE_COLLECTOR_METRICS_PROMETHEUS_EXPORT_H_
@@ -83,6 +94,10 @@ struct ExportOptions {
   size_t per_job_group_series_limit = 32;
   absl::Duration spike_window = absl::Seconds(60);
   absl::Duration job_expiry = absl::Hours(1);
+  // The collector's series budget (--max_exported_series; 0: no cap): per-job series of one scrape
+  // beyond it are left out a whole group at a time, the least deviating groups first (see
+  // "Series budget"), and counted in rankscope_export_groups_capped.
+  size_t max_series = 100'000;
   std::function<absl::Time()> clock = [] { return absl::Now(); };
 };
 
@@ -138,7 +153,10 @@ class JobMetrics : public prometheus::Collectable {
   // A new agent process holds (job, rank) (not a reconnect): its cumulative dropped count starts
   // from zero, so its first count is counted whole.
   void OnAgentStarted(const std::string& job, uint32_t rank);
-  // The agent of (job, rank) reported its cumulative count of dropped reports.
+  // The agent of (job, rank) reported its cumulative count of dropped reports. The exported
+  // rankscope_agent_dropped_reports_total never decreases: a count below the process's previous
+  // one adds nothing, one report adds at most kMaxDroppedPerReport, and the total saturates.
+  static constexpr uint64_t kMaxDroppedPerReport = 65'536;
   void OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total);
   // A step of `job` was joined and its statistics computed.
   void OnStep(const std::string& job, const ExportedStep& step);
@@ -242,6 +260,8 @@ class JobMetrics : public prometheus::Collectable {
   // per_job_group_series_limit, the least deviating ones.
   absl::flat_hash_set<const std::string*> HiddenGroups(
       absl::Span<const JobEntry* const> live) const;
+  // Whether a group's state ranks before another's as more deviating (see "Series budget").
+  static bool MoreDeviating(const JobEntry* a, const JobEntry* b);
   // The series of one group key (the job-level gauges and counters, the window metrics, then
   // AddRankSeries).
   void AddJobSeries(const std::string& key, const JobState& state, absl::Time now,

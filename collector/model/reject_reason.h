@@ -28,14 +28,16 @@ enum class RejectReason {
   kTooManyJobs,
   kRankTaken,
   kInvalidReport,  // also where an unknown label is counted (HealthMetrics::Rejected)
+  kRunCollision,   // another live run holds the job's group (JobRegistry, "Runs")
 };
 
 // Every exported reason, in export order (kNone excluded).
-inline constexpr std::array<RejectReason, 12> kRejectReasons = {
+inline constexpr std::array<RejectReason, 13> kRejectReasons = {
     RejectReason::kBeforeHello,      RejectReason::kBadHello,        RejectReason::kRankOutOfRange,
     RejectReason::kWorldSizeChanged, RejectReason::kSketchMismatch,  RejectReason::kSketchLength,
     RejectReason::kMessageTooLarge,  RejectReason::kUnauthenticated, RejectReason::kTooManyStreams,
     RejectReason::kTooManyJobs,      RejectReason::kRankTaken,       RejectReason::kInvalidReport,
+    RejectReason::kRunCollision,
 };
 
 // The label value of `reason` ("" for kNone).
@@ -67,6 +69,8 @@ constexpr std::string_view ReasonLabel(RejectReason reason) {
       return "rank_taken";
     case RejectReason::kInvalidReport:
       return "invalid_report";
+    case RejectReason::kRunCollision:
+      return "run_collision";
   }
   return "";
 }
@@ -87,7 +91,7 @@ constexpr bool TableIsConsistent() {
   for (size_t i = 0; i < kRejectReasons.size(); ++i) {
     if (ReasonIndex(kRejectReasons[i]) != i || ReasonLabel(kRejectReasons[i]).empty()) return false;
   }
-  return kRejectReasons.back() == RejectReason::kInvalidReport;
+  return kRejectReasons.back() == RejectReason::kRunCollision;
 }
 }  // namespace reject_reason_internal
 static_assert(reject_reason_internal::TableIsConsistent(),

@@ -90,7 +90,29 @@ bool JobRegistry::SameInstance(const RankClaim& claim, const v1::Hello& hello) {
              : claim.instance_id == hello.instance_id();
 }
 
+Rejection JobRegistry::CheckRun(const Job& job, const v1::Hello& hello) {
+  if (hello.run_id().empty()) return {};
+  for (const auto& [run_id, run] : job.live_runs) {
+    if (run_id == hello.run_id() || run.streams == 0 || hello.attempt() > run.attempt) continue;
+    return Rejection{
+        absl::AlreadyExistsError(absl::StrCat(
+            "job ", hello.job(), " is held by another live run: run '", absl::CHexEscape(run_id),
+            "' (attempt ", run.attempt, ", ", run.streams, " live stream",
+            run.streams == 1 ? "" : "s", ", since ", absl::FormatTime(run.since),
+            ", first from host '", absl::CHexEscape(run.host), "' pid ", run.pid,
+            "); this rank (rank ", hello.rank(), " of run '", absl::CHexEscape(hello.run_id()),
+            "', host '", absl::CHexEscape(hello.host()), "' pid ", hello.pid(),
+            ") is NOT stored: two live runs under one job name are a collision, never a "
+            "restart. The agent retries and is admitted once that run's streams are gone "
+            "(a crashed node's stream is dropped by the collector's keepalive); give each run "
+            "its own job name (job=..., RANKSCOPE_JOB)")),
+        RejectReason::kRunCollision};
+  }
+  return {};
+}
+
 Rejection JobRegistry::CheckHello(Job& job, const v1::Hello& hello, bool* restart) {
+  if (Rejection r = CheckRun(job, hello); !r.status.ok()) return r;
   auto held = job.claims.find(hello.rank());
   const RankClaim* claim = held == job.claims.end() ? nullptr : &held->second;
   const bool same_instance = claim != nullptr && SameInstance(*claim, hello);
@@ -180,6 +202,16 @@ Rejection JobRegistry::Attach(const v1::Hello& hello, absl::Time now,
   claim.epoch = attached->epoch;
   ++claim.streams;
   ++job.connected;
+  if (!hello.run_id().empty()) {
+    auto [run, first_stream] = job.live_runs.try_emplace(hello.run_id());
+    if (first_stream) {
+      run->second.host = hello.host();
+      run->second.pid = hello.pid();
+      run->second.since = now;
+    }
+    run->second.attempt = std::max(run->second.attempt, hello.attempt());
+    ++run->second.streams;
+  }
   job.last_seen = now;
   job.streams.insert(stream);
   if (hello.rank() < job.dropped_forwarded.size()) job.dropped_forwarded[hello.rank()].reset();
@@ -212,6 +244,9 @@ bool JobRegistry::Detach(const v1::Hello& hello, const std::shared_ptr<AgentStre
   if (job.connected > 0) --job.connected;
   auto claim = job.claims.find(hello.rank());
   if (claim != job.claims.end() && claim->second.streams > 0) --claim->second.streams;
+  if (auto run = job.live_runs.find(hello.run_id()); run != job.live_runs.end()) {
+    if (--run->second.streams == 0) job.live_runs.erase(run);
+  }
   job.last_seen = now;
   return true;
 }

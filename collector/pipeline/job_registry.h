@@ -12,6 +12,15 @@
 //   state none, from another host) is refused with ALREADY_EXISTS (reason rank_taken), naming
 //   the holder's host, pid and instance. The same instance (an agent reconnecting before its old
 //   stream was noticed dead) and a higher attempt (a torchelastic restart) are accepted.
+// - Runs: a hello may state its run (Hello.run_id, shared by every rank of one launch). While a
+//   run holds live streams for a job (group), a hello of another run whose attempt is not higher
+//   than the holder's is refused with ALREADY_EXISTS (reason run_collision), naming the holder's
+//   run id, attempt, first host and pid, and since when it holds the job: two live runs under one
+//   name are a collision, never a restart, whichever ranks connect first. The check is per job,
+//   not per rank, so no mix of two runs' ranks is ever joined. A higher attempt is a documented
+//   takeover (see "Epochs"). Once the holder's streams are gone (closed, or cancelled by the
+//   server's keepalive when its node died), the next run is admitted as a restart. Hellos that
+//   state no run (older agents) are checked per rank only (below).
 // - Epochs: every report joins under its stream's epoch, the "attempt" the joiner and the store
 //   compare (the newest epoch wins). A job's epoch starts at its first hello's attempt and moves
 //   on (to max(epoch + 1, attempt)) when the job restarts: a hello with a higher attempt than any
@@ -184,6 +193,16 @@ class JobRegistry {
     std::optional<v1::Control> control;
     absl::flat_hash_set<std::shared_ptr<AgentStream>> streams;
     absl::flat_hash_map<uint32_t, RankClaim> claims;  // ranks that ever connected
+    // The runs (Hello.run_id, non-empty) with live streams, by run id: see "Runs". Erased when
+    // their last stream detaches.
+    struct RunHold {
+      uint32_t attempt = 0;  // the highest attempt of the run's accepted hellos
+      std::string host;      // of the run's first accepted hello
+      uint32_t pid = 0;
+      absl::Time since;
+      uint32_t streams = 0;
+    };
+    absl::flat_hash_map<std::string, RunHold> live_runs;
     // By rank: the dropped_total last passed to JobMetrics::OnAgentDropped, which only the
     // reports whose count differs from it need (JobMetrics keeps the same last value per rank, so
     // a repeat is a no-op there). Cleared by the rank's hello: a new stream (and a JobMetrics
@@ -201,6 +220,8 @@ class JobRegistry {
   // current one) and, unless it restarts the job, checks the hello against the job's identity
   // (completing an identity restored from the store).
   static Rejection CheckHello(Job& job, const v1::Hello& hello, bool* restart);
+  // kRunCollision when another run holds live streams of the job with an attempt >= the hello's.
+  static Rejection CheckRun(const Job& job, const v1::Hello& hello);
   // The job restarts with the hello's identity and a new epoch; sets attached->resized and
   // attached->takeover (streams of an older attempt are still open).
   static void Restart(Job& job, const v1::Hello& hello, Attached* attached);

@@ -216,7 +216,12 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
     }
     r = registry_.Attach(hello, now, stream, &attached);
     if (!r.status.ok()) {
-      LogRefusalOnceLocked(hello.job(), r);
+      // A collision is logged once per refused run (each may be a different user's mistake).
+      LogRefusalOnceLocked(
+          r.reason == RejectReason::kRunCollision
+              ? absl::StrCat(hello.job(), " (run '", absl::CHexEscape(hello.run_id()), "')")
+              : hello.job(),
+          r);
       return r;
     }
     if (attached.resized) {
@@ -302,7 +307,7 @@ bool StepPipeline::ForgetAnIdleJobLocked() {
 
 void StepPipeline::LogRefusalOnceLocked(const std::string& job, const Rejection& r) {
   if (r.reason != RejectReason::kRankTaken && r.reason != RejectReason::kWorldSizeChanged &&
-      r.reason != RejectReason::kSketchMismatch) {
+      r.reason != RejectReason::kSketchMismatch && r.reason != RejectReason::kRunCollision) {
     return;
   }
   if (refusals_logged_.size() >= kMaxRefusalsLogged) return;

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "collector/store/sqlite_statement.h"
 #include "collector/store/sqlite_store.h"
+#include "common/crash_point.h"
 
 namespace rankscope::collector {
 
@@ -276,6 +277,8 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::Downsample(const PruneActi
       if (rc != SQLITE_DONE) return SqlError(rc, "delete downsampled rank_steps");
       result.rank_rows = sqlite3_changes(db_);
     }
+    // Folded and deleted, not committed, `downsampled` not advanced (testing only).
+    CrashPointForTesting("store_downsample_fold");
     {
       OneShot q(db_,
                 "SELECT count(*) FROM rank_steps WHERE job = ?1 AND step >= ?2 AND step <= ?3");
@@ -347,6 +350,8 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::DropSteps(const PruneActio
           !s.ok()) {
         return s;
       }
+      // The steps' rows deleted, not committed (testing only).
+      CrashPointForTesting("store_drop_steps");
       return run("UPDATE downsampled SET next_step = max(next_step, ?2 + 1) WHERE job = ?1", last,
                  nullptr);
     }
@@ -386,6 +391,8 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::IncrementalVacuum(int64_t 
   int rc = q.rc;
   if (rc == SQLITE_OK) {
     while ((rc = sqlite3_step(q.get())) == SQLITE_ROW) {
+      // One page moved, the vacuum's transaction not committed (testing only).
+      CrashPointForTesting("store_incremental_vacuum");
     }
   }
   if (rc != SQLITE_DONE) return SqlError(rc, sql);

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "collector/store/sqlite_statement.h"
 #include "collector/store/sqlite_transaction.h"
+#include "common/crash_point.h"
 
 namespace rankscope::collector::sqlite {
 namespace {
@@ -295,6 +296,8 @@ absl::Status CreateOrMigrateSchema(const std::string& path, sqlite3* db) {
     // v == 0: a new file, created whole by kCreateSchema.
     if (*version >= 1) {
       if (absl::Status s = Migrate(connection, *version); !s.ok()) return s;
+      // Migrated, user_version not yet set, nothing committed (testing only).
+      if (*version < SqliteStore::kSchemaVersion) CrashPointForTesting("store_schema_migration");
     }
     if (absl::Status s = connection.Exec(kCreateSchema, "create schema"); !s.ok()) return s;
     if (*version < SqliteStore::kSchemaVersion) {

@@ -296,5 +296,66 @@ TEST(JobRegistryTest, AuthToken) {
   EXPECT_TRUE(CheckAuthToken(h, "s3cret").status.ok());
 }
 
+// Issue 34.1: two live runs under one name. Whichever ranks connect first, the run that holds the
+// job keeps it whole: every hello of the other run is refused (run_collision, naming the holder),
+// also for ranks the holder has not claimed yet, so no step mixes two runs' ranks. Once the
+// holder's streams are gone, the other run is admitted as a restart (a new epoch).
+TEST(JobRegistryTest, AnotherLiveRunIsRefusedOnEveryRankUntilTheHolderIsGone) {
+  JobRegistry registry(10, absl::Hours(1));
+  auto run_hello = [](uint32_t rank, const std::string& run, uint32_t pid) {
+    v1::Hello h = Hello(rank, "node-a");
+    h.set_run_id(run);
+    h.set_instance_id(absl::StrCat(run, "-", rank));
+    h.set_pid(pid);
+    return h;
+  };
+  std::vector<std::shared_ptr<AgentStream>> a, b;
+  for (int i = 0; i < 4; ++i) {
+    a.push_back(std::make_shared<NullStream>());
+    b.push_back(std::make_shared<NullStream>());
+  }
+  JobRegistry::Attached attached;
+  ASSERT_TRUE(registry.Attach(run_hello(0, "run-a", 100), kT0, a[0], &attached).status.ok());
+  const uint32_t epoch = attached.epoch;
+  // Run b's rank 1, a rank run a has not claimed: refused all the same.
+  for (uint32_t rank : {1u, 0u}) {
+    const Rejection r = registry.Attach(run_hello(rank, "run-b", 200), kT0, b[rank], &attached);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kAlreadyExists) << rank;
+    EXPECT_EQ(ReasonLabel(r.reason), "run_collision");
+    const std::string message(r.status.message());
+    EXPECT_THAT(message, HasSubstr("held by another live run: run 'run-a' (attempt 0, 1 live "
+                                   "stream, since "));
+    EXPECT_THAT(message, HasSubstr("first from host 'node-a' pid 100"));
+    EXPECT_THAT(message, HasSubstr("rank " + std::to_string(rank) + " of run 'run-b'"));
+    EXPECT_THAT(message, HasSubstr("is NOT stored"));
+  }
+  // The holder's other ranks join it; a reconnect of its rank 0 is still its own.
+  ASSERT_TRUE(registry.Attach(run_hello(1, "run-a", 101), kT0, a[1], &attached).status.ok());
+  EXPECT_EQ(attached.epoch, epoch);
+  // A hello that states no run (an older agent) is judged per rank, as before.
+  v1::Hello old = Hello(2, "node-z");
+  EXPECT_TRUE(registry.Attach(old, kT0, b[2], &attached).status.ok());
+  EXPECT_TRUE(registry.Detach(old, b[2], kT0));
+  // Run a's streams end (closed, or cancelled by keepalive): run b is a restart.
+  EXPECT_TRUE(registry.Detach(run_hello(0, "run-a", 100), a[0], kT0));
+  EXPECT_EQ(ReasonLabel(registry.Attach(run_hello(0, "run-b", 200), kT0, b[0], &attached).reason),
+            "run_collision");  // run a still has rank 1 live
+  EXPECT_TRUE(registry.Detach(run_hello(1, "run-a", 101), a[1], kT0));
+  ASSERT_TRUE(registry.Attach(run_hello(0, "run-b", 200), kT0, b[0], &attached).status.ok());
+  EXPECT_TRUE(attached.restarted);
+  EXPECT_GT(attached.epoch, epoch);
+  ASSERT_TRUE(registry.Attach(run_hello(1, "run-b", 201), kT0, b[1], &attached).status.ok());
+  EXPECT_EQ(attached.epoch, epoch + 1);
+  // Now run a is the one refused.
+  EXPECT_EQ(ReasonLabel(registry.Attach(run_hello(1, "run-a", 101), kT0, a[1], &attached).reason),
+            "run_collision");
+  // A higher attempt is a takeover (a torchelastic restart whose old processes linger).
+  v1::Hello next = run_hello(0, "run-c", 300);
+  next.set_attempt(1);
+  ASSERT_TRUE(registry.Attach(next, kT0, a[3], &attached).status.ok());
+  EXPECT_TRUE(attached.restarted);
+  EXPECT_TRUE(attached.takeover);  // run b's streams of attempt 0 are still open
+}
+
 }  // namespace
 }  // namespace rankscope::collector

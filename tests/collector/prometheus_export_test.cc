@@ -248,6 +248,12 @@ TEST(JobMetricsTest, ExportsLatestStepGaugesLabelledByTrainJob) {
     EXPECT_EQ(f.type == MetricType::Counter,
               f.name.size() > 6 && f.name.compare(f.name.size() - 6, 6, "_total") == 0)
         << f.name;
+    // The series budget's two gauges are the collector's, not a job's: no label.
+    if (f.name == "rankscope_export_series" || f.name == "rankscope_export_groups_capped") {
+      ASSERT_EQ(f.metric.size(), 1u) << f.name;
+      EXPECT_TRUE(f.metric[0].label.empty()) << f.name;
+      continue;
+    }
     for (const ClientMetric& m : f.metric) {
       ASSERT_FALSE(m.label.empty()) << f.name;
       EXPECT_EQ(m.label[0].name, "train_job") << f.name;
@@ -461,10 +467,93 @@ TEST(JobMetricsTest, DroppedReportsCounterSumsRanksAndSurvivesAgentRestart) {
   metrics.OnAgentDropped("j", 1, 3);
   metrics.OnAgentDropped("j", 0, 7);  // +2
   metrics.OnAgentDropped("j", 0, 7);  // repeated cumulative count: +0
-  metrics.OnAgentDropped("j", 1, 1);  // rank 1's agent restarted: +1
+  metrics.OnAgentStarted("j", 1);     // rank 1's agent restarted (a new process's hello)
+  metrics.OnAgentDropped("j", 1, 1);  // +1
   metrics.OnAgentDropped("j", 1, 4);  // +3
   EXPECT_EQ(Value(metrics.Collect(), "rankscope_agent_dropped_reports_total", Labels("j")),
             5 + 3 + 2 + 1 + 3);
+}
+
+// Issue 34.5: a hostile agent's dropped_total of 2^64 - 1 followed by a small value made the
+// counter go down (a uint64 wrap). The counter never decreases, and one report adds a bound.
+TEST(JobMetricsTest, DroppedReportsCounterNeverDecreasesAndOneReportAddsABound) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  auto total = [&] {
+    return *Value(metrics.Collect(), "rankscope_agent_dropped_reports_total", Labels("j"));
+  };
+  metrics.OnAgentDropped("j", 0, 3);
+  EXPECT_EQ(total(), 3);
+  metrics.OnAgentDropped("j", 0, UINT64_MAX);
+  const double after_max = total();
+  EXPECT_EQ(after_max, 3 + JobMetrics::kMaxDroppedPerReport);
+  metrics.OnAgentDropped("j", 0, 5);  // smaller, same process: adds nothing, takes nothing
+  EXPECT_EQ(total(), after_max);
+  metrics.OnAgentDropped("j", 0, UINT64_MAX);  // another bounded step
+  EXPECT_EQ(total(), after_max + JobMetrics::kMaxDroppedPerReport);
+  // A new process of the rank counts from zero again, still never below the total.
+  metrics.OnAgentStarted("j", 0);
+  metrics.OnAgentDropped("j", 0, 2);
+  EXPECT_EQ(total(), after_max + JobMetrics::kMaxDroppedPerReport + 2);
+  // Thousands of hostile reports: monotonic and saturating, never wrapping.
+  double previous = total();
+  for (int i = 0; i < 1000; ++i) {
+    metrics.OnAgentStarted("j", 0);
+    metrics.OnAgentDropped("j", 0, UINT64_MAX - static_cast<uint64_t>(i));
+    metrics.OnAgentDropped("j", 0, static_cast<uint64_t>(i));
+    const double now = total();
+    ASSERT_GE(now, previous) << i;
+    ASSERT_LE(now - previous, JobMetrics::kMaxDroppedPerReport) << i;
+    previous = now;
+  }
+}
+
+// Issue 34.5: the collector's series budget (--max_exported_series) is a cap: whole groups are
+// left out, the least deviating first, and the scrape says how many.
+TEST(JobMetricsTest, SeriesBudgetLeavesOutWholeLeastDeviatingGroups) {
+  FakeClock clock;
+  const StepStatistics healthy = HealthyStats(8, 0.1);
+  StepStatistics deviating = HealthyStats(8, 0.1);
+  deviating.grad_cosine_mean = 0.1;
+  auto feed = [&](JobMetrics& metrics, int jobs) {
+    for (int j = 0; j < jobs; ++j) {
+      metrics.OnStep(absl::StrCat("j", j), Step(1, j == 7 ? deviating : healthy, 8));
+    }
+  };
+  auto exported = [](const std::vector<MetricFamily>& families) {
+    return *Value(families, "rankscope_export_series", {});
+  };
+  JobMetrics one(OptionsWith(clock));
+  feed(one, 1);
+  const std::vector<MetricFamily> one_families = one.Collect();
+  size_t samples = 0;
+  for (const MetricFamily& f : one_families) samples += f.metric.size();
+  EXPECT_EQ(exported(one_families), samples);  // it counts what the scrape holds
+  const size_t per_group = samples - 2 - 4;    // less the two budget gauges and 4 job aggregates
+
+  ExportOptions options = OptionsWith(clock);
+  options.max_series = 2 + 10 * 4 + 3 * per_group;  // room for exactly 3 of 10 groups
+  JobMetrics capped(options);
+  feed(capped, 10);
+  const std::vector<MetricFamily> families = capped.Collect();
+  samples = 0;
+  for (const MetricFamily& f : families) samples += f.metric.size();
+  EXPECT_EQ(samples, options.max_series);
+  EXPECT_EQ(exported(families), options.max_series);
+  EXPECT_EQ(Value(families, "rankscope_export_groups_capped", {}), 7);
+  EXPECT_TRUE(Value(families, "rankscope_step", Labels("j7")).has_value());  // most deviating
+  int groups_with_step = 0;
+  for (int j = 0; j < 10; ++j) {
+    groups_with_step += Value(families, "rankscope_step", Labels(absl::StrCat("j", j))) ? 1 : 0;
+    // The aggregates cover every job, exported or not.
+    EXPECT_TRUE(Value(families, "rankscope_job_groups", Labels(absl::StrCat("j", j))));
+  }
+  EXPECT_EQ(groups_with_step, 3);
+
+  options.max_series = 0;  // no cap
+  JobMetrics unlimited(options);
+  feed(unlimited, 10);
+  EXPECT_EQ(Value(unlimited.Collect(), "rankscope_export_groups_capped", {}), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -747,7 +836,10 @@ TEST(JobMetricsTest, JobWithoutUpdateForJobExpiryIsDropped) {
   EXPECT_FALSE(Value(families, "rankscope_agent_dropped_reports_total", Labels("old")).has_value());
   EXPECT_EQ(Value(families, "rankscope_step", Labels("new")), 1);
   for (const MetricFamily& f : families) {
-    for (const ClientMetric& m : f.metric) EXPECT_NE(m.label[0].value, "old") << f.name;
+    for (const ClientMetric& m : f.metric) {
+      // The series budget's two gauges carry no label (they are the collector's).
+      if (!m.label.empty()) EXPECT_NE(m.label[0].value, "old") << f.name;
+    }
   }
 
   // An update of another job frees the expired state: "old" comes back from zero.
@@ -858,11 +950,11 @@ TEST(HealthMetricsTest, EveryRejectReasonIsExportedFromZero) {
     EXPECT_EQ(m.counter.value, 0);
     reasons.push_back(m.label[0].value);
   }
-  EXPECT_THAT(reasons,
-              UnorderedElementsAreArray({"before_hello", "bad_hello", "rank_out_of_range",
-                                         "world_size_changed", "sketch_mismatch", "sketch_length",
-                                         "message_too_large", "unauthenticated", "too_many_streams",
-                                         "too_many_jobs", "rank_taken", "invalid_report"}));
+  EXPECT_THAT(reasons, UnorderedElementsAreArray(
+                           {"before_hello", "bad_hello", "rank_out_of_range", "world_size_changed",
+                            "sketch_mismatch", "sketch_length", "message_too_large",
+                            "unauthenticated", "too_many_streams", "too_many_jobs", "rank_taken",
+                            "invalid_report", "run_collision"}));
 }
 
 double Scalar(const std::vector<MetricFamily>& families, const std::string& name,

@@ -269,6 +269,7 @@ class PyAgent {
     d["unacked"] = s.unacked;
     d["last_error"] = s.last_error;
     d["refused"] = s.refused;
+    d["held_elsewhere"] = s.held_elsewhere;
     return d;
   }
 
@@ -478,13 +479,15 @@ PYBIND11_MODULE(_native, m) {
                   const std::string& tls_cert_file, const std::string& tls_key_file,
                   const std::string& tls_target_name, const std::string& group, int64_t global_rank,
                   const std::string& instance_id, const std::string& sketch_encoding,
-                  const std::vector<std::string>& bucket_names, int tls_reload_interval_s) {
+                  const std::vector<std::string>& bucket_names, int tls_reload_interval_s,
+                  const std::string& run_id) {
                  // Each keyword argument to its AgentOptions field, by name.
                  AgentOptions o;
                  o.sketch_encoding = SketchEncodingArg(sketch_encoding);
                  o.group = group;
                  if (global_rank >= 0) o.global_rank = static_cast<uint32_t>(global_rank);
                  o.instance_id = instance_id;
+                 o.run_id = run_id;
                  o.bucket_names = bucket_names;
                  o.collector_address = collector;
                  o.job = job;
@@ -517,7 +520,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("tls_target_name") = "", py::arg("group") = "", py::arg("global_rank") = -1,
            py::arg("instance_id") = "", py::arg("sketch_encoding") = "float32",
            py::arg("bucket_names") = std::vector<std::string>{},
-           py::arg("tls_reload_interval_s") = 60)
+           py::arg("tls_reload_interval_s") = 60, py::arg("run_id") = "")
       .def("instance_id", [](const PyAgent& a) { return a.options().instance_id; })
       .def("collector", [](const PyAgent& a) { return a.collector(); })
       .def("record_sketch", &PyAgent::RecordSketch, py::arg("step"), py::arg("loss"),

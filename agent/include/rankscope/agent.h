@@ -87,6 +87,10 @@ struct AgentOptions {
   // This agent's identity across its reconnects; default: host, pid and 64 random bits. A second
   // live stream for the same (job, group, rank) from another instance is refused (ALREADY_EXISTS).
   std::string instance_id;
+  // The run this rank belongs to (Hello.run_id): the same on every rank of one launch of the job,
+  // different for another launch; at most 128 characters, empty = unknown. While another run holds
+  // live streams for the job's group, this rank is refused (ALREADY_EXISTS) and keeps retrying.
+  std::string run_id;
   std::string framework_version;  // e.g. "torch 1.13.1"
   std::string auth_token;         // sent in the hello when non-empty
   ClientTlsOptions tls;           // plaintext by default
@@ -144,6 +148,13 @@ struct AgentStats {
   // not report): the agent stopped reconnecting, dropped what it held (counted as rejected) and
   // refuses further Record() calls. last_error says why.
   bool refused = false;
+  // The collector refuses this rank because another process or run holds it (ALREADY_EXISTS: a
+  // second live run under the job name, or a crashed holder's stream not yet found dead): nothing
+  // this rank sends is stored meanwhile. Unlike `refused`, the agent keeps what it buffered
+  // (bounded, drops counted) and retries with backoff; it is admitted once the holder's streams
+  // are gone (closed, or dropped by the collector's keepalive), and the flag clears at the first
+  // message the collector sends then. last_error names the holder.
+  bool held_elsewhere = false;
 
   // Adds other's counters (recorded through unacked) into this one: the totals of several agents.
   // connected and last_error are per agent and left unchanged.

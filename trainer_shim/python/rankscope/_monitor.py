@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import time
+import uuid
 import warnings
 import weakref
 
@@ -71,6 +72,7 @@ class Monitor:
         self._model_id = id(model)
         self.collector = collector
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.run_id = agree_run_id()
         self._local_batch_size = local_batch_size
         self._warn_after = warn_after
         self._close_timeout = close_timeout
@@ -129,6 +131,7 @@ class Monitor:
             global_rank=self.global_rank,
             sketch_encoding=sketch_encoding,
             bucket_names=self._sketcher.bucket_names,
+            run_id=self.run_id,
             **(tls_options or {}),
         )
         self.sketch_encoding = sketch_encoding
@@ -248,7 +251,9 @@ class Monitor:
 
     def stats(self) -> dict:
         """The agent's counters (recorded, sent, acked, rejected, dropped, invalid, reconnects,
-        connected, queued, unacked) plus the shim's own (prefixed ``shim_``)."""
+        connected, queued, unacked), ``held_elsewhere`` (True while the collector stores nothing of
+        this rank because another live run or process holds it: the agent retries), plus the
+        shim's own (prefixed ``shim_``)."""
         s = self._agent.stats()
         for k, v in self.counters.items():
             s["shim_" + k] = v
@@ -465,6 +470,8 @@ class Monitor:
             return
         if now - self._t_attach < self._warn_after:
             return
+        if s.get("held_elsewhere"):
+            return  # the agent said so on stderr; stats()["held_elsewhere"] says it still
         if not s["connected"]:
             why = f" ({s['last_error']})" if s.get("last_error") else ""
             self._warn_once(
@@ -486,6 +493,32 @@ class Monitor:
             return
         self._warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+_RUN_ID_KEY = "rankscope/run_id"
+
+
+def agree_run_id() -> str:
+    """The id of this launch of the job (Hello.run_id), the same on every rank of it and different
+    for another launch, so that the collector tells two live runs under one job name apart (a
+    collision, refused) from a restart. ``RANKSCOPE_RUN_ID`` names it explicitly; otherwise the
+    first rank to ask stores a random id in the default process group's store (one
+    compare-and-set, never a collective, made once at attach) and every rank reads that. Where
+    no store is reachable: the launcher's rendezvous (MASTER_ADDR:MASTER_PORT and
+    TORCHELASTIC_RUN_ID), or "" (unknown: the collector then tells runs apart per rank only)."""
+    explicit = os.environ.get("RANKSCOPE_RUN_ID", "")
+    if explicit:
+        return explicit[:128]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        agreed = store.compare_set(_RUN_ID_KEY, "", uuid.uuid4().hex)
+        return bytes(agreed).decode("ascii", "replace")[:128]
+    except Exception:  # no default group, or a store without compare_set: the fallback below
+        pass
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not port:
+        return ""
+    return f"{addr}:{port}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"[:128]
 
 
 def _warn_once(warned: set, key: str, message: str) -> None:
