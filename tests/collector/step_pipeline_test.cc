@@ -79,7 +79,8 @@ class StepPipelineTest : public ::testing::Test {
 };
 
 // OnReport passes a rank's cumulative drop count to JobMetrics only when it changed (and always
-// after a hello); the counter must read as if every report's count had been passed.
+// after a hello); the counter must read as if every report's count had been passed, never
+// decrease, and start again from zero only for a new agent process (a new instance).
 TEST_F(StepPipelineTest, DroppedCountsAddUpAcrossRepeatsAndAgentRestarts) {
   const v1::Hello rank0 = Hello(0), rank1 = Hello(1);
   Connect(rank0);
@@ -92,25 +93,25 @@ TEST_F(StepPipelineTest, DroppedCountsAddUpAcrossRepeatsAndAgentRestarts) {
   Report(rank1, 2, 2);
   Report(rank0, 4, 5);  // +2
   EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2);
-  // Rank 0's agent restarts (counts from zero again) on a new stream.
+  // Rank 0's agent reconnects on a new stream: the same process, whose count goes on.
   Connect(rank0);
-  Report(rank0, 5, 1);  // smaller than 5: a restart, +1
-  Report(rank0, 6, 1);  // +0
-  Report(rank0, 7, 4);  // +3
+  Report(rank0, 5, 5);  // +0
+  Report(rank0, 6, 4);  // smaller, from the same process: a client's error, +0 (never decreases)
+  Report(rank0, 7, 8);  // +3
   Report(rank1, 3, 2);  // +0
-  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 1 + 3);
+  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 3);
   // The same agent reconnects without having dropped more: nothing is counted twice.
   Connect(rank1);
   Report(rank1, 4, 2);
-  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 1 + 3);
-  // A new process (a restart, attempt 1) whose count already passed the old one's: counted
-  // whole.
+  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 3);
+  // A new process (a restart, attempt 1) counts from zero: a count that already passed the old
+  // one's is counted whole.
   v1::Hello restarted = Hello(1);
   restarted.set_instance_id("second-process");
   restarted.set_attempt(1);
   Connect(restarted);
   Report(restarted, 5, 6);  // +6, not 6 - 2
-  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 1 + 3 + 6);
+  EXPECT_EQ(DroppedTotal(metrics_, "j"), 3 + 2 + 2 + 3 + 6);
 }
 
 // At --max_jobs the least recently seen job with no stream and no open step makes room; a job
