@@ -541,8 +541,8 @@ TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema4) {
 }
 
 // A file the schema-5 release wrote (tests/collector/testdata/schema_v5.sql, dumped from a real
-// collector fed by loadgen): the migrations to 6 and 7 keep every row, and the aggregation-integrity
-// columns of its steps read back unset (never checked).
+// collector fed by loadgen): the migrations to 6 and 7 keep every row, and the
+// aggregation-integrity columns of its steps read back unset (never checked).
 TEST_F(SqliteStoreTest, MigratesADatabaseOfSchema5) {
   std::ifstream in(std::string(RANKSCOPE_SOURCE_DIR) + "/tests/collector/testdata/schema_v5.sql");
   ASSERT_TRUE(in.good());
