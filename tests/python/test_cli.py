@@ -266,6 +266,6 @@ def test_errors_are_clear(job, tmp_path):
     out = cli("export", f"--job={JOB}", f"--db={tmp_path / 'missing.db'}", check=False)
     assert out.returncode == 1 and "missing.db" in out.stderr
     dead = Collector.__new__(Collector)
-    dead.port = 1
+    dead.host, dead.port = "127.0.0.1", 1
     out = cli("show", f"--job={JOB}", "--once", "--timeout=2s", collector=dead, check=False)
     assert out.returncode == 1 and "collector unreachable" in out.stderr
