@@ -393,34 +393,25 @@ def test_rotated_certificates_are_picked_up_without_restarts(tmp_path, pki):
 
         # The collector serves the new certificate and trusts only the new CA, without a restart:
         # a client of the new PKI only gets in.
-        probe = _native.Agent(
-            collector=c.address,
-            job="rotate-probe",
-            rank=0,
-            world_size=1,
-            sketch_dim=DIM,
-            initial_backoff_s=0.05,
-            max_backoff_s=0.5,
-            tls_ca_file=str(pki / "ca2.pem"),
-            tls_cert_file=str(pki / "client2.pem"),
-            tls_key_file=str(pki / "client2.key"),
-        )
+        def client_of(job, ca, cert):  # a one-rank agent of the PKI named by its files
+            return _native.Agent(
+                collector=c.address,
+                job=job,
+                rank=0,
+                world_size=1,
+                sketch_dim=DIM,
+                initial_backoff_s=0.05,
+                max_backoff_s=0.5,
+                tls_ca_file=str(pki / f"{ca}.pem"),
+                tls_cert_file=str(pki / f"{cert}.pem"),
+                tls_key_file=str(pki / f"{cert}.key"),
+            )
+
+        probe = client_of("rotate-probe", "ca2", "client2")
         probe.record_sketch(1, 1.0, 2.0, sketch)
         assert probe.flush(60) == ""
         probe.close(1)
-        old = _native.Agent(
-            collector=c.address,
-            job="rotate-old",
-            rank=0,
-            world_size=1,
-            sketch_dim=DIM,
-            initial_backoff_s=0.05,
-            max_backoff_s=0.5,
-            tls_ca_file=str(pki / "ca.pem"),
-            tls_cert_file=str(pki / "client.pem"),
-            tls_key_file=str(pki / "client.key"),
-        )
-        assert_refused(c, old, "rotate-old", "UNAVAILABLE")
+        assert_refused(c, client_of("rotate-old", "ca", "client"), "rotate-old", "UNAVAILABLE")
 
         # The agent's connection reset: it reconnects with its re-read trust bundle and
         # certificate (the old ones would fail both ways) and resends nothing twice.
