@@ -305,7 +305,7 @@ def sweep(args) -> dict:
                     out["rows"].append(row)
                     try:
                         with _backend.forced(**force):
-                            variant = _backend.sketch(x, dim)
+                            variant = _backend.sketch(x, dim, native=False)
 
                             def sketch(rows=rows, ss=ss, dim=dim, variant=variant):
                                 rows.zero_()

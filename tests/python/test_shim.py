@@ -472,3 +472,15 @@ def test_sketch_mix_constants_match_the_cpp_header():
     assert ts.SKETCH_MIX_CONSTANTS == expected
     assert tuple(c & MASK64 for c in (ts._GOLDEN, ts._M1, ts._M2)) == expected
     assert (tk._GOLDEN, tk._M1, tk._M2) == expected
+
+
+def test_torch_sketch_is_a_deprecated_name_of_device_sketch():
+    """The class that also runs the Triton kernels is DeviceSketch; its old public name still
+    works, with a DeprecationWarning."""
+    from rankscope import torch_sketch
+
+    with pytest.warns(DeprecationWarning, match="DeviceSketch"):
+        cls = torch_sketch.TorchSketch
+    assert cls is DeviceSketch
+    with pytest.raises(AttributeError):
+        torch_sketch.NoSuchThing  # noqa: B018
