@@ -149,19 +149,9 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     def compute(choice):
         if choice.backend == _backend.TRITON:  # one fused pass, the same integer sum
             return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
-        return _fold_torch_ops(flat, offset)
+        return _fold_torch_ops(flat, offset=offset)
 
     return _backend.run(lambda: _device_choice(flat), compute)
-
-
-def _fold_torch_ops(flat: torch.Tensor, offset: int) -> torch.Tensor:
-    n = flat.numel()
-    c = _terms(flat)
-    # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
-    csum = c.sum()
-    w = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=flat.device)
-    total = c.mul_(w).sum()
-    return total.add_(csum.mul_(2 * offset))
 
 
 class SegmentLayout:
@@ -237,15 +227,24 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     def compute(choice):
         if choice.backend == _backend.TRITON:  # one fused pass, the same integer sum
             return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
-        return _fold_segments_torch_ops(flat, layout)
+        return _fold_torch_ops(flat, layout)
 
     return _backend.run(lambda: _device_choice(flat), compute)
 
 
-def _fold_segments_torch_ops(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
+def _fold_torch_ops(flat: torch.Tensor, layout: SegmentLayout = None, offset: int = 0):
+    """F with torch ops, the one torch-op implementation: with p the position in ``flat`` and
+    c_p = bits_p + 1, segment k (start s_k, global offset o_k) adds
+    sum_p c_p (2 p + 1) + 2 (o_k - s_k) sum_p c_p over its positions. Without ``layout`` the
+    whole of ``flat`` is one segment at global ``offset`` (two sums); with one, both sums of
+    every segment come from two prefix sums (a constant number of kernels per buffer)."""
     device = flat.device
+    n = flat.numel()
     c = _terms(flat)
-    w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
+    w = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=device)
+    if layout is None:
+        csum = c.sum()
+        return c.mul_(w).sum().add_(csum.mul_(2 * offset))
     cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
     torch.cumsum(c, 0, out=cs1[1:])
     cs2 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
@@ -271,7 +270,7 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
         norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
         if choice.backend == _backend.TRITON:  # no segments: nothing to fold
             return torch.zeros((), dtype=torch.int64, device=flat.device), norm * norm
-        return _fold_segments_torch_ops(flat, layout), norm * norm
+        return _fold_torch_ops(flat, layout), norm * norm
 
     return _backend.run(lambda: _device_choice(flat), compute)
 
