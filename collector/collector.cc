@@ -179,7 +179,7 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
-  // The web view first: its requests wait on the readers.
+  // Then the web view, before the readers: its requests wait on them.
   if (web_ != nullptr) web_->Stop();
   // After the servers: no query arrives any more; the ones queued are finished, then the reader
   // threads end (before the pipeline stops: ListJobs reads it).
