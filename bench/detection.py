@@ -306,6 +306,8 @@ def _write_json(path, obj):
     os.replace(tmp, path)
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def _worker(rank, port, world_size, runs, opts, collector, out_dir):
     """One gloo rank: trains every run of this world size in turn, each its own DDP model and
     job; after each run (all ranks closed their monitors, so the collector committed every step)
@@ -624,6 +626,8 @@ def print_table(results, faults):
         print("| " + " | ".join(map(str, line)) + " |")
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="bench/detection.py",

@@ -435,6 +435,8 @@ uint64_t SumAcked(const std::vector<std::unique_ptr<Agent>>& agents) {
 
 // Runs the agents against `target` for warmup + window. on_window(true/false) is called at the
 // window's start and end.
+// Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+// order; split, its processes and figures would be handed between helpers.
 LoadResult RunLoad(const std::string& target, const std::string& job,
                    const std::function<void(bool start)>& on_window) {
   const int ranks = absl::GetFlag(FLAGS_ranks);
@@ -770,6 +772,8 @@ double TotalCpuPerReport(const Phase& p) {
 
 }  // namespace
 
+// Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+// runs, the table it prints; the measured pieces are functions of their own.
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (!rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))) {

@@ -152,6 +152,8 @@ def _worker(rank, port, case, opts, collector, out_dir):
         raise
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def _train(rank, port, case, opts, collector, out_dir):
     import torch
     import torch.distributed as dist
@@ -532,6 +534,8 @@ def alerts_for(watcher, job, onset_time):
     return out
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="bench/real_bugs.py",

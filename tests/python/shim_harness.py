@@ -258,6 +258,8 @@ SCENARIOS = {
 }
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def exact_worker(
     rank,
     world_size,
