@@ -54,6 +54,11 @@ run can be repeated alone (`--world-sizes 4 --faults noise30 --runs-per-fault 2`
 and 1 of that fault exactly; model and data do not depend on the other runs).
 """
 
+# One file, several parts (the plan, the scoring, the training ranks, the collector, the driver:
+# the sections below), kept together on purpose: the benchmark is one script run by hand and read
+# with its results in docs/PERFORMANCE.md; bench/real_bugs.py and examples/demo.py import its
+# collector start-up and scoring instead of copying them.
+
 import argparse
 import json
 import math

@@ -44,6 +44,11 @@
 // Usage: ingest_bench [--seconds=30] [--ranks=1024] [--sketch_dim=1024] [--only=bare|collector]
 //                     [--sketch_encoding=float32|float16|int8]
 //                     [--rate=0] [--inprocess] [--retention_rank_steps=2s]
+//
+// One file, several parts (the bare sink, CPU accounting, the collector-side metrics, the load, the
+// report: the sections below), kept together on purpose: they exist only for this one measurement
+// and are read with its figures in docs/PERFORMANCE.md; split, a reader would follow one run across
+// five files.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>

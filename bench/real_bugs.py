@@ -31,6 +31,11 @@ if a flag names all ranks; the cross-rank signals cannot, by construction (docs/
 "Real bugs, reproduced", says why for each).
 """
 
+# One file, several parts (the cases, the training ranks, the collector and Prometheus, the
+# scoring, the driver: the sections below), kept together on purpose: one script run by hand and
+# read with its results in docs/PERFORMANCE.md; what it shares with bench/detection.py (the model,
+# the data, the collector's start-up, the rank lists and flag judging) it imports.
+
 import argparse
 import datetime
 import json
