@@ -318,32 +318,40 @@ def module_collector(tmp_path_factory):
 LOADGEN = BUILD_DIR / "bin" / "rankscope-loadgen"
 
 
+def run_loadgen(collector: "Collector", job: str, ranks: int, steps: int, *flags: str) -> None:
+    """tools/loadgen's ``ranks`` simulated ranks (the real agent library) report ``steps`` steps
+    of ``job`` to ``collector`` with no pause between steps, plus loadgen ``flags``; returns once
+    every report is acked, i.e. committed (loadgen exits 0 only then). Skips the test when
+    loadgen is not built."""
+    if not LOADGEN.exists():
+        pytest.skip(f"{LOADGEN} not built")
+    run = subprocess.run(
+        [
+            str(LOADGEN),
+            f"--collector={collector.address}",
+            f"--job={job}",
+            f"--ranks={ranks}",
+            f"--steps={steps}",
+            "--step_interval=0",
+            *flags,
+            "--flush_timeout=30s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr  # every report acked
+
+
 def filled_store(tmp_dir: Path, job: str, ranks: int, steps: int, *flags: str) -> "Collector":
-    """A stopped collector whose store holds steps 0..``steps``-1 of ``job``: tools/loadgen's
-    ``ranks`` simulated ranks (the real agent library, no pause between steps, plus loadgen
-    ``flags``) reported them and every report was acked (loadgen exits 0 only then).
-    ``restart()`` serves the same database. Skips the test when loadgen is not built."""
+    """A stopped collector whose store holds steps 0..``steps``-1 of ``job`` (``run_loadgen`` with
+    ``flags``). ``restart()`` serves the same database. Skips the test when loadgen is not
+    built."""
     if not LOADGEN.exists():
         pytest.skip(f"{LOADGEN} not built")
     c = Collector(tmp_dir).start()
     try:
-        run = subprocess.run(
-            [
-                str(LOADGEN),
-                f"--collector={c.address}",
-                f"--job={job}",
-                f"--ranks={ranks}",
-                f"--steps={steps}",
-                "--start_step=0",
-                "--step_interval=0",
-                *flags,
-                "--flush_timeout=30s",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr  # every report acked
+        run_loadgen(c, job, ranks, steps, "--start_step=0", *flags)
     finally:
         stopped = c.stop()
     assert stopped == 0, "the collector did not exit cleanly"
