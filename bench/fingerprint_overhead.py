@@ -87,6 +87,8 @@ def bucket_layouts(params, bucket_bytes):
     return layouts, offsets
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")

@@ -168,6 +168,18 @@ class StepPipeline {
   static void EnqueueClosedLocked(Shard& shard, std::vector<JoinedStep>& steps)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
+  // AcceptHello's steps, in order. AdmitLocked: the registry admits the stream (room for a new
+  // job, a rank claim, a resize); the group's joiner follows under its shard lock (an idle job's
+  // or an old epoch's open steps closed, the job registered at its world size). ReportAttached:
+  // what the attach meant (a takeover, a new process, a version that differs, a restart) to the
+  // metrics and the log. PublishIdentity: the rank's identity to JobMetrics. StoreHello: the job
+  // row and the rank's identity row to the store writer.
+  Rejection AdmitLocked(const v1::Hello& hello, absl::Time now,
+                        const std::shared_ptr<AgentStream>& stream, JobRegistry::Attached* attached)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReportAttached(const v1::Hello& hello, const JobRegistry::Attached& attached);
+  void PublishIdentity(const v1::Hello& hello);
+  void StoreHello(const v1::Hello& hello, uint32_t epoch, absl::Time now);
   // At --max_jobs: forgets the least recently seen job with no stream and no open step (its
   // identity is then no longer enforced, as after identity_ttl). Returns whether one was.
   bool ForgetAnIdleJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -181,6 +181,8 @@ def check_heatmap_pixels(browser, deviating, onset, silent, silent_from, silent_
     return px
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_jobs_list_faulty_heatmap_and_groups(web_collector, browser):
     c = web_collector
     common = ("--ranks=16", "--steps=80", "--cosine=0.9")
@@ -603,6 +605,8 @@ def open_job_measured(c, browser, job):
     return state
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 @pytest.mark.parametrize(
     ("ranks", "deviating", "silent"),
     [(4, 1, 2), (64, 37, 9), (512, 301, 77)],

@@ -2,6 +2,11 @@
 // plain canvas from the collector's JSON API (/api/v1/...). No framework, no network beyond the
 // collector. The page's state is kept in window.rankscope (tests read it) and mirrored in the DOM
 // (data-* attributes on the jobs table and the flagged-ranks list).
+//
+// One file, several parts (the API reads, the jobs list, the heatmap, the groups picture, the rank
+// panel), kept together on purpose: they share the page's one state (window.rankscope) and its one
+// refresh loop, and the page is one embedded asset with no bundler; split, they would be several
+// script tags sharing globals.
 "use strict";
 
 (function () {

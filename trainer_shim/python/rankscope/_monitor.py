@@ -35,6 +35,8 @@ from rankscope._replica import ReplicaFingerprints
 class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
+    # Long: the monitor's state, every attribute set once here so that they are listed in one place;
+    # the work is in the methods and the parts it holds.
     def __init__(
         self,
         model,

@@ -86,6 +86,8 @@ __all__ = ["attach", "attach_reducer", "Monitor"]
 _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
+# Long: the public entry point: its documented keywords resolved and checked, then the dispatch to
+# one path; the work is in _options, frameworks and _monitor.
 def attach(
     model: "torch.nn.parallel.DistributedDataParallel",
     collector: str | None = None,
