@@ -1044,12 +1044,12 @@
     if (!panel.dataset.rank || panel.dataset.rank !== String(rank)) {
       panel.dataset.rank = String(rank);
       panel.replaceChildren(el("h2", { text: "Rank " + rank, id: "rank-title" }),
+        el("div", { id: "rank-buckets" }),
         el("div", { class: "charts" },
            chartBox("rank-loss", "loss of rank " + rank + " (blue) and the ranks' mean (grey)"),
            chartBox("rank-gn", "gradient norm of rank " + rank + " and the ranks' mean (grey)"),
            chartBox("rank-cos", "consensus cosine of rank " + rank),
-           chartBox("rank-out", "outlier score of rank " + rank + " (threshold " + OUTLIER_THRESHOLD + ")")),
-        el("div", { id: "rank-buckets" }));
+           chartBox("rank-out", "outlier score of rank " + rank + " (threshold " + OUTLIER_THRESHOLD + ")")));
     }
     const st = data.steps, xs = st.map((s) => s.step);
     drawBuckets(data, rank);
