@@ -741,8 +741,8 @@ def open_job_measured(c, browser, job):
 def test_heatmap_shows_the_deviating_and_the_silent_rank(
     web_collector, browser, ranks, deviating, silent
 ):
-    """Issue 37's case at 4, 64 and 512 ranks (4,096: docs/PERFORMANCE.md's measurement only,
-    loadgen cannot hold 4,096 ranks whole on a 2-core machine): one rank deviating from step 80,
+    """Issue 37's case at 4, 64 and 512 ranks (4,096: test_heatmap_at_4096_ranks, run by hand,
+    minutes on a 2-core machine): one rank deviating from step 80,
     one silent from 120, read at a glance from the heatmap's pixels. At 512 ranks also the
     history (pan, zoom) and the rank band, and the render times (render_512.json)."""
     c = web_collector
