@@ -62,6 +62,7 @@ enum JobFamily : size_t {
   kIntegritySuspectRank,
   kLastStepTimestamp,
   kRankStepLag,
+  kReportingEnabled,
   kExportSeries,
   kExportGroupsCapped,
   kJobFamilyCount,
@@ -247,6 +248,10 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kRankStepLag, "rankscope_rank_step_lag",
      "The newest step a rank reported minus the median of its group's ranks' newest steps "
      "(positive: ahead, negative: behind); exported only for ranks off the median, capped.",
+     prometheus::MetricType::Gauge},
+    {kReportingEnabled, "rankscope_reporting_enabled",
+     "1 while the job's reporting is switched on, 0 while `rankscope ctl disable` switched it "
+     "off (its steps then stop on purpose); absent until a control is known.",
      prometheus::MetricType::Gauge},
     {kExportSeries, "rankscope_export_series",
      "Per-job series in this scrape (these two included), at most --max_exported_series.",

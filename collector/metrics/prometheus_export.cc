@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "collector/metrics/job_families.h"
@@ -212,6 +213,19 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
   last += added;
   state.dropped_total =
       state.dropped_total > UINT64_MAX - added ? UINT64_MAX : state.dropped_total + added;
+}
+
+void JobMetrics::OnControl(const std::string& job, bool enabled) {
+  const absl::Time now = options_.clock();
+  MutexLock lock(&mu_);
+  if (jobs_.contains(job)) {
+    TouchLocked(job, now).reporting_enabled = enabled;
+    return;
+  }
+  const std::string prefix = absl::StrCat(job, "/");
+  for (auto& [key, state] : jobs_) {
+    if (absl::StartsWith(key, prefix)) state.reporting_enabled = enabled;
+  }
 }
 
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
@@ -447,6 +461,7 @@ void JobMetrics::AddJobSeries(const std::string& key, const JobState& state, abs
   add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
   add(kDuplicateStepsTotal, static_cast<double>(state.duplicate_steps_total));
   add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
+  if (state.reporting_enabled) add(kReportingEnabled, *state.reporting_enabled ? 1.0 : 0.0);
   if (!state.has_step) return;
 
   const StepSummary& s = state.latest;

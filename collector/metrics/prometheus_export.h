@@ -159,6 +159,10 @@ class JobMetrics : public prometheus::Collectable {
   // one adds nothing, one report adds at most kMaxDroppedPerReport, and the total saturates.
   static constexpr uint64_t kMaxDroppedPerReport = 65'536;
   void OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total);
+  // The job's control (rankscope ctl, or the newest one its agent stated in its hello) switched
+  // reporting on or off. `job` is a group key, or the name of a job of several groups, which
+  // sets every group of it that is known here.
+  void OnControl(const std::string& job, bool enabled);
   // A step of `job` was joined and its statistics computed.
   void OnStep(const std::string& job, const ExportedStep& step);
 
@@ -200,6 +204,8 @@ class JobMetrics : public prometheus::Collectable {
   //     |lag| first, ties to the lower rank; not for an ended job). A job whose agents stay
   //     connected while no step closes is stalled; the lag says which rank ran ahead or stayed
   //     behind, and is absent when every rank stopped at the same step;
+  //     rankscope_reporting_enabled{train_job} (OnControl's latest, once told): a job switched
+  //     off stops stepping on purpose;
   //   who: rankscope_rank_info{train_job,rank,global_rank,host,version} 1 for each rank with
   //     per-rank series above (top, missing, replica-divergent, lagging ranks) whose identity is
   //     known.
@@ -254,6 +260,7 @@ class JobMetrics : public prometheus::Collectable {
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank
     absl::Time last_step_at = absl::InfinitePast();           // when the latest step was joined
+    std::optional<bool> reporting_enabled;                    // OnControl's; nullopt: never told
     // By rank: the newest step the rank was joined in. Bounded by the ranks that reported.
     absl::flat_hash_map<uint32_t, uint64_t> newest_step_by_rank;
     SpikeWindow window;

@@ -936,6 +936,26 @@ TEST(JobMetricsTest, StalledJobKeepsItsLastStepTimeAndNamesTheRanksOffTheMedianS
   EXPECT_TRUE(Value(families, "rankscope_last_step_timestamp_seconds", Labels("j")).has_value());
 }
 
+TEST(JobMetricsTest, ReportingSwitchedOffIsExportedPerGroup) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  metrics.OnAgentConnected("solo", 4);
+  metrics.OnAgentConnected("exp/dp0", 4);
+  metrics.OnAgentConnected("exp/dp1", 4);
+  auto families = metrics.Collect();
+  EXPECT_FALSE(Value(families, "rankscope_reporting_enabled", Labels("solo")).has_value());
+  metrics.OnControl("solo", false);
+  metrics.OnControl("exp", false);  // a job of several groups: every group
+  metrics.OnControl("exp/dp1", true);
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", Labels("solo")), 0);
+  std::vector<ClientMetric::Label> dp0 = Labels("exp"), dp1 = Labels("exp");
+  dp0.push_back({"group", "dp0"});
+  dp1.push_back({"group", "dp1"});
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", dp0), 0);
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", dp1), 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Exposition format checked by promtool.
 

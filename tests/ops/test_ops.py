@@ -234,6 +234,7 @@ MUTANTS = [
         "max by (train_job, rank) (rankscope_rank_step_time_z)",
     ),
     ("+ 600)", "+ 590)"),  # seconds without a step before a stall
+    ("(rankscope_reporting_enabled) == 0", "(rankscope_reporting_enabled) >= 0"),
     (
         "max by (train_job, group) (rankscope_connected_agents) > 0",
         "max by (train_job, group) (rankscope_connected_agents) >= 0",
