@@ -228,6 +228,8 @@ void JobMetrics::OnControl(const std::string& job, bool enabled) {
   }
 }
 
+// Long: one step's snapshot for every family (statistics, spike window, per-rank values, integrity,
+// bucket scores) in one critical section under mu_; split, the lock would be taken per piece.
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   const absl::Time now = options_.clock();
 
