@@ -206,7 +206,10 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   ReportAttached(hello, attached);
   hello.set_attempt(attached.epoch);
   PublishIdentity(hello);
-  if (attached.control) stream->SendControl(*attached.control);
+  if (attached.control) {
+    metrics_->OnControl(hello.job(), attached.control->enabled());
+    stream->SendControl(*attached.control);
+  }
   StoreHello(hello, attached.epoch, now);
   return {};
 }
@@ -561,6 +564,8 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
                                       &streams);
   }
   if (!control.ok()) return control.status();
+  // Every target group got the same `enabled` when it was given (else each kept its own).
+  if (enabled) metrics_->OnControl(job, *enabled);
   for (const auto& s : streams) s->SendControl(*control);
   return std::make_pair(*std::move(control), static_cast<uint32_t>(streams.size()));
 }

@@ -115,6 +115,16 @@ void AppendStepFlags(const StepRow& row, std::string* out) {
   AppendRanks(row.drifting_ranks, out);
   out->append(",\"slow_ranks\":");
   AppendRanks(row.slow_ranks, out);
+  // The aggregation check's verdict: "" when the step was not checked or passed; the rank its
+  // regression named, null when none (collector/analysis/aggregation_integrity.h).
+  out->append(",\"integrity_fault\":");
+  AppendJsonString(row.integrity_fault, out);
+  out->append(",\"integrity_rank\":");
+  if (row.integrity_rank && !row.integrity_fault.empty()) {
+    absl::StrAppend(out, *row.integrity_rank);
+  } else {
+    out->append("null");
+  }
   out->append(",\"completed_at\":");
   AppendDouble(UnixSeconds(row.completed_at), 16, out);
 }

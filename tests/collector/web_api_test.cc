@@ -225,7 +225,18 @@ TEST(JsonTest, StepsCarryEveryColumnAndNonFiniteIsNull) {
             "\"grad_norm_mean\":0,\"grad_norm_std\":0,\"grad_norm_cv\":null,"
             "\"grad_cosine_mean\":0.75,\"grad_noise_scale\":null,\"missing_ranks\":\"3\","
             "\"timed_out\":true,\"outlier_ranks\":[1],\"divergent_ranks\":[],"
-            "\"drifting_ranks\":[],\"slow_ranks\":[],\"completed_at\":100}]}");
+            "\"drifting_ranks\":[],\"slow_ranks\":[],\"integrity_fault\":\"\","
+            "\"integrity_rank\":null,\"completed_at\":100}]}");
+  // A failed aggregation check names its fault and, when the regression found one, the rank.
+  row.integrity_error_ratio = 40.0;
+  row.integrity_fault = "missing";
+  row.integrity_rank = 2;
+  EXPECT_THAT(StepsJson("exp", {5, 9}, {row}, /*truncated=*/false),
+              HasSubstr("\"integrity_fault\":\"missing\",\"integrity_rank\":2,"));
+  row.integrity_fault = "sum";
+  row.integrity_rank.reset();
+  EXPECT_THAT(StepsJson("exp", {5, 9}, {row}, /*truncated=*/false),
+              HasSubstr("\"integrity_fault\":\"sum\",\"integrity_rank\":null,"));
 }
 
 TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {

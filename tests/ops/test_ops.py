@@ -238,6 +238,16 @@ MUTANTS = [
         "max by (train_job, group, rank) (rankscope_rank_step_time_z)",
         "max by (train_job, rank) (rankscope_rank_step_time_z)",
     ),
+    ("+ 600)", "+ 590)"),  # seconds without a step before a stall
+    ("(rankscope_reporting_enabled) == 0", "(rankscope_reporting_enabled) >= 0"),
+    (
+        "max by (train_job, group) (rankscope_connected_agents) > 0",
+        "max by (train_job, group) (rankscope_connected_agents) >= 0",
+    ),
+    (
+        "max by (train_job, group) (rankscope_last_step_timestamp_seconds)",
+        "max by (train_job) (rankscope_last_step_timestamp_seconds)",
+    ),
     ("(rankscope_rank_drift_score) > 1", "(rankscope_rank_drift_score) >= 1"),  # drift threshold
     ("(rankscope_rank_slow_score) > 1", "(rankscope_rank_slow_score) >= 1"),  # slow threshold
 ]

@@ -312,6 +312,34 @@ def test_a_second_backward_before_step_restarts_the_sketch(single_rank_group):
     mon.close(timeout=0)
 
 
+def test_a_model_cast_after_wrapping_is_named_by_the_shim(single_rank_group):
+    """pytorch#104336: a DDP model moved or cast after it was wrapped gets new gradient
+    accumulators; DDP's hooks stay on the old ones, so no bucket is all-reduced again. The shim
+    sees steps that reduced, then steps that do not, and says what that means, once."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    mon = rst.attach(ddp, collector="127.0.0.1:1", job="cast-after-wrap")
+    for _ in range(2):
+        ddp(torch.randn(2, 4)).sum().backward()
+        mon.step(torch.tensor(1.0))
+    assert mon.counters["steps_without_gradients"] == 0
+    ddp.to(torch.float64)
+    ddp.to(torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+            mon.step(torch.tensor(1.0))
+    named = [w for w in caught if "moved or cast" in str(w.message)]
+    assert len(named) == 1 and "pytorch#104336" in str(named[0].message), caught
+    assert "step 2" in str(named[0].message)
+    assert mon.counters["steps_without_gradients"] == 3
+    mon.close(timeout=0)
+
+
 def test_a_bad_loss_never_breaks_the_training_loop(single_rank_group):
     import rankscope.torch as rst
 

@@ -298,6 +298,13 @@
     // (RankscopeRankDrifting, RankscopeRankStraggler) name them.
     if (latest.drifting_ranks.length) out.push(["drifting", "drifting ranks: " + rankList(latest.drifting_ranks), latest.drifting_ranks]);
     if (latest.slow_ranks.length) out.push(["slow", "slow ranks: " + rankList(latest.slow_ranks), latest.slow_ranks]);
+    // The aggregation check (RankscopeAggregationIntegrity): the all-reduce returned a wrong sum
+    // on every rank; the rank whose contribution was missing, doubled or corrupted when named.
+    if (latest.integrity_fault) {
+      const named = latest.integrity_rank === null || latest.integrity_rank === undefined ? [] : [latest.integrity_rank];
+      out.push(["integrity", "aggregation integrity: " + latest.integrity_fault +
+        (named.length ? " (rank " + named[0] + ")" : " (no single rank)"), named]);
+    }
     return out;
   }
 
@@ -313,7 +320,8 @@
          el("tbody", { id: "jobs-body" })),
       el("p", { class: "muted", text: "Alerts are the latest stored step's: divergent replicas " +
         "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out), " +
-        "drifting and slow ranks (sequential tests), as `rankscope show` names them." }));
+        "drifting and slow ranks (sequential tests), a failed aggregation check (when that " +
+        "step was checked), as `rankscope show` names them." }));
     every(async () => {
       const data = await api("/jobs");
       state.jobs = data.jobs;
