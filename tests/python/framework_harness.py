@@ -228,7 +228,8 @@ def huggingface_worker(
     """Trainers on accelerate's DDP backend and its FSDP2 backend (gloo, CPU), one per mode in
     ``modes`` (job ``<prefix>-<mode>``): ``explicit`` / ``fsdp-explicit`` attached with
     rankscope.torch.attach(trainer), ``auto`` / ``fsdp-auto`` by the zero-code launch
-    (``rankscope.auto.install``); the truth comes from the micro-batches each Trainer fed this
+    (``rankscope.auto.install``; it attaches every Trainer built after it, so the auto modes come
+    last); the truth comes from the micro-batches each Trainer fed this
     rank."""
     import transformers
 
@@ -253,7 +254,10 @@ def huggingface_worker(
         args = trainer_arguments(Path(out_dir) / f"hf{rank}", accum, steps, fsdp=fsdp)
         if mode.endswith("auto"):
             options = {"collector": collector, "sketch_dim": sketch_dim}
-            rankscope.auto.install(job, dormant=False, options=options)
+            attacher = rankscope.auto.install(job, dormant=False, options=options)
+            # install is once a process (the first job stays): a second auto mode renames the
+            # job, as a fresh process launched with that job would have it.
+            attacher.job = job
         trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
         if fsdp:
             fsdp_on_cpu(trainer)

@@ -44,7 +44,7 @@ def run(module_collector, tmp_path_factory):
         STEPS,
         SKETCH_DIM,
         2,
-        ["explicit", "auto", "fsdp-explicit", "fsdp-auto"],
+        ["explicit", "fsdp-explicit", "auto", "fsdp-auto"],
         timeout=240,
     )
     return module_collector, out
