@@ -55,6 +55,8 @@ DEEPSPEED_SCENARIOS = {
     "zero1-accum": (1, 2),
     "zero2-accum": (2, 3),
     "zero3-accum": (3, 2),
+    # The Hugging Face Trainer on accelerate's DeepSpeed backend (rankscope.torch.attach(trainer)).
+    "hf-zero2-accum": (2, 2),
     # The zero-code launch (rankscope.auto.install) attaches the engine when it is built; runs
     # last (every engine built after it is attached).
     "auto-zero2-accum": (2, 2),
@@ -88,6 +90,11 @@ def deepspeed_worker(rank, world_size, collector, job_prefix, out_dir, steps, sk
     deepspeed.init_distributed(dist_backend="gloo")
     auto = [n for n in names if n.startswith("auto-")]
     for name in [n for n in names if n not in auto]:
+        if name.startswith("hf-"):
+            _huggingface_deepspeed(
+                rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+            )
+            continue
         _deepspeed_scenario(
             rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
         )
@@ -144,6 +151,64 @@ def _deepspeed_scenario(rank, world_size, collector, job_prefix, out_dir, steps,
     write_json(out_dir / f"{name}.rank{rank}.json", {"stats": stats})
     if rank == 0:
         write_json(out_dir / f"{name}.expected.json", expected)
+    dist.barrier()
+
+
+def _huggingface_deepspeed(
+    rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+):
+    """A Hugging Face Trainer with ``deepspeed=`` (accelerate builds the engine in ``train()``;
+    accelerate enables it without ``use_cpu``, on DeepSpeed's CPU accelerator here), attached
+    with rankscope.torch.attach(trainer); the truth comes from the micro-batches the Trainer fed
+    this rank, as in huggingface_worker."""
+    import transformers
+
+    import rankscope.torch as rst
+
+    stage, accum = DEEPSPEED_SCENARIOS[name]
+    job = f"{job_prefix}-{name}"
+    torch.manual_seed(7)
+    model = LMForTrainer()
+    ref = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    args = trainer_arguments(Path(out_dir) / f"hfds{rank}", accum, steps, deepspeed=config)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
+    cb = rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+    truth = {"losses": [], "expected": {}}
+    original = trainer.training_step
+
+    def training_step(model_, inputs, *a, **kw):
+        if not truth["losses"]:  # the step's first micro-batch: weights before its update
+            ref.load_state_dict(full_state(trainer.model_wrapped, stage))  # the engine
+            ref.zero_grad(set_to_none=True)
+        loss = lm_loss(ref.lm, inputs["input_ids"], inputs["labels"])
+        (loss / accum).backward()
+        truth["losses"].append(loss.detach())
+        return original(model_, inputs, *a, **kw)
+
+    trainer.training_step = training_step
+
+    class Truth(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][state.global_step] = e
+
+    trainer.add_callback(Truth())
+    trainer.train()
+    mon = cb.monitor
+    assert mon.framework.startswith(f"transformers {transformers.__version__} deepspeed"), mon
+    write_json(Path(out_dir) / f"{name}.rank{rank}.json", {"stats": mon.close(timeout=30)})
+    if rank == 0:
+        write_json(Path(out_dir) / f"{name}.expected.json", truth["expected"])
     dist.barrier()
 
 
@@ -457,20 +522,23 @@ def check_ddp_replicas(fps, steps) -> None:
     assert len(first) == 1 and None not in first, fps
 
 
-def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False):
+def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None):
     """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU (or
     accelerate's FSDP2, ``fsdp``: one fully_shard of the whole model, see fsdp_on_cpu), plain SGD
     at a constant rate, no clipping, nothing logged or saved (so the reference replica's steps
-    are the Trainer's own)."""
+    are the Trainer's own). ``deepspeed``: accelerate's DeepSpeed backend with that config
+    (accelerate enables it only without ``use_cpu``)."""
     import transformers
 
-    extra = {}
+    extra = {"use_cpu": True}
     if fsdp:
-        extra = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}}
+        extra["fsdp"] = True
+        extra["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": True}
+    if deepspeed is not None:
+        extra = {"deepspeed": deepspeed}
     return transformers.TrainingArguments(
         **extra,
         output_dir=str(output_dir),
-        use_cpu=True,
         ddp_backend="gloo",
         per_device_train_batch_size=4,
         gradient_accumulation_steps=accum,

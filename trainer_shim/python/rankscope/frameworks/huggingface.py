@@ -1,4 +1,4 @@
-"""Hugging Face Trainer: ``attach(trainer)`` (accelerate's DDP and FSDP backends).
+"""Hugging Face Trainer: ``attach(trainer)`` (accelerate's DDP, FSDP and DeepSpeed backends).
 
 The Trainer builds its data-parallel model inside ``train()`` (accelerate's ``prepare``), so
 ``attach`` adds a TrainerCallback; at ``on_train_begin`` the model is built and the callback
@@ -28,15 +28,17 @@ accumulation steps, or normalized by the step's item count when the model takes
 reduced gradient of every step and the parameters every ``param_check_every`` steps, identical on
 every rank.
 
-Replica fingerprints under FSDP: none (no two ranks hold the same shard); see fsdp2.py.
+- DeepSpeed backend (``deepspeed=config``): accelerate builds a DeepSpeedEngine, which
+  ``trainer.model_wrapped`` holds; rankscope.frameworks.deepspeed watches it (the engine's own
+  ``step`` closes rankscope's steps; the Trainer passes ``scale_wrt_gas=False`` to its
+  ``backward``, so the step's loss is the sum of the Trainer's pre-divided micro-batch losses).
+
+Replica fingerprints under FSDP: none (no two ranks hold the same shard); see fsdp2.py. Under
+DeepSpeed: the deepspeed module's (parameters for ZeRO 0-2).
 
 Refused with one warning naming the version and backend, the Trainer left unwatched: a model
-that is neither a DDP nor an FSDP model at ``on_train_begin`` (one process, DeepSpeed,
-DataParallel), and what the FSDP paths refuse (their own warning names torch's version and the
-mode). The DeepSpeed backend: accelerate builds a DeepSpeedEngine that ``trainer.model_wrapped``
-holds; it is refused (its reduction hooks are rankscope.frameworks.deepspeed's, but the Trainer
-drives the engine's backward and step through accelerate, which that path has not been checked
-against).
+that is neither a DDP, an FSDP nor a DeepSpeed model at ``on_train_begin`` (one process,
+DataParallel), and what those paths refuse (their own warning names the version and the mode).
 """
 
 import warnings
@@ -90,6 +92,8 @@ def _backend(model) -> str:
         return "fsdp2"
     if fsdp1.is_fsdp1(model):
         return "fsdp1"
+    if frameworks.framework_of(model) == "deepspeed":
+        return "deepspeed"
     return ""
 
 
@@ -102,6 +106,7 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
         def __init__(self):
             self.monitor = None
             self.refused = ""
+            self._closes_steps = True
             self._losses = _Losses()
             self._trainer = trainer
             self._wrap_training_step(trainer)
@@ -128,7 +133,7 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
                 self.refused = (
                     f"rankscope: the Hugging Face Trainer (transformers "
                     f"{_transformers_version()}) trains a {type(model).__name__}, not a "
-                    "DistributedDataParallel or FSDP model; only its DDP and FSDP backends are "
+                    "DistributedDataParallel, FSDP or DeepSpeed model; only those backends are "
                     "watched, training is unaffected"
                 )
                 warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
@@ -138,10 +143,15 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
             opts = dict(options)
             opts.setdefault("start_step", int(state.global_step))
             opts.setdefault("local_batch_size", int(args.per_device_train_batch_size))
-            if backend != "ddp" and int(args.gradient_accumulation_steps) > 1:
+            if backend.startswith("fsdp") and int(args.gradient_accumulation_steps) > 1:
                 opts.setdefault("accumulate_local_grad", True)  # FSDP reduces every micro-batch
             try:
-                monitor = rst.attach(model, **opts)
+                if backend == "deepspeed":  # the engine's step closes the steps
+                    from rankscope.frameworks import deepspeed
+
+                    monitor = deepspeed.attach(model, **opts)
+                else:
+                    monitor = rst.attach(model, **opts)
             except Exception as e:  # attaching must never break training
                 self.refused = f"rankscope: could not attach to the Trainer's model ({e!r})"
                 warnings.warn(self.refused, RuntimeWarning, stacklevel=2)
@@ -150,12 +160,16 @@ def RankscopeCallback(trainer, options: dict):  # noqa: N802 (a class factory)
                 self.refused = monitor.reason
                 return
             self.monitor = monitor
-            self.monitor.framework = f"transformers {_transformers_version()} {backend}"
+            self._closes_steps = backend != "deepspeed"
+            if backend == "deepspeed":
+                monitor.framework = f"transformers {_transformers_version()} {monitor.framework}"
+            else:
+                monitor.framework = f"transformers {_transformers_version()} {backend}"
             self._losses.take()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             mon = self.monitor
-            if mon is not None:
+            if mon is not None and self._closes_steps:
                 mon.step(self._losses.take(), step=int(state.global_step))
 
         def on_train_end(self, args, state, control, **kwargs):
