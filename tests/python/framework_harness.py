@@ -267,9 +267,9 @@ __all__ = [
 class LMForTrainer(torch.nn.Module):
     """TinyLM with the Trainer's calling convention: keyword inputs, a dict with the loss."""
 
-    def __init__(self):
+    def __init__(self, **tiny_lm_options):
         super().__init__()
-        self.lm = TinyLM()
+        self.lm = TinyLM(**tiny_lm_options)
 
     def forward(self, input_ids, labels):
         return {"loss": lm_loss(self.lm, input_ids, labels)}
