@@ -579,8 +579,14 @@ def megatron_on_cpu() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
 
 
-# name -> (micro-batches a step, refuse by version)
-MEGATRON_SCENARIOS = {"allreduce-accum": (2, False), "refused": (1, True)}
+# name -> (micro-batches a step, refuse by version, use_distributed_optimizer)
+MEGATRON_SCENARIOS = {
+    "allreduce-accum": (2, False, False),
+    # Reduce-scatter into each rank's shard of the buffer. Megatron's DistributedOptimizer is not
+    # built here: the parameters are not updated (the truth reloads them every step anyway).
+    "distopt-accum": (2, False, True),
+    "refused": (1, True, False),
+}
 
 
 def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
@@ -602,13 +608,13 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
 
     parallel_state.initialize_model_parallel()
     for name in names:
-        accumulation, refused = MEGATRON_SCENARIOS[name]
+        accumulation, refused, distopt = MEGATRON_SCENARIOS[name]
         torch.manual_seed(7)
         lm = TinyLM()
         ref = copy.deepcopy(lm)
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
         ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=False, grad_reduce_in_fp32=True
+            overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
         )
         model = DistributedDataParallel(config, ddp_config, lm)
         opt = torch.optim.SGD(lm.parameters(), lr=0.05)
@@ -638,9 +644,10 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
                 (loss / accumulation).backward()
                 losses.append(loss.detach())
             finalize_model_grads([model])
-            for p in lm.parameters():
-                p.grad = p.main_grad  # the reduced gradient (Megatron's optimizers read it)
-            opt.step()
+            if not distopt:
+                for p in lm.parameters():
+                    p.grad = p.main_grad  # the reduced gradient (Megatron's optimizers read it)
+                opt.step()
             for p in lm.parameters():
                 p.grad = None  # Megatron's backward hook adds .grad into main_grad
             mon.step(torch.stack(losses).mean())

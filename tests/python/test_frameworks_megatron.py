@@ -1,5 +1,5 @@
-"""Megatron-core's DistributedDataParallel (2 gloo processes, CPU, all-reduce mode, 2
-micro-batches a step) reporting to a real collector through
+"""Megatron-core's DistributedDataParallel (2 gloo processes, CPU, all-reduce mode and the
+distributed optimizer's reduce-scatter, 2 micro-batches a step) reporting to a real collector through
 rankscope.torch.attach(model).
 
 Megatron allocates its gradient buffers on torch.cuda.current_device() and reads
@@ -7,8 +7,8 @@ torch.cuda.current_stream(): the rank processes point both at the CPU
 (framework_harness.megatron_on_cpu); the rest is Megatron's. The truth for each step comes from
 the same micro-batches run through a reference replica (same weights): the local gradient is the
 sum of the gradients of loss / micro-batches, the loss their mean; the collector's statistics must
-equal it as the DDP truth tests require (shim_harness.check_exact_rows). Every rank holds the
-parameters whole: their fingerprints must agree.
+equal it as the DDP truth tests require (shim_harness.check_exact_rows). In all-reduce mode
+every rank holds the parameters whole: their fingerprints must agree.
 """
 
 import os
@@ -49,13 +49,19 @@ def run(module_collector, tmp_path_factory):
     return module_collector, out
 
 
-def test_megatron_ddp_statistics_equal_exact_values(run):
+@pytest.mark.parametrize("scenario", ["allreduce-accum", "distopt-accum"])
+def test_megatron_ddp_statistics_equal_exact_values(run, scenario):
+    """all-reduce mode: every rank holds the parameters whole, their fingerprints agree;
+    distributed optimizer (reduce-scatter into shards): no fingerprint is sent."""
     collector, out = run
     infos, fps = framework_harness.check_framework_job(
-        collector, out, "mg-allreduce-accum", "allreduce-accum", WORLD, STEPS, SKETCH_DIM
+        collector, out, f"mg-{scenario}", scenario, WORLD, STEPS, SKETCH_DIM
     )
-    first = {r[3] for r in fps if r[0] == 0}
-    assert len(first) == 1 and None not in first, fps
+    if scenario == "allreduce-accum":
+        first = {r[3] for r in fps if r[0] == 0}
+        assert len(first) == 1 and None not in first, fps
+    else:
+        assert all(r[2] is None and r[3] is None for r in fps), fps
 
 
 def test_megatron_version_outside_the_tested_ones_is_refused_and_trains(run):
