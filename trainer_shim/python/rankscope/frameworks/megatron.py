@@ -18,7 +18,9 @@ Steps: ``mon.step(loss)`` after the optimizer step, as with DDP. ``finalize_mode
 the reduction; nothing rankscope sends needs to wait for it.
 
 Modes and what is compared: each rank's local loss, gradient norm and sketch, across the model's
-data-parallel group (the bucket groups' ``data_parallel_group``). Replica fingerprints: without
+data-parallel group (the group ``start_grad_sync`` reduces over: the bucket groups'
+``data_parallel_group``, or ``intra_distributed_optimizer_instance_group`` with the distributed
+optimizer). Replica fingerprints: without
 the distributed optimizer every rank holds every parameter whole and equal, so the parameter
 fingerprints (every ``param_check_every`` steps) are sent and compared across the group; with it
 (ranks step different shards, then all-gather, possibly during the next forward) none are sent.
@@ -68,7 +70,13 @@ def _refuse(mode: str, why: str, start_step: int):
     return refuse(f"{WHAT} (megatron-core {_version()})", mode, why, start_step)
 
 
-def _missing(model) -> str:
+def _group_attribute(distopt: bool) -> str:
+    """The bucket group's attribute naming the group start_grad_sync reduces over (its
+    ``communication_group``)."""
+    return "intra_distributed_optimizer_instance_group" if distopt else "data_parallel_group"
+
+
+def _missing(model, distopt: bool) -> str:
     """What this megatron-core lacks of what the path reads, or ""."""
     for name in ("bucket_groups", "expert_parallel_bucket_groups", "ddp_config", "module"):
         if not hasattr(model, name):
@@ -77,8 +85,8 @@ def _missing(model) -> str:
         for name in ("start_grad_sync", "is_first_batch", "grad_reduce_handle", "buckets"):
             if not hasattr(g, name):
                 return f"_ParamAndGradBucketGroup.{name}"
-        if not hasattr(g, "data_parallel_group"):
-            return "_ParamAndGradBucketGroup.data_parallel_group"
+        if not hasattr(g, _group_attribute(distopt)):
+            return f"_ParamAndGradBucketGroup.{_group_attribute(distopt)}"
         for b in g.buckets:
             if not hasattr(b, "params_list"):
                 return "_ParamAndGradBucket.params_list"
@@ -104,7 +112,7 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
     if major_minor not in SUPPORTED:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
         return _refuse(mode, f"only megatron-core {supported} is read and tested", start_step)
-    missing = _missing(model)
+    missing = _missing(model, distopt)
     if missing:
         return _refuse(mode, f"this megatron-core has no {missing}", start_step)
     if model.expert_parallel_bucket_groups:
@@ -113,7 +121,8 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
         )
     if distopt and int(getattr(cfg, "num_distributed_optimizer_instances", 1)) > 1:
         return _refuse(mode, "several distributed-optimizer instances", start_step)
-    groups = {id(g.data_parallel_group): g.data_parallel_group for g in model.bucket_groups}
+    attr = _group_attribute(distopt)
+    groups = {id(getattr(g, attr)): getattr(g, attr) for g in model.bucket_groups}
     if len(groups) != 1:
         return _refuse(mode, "its bucket groups reduce over different process groups", start_step)
     (pg,) = groups.values()
