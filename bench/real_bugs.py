@@ -31,10 +31,14 @@ if a flag names all ranks; the cross-rank signals cannot, by construction (docs/
 "Real bugs, reproduced", says why for each).
 """
 
+# One file, several parts (the cases, the training ranks, the collector and Prometheus, the
+# scoring, the driver: the sections below), kept together on purpose: one script run by hand and
+# read with its results in docs/PERFORMANCE.md; what it shares with bench/detection.py (the model,
+# the data, the collector's start-up, the rank lists and flag judging) it imports.
+
 import argparse
 import datetime
 import json
-import re
 import shutil
 import signal
 import subprocess
@@ -153,6 +157,8 @@ def _worker(rank, port, case, opts, collector, out_dir):
         raise
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def _train(rank, port, case, opts, collector, out_dir):
     import torch
     import torch.distributed as dist
@@ -249,34 +255,9 @@ def _train(rank, port, case, opts, collector, out_dir):
 
 
 def start_collector(binary: Path, tmp: Path, step_timeout: str):
-    """A collector on 127.0.0.1 with gRPC and metrics on free ports (learned from its start-up
-    line). Returns (process, grpc address, metrics port, db path, log path)."""
-    db, log_path = tmp / "rankscope.db", tmp / "collector.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--grpc_address=127.0.0.1:0",
-            "--metrics_address=127.0.0.1:0",
-            "--http_address=",
-            f"--db_path={db}",
-            f"--step_timeout={step_timeout}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    deadline = time.monotonic() + 30
-    while True:
-        m = re.search(
-            r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics", log_path.read_text()
-        )
-        if m:
-            return proc, f"127.0.0.1:{m.group(1)}", int(m.group(2)), db, log_path
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"collector did not start:\n{log_path.read_text()}")
-        time.sleep(0.05)
+    """detection.start_collector with the metrics endpoint Prometheus scrapes. Returns (process,
+    grpc address, metrics port, db path, log path)."""
+    return detection.start_collector(binary, tmp, step_timeout=step_timeout, metrics=True)
 
 
 def start_prometheus(binary: str, tmp: Path, metrics_port: int):
@@ -383,16 +364,8 @@ def read_rows(db: Path, job: str):
 
 
 def parse_ranks(text) -> set:
-    """A step_stats rank list: "3,7" or missing_ranks' runs "0-5,9" (a trailing "+N", ranks
-    beyond the stored runs, cannot occur at 4 ranks and is ignored)."""
-    ranks = set()
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item or item.startswith("+"):
-            continue
-        first, _, last = item.partition("-")
-        ranks.update(range(int(first), int(last or first) + 1))
-    return ranks
+    """A step_stats rank list ("3,7") or missing_ranks' runs ("0-5,9") as a set."""
+    return set(detection.parse_ranks(text))
 
 
 def score_case(faulty: frozenset, onset: int, rows) -> dict:
@@ -409,10 +382,9 @@ def score_case(faulty: frozenset, onset: int, rows) -> dict:
             ranks = parse_ranks(text)
             if not ranks:
                 continue
-            bad = sorted(r for r in ranks if not (after and r in faulty))
+            bad, hit = detection.judge_flag(ranks, faulty, after)
             if bad:
                 wrong.append((step, column, bad))
-            hit = ranks & faulty if after else set()
             if hit:
                 by_column.setdefault(column, set()).update(hit)
             if named_at is None and hit and (not every or hit == faulty):
@@ -567,6 +539,8 @@ def alerts_for(watcher, job, onset_time):
     return out
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="bench/real_bugs.py",

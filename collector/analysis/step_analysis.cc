@@ -128,6 +128,9 @@ AggregationVerdict CheckStepAggregation(const JoinedStep& step) {
                           sender->reduced_grad_mantissa_bits);
 }
 
+// Long: the step's verdicts in the order each needs the one before (statistics, duplicates,
+// diagnostics, outlier streaks, sequential statistics, integrity, bucket scores); each is a call,
+// and what stays here is the per-job state they share.
 AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   AnalyzedStep out;
   bool same_dim = true;

@@ -185,6 +185,8 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
       state.dropped_total > UINT64_MAX - added ? UINT64_MAX : state.dropped_total + added;
 }
 
+// Long: one step's snapshot for every family (statistics, spike window, per-rank values, integrity,
+// bucket scores) in one critical section under mu_; split, the lock would be taken per piece.
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   const absl::Time now = options_.clock();
 

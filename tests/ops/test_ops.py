@@ -7,6 +7,11 @@ has them, so run this with the project's Python:
     .venv/bin/python -m pytest -q tests/ops
 """
 
+# One file, several parts (Prometheus rules; Prometheus and Alertmanager configuration; dashboards;
+# Kubernetes, compose and systemd files), kept together on purpose: the static checks of the
+# operations files, which share the tool lookups and the paths at the top and run as one pass of
+# ./run test.
+
 import enum
 import json
 import pathlib
