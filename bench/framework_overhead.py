@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""What rankscope costs a DeepSpeed step on the CPU, side by side with the same training without it.
+"""What rankscope costs a framework's step on the CPU, side by side with the same training without
+it: DeepSpeed ZeRO 1-3, FSDP2, the Hugging Face Trainer (DDP backend) and Lightning (DDP).
 
-    PYTHONPATH=build/python:tests/python .venv/bin/python bench/framework_overhead.py
+    PYTHONPATH=build/python:tests/python .venv/bin/python bench/framework_overhead.py \
+        [--frameworks deepspeed fsdp2 hf lightning]
 
 Two ranks (gloo, DeepSpeed's CPU accelerator, one torch thread each) each hold, for every ZeRO
 stage asked for, two engines of the same model (tests/python/shim_harness.py's TinyLM, or a
@@ -14,8 +16,17 @@ machine noise. A step is ``--accum`` micro-batches (forward, ``engine.backward``
 The rankscope engines report to ``--collector`` (default: a port nobody listens on; the agent
 buffers and drops on its own thread, so the training thread's cost is what is measured).
 
-The Hugging Face and Lightning paths are the DDP comm hook (see "Training overhead") plus one
-callback call a step; they are not measured again here.
+FSDP2 (``fully_shard`` of the whole TinyLM, 2 ranks): the same three variants, interleaved a
+step at a time as for DeepSpeed; a step is ``--accum`` micro-batches (FSDP2 reduces each: the
+rankscope variant keeps the float32 sum, ``accumulate_local_grad=True``), ``opt.step()``,
+``mon.step(loss)``.
+
+The Hugging Face Trainer and Lightning own their loops, so their variants cannot be interleaved a
+step at a time: each variant is a fresh Trainer (same seed) training ``--steps`` steps, and the
+variants run in turn for ``--rounds`` rounds (rotating order); a step's time is the wall time
+between consecutive optimizer steps (the Trainer's ``on_step_end``, Lightning's
+``on_train_batch_end`` at the accumulation boundary), the first ``--warmup`` of each Trainer
+dropped. The paired differences pair the i-th step of each variant's runs.
 """
 
 import argparse
@@ -43,6 +54,211 @@ def worker(rank, world, port, args):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    rows = []
+    for framework in args.frameworks:
+        rows += globals()[f"{framework}_rows"](rank, world, args)
+    if rank == 0:
+        print(json.dumps(rows, indent=1))
+    dist.barrier()
+
+
+def summary(framework, mode, params, args, plain, plain2, rs):
+    """One row: medians and the paired median differences against plain."""
+    diff = statistics.median(b - a for a, b in zip(plain, rs))
+    floor = statistics.median(b - a for a, b in zip(plain, plain2))
+    return {
+        "framework": framework,
+        "mode": mode,
+        "parameters": params,
+        "accum": args.accum,
+        "steps": len(plain),
+        "plain_ms": 1e3 * statistics.median(plain),
+        "plain2_ms": 1e3 * statistics.median(plain2),
+        "noise_floor_pct": 100 * floor / statistics.median(plain),
+        "rankscope_ms": 1e3 * statistics.median(rs),
+        "paired_diff_ms": 1e3 * diff,
+        "paired_diff_pct": 100 * diff / statistics.median(plain),
+    }
+
+
+def interleaved(rank, args, units):
+    """units: key -> step(step_index) callable; runs one step of each in a rotating order, after
+    a barrier, and returns key -> step times after the warm-up."""
+    times = {k: [] for k in units}
+    keys = list(units)
+    for step in range(args.warmup + args.steps):
+        order = keys[step % len(keys) :] + keys[: step % len(keys)]
+        for key in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            units[key](step)
+            if step >= args.warmup:
+                times[key].append(time.perf_counter() - t0)
+    return times
+
+
+def fsdp2_rows(rank, world, args):
+    import rankscope.torch as rst
+    from shim_harness import TinyLM, batch, lm_loss
+    from torch.distributed.fsdp import fully_shard
+
+    units = {}
+    for variant in ("plain", "plain-2", "rankscope"):
+        torch.manual_seed(7)
+        model = fully_shard(TinyLM(d=args.d_model, ff=4 * args.d_model))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = None
+        if variant == "rankscope":
+            mon = rst.attach(
+                model,
+                collector=args.collector,
+                job="bench-fsdp2",
+                warn_after=1e9,
+                accumulate_local_grad=args.accum > 1,
+            )
+
+        def step(i, model=model, opt=opt, mon=mon):
+            losses = []
+            for micro in range(args.accum):
+                x, y = batch(rank, i, micro, bsz=8)
+                loss = lm_loss(model, x, y)
+                (loss / args.accum).backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if mon is not None:
+                mon.step(torch.stack(losses).mean())
+
+        units[variant] = step
+    times = interleaved(rank, args, units)
+    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    return [summary("fsdp2", "FSDP", params, args, *(times[v] for v in units))]
+
+
+def _trainer_env(rank, world):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    os.environ.update(NODE_RANK="0", MASTER_ADDR="127.0.0.1")
+
+
+def in_rounds(args, run_one):
+    """run_one(variant) -> that Trainer's step times; variants in turn for args.rounds rounds."""
+    variants = ["plain", "plain-2", "rankscope"]
+    times = {v: [] for v in variants}
+    for r in range(args.rounds):
+        order = variants[r % 3 :] + variants[: r % 3]
+        for v in order:
+            dist.barrier()
+            times[v] += run_one(v)[args.warmup :]
+    return [times[v] for v in variants]
+
+
+def hf_rows(rank, world, args):
+    import framework_harness
+    import transformers
+
+    import rankscope.torch as rst
+    from shim_harness import TinyLM
+
+    _trainer_env(rank, world)
+
+    class Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.marks = []
+
+        def on_step_begin(self, a, state, control, **kw):
+            if not self.marks:
+                self.marks.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+    def run_one(variant):
+        torch.manual_seed(7)
+        model = framework_harness.LMForTrainer(d=args.d_model, ff=4 * args.d_model)
+        targs = framework_harness.trainer_arguments(
+            f"/tmp/rs-bench-hf{rank}", args.accum, args.warmup + args.steps
+        )
+        targs.per_device_train_batch_size = 8
+        data = framework_harness.TokenData(
+            n=8 * args.accum * world * (args.warmup + args.steps + 1)
+        )
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=data)
+        if variant == "rankscope":
+            rst.attach(trainer, collector=args.collector, job="bench-hf", warn_after=1e9)
+        clock = Clock()
+        trainer.add_callback(clock)
+        trainer.train()
+        for cb in trainer.callback_handler.callbacks:
+            if getattr(cb, "_rankscope", False) and cb.monitor is not None:
+                cb.monitor.close(timeout=0.1)
+        m = clock.marks
+        return [b - a for a, b in zip(m, m[1:])]
+
+    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    return [summary("hf", "Trainer, DDP backend", params, args, *in_rounds(args, run_one))]
+
+
+def lightning_rows(rank, world, args):
+    import framework_harness
+    import lightning.pytorch as pl
+
+    import rankscope.torch as rst
+    from shim_harness import TinyLM, lm_loss
+
+    _trainer_env(rank, world)
+    os.environ["MASTER_PORT"] = "1"  # unused: the process group exists already
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(7)
+            self.lm = TinyLM(d=args.d_model, ff=4 * args.d_model)
+            self.marks = []
+
+        def training_step(self, batch_, batch_idx):
+            if not self.marks:
+                self.marks.append(time.perf_counter())
+            return lm_loss(self.lm, batch_["input_ids"], batch_["labels"])
+
+        def on_train_batch_end(self, outputs, batch_, batch_idx):
+            if (batch_idx + 1) % args.accum == 0:
+                self.marks.append(time.perf_counter())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.lm.parameters(), lr=0.01)
+
+    def run_one(variant):
+        module = Module()
+        if variant == "rankscope":
+            rst.attach(module, collector=args.collector, job="bench-pl", warn_after=1e9)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy="ddp",
+            max_steps=args.warmup + args.steps,
+            accumulate_grad_batches=args.accum,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        n = 8 * args.accum * world * (args.warmup + args.steps + 1)
+        data = framework_harness.TokenData(n=n)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+        for cb in trainer.callbacks:
+            if getattr(cb, "_rankscope", False) and cb.monitor is not None:
+                cb.monitor.close(timeout=0.1)
+        m = module.marks
+        return [b - a for a, b in zip(m, m[1:])]
+
+    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    return [summary("lightning", "DDP strategy", params, args, *in_rounds(args, run_one))]
+
+
+def deepspeed_rows(rank, world, args):
     import framework_harness
     import rankscope.torch as rst
     from shim_harness import TinyLM, batch, lm_loss
@@ -69,47 +285,36 @@ def worker(rank, world, port, args):
                 rst.attach(engine, collector=args.collector, job=f"bench-z{stage}", warn_after=1e9)
             engines[(stage, variant)] = engine
     params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
-    times = {k: [] for k in engines}
-    keys = list(engines)
-    for step in range(args.warmup + args.steps):
-        order = keys[step % len(keys) :] + keys[: step % len(keys)]
-        for key in order:
-            engine = engines[key]
-            dist.barrier()
-            t0 = time.perf_counter()
+
+    def unit(engine):
+        def step(i):
             for micro in range(args.accum):
-                x, y = batch(rank, step, micro, bsz=8)
+                x, y = batch(rank, i, micro, bsz=8)
                 engine.backward(lm_loss(engine, x, y))
                 engine.step()
-            if step >= args.warmup:
-                times[key].append(time.perf_counter() - t0)
-    if rank == 0:
-        rows = []
-        for stage in args.stages:
-            plain, plain2 = times[(stage, "plain")], times[(stage, "plain-2")]
-            rs = times[(stage, "rankscope")]
-            diff = statistics.median(b - a for a, b in zip(plain, rs))
-            floor = statistics.median(b - a for a, b in zip(plain, plain2))
-            rows.append(
-                {
-                    "stage": stage,
-                    "parameters": params,
-                    "accum": args.accum,
-                    "plain_ms": 1e3 * statistics.median(plain),
-                    "plain2_ms": 1e3 * statistics.median(plain2),
-                    "noise_floor_pct": 100 * floor / statistics.median(plain),
-                    "rankscope_ms": 1e3 * statistics.median(rs),
-                    "paired_diff_ms": 1e3 * diff,
-                    "paired_diff_pct": 100 * diff / statistics.median(plain),
-                }
-            )
-        print(json.dumps(rows, indent=1))
-    dist.barrier()
+
+        return step
+
+    times = interleaved(rank, args, {k: unit(e) for k, e in engines.items()})
+    rows = []
+    for stage in args.stages:
+        t = [times[(stage, v)] for v in ("plain", "plain-2", "rankscope")]
+        rows.append(summary("deepspeed", f"ZeRO-{stage}", params, args, *t))
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--frameworks",
+        nargs="+",
+        default=["deepspeed", "fsdp2", "hf", "lightning"],
+        choices=["deepspeed", "fsdp2", "hf", "lightning"],
+    )
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="Trainer runs of each variant (hf, lightning)"
+    )
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)

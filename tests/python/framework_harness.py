@@ -55,6 +55,8 @@ DEEPSPEED_SCENARIOS = {
     "zero1-accum": (1, 2),
     "zero2-accum": (2, 3),
     "zero3-accum": (3, 2),
+    # The Hugging Face Trainer on accelerate's DeepSpeed backend (rankscope.torch.attach(trainer)).
+    "hf-zero2-accum": (2, 2),
     # The zero-code launch (rankscope.auto.install) attaches the engine when it is built; runs
     # last (every engine built after it is attached).
     "auto-zero2-accum": (2, 2),
@@ -88,6 +90,11 @@ def deepspeed_worker(rank, world_size, collector, job_prefix, out_dir, steps, sk
     deepspeed.init_distributed(dist_backend="gloo")
     auto = [n for n in names if n.startswith("auto-")]
     for name in [n for n in names if n not in auto]:
+        if name.startswith("hf-"):
+            _huggingface_deepspeed(
+                rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+            )
+            continue
         _deepspeed_scenario(
             rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
         )
@@ -147,6 +154,64 @@ def _deepspeed_scenario(rank, world_size, collector, job_prefix, out_dir, steps,
     dist.barrier()
 
 
+def _huggingface_deepspeed(
+    rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, name
+):
+    """A Hugging Face Trainer with ``deepspeed=`` (accelerate builds the engine in ``train()``;
+    accelerate enables it without ``use_cpu``, on DeepSpeed's CPU accelerator here), attached
+    with rankscope.torch.attach(trainer); the truth comes from the micro-batches the Trainer fed
+    this rank, as in huggingface_worker."""
+    import transformers
+
+    import rankscope.torch as rst
+
+    stage, accum = DEEPSPEED_SCENARIOS[name]
+    job = f"{job_prefix}-{name}"
+    torch.manual_seed(7)
+    model = LMForTrainer()
+    ref = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    args = trainer_arguments(Path(out_dir) / f"hfds{rank}", accum, steps, deepspeed=config)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
+    cb = rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
+    truth = {"losses": [], "expected": {}}
+    original = trainer.training_step
+
+    def training_step(model_, inputs, *a, **kw):
+        if not truth["losses"]:  # the step's first micro-batch: weights before its update
+            ref.load_state_dict(full_state(trainer.model_wrapped, stage))  # the engine
+            ref.zero_grad(set_to_none=True)
+        loss = lm_loss(ref.lm, inputs["input_ids"], inputs["labels"])
+        (loss / accum).backward()
+        truth["losses"].append(loss.detach())
+        return original(model_, inputs, *a, **kw)
+
+    trainer.training_step = training_step
+
+    class Truth(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][state.global_step] = e
+
+    trainer.add_callback(Truth())
+    trainer.train()
+    mon = cb.monitor
+    assert mon.framework.startswith(f"transformers {transformers.__version__} deepspeed"), mon
+    write_json(Path(out_dir) / f"{name}.rank{rank}.json", {"stats": mon.close(timeout=30)})
+    if rank == 0:
+        write_json(Path(out_dir) / f"{name}.expected.json", truth["expected"])
+    dist.barrier()
+
+
 def refusal(rank, out_dir):
     """A DeepSpeed version outside SUPPORTED is refused with one warning naming it, before
     anything is hooked, and the engine trains on."""
@@ -202,9 +267,9 @@ __all__ = [
 class LMForTrainer(torch.nn.Module):
     """TinyLM with the Trainer's calling convention: keyword inputs, a dict with the loss."""
 
-    def __init__(self):
+    def __init__(self, **tiny_lm_options):
         super().__init__()
-        self.lm = TinyLM()
+        self.lm = TinyLM(**tiny_lm_options)
 
     def forward(self, input_ids, labels):
         return {"loss": lm_loss(self.lm, input_ids, labels)}
@@ -222,11 +287,15 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
 
 
-def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum):
-    """Trainers on accelerate's DDP backend (gloo, CPU): one attached with
-    rankscope.torch.attach(trainer) (job ``<prefix>-explicit``), then one attached by the
-    zero-code launch (``rankscope.auto.install``, job ``<prefix>-auto``); the truth comes from the
-    micro-batches each Trainer fed this rank."""
+def huggingface_worker(
+    rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, accum, modes
+):
+    """Trainers on accelerate's DDP backend and its FSDP2 backend (gloo, CPU), one per mode in
+    ``modes`` (job ``<prefix>-<mode>``): ``explicit`` / ``fsdp-explicit`` attached with
+    rankscope.torch.attach(trainer), ``auto`` / ``fsdp-auto`` by the zero-code launch
+    (``rankscope.auto.install``; it attaches every Trainer built after it, so the auto modes come
+    last); the truth comes from the micro-batches each Trainer fed this
+    rank."""
     import transformers
 
     import rankscope.auto
@@ -241,17 +310,23 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",  # unused: the process group exists already
     )
-    for mode in ("explicit", "auto"):
+    for mode in modes:
         job = f"{job_prefix}-{mode}"
+        fsdp = mode.startswith("fsdp-")
         torch.manual_seed(7)
         model = LMForTrainer()
         ref = copy.deepcopy(model.lm)
-        args = trainer_arguments(Path(out_dir) / f"hf{rank}", accum, steps)
-        if mode == "auto":
+        args = trainer_arguments(Path(out_dir) / f"hf{rank}", accum, steps, fsdp=fsdp)
+        if mode.endswith("auto"):
             options = {"collector": collector, "sketch_dim": sketch_dim}
-            rankscope.auto.install(job, dormant=False, options=options)
+            attacher = rankscope.auto.install(job, dormant=False, options=options)
+            # install is once a process (the first job stays): a second auto mode renames the
+            # job, as a fresh process launched with that job would have it.
+            attacher.job = job
         trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData())
-        if mode == "explicit":
+        if fsdp:
+            fsdp_on_cpu(trainer)
+        if mode.endswith("explicit"):
             rst.attach(trainer, collector=collector, job=job, sketch_dim=sketch_dim)
         (cb,) = [c for c in trainer.callback_handler.callbacks if getattr(c, "_rankscope", 0)]
 
@@ -260,7 +335,7 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
 
         def training_step(model_, inputs, *a, _truth=truth, _ref=ref, _original=original, **kw):
             if not _truth["losses"]:  # the step's first micro-batch: weights before its update
-                _ref.load_state_dict(model_.module.lm.state_dict())
+                _ref.load_state_dict(trainer_lm_state(model_))
                 _ref.zero_grad(set_to_none=True)
             loss = lm_loss(_ref, inputs["input_ids"], inputs["labels"])
             (loss / accum).backward()
@@ -282,6 +357,8 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
         attacher = _autoattach.current()
         info = {
             "stats": cb.monitor.close(timeout=30),
+            "framework": cb.monitor.framework,
+            "model": type(trainer.model_wrapped).__name__,
             # The DDP model the Trainer built was left to the Trainer's callback.
             "ddp_attachments": 0 if attacher is None else len(attacher.models),
         }
@@ -289,6 +366,29 @@ def huggingface_worker(rank, world_size, collector, job_prefix, out_dir, steps, 
         if rank == 0:
             write_json(Path(out_dir) / f"{mode}.expected.json", truth["expected"])
         dist.barrier()
+
+
+def fsdp_on_cpu(trainer) -> None:
+    """Lets accelerate build its FSDP2 model on the CPU: accelerate 1.15 enables FSDP only for
+    accelerator distributed types (AcceleratorState sets DistributedType.FSDP for MULTI_GPU and
+    the like, never MULTI_CPU) and otherwise silently trains DDP. This sets the state the Trainer
+    made to what it is on a GPU machine (FSDP, with the Trainer's own FSDP plugin arguments);
+    everything after (accelerate's fully_shard of the model, the Trainer's loop) is theirs."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    trainer.is_fsdp_enabled = True
+
+
+def trainer_lm_state(model):
+    """The full TinyLM weights of the model a Trainer trains (DDP's module, or FSDP2's sharded
+    DTensors gathered: a collective every rank runs at the same point)."""
+    lm = model.module.lm if hasattr(model, "module") else model.lm
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in lm.state_dict().items()
+    }
 
 
 # ---- Lightning ---------------------------------------------------------------------------------
@@ -422,15 +522,23 @@ def check_ddp_replicas(fps, steps) -> None:
     assert len(first) == 1 and None not in first, fps
 
 
-def trainer_arguments(output_dir, accum: int, max_steps: int):
-    """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU, plain SGD
+def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None):
+    """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU (or
+    accelerate's FSDP2, ``fsdp``: one fully_shard of the whole model, see fsdp_on_cpu), plain SGD
     at a constant rate, no clipping, nothing logged or saved (so the reference replica's steps
-    are the Trainer's own)."""
+    are the Trainer's own). ``deepspeed``: accelerate's DeepSpeed backend with that config
+    (accelerate enables it only without ``use_cpu``)."""
     import transformers
 
+    extra = {"use_cpu": True}
+    if fsdp:
+        extra["fsdp"] = True
+        extra["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": True}
+    if deepspeed is not None:
+        extra = {"deepspeed": deepspeed}
     return transformers.TrainingArguments(
+        **extra,
         output_dir=str(output_dir),
-        use_cpu=True,
         ddp_backend="gloo",
         per_device_train_batch_size=4,
         gradient_accumulation_steps=accum,
@@ -445,3 +553,112 @@ def trainer_arguments(output_dir, accum: int, max_steps: int):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+
+
+# ---- Megatron-core DDP -------------------------------------------------------------------------
+
+
+class _NoStream:
+    """What megatron-core 0.19's gradient sync asks of torch.cuda.current_stream() (it waits on
+    CUDA-graph events that CPU parameters never carry): nothing to wait for on the CPU."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+def megatron_on_cpu() -> None:
+    """Lets megatron-core's DDP run on the CPU in this (test rank) process: it allocates its
+    parameter and gradient buffers on ``torch.cuda.current_device()`` and ``start_grad_sync``
+    reads ``torch.cuda.current_stream()`` unconditionally. Both are pointed at the CPU; every
+    other line (buckets, main_grad views, scaling, the gloo collectives, finalize_model_grads) is
+    Megatron's own. Only for overlap_grad_reduce=False (the overlapped path uses CUDA streams)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+
+
+# name -> (micro-batches a step, refuse by version, use_distributed_optimizer)
+MEGATRON_SCENARIOS = {
+    "allreduce-accum": (2, False, False),
+    # Reduce-scatter into each rank's shard of the buffer. Megatron's DistributedOptimizer is not
+    # built here: the parameters are not updated (the truth reloads them every step anyway).
+    "distopt-accum": (2, False, True),
+    "refused": (1, True, False),
+}
+
+
+def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
+    """Megatron-core DistributedDataParallel (all-reduce mode, grad_reduce_in_fp32; without
+    overlap_grad_reduce Megatron makes one bucket) training TinyLM, attached with rankscope.torch.attach(model); the
+    step's loss is the mean of its micro-batch losses, each backpropagated as loss / micro-batches
+    (Megatron's schedules' scaling), and finalize_model_grads ends the reduction."""
+    megatron_on_cpu()
+    from megatron.core import package_info, parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    import rankscope.torch as rst
+    from rankscope.frameworks._local_grads import Unwatched
+
+    parallel_state.initialize_model_parallel()
+    for name in names:
+        accumulation, refused, distopt = MEGATRON_SCENARIOS[name]
+        torch.manual_seed(7)
+        lm = TinyLM()
+        ref = copy.deepcopy(lm)
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+        )
+        model = DistributedDataParallel(config, ddp_config, lm)
+        opt = torch.optim.SGD(lm.parameters(), lr=0.05)
+        job = f"{job_prefix}-{name}"
+        messages = []
+        if refused:
+            real = package_info.__version__
+            package_info.__version__ = "0.99.0"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mon = rst.attach(model, collector="127.0.0.1:1", job=job)
+            package_info.__version__ = real
+            messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            assert isinstance(mon, Unwatched), mon
+        else:
+            mon = rst.attach(model, collector=collector, job=job, sketch_dim=sketch_dim)
+            assert mon.framework == f"megatron-core {package_info.__version__} ddp", mon
+        expected = {}
+        for step in range(steps):
+            ref.load_state_dict(lm.state_dict())
+            ref_loss, g = reference_step(ref, rank, step, accumulation)
+            model.zero_grad_buffer()
+            losses = []
+            for micro in range(accumulation):
+                x, y = batch(rank, step, micro)
+                loss = lm_loss(model, x, y)
+                (loss / accumulation).backward()
+                losses.append(loss.detach())
+            finalize_model_grads([model])
+            if not distopt:
+                for p in lm.parameters():
+                    p.grad = p.main_grad  # the reduced gradient (Megatron's optimizers read it)
+                opt.step()
+            for p in lm.parameters():
+                p.grad = None  # Megatron's backward hook adds .grad into main_grad
+            mon.step(torch.stack(losses).mean())
+            e = gather_truth(rank, world_size, ref_loss, g, sketch_dim)
+            if rank == 0:
+                expected[step] = e
+        info = {
+            "stats": mon.close(timeout=30),
+            "messages": messages,
+        }
+        write_json(Path(out_dir) / f"{name}.rank{rank}.json", info)
+        if rank == 0:
+            write_json(Path(out_dir) / f"{name}.expected.json", expected)
+        dist.barrier()

@@ -58,7 +58,8 @@ def exact_worker(rank, world_size, collector, out_dir, steps, sketch_dim, scenar
 
 
 def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
-    """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "accum": micro-batches
+    """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "backend": torch.compile's
+    (default aot_eager), "accum": micro-batches
     per step (each reduced), "keep": attach's accumulate_local_grad, "unused": a branch without
     gradients, "sync_last": only the last micro-batch reduces}. Writes JOB.expected.json
     (rank 0) and JOB.rankR.json: the monitor's stats and the parameter fingerprint of the replicas
@@ -79,7 +80,7 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
         wrapped = _wrap_fsdp1(model, scenario["mode"])
     else:  # a compiled model under DDP (torch.compile's default ddp_optimizer mode)
         ddp = nn.parallel.DistributedDataParallel(model)
-        wrapped = torch.compile(ddp, backend="aot_eager")
+        wrapped = torch.compile(ddp, backend=scenario.get("backend", "aot_eager"))
         model = ddp.module
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     accum = scenario.get("accum", 1)

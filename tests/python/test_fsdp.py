@@ -13,6 +13,7 @@ HSDP run another, the bit-identity runs and the refusals a third.
 
 import inspect
 import json
+import os
 
 import pytest
 
@@ -94,6 +95,13 @@ if COMPILE:
     # torch.compile of a DDP model: the default ddp_optimizer mode keeps DDP's C++ reducer and
     # its bucket hooks, so the values are eager DDP's.
     SCENARIOS["compiled-ddp"] = ({"framework": "compile", "mode": "ddp_optimizer"}, range(STEPS))
+    if os.environ.get("RANKSCOPE_TEST_INDUCTOR"):
+        # The same with the inductor backend (C++ code generation with g++ on the CPU): minutes
+        # of compilation on a 2-core machine, so only on request (docs/shim.md "Frameworks").
+        SCENARIOS["compiled-ddp-inductor"] = (
+            {"framework": "compile", "mode": "ddp_optimizer", "backend": "inductor"},
+            range(STEPS),
+        )
 
 IDENTICAL = [("fsdp1", "FULL_SHARD"), ("fsdp1", "NO_SHARD")] + (
     [("fsdp2", "shard"), ("fsdp2", "replicate")] if FSDP2 else []
@@ -115,7 +123,7 @@ def exact_runs(module_collector, tmp_path_factory):
         STEPS,
         SKETCH_DIM,
         {job: scenario for job, (scenario, _) in SCENARIOS.items()},
-        timeout=400,
+        timeout=400 + (1500 if "compiled-ddp-inductor" in SCENARIOS else 0),
     )
     return module_collector, out
 

@@ -224,7 +224,7 @@ def attach(
         raise TypeError(
             "rankscope.torch.attach needs a torch.nn.parallel.DistributedDataParallel model, "
             "an FSDP1 (FullyShardedDataParallel) root, an FSDP2 (fully_shard) module, a "
-            "DeepSpeed engine, a Hugging Face Trainer or a Lightning Trainer/LightningModule, got "
+            "Megatron-core DistributedDataParallel model, a DeepSpeed engine, a Hugging Face Trainer or a Lightning Trainer/LightningModule, got "
             f"{type(model).__name__}"
         )
     if not dist.is_available() or not dist.is_initialized():

@@ -2,9 +2,9 @@
 module each; ``rankscope.torch.attach`` dispatches here on the object it is given.
 
 Two kinds of path:
-- FSDP (``fsdp1``, ``fsdp2``): ``path_for(obj)`` is the attach function for an FSDP1 root or an
-  FSDP2 module, or None; each takes ``(obj, attach_monitor, **attach's options)`` and returns a
-  Monitor, or an ``Unwatched`` stand-in (with one warning naming torch's version and the mode)
+- Models that reduce their own gradients (``fsdp1``, ``fsdp2``, ``megatron``): ``path_for(obj)``
+  is the attach function for an FSDP1 root, an FSDP2 module or a Megatron-core DDP model, or None; each takes ``(obj, attach_monitor, **attach's options)`` and returns a
+  Monitor, or an ``Unwatched`` stand-in (with one warning naming the version and the mode)
   where it cannot watch exactly.
 - Frameworks that own the training loop (``deepspeed``, ``huggingface``, ``lightning``):
   ``attach(obj, **options)`` picks the framework by the object's type (by module name: nothing is
@@ -19,8 +19,10 @@ __all__ = ["attach", "framework_of", "path_for"]
 
 def path_for(obj):
     """The attach function of the framework ``obj`` belongs to, or None."""
-    from rankscope.frameworks import fsdp1, fsdp2
+    from rankscope.frameworks import fsdp1, fsdp2, megatron
 
+    if megatron.is_megatron_ddp(obj):
+        return megatron.attach_megatron
     if fsdp2.is_fsdp2(obj):
         return fsdp2.attach_fsdp2
     if fsdp1.is_fsdp1(obj):

@@ -1,0 +1,77 @@
+"""Megatron-core's DistributedDataParallel (2 gloo processes, CPU, all-reduce mode and the
+distributed optimizer's reduce-scatter, 2 micro-batches a step) reporting to a real collector through
+rankscope.torch.attach(model).
+
+Megatron allocates its gradient buffers on torch.cuda.current_device() and reads
+torch.cuda.current_stream(): the rank processes point both at the CPU
+(framework_harness.megatron_on_cpu); the rest is Megatron's. The truth for each step comes from
+the same micro-batches run through a reference replica (same weights): the local gradient is the
+sum of the gradients of loss / micro-batches, the loss their mean; the collector's statistics must
+equal it as the DDP truth tests require (shim_harness.check_exact_rows). In all-reduce mode
+every rank holds the parameters whole: their fingerprints must agree.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
+
+import framework_harness  # noqa: E402
+import shim_harness  # noqa: E402
+
+try:
+    from megatron.core import package_info
+except ImportError:
+    if os.environ.get("RANKSCOPE_E2E_REQUIRED"):
+        raise
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+WORLD = 2
+STEPS = 3
+SKETCH_DIM = 1024
+
+
+@pytest.fixture(scope="module")
+def run(module_collector, tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    shim_harness.spawn(
+        framework_harness.megatron_worker,
+        WORLD,
+        module_collector.address,
+        "mg",
+        str(out),
+        STEPS,
+        SKETCH_DIM,
+        list(framework_harness.MEGATRON_SCENARIOS),
+        timeout=240,
+    )
+    return module_collector, out
+
+
+@pytest.mark.parametrize("scenario", ["allreduce-accum", "distopt-accum"])
+def test_megatron_ddp_statistics_equal_exact_values(run, scenario):
+    """all-reduce mode: every rank holds the parameters whole, their fingerprints agree;
+    distributed optimizer (reduce-scatter into shards): no fingerprint is sent."""
+    collector, out = run
+    infos, fps = framework_harness.check_framework_job(
+        collector, out, f"mg-{scenario}", scenario, WORLD, STEPS, SKETCH_DIM
+    )
+    if scenario == "allreduce-accum":
+        first = {r[3] for r in fps if r[0] == 0}
+        assert len(first) == 1 and None not in first, fps
+    else:
+        assert all(r[2] is None and r[3] is None for r in fps), fps
+
+
+def test_megatron_version_outside_the_tested_ones_is_refused_and_trains(run):
+    """One RuntimeWarning naming the version and mode; nothing reported; training ran."""
+    collector, out = run
+    for rank in range(WORLD):
+        info = framework_harness.load(out / f"refused.rank{rank}.json")
+        assert len(info["messages"]) == 1, info
+        assert "megatron-core 0.99.0" in info["messages"][0], info
+        assert "mode all-reduce" in info["messages"][0], info
+        assert info["stats"] == {"unwatched": info["messages"][0]}, info
+    assert collector.rank_rows("mg-refused") == []
+    assert package_info.__version__.startswith("0.19.")

@@ -1,0 +1,181 @@
+"""Megatron-core's DistributedDataParallel: each rank's local gradient before Megatron reduces it.
+
+Where it is seen. Megatron's DDP adds every parameter's ``.grad`` into ``param.main_grad``, a view
+into a contiguous gradient buffer split into buckets; the buckets of a
+``_ParamAndGradBucketGroup`` are reduced by ``start_grad_sync`` (an all-reduce, or a
+reduce-scatter with the distributed optimizer), which first scales ``bucket.grad_data`` in place by
+``gradient_scaling_factor`` (1/dp unless the collective averages) and then issues the collective.
+rankscope wraps ``start_grad_sync`` on each bucket group of the model: on entry (before the
+scaling, where Megatron's own ``check_grads`` reads the local norm) every parameter's ``main_grad``
+holds this rank's local gradient summed over the step's micro-batches, each of the loss the script
+backpropagated (``loss / num_microbatches`` in Megatron's schedules), in the buffer's dtype
+(``grad_reduce_in_fp32``), unscaled; rankscope sketches it and calls Megatron's own. Megatron
+reduces once a step (on the last micro-batch with ``overlap_grad_reduce``, else in
+``finish_grad_sync``, which ``finalize_model_grads`` calls), so the step's norm is exact without a
+copy. The reduction is Megatron's, untouched: training is bit-identical.
+
+Steps: ``mon.step(loss)`` after the optimizer step, as with DDP. ``finalize_model_grads`` ends
+the reduction; nothing rankscope sends needs to wait for it.
+
+Modes and what is compared: each rank's local loss, gradient norm and sketch, across the model's
+data-parallel group (the group ``start_grad_sync`` reduces over: the bucket groups'
+``data_parallel_group``, or ``intra_distributed_optimizer_instance_group`` with the distributed
+optimizer). Replica fingerprints: without
+the distributed optimizer every rank holds every parameter whole and equal, so the parameter
+fingerprints (every ``param_check_every`` steps) are sent and compared across the group; with it
+(ranks step different shards, then all-gather, possibly during the next forward) none are sent.
+The reduced gradient's fingerprint is not sent.
+
+Refused (one warning naming megatron-core's version and the mode, training unwatched): a version
+outside ``SUPPORTED`` or without the attributes read, expert-parallel buffers (MoE experts
+reduce over another group), several distributed-optimizer instances, and bucket groups that
+reduce over different process groups.
+
+Versions: read in megatron-core 0.19.2 (``_ParamAndGradBucketGroup.start_grad_sync``,
+``is_first_batch``, ``grad_reduce_handle``, ``buckets[i].params_list``, ``param.main_grad``).
+"""
+
+import torch
+
+from rankscope.frameworks._local_grads import (
+    FrameworkModel,
+    ParamTable,
+    StepGradients,
+    refuse,
+)
+
+WHAT = "Megatron-core DistributedDataParallel"
+SUPPORTED = ((0, 19),)  # (major, minor) read and tested
+
+
+def _version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except Exception:
+        return "unknown"
+
+
+def is_megatron_ddp(model) -> bool:
+    for cls in type(model).__mro__:
+        if cls.__name__ == "DistributedDataParallel" and (
+            getattr(cls, "__module__", "") or ""
+        ).startswith("megatron.core.distributed"):
+            return True
+    return False
+
+
+def _refuse(mode: str, why: str, start_step: int):
+    return refuse(f"{WHAT} (megatron-core {_version()})", mode, why, start_step)
+
+
+def _group_attribute(distopt: bool) -> str:
+    """The bucket group's attribute naming the group start_grad_sync reduces over (its
+    ``communication_group``)."""
+    return "intra_distributed_optimizer_instance_group" if distopt else "data_parallel_group"
+
+
+def _missing(model, distopt: bool) -> str:
+    """What this megatron-core lacks of what the path reads, or ""."""
+    for name in ("bucket_groups", "expert_parallel_bucket_groups", "ddp_config", "module"):
+        if not hasattr(model, name):
+            return f"DistributedDataParallel.{name}"
+    for g in model.bucket_groups:
+        for name in ("start_grad_sync", "is_first_batch", "grad_reduce_handle", "buckets"):
+            if not hasattr(g, name):
+                return f"_ParamAndGradBucketGroup.{name}"
+        if not hasattr(g, _group_attribute(distopt)):
+            return f"_ParamAndGradBucketGroup.{_group_attribute(distopt)}"
+        for b in g.buckets:
+            if not hasattr(b, "params_list"):
+                return "_ParamAndGradBucket.params_list"
+            for p in b.params_list:
+                if getattr(p, "main_grad", None) is None:
+                    return "param.main_grad"
+    return ""
+
+
+def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_step=0, **options):
+    """``rankscope.torch.attach`` for a Megatron-core DDP model: the Monitor, or an ``Unwatched``
+    stand-in (warned) where this version or mode cannot be watched exactly."""
+    if options.pop("comm_hook", None) is not None or options.pop("comm_hook_state", None):
+        raise ValueError("attach: Megatron-core DDP has no comm hook to chain to")
+    version = _version()
+    cfg = getattr(model, "ddp_config", None)
+    distopt = bool(getattr(cfg, "use_distributed_optimizer", False))
+    mode = "distributed optimizer" if distopt else "all-reduce"
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major_minor = ()
+    if major_minor not in SUPPORTED:
+        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        return _refuse(mode, f"only megatron-core {supported} is read and tested", start_step)
+    missing = _missing(model, distopt)
+    if missing:
+        return _refuse(mode, f"this megatron-core has no {missing}", start_step)
+    if model.expert_parallel_bucket_groups:
+        return _refuse(
+            mode, "expert-parallel parameters reduce over another group than the rest", start_step
+        )
+    if distopt and int(getattr(cfg, "num_distributed_optimizer_instances", 1)) > 1:
+        return _refuse(mode, "several distributed-optimizer instances", start_step)
+    attr = _group_attribute(distopt)
+    groups = {id(getattr(g, attr)): getattr(g, attr) for g in model.bucket_groups}
+    if len(groups) != 1:
+        return _refuse(mode, "its bucket groups reduce over different process groups", start_step)
+    (pg,) = groups.values()
+    named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+    replicas = None
+    if not distopt and options.get("fingerprints", True):
+        replicas = [p for _, p in named]
+    table = ParamTable(((n, p.shape) for n, p in named), replicas)
+    spec_by_param = {id(p): s for (_, p), s in zip(named, table.specs)}
+    for g in model.bucket_groups:
+        for b in g.buckets:
+            for p in b.params_list:
+                if id(p) not in spec_by_param:
+                    return _refuse(
+                        mode, "a bucket's parameter is not among the model's", start_step
+                    )
+    options["fingerprints"] = replicas is not None
+    # Megatron reduces once a step: the step's norm is exact without a copy (keep=False: a
+    # parameter reduced twice in a step is not reported, never mis-summed).
+    monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
+    grads = StepGradients(monitor, keep=bool(accumulate_local_grad))
+    monitor.local_grads = grads
+    monitor.framework = f"megatron-core {version} ddp"
+    monitor.framework_mode = f"Megatron DDP {mode}"
+    for g in model.bucket_groups:
+        _wrap(g, grads, spec_by_param)
+    return monitor
+
+
+def _wrap(bucket_group, grads: StepGradients, spec_by_param: dict) -> None:
+    """Wraps the bucket group's start_grad_sync once; a later attach retargets it."""
+    current = bucket_group.start_grad_sync
+    target = getattr(current, "_rankscope_target", None)
+    if target is not None:
+        target[0] = (grads, spec_by_param)
+        return
+    target = [(grads, spec_by_param)]
+
+    def start_grad_sync(*args, **kwargs):
+        step_grads, specs = target[0]
+        # Megatron's own no-op case (the collective of the first batch was already issued).
+        no_op = bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None
+        if step_grads._monitor._active and not no_op:
+            try:
+                params = [p for b in bucket_group.buckets for p in b.params_list]
+                local = [specs[id(p)] for p in params]
+                views = [p.main_grad.view(p.shape) for p in params]
+            except Exception as e:  # monitoring must never break training
+                step_grads._monitor._hook_failed(e)
+            else:
+                with torch.no_grad():
+                    step_grads.add(local, views)
+        return current(*args, **kwargs)
+
+    start_grad_sync._rankscope_target = target
+    bucket_group.start_grad_sync = start_grad_sync
