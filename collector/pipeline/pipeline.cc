@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
+#include "absl/random/random.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
@@ -77,6 +78,8 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
+      // A random instance: a cursor a restarted collector issued is never taken for this one's.
+      changes_(absl::Uniform<uint64_t>(absl::BitGen())),
       writer_(std::move(store), options_.writer, StoreHooks()),
       registry_(options_.max_jobs, options_.identity_ttl) {
   const size_t n = options_.analysis_threads != 0
@@ -112,6 +115,7 @@ StoreWriterHooks StepPipeline::StoreHooks() {
   HealthMetrics* const health = health_;
   return StoreWriterHooks{
       .on_commit = [this](absl::Duration took, size_t) { OnStoreCommit(took); },
+      .on_stored = [this](const StoreBatch& stored) { changes_.Record(stored); },
       .on_error = [this](const absl::Status& error) { OnStoreError(error); },
       .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
       .on_drop = [this](const StoreBatch& rows, size_t items,
@@ -564,6 +568,12 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
 std::vector<JobSummary> StepPipeline::ListJobs() const {
   MutexLock lock(&mu_);
   return registry_.Summaries();
+}
+
+std::shared_ptr<const std::vector<std::string>> StepPipeline::BucketNames(
+    const std::string& job) const {
+  MutexLock lock(&mu_);
+  return registry_.BucketNames(job);
 }
 
 bool StepPipeline::Flush(absl::Duration timeout) {

@@ -60,6 +60,7 @@
 #include "collector/pipeline/agent_stream.h"
 #include "collector/pipeline/job_registry.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
+#include "collector/pipeline/step_change_log.h"
 #include "collector/pipeline/step_joiner.h"
 #include "collector/store/sqlite_store.h"
 #include "collector/store/store_writer.h"
@@ -137,6 +138,11 @@ class StepPipeline {
 
   absl::Status store_health() const { return writer_.health(); }
 
+  // Which steps of each job were committed after a cursor (step_change_log.h). Thread-safe.
+  const StepChangeLog& changes() const { return changes_; }
+  // The bucket names of a job's newest hello that named any (Hello.bucket_names), or null.
+  std::shared_ptr<const std::vector<std::string>> BucketNames(const std::string& job) const;
+
  private:
   // One shard of joining and analysis: the groups whose key it is given (ShardOf).
   struct Shard {
@@ -208,6 +214,9 @@ class StepPipeline {
   std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
   // Sketch buffers: taken by OnReport (reactor threads), given back by the analysis threads.
   SketchBufferPool sketch_pool_;
+  // The steps each commit stored (the web view's ?changes=); before writer_, whose thread records
+  // into it until writer_ is destroyed.
+  StepChangeLog changes_;
   StoreWriter writer_;
 
   mutable Mutex mu_;

@@ -146,7 +146,7 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
     """What the collector must compute for one step, from exact per-rank values; the sketches
     in `encoding` as the agent packs them (rankscope._native.pack_sketch)."""
     from rankscope import _native
-    from rankscope.torch_sketch import TorchSketch
+    from rankscope._device_sketch import DeviceSketch
 
     w = len(losses)
     norms = [float(g.norm()) for g in grads]
@@ -168,7 +168,7 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
 
     sketches = []
     for g in grads:
-        s = TorchSketch(sketch_dim, sketch_seed, "cpu")
+        s = DeviceSketch(sketch_dim, sketch_seed, "cpu")
         s.add(g, 0)
         values = s.bins.float()
         if encoding != "float32":
@@ -312,7 +312,7 @@ def exact_worker(
                 sketch_encoding=encoding,
                 **chain,
             )
-        mon._force_torch_sketch = bool(opt.get("torchpath"))
+        mon._bypass_native = bool(opt.get("torchpath"))
 
         expected = {}
         for step in range(first, first + steps):

@@ -310,15 +310,17 @@ class Monitor:
         return self._sketcher.cpu_sketch
 
     @property
-    def _force_torch_sketch(self) -> bool:
-        """Tests: sketch and fingerprint CPU tensors with the torch-op path (as on a GPU)
-        instead of the C++ kernels."""
-        return self._sketcher.force_torch
+    def _bypass_native(self) -> bool:
+        """Tests: CPU tensors bypass the C++ kernels and are sketched and fingerprinted by the
+        device path (rankscope._backend with ``native=False``: the torch ops, as a GPU without
+        Triton runs them). Not RANKSCOPE_GPU_KERNELS=torch, which picks the torch ops over
+        Triton for device tensors."""
+        return self._sketcher.bypass_native
 
-    @_force_torch_sketch.setter
-    def _force_torch_sketch(self, value: bool) -> None:
-        self._sketcher.force_torch = bool(value)
-        self._replica.force_torch = bool(value)
+    @_bypass_native.setter
+    def _bypass_native(self, value: bool) -> None:
+        self._sketcher.bypass_native = bool(value)
+        self._replica.bypass_native = bool(value)
 
     def _reset_accumulators(self) -> None:
         if self.local_grads is not None:
