@@ -32,22 +32,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
+#include "collector/model/change_cursor.h"
 #include "collector/model/rows.h"
 #include "common/mutex.h"
 
 namespace rankscope::collector {
-
-struct ChangeCursor {
-  uint64_t instance = 0;
-  uint64_t seq = 0;
-  bool operator==(const ChangeCursor& o) const { return instance == o.instance && seq == o.seq; }
-};
-
-// "INSTANCE.SEQ" in lower-case hex and decimal ("9f3a0c1d2e4b5a67.1234").
-std::string FormatChangeCursor(const ChangeCursor& cursor);
-// The inverse of FormatChangeCursor; nullopt for anything else (at most 16 hex digits, a dot,
-// at most 20 decimal digits, no sign, no spaces).
-std::optional<ChangeCursor> ParseChangeCursor(absl::string_view text);
 
 class StepChangeLog {
  public:

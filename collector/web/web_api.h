@@ -50,7 +50,7 @@
 #include "absl/strings/string_view.h"
 #include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
-#include "collector/pipeline/step_change_log.h"
+#include "collector/model/change_cursor.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
