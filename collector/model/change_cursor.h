@@ -1,8 +1,5 @@
-// A position in the collector's log of stored steps (StepChangeLog): the log's instance (one per
-// collector process) and a sequence number. The web API hands it to a page as text and takes it
-// back, so a refresh re-reads exactly the steps stored after it.
-//
-// Pure values and functions, no state.
+// A position in a collector's log of stored steps (collector/pipeline/step_change_log.h), as the
+// web API's ?changes= carries it. Pure: plain values and their text form.
 #ifndef RANKSCOPE_COLLECTOR_MODEL_CHANGE_CURSOR_H_
 #define RANKSCOPE_COLLECTOR_MODEL_CHANGE_CURSOR_H_
 

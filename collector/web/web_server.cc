@@ -111,6 +111,8 @@ absl::StatusOr<std::vector<JobListEntry>> ReadJobEntries(std::vector<v1::JobInfo
 
 // The reads of one API request on a reader thread; returns the JSON body. With `entries` (a
 // fleet's jobs request), the jobs are left there for FleetJobsJson and the body is empty.
+// Long: the API's one read on a reader thread, one branch per route (jobs, steps, ranks, one rank's
+// series, the change cursor), each a few store reads turned into JSON by web_api's pure functions.
 absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& reader,
                                     const StepPipeline& pipeline,
                                     std::vector<JobListEntry>* entries = nullptr) {

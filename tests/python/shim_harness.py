@@ -29,10 +29,7 @@ from conftest import free_port
 # ---- process management ------------------------------------------------------------------------
 
 
-def run_rank(rank, fn, port, world_size, args, backend="gloo"):
-    """One rank's process: joins the ``backend`` group of ``world_size`` ranks at 127.0.0.1:``port``,
-    runs ``fn(rank, world_size, *args)``, leaves the group. spawn's processes run it, and
-    netfault_ranks.py's, which it starts itself inside a network namespace."""
+def _entry(rank, fn, port, world_size, args, backend):
     torch.set_num_threads(1)  # 4 ranks share 2 cores
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -50,7 +47,7 @@ def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
     group (gloo; nccl puts rank r on GPU r); raises if any rank fails or the whole run takes
     longer than ``timeout`` seconds (then every rank is killed)."""
     ctx = mp.start_processes(
-        run_rank,
+        _entry,
         args=(fn, free_port(), world_size, args, backend),
         nprocs=world_size,
         join=False,
@@ -68,16 +65,11 @@ def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
                 p.join()
 
 
-def value_from_rank0(value: int) -> int:
-    """Rank 0's integer, seen by every rank (a test-only collective: keeps ranks in step)."""
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, 0)
-    return int(t.item())
-
-
 def flag_from_rank0(value: bool) -> bool:
-    """Rank 0's decision, seen by every rank."""
-    return bool(value_from_rank0(1 if value else 0))
+    """Rank 0's decision, seen by every rank (a test-only collective: keeps ranks in step)."""
+    t = torch.tensor([1 if value else 0], dtype=torch.int32)
+    dist.broadcast(t, 0)
+    return bool(t.item())
 
 
 def write_json(path, obj) -> None:
@@ -120,26 +112,6 @@ def batch(rank, step, micro=0, bsz=4, ctx=16):
     g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
     data = torch.randint(0, VOCAB, (bsz, ctx + 1), generator=g)
     return data[:, :-1], data[:, 1:]
-
-
-def tiny_ddp(lr=0.05):
-    """The scenarios' replica: a TinyLM with the same initial weights on every rank, in DDP, and
-    its SGD optimizer."""
-    torch.manual_seed(7)
-    ddp = nn.parallel.DistributedDataParallel(TinyLM())
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=lr)
-
-
-def train_step(ddp, sgd, mon, rank, step):
-    """One watched training step on ``batch(rank, step)``: forward, backward, update, then
-    ``mon.step(loss)``. Returns the loss."""
-    x, y = batch(rank, step)
-    sgd.zero_grad(set_to_none=True)
-    loss = lm_loss(ddp, x, y)
-    loss.backward()
-    sgd.step()
-    mon.step(loss)
-    return loss
 
 
 def flat_grad(module) -> torch.Tensor:
@@ -388,7 +360,9 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
     import rankscope.torch as rst
 
     work_dir = Path(work_dir)
-    ddp, sgd = tiny_ddp()
+    torch.manual_seed(7)
+    ddp = nn.parallel.DistributedDataParallel(TinyLM())
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
     mon = rst.attach(
         ddp, collector=collector, job=job, sketch_dim=256, dormant=True, control_margin=0.5
     )
@@ -403,7 +377,12 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
         stop = (work_dir / "stop").exists() or time.monotonic() > t_end
         if flag_from_rank0(stop if rank == 0 else False):
             break
-        train_step(ddp, sgd, mon, rank, step)
+        x, y = batch(rank, step)
+        sgd.zero_grad(set_to_none=True)
+        loss = lm_loss(ddp, x, y)
+        loss.backward()
+        sgd.step()
+        mon.step(loss)
         step += 1
         if rank == 0 and step % 5 == 0:
             write_json(work_dir / "progress.json", {"step": mon.step_number})
@@ -422,7 +401,9 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
     import rankscope.torch as rst
 
     work_dir = Path(work_dir)
-    ddp, sgd = tiny_ddp()
+    torch.manual_seed(7)
+    ddp = nn.parallel.DistributedDataParallel(TinyLM())
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
     caught = []
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -433,7 +414,12 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
         times = {"A": [], "B": [], "C": []}
         while True:
             t0 = time.perf_counter()
-            train_step(ddp, sgd, mon, rank, step)
+            x, y = batch(rank, step)
+            sgd.zero_grad(set_to_none=True)
+            loss = lm_loss(ddp, x, y)
+            loss.backward()
+            sgd.step()
+            mon.step(loss)
             times[phase].append(time.perf_counter() - t0)
             step += 1
             if rank == 0:

@@ -518,6 +518,8 @@ def test_late_report_shows_without_a_reload(web_collector, browser):
     assert browser.console == [], browser.console
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_rank_panel_names_the_deviating_buckets(web_collector, browser):
     """Where in the model on the rank panel (issue 36's buckets): for the selected rank and step
     the page names the buckets that deviate with their z, worst first, readable at a glance (a
