@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -21,6 +22,7 @@
 #include "collector/store/retention.h"
 #include "common/collector_shard.h"
 #include "common/flag_help.h"
+#include "common/memory_trimmer.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
           "Address for agents (Ingest) and the CLI (Query). Loopback by default; binding "
@@ -139,6 +141,24 @@ ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(60),
           "certificate renewed on disk (replaced atomically, by rename) serves new connections "
           "after at most this long, without a restart; open streams are kept. Whole seconds, at "
           "least 1s.");
+ABSL_FLAG(absl::Duration, grpc_agent_min_ping_interval,
+          absl::Milliseconds(rankscope::keepalive::kServerMinPingIntervalMs),
+          "Pings from a peer closer together than this (with no data sent between) are strikes; "
+          "after --grpc_agent_max_ping_strikes the connection is closed (GOAWAY too_many_pings). "
+          "The default allows the agents' 30 s pings; gRPC's own default, 5m, is what a "
+          "collector older than this flag used (agents then reconnect, nothing is lost).");
+ABSL_FLAG(bool, grpc_agent_pings_without_calls, true,
+          "Accept pings on a connection with no open stream (the agents ping between streams); "
+          "false, gRPC's default, counts them as strikes.");
+ABSL_FLAG(int, grpc_agent_max_ping_strikes, 2,
+          "Bad pings (see --grpc_agent_min_ping_interval) tolerated before GOAWAY.");
+ABSL_FLAG(absl::Duration, memory_trim_interval, absl::Seconds(10),
+          "How often the collector checks how much memory malloc holds free and, above "
+          "--memory_trim_min_mib, gives it back to the system (malloc_trim): after a burst of "
+          "connections or streams is freed, RSS follows what is in use instead of staying at "
+          "the burst's peak. 0: never.");
+ABSL_FLAG(int, memory_trim_min_mib, 32,
+          "Free memory held by malloc below which --memory_trim_interval does nothing (MiB).");
 
 namespace {
 
@@ -280,6 +300,9 @@ int main(int argc, char** argv) {
   options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
   options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
+  options.agent_pings.min_interval = absl::GetFlag(FLAGS_grpc_agent_min_ping_interval);
+  options.agent_pings.permit_without_calls = absl::GetFlag(FLAGS_grpc_agent_pings_without_calls);
+  options.agent_pings.max_strikes = absl::GetFlag(FLAGS_grpc_agent_max_ping_strikes);
   RaiseFileLimit(options.max_streams);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
@@ -311,8 +334,16 @@ int main(int argc, char** argv) {
                (*collector)->metrics_port(), (*collector)->http_port(), options.db_path.c_str());
   std::fflush(stderr);
 
+  // Started after the collector (its threads have made their arenas): stopped before it.
+  rankscope::MemoryTrimmer::Options trim;
+  trim.interval = absl::GetFlag(FLAGS_memory_trim_interval);
+  trim.min_free_bytes = static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_memory_trim_min_mib)))
+                        << 20;
+  auto trimmer = std::make_unique<rankscope::MemoryTrimmer>(trim);
+
   int sig = 0;
   sigwait(&stop_signals, &sig);
+  trimmer.reset();
   std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n", sig);
   absl::Status st = (*collector)->Shutdown(absl::Seconds(10));
   if (!st.ok()) {
