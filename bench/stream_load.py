@@ -422,7 +422,7 @@ def main() -> int:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1
         rows.append(f)
-        if args.silent_rank >= 0:
+        if args.silent_rank >= 0 and t == threads[0]:  # once per N and groups
             timeout = args.duration + 60
             o = run_streams(
                 build,

@@ -157,7 +157,7 @@ ABSL_FLAG(absl::Duration, memory_trim_interval, absl::Seconds(10),
           "--memory_trim_min_mib, gives it back to the system (malloc_trim): after a burst of "
           "connections or streams is freed, RSS follows what is in use instead of staying at "
           "the burst's peak. 0: never.");
-ABSL_FLAG(int, memory_trim_min_mib, 32,
+ABSL_FLAG(int, memory_trim_min_mib, 16,
           "Free memory held by malloc below which --memory_trim_interval does nothing (MiB).");
 
 namespace {

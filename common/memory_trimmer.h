@@ -28,7 +28,7 @@ class MemoryTrimmer {
  public:
   struct Options {
     absl::Duration interval = absl::Seconds(10);  // <= 0: no thread (TrimIfAbove still works)
-    size_t min_free_bytes = size_t{32} << 20;     // below this much free in malloc, no trim
+    size_t min_free_bytes = size_t{16} << 20;     // below this much free in malloc, no trim
   };
 
   // What one check found and did.
