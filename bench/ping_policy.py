@@ -4,9 +4,11 @@
     .venv/bin/python bench/ping_policy.py --build-dir build [--ranks 2] [--steps 3]
         [--gap 150] [--policy old|new]
 
-A real rankscope-collector whose agent-ping flags are set to gRPC's defaults, the policy of a
-collector older than them (--policy old: --grpc_agent_min_ping_interval=5m
---grpc_agent_pings_without_calls=false --grpc_agent_max_ping_strikes=2), and one loadgen whose
+A real rankscope-collector whose keepalive flags are set to gRPC's defaults, the policy of a
+collector older than them (--policy old: --grpc_keepalive_time=0, i.e. no server pings,
+--grpc_agent_min_ping_interval=5m --grpc_agent_pings_without_calls=false
+--grpc_agent_max_ping_strikes=2; the collector's own pings would keep the agents' from being
+sent, gRPC pings only a connection that received nothing for 30 s), and one loadgen whose
 ranks report one step every --gap seconds: between two steps the streams are idle (no data either
 way), the agents ping every 30 s, and the old policy answers the third bad ping with GOAWAY
 "too_many_pings". Prints the agents' reconnects, the reports recorded, acked and stored, and
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stream_load import CollectorProcess  # noqa: E402
 
 OLD_POLICY = [
+    "--grpc_keepalive_time=0",  # no server pings either (gRPC's default: 2 h)
     "--grpc_agent_min_ping_interval=5m",
     "--grpc_agent_pings_without_calls=false",
     "--grpc_agent_max_ping_strikes=2",

@@ -165,7 +165,11 @@ def run_streams(
     Returns the figures (KiB, counts, seconds)."""
     job = f"load-{n}"
     with tempfile.TemporaryDirectory(prefix="rankscope-load-") as tmp:
-        c = CollectorProcess(build, Path(tmp), collector_args)
+        # --max_streams (default 10,000) above N: past it a stream is refused, and its agent
+        # retries until one closes.
+        c = CollectorProcess(
+            build, Path(tmp), [f"--max_streams={max(10000, n + 256)}", *collector_args]
+        )
         try:
             time.sleep(0.5)
             idle = c.rss_kib()
