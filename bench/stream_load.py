@@ -200,16 +200,29 @@ def run_streams(
             ]
             if procs > 1:
                 base.append("--go_on_stdin")
-            lgs = [
-                subprocess.Popen(
+            # Started one after another, each once the one before has all its streams open: a
+            # reconnect storm of every agent at once (connects timing out in the collector's
+            # accept queue at a high load average) is not what is measured here.
+            lgs = []
+
+            def start_next():
+                k = len(lgs)
+                lg = subprocess.Popen(
                     base + ([f"--rank={k * per}", f"--rank_count={per}"] if procs > 1 else []),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
                 )
-                for k in range(procs)
-            ]
+                lgs.append(lg)
+                for target, args in (
+                    (drain, (lg.stdout, outs[k], k)),
+                    (drain, (lg.stderr, errs[k], None)),
+                ):
+                    t = threading.Thread(target=target, args=args, daemon=True)
+                    readers.append(t)
+                    t.start()
+
             samples = []
             figures = {"n": n, "idle_kib": idle, "procs": procs}
             stop = threading.Event()
@@ -226,8 +239,8 @@ def run_streams(
             # Every pipe is drained by its own thread: a loadgen blocked writing to a full
             # stderr pipe would stop (an agent prints a line when its collector is slow).
             events = queue.Queue()
-            outs = [[] for _ in lgs]
-            errs = [[] for _ in lgs]
+            outs = [[] for _ in range(procs)]
+            errs = [[] for _ in range(procs)]
 
             def drain(stream, into, key):
                 for line in stream:
@@ -237,12 +250,7 @@ def run_streams(
                 events.put((key, None))
 
             readers = []
-            for k, lg in enumerate(lgs):
-                readers.append(threading.Thread(target=drain, args=(lg.stdout, outs[k], k)))
-                readers.append(threading.Thread(target=drain, args=(lg.stderr, errs[k], None)))
-            for r in readers:
-                r.daemon = True
-                r.start()
+            start_next()
 
             def go():  # --go_on_stdin: every process goes on together
                 if procs > 1:
@@ -257,7 +265,7 @@ def run_streams(
             sampler = None
             t_reports = t_hold = None
             connected, holding, ended = set(), set(), 0
-            while ended < procs:
+            while ended < len(lgs):
                 key, line = events.get()
                 if key is None:
                     continue
@@ -272,7 +280,9 @@ def run_streams(
                     continue
                 if "agents connected" in line:
                     connected.add(key)
-                    if len(connected) == procs:
+                    if len(lgs) < procs:
+                        start_next()
+                    elif len(connected) == procs:
                         t_reports = time.monotonic()
                         figures["connected_kib"] = c.rss_kib()
                         figures["connected_load"] = os.getloadavg()[0]

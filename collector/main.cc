@@ -162,24 +162,35 @@ ABSL_FLAG(int, memory_trim_min_mib, 16,
 
 namespace {
 
-// Every agent stream holds a TCP connection, i.e. a file descriptor: raises the soft
-// RLIMIT_NOFILE to cover `max_streams` plus a margin for the database, the HTTP endpoint and
-// the CLI (up to the hard limit), and warns when the hard limit is lower.
+// Every agent stream holds a TCP connection, i.e. a file descriptor, and so does every
+// connection that holds no stream (a half-open peer until keepalive closes it, an agent whose
+// connect timed out while its connection waited in the accept queue, and that reconnected). An
+// accept4 that fails with EMFILE stops gRPC 1.51's listener (Debian bookworm's) for good: the
+// collector then serves its open streams but accepts no new connection ("Failed accept4: Too many
+// open files" in its log; seen at 16,384 agents with the soft limit at 20,000,
+// docs/PERFORMANCE.md). So the soft RLIMIT_NOFILE is raised to the hard limit, every descriptor
+// the system allows, and a warning is printed when that is below `max_streams` plus a margin for
+// the database, the HTTP endpoints and connections without a stream.
 void RaiseFileLimit(size_t max_streams) {
-  constexpr rlim_t kMargin = 256;
+  constexpr rlim_t kMargin = 1024;
   const rlim_t wanted = static_cast<rlim_t>(max_streams) + kMargin;
   rlimit lim{};
-  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
-      lim.rlim_cur >= wanted) {
-    return;
-  }
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return;
   rlimit raised = lim;
-  raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, lim.rlim_max);
-  if (setrlimit(RLIMIT_NOFILE, &raised) != 0) raised.rlim_cur = lim.rlim_cur;
+  // An infinite hard limit: as many as the kernel allows one process (fs/nr_open), at least wanted.
+  raised.rlim_cur =
+      lim.rlim_max != RLIM_INFINITY ? lim.rlim_max : std::max<rlim_t>(wanted, 1 << 20);
+  if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+    raised.rlim_cur = std::max(lim.rlim_cur, wanted);  // fs/nr_open is lower: try what is needed
+    if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+      raised.rlim_cur = lim.rlim_cur;
+    }
+  }
   if (raised.rlim_cur < wanted) {
     std::fprintf(stderr,
                  "rankscope-collector: warning: the file descriptor limit (%llu, ulimit -Hn) is "
-                 "below --max_streams + %llu; streams beyond it fail to connect (raise the hard "
+                 "below --max_streams + %llu; streams beyond it fail to connect, and a burst of "
+                 "connections past it stops new connections until a restart (raise the hard "
                  "limit, e.g. LimitNOFILE= in the systemd unit)\n",
                  static_cast<unsigned long long>(raised.rlim_cur),
                  static_cast<unsigned long long>(kMargin));
