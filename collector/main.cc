@@ -2,9 +2,11 @@
 // Prometheus metrics. See README.md and docs/ARCHITECTURE.md.
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -23,6 +25,7 @@
 #include "common/collector_shard.h"
 #include "common/flag_help.h"
 #include "common/memory_trimmer.h"
+#include "grpc/support/log.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
           "Address for agents (Ingest) and the CLI (Query). Loopback by default; binding "
@@ -197,6 +200,23 @@ void RaiseFileLimit(size_t max_streams) {
   }
 }
 
+// gRPC's log lines, printed as gRPC prints them, watched for the one that means its listener is
+// gone: gRPC 1.51's accept loop (Debian bookworm's) stops for good on an accept4 error other than
+// EAGAIN/ECONNABORTED/EINTR ("Failed accept4: Too many open files" when the file-descriptor limit
+// is hit), and the collector would then serve its open streams but never accept another
+// connection: reconnecting agents and new jobs locked out, silently. The line raises
+// kListenerFailed, and main shuts the collector down cleanly and exits with
+// kExitListenerFailed, for its supervisor (systemd Restart=on-failure, Kubernetes) to restart it;
+// the agents buffer and resend meanwhile, nothing acknowledged is lost.
+constexpr int kListenerFailed = SIGUSR2;
+constexpr int kExitListenerFailed = 75;  // EX_TEMPFAIL
+
+void LogGrpc(gpr_log_func_args* args) {
+  std::fprintf(stderr, "%s %s:%d] %s\n", gpr_log_severity_string(args->severity), args->file,
+               args->line, args->message);
+  if (std::strstr(args->message, "Failed accept4") != nullptr) kill(getpid(), kListenerFailed);
+}
+
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read --auth_token_file ", path));
@@ -238,7 +258,9 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, kListenerFailed);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  gpr_set_log_function(LogGrpc);
 
   rankscope::collector::CollectorOptions options;
   rankscope::collector::RetentionOptions retention;
@@ -355,12 +377,22 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   trimmer.reset();
-  std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n", sig);
+  if (sig == kListenerFailed) {
+    std::fprintf(stderr,
+                 "rankscope-collector: gRPC stopped accepting connections (accept4 failed, see "
+                 "above; it does not retry): shutting down to be restarted, exit status %d; the "
+                 "agents buffer and resend. If the file-descriptor limit was hit, raise it "
+                 "(LimitNOFILE=, ulimit -Hn)\n",
+                 kExitListenerFailed);
+  } else {
+    std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n",
+                 sig);
+  }
   absl::Status st = (*collector)->Shutdown(absl::Seconds(10));
   if (!st.ok()) {
     std::fprintf(stderr, "rankscope-collector: shutdown: %s\n", st.ToString().c_str());
     return 1;
   }
   std::fprintf(stderr, "rankscope-collector: stopped cleanly\n");
-  return 0;
+  return sig == kListenerFailed ? kExitListenerFailed : 0;
 }

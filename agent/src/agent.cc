@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "agent_impl.h"
@@ -399,6 +400,14 @@ std::string AgentImpl::RefuseLocked() {
 
 std::string AgentImpl::TransportHint(const grpc::Status& status) const {
   if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+  // GOAWAY too_many_pings: the connection worked, the collector's ping policy is older than the
+  // agent's keepalive (docs/reliability.md "Keepalive"); TLS is not the problem.
+  if (absl::StrContains(status.error_message(), "Too many pings")) {
+    return "; the collector allows fewer keepalive pings than the agent sends (an older "
+           "collector, or --grpc_agent_min_ping_interval above 30s): it closes an idle "
+           "connection after a few; the agent reconnects and resends what is unacked, nothing "
+           "is lost";
+  }
   if (!options_.tls.enabled()) {
     return "; connecting in plaintext: if the collector serves TLS, give the agent its CA "
            "(tls_ca_file, RANKSCOPE_TLS_CA)";
