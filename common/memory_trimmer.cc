@@ -50,7 +50,9 @@ void MemoryTrimmer::Loop() {
     }
     const Trim trim = TrimIfAbove(options_.min_free_bytes);
     // Said when it matters (a burst's memory came back), not every interval.
-    if (trim.trimmed && trim.rss_before - trim.rss_after >= int64_t{16} << 20) {
+    // (Both readings known: /proc/self/statm cannot be opened when descriptors run out.)
+    if (trim.trimmed && trim.rss_before >= 0 && trim.rss_after >= 0 &&
+        trim.rss_before - trim.rss_after >= int64_t{16} << 20) {
       std::fprintf(stderr,
                    "rankscope: gave %.1f MiB of freed memory back to the system (malloc held "
                    "%.1f MiB free; RSS %.1f -> %.1f MiB)\n",

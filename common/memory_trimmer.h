@@ -36,7 +36,7 @@ class MemoryTrimmer {
     size_t free_bytes = 0;   // held free by malloc at the check (mallinfo2().fordblks)
     bool trimmed = false;    // malloc_trim(0) was called
     int64_t rss_before = 0;  // this process's resident bytes before, and after the trim
-    int64_t rss_after = 0;   // (both 0 when not trimmed)
+    int64_t rss_after = 0;   // (both 0 when not trimmed; -1 when they could not be read)
   };
 
   explicit MemoryTrimmer(Options options);
