@@ -259,6 +259,8 @@ int64_t FillAndMeasure(Agent& agent, int64_t rss0, bool expect_unacked_full) {
 
 }  // namespace
 
+// Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+// runs, the table it prints; the measured pieces are functions of their own.
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int records = absl::GetFlag(FLAGS_records);

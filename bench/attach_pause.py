@@ -60,6 +60,8 @@ def percentiles(xs):
     return f"p50 {q(0.5):.3f} s  p90 {q(0.9):.3f} s  max {xs[-1]:.3f} s  (n={len(xs)})"
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def one_run(i, kind, cli, collector_addr, db, work, run_timeout):
     d = work / f"run{i}"
     d.mkdir()

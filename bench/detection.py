@@ -54,6 +54,11 @@ run can be repeated alone (`--world-sizes 4 --faults noise30 --runs-per-fault 2`
 and 1 of that fault exactly; model and data do not depend on the other runs).
 """
 
+# One file, several parts (the plan, the scoring, the training ranks, the collector, the driver:
+# the sections below), kept together on purpose: the benchmark is one script run by hand and read
+# with its results in docs/PERFORMANCE.md; bench/real_bugs.py and examples/demo.py import its
+# collector start-up and scoring instead of copying them.
+
 import argparse
 import json
 import math
@@ -138,7 +143,24 @@ def culprit(run: dict):
 
 
 def parse_ranks(text) -> list:
-    return [int(t) for t in (text or "").split(",") if t.strip()]
+    """A step_stats rank list, in its order: "3,7", or missing_ranks' runs "0-5,9" (a trailing
+    "+N", ranks beyond the stored runs, is left out)."""
+    ranks = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item or item.startswith("+"):
+            continue
+        first, _, last = item.partition("-")
+        ranks.extend(range(int(first), int(last or first) + 1))
+    return ranks
+
+
+def judge_flag(ranks, faulty, after: bool):
+    """One column's flagged `ranks` at a step, against the faulty ranks: the ranks flagged wrongly
+    (sorted: any rank before the onset, a healthy one after it) and the faulty ranks it names."""
+    wrong = sorted(r for r in ranks if not (after and r in faulty))
+    named = set(ranks) & set(faulty) if after else set()
+    return wrong, named
 
 
 def parse_groups(text) -> list:
@@ -164,10 +186,10 @@ def score_run(run: dict, rows) -> dict:
             ("drifting", parse_ranks(drifting)),
             ("slow", parse_ranks(slow)),
         ):
-            wrong = [r for r in ranks if not (after and r in faulty)]
+            wrong, named = judge_flag(ranks, faulty, after)
             if wrong:
-                false_flags.append((step, column, sorted(wrong)))
-            if not is_dup and after and run["rank"] in ranks and detected_at is None:
+                false_flags.append((step, column, wrong))
+            if not is_dup and named and detected_at is None:
                 detected_at, how = step, column
         for group in parse_groups(groups):
             if after and group == faulty:
@@ -289,6 +311,8 @@ def _write_json(path, obj):
     os.replace(tmp, path)
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def _worker(rank, port, world_size, runs, opts, collector, out_dir):
     """One gloo rank: trains every run of this world size in turn, each its own DDP model and
     job; after each run (all ranks closed their monitors, so the collector committed every step)
@@ -395,29 +419,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_collector(binary: Path, tmp: Path, db: Path = None):
-    """A collector on 127.0.0.1, a free gRPC port (learned from its start-up line), no metrics
-    endpoint, a fresh database (in `tmp` unless `db`). Returns (process, address, db, log)."""
+def start_collector(
+    binary: Path, tmp: Path, db: Path = None, step_timeout="30s", metrics=False, timeout=30.0
+):
+    """A collector on 127.0.0.1 with gRPC on a free port (learned from its start-up line), a
+    metrics endpoint on a free port when `metrics` (else none), no web server, a database in
+    `tmp` unless `db`, its log in tmp/collector.log; `step_timeout` None leaves the collector's
+    default. Shared by bench/real_bugs.py and examples/demo.py. Returns (process, gRPC address,
+    metrics port or None, db, log path); exits with the log when it does not start."""
     db, log_path = db or tmp / "rankscope.db", tmp / "collector.log"
+    flags = [
+        "--grpc_address=127.0.0.1:0",
+        f"--metrics_address={'127.0.0.1:0' if metrics else ''}",
+        "--http_address=",
+        f"--db_path={db}",
+    ]
+    if step_timeout is not None:
+        flags.append(f"--step_timeout={step_timeout}")
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--grpc_address=127.0.0.1:0",
-            "--metrics_address=",
-            "--http_address=",
-            f"--db_path={db}",
-            "--step_timeout=30s",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen([str(binary), *flags], stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    deadline = time.monotonic() + 30
+    started = r"serving gRPC on [0-9.]+:(\d+)" + (
+        r" .*metrics on :(\d+)/metrics" if metrics else ""
+    )
+    deadline = time.monotonic() + timeout
     while True:
-        m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log_path.read_text())
+        m = re.search(started, log_path.read_text())
         if m:
-            return proc, f"127.0.0.1:{m.group(1)}", db, log_path
+            metrics_port = int(m.group(2)) if metrics else None
+            return proc, f"127.0.0.1:{m.group(1)}", metrics_port, db, log_path
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise SystemExit(f"collector did not start:\n{log_path.read_text()}")
@@ -601,6 +631,8 @@ def print_table(results, faults):
         print("| " + " | ".join(map(str, line)) + " |")
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="bench/detection.py",
@@ -726,7 +758,7 @@ def main(argv=None):
     results = []
     with tempfile.TemporaryDirectory(prefix="rankscope-detect-") as tmp:
         tmp = Path(tmp)
-        proc, address, db, log_path = start_collector(
+        proc, address, _, db, log_path = start_collector(
             binary, tmp, Path(args.db).resolve() if args.db else None
         )
         print(f"collector {address}, db {db}", flush=True)

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rankscope import _backend
 from rankscope import fingerprint as fp
 
 
@@ -86,6 +87,8 @@ def bucket_layouts(params, bucket_bytes):
     return layouts, offsets
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -128,7 +131,7 @@ def main():
     # The gradient in bucket buffers, as DDP holds it.
     buffers = [torch.cat([params[i].grad.reshape(-1) for i in b]) for b, _ in layouts]
 
-    native = dev.type == "cpu" and fp.native_supported(params[0])
+    native = _backend.fingerprint(params[0]).backend == _backend.NATIVE
 
     def grad_fp_torch():
         fps, sss = [], []

@@ -16,6 +16,11 @@ kernels  The device-to-device copy bandwidth (bytes read + bytes written per sec
          torch-op sums.
 sweep    The Triton sketch kernels' launch settings (hash blocks a tile, warps, programs a
          multiprocessor), each timed on the same gradient.
+
+kernels and sweep run each row's backend and variant forced strictly
+(rankscope._backend.forced(strict=True)): a variant that cannot run, or a kernel that raises,
+gives a row that says FAILED with the reason (and the exit status 1); it is never timed as
+another backend, and it does not turn Triton or the dot kernel off for the rows after it.
 train    The step of a GPT-2-small-sized decoder (12 layers, d 768, 12 heads, vocab 50,257, bf16
          autocast, fused AdamW) in one-rank DDP (NCCL), one replica per variant, stepped in a
          rotating order so every variant sees the same machine: plain, plain-2 (the noise
@@ -60,9 +65,10 @@ def _events_ms(fn, reps: int, warmup: int = 2) -> float:
 
 def kernels(args) -> dict:
     from rankscope import DEFAULT_SKETCH_SEED
+    from rankscope import _backend
     from rankscope import fingerprint as fp
     from rankscope import triton_kernels as tk
-    from rankscope.torch_sketch import TorchSketch
+    from rankscope._device_sketch import DeviceSketch
 
     dev = torch.device("cuda")
     n = args.elements
@@ -87,7 +93,25 @@ def kernels(args) -> dict:
     print(f"{'what':<22}{'dtype':<10}{'path':<8}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
     print("(torch: torch ops; atomic: Triton, one atomic add a value; dot: Triton, tensor cores)")
 
-    def row(what, dtype, path, ms, nbytes):
+    def row(what, dtype, path, fn, nbytes, result):
+        """Times ``fn`` (forced to ``path``) and keeps ``result()``; a failure is a FAILED row
+        with the reason. True if it ran."""
+        force = FORCE[path]
+        try:
+            with _backend.forced(**force):
+                ms = _events_ms(fn, args.reps)
+                results[(path, *result[0])] = result[1]()
+        except Exception as e:  # noqa: BLE001 - reported as the row's result, and go on
+            r = {
+                "what": what,
+                "dtype": str(dtype).replace("torch.", ""),
+                "path": path,
+                "failed": repr(e)[:2000],
+            }
+            out["rows"].append(r)
+            out["failed"] = True
+            print(f"{what:<22}{r['dtype']:<10}{path:<8}  FAILED: {e!r}"[:2000])
+            return False
         bps = nbytes / (ms / 1e3)
         r = {
             "what": what,
@@ -103,13 +127,20 @@ def kernels(args) -> dict:
             f"{100 * bps / copy_bps:>8.0f}%"
         )
 
-    paths = [("torch", {"RANKSCOPE_GPU_KERNELS": "torch"})]
-    if tk.triton is not None:
-        paths += [
-            ("atomic", {"RANKSCOPE_GPU_SKETCH": "atomic"}),
-            ("dot", {"RANKSCOPE_GPU_SKETCH": "dot"}),
-        ]
-    paths = [p for p in paths if p[0] in args.paths]
+        return True
+
+    # What each path forces (strictly: a failure is its row's, never another backend's).
+    triton = {"kernels": _backend.TRITON, "strict": True}
+    FORCE = {
+        "torch": {"kernels": _backend.TORCH_OPS, "strict": True},
+        "atomic": dict(triton, sketch=_backend.ATOMIC),
+        "dot": dict(triton, sketch=_backend.DOT),
+        "triton": triton,
+    }
+    paths = [p for p in ("torch", "atomic", "dot") if p in args.paths]
+    if tk.triton is None:
+        print("Triton does not import here: the torch-op rows only")
+        paths = [p for p in paths if p == "torch"]
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(n, device=dev) * 1e-3).to(dtype)
         nbytes = x.numel() * x.element_size()
@@ -119,37 +150,38 @@ def kernels(args) -> dict:
             n, [i * seg for i in range(200)], [seg - 3] * 200, [(199 - i) * seg for i in range(200)]
         )
         results = {}
-        for path, env in paths:
-            for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
-                os.environ.pop(k, None)
-            os.environ.update(env)
+        for path in paths:
             for dim in args.sketch_dims:
-                s = TorchSketch(dim, DEFAULT_SKETCH_SEED, dev)
+                s = DeviceSketch(dim, DEFAULT_SKETCH_SEED, dev)
 
-                def sketch():
+                def sketch(s=s):
                     s.reset()
                     s.add(x, 12345)
 
-                def sketch_segments():
+                def sketch_segments(s=s):
                     s.reset()
                     s.add_segments(x, layout)
 
-                try:
-                    row(f"sketch k={dim}", dtype, path, _events_ms(sketch, args.reps), nbytes)
-                    sketch()
-                    results[(path, dim, "whole")] = (s.bins.clone(), s.sum_squares.clone())
-                    row(
-                        f"sketch segs k={dim}",
-                        dtype,
-                        path,
-                        _events_ms(sketch_segments, args.reps),
-                        nbytes,
-                    )
-                    sketch_segments()
-                    results[(path, dim, "segs")] = (s.bins.clone(), s.sum_squares.clone())
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"  {path} sketch k={dim} failed: {e!r}"[:2000])
-                    out["failed"] = True
+                def bins(fn, s=s):
+                    fn()
+                    return s.bins.clone(), s.sum_squares.clone()
+
+                row(
+                    f"sketch k={dim}",
+                    dtype,
+                    path,
+                    sketch,
+                    nbytes,
+                    ((dim, "whole"), lambda: bins(sketch)),
+                )
+                row(
+                    f"sketch segs k={dim}",
+                    dtype,
+                    path,
+                    sketch_segments,
+                    nbytes,
+                    ((dim, "segs"), lambda: bins(sketch_segments)),
+                )
             if path == "dot":
                 continue  # the fingerprint kernels do not depend on the sketch variant
             fpath = "torch" if path == "torch" else "triton"
@@ -157,18 +189,18 @@ def kernels(args) -> dict:
                 "fingerprint fold",
                 dtype,
                 fpath,
-                _events_ms(lambda: fp.fold(x, 777), args.reps),
+                lambda: fp.fold(x, 777),
                 nbytes,
+                (("fold",), lambda: fp.fold(x, 777)),
             )
-            results[(path, "fold")] = fp.fold(x, 777)
             row(
                 "fingerprint segments",
                 dtype,
                 fpath,
-                _events_ms(lambda: fp.fold_segments(x, layout), args.reps),
+                lambda: fp.fold_segments(x, layout),
                 nbytes,
+                (("seg",), lambda: fp.fold_segments(x, layout)),
             )
-            results[(path, "seg")] = fp.fold_segments(x, layout)
 
             # No padding here: the torch-op path's norm covers the whole buffer.
             dense = fp.SegmentLayout(
@@ -182,9 +214,7 @@ def kernels(args) -> dict:
                 f, q = fp.fold_segments_and_squares(x, dense)
                 return f.sum(), q.sum()
 
-            row("fingerprint+squares", dtype, fpath, _events_ms(fp_squares, args.reps), nbytes)
-            f, q = fp_squares()
-            results[(path, "fpsq")] = (f, q)
+            row("fingerprint+squares", dtype, fpath, fp_squares, nbytes, (("fpsq",), fp_squares))
             # A model's parameters: 150 tensors of mixed sizes, folded for a parameter check.
             sizes = [n // 300] * 50 + [n // 3000] * 50 + [n // 30000] * 50
             tensors, offsets, at = [], [], 0
@@ -193,25 +223,19 @@ def kernels(args) -> dict:
                 offsets.append(at)
                 at += k
             cache = {}
+
+            def many(tensors=tensors, offsets=offsets, cache=cache):
+                return fp.add_all(fp.fold_many(tensors, offsets, cache), dev)
+
             row(
                 "fingerprint 150 tensors",
                 dtype,
                 fpath,
-                _events_ms(
-                    lambda: fp.add_all(fp.fold_many(tensors, offsets, cache), dev), args.reps
-                ),
+                many,
                 sum(sizes) * x.element_size(),
+                (("many",), many),
             )
-            results[(path, "many")] = fp.add_all(fp.fold_many(tensors, offsets, cache), dev)
             tensors = None
-        for k in ("RANKSCOPE_GPU_KERNELS", "RANKSCOPE_GPU_SKETCH"):
-            os.environ.pop(k, None)
-        if tk.triton is not None and tk._DOT_FAILED:
-            print(
-                f"  the dot kernel failed to compile; its rows are the atomic kernel's: "
-                f"{tk._DOT_FAILED[0]}"[:3000]
-            )
-            out["failed"] = True
         agree = out.setdefault("agreement", {}).setdefault(str(dtype), {})
         for (path, *rest), value in results.items():
             if path == "torch" or ("torch", *rest) not in results:
@@ -248,12 +272,12 @@ def sweep(args) -> dict:
     """The sketch kernels' launch settings (tile of hash blocks, warps, programs per
     multiprocessor), each timed on the same gradient: which setting the defaults should be.
 
-    Each row launches the kernel itself (triton_kernels.sketch_add), not the shim's
-    attempt-or-fall-back path, so a setting that fails is reported as failed, never timed as
-    the torch ops; a tensor-core setting that failed to compile (the module then runs the atomic
-    kernel) is reported as failed too, and a dim the tensor-core kernel cannot take is labelled
-    with the kernel that ran."""
+    Each row launches the kernel itself (triton_kernels.sketch_add) in the variant its path
+    names, forced strictly (rankscope._backend.forced): a setting Triton cannot compile, or a dim
+    the tensor-core kernel cannot take, is a FAILED row with the reason, never timed as another
+    kernel, and it turns nothing off for the rows after it."""
     from rankscope import DEFAULT_SKETCH_SEED
+    from rankscope import _backend
     from rankscope import triton_kernels as tk
 
     dev = torch.device("cuda")
@@ -264,22 +288,14 @@ def sweep(args) -> dict:
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(args.elements, device=dev) * 1e-3).to(dtype)
         for path in args.paths:
-            os.environ["RANKSCOPE_GPU_SKETCH"] = path
+            force = {"kernels": _backend.TRITON, "sketch": path, "strict": True}
             for dim in args.sketch_dims:
-                ran = "dot" if tk._variant(dtype, dim)[1] else "atomic"
                 for blocks, warps, factor in args.configs:
                     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = blocks, warps, factor
                     rows, ss = tk.sketch_partials(dev, dim)
                     label = f"{str(dtype)[6:]:<10}{dim:>6}{blocks:>8}{warps:>7}{factor:>7}"
-
-                    def sketch(rows=rows, ss=ss, dim=dim):
-                        rows.zero_()
-                        ss.zero_()
-                        tk.sketch_add(rows, ss, x, 12345, DEFAULT_SKETCH_SEED, dim)
-
-                    tk._DOT_FAILED.clear()
                     row = {
-                        "path": ran,
+                        "path": path,
                         "dtype": str(dtype),
                         "dim": dim,
                         "blocks": blocks,
@@ -288,19 +304,25 @@ def sweep(args) -> dict:
                     }
                     out["rows"].append(row)
                     try:
-                        ms = _events_ms(sketch, args.reps)
-                        if tk._DOT_FAILED:
-                            raise RuntimeError(f"tensor-core kernel: {tk._DOT_FAILED[0]}")
-                    except Exception as e:  # noqa: BLE001 - a setting Triton cannot compile
-                        print(f"{ran:<8}{label}  failed: {e!r}"[:400])
+                        with _backend.forced(**force):
+                            variant = _backend.sketch(x, dim, native=False)
+
+                            def sketch(rows=rows, ss=ss, dim=dim, variant=variant):
+                                rows.zero_()
+                                ss.zero_()
+                                tk.sketch_add(rows, ss, x, 12345, DEFAULT_SKETCH_SEED, dim, variant)
+
+                            assert variant.variant == path, variant
+                            ms = _events_ms(sketch, args.reps)
+                    except Exception as e:  # noqa: BLE001 - a setting that cannot run: its row
+                        print(f"{path:<8}{label}  FAILED: {e!r}"[:400])
                         row["failed"] = repr(e)[:400]
+                        out["failed"] = True
                         continue
                     row["ms"] = ms
                     row["GBps"] = x.numel() * x.element_size() / ms / 1e6
-                    print(f"{ran:<8}{label}{ms:>9.3f}{row['GBps']:>8.0f}")
+                    print(f"{path:<8}{label}{ms:>9.3f}{row['GBps']:>8.0f}")
         x = None  # frees the gradient before the next dtype
-    os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
-    tk._DOT_FAILED.clear()
     tk._SKETCH_BLOCKS, tk._SKETCH_WARPS, tk._PROGRAM_FACTOR = 64, None, 4
     return out
 
@@ -385,7 +407,8 @@ def train(args) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     import rankscope.torch as rst
     from rankscope import DEFAULT_SKETCH_SEED
-    from rankscope.torch_sketch import TorchSketch
+    from rankscope import _backend
+    from rankscope._device_sketch import DeviceSketch
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -418,7 +441,7 @@ def train(args) -> dict:
                 ddp, collector=address, job=f"gpu-bench-{v}", sketch_dim=args.sketch_dim
             )
         elif v == "in-band":
-            sk = TorchSketch(args.sketch_dim, DEFAULT_SKETCH_SEED, dev)
+            sk = DeviceSketch(args.sketch_dim, DEFAULT_SKETCH_SEED, dev)
             offsets, total = {}, 0
             for p in model.parameters():
                 offsets[id(p)], total = total, total + p.numel()
@@ -497,7 +520,15 @@ def train(args) -> dict:
         "step_ms": {v: 1e3 * statistics.median(full[v]) for v in variants},
         "host_ms": {v: 1e3 * statistics.median(host[v]) for v in variants},
         "stats": stats,
+        "triton_failed": list(_backend.TRITON_FAILED),
+        "dot_failed": list(_backend.DOT_FAILED),
     }
+    if res["triton_failed"] or res["dot_failed"]:
+        # The variants run the shim as a trainer would (not forced strictly): a failure there
+        # turned Triton (or the dot kernel) off for the process, so rows after it are not what
+        # their names say.
+        print(f"FAILED: a Triton kernel failed ({res['triton_failed']} {res['dot_failed']})")
+        res["failed"] = True
     base = res["step_ms"]["plain"]
     print(
         f"{nparams / 1e6:.1f} M parameters, batch {args.batch} x {args.ctx}, bf16 autocast, "

@@ -44,6 +44,11 @@
 // Usage: ingest_bench [--seconds=30] [--ranks=1024] [--sketch_dim=1024] [--only=bare|collector]
 //                     [--sketch_encoding=float32|float16|int8]
 //                     [--rate=0] [--inprocess] [--retention_rank_steps=2s]
+//
+// One file, several parts (the bare sink, CPU accounting, the collector-side metrics, the load, the
+// report: the sections below), kept together on purpose: they exist only for this one measurement
+// and are read with its figures in docs/PERFORMANCE.md; split, a reader would follow one run across
+// five files.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
@@ -435,6 +440,8 @@ uint64_t SumAcked(const std::vector<std::unique_ptr<Agent>>& agents) {
 
 // Runs the agents against `target` for warmup + window. on_window(true/false) is called at the
 // window's start and end.
+// Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+// order; split, its processes and figures would be handed between helpers.
 LoadResult RunLoad(const std::string& target, const std::string& job,
                    const std::function<void(bool start)>& on_window) {
   const int ranks = absl::GetFlag(FLAGS_ranks);
@@ -770,6 +777,8 @@ double TotalCpuPerReport(const Phase& p) {
 
 }  // namespace
 
+// Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+// runs, the table it prints; the measured pieces are functions of their own.
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (!rankscope::ParseSketchEncoding(absl::GetFlag(FLAGS_sketch_encoding))) {

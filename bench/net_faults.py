@@ -71,6 +71,8 @@ def descendants(pid: int) -> list:
     return kids + [g for k in kids for g in descendants(k)]
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=str(REPO / "build"))

@@ -20,7 +20,11 @@ which ranks' weights differ from the majority's; for the hang, which ranks never
 Scored, per case, from what rankscope stored and exported:
 - named: the first step at or after the onset at which a faulty rank appears in any of the
   collector's per-step verdicts (step_stats: outlier_ranks, replica_divergent_ranks,
-  drifting_ranks, slow_ranks, missing_ranks), which column, and how many steps after the onset;
+  drifting_ranks, slow_ranks, missing_ranks, and the aggregation integrity check: the rank its
+  regression named, or every rank when it names none, since every rank received the wrong sum),
+  which column, and how many steps after the onset; a job that stops stepping is named (as a
+  job, no rank) when RankscopeJobStalled fired, its `stall_seconds` set to --stall-seconds for
+  these jobs by a rule file of the benchmark's own;
 - wrong: every other rank flagged at or after the onset, and anything flagged before it;
 - the last step the collector stored (a job that stops reporting is visible only as that);
 - alerts: every alert of the job that Prometheus' /api/v1/alerts showed pending or firing
@@ -31,10 +35,14 @@ if a flag names all ranks; the cross-rank signals cannot, by construction (docs/
 "Real bugs, reproduced", says why for each).
 """
 
+# One file, several parts (the cases, the training ranks, the collector and Prometheus, the
+# scoring, the driver: the sections below), kept together on purpose: one script run by hand and
+# read with its results in docs/PERFORMANCE.md; what it shares with bench/detection.py (the model,
+# the data, the collector's start-up, the rank lists and flag judging) it imports.
+
 import argparse
 import datetime
 import json
-import re
 import shutil
 import signal
 import subprocess
@@ -153,6 +161,8 @@ def _worker(rank, port, case, opts, collector, out_dir):
         raise
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def _train(rank, port, case, opts, collector, out_dir):
     import torch
     import torch.distributed as dist
@@ -249,45 +259,41 @@ def _train(rank, port, case, opts, collector, out_dir):
 
 
 def start_collector(binary: Path, tmp: Path, step_timeout: str):
-    """A collector on 127.0.0.1 with gRPC and metrics on free ports (learned from its start-up
-    line). Returns (process, grpc address, metrics port, db path, log path)."""
-    db, log_path = tmp / "rankscope.db", tmp / "collector.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--grpc_address=127.0.0.1:0",
-            "--metrics_address=127.0.0.1:0",
-            "--http_address=",
-            f"--db_path={db}",
-            f"--step_timeout={step_timeout}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    deadline = time.monotonic() + 30
-    while True:
-        m = re.search(
-            r"serving gRPC on [0-9.]+:(\d+) .*metrics on :(\d+)/metrics", log_path.read_text()
-        )
-        if m:
-            return proc, f"127.0.0.1:{m.group(1)}", int(m.group(2)), db, log_path
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"collector did not start:\n{log_path.read_text()}")
-        time.sleep(0.05)
+    """detection.start_collector with the metrics endpoint Prometheus scrapes. Returns (process,
+    grpc address, metrics port, db path, log path)."""
+    return detection.start_collector(binary, tmp, step_timeout=step_timeout, metrics=True)
 
 
-def start_prometheus(binary: str, tmp: Path, metrics_port: int):
+def start_prometheus(binary: str, tmp: Path, metrics_port: int, stall_seconds: float = 30):
     """deploy/prometheus.yml with the collector's address, 1 s scrape and evaluation intervals,
-    the rules of deploy/prometheus/rules/ unchanged and no reachable Alertmanager (alerts are
+    the rules of deploy/prometheus/rules/ unchanged (plus one override: `stall_seconds` of the
+    realbug-* jobs, the documented per-job mechanism) and no reachable Alertmanager (alerts are
     read from the API). Returns (process, base URL)."""
     import yaml
 
+    overrides = tmp / "bench-overrides.yml"
+    overrides.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "real-bugs-bench",
+                        "rules": [
+                            {
+                                "record": "rankscope:threshold_override:stall_seconds",
+                                "expr": "max by (train_job) (0 * rankscope_world_size"
+                                f'{{train_job=~"realbug-.*"}}) + {stall_seconds}',
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+
     config = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(REPO / "deploy" / "prometheus" / "rules" / "*.yml")]
+    config["rule_files"] = [str(REPO / "deploy" / "prometheus" / "rules" / "*.yml"), str(overrides)]
     config["alerting"]["alertmanagers"][0]["static_configs"] = [
         {"targets": [f"127.0.0.1:{detection.free_port()}"]}
     ]
@@ -365,7 +371,7 @@ class AlertWatcher(threading.Thread):
 
 # ---- scoring -----------------------------------------------------------------------------------
 
-COLUMNS = ("outlier", "replica", "drifting", "slow", "missing")
+COLUMNS = ("outlier", "replica", "drifting", "slow", "missing", "integrity")
 
 
 def read_rows(db: Path, job: str):
@@ -375,28 +381,22 @@ def read_rows(db: Path, job: str):
     try:
         return con.execute(
             "SELECT step, outlier_ranks, replica_divergent_ranks, drifting_ranks, slow_ranks,"
-            " missing_ranks FROM step_stats WHERE job = ? ORDER BY step",
-            (job,),
+            " missing_ranks, CASE WHEN integrity_fault = '' THEN ''"
+            " WHEN integrity_rank IS NULL THEN ? ELSE CAST(integrity_rank AS TEXT) END"
+            " FROM step_stats WHERE job = ? ORDER BY step",
+            (f"0-{WORLD - 1}", job),
         ).fetchall()
     finally:
         con.close()
 
 
 def parse_ranks(text) -> set:
-    """A step_stats rank list: "3,7" or missing_ranks' runs "0-5,9" (a trailing "+N", ranks
-    beyond the stored runs, cannot occur at 4 ranks and is ignored)."""
-    ranks = set()
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item or item.startswith("+"):
-            continue
-        first, _, last = item.partition("-")
-        ranks.update(range(int(first), int(last or first) + 1))
-    return ranks
+    """A step_stats rank list ("3,7") or missing_ranks' runs ("0-5,9") as a set."""
+    return set(detection.parse_ranks(text))
 
 
 def score_case(faulty: frozenset, onset: int, rows) -> dict:
-    """From step_stats rows (step, outlier, replica, drifting, slow, missing): the first step at
+    """From step_stats rows (step, then one rank list per COLUMNS): the first step at
     or after `onset` that names a faulty rank (all of them when `faulty` is every rank of the
     world), its column, the delay, the faulty ranks named per column, every wrong flag, and the
     last step stored. Pure (tests/python/test_real_bugs.py)."""
@@ -409,10 +409,9 @@ def score_case(faulty: frozenset, onset: int, rows) -> dict:
             ranks = parse_ranks(text)
             if not ranks:
                 continue
-            bad = sorted(r for r in ranks if not (after and r in faulty))
+            bad, hit = detection.judge_flag(ranks, faulty, after)
             if bad:
                 wrong.append((step, column, bad))
-            hit = ranks & faulty if after else set()
             if hit:
                 by_column.setdefault(column, set()).update(hit)
             if named_at is None and hit and (not every or hit == faulty):
@@ -546,6 +545,14 @@ def truth_text(case, t):
     return s
 
 
+def named_text(r) -> str:
+    if r["named"]:
+        return "yes"
+    if r.get("stalled_after_s") is not None:
+        return f"stalled (job, no rank; RankscopeJobStalled {r['stalled_after_s']} s)"
+    return "no"
+
+
 def alerts_for(watcher, job, onset_time):
     out = []
     for (name, tj, rank, sig), states in sorted(watcher.seen.items()):
@@ -567,6 +574,8 @@ def alerts_for(watcher, job, onset_time):
     return out
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="bench/real_bugs.py",
@@ -603,6 +612,13 @@ def main(argv=None):
         default=10,
         help="seconds the hung job is watched after the others finished (default: %(default)s)",
     )
+    ap.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=30,
+        help="RankscopeJobStalled's stall_seconds for these jobs (default: %(default)s; the "
+        "rule's default, 600, outlasts the run)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every case's result here")
     args = ap.parse_args(argv)
 
@@ -633,7 +649,7 @@ def main(argv=None):
         prom, watcher = None, None
         try:
             if prometheus:
-                prom, url = start_prometheus(prometheus, tmp, metrics_port)
+                prom, url = start_prometheus(prometheus, tmp, metrics_port, args.stall_seconds)
                 watcher = AlertWatcher(url)
                 watcher.start()
                 print(f"collector {address}, prometheus {url}", flush=True)
@@ -650,7 +666,18 @@ def main(argv=None):
                 alerts = (
                     alerts_for(watcher, opts["jobs"][case], truth["onset_time"]) if watcher else []
                 )
-                results[case] = {**scored, "truth": truth, "alerts": alerts}
+                stalled = [
+                    a["firing_after_s"]
+                    for a in alerts
+                    if a["alert"].startswith("RankscopeJobStalled")
+                    and a["firing_after_s"] is not None
+                ]
+                results[case] = {
+                    **scored,
+                    "stalled_after_s": min(stalled) if stalled else None,
+                    "truth": truth,
+                    "alerts": alerts,
+                }
         finally:
             for p in (prom, col):
                 if p is not None:
@@ -683,7 +710,7 @@ def main(argv=None):
         if pending:
             al += "; pending only: " + ", ".join(a["alert"] for a in pending)
         print(
-            f"| {case} | {f} | {'yes' if r['named'] else 'no'} | {cols} | "
+            f"| {case} | {f} | {named_text(r)} | {cols} | "
             f"{detection.fmt(r['delay'])} | {wrong} | {al if watcher else 'not run'} | "
             f"{detection.fmt(r['last_step'])} | {truth_text(case, r['truth'])} |"
         )

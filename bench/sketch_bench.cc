@@ -249,6 +249,8 @@ const char* TypeName(ScalarType t) {
 
 }  // namespace
 
+// Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+// runs, the table it prints; the measured pieces are functions of their own.
 int main(int argc, char** argv) {
   Options opt;
   if (!ParseArgs(argc, argv, &opt)) {

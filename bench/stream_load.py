@@ -148,6 +148,8 @@ class CollectorProcess:
         return rc
 
 
+# Long: one measured run as it happens (set-up, the loop, what it records), its phases commented in
+# order; split, its processes and figures would be handed between helpers.
 def run_streams(
     build: Path,
     n: int,
@@ -340,6 +342,8 @@ def run_streams(
     return figures
 
 
+# Long: a benchmark driver run by hand, read top to bottom: its flags, the set-up, the measured
+# runs, the table it prints; the measured pieces are functions of their own.
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -70,7 +70,16 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   if (!credentials.ok()) return credentials.status();
   std::unique_ptr<Collector> c(new Collector());
   c->options_ = options;
+  // On a failure the half-started collector is destroyed: Shutdown stops what had started.
+  if (absl::Status st = c->BuildServices(); !st.ok()) return st;
+  if (absl::Status st = c->ServeGrpc(*credentials); !st.ok()) return st;
+  if (absl::Status st = c->ServeMetrics(); !st.ok()) return st;
+  if (absl::Status st = c->ServeWeb(); !st.ok()) return st;
+  return c;
+}
 
+absl::Status Collector::BuildServices() {
+  const CollectorOptions& options = options_;
   auto writer_store = SqliteStore::Open(options.db_path);
   if (!writer_store.ok()) return writer_store.status();
   StoreOptions read_only;
@@ -84,26 +93,30 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
   auto known_jobs = readers.front()->ListJobs();
   if (!known_jobs.ok()) return known_jobs.status();
 
-  c->health_ = std::make_unique<HealthMetrics>();
-  c->metrics_ = std::make_shared<JobMetrics>(options.export_options);
-  c->pipeline_ = std::make_unique<StepPipeline>(options.pipeline, std::move(*writer_store),
-                                                *known_jobs, c->metrics_.get(), c->health_.get());
+  health_ = std::make_unique<HealthMetrics>();
+  metrics_ = std::make_shared<JobMetrics>(options.export_options);
+  pipeline_ = std::make_unique<StepPipeline>(options.pipeline, std::move(*writer_store),
+                                             *known_jobs, metrics_.get(), health_.get());
   IngestOptions ingest;
   ingest.max_streams = options.max_streams;
   ingest.max_message_bytes = static_cast<size_t>(std::max(options.max_message_bytes, 0));
   ingest.hello_timeout = options.hello_timeout;
   ingest.max_queued_messages = options.max_queued_messages_per_stream;
   ingest.max_pending_acks = options.max_pending_acks_per_stream;
-  c->ingest_ = std::make_unique<IngestService>(c->pipeline_.get(), c->health_.get(), ingest);
+  ingest_ = std::make_unique<IngestService>(pipeline_.get(), health_.get(), ingest);
   StoreReaderPoolOptions reader_options;
   reader_options.max_queued = options.max_queued_queries;
-  c->readers_ = std::make_unique<StoreReaderPool>(std::move(readers), reader_options);
-  c->query_ = std::make_unique<QueryService>(c->pipeline_.get(), c->readers_.get(),
-                                             options.pipeline.auth_token);
+  readers_ = std::make_unique<StoreReaderPool>(std::move(readers), reader_options);
+  query_ =
+      std::make_unique<QueryService>(pipeline_.get(), readers_.get(), options.pipeline.auth_token);
+  return absl::OkStatus();
+}
 
+absl::Status Collector::ServeGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials) {
+  const CollectorOptions& options = options_;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.grpc_address, *credentials, &c->grpc_port_);
+  builder.AddListeningPort(options.grpc_address, credentials, &grpc_port_);
   // A vanished agent noticed within keepalive_time + keepalive_timeout (common/keepalive.h).
   keepalive::ApplyToServer(&builder, options.keepalive_time, options.keepalive_timeout,
                            options.agent_pings);
@@ -119,37 +132,46 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
         std::vector<std::string>{v1::Query::service_full_name()}));
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
-  builder.RegisterService(c->ingest_.get());
-  builder.RegisterService(c->query_.get());
-  c->server_ = builder.BuildAndStart();
-  if (c->server_ == nullptr || c->grpc_port_ == 0) {
-    c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
+  builder.RegisterService(ingest_.get());
+  builder.RegisterService(query_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || grpc_port_ == 0) {
+    pipeline_->Stop(absl::Seconds(1)).IgnoreError();
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.grpc_address,
                                                " (in use, or not a local address?)"));
   }
-  c->server_->GetHealthCheckService()->SetServingStatus(true);
+  server_->GetHealthCheckService()->SetServingStatus(true);
+  return absl::OkStatus();
+}
 
+absl::Status Collector::ServeMetrics() {
+  const CollectorOptions& options = options_;
   if (!options.metrics_address.empty()) {
     try {
       // civetweb's options: a connection that has not sent its request within
       // request_timeout_ms is closed (its default, 30 s, let two connections that never finish
       // their headers stall every scrape beyond Prometheus' 10 s scrape timeout).
-      c->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+      exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
           "listening_ports", options.metrics_address, "num_threads",
           std::to_string(std::max<size_t>(options.metrics_threads, 1)), "request_timeout_ms",
           std::to_string(
               std::max<int64_t>(absl::ToInt64Milliseconds(options.metrics_request_timeout), 1))});
     } catch (const std::exception& e) {
-      c->server_->Shutdown();
-      c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
+      server_->Shutdown();
+      pipeline_->Stop(absl::Seconds(1)).IgnoreError();
       return absl::UnavailableError(
           absl::StrCat("cannot serve /metrics on ", options.metrics_address, ": ", e.what()));
     }
-    c->exposer_->RegisterCollectable(c->health_->registry());
-    c->exposer_->RegisterCollectable(c->metrics_);
-    const auto ports = c->exposer_->GetListeningPorts();
-    c->metrics_port_ = ports.empty() ? 0 : ports.front();
+    exposer_->RegisterCollectable(health_->registry());
+    exposer_->RegisterCollectable(metrics_);
+    const auto ports = exposer_->GetListeningPorts();
+    metrics_port_ = ports.empty() ? 0 : ports.front();
   }
+  return absl::OkStatus();
+}
+
+absl::Status Collector::ServeWeb() {
+  const CollectorOptions& options = options_;
   if (!options.http_address.empty()) {
     WebServerOptions web;
     web.address = options.http_address;
@@ -157,17 +179,17 @@ absl::StatusOr<std::unique_ptr<Collector>> Collector::Start(CollectorOptions opt
     web.request_timeout = options.http_request_timeout;
     web.auth_token = options.pipeline.auth_token;
     web.fleet = options.fleet;
-    auto server = WebServer::Start(web, c->pipeline_.get(), c->readers_.get());
+    auto server = WebServer::Start(web, pipeline_.get(), readers_.get());
     if (!server.ok()) {
-      c->exposer_.reset();
-      c->server_->Shutdown();
-      c->readers_->Stop();
-      c->pipeline_->Stop(absl::Seconds(1)).IgnoreError();
+      exposer_.reset();
+      server_->Shutdown();
+      readers_->Stop();
+      pipeline_->Stop(absl::Seconds(1)).IgnoreError();
       return absl::UnavailableError(absl::StrCat("--http_address: ", server.status().message()));
     }
-    c->web_ = *std::move(server);
+    web_ = *std::move(server);
   }
-  return c;
+  return absl::OkStatus();
 }
 
 Collector::~Collector() { Shutdown(absl::Seconds(5)).IgnoreError(); }
@@ -180,7 +202,7 @@ absl::Status Collector::Shutdown(absl::Duration timeout) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout / 2));
   }
-  // The web view first: its requests wait on the readers.
+  // Then the web view, before the readers: its requests wait on them.
   if (web_ != nullptr) web_->Stop();
   // After the servers: no query arrives any more; the ones queued are finished, then the reader
   // threads end (before the pipeline stops: ListJobs reads it).

@@ -132,6 +132,16 @@ class Collector {
 
  private:
   Collector() = default;
+  // Start's steps, in order, each from options_. BuildServices: the store's connections (one
+  // writer, the readers), the pipeline, the ingest and query services, the reader pool.
+  // ServeGrpc: the gRPC server (health service, keepalive, message limit, the Query parse-error
+  // interceptor) on grpc_address. ServeMetrics: /metrics on metrics_address, if set. ServeWeb: the
+  // web view on http_address, if set. A failure is returned as is; Start then destroys the
+  // collector, whose Shutdown stops what had started.
+  absl::Status BuildServices();
+  absl::Status ServeGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials);
+  absl::Status ServeMetrics();
+  absl::Status ServeWeb();
 
   CollectorOptions options_;
   std::unique_ptr<HealthMetrics> health_;

@@ -16,6 +16,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
@@ -227,6 +229,91 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
   return token;
 }
 
+// The collector's options from its parsed flags; an invalid value is INVALID_ARGUMENT with the
+// message to print (the flag named).
+absl::StatusOr<rankscope::collector::CollectorOptions> OptionsFromFlags() {
+  using rankscope::collector::CollectorOptions;
+  using rankscope::collector::ParseRetentionAge;
+  using rankscope::collector::RetentionOptions;
+  CollectorOptions options;
+  RetentionOptions retention;
+  for (const auto& [name, flag, into] :
+       {std::tuple{"--retention_rank_steps", absl::GetFlag(FLAGS_retention_rank_steps),
+                   &retention.rank_steps},
+        std::tuple{"--retention_steps", absl::GetFlag(FLAGS_retention_steps), &retention.steps}}) {
+    auto age = ParseRetentionAge(flag);
+    if (!age.ok())
+      return absl::InvalidArgumentError(absl::StrCat(name, ": ", age.status().message()));
+    *into = *age;
+  }
+  retention.max_db_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_db_bytes));
+  retention.window_steps =
+      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_downsample_window_steps)));
+  retention.max_rows_per_batch = std::max(1, absl::GetFlag(FLAGS_retention_batch_rows));
+  retention.check_interval = absl::GetFlag(FLAGS_retention_check_interval);
+  if (retention.enabled()) options.pipeline.writer.retention = retention;
+  if (const double scale = absl::GetFlag(FLAGS_time_scale); scale != 1.0) {
+    if (!(scale > 0)) return absl::InvalidArgumentError("--time_scale must be > 0");
+    const absl::Time start = absl::Now();
+    auto scaled = [start, scale] { return start + (absl::Now() - start) * scale; };
+    options.pipeline.clock = scaled;
+    options.pipeline.clock_rate = scale;
+    // The writer keeps real time for its commit interval and check interval; the retention ages
+    // are measured on the pipeline's (scaled) clock, which stamped the rows.
+    options.pipeline.writer.retention_clock = scaled;
+  }
+  options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.http_address = absl::GetFlag(FLAGS_http_address);
+  options.http_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_http_threads)));
+  options.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
+  if (const std::string fleet = absl::GetFlag(FLAGS_fleet); !fleet.empty()) {
+    absl::StatusOr<std::vector<std::string>> shards = rankscope::ParseCollectorList(fleet);
+    if (!shards.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--fleet: ", shards.status().message()));
+    }
+    options.fleet = *std::move(shards);
+  }
+  options.db_path = absl::GetFlag(FLAGS_db_path);
+  options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
+  options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);
+  options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
+  options.pipeline.joiner.max_open_steps_per_job =
+      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
+  options.pipeline.analysis_threads =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_analysis_threads)));
+  options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
+  options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
+  options.pipeline.limits.max_world_size =
+      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
+  options.export_options.per_rank_series_limit =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
+  options.export_options.max_series =
+      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_max_exported_series)));
+  options.export_options.per_job_group_series_limit =
+      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_per_job_group_series_limit)));
+  options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
+  options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
+  options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
+  options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
+  options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
+  options.agent_pings.min_interval = absl::GetFlag(FLAGS_grpc_agent_min_ping_interval);
+  options.agent_pings.permit_without_calls = absl::GetFlag(FLAGS_grpc_agent_pings_without_calls);
+  options.agent_pings.max_strikes = absl::GetFlag(FLAGS_grpc_agent_max_ping_strikes);
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
+    if (!token.ok()) return absl::InvalidArgumentError(token.status().ToString());
+    options.pipeline.auth_token = *token;
+  }
+
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  return options;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -262,94 +349,14 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   gpr_set_log_function(LogGrpc);
 
-  rankscope::collector::CollectorOptions options;
-  rankscope::collector::RetentionOptions retention;
-  for (const auto& [name, flag, into] :
-       {std::tuple{"--retention_rank_steps", absl::GetFlag(FLAGS_retention_rank_steps),
-                   &retention.rank_steps},
-        std::tuple{"--retention_steps", absl::GetFlag(FLAGS_retention_steps), &retention.steps}}) {
-    auto age = rankscope::collector::ParseRetentionAge(flag);
-    if (!age.ok()) {
-      std::fprintf(stderr, "rankscope-collector: %s: %s\n", name,
-                   std::string(age.status().message()).c_str());
-      return 2;
-    }
-    *into = *age;
+  absl::StatusOr<rankscope::collector::CollectorOptions> parsed = OptionsFromFlags();
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "rankscope-collector: %s\n",
+                 std::string(parsed.status().message()).c_str());
+    return 2;
   }
-  retention.max_db_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_db_bytes));
-  retention.window_steps =
-      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_downsample_window_steps)));
-  retention.max_rows_per_batch = std::max(1, absl::GetFlag(FLAGS_retention_batch_rows));
-  retention.check_interval = absl::GetFlag(FLAGS_retention_check_interval);
-  if (retention.enabled()) options.pipeline.writer.retention = retention;
-  if (const double scale = absl::GetFlag(FLAGS_time_scale); scale != 1.0) {
-    if (!(scale > 0)) {
-      std::fprintf(stderr, "rankscope-collector: --time_scale must be > 0\n");
-      return 2;
-    }
-    const absl::Time start = absl::Now();
-    auto scaled = [start, scale] { return start + (absl::Now() - start) * scale; };
-    options.pipeline.clock = scaled;
-    options.pipeline.clock_rate = scale;
-    // The writer keeps real time for its commit interval and check interval; the retention ages
-    // are measured on the pipeline's (scaled) clock, which stamped the rows.
-    options.pipeline.writer.retention_clock = scaled;
-  }
-  options.grpc_address = absl::GetFlag(FLAGS_grpc_address);
-  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  options.http_address = absl::GetFlag(FLAGS_http_address);
-  options.http_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_http_threads)));
-  options.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
-  if (const std::string fleet = absl::GetFlag(FLAGS_fleet); !fleet.empty()) {
-    absl::StatusOr<std::vector<std::string>> shards = rankscope::ParseCollectorList(fleet);
-    if (!shards.ok()) {
-      std::fprintf(stderr, "rankscope-collector: --fleet: %s\n",
-                   std::string(shards.status().message()).c_str());
-      return 2;
-    }
-    options.fleet = *std::move(shards);
-  }
-  options.db_path = absl::GetFlag(FLAGS_db_path);
-  options.metrics_threads = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_metrics_threads)));
-  options.metrics_request_timeout = absl::GetFlag(FLAGS_metrics_request_timeout);
-  options.pipeline.joiner.step_timeout = absl::GetFlag(FLAGS_step_timeout);
-  options.pipeline.joiner.max_open_steps_per_job =
-      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_open_steps)));
-  options.pipeline.analysis_threads =
-      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_analysis_threads)));
-  options.pipeline.max_jobs = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_jobs)));
-  options.pipeline.identity_ttl = std::max(absl::ZeroDuration(), absl::GetFlag(FLAGS_identity_ttl));
-  options.pipeline.limits.max_world_size =
-      static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_max_world_size)));
-  options.export_options.per_rank_series_limit =
-      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_per_rank_series_limit)));
-  options.export_options.max_series =
-      static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_max_exported_series)));
-  options.export_options.per_job_group_series_limit =
-      static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_per_job_group_series_limit)));
-  options.export_options.spike_window = absl::GetFlag(FLAGS_spike_window);
-  options.max_streams = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_max_streams)));
-  options.max_message_bytes = std::max(1024, absl::GetFlag(FLAGS_max_message_bytes));
-  options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
-  options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
-  options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
-  options.agent_pings.min_interval = absl::GetFlag(FLAGS_grpc_agent_min_ping_interval);
-  options.agent_pings.permit_without_calls = absl::GetFlag(FLAGS_grpc_agent_pings_without_calls);
-  options.agent_pings.max_strikes = absl::GetFlag(FLAGS_grpc_agent_max_ping_strikes);
+  const rankscope::collector::CollectorOptions& options = *parsed;
   RaiseFileLimit(options.max_streams);
-  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
-    if (!token.ok()) {
-      std::fprintf(stderr, "rankscope-collector: %s\n", token.status().ToString().c_str());
-      return 2;
-    }
-    options.pipeline.auth_token = *token;
-  }
-
-  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
-  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
-  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
-  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
 
   auto collector = rankscope::collector::Collector::Start(options);
   if (!collector.ok()) {

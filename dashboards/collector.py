@@ -17,6 +17,8 @@ from panels import (
 )
 
 
+# Long: the dashboard's panels as data, in their order on the page: one list reads as the dashboard
+# does.
 def collector():
     inst = f'{COLLECTOR_JOBS}, instance=~"$instance"'
 

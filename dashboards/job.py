@@ -21,6 +21,8 @@ from panels import (
 )
 
 
+# Long: the dashboard's panels as data, in their order on the page: one list reads as the dashboard
+# does.
 def job():
     # Series of the chosen data-parallel group(s); a job with one group has no group label,
     # which the "All" value (.*) matches. Thresholds are per job only (tsel).

@@ -24,6 +24,8 @@ JOB_LINK = (
 )
 
 
+# Long: the dashboard's panels as data, in their order on the page: one list reads as the dashboard
+# does.
 def overview():
     sel = 'train_job=~"$train_job"'
     firing = 'alertname=~"Rankscope.*", alertstate="firing"'

@@ -11,17 +11,18 @@ Writes <out>/rankscope.db, <out>/demo.png and <out>/demo.md (the table) and prin
 
 import argparse
 import os
-import re
 import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import train_ddp  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent / "bench"))
+import detection  # noqa: E402  (the collector's start-up)
 
 METRICS = (
     ("loss_std", "loss dispersion (std)"),
@@ -30,32 +31,16 @@ METRICS = (
 )
 
 
-def start_collector(build_dir: Path, db: Path, log: Path, timeout: float = 30.0):
+def start_collector(build_dir: Path, db: Path, out: Path):
+    """bench/detection.py's collector (gRPC and metrics on free ports, no web server), its log in
+    out/collector.log. Returns (process, gRPC address)."""
     binary = build_dir / "bin" / "rankscope-collector"
     if not binary.exists():
         sys.exit(f"demo: {binary} not found; build first (cmake --build {build_dir})")
-    out = open(log, "w")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--grpc_address=127.0.0.1:0",
-            "--metrics_address=127.0.0.1:0",
-            "--http_address=",
-            f"--db_path={db}",
-        ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
+    proc, address, _, _, _ = detection.start_collector(
+        binary, out, db=db, step_timeout=None, metrics=True
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"serving gRPC on [0-9.]+:(\d+)", log.read_text())
-        if m:
-            return proc, f"127.0.0.1:{m.group(1)}"
-        if proc.poll() is not None:
-            sys.exit(f"demo: the collector exited: {log.read_text()}")
-        time.sleep(0.05)
-    proc.kill()
-    sys.exit("demo: the collector did not start within 30 s")
+    return proc, address
 
 
 def read_steps(db: Path, job: str):
@@ -160,7 +145,7 @@ def main(argv=None) -> int:
     db = out / "rankscope.db"
     for f in (db, Path(str(db) + "-wal"), Path(str(db) + "-shm")):
         f.unlink(missing_ok=True)
-    proc, address = start_collector(Path(args.build_dir), db, out / "collector.log")
+    proc, address = start_collector(Path(args.build_dir), db, out)
     print(f"demo: collector at {address}, database {db}", file=sys.stderr)
     results = {}
     try:

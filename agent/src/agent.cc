@@ -300,6 +300,9 @@ bool AgentImpl::PollSend() {
   return started;
 }
 
+// Long: the sender thread's life in one loop (open a stream, write the hello, mark the resend
+// range, wait for its end, then stop, give up for good or back off and reconnect), so that its lock
+// hand-offs read in one place.
 void AgentImpl::RunStream() {
   auto call = std::make_unique<StreamCall>(this);
   std::optional<AgentControl> control;  // stated in the hello (a restarted collector's view)

@@ -88,6 +88,8 @@ class UnionFind {
 
 }  // namespace
 
+// Long: one algorithm in its passes (hash and band the sketches, confirm candidates by their
+// cosine, union and order the groups) that share the candidates and the union-find.
 std::vector<DuplicateGroup> FindDuplicateRanks(absl::Span<const RankSample> samples,
                                                const DuplicateOptions& options) {
   // Usable sketches in ascending rank order, so the result does not depend on input order.

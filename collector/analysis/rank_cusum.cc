@@ -1,6 +1,7 @@
 #include "collector/analysis/rank_cusum.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
 
@@ -18,7 +19,8 @@ double Step(double s, double x, double cap) {
 }  // namespace
 
 double CusumThreshold(uint32_t world_size) {
-  return kCusumThreshold + std::log(std::max(static_cast<double>(world_size), 4.0) / 4.0);
+  return kCusumThreshold + std::log(std::max(static_cast<double>(world_size), 4.0) / 4.0) +
+         std::log(static_cast<double>(kCusumDataSignals));
 }
 
 double SlowThreshold(uint32_t world_size) {
@@ -110,35 +112,43 @@ std::vector<bool> RankCusum::LateRanks(absl::Span<const RankDriftSignals> ranks,
   return late;
 }
 
-double RankCusum::data_sigma() const { return std::sqrt(y2_sum_ / y2_count_); }
-
 std::vector<RankDrift> RankCusum::Update(absl::Span<const RankDriftSignals> ranks,
                                          bool exchangeable) {
   const size_t n = ranks.size();
-  std::vector<double> loss(n), norm(n), neg_cos(n), time(n);
+  std::vector<double> time(n);
+  std::array<std::vector<double>, kCusumDataSignals> signal;
+  for (std::vector<double>& v : signal) v.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    loss[i] = ranks[i].loss;
-    norm[i] = ranks[i].grad_norm;
-    neg_cos[i] = -ranks[i].consensus_cosine;
+    signal[0][i] = ranks[i].loss;
+    signal[1][i] = ranks[i].grad_norm;
+    signal[2][i] = -ranks[i].consensus_cosine;
     time[i] = ranks[i].step_time_seconds;
   }
-  const std::vector<double> u_loss = UniformRankScores(loss);
-  const std::vector<double> u_norm = UniformRankScores(norm);
-  const std::vector<double> u_cos = UniformRankScores(neg_cos);
-  const std::vector<bool> late = LateRanks(ranks, time);
-  std::vector<double> y(n);
-  for (size_t i = 0; i < n; ++i) y[i] = u_loss[i] + u_norm[i] + u_cos[i];
-  if (exchangeable) {
-    for (double v : y) y2_sum_ += v * v;
-    y2_count_ += static_cast<double>(n);
+  // Each signal's scores over their exact standard deviation sqrt(m^2 - 1) / m (m: the ranks
+  // with a finite value of it): unit variance for exchangeable ranks, nothing estimated.
+  std::array<std::vector<double>, kCusumDataSignals> x;
+  for (size_t j = 0; j < kCusumDataSignals; ++j) {
+    x[j] = UniformRankScores(signal[j]);
+    const double m = static_cast<double>(std::count_if(signal[j].begin(), signal[j].end(),
+                                                       [](double v) { return std::isfinite(v); }));
+    if (m >= 2.0) {
+      const double sd = std::sqrt(m * m - 1.0) / m;
+      for (double& v : x[j]) v /= sd;
+    }
   }
-  const double sigma = data_sigma();
+  const std::vector<bool> late = LateRanks(ranks, time);
   std::vector<RankDrift> out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     auto it = state_.find(ranks[i].rank);
     RankDrift d = it == state_.end() ? RankDrift{} : it->second;
-    if (exchangeable) d.data = Step(d.data, y[i] / sigma, 2.0 * h_);
+    if (exchangeable) {
+      d.data = 0.0;
+      for (size_t j = 0; j < kCusumDataSignals; ++j) {
+        d.by_signal[j] = Step(d.by_signal[j], x[j][i], 2.0 * h_);
+        d.data = std::max(d.data, d.by_signal[j]);
+      }
+    }
     // A rank without a time this step keeps its count.
     if (std::isfinite(time[i])) {
       d.slow = std::min(2.0 * h_slow_, std::max(0.0, d.slow + (late[i] ? 1.0 : -1.0)));

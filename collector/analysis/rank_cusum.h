@@ -20,20 +20,24 @@
 // (slow, W = 4: 11 steps; W = 8: 9; W = 10,000: 13).
 //
 // Two statistics per rank:
-//   data drift  y = u(loss) + u(grad_norm) + u(-consensus_cosine), x = y / sigma: a higher loss,
-//               a larger local gradient and a gradient that agrees less with the others' all
-//               count; a signal that is NaN for a rank (or known for fewer than 2 ranks)
-//               contributes 0, so a missing signal only slows detection. The three signals of a
-//               rank are correlated in real training (a harder batch raises its loss and its
-//               gradient norm together), so y's variance is not 3: sigma^2 is the pooled mean of
-//               y^2 over every rank and step of the job so far (y is centred across the ranks of
-//               each step, so no mean is needed), started from a prior of 3 (independent
-//               signals) with the weight of kCusumPriorRankSteps rank-steps. On i.i.d. signals
-//               sigma^2 ~ 3 and x = y / sqrt(3); on fully correlated ones sigma^2 ~ 9 and x
-//               keeps unit variance, so the false-alarm rate below holds either way. A step on
-//               which the caller says the ranks are not exchangeable (ranks with duplicate data:
-//               their pair agrees with itself, which pushes the others' consensus cosines down)
-//               leaves every data-drift statistic and sigma as they were;
+//   data drift  three CUSUMs, one per signal j in (loss, grad_norm, -consensus_cosine): a higher
+//               loss, a larger local gradient, a gradient that agrees less with the others'.
+//               x_j = u_j / sd_m, sd_m = sqrt(m^2 - 1) / m the *exact* standard deviation of a
+//               centred uniform score among the m ranks with a finite value of that signal (a
+//               signal known for fewer than 2 ranks, or NaN for the rank, contributes 0, so a
+//               missing signal only slows detection). Nothing is estimated, so there is no
+//               estimator variance and no warm-up. The rank is named while any of its three is
+//               above h. Why three and not their sum (issue 36, item 4): the sum's variance
+//               depends on how the signals correlate in each job and had to be estimated (a pooled
+//               sigma with a prior); and a data fault rarely moves all three alike. 10 % label
+//               noise, measured on the benchmark's recorded runs (bench/detection.py, W = 4, per
+//               step after the onset): mean u 0.93 on loss, 0.39 on the norm, 0.13 on the cosine,
+//               so the sum's shift in units of its own deviation is 0.77 and the loss's alone 0.96:
+//               the two weaker signals add noise and dilute it. A CUSUM per signal keeps each
+//               signal's full shift, at the price of three tests per rank, paid in h (+ ln 3,
+//               below). A step on which the caller says the ranks are not exchangeable (ranks
+//               with duplicate data: their pair agrees with itself, which pushes the others'
+//               consensus cosines down) leaves every data-drift statistic as it was;
 //   slow        counts steps on which the rank is *late by a margin*, not its position: on a
 //               shared machine the positions of healthy ranks are not exchangeable (issue 36).
 //               What the ranks report there (bench/detection.py, 4 and 8 gloo ranks on 2 shared
@@ -75,42 +79,56 @@
 // average once the rank is healthy again (by at least k when it is then the best rank), so ~2h
 // steps to fall below h.
 //
-// Parameters: k = 0.5 (half of a shift of one unit of x: a rank one standard deviation worse on
-// its signals' scores), h = 8 + ln(max(W, 4) / 4) (W: the job's world size), so that the expected
-// steps between false alarms of the *whole job* (any rank) stay about the same at every W, where a
-// fixed h would give a 10,000-rank job a false alarm every few steps. False alarms on a healthy
-// job, measured with this code on i.i.d. N(0,1) signals (tests/collector/rank_cusum_test.cc; a
-// false alarm is a new crossing of h by any rank, which is what an alert sees):
-//     W (h)                                           4 (8.00)   8 (8.69)   64 (10.77)
-//     healthy rank-steps per false alarm, data drift   19,800     30,800     530,000 (3 alarms)
-//       same, W = 4, loss correlated 0.8 with the norm and the cosine deficit: 35,600
-//     job steps per false alarm, data drift             4,900      3,800       8,300
+// Parameters: k = 0.5 (half of a shift of one unit of x_j: a rank one standard deviation worse on
+// one signal's score), h = 8 + ln(max(W, 4) / 4) + ln 3 (W: the job's world size; 9.10 at
+// W <= 4). Why: a rank's false-alarm hazard is 3 tests' (one per signal, at most, when they are
+// independent; correlated signals cross together, so fewer), and the job's is W ranks'; a
+// one-sided CUSUM's hazard falls about as e^(-2kh) = e^(-h), so + ln 3 pays for the three tests
+// and + ln(W / 4) for the ranks: the expected steps between false alarms of the *whole job* stay
+// about the same at every W (a fixed h would give a 10,000-rank job one every few steps). What a
+// run sees (the arithmetic "over the run's length and world size"): a CUSUM starts at 0 and its
+// increments are bounded (u_max / sd_m - k = 0.84 at W = 4), so no healthy rank can be named in
+// its first ceil(h / 0.84) = 11 steps, and the chance that a healthy L-step job raises any
+// false alarm is well below L x W / (rank-steps per alarm). Measured with this code on i.i.d.
+// N(0,1) signals (tests/collector/rank_cusum_test.cc; a false alarm is a new crossing of h by any
+// rank, which is what an alert sees; the 60-step runs with a numpy replica of the same arithmetic,
+// loss and norm correlated 0.55 as in the benchmark's clean runs):
+//     W (h)                                              4 (9.10)   8 (9.79)   64 (11.87)
+//     healthy rank-steps per false alarm, data drift      42,100     69,600     267,000
+//       same, W = 4, loss and norm correlated 0.55: 48,500
+//     job steps per false alarm                           10,500      8,700       4,200
+//     60-step jobs with a false alarm                      0.27 %     0.34 %
+//     the sum of issue 18 (pooled sigma, h = 8 + ln(W/4)): 19,800 / 30,800 rank-steps, 1.1 % /
+//     1.1 % of 60-step jobs (1.1 false flags expected in 100 clean runs at each W; 0.27 / 0.34
+//     now)
 // (The slow statistic's rates are above, under "slow".)
-// The per-step rule's false alarms at W = 4 are ~6e-5 per rank-step (one per ~16,000 rank-steps):
-// the CUSUM raises fewer there (at W >= 8 the per-step rule's are rarer still: its per-step flag
-// rate falls fast with W, see rank_diagnostics.h). Detection delay (simulated with sigma fixed
-// at sqrt(3), mean steps from the shift to the crossing, h = 8): a shift of one standard deviation
-// on all three data signals, 13 steps at W = 4; half of one, 49 at W = 4 and 31 at W = 8. Nothing
-// is tuned to a benchmark.
+// The per-step rule (rank_diagnostics.h, now with its scale floor) raises fewer still. Detection
+// delay: a rank whose score is the highest on one signal on every step gains 0.84 a step at
+// W = 4 (named on the 11th step); 10 % label noise, replayed on the benchmark's 470 recorded runs
+// (docs/PERFORMANCE.md): 30 of 30 runs named (28 with the sum), median 17.5 steps after the onset
+// (17.5 with the sum), 25 within 20 steps (19 with the sum), test_sequential.py's 3 runs at 20,
+// 18 and 12 (22, 18, 14 with the sum). Nothing is tuned to a benchmark: k, the 8 and the ln terms
+// are the sum's, the ln 3 is the count of tests.
 //
-// Data drift's late false flags (issue 36: 5 runs with a `drifting` flag on a healthy rank late in
-// a faulty run) are this rate, not a fault effect: the faults that caused them (ulp_drift,
-// bitflip, straggler) do not touch the data signals, and a replay of the recorded runs shows the
-// flagged rank worse than the others by chance on ~30 of ~40 steps (binomial tail ~0.2 %, over
-// ~2,000 rank-runs). A CUSUM is named late because it needs many steps to get there. Raising h
-// would cut them (h + 1 halves them, h = 10: one per ~114,000 rank-steps at W = 4, simulated) but
-// delays 10 % label noise (issue 18's target, tests/python/test_sequential.py: named within 20
-// steps in most runs): replayed on the benchmark's 470 runs, h = 9 or 10 names 1 of the test's 3
-// noise10 runs within 20 steps, h = 8 2 of 3; so h stays (docs/PERFORMANCE.md, detection).
+// The flags this replaced (issue 36, item 4): 2 of 200 clean runs (W = 4 #33 rank 3, steps
+// 28-39; W = 8 #61 rank 6, step 47) and 4 faulty runs raised `drifting` on a healthy rank. Their
+// recorded paths: the flagged rank was above the median on all three signals on most steps of a
+// 10- to 20-step stretch (W = 4 #33, steps 10-28: loss on 16 of 19, norm 14, cosine deficit 16),
+// and the sum, in which each of them counts, crossed 8 (W = 4 #33 reached 11.3). Per signal the
+// largest sums of those ranks are 7.8 (loss) and 7.5 (norm, W = 8 #61), below h = 9.10 / 9.79
+// (tests/collector/testdata/drift_noise_signals.txt replays them: nothing named). One faulty run
+// (W = 4 ulp_drift #2: rank 0's gradient norm above the others' median on 32 of 40 healthy
+// steps, its sum 12.0) still crosses: that is the designed rate, about one per 42,000 rank-steps.
 //
-// State: per rank of one job, two doubles; ranks at zero are not stored, so a detector holds at
-// most world-size entries; per job, the last kSlowWindowSteps steps' largest and second-largest
-// lateness (kSlowWindowSteps x 24 bytes). The owner (StepAnalyzer) keeps one per job and epoch and
-// frees it with the job. A collector restart starts every statistic from zero (a persistent fault
-// is named again after the same delay).
+// State: per rank of one job, five doubles (three data-drift sums, their max, slow); ranks at zero
+// are not stored, so a detector holds at most world-size entries; per job, the last
+// kSlowWindowSteps steps' largest and second-largest lateness (kSlowWindowSteps x 24 bytes). The
+// owner (StepAnalyzer) keeps one per job and epoch and frees it with the job. A collector restart
+// starts every statistic from zero (a persistent fault is named again after the same delay).
 #ifndef RANKSCOPE_COLLECTOR_ANALYSIS_RANK_CUSUM_H_
 #define RANKSCOPE_COLLECTOR_ANALYSIS_RANK_CUSUM_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -122,9 +140,9 @@
 namespace rankscope::collector {
 
 inline constexpr double kCusumDrift = 0.5;      // k
-inline constexpr double kCusumThreshold = 8.0;  // h at W <= 4
-// Weight of the prior variance of the data-drift sum (in rank-steps).
-inline constexpr double kCusumPriorRankSteps = 64.0;
+inline constexpr double kCusumThreshold = 8.0;  // h at W <= 4, before the + ln 3 of the signals
+// The data-drift signals, one CUSUM each: loss, gradient norm, consensus cosine deficit.
+inline constexpr size_t kCusumDataSignals = 3;
 // The slow statistic (see above): a rank is late on a step when it trails the step's median time
 // by more than max(kSlowFloorSeconds, kSlowMargin * r), r the median over the last
 // kSlowWindowSteps steps (at least kSlowMinWindowSteps of them) of the lateness of the latest
@@ -136,8 +154,9 @@ inline constexpr size_t kSlowWindowSteps = 16;
 inline constexpr size_t kSlowMinWindowSteps = 4;
 inline constexpr double kSlowThreshold = 7.0;
 
-// h for a job of `world_size` ranks: kCusumThreshold + ln(max(W, 4) / 4), so that the expected
-// steps between false alarms of the whole job (any rank) stay about the same whatever W.
+// h for a job of `world_size` ranks: kCusumThreshold + ln(max(W, 4) / 4) + ln(kCusumDataSignals),
+// so that the expected steps between false alarms of the whole job (any rank, any signal) stay
+// about the same whatever W.
 double CusumThreshold(uint32_t world_size);
 
 // h of the slow statistic: kSlowThreshold + ln(max(W, 4) / 4).
@@ -158,7 +177,9 @@ struct RankDriftSignals {
 
 // The two CUSUM statistics of a rank after a step.
 struct RankDrift {
-  double data = 0.0;      // S of the data-drift score, in [0, 2h]
+  double data = 0.0;  // the largest of by_signal, in [0, 2h]
+  // S of each data signal's score (loss, gradient norm, consensus cosine deficit), in [0, 2h].
+  std::array<double, kCusumDataSignals> by_signal{};
   double slow = 0.0;      // S of the step-time score, in [0, 2h]
   bool drifting = false;  // data > h
   bool is_slow = false;   // slow > h
@@ -175,12 +196,9 @@ class RankCusum {
 
   // Feeds one step: `ranks` are the ranks that reported it (distinct). Returns each one's
   // statistics after the step, same order. Ranks absent from the step keep theirs. With
-  // `exchangeable` false (the step has ranks with duplicate data) the data-drift statistics and
-  // sigma are left as they were; the slow statistics are updated.
+  // `exchangeable` false (the step has ranks with duplicate data) the data-drift statistics are
+  // left as they were; the slow statistics are updated.
   std::vector<RankDrift> Update(absl::Span<const RankDriftSignals> ranks, bool exchangeable = true);
-
-  // sigma of the data-drift sum (see above).
-  double data_sigma() const;
 
   // The rank's current statistics (zero when not stored).
   RankDrift Get(uint32_t rank) const;
@@ -207,8 +225,6 @@ class RankCusum {
   double h_slow_;
   std::vector<Lateness> window_;  // ring of the last kSlowWindowSteps steps' lateness
   size_t window_next_ = 0;
-  double y2_sum_ = 3.0 * kCusumPriorRankSteps;  // prior: variance 3
-  double y2_count_ = kCusumPriorRankSteps;
   absl::flat_hash_map<uint32_t, RankDrift> state_;
 };
 

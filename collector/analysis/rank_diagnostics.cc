@@ -89,7 +89,9 @@ ReplicaVerdict CheckReplicas(absl::Span<const RankFingerprint> fingerprints) {
   return v;
 }
 
-std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks) {
+std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks,
+                                               const SignalScales& scale_floor,
+                                               SignalScales* step_scales) {
   std::vector<double> losses, norms, cosines;
   // Echoes are left out only while at least 3 independent ranks remain to measure against (a
   // job mostly on the same data is the duplicate-data alert's, not a reason to flag the rest).
@@ -102,9 +104,14 @@ std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ran
     norms.push_back(r.grad_norm);
     cosines.push_back(r.consensus_cosine);
   }
-  const Robust loss = RobustStats(losses);
-  const Robust norm = RobustStats(norms);
-  const Robust cos = RobustStats(cosines);
+  Robust loss = RobustStats(losses);
+  Robust norm = RobustStats(norms);
+  Robust cos = RobustStats(cosines);
+  if (step_scales != nullptr) *step_scales = {loss.sigma, norm.sigma, cos.sigma};
+  // std::fmax passes over a NaN: no floor, or no scale of this step (then no score either).
+  loss.sigma = std::fmax(loss.sigma, scale_floor.loss);
+  norm.sigma = std::fmax(norm.sigma, scale_floor.grad_norm);
+  cos.sigma = std::fmax(cos.sigma, scale_floor.cosine);
   std::vector<OutlierScore> out;
   out.reserve(ranks.size());
   for (const RankSignals& r : ranks) {

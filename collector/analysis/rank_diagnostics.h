@@ -24,6 +24,24 @@
 // So one flagged step means little for small jobs: alert on a rank that stays flagged (or stays
 // the worst) over many steps, which a real fault does and noise does not.
 //
+// Scale floor (issue 36, item 4). A MAD of 4 values is itself a noisy estimate: when three ranks
+// happen to agree closely on a step, it is a fraction of the signal's usual spread and an
+// ordinary deviation scores 10. That is where the rule's false flags came from: on the
+// benchmark's clean runs (bench/detection.py, W = 4, recorded 2026-11-27) #48's rank 1 scored
+// 6.8, 11.0 and 10.9 on steps 13-15 (gradient norms 0.796, 0.981, 0.806, 0.784 at step 15: MAD
+// 0.011, while the norms' spread over the steps before was ~0.05), #7's rank 2 9.5, 6.0, 7.7 on
+// steps 43-45. So the caller may pass a floor per signal: the scale used is
+// max(this step's 1.4826 MAD, floor), and StepAnalyzer passes the median of the job's last
+// kOutlierScaleWindowSteps steps' own scales (outlier_scale.h): a step cannot be more certain
+// about the spread than the job's recent steps were. It only ever lowers a score, never raises
+// one; a fault that moves a rank far (noise100, shuffle, loss_scale: named in 2 steps) is far
+// beyond it. Measured on the benchmark's 470 recorded runs, replayed: healthy rank-steps above 6
+// 2.2 % -> 0.34 % of clean runs' rank-steps; clean runs with an `outlier` flag 2 of 200 -> 0,
+// faulty runs with one on a healthy rank 3 -> 0; noise100, shuffle, loss_scale still 30 of 30 in
+// a median of 2 steps; noise30 29 of 30 by this rule (all 30 by the drift statistics). On i.i.d.
+// Gaussian ranks at W = 4 (rank_diagnostics_test, ScaleFloorCutsTheTailAtW4): a step above 6
+// 4.1e-2 -> 7e-4 of rank-steps, 3 in a row 4.5e-5 -> none in 200,000 rank-steps.
+//
 // Gradient noise scale (McCandlish et al. 2018, appendix A). With W ranks of local batch b, the
 // mean squared local norm |G_b|^2 = mean_r ||g_r||^2 and the reduced (mean) gradient's norm
 // |G_Wb|^2, the unbiased estimates are
@@ -106,8 +124,20 @@ struct OutlierScore {
   bool flagged = false;
 };
 
-// One score per input, same order.
-std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks);
+// The cross-rank scale of each outlier signal on one step: 1.4826 MAD of the ranks counted (echoes
+// left out as below), floored as above. NaN: unknown (no finite value) or, as a floor, none.
+struct SignalScales {
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();
+  double cosine = std::numeric_limits<double>::quiet_NaN();
+};
+
+// One score per input, same order. Each signal's scale is max(its MAD scale on this step, the
+// signal's `scale_floor`) (a NaN floor: none). `step_scales`, when given, receives this step's
+// own scales (before the floor): what a caller keeps to make the next steps' floors.
+std::vector<OutlierScore> ComputeOutlierScores(absl::Span<const RankSignals> ranks,
+                                               const SignalScales& scale_floor = {},
+                                               SignalScales* step_scales = nullptr);
 
 // B_simple as documented above. `local_norms` are the ranks' ||g_r||; `reduced_norm` is the norm
 // of the all-reduced mean gradient; `local_batch_size` 0 means unknown (taken as 1).

@@ -52,7 +52,8 @@ StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
 }
 
 StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
-                             absl::Span<const DuplicateGroup> duplicates) {
+                             absl::Span<const DuplicateGroup> duplicates,
+                             const SignalScales& scale_floor) {
   // Every member of a duplicate group but its lowest rank is an echo of it.
   absl::flat_hash_set<uint32_t> echoes;
   for (const DuplicateGroup& g : duplicates) echoes.insert(g.ranks.begin() + 1, g.ranks.end());
@@ -80,7 +81,7 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     any_time = any_time || r.step_time_seconds.has_value();
     batch = std::max(batch, r.local_batch_size);
   }
-  d.outliers = ComputeOutlierScores(signals);
+  d.outliers = ComputeOutlierScores(signals, scale_floor, &d.scales);
   const ReplicaVerdict grad_verdict = CheckReplicas(grads);
   const ReplicaVerdict param_verdict = CheckReplicas(params);
   d.replica_checked = grad_verdict.checked || param_verdict.checked;
@@ -128,6 +129,9 @@ AggregationVerdict CheckStepAggregation(const JoinedStep& step) {
                           sender->reduced_grad_mantissa_bits);
 }
 
+// Long: the step's verdicts in the order each needs the one before (statistics, duplicates,
+// diagnostics, outlier streaks, sequential statistics, integrity, bucket scores); each is a call,
+// and what stays here is the per-job state they share.
 AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   AnalyzedStep out;
   bool same_dim = true;
@@ -135,7 +139,18 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
   out.stats = StatisticsOf(samples, same_dim);
   // Sketches of different lengths are never compared (their sketches are empty here).
   out.duplicates = FindDuplicateRanks(samples);
-  out.diag = DiagnoseStep(step, out.stats, out.duplicates);
+  // Per job and epoch: the sequential statistics and the outlier score's scale floor.
+  auto it = drift_.find(step.job);
+  if (it == drift_.end() || it->second.attempt != step.attempt ||
+      it->second.world_size != step.world_size) {
+    drift_.erase(step.job);
+    it = drift_
+             .emplace(step.job, JobDrift{step.attempt, step.world_size, RankCusum(step.world_size),
+                                         OutlierScaleWindow()})
+             .first;
+  }
+  out.diag = DiagnoseStep(step, out.stats, out.duplicates, it->second.outlier_scales.Floor());
+  it->second.outlier_scales.Push(out.diag.scales);
   // Persistent outliers: flagged on kOutlierPersistence consecutive steps the rank reported.
   auto& history = outlier_history_[step.job];
   for (size_t i = 0; i < step.reports.size(); ++i) {
@@ -151,15 +166,6 @@ AnalyzedStep StepAnalyzer::Analyze(const JoinedStep& step) {
     h.kept = std::min<uint32_t>(h.kept + 1, h.previous.size());
     h.streak = score.flagged ? h.streak + 1 : 0;
     if (h.streak >= kOutlierPersistence) out.outlier_ranks.push_back(rank);
-  }
-  // Sequential statistics, per job and epoch.
-  auto it = drift_.find(step.job);
-  if (it == drift_.end() || it->second.attempt != step.attempt ||
-      it->second.world_size != step.world_size) {
-    drift_.erase(step.job);
-    it = drift_
-             .emplace(step.job, JobDrift{step.attempt, step.world_size, RankCusum(step.world_size)})
-             .first;
   }
   RankCusum& cusum = it->second.cusum;
   std::vector<RankDriftSignals> signals;

@@ -31,6 +31,7 @@
 #include "collector/analysis/aggregation_integrity.h"
 #include "collector/analysis/bucket_scores.h"
 #include "collector/analysis/duplicate_ranks.h"
+#include "collector/analysis/outlier_scale.h"
 #include "collector/analysis/rank_cusum.h"
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/step_stats.h"
@@ -50,6 +51,9 @@ struct StepDiagnostics {
   std::vector<uint32_t> replica_divergent;  // sorted
   std::vector<uint32_t> flagged_ranks;      // score above threshold this step, sorted
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
+  // This step's own cross-rank scale of each outlier signal (before any floor): what the job's
+  // OutlierScaleWindow keeps.
+  SignalScales scales;
 };
 
 // One closed step, analysed.
@@ -96,9 +100,12 @@ StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step);
 // The per-rank diagnostics of a joined step, given its statistics (their consensus cosines) and
 // its duplicate groups: each group of ranks with identical gradients counts once in the robust
 // statistics the outlier scores are measured against (two of four ranks on the same data would
-// otherwise make the median and MAD the pair's, and every other rank an outlier).
+// otherwise make the median and MAD the pair's, and every other rank an outlier). `scale_floor`:
+// the outlier signals' scale floor (rank_diagnostics.h; StepAnalyzer passes its job's
+// OutlierScaleWindow::Floor(), the default is none).
 StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
-                             absl::Span<const DuplicateGroup> duplicates = {});
+                             absl::Span<const DuplicateGroup> duplicates = {},
+                             const SignalScales& scale_floor = {});
 
 class StepAnalyzer {
  public:
@@ -122,6 +129,7 @@ class StepAnalyzer {
     uint32_t attempt;
     uint32_t world_size;
     RankCusum cusum;
+    OutlierScaleWindow outlier_scales;  // the outlier score's scale floor (outlier_scale.h)
   };
 
   // A rank's recent outlier scores, of the steps it reported.

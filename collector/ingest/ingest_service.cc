@@ -84,6 +84,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Each reaction acquires what the thread that started its operation released before the
   // Start*/Finish call: the ordering gRPC guarantees, made visible to ThreadSanitizer
   // (common/tsan.h).
+  // Long: the reactor's one read reaction (parse, hello or report, hand it to the pipeline, answer,
+  // read on) between its ThreadSanitizer hand-offs; each early return is one way the stream ends.
   void OnReadDone(bool ok) override {
     RANKSCOPE_TSAN_ACQUIRE(this);
     if (!ok) {  // the agent half-closed or the call was cancelled (then OnCancel finishes it)

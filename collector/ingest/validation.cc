@@ -36,6 +36,8 @@ bool IsValidJobName(absl::string_view job, size_t max_length) {
   return rankscope::IsValidJobName(job, max_length);
 }
 
+// Long: a flat list of independent checks, each with its own actionable message and reason, in the
+// order an operator reads them: nothing to factor but the list.
 Rejection ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
   // The name's bytes came over the wire: the message gives its length, never the bytes.
   if (absl::Status name =

@@ -60,6 +60,9 @@ enum JobFamily : size_t {
   kIntegrityFailedStepsTotal,
   kIntegrityErrorRatio,
   kIntegritySuspectRank,
+  kLastStepTimestamp,
+  kRankStepLag,
+  kReportingEnabled,
   kExportSeries,
   kExportGroupsCapped,
   kJobFamilyCount,
@@ -237,6 +240,18 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
     {kIntegritySuspectRank, "rankscope_integrity_suspect_rank",
      "The rank whose contribution the latest failed check found missing, doubled or corrupted "
      "(labelled with the fault); absent when no rank was named.",
+     prometheus::MetricType::Gauge},
+    {kLastStepTimestamp, "rankscope_last_step_timestamp_seconds",
+     "Unix time (the collector's clock) at which the job's latest step was joined: "
+     "time() minus it is how long no step completed (RankscopeJobStalled).",
+     prometheus::MetricType::Gauge},
+    {kRankStepLag, "rankscope_rank_step_lag",
+     "The newest step a rank reported minus the median of its group's ranks' newest steps "
+     "(positive: ahead, negative: behind); exported only for ranks off the median, capped.",
+     prometheus::MetricType::Gauge},
+    {kReportingEnabled, "rankscope_reporting_enabled",
+     "1 while the job's reporting is switched on, 0 while `rankscope ctl disable` switched it "
+     "off (its steps then stop on purpose); absent until a control is known.",
      prometheus::MetricType::Gauge},
     {kExportSeries, "rankscope_export_series",
      "Per-job series in this scrape (these two included), at most --max_exported_series.",

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "collector/metrics/job_families.h"
@@ -110,6 +111,35 @@ std::vector<MetricFamily> EmptyFamilies() {
   return families;
 }
 
+// The ranks whose newest joined step is off the lower median of every rank's (the group's
+// step), with their distance from it (positive: ahead), the largest |distance| first (ties: the
+// lower rank), at most `limit`.
+std::vector<std::pair<uint32_t, int64_t>> RanksOffTheMedianStep(
+    const absl::flat_hash_map<uint32_t, uint64_t>& newest_by_rank, size_t limit) {
+  std::vector<std::pair<uint32_t, int64_t>> off;
+  if (newest_by_rank.empty() || limit == 0) return off;
+  std::vector<uint64_t> steps;
+  steps.reserve(newest_by_rank.size());
+  for (const auto& [rank, step] : newest_by_rank) steps.push_back(step);
+  const size_t mid = (steps.size() - 1) / 2;
+  std::nth_element(steps.begin(), steps.begin() + mid, steps.end());
+  const uint64_t median = steps[mid];
+  for (const auto& [rank, step] : newest_by_rank) {
+    if (step == median) continue;
+    off.emplace_back(rank, step > median ? static_cast<int64_t>(step - median)
+                                         : -static_cast<int64_t>(median - step));
+  }
+  auto further = [](const std::pair<uint32_t, int64_t>& a, const std::pair<uint32_t, int64_t>& b) {
+    const uint64_t da = a.second < 0 ? 0 - static_cast<uint64_t>(a.second) : a.second;
+    const uint64_t db = b.second < 0 ? 0 - static_cast<uint64_t>(b.second) : b.second;
+    return da != db ? da > db : a.first < b.first;
+  };
+  const size_t kept = std::min(off.size(), limit);
+  std::partial_sort(off.begin(), off.begin() + kept, off.end(), further);
+  off.resize(kept);
+  return off;
+}
+
 }  // namespace
 
 JobMetrics::JobMetrics(ExportOptions options) : options_(std::move(options)) {
@@ -185,6 +215,21 @@ void JobMetrics::OnAgentDropped(const std::string& job, uint32_t rank, uint64_t 
       state.dropped_total > UINT64_MAX - added ? UINT64_MAX : state.dropped_total + added;
 }
 
+void JobMetrics::OnControl(const std::string& job, bool enabled) {
+  const absl::Time now = options_.clock();
+  MutexLock lock(&mu_);
+  if (jobs_.contains(job)) {
+    TouchLocked(job, now).reporting_enabled = enabled;
+    return;
+  }
+  const std::string prefix = absl::StrCat(job, "/");
+  for (auto& [key, state] : jobs_) {
+    if (absl::StartsWith(key, prefix)) state.reporting_enabled = enabled;
+  }
+}
+
+// Long: one step's snapshot for every family (statistics, spike window, per-rank values, integrity,
+// bucket scores) in one critical section under mu_; split, the lock would be taken per piece.
 void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   const absl::Time now = options_.clock();
 
@@ -220,6 +265,12 @@ void JobMetrics::OnStep(const std::string& job, const ExportedStep& step) {
   if (step.world_size > 0) state.world_size = step.world_size;
   state.has_step = true;
   state.step = step.step;
+  state.last_step_at = now;
+  if (step.stats != nullptr) {
+    // Assigned, not maxed: a restarted attempt that steps from an older checkpoint goes back.
+    for (const RankStatistics& r : step.stats->per_rank)
+      state.newest_step_by_rank[r.rank] = step.step;
+  }
   state.ranks_reporting = latest.ranks;
   ++state.steps_total;
   if (step.timed_out) ++state.steps_timed_out_total;
@@ -412,10 +463,12 @@ void JobMetrics::AddJobSeries(const std::string& key, const JobState& state, abs
   add(kStepsNonfiniteTotal, static_cast<double>(state.steps_nonfinite_total));
   add(kDuplicateStepsTotal, static_cast<double>(state.duplicate_steps_total));
   add(kAgentDroppedReportsTotal, static_cast<double>(state.dropped_total));
+  if (state.reporting_enabled) add(kReportingEnabled, *state.reporting_enabled ? 1.0 : 0.0);
   if (!state.has_step) return;
 
   const StepSummary& s = state.latest;
   add(kStep, static_cast<double>(state.step));
+  add(kLastStepTimestamp, absl::ToDoubleSeconds(state.last_step_at - absl::UnixEpoch()));
   add(kRanksReporting, state.ranks_reporting);
   for (const StatisticSeries& series : kLatestSeries) add(series.family, s.*series.value);
   add(kDuplicateRanks, state.duplicate_ranks);
@@ -493,11 +546,19 @@ void JobMetrics::AddRankSeries(const std::string& key, const JobState& state, ab
   for (uint32_t rank : state.missing) {
     AddSample(families[kRankMissing], RankLabels(key, rank), 1);
   }
+  // An ended job's ranks stopped where they stopped: no lag is news.
+  const std::vector<std::pair<uint32_t, int64_t>> lagging =
+      ended ? std::vector<std::pair<uint32_t, int64_t>>()
+            : RanksOffTheMedianStep(state.newest_step_by_rank, options_.per_rank_series_limit);
+  for (const auto& [rank, lag] : lagging) {
+    AddSample(families[kRankStepLag], RankLabels(key, rank), static_cast<double>(lag));
+  }
 
   // Who the ranks with per-rank series are: their global rank and host.
   absl::flat_hash_set<uint32_t> shown;
   for (const RankPoint& r : top_ranks) shown.insert(r.rank);
   for (uint32_t rank : state.missing) shown.insert(rank);
+  for (const auto& [rank, lag] : lagging) shown.insert(rank);
   for (const auto& [rank, at] : state.replica_divergent_at) {
     if (at >= now - window) shown.insert(rank);
   }

@@ -51,8 +51,9 @@
 // without groups is one) exports at most ~30 job-level series plus, for at most
 // per_rank_series_limit ranks each, 8 per-rank gauges and rankscope_rank_info, plus at most
 // per_rank_series_limit missing and as many replica-divergent ranks (each with its rank_info):
-// about 30 + 13 * per_rank_series_limit = 446 at the default 32; a job exports at most
-// per_job_group_series_limit groups, plus 4 aggregates. A collector exports at most
+// about 30 + 13 * per_rank_series_limit = 446 at the default 32 (plus, for a stalled or
+// out-of-phase job, at most per_rank_series_limit lagging ranks, each with its rank_info); a job
+// exports at most per_job_group_series_limit groups, plus 4 aggregates. A collector exports at most
 // `max_series` per-job series per scrape: groups are taken most deviating first (a divergent
 // replica or an outlier, then the lowest cosine; ties by name) and a group that would overrun
 // the budget is left out whole, so no alert sees half a group. rankscope_export_series and
@@ -158,6 +159,10 @@ class JobMetrics : public prometheus::Collectable {
   // one adds nothing, one report adds at most kMaxDroppedPerReport, and the total saturates.
   static constexpr uint64_t kMaxDroppedPerReport = 65'536;
   void OnAgentDropped(const std::string& job, uint32_t rank, uint64_t dropped_total);
+  // The job's control (rankscope ctl, or the newest one its agent stated in its hello) switched
+  // reporting on or off. `job` is a group key, or the name of a job of several groups, which
+  // sets every group of it that is known here.
+  void OnControl(const std::string& job, bool enabled);
   // A step of `job` was joined and its statistics computed.
   void OnStep(const std::string& job, const ExportedStep& step);
 
@@ -191,8 +196,19 @@ class JobMetrics : public prometheus::Collectable {
   //     rankscope_integrity_failed_steps_total {train_job} (counters),
   //     rankscope_integrity_error_ratio{train_job} (latest checked step) and
   //     rankscope_integrity_suspect_rank{train_job,fault} (the rank the latest failed check named);
+  //   stalls: rankscope_last_step_timestamp_seconds{train_job} (Unix time, the collector's
+  //     clock, at which the latest step was joined; absent before the first step and after a
+  //     collector restart until one closes) and rankscope_rank_step_lag{train_job,rank} (the
+  //     newest step the rank was joined in minus the lower median over the group's ranks of that
+  //     number; exported only for ranks off the median, at most per_rank_series_limit, largest
+  //     |lag| first, ties to the lower rank; not for an ended job). A job whose agents stay
+  //     connected while no step closes is stalled; the lag says which rank ran ahead or stayed
+  //     behind, and is absent when every rank stopped at the same step;
+  //     rankscope_reporting_enabled{train_job} (OnControl's latest, once told): a job switched
+  //     off stops stepping on purpose;
   //   who: rankscope_rank_info{train_job,rank,global_rank,host,version} 1 for each rank with
-  //     per-rank series above (top, missing, replica-divergent ranks) whose identity is known.
+  //     per-rank series above (top, missing, replica-divergent, lagging ranks) whose identity is
+  //     known.
   //   groups: a key "JOB/GROUP" (common/job_name.h) is exported as {train_job=JOB, group=GROUP};
   //     per train_job, across its groups (a job without groups is one): rankscope_job_groups,
   //     rankscope_job_grad_cosine_mean_min (the least consistent group's latest cosine),
@@ -243,6 +259,10 @@ class JobMetrics : public prometheus::Collectable {
     double replica_divergent_latest = std::numeric_limits<double>::quiet_NaN();
     absl::flat_hash_map<uint32_t, absl::Time> replica_divergent_at;  // rank -> last divergent
     absl::flat_hash_map<uint32_t, uint64_t> dropped_by_rank;  // last cumulative count per rank
+    absl::Time last_step_at = absl::InfinitePast();           // when the latest step was joined
+    std::optional<bool> reporting_enabled;                    // OnControl's; nullopt: never told
+    // By rank: the newest step the rank was joined in. Bounded by the ranks that reported.
+    absl::flat_hash_map<uint32_t, uint64_t> newest_step_by_rank;
     SpikeWindow window;
     absl::Time last_update = absl::UnixEpoch();
   };

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
+#include "absl/random/random.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
@@ -77,6 +78,8 @@ StepPipeline::StepPipeline(PipelineOptions options, std::unique_ptr<SqliteStore>
     : options_(std::move(options)),
       metrics_(metrics),
       health_(health),
+      // A random instance: a cursor a restarted collector issued is never taken for this one's.
+      changes_(absl::Uniform<uint64_t>(absl::BitGen())),
       writer_(std::move(store), options_.writer, StoreHooks()),
       registry_(options_.max_jobs, options_.identity_ttl) {
   const size_t n = options_.analysis_threads != 0
@@ -112,6 +115,7 @@ StoreWriterHooks StepPipeline::StoreHooks() {
   HealthMetrics* const health = health_;
   return StoreWriterHooks{
       .on_commit = [this](absl::Duration took, size_t) { OnStoreCommit(took); },
+      .on_stored = [this](const StoreBatch& stored) { changes_.Record(stored); },
       .on_error = [this](const absl::Status& error) { OnStoreError(error); },
       .on_queue_depth = [health](size_t n) { health->SetStoreQueueDepth(n); },
       .on_drop = [this](const StoreBatch& rows, size_t items,
@@ -194,46 +198,66 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   // From here on the group is the unit: joined, stored and exported under its key.
   if (!hello.group().empty()) hello.set_job(GroupKey(hello.job(), hello.group()));
   JobRegistry::Attached attached;
-  Shard& shard = ShardOf(hello.job());
   {
     MutexLock lock(&mu_);
-    if (registry_.ForgetIfIdle(hello.job(), now)) {
-      // Long idle: the name may be reused by a new run with another shape. Whatever the old run
-      // left open is closed (and stored) first.
-      std::vector<JoinedStep> forgotten;
-      MutexLock shard_lock(&shard.mu);
-      shard.joiner.ForgetJob(hello.job(), &forgotten);
-      EnqueueClosedLocked(shard, forgotten);
-      shard.forgotten_jobs.push_back(hello.job());
-    }
-    if (!registry_.Contains(hello.job())) {
-      r = registry_.CheckRoomForJob(hello);
-      if (!r.status.ok() && ForgetAnIdleJobLocked()) r = registry_.CheckRoomForJob(hello);
-      if (!r.status.ok()) return r;
-      MutexLock shard_lock(&shard.mu);
-      absl::Status st = shard.joiner.RegisterJob(hello.job(), hello.world_size());
-      if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
-    }
-    r = registry_.Attach(hello, now, stream, &attached);
-    if (!r.status.ok()) {
-      // A collision is logged once per refused run (each may be a different user's mistake).
-      LogRefusalOnceLocked(
-          r.reason == RejectReason::kRunCollision
-              ? absl::StrCat(hello.job(), " (run '", absl::CHexEscape(hello.run_id()), "')")
-              : hello.job(),
-          r);
-      return r;
-    }
-    if (attached.resized) {
-      // An elastic resize (or a restart with another sketch): the old epoch's open steps are
-      // closed and stored as they are; steps from now on are joined at the new size.
-      std::vector<JoinedStep> old_steps;
-      MutexLock shard_lock(&shard.mu);
-      shard.joiner.ForgetJob(hello.job(), &old_steps);
-      EnqueueClosedLocked(shard, old_steps);
-      shard.joiner.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
-    }
+    r = AdmitLocked(hello, now, stream, &attached);
+    if (!r.status.ok()) return r;
   }
+  ReportAttached(hello, attached);
+  hello.set_attempt(attached.epoch);
+  PublishIdentity(hello);
+  if (attached.control) {
+    metrics_->OnControl(hello.job(), attached.control->enabled());
+    stream->SendControl(*attached.control);
+  }
+  StoreHello(hello, attached.epoch, now);
+  return {};
+}
+
+Rejection StepPipeline::AdmitLocked(const v1::Hello& hello, absl::Time now,
+                                    const std::shared_ptr<AgentStream>& stream,
+                                    JobRegistry::Attached* attached) {
+  Shard& shard = ShardOf(hello.job());
+  if (registry_.ForgetIfIdle(hello.job(), now)) {
+    // Long idle: the name may be reused by a new run with another shape. Whatever the old run
+    // left open is closed (and stored) first.
+    std::vector<JoinedStep> forgotten;
+    MutexLock shard_lock(&shard.mu);
+    shard.joiner.ForgetJob(hello.job(), &forgotten);
+    EnqueueClosedLocked(shard, forgotten);
+    shard.forgotten_jobs.push_back(hello.job());
+  }
+  if (!registry_.Contains(hello.job())) {
+    Rejection r = registry_.CheckRoomForJob(hello);
+    if (!r.status.ok() && ForgetAnIdleJobLocked()) r = registry_.CheckRoomForJob(hello);
+    if (!r.status.ok()) return r;
+    MutexLock shard_lock(&shard.mu);
+    absl::Status st = shard.joiner.RegisterJob(hello.job(), hello.world_size());
+    if (!st.ok()) return Rejection{st, RejectReason::kWorldSizeChanged};
+  }
+  Rejection r = registry_.Attach(hello, now, stream, attached);
+  if (!r.status.ok()) {
+    // A collision is logged once per refused run (each may be a different user's mistake).
+    LogRefusalOnceLocked(
+        r.reason == RejectReason::kRunCollision
+            ? absl::StrCat(hello.job(), " (run '", absl::CHexEscape(hello.run_id()), "')")
+            : hello.job(),
+        r);
+    return r;
+  }
+  if (attached->resized) {
+    // An elastic resize (or a restart with another sketch): the old epoch's open steps are
+    // closed and stored as they are; steps from now on are joined at the new size.
+    std::vector<JoinedStep> old_steps;
+    MutexLock shard_lock(&shard.mu);
+    shard.joiner.ForgetJob(hello.job(), &old_steps);
+    EnqueueClosedLocked(shard, old_steps);
+    shard.joiner.RegisterJob(hello.job(), hello.world_size()).IgnoreError();
+  }
+  return {};
+}
+
+void StepPipeline::ReportAttached(const v1::Hello& hello, const JobRegistry::Attached& attached) {
   if (attached.takeover) {
     health_->AttemptTakeover();
     std::fprintf(stderr,
@@ -258,7 +282,9 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
                  "attempt %u; world size %u): its reports from now on replace the old run's\n",
                  hello.job().c_str(), hello.rank(), hello.attempt(), hello.world_size());
   }
-  hello.set_attempt(attached.epoch);
+}
+
+void StepPipeline::PublishIdentity(const v1::Hello& hello) {
   RankIdentity identity;
   identity.known = true;
   identity.rank = hello.rank();
@@ -266,13 +292,15 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   identity.host = hello.host();
   identity.agent_version = hello.agent_version();
   metrics_->OnAgentConnected(hello.job(), hello.world_size(), std::move(identity));
-  if (attached.control) stream->SendControl(*attached.control);
+}
+
+void StepPipeline::StoreHello(const v1::Hello& hello, uint32_t epoch, absl::Time now) {
   JobRow row;
   row.job = hello.job();
   row.world_size = hello.world_size();
   row.sketch_dim = hello.sketch_dim();
   row.sketch_seed = hello.sketch_seed();
-  row.attempt = attached.epoch;
+  row.attempt = epoch;
   row.first_seen = now;
   row.last_seen = now;
   RankIdentityRow who;
@@ -282,13 +310,12 @@ Rejection StepPipeline::AcceptHello(v1::Hello& hello, std::shared_ptr<AgentStrea
   who.host = hello.host();
   who.instance_id = hello.instance_id();
   who.pid = hello.pid();
-  who.attempt = attached.epoch;
+  who.attempt = epoch;
   who.seen = now;
   WriteItem item;
   item.batch.jobs.push_back(std::move(row));
   item.batch.rank_identities.push_back(std::move(who));
   writer_.Enqueue(std::move(item));
-  return {};
 }
 
 bool StepPipeline::ForgetAnIdleJobLocked() {
@@ -537,6 +564,8 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
                                       &streams);
   }
   if (!control.ok()) return control.status();
+  // Every target group got the same `enabled` when it was given (else each kept its own).
+  if (enabled) metrics_->OnControl(job, *enabled);
   for (const auto& s : streams) s->SendControl(*control);
   return std::make_pair(*std::move(control), static_cast<uint32_t>(streams.size()));
 }
@@ -544,6 +573,12 @@ absl::StatusOr<std::pair<v1::Control, uint32_t>> StepPipeline::SetControl(
 std::vector<JobSummary> StepPipeline::ListJobs() const {
   MutexLock lock(&mu_);
   return registry_.Summaries();
+}
+
+std::shared_ptr<const std::vector<std::string>> StepPipeline::BucketNames(
+    const std::string& job) const {
+  MutexLock lock(&mu_);
+  return registry_.BucketNames(job);
 }
 
 bool StepPipeline::Flush(absl::Duration timeout) {

@@ -60,6 +60,7 @@
 #include "collector/pipeline/agent_stream.h"
 #include "collector/pipeline/job_registry.h"
 #include "collector/pipeline/sketch_buffer_pool.h"
+#include "collector/pipeline/step_change_log.h"
 #include "collector/pipeline/step_joiner.h"
 #include "collector/store/sqlite_store.h"
 #include "collector/store/store_writer.h"
@@ -137,6 +138,11 @@ class StepPipeline {
 
   absl::Status store_health() const { return writer_.health(); }
 
+  // Which steps of each job were committed after a cursor (step_change_log.h). Thread-safe.
+  const StepChangeLog& changes() const { return changes_; }
+  // The bucket names of a job's newest hello that named any (Hello.bucket_names), or null.
+  std::shared_ptr<const std::vector<std::string>> BucketNames(const std::string& job) const;
+
  private:
   // One shard of joining and analysis: the groups whose key it is given (ShardOf).
   struct Shard {
@@ -168,6 +174,18 @@ class StepPipeline {
   static void EnqueueClosedLocked(Shard& shard, std::vector<JoinedStep>& steps)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   void EnqueueAcksOnly(std::vector<AckHandle> acks);
+  // AcceptHello's steps, in order. AdmitLocked: the registry admits the stream (room for a new
+  // job, a rank claim, a resize); the group's joiner follows under its shard lock (an idle job's
+  // or an old epoch's open steps closed, the job registered at its world size). ReportAttached:
+  // what the attach meant (a takeover, a new process, a version that differs, a restart) to the
+  // metrics and the log. PublishIdentity: the rank's identity to JobMetrics. StoreHello: the job
+  // row and the rank's identity row to the store writer.
+  Rejection AdmitLocked(const v1::Hello& hello, absl::Time now,
+                        const std::shared_ptr<AgentStream>& stream, JobRegistry::Attached* attached)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReportAttached(const v1::Hello& hello, const JobRegistry::Attached& attached);
+  void PublishIdentity(const v1::Hello& hello);
+  void StoreHello(const v1::Hello& hello, uint32_t epoch, absl::Time now);
   // At --max_jobs: forgets the least recently seen job with no stream and no open step (its
   // identity is then no longer enforced, as after identity_ttl). Returns whether one was.
   bool ForgetAnIdleJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,6 +214,9 @@ class StepPipeline {
   std::atomic<int64_t> page_size_{4096};  // the store's page size, from its usage reports
   // Sketch buffers: taken by OnReport (reactor threads), given back by the analysis threads.
   SketchBufferPool sketch_pool_;
+  // The steps each commit stored (the web view's ?changes=); before writer_, whose thread records
+  // into it until writer_ is destroyed.
+  StepChangeLog changes_;
   StoreWriter writer_;
 
   mutable Mutex mu_;

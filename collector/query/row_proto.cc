@@ -16,16 +16,24 @@ constexpr size_t kMaxListedMissingRanks = 1024;
 
 }  // namespace
 
+void FillStepSummary(const StepSummary& summary, v1::StepStats* out) {
+  // Binding every field by name does not compile once StepSummary gains or loses one: a new
+  // statistic is added here (and to v1::StepStats) before anything builds.
+  const auto& [ranks, loss_mean, loss_std, loss_range, grad_norm_mean, grad_norm_std, grad_norm_cv,
+               grad_cosine_mean] = summary;
+  out->set_ranks(ranks);
+  out->set_loss_mean(loss_mean);
+  out->set_loss_std(loss_std);
+  out->set_loss_range(loss_range);
+  out->set_grad_norm_mean(grad_norm_mean);
+  out->set_grad_norm_std(grad_norm_std);
+  out->set_grad_norm_cv(grad_norm_cv);
+  out->set_grad_cosine_mean(grad_cosine_mean);
+}
+
 void FillStepStats(const StepRow& row, v1::StepStats* s) {
   s->set_step(row.step);
-  s->set_ranks(row.ranks);
-  s->set_loss_mean(row.loss_mean);
-  s->set_loss_std(row.loss_std);
-  s->set_loss_range(row.loss_range);
-  s->set_grad_norm_mean(row.grad_norm_mean);
-  s->set_grad_norm_std(row.grad_norm_std);
-  s->set_grad_norm_cv(row.grad_norm_cv);
-  s->set_grad_cosine_mean(row.grad_cosine_mean);
+  FillStepSummary(row, s);
   // The stored text was checked when read (ReadStepRow).
   RankRanges missing;
   if (ParseRankRanges(row.missing_ranks, &missing)) {

@@ -8,12 +8,17 @@
 #include "absl/strings/string_view.h"
 #include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
+#include "collector/model/step_summary.h"
 #include "collector/store/sqlite_store.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
 
-// Fills *out from a step_stats row.
+// Fills the statistics *out shares with StepSummary (collector/model/step_summary.h): the one
+// place they are copied into the wire message.
+void FillStepSummary(const StepSummary& summary, v1::StepStats* out);
+
+// Fills *out from a step_stats row (its StepSummary through FillStepSummary).
 void FillStepStats(const StepRow& row, v1::StepStats* out);
 
 // Fills *out from a rank_steps row; optional columns that are NULL stay unset.

@@ -210,6 +210,9 @@ absl::StatusOr<SqliteStore::PruneResult> SqliteStore::Prune(const PruneAction& a
   return PruneResult();
 }
 
+// Long: one retention transaction's statements in order (read the batch's rank rows, fold them into
+// windows, upsert the windows, delete the folded rows, move the job's mark), sharing the open
+// transaction and the counts.
 absl::StatusOr<SqliteStore::PruneResult> SqliteStore::Downsample(const PruneAction& action,
                                                                  uint32_t window_steps,
                                                                  double outlier_threshold) {

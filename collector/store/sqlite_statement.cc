@@ -1,6 +1,7 @@
 #include "collector/store/sqlite_statement.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/escaping.h"
@@ -79,6 +80,16 @@ std::string ColumnText(sqlite3_stmt* stmt, int col) {
   const auto* text = reinterpret_cast<const char*>(sqlite3_column_text(stmt, col));
   if (text == nullptr) return std::string();
   return std::string(text, static_cast<size_t>(sqlite3_column_bytes(stmt, col)));
+}
+
+std::vector<float> ColumnFloats(sqlite3_stmt* stmt, int col) {
+  const void* blob = sqlite3_column_blob(stmt, col);
+  const size_t bytes = static_cast<size_t>(sqlite3_column_bytes(stmt, col));
+  std::vector<float> out;
+  if (blob == nullptr || bytes % sizeof(float) != 0) return out;
+  out.resize(bytes / sizeof(float));
+  std::memcpy(out.data(), blob, bytes);
+  return out;
 }
 
 bool IsNull(sqlite3_stmt* stmt, int col) { return sqlite3_column_type(stmt, col) == SQLITE_NULL; }

@@ -130,6 +130,8 @@ class Binder {
 // --- Reading columns. Indexes are 0-based, as in sqlite3_column_*. ---------------------------
 
 std::string ColumnText(sqlite3_stmt* stmt, int col);
+// A BLOB of float32 values (Binder::Floats); NULL or a length not a multiple of 4 reads empty.
+std::vector<float> ColumnFloats(sqlite3_stmt* stmt, int col);
 bool IsNull(sqlite3_stmt* stmt, int col);
 int64_t ColumnInt(sqlite3_stmt* stmt, int col);
 uint32_t ColumnU32(sqlite3_stmt* stmt, int col);

@@ -149,7 +149,8 @@ class SqliteStore {
                                                            uint64_t first_step, uint64_t last_step,
                                                            int limit);
   // The rank_steps rows of one rank with first_step <= step <= last_step, ordered by step, at
-  // most `limit`; reads that rank's rows only (one index seek per stored step). InvalidArgument
+  // most `limit`; reads that rank's rows only (one index seek per stored step), with their
+  // bucket_z where kept (RankRow::bucket_z; RankRowsInRange leaves it empty). InvalidArgument
   // when limit < 0; empty when first_step > last_step.
   absl::StatusOr<std::vector<StepRankRow>> RankSeriesInRange(absl::string_view job, uint32_t rank,
                                                              uint64_t first_step,

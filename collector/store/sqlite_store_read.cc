@@ -27,6 +27,7 @@ namespace rankscope::collector {
 using sqlite::Binder;
 using sqlite::ColumnBits;
 using sqlite::ColumnDouble;
+using sqlite::ColumnFloats;
 using sqlite::ColumnInt;
 using sqlite::ColumnOptionalBits;
 using sqlite::ColumnOptionalDouble;
@@ -92,7 +93,7 @@ WITH RECURSIVE s(step) AS (
 SELECT r.rank, r.attempt, r.join_size, r.loss, r.grad_norm, r.grad_cosine, r.loss_z,
        r.grad_norm_z, r.reduced_grad_fingerprint, r.param_fingerprint, r.step_time_seconds,
        r.received_at, r.replica_ok, r.outlier_score, r.step_time_z, r.step, r.nonfinite,
-       r.deviating_buckets
+       r.deviating_buckets, r.bucket_z
 FROM s CROSS JOIN rank_steps r ON r.job = ?1 AND r.step = s.step AND r.rank = ?5
 ORDER BY r.step LIMIT ?4
 )sql";
@@ -327,7 +328,6 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankRowsInRange(absl::stri
                        row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
                        row.nonfinite = ColumnInt(stmt, 16) != 0;
                        row.row.deviating_buckets = ColumnText(stmt, 17);
-                       row.row.deviating_buckets = ColumnText(stmt, 17);
                        return absl::OkStatus();
                      });
   if (!status.ok()) return status;
@@ -357,6 +357,7 @@ absl::StatusOr<std::vector<StepRankRow>> SqliteStore::RankSeriesInRange(
       row.step = static_cast<uint64_t>(ColumnInt(stmt, 15));
       row.nonfinite = ColumnInt(stmt, 16) != 0;
       row.row.deviating_buckets = ColumnText(stmt, 17);
+      row.row.bucket_z = ColumnFloats(stmt, 18);
     }
   }
   if (rc != SQLITE_DONE) {

@@ -273,6 +273,7 @@ bool StoreWriter::CommitBatch(std::vector<WriteItem>& items) {
   absl::Status status = batch.empty() ? absl::OkStatus() : store_->Write(batch);
   if (status.ok()) {
     const absl::Duration commit_time = options_.clock() - start;  // the commit, not the acks
+    if (hooks_.on_stored && !batch.empty()) hooks_.on_stored(batch);
     SendAcks(items);
     if (hooks_.on_commit) hooks_.on_commit(commit_time, items.size());
     bool stopping;

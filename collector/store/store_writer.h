@@ -59,6 +59,8 @@ struct WriteItem {
 
 struct StoreWriterHooks {
   std::function<void(absl::Duration commit_time, size_t items)> on_commit;
+  // The rows of a commit that succeeded, before its acks are sent (the pipeline's StepChangeLog).
+  std::function<void(const StoreBatch& stored)> on_stored;
   std::function<void(const absl::Status& error)> on_error;
   std::function<void(size_t pending)> on_queue_depth;
   // `items` items holding `rows` were dropped unacked for `why`. Called on the writer thread, or

@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "collector/analysis/bucket_scores.h"
 #include "collector/query/query_checks.h"
 #include "common/job_name.h"
 
@@ -114,6 +115,16 @@ void AppendStepFlags(const StepRow& row, std::string* out) {
   AppendRanks(row.drifting_ranks, out);
   out->append(",\"slow_ranks\":");
   AppendRanks(row.slow_ranks, out);
+  // The aggregation check's verdict: "" when the step was not checked or passed; the rank its
+  // regression named, null when none (collector/analysis/aggregation_integrity.h).
+  out->append(",\"integrity_fault\":");
+  AppendJsonString(row.integrity_fault, out);
+  out->append(",\"integrity_rank\":");
+  if (row.integrity_rank && !row.integrity_fault.empty()) {
+    absl::StrAppend(out, *row.integrity_rank);
+  } else {
+    out->append("null");
+  }
   out->append(",\"completed_at\":");
   AppendDouble(UnixSeconds(row.completed_at), 16, out);
 }
@@ -242,17 +253,28 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
         return absl::InvalidArgumentError("rank must be a decimal integer from 0 to 4294967295");
       }
       request.rank = rank;
+    } else if (kv.first == "changes" && request.route == ApiRequest::Route::kRanks) {
+      request.changes = ParseChangeCursor(value);
+      if (!request.changes.has_value()) {
+        return absl::InvalidArgumentError(
+            "changes must be the cursor of an earlier answer (its \"changes\" field)");
+      }
     } else if (kv.first == "token") {
       // The token as a parameter is read by the server (for links a browser opens); not here.
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown parameter (", kv.first.size(),
                        " characters): steps takes first, last and since, ranks first, last, "
-                       "since and rank"));
+                       "since, changes and rank"));
     }
   }
+  if (request.changes.has_value() && request.rank.has_value()) {
+    return absl::InvalidArgumentError(
+        "changes and rank exclude each other: changes=C re-reads the rank matrix's steps");
+  }
   if (request.since.has_value()) {
-    if (request.first.has_value()) {
+    // With changes, first is where the window the caller holds begins (web_api.h).
+    if (request.first.has_value() && !request.changes.has_value()) {
       return absl::InvalidArgumentError(
           "since and first exclude each other: since=S answers the steps after S");
     }
@@ -266,7 +288,7 @@ absl::StatusOr<ApiRequest> ParseApiRequest(absl::string_view path, absl::string_
                                                      "): since=S answers the steps after S"));
     }
   }
-  if (request.first.has_value() && request.last.has_value()) {
+  if (request.first.has_value() && request.last.has_value() && !request.since.has_value()) {
     if (absl::Status range = CheckStepRange(*request.first, *request.last); !range.ok()) {
       return range;
     }
@@ -283,7 +305,7 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
   }
   const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
   const uint64_t window_first = w.last > span ? w.last - span : 0;
-  if (request.first.has_value()) {
+  if (request.first.has_value() && !request.since.has_value()) {
     w.first = *request.first;
   } else if (request.since.has_value()) {
     // The steps after `since`, at most the default window's newest (a page that fell far behind
@@ -294,6 +316,28 @@ StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64
     w.first = window_first;
   }
   return w;
+}
+
+StepWindow HeldWindow(const ApiRequest& request, uint64_t newest_step, uint64_t default_window) {
+  if (!request.changes.has_value()) return StepWindow{1, 0};
+  if (!request.since.has_value()) return ResolveWindow(request, newest_step, default_window);
+  const StepWindow window = ResolveWindow(request, newest_step, default_window);
+  const uint64_t span = std::max<uint64_t>(default_window, 1) - 1;
+  StepWindow held;
+  held.first = request.first.value_or(window.last > span ? window.last - span : 0);
+  held.last = std::min(*request.since, window.last);
+  if (held.first > held.last) return StepWindow{1, 0};
+  return held;
+}
+
+std::string WithChanges(std::string json, const ChangeCursor& cursor, bool resync) {
+  if (json.empty() || json.back() != '}') return json;
+  json.pop_back();
+  json.append(",\"changes\":");
+  AppendJsonString(FormatChangeCursor(cursor), &json);
+  if (resync) json.append(",\"resync\":true");
+  json.push_back('}');
+  return json;
 }
 
 std::string JobsJson(const std::vector<JobListEntry>& jobs,
@@ -444,7 +488,10 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
 }
 
 std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t rank,
-                           const std::vector<StepRankRow>& rows, bool truncated) {
+                           const std::vector<StepRankRow>& rows, bool truncated,
+                           const std::vector<std::string>* bucket_names) {
+  static const std::vector<std::string> kNoNames;
+  const std::vector<std::string>& names = bucket_names != nullptr ? *bucket_names : kNoNames;
   std::string out = "{";
   AppendWindow(job, window, truncated, &out);
   absl::StrAppend(&out, ",\"rank\":", rank, ",\"steps\":[");
@@ -472,13 +519,41 @@ std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t ra
       out.append(",\"deviating_buckets\":");
       AppendJsonString(r.row.deviating_buckets, &out);
     }
+    if (!r.row.bucket_z.empty()) {
+      // Every bucket's robust z where kept, and the deviating ones named, worst first.
+      out.append(",\"bucket_z\":[");
+      for (size_t b = 0; b < r.row.bucket_z.size(); ++b) {
+        if (b > 0) out.push_back(',');
+        AppendDouble(r.row.bucket_z[b], 4, &out);
+      }
+      out.append("],\"buckets\":[");
+      bool first_bucket = true;
+      for (const BucketDeviation& d : DeviatingBuckets(r.row.bucket_z)) {
+        if (!first_bucket) out.push_back(',');
+        first_bucket = false;
+        absl::StrAppend(&out, "{\"bucket\":", d.bucket, ",\"name\":");
+        AppendJsonString(
+            d.bucket < names.size() ? names[d.bucket] : absl::StrCat("bucket ", d.bucket), &out);
+        out.append(",\"z\":");
+        AppendDouble(d.z, 4, &out);
+        out.push_back('}');
+      }
+      out.push_back(']');
+    }
     absl::StrAppend(&out, ",\"nonfinite\":", RowNonfinite(r) ? "true" : "false", ",\"replica_ok\":",
                     !r.row.replica_ok.has_value() ? "null"
                     : *r.row.replica_ok           ? "true"
                                                   : "false",
                     "}");
   }
-  out.append("]}");
+  out.append("],\"bucket_names\":[");
+  for (size_t b = 0; b < names.size(); ++b) {
+    if (b > 0) out.push_back(',');
+    AppendJsonString(names[b], &out);
+  }
+  out.append("],\"bucket_z_threshold\":");
+  AppendDouble(kBucketZThreshold, 6, &out);
+  out.append("}");
   return out;
 }
 

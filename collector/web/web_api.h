@@ -12,6 +12,17 @@
 //       already holds S and before. The window is then S+1..L (L as below), but never starts
 //       before the default window's first step: a page that fell far behind gets the newest
 //       window. Empty when nothing is newer than S.
+//   ...&changes=C (ranks, the matrix only; C the "changes" cursor of an earlier matrix answer):
+//       also the steps the caller holds whose rank rows were stored after C (a late report, a
+//       step that closed after newer ones, a step joined again), each a whole step as in any
+//       answer, so a page re-reads exactly what changed. The held steps are, with since,
+//       first..since (first: where the caller's window begins, default the default window's
+//       first step; first is allowed beside since only with changes), without since the whole
+//       first..last window (which then answers only its changed steps). Where the collector
+//       cannot say what changed since C (a cursor of another collector process, or older than
+//       the collector's change log keeps: StepChangeLog), the answer holds every held step and
+//       says "resync": true: the caller replaces what it holds.
+//   Every matrix answer carries "changes": the cursor to pass next time (taken before the read).
 //
 // NAME is a job name or a group key "JOB/GROUP", its '/' literal or encoded as %2F. `last`
 // defaults to the job's newest step, `first` to a window before it (kDefaultStepsWindow,
@@ -39,6 +50,7 @@
 #include "absl/strings/string_view.h"
 #include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
+#include "collector/pipeline/step_change_log.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
@@ -55,6 +67,7 @@ struct ApiRequest {
   std::optional<uint64_t> last;
   std::optional<uint64_t> since;  // only steps after it; never with `first`, always < INT64_MAX
   std::optional<uint32_t> rank;   // kRanks: one rank's series
+  std::optional<ChangeCursor> changes;  // kRanks without rank: re-read the steps changed since
 };
 
 // `path`: the URL path after "/api/v1" (e.g. "/jobs/exp-42/steps"), percent-decoded or not;
@@ -70,6 +83,11 @@ struct StepWindow {
   uint64_t last = 0;
 };
 StepWindow ResolveWindow(const ApiRequest& request, uint64_t newest_step, uint64_t default_window);
+
+// With `changes`, the steps the caller holds (whose changes are answered again): with since,
+// [first (default: the default window's first step), min(since, last)]; without, the window
+// ResolveWindow gives. Empty (first > last) without `changes`.
+StepWindow HeldWindow(const ApiRequest& request, uint64_t newest_step, uint64_t default_window);
 
 // One job key of the jobs answer: its listing and its newest step_stats row (absent before the
 // first step closes).
@@ -118,12 +136,22 @@ std::string RanksJson(absl::string_view job, StepWindow window, uint32_t world_s
                       uint64_t downsampled_before = 0,
                       const std::vector<RankWindowRow>& windows = {});
 
+// `json` (a RanksJson answer) with ,"changes":"CURSOR" and, when `resync`, ,"resync":true
+// added at its end.
+std::string WithChanges(std::string json, const ChangeCursor& cursor, bool resync);
+
 // One rank's series: {"job","rank","first","last","truncated","steps":[{"step","loss",
 // "grad_norm","cosine","outlier","loss_z","grad_norm_z","step_time_z","nonfinite",
-// "replica_ok"}]} from the rows of `rank` in `rows` (others are skipped); `nonfinite` is the
-// stored column.
+// "replica_ok"}],"bucket_names":[names],"bucket_z_threshold"} from the rows of `rank` in `rows`
+// (others are skipped); `nonfinite` is the stored column. Where in the model: a step whose row
+// names deviating buckets also has "deviating_buckets" (the stored text), and a step whose
+// per-bucket z were kept (flagged rows, every 100th step) "bucket_z":[z per bucket] and
+// "buckets":[{"bucket","name","z"}], the buckets with |z| >= bucket_z_threshold (or NaN: null),
+// worst first (bucket_scores.h DeviatingBuckets). `bucket_names`: the job's (the registry's,
+// from its hello; null or short: "bucket B").
 std::string RankSeriesJson(absl::string_view job, StepWindow window, uint32_t rank,
-                           const std::vector<StepRankRow>& rows, bool truncated);
+                           const std::vector<StepRankRow>& rows, bool truncated,
+                           const std::vector<std::string>* bucket_names = nullptr);
 
 // {"error":{"code":"INVALID_ARGUMENT","message":...}}
 std::string ErrorJson(const absl::Status& status);

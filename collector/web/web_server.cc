@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -140,33 +141,82 @@ absl::StatusOr<std::string> ReadApi(const ApiRequest& request, SqliteStore& read
     return StepsJson(request.job, window, *steps, truncated);
   }
   const StepWindow window = ResolveWindow(request, job->last_step(), kDefaultRanksWindow);
-  auto rows =
-      request.rank.has_value()
-          ? reader.RankSeriesInRange(request.job, *request.rank, window.first, window.last,
-                                     kStepRangeMaxLimit + 1)
-          : reader.RankRowsInRange(request.job, window.first, window.last, kStepRangeMaxLimit + 1);
-  if (!rows.ok()) return rows.status();
-  const bool truncated = rows->size() > static_cast<size_t>(kStepRangeMaxLimit);
+  if (request.rank.has_value()) {
+    auto rows = reader.RankSeriesInRange(request.job, *request.rank, window.first, window.last,
+                                         kStepRangeMaxLimit + 1);
+    if (!rows.ok()) return rows.status();
+    const bool truncated = rows->size() > static_cast<size_t>(kStepRangeMaxLimit);
+    if (truncated) rows->resize(kStepRangeMaxLimit);
+    return RankSeriesJson(request.job, window, *request.rank, *rows, truncated,
+                          pipeline.BucketNames(request.job).get());
+  }
+  // The rank matrix. The cursor is taken before the reads: whatever commits after it is
+  // answered again to the next request that passes it.
+  const ChangeCursor cursor = pipeline.changes().Now();
+  // The step ranges to read, ascending and disjoint: the held steps that changed (or all of
+  // them, resync), then the new ones.
+  std::vector<StepWindow> ranges;
+  StepWindow answered = window;
+  bool resync = false;
+  if (request.changes.has_value()) {
+    const StepWindow held = HeldWindow(request, job->last_step(), kDefaultRanksWindow);
+    if (held.first <= held.last) {
+      const StepChangeLog::Changes changed = pipeline.changes().StepsChangedSince(
+          request.job, *request.changes, held.first, held.last);
+      resync = !changed.complete;
+      if (resync) {
+        ranges.push_back(held);
+      } else {
+        for (uint64_t step : changed.steps) {
+          if (!ranges.empty() && ranges.back().last + 1 == step) {
+            ranges.back().last = step;
+          } else {
+            ranges.push_back(StepWindow{step, step});
+          }
+        }
+      }
+      answered.first = std::min(answered.first, held.first);
+    }
+  }
+  // Without since, a changes request's window is the held one: nothing newer is asked for.
+  if (!request.changes.has_value() || request.since.has_value()) {
+    if (!ranges.empty() && ranges.back().last >= window.first) {
+      ranges.back().last = std::max(ranges.back().last, window.last);  // overlap (not expected)
+    } else {
+      ranges.push_back(window);
+    }
+  }
+  std::vector<StepRankRow> rows;
+  for (const StepWindow& range : ranges) {
+    if (rows.size() > static_cast<size_t>(kStepRangeMaxLimit)) break;
+    auto read = reader.RankRowsInRange(request.job, range.first, range.last,
+                                       kStepRangeMaxLimit + 1 - static_cast<int>(rows.size()));
+    if (!read.ok()) return read.status();
+    rows.insert(rows.end(), std::make_move_iterator(read->begin()),
+                std::make_move_iterator(read->end()));
+  }
+  const bool truncated = rows.size() > static_cast<size_t>(kStepRangeMaxLimit);
   if (truncated) {
     // Whole steps only: drop the step the limit cut.
-    const uint64_t cut = (*rows)[kStepRangeMaxLimit].step;
-    rows->resize(kStepRangeMaxLimit);
-    while (rows->size() > 1 && rows->back().step == cut) rows->pop_back();
+    const uint64_t cut = rows[kStepRangeMaxLimit].step;
+    rows.resize(kStepRangeMaxLimit);
+    while (rows.size() > 1 && rows.back().step == cut) rows.pop_back();
   }
-  if (request.rank.has_value()) {
-    return RankSeriesJson(request.job, window, *request.rank, *rows, truncated);
-  }
-  // Steps whose rank rows retention downsampled: their rank_windows rows too.
+  // Steps whose rank rows retention downsampled: their rank_windows rows too (not for a
+  // changes-only answer, which holds the changed steps alone).
   absl::StatusOr<uint64_t> before = reader.DownsampledBefore(request.job);
   if (!before.ok()) return before.status();
   std::vector<RankWindowRow> windows;
-  if (*before > window.first) {
-    auto read = reader.RankWindowsInRange(request.job, window.first,
-                                          std::min(window.last, *before - 1), kStepRangeMaxLimit);
+  const bool whole = !request.changes.has_value() || resync;
+  if (whole && *before > answered.first) {
+    auto read = reader.RankWindowsInRange(request.job, answered.first,
+                                          std::min(answered.last, *before - 1), kStepRangeMaxLimit);
     if (!read.ok()) return read.status();
     windows = *std::move(read);
   }
-  return RanksJson(request.job, window, job->world_size(), *rows, truncated, *before, windows);
+  return WithChanges(
+      RanksJson(request.job, answered, job->world_size(), rows, truncated, *before, windows),
+      cursor, resync);
 }
 
 // Opens and closes one TCP connection to the server listening on `address` (civetweb syntax,

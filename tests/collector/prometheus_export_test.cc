@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -867,6 +868,92 @@ TEST(JobMetricsTest, JobWithConnectedAgentIsNeverExpired) {
   clock.Advance(absl::Hours(1) + absl::Seconds(1));
   families = metrics.Collect();
   EXPECT_FALSE(Value(families, "rankscope_step", Labels("hung")).has_value());
+}
+
+// The statistics of a step that `ranks` reported (HealthyStats' per-rank values).
+StepStatistics StatsOfRanks(uint32_t world, std::vector<uint32_t> ranks) {
+  StepStatistics s = HealthyStats(world);
+  std::vector<RankStatistics> kept;
+  for (const RankStatistics& r : s.per_rank) {
+    if (std::find(ranks.begin(), ranks.end(), r.rank) != ranks.end()) kept.push_back(r);
+  }
+  s.per_rank = std::move(kept);
+  s.ranks = static_cast<uint32_t>(s.per_rank.size());
+  return s;
+}
+
+TEST(JobMetricsTest, StalledJobKeepsItsLastStepTimeAndNamesTheRanksOffTheMedianStep) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  for (int i = 0; i < 4; ++i) metrics.OnAgentConnected("j", 4);
+  const StepStatistics all = StatsOfRanks(4, {0, 1, 2, 3});
+  metrics.OnStep("j", Step(5, all, 4));
+  auto families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_last_step_timestamp_seconds", Labels("j")),
+            absl::ToUnixSeconds(kStart));
+  EXPECT_THAT(RanksOf(families, "rankscope_rank_step_lag", "j"), IsEmpty());  // all in step
+
+  // Rank 2 stops before step 6; rank 3 alone reports step 7 (it skipped a collective and ran
+  // ahead); then nothing closes for ten minutes while every agent stays connected.
+  clock.Advance(absl::Seconds(1));
+  const StepStatistics without_2 = StatsOfRanks(4, {0, 1, 3});
+  const uint32_t missing_2[] = {2};
+  metrics.OnStep("j", Step(6, without_2, 4, missing_2, /*timed_out=*/true));
+  clock.Advance(absl::Seconds(1));
+  const StepStatistics only_3 = StatsOfRanks(4, {3});
+  const uint32_t missing_012[] = {0, 1, 2};
+  metrics.OnStep("j", Step(7, only_3, 4, missing_012, /*timed_out=*/true));
+  clock.Advance(absl::Minutes(10));
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_last_step_timestamp_seconds", Labels("j")),
+            absl::ToUnixSeconds(kStart) + 2);
+  // Newest steps 6, 6, 5, 7: the median step is 6.
+  EXPECT_THAT(RanksOf(families, "rankscope_rank_step_lag", "j"),
+              UnorderedElementsAreArray({2u, 3u}));
+  EXPECT_EQ(Value(families, "rankscope_rank_step_lag", Labels("j", 2)), -1);
+  EXPECT_EQ(Value(families, "rankscope_rank_step_lag", Labels("j", 3)), 1);
+
+  // The cap keeps the furthest rank (ties: the lower rank).
+  JobMetrics capped(OptionsWith(clock, /*per_rank_limit=*/1));
+  capped.OnStep("j", Step(5, all, 4));
+  const StepStatistics with_1 = StatsOfRanks(4, {0, 1});
+  capped.OnStep("j", Step(6, with_1, 4));
+  capped.OnStep("j", Step(9, StatsOfRanks(4, {1}), 4));
+  families = capped.Collect();
+  // Newest steps 6, 9, 5, 5: median 5; rank 1 is 4 ahead, rank 0 one.
+  EXPECT_THAT(RanksOf(families, "rankscope_rank_step_lag", "j"), UnorderedElementsAreArray({1u}));
+  EXPECT_EQ(Value(families, "rankscope_rank_step_lag", Labels("j", 1)), 4);
+
+  // Every rank back in step: no lag. Then the job ends: its ranks stopped where they stopped.
+  metrics.OnStep("j", Step(8, all, 4));
+  EXPECT_THAT(RanksOf(metrics.Collect(), "rankscope_rank_step_lag", "j"), IsEmpty());
+  metrics.OnStep("j", Step(9, without_2, 4, missing_2, /*timed_out=*/true));
+  EXPECT_THAT(RanksOf(metrics.Collect(), "rankscope_rank_step_lag", "j"),
+              UnorderedElementsAreArray({2u}));
+  for (int i = 0; i < 4; ++i) metrics.OnAgentDisconnected("j");
+  families = metrics.Collect();
+  EXPECT_THAT(RanksOf(families, "rankscope_rank_step_lag", "j"), IsEmpty());
+  EXPECT_TRUE(Value(families, "rankscope_last_step_timestamp_seconds", Labels("j")).has_value());
+}
+
+TEST(JobMetricsTest, ReportingSwitchedOffIsExportedPerGroup) {
+  FakeClock clock;
+  JobMetrics metrics(OptionsWith(clock));
+  metrics.OnAgentConnected("solo", 4);
+  metrics.OnAgentConnected("exp/dp0", 4);
+  metrics.OnAgentConnected("exp/dp1", 4);
+  auto families = metrics.Collect();
+  EXPECT_FALSE(Value(families, "rankscope_reporting_enabled", Labels("solo")).has_value());
+  metrics.OnControl("solo", false);
+  metrics.OnControl("exp", false);  // a job of several groups: every group
+  metrics.OnControl("exp/dp1", true);
+  families = metrics.Collect();
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", Labels("solo")), 0);
+  std::vector<ClientMetric::Label> dp0 = Labels("exp"), dp1 = Labels("exp");
+  dp0.push_back({"group", "dp0"});
+  dp1.push_back({"group", "dp1"});
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", dp0), 0);
+  EXPECT_EQ(Value(families, "rankscope_reporting_enabled", dp1), 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "collector/analysis/outlier_scale.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -78,6 +80,73 @@ TEST(OutlierScoreTest, HealthyRanksAreRarelyFlagged) {
     }
     EXPECT_LE(static_cast<double>(flagged) / total, c.max_rate) << "W=" << c.world;
   }
+}
+
+// The scale floor (rank_diagnostics.h, outlier_scale.h) on i.i.d. Gaussian ranks at W = 4, the
+// world size where a step's MAD is the noisiest: the fraction of rank-steps above 6 and of ranks
+// above 6 on 3 steps in a row (the persistence rule), with and without the floor.
+TEST(OutlierScoreTest, ScaleFloorCutsTheTailAtW4) {
+  constexpr int kSteps = 50000;  // 200,000 rank-steps
+  int flagged[2] = {0, 0}, persistent[2] = {0, 0};
+  for (int floored = 0; floored < 2; ++floored) {
+    OutlierScaleWindow window;
+    std::vector<int> streak(4, 0);
+    for (int step = 0; step < kSteps; ++step) {
+      SignalScales own;
+      const std::vector<OutlierScore> scores = ComputeOutlierScores(
+          Healthy(4, 1000 + step), floored ? window.Floor() : SignalScales{}, &own);
+      window.Push(own);
+      for (const OutlierScore& s : scores) {
+        flagged[floored] += s.flagged;
+        streak[s.rank] = s.flagged ? streak[s.rank] + 1 : 0;
+        persistent[floored] += streak[s.rank] == kOutlierPersistence;
+      }
+    }
+  }
+  const double rank_steps = 4.0 * kSteps;
+  std::printf("W=4, above 6: %.2e without the floor, %.2e with; 3 in a row: %.2e, %.2e\n",
+              flagged[0] / rank_steps, flagged[1] / rank_steps, persistent[0] / rank_steps,
+              persistent[1] / rank_steps);
+  // Measured: 4.1e-2 -> 7e-4 above 6; 3 in a row 4.5e-5 (the persistence rule was documented at
+  // ~6e-5) -> none.
+  EXPECT_GT(flagged[0], 10 * flagged[1]);
+  EXPECT_GE(persistent[0], 5);
+  EXPECT_GE(persistent[0], 5 * persistent[1]);
+}
+
+TEST(OutlierScoreTest, ScaleFloorOnlyLowersScoresAndOwnScalesAreReported) {
+  std::vector<RankSignals> ranks = Healthy(4, 7);
+  SignalScales own;
+  const std::vector<OutlierScore> bare = ComputeOutlierScores(ranks, {}, &own);
+  EXPECT_GT(own.loss, 0.0);
+  EXPECT_GT(own.grad_norm, 0.0);
+  EXPECT_GT(own.cosine, 0.0);
+  // A floor below the step's own scales changes nothing; one above scales every z down.
+  const SignalScales low{own.loss / 2, own.grad_norm / 2, own.cosine / 2};
+  const SignalScales high{own.loss * 4, own.grad_norm * 4, own.cosine * 4};
+  const std::vector<OutlierScore> same = ComputeOutlierScores(ranks, low);
+  const std::vector<OutlierScore> lower = ComputeOutlierScores(ranks, high);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    EXPECT_DOUBLE_EQ(same[i].score, bare[i].score);
+    EXPECT_NEAR(lower[i].score, bare[i].score / 4, 1e-12);
+  }
+}
+
+TEST(OutlierScaleWindowTest, MedianOfTheLastStepsOnceEnoughAreIn) {
+  OutlierScaleWindow w;
+  for (int i = 1; i < static_cast<int>(kOutlierScaleMinSteps); ++i) {
+    w.Push({1.0 * i, 1.0, kNaN});
+    EXPECT_TRUE(std::isnan(w.Floor().loss)) << i;
+  }
+  w.Push({4.0, 1.0, kNaN});
+  EXPECT_DOUBLE_EQ(w.Floor().loss, 2.5);  // median of 1, 2, 3, 4
+  EXPECT_DOUBLE_EQ(w.Floor().grad_norm, 1.0);
+  EXPECT_TRUE(std::isnan(w.Floor().cosine));  // never known: no floor
+  // The oldest steps leave once the window is full.
+  for (size_t i = 0; i < kOutlierScaleWindowSteps; ++i) w.Push({100.0, 1.0, 0.5});
+  EXPECT_EQ(w.steps(), kOutlierScaleWindowSteps);
+  EXPECT_DOUBLE_EQ(w.Floor().loss, 100.0);
+  EXPECT_DOUBLE_EQ(w.Floor().cosine, 0.5);
 }
 
 TEST(OutlierScoreTest, EachKindOfDeviationIsFlaggedAndScoresHighest) {

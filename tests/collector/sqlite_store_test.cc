@@ -595,6 +595,7 @@ TEST_F(SqliteStoreTest, OpenErrorsNameThePath) {
 
 // --- Round trips. ---------------------------------------------------------------------------
 
+// Long: every stored field set and read back, listed once: the list is the test.
 TEST_F(SqliteStoreTest, RoundTripsEveryField) {
   auto store = OpenStore();
   ASSERT_NE(store, nullptr);

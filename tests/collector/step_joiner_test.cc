@@ -693,6 +693,8 @@ struct ScenarioCounts {
   std::map<Reason, int> reasons;
 };
 
+// Long: one randomised scenario against the reference, read top to bottom; its counters are the
+// test's expectations.
 ScenarioCounts RunScenario(const Scenario& sc, uint64_t seed) {
   ScenarioCounts counts;
   std::mt19937_64 rng(seed);

@@ -121,6 +121,67 @@ TEST(ParseApiRequestTest, SinceAsksForTheStepsAfterIt) {
   }
 }
 
+TEST(ParseApiRequestTest, ChangesTakeACursorAndAllowFirstBesideSince) {
+  auto r = ParseApiRequest("/jobs/exp/ranks", "since=40&first=10&changes=9f3a.17");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->changes.has_value());
+  EXPECT_EQ(r->changes->instance, 0x9f3au);
+  EXPECT_EQ(r->changes->seq, 17u);
+  EXPECT_EQ(r->first, 10u);
+  EXPECT_EQ(r->since, 40u);
+  auto history = ParseApiRequest("/jobs/exp/ranks", "first=10&last=50&changes=1.0");
+  ASSERT_TRUE(history.ok()) << history.status();
+  EXPECT_EQ(history->changes, (ChangeCursor{1, 0}));
+  for (const char* query :
+       {"changes=", "changes=17", "changes=9G.1", "changes=9f.-1", "changes=9f.1.2",
+        "changes=12345678901234567.1", "changes=A.1", "changes=9f.1&rank=3", "since=4&first=2"}) {
+    auto bad = ParseApiRequest("/jobs/exp/ranks", query);
+    ASSERT_FALSE(bad.ok()) << query;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << query;
+  }
+  // The steps answer has no change cursor.
+  EXPECT_FALSE(ParseApiRequest("/jobs/exp/steps", "changes=9f.1").ok());
+  EXPECT_EQ(FormatChangeCursor({0x9f3a, 17}), "9f3a.17");
+  EXPECT_EQ(ParseChangeCursor(FormatChangeCursor({~0ull, ~0ull})), (ChangeCursor{~0ull, ~0ull}));
+}
+
+TEST(HeldWindowTest, TheStepsTheCallerHolds) {
+  ApiRequest r;
+  r.since = 100;
+  // Without changes nothing held is read again.
+  EXPECT_GT(HeldWindow(r, 104, 120).first, HeldWindow(r, 104, 120).last);
+  r.changes = ChangeCursor{1, 5};
+  // With since: the default window's first step (or `first`) up to since.
+  EXPECT_EQ(HeldWindow(r, 104, 120).first, 0u);
+  EXPECT_EQ(HeldWindow(r, 104, 120).last, 100u);
+  EXPECT_EQ(HeldWindow(r, 150, 120).first, 31u);
+  // A page far behind holds nothing of the newest window (it gets that window as new steps).
+  EXPECT_GT(HeldWindow(r, 1000, 120).first, HeldWindow(r, 1000, 120).last);
+  r.first = 60;
+  EXPECT_EQ(HeldWindow(r, 104, 120).first, 60u);
+  EXPECT_EQ(HeldWindow(r, 104, 120).last, 100u);
+  // The new steps' window ignores `first` beside since.
+  EXPECT_EQ(ResolveWindow(r, 104, 120).first, 101u);
+  // A page that fell behind holds steps at or below since only.
+  r.first = 101;
+  EXPECT_GT(HeldWindow(r, 104, 120).first, HeldWindow(r, 104, 120).last);
+  // Without since: the whole window asked for.
+  ApiRequest h;
+  h.changes = ChangeCursor{1, 5};
+  h.first = 10;
+  h.last = 50;
+  EXPECT_EQ(HeldWindow(h, 1000, 120).first, 10u);
+  EXPECT_EQ(HeldWindow(h, 1000, 120).last, 50u);
+}
+
+TEST(JsonTest, RankMatrixCarriesItsChangeCursor) {
+  const std::string json = RanksJson("exp", {1, 2}, 2, {}, false);
+  EXPECT_EQ(WithChanges(json, {0xab, 9}, false),
+            json.substr(0, json.size() - 1) + ",\"changes\":\"ab.9\"}");
+  EXPECT_THAT(WithChanges(json, {0xab, 9}, true),
+              HasSubstr(",\"changes\":\"ab.9\",\"resync\":true}"));
+}
+
 TEST(ResolveWindowTest, SinceStartsAfterItWithinTheNewestWindow) {
   ApiRequest r;
   r.since = 100;
@@ -164,7 +225,18 @@ TEST(JsonTest, StepsCarryEveryColumnAndNonFiniteIsNull) {
             "\"grad_norm_mean\":0,\"grad_norm_std\":0,\"grad_norm_cv\":null,"
             "\"grad_cosine_mean\":0.75,\"grad_noise_scale\":null,\"missing_ranks\":\"3\","
             "\"timed_out\":true,\"outlier_ranks\":[1],\"divergent_ranks\":[],"
-            "\"drifting_ranks\":[],\"slow_ranks\":[],\"completed_at\":100}]}");
+            "\"drifting_ranks\":[],\"slow_ranks\":[],\"integrity_fault\":\"\","
+            "\"integrity_rank\":null,\"completed_at\":100}]}");
+  // A failed aggregation check names its fault and, when the regression found one, the rank.
+  row.integrity_error_ratio = 40.0;
+  row.integrity_fault = "missing";
+  row.integrity_rank = 2;
+  EXPECT_THAT(StepsJson("exp", {5, 9}, {row}, /*truncated=*/false),
+              HasSubstr("\"integrity_fault\":\"missing\",\"integrity_rank\":2,"));
+  row.integrity_fault = "sum";
+  row.integrity_rank.reset();
+  EXPECT_THAT(StepsJson("exp", {5, 9}, {row}, /*truncated=*/false),
+              HasSubstr("\"integrity_fault\":\"sum\",\"integrity_rank\":null,"));
 }
 
 TEST(JsonTest, RankMatrixMarksMissingNonFiniteAndDivergentRanks) {
@@ -251,6 +323,31 @@ TEST(JsonTest, RankSeriesCarriesDeviatingBuckets) {
   EXPECT_THAT(json,
               HasSubstr("\"deviating_buckets\":\"layers.20-23.mlp z=45.1; \\\"x\\\" z=7.0\""));
   EXPECT_EQ(json.find("deviating_buckets"), json.rfind("deviating_buckets"));
+}
+
+// The rank panel's buckets: every bucket's z where kept, and the deviating ones named with
+// their z, worst first (names from the hello; a bucket beyond them is "bucket B").
+TEST(JsonTest, RankSeriesNamesTheDeviatingBucketsWithTheirZ) {
+  StepRankRow row;
+  row.step = 4;
+  row.row.rank = 2;
+  row.row.loss = 1.0;
+  row.row.grad_norm = 1.0;
+  row.row.bucket_z = {0.5f, 45.25f, -7.0f, 2.0f};
+  const std::vector<std::string> names = {"embed", "layers.20-23.mlp", "\"head\""};
+  const std::string json = RankSeriesJson("exp", {4, 4}, 2, {row}, false, &names);
+  EXPECT_THAT(json, HasSubstr("\"bucket_names\":[\"embed\",\"layers.20-23.mlp\","
+                              "\"\\\"head\\\"\"],\"bucket_z_threshold\":6}"));
+  EXPECT_THAT(json, HasSubstr("\"bucket_z\":[0.5,45.25,-7,2],\"buckets\":["
+                              "{\"bucket\":1,\"name\":\"layers.20-23.mlp\",\"z\":45.25},"
+                              "{\"bucket\":2,\"name\":\"\\\"head\\\"\",\"z\":-7}]"));
+  // Without names (a collector restarted before the job's hello): numbered.
+  row.row.bucket_z = {0.5f, 2.0f, 3.0f, 9.5f};
+  EXPECT_THAT(RankSeriesJson("exp", {4, 4}, 2, {row}, false, &names),
+              HasSubstr("\"buckets\":[{\"bucket\":3,\"name\":\"bucket 3\",\"z\":9.5}]"));
+  // A row without kept z has neither key.
+  row.row.bucket_z.clear();
+  EXPECT_THAT(RankSeriesJson("exp", {4, 4}, 2, {row}, false), Not(HasSubstr("\"buckets\"")));
 }
 
 TEST(JsonTest, RankSeriesHoldsOneRank) {

@@ -102,6 +102,8 @@ class Harness {
     jobs_.erase(job);
   }
 
+  // Long: the fuzzer's reference model of the joiner's rules for one report, case by case beside
+  // the real joiner's answer; split, the cases would lose their order.
   void Add(const std::string& job, uint32_t rank, uint64_t step, uint32_t attempt) {
     const uint64_t id = ++next_id_;
     RankReport report;

@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "collector/collector.h"
+#include "collector/query/row_proto.h"
 #include "collector/store/sqlite_store.h"
 #include "collector/store/store_reader_pool.h"
 #include "gmock/gmock.h"
@@ -90,6 +91,36 @@ class QueryServiceTest : public ::testing::Test {
 
   std::string path_;
 };
+
+// The step's statistics reach the wire message from the one place that copies StepSummary
+// (FillStepSummary): each field with its own value, none swapped or left at zero.
+TEST(RowProtoTest, StepStatsCarryEveryStatisticOfTheRow) {
+  StepRow row;
+  row.step = 12;
+  row.world_size = 9;
+  row.ranks = 8;
+  row.loss_mean = 1.5;
+  row.loss_std = 2.5;
+  row.loss_range = 3.5;
+  row.grad_norm_mean = 4.5;
+  row.grad_norm_std = 5.5;
+  row.grad_norm_cv = 6.5;
+  row.grad_cosine_mean = 0.75;
+  row.missing_ranks = "3";
+  v1::StepStats st;
+  FillStepStats(row, &st);
+  EXPECT_EQ(st.step(), 12u);
+  EXPECT_EQ(st.ranks(), 8u);
+  EXPECT_EQ(st.loss_mean(), 1.5);
+  EXPECT_EQ(st.loss_std(), 2.5);
+  EXPECT_EQ(st.loss_range(), 3.5);
+  EXPECT_EQ(st.grad_norm_mean(), 4.5);
+  EXPECT_EQ(st.grad_norm_std(), 5.5);
+  EXPECT_EQ(st.grad_norm_cv(), 6.5);
+  EXPECT_EQ(st.grad_cosine_mean(), 0.75);
+  EXPECT_THAT(st.missing_ranks(), ElementsAre(3u));
+  EXPECT_EQ(st.missing_count(), 1u);
+}
 
 TEST(StoreReaderPoolTest, RefusesBeyondItsQueueRunsQueuedTasksInOrderAndRefusesAfterStop) {
   const std::string path = testing::MakeTempDir() + "/rankscope.db";

@@ -7,6 +7,11 @@ has them, so run this with the project's Python:
     .venv/bin/python -m pytest -q tests/ops
 """
 
+# One file, several parts (Prometheus rules; Prometheus and Alertmanager configuration; dashboards;
+# Kubernetes, compose and systemd files), kept together on purpose: the static checks of the
+# operations files, which share the tool lookups and the paths at the top and run as one pass of
+# ./run test.
+
 import enum
 import json
 import pathlib
@@ -232,6 +237,16 @@ MUTANTS = [
     (
         "max by (train_job, group, rank) (rankscope_rank_step_time_z)",
         "max by (train_job, rank) (rankscope_rank_step_time_z)",
+    ),
+    ("+ 600)", "+ 590)"),  # seconds without a step before a stall
+    ("(rankscope_reporting_enabled) == 0", "(rankscope_reporting_enabled) >= 0"),
+    (
+        "max by (train_job, group) (rankscope_connected_agents) > 0",
+        "max by (train_job, group) (rankscope_connected_agents) >= 0",
+    ),
+    (
+        "max by (train_job, group) (rankscope_last_step_timestamp_seconds)",
+        "max by (train_job) (rankscope_last_step_timestamp_seconds)",
     ),
     ("(rankscope_rank_drift_score) > 1", "(rankscope_rank_drift_score) >= 1"),  # drift threshold
     ("(rankscope_rank_slow_score) > 1", "(rankscope_rank_slow_score) >= 1"),  # slow threshold

@@ -70,6 +70,8 @@ def missed_shard_sync(opt, owner):
     return faulty
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, help="default: $RANK (torchrun)")

@@ -311,3 +311,67 @@ def module_collector(tmp_path_factory):
     yield c
     if c.proc is not None:
         c.stop()
+
+
+# ---- a store filled by a real job (tools/loadgen), its early steps aged ----------------------
+
+LOADGEN = BUILD_DIR / "bin" / "rankscope-loadgen"
+
+
+def run_loadgen(collector: "Collector", job: str, ranks: int, steps: int, *flags: str) -> None:
+    """tools/loadgen's ``ranks`` simulated ranks (the real agent library) report ``steps`` steps
+    of ``job`` to ``collector`` with no pause between steps, plus loadgen ``flags``; returns once
+    every report is acked, i.e. committed (loadgen exits 0 only then). Skips the test when
+    loadgen is not built."""
+    if not LOADGEN.exists():
+        pytest.skip(f"{LOADGEN} not built")
+    run = subprocess.run(
+        [
+            str(LOADGEN),
+            f"--collector={collector.address}",
+            f"--job={job}",
+            f"--ranks={ranks}",
+            f"--steps={steps}",
+            "--step_interval=0",
+            *flags,
+            "--flush_timeout=30s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr  # every report acked
+
+
+def filled_store(tmp_dir: Path, job: str, ranks: int, steps: int, *flags: str) -> "Collector":
+    """A stopped collector whose store holds steps 0..``steps``-1 of ``job`` (``run_loadgen`` with
+    ``flags``). ``restart()`` serves the same database. Skips the test when loadgen is not
+    built."""
+    if not LOADGEN.exists():
+        pytest.skip(f"{LOADGEN} not built")
+    c = Collector(tmp_dir).start()
+    try:
+        run_loadgen(c, job, ranks, steps, "--start_step=0", *flags)
+    finally:
+        stopped = c.stop()
+    assert stopped == 0, "the collector did not exit cleanly"
+    return c
+
+
+def age_steps(db_path: Path, job: str, before_step: int, seconds: int) -> None:
+    """Moves the stored wall times of ``job``'s steps < ``before_step`` (rank_steps.received_at,
+    step_stats.completed_at) ``seconds`` into the past, as waiting that long would have: what
+    the retention reads. The collector must be stopped."""
+    con = sqlite3.connect(str(db_path))
+    try:
+        con.execute(
+            "UPDATE rank_steps SET received_at = received_at - ? WHERE job = ? AND step < ?",
+            (seconds, job, before_step),
+        )
+        con.execute(
+            "UPDATE step_stats SET completed_at = completed_at - ? WHERE job = ? AND step < ?",
+            (seconds, job, before_step),
+        )
+        con.commit()
+    finally:
+        con.close()

@@ -28,6 +28,8 @@ from framework_harness import LMForTrainer, TokenData, trainer_arguments  # noqa
 from shim_harness import flat_grad, lm_loss  # noqa: E402
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)

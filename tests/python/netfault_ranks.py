@@ -26,30 +26,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _phase_from_rank0(rank: int, work: Path) -> int:
-    import torch
-    import torch.distributed as dist
+    from shim_harness import value_from_rank0
 
-    value = torch.zeros(1, dtype=torch.int64)
+    phase = 0
     if rank == 0:
         try:
-            value[0] = int((work / "phase").read_text().strip() or 0)
+            phase = int((work / "phase").read_text().strip() or 0)
         except (FileNotFoundError, ValueError):
-            value[0] = 0
-    dist.broadcast(value, 0)
-    return int(value[0])
+            pass
+    return value_from_rank0(phase)
 
 
 def worker(rank, world_size, collector, job, work_dir, attach_kwargs):
-    import torch
-    import torch.nn as nn
-
     import rankscope.torch as rst
-    from shim_harness import TinyLM, batch, lm_loss, write_json
+    from shim_harness import tiny_ddp, train_step, write_json
 
     work = Path(work_dir)
-    torch.manual_seed(7)
-    ddp = nn.parallel.DistributedDataParallel(TinyLM())
-    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ddp, sgd = tiny_ddp()
     times = {}
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -62,12 +55,7 @@ def worker(rank, world_size, collector, job, work_dir, attach_kwargs):
             if now != phase:
                 phase, phase_steps = now, 0
             t0 = time.perf_counter()
-            x, y = batch(rank, step)
-            sgd.zero_grad(set_to_none=True)
-            loss = lm_loss(ddp, x, y)
-            loss.backward()
-            sgd.step()
-            mon.step(loss)
+            train_step(ddp, sgd, mon, rank, step)
             times.setdefault(str(phase), []).append(time.perf_counter() - t0)
             step += 1
             phase_steps += 1
@@ -96,18 +84,10 @@ def main():
     p.add_argument("--port", type=int, default=0, help="(internal) the gloo rendezvous port")
     a = p.parse_args()
     if a.rank >= 0:
-        import torch
-        import torch.distributed as dist
+        from shim_harness import run_rank
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world
-        )
         kwargs = {"sketch_dim": 256, "warn_after": 0.5, "max_backoff": 0.5, **json.loads(a.attach)}
-        try:
-            worker(a.rank, a.world, a.collector, a.job, a.work, kwargs)
-        finally:
-            dist.destroy_process_group()
+        run_rank(a.rank, worker, a.port, a.world, (a.collector, a.job, a.work, kwargs))
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

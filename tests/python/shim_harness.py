@@ -29,7 +29,10 @@ from conftest import free_port
 # ---- process management ------------------------------------------------------------------------
 
 
-def _entry(rank, fn, port, world_size, args, backend):
+def run_rank(rank, fn, port, world_size, args, backend="gloo"):
+    """One rank's process: joins the ``backend`` group of ``world_size`` ranks at 127.0.0.1:``port``,
+    runs ``fn(rank, world_size, *args)``, leaves the group. spawn's processes run it, and
+    netfault_ranks.py's, which it starts itself inside a network namespace."""
     torch.set_num_threads(1)  # 4 ranks share 2 cores
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -47,7 +50,7 @@ def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
     group (gloo; nccl puts rank r on GPU r); raises if any rank fails or the whole run takes
     longer than ``timeout`` seconds (then every rank is killed)."""
     ctx = mp.start_processes(
-        _entry,
+        run_rank,
         args=(fn, free_port(), world_size, args, backend),
         nprocs=world_size,
         join=False,
@@ -65,11 +68,16 @@ def spawn(fn, world_size, *args, timeout=180.0, backend="gloo"):
                 p.join()
 
 
-def flag_from_rank0(value: bool) -> bool:
-    """Rank 0's decision, seen by every rank (a test-only collective: keeps ranks in step)."""
-    t = torch.tensor([1 if value else 0], dtype=torch.int32)
+def value_from_rank0(value: int) -> int:
+    """Rank 0's integer, seen by every rank (a test-only collective: keeps ranks in step)."""
+    t = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(t, 0)
-    return bool(t.item())
+    return int(t.item())
+
+
+def flag_from_rank0(value: bool) -> bool:
+    """Rank 0's decision, seen by every rank."""
+    return bool(value_from_rank0(1 if value else 0))
 
 
 def write_json(path, obj) -> None:
@@ -114,6 +122,26 @@ def batch(rank, step, micro=0, bsz=4, ctx=16):
     return data[:, :-1], data[:, 1:]
 
 
+def tiny_ddp(lr=0.05):
+    """The scenarios' replica: a TinyLM with the same initial weights on every rank, in DDP, and
+    its SGD optimizer."""
+    torch.manual_seed(7)
+    ddp = nn.parallel.DistributedDataParallel(TinyLM())
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=lr)
+
+
+def train_step(ddp, sgd, mon, rank, step):
+    """One watched training step on ``batch(rank, step)``: forward, backward, update, then
+    ``mon.step(loss)``. Returns the loss."""
+    x, y = batch(rank, step)
+    sgd.zero_grad(set_to_none=True)
+    loss = lm_loss(ddp, x, y)
+    loss.backward()
+    sgd.step()
+    mon.step(loss)
+    return loss
+
+
 def flat_grad(module) -> torch.Tensor:
     """The full local gradient in module.named_parameters() order (rankscope's flat order), in
     float64; a parameter without a gradient counts as zeros."""
@@ -146,7 +174,7 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
     """What the collector must compute for one step, from exact per-rank values; the sketches
     in `encoding` as the agent packs them (rankscope._native.pack_sketch)."""
     from rankscope import _native
-    from rankscope.torch_sketch import TorchSketch
+    from rankscope._device_sketch import DeviceSketch
 
     w = len(losses)
     norms = [float(g.norm()) for g in grads]
@@ -168,7 +196,7 @@ def exact_step_stats(losses, grads, sketch_dim, sketch_seed, encoding="float32")
 
     sketches = []
     for g in grads:
-        s = TorchSketch(sketch_dim, sketch_seed, "cpu")
+        s = DeviceSketch(sketch_dim, sketch_seed, "cpu")
         s.add(g, 0)
         values = s.bins.float()
         if encoding != "float32":
@@ -230,6 +258,8 @@ SCENARIOS = {
 }
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def exact_worker(
     rank,
     world_size,
@@ -310,7 +340,7 @@ def exact_worker(
                 sketch_encoding=encoding,
                 **chain,
             )
-        mon._force_torch_sketch = bool(opt.get("torchpath"))
+        mon._bypass_native = bool(opt.get("torchpath"))
 
         expected = {}
         for step in range(first, first + steps):
@@ -358,9 +388,7 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
     import rankscope.torch as rst
 
     work_dir = Path(work_dir)
-    torch.manual_seed(7)
-    ddp = nn.parallel.DistributedDataParallel(TinyLM())
-    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ddp, sgd = tiny_ddp()
     mon = rst.attach(
         ddp, collector=collector, job=job, sketch_dim=256, dormant=True, control_margin=0.5
     )
@@ -375,12 +403,7 @@ def control_worker(rank, world_size, collector, job, work_dir, max_seconds):
         stop = (work_dir / "stop").exists() or time.monotonic() > t_end
         if flag_from_rank0(stop if rank == 0 else False):
             break
-        x, y = batch(rank, step)
-        sgd.zero_grad(set_to_none=True)
-        loss = lm_loss(ddp, x, y)
-        loss.backward()
-        sgd.step()
-        mon.step(loss)
+        train_step(ddp, sgd, mon, rank, step)
         step += 1
         if rank == 0 and step % 5 == 0:
             write_json(work_dir / "progress.json", {"step": mon.step_number})
@@ -399,9 +422,7 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
     import rankscope.torch as rst
 
     work_dir = Path(work_dir)
-    torch.manual_seed(7)
-    ddp = nn.parallel.DistributedDataParallel(TinyLM())
-    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ddp, sgd = tiny_ddp()
     caught = []
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -412,12 +433,7 @@ def outage_worker(rank, world_size, collector, job, work_dir, min_outage_steps):
         times = {"A": [], "B": [], "C": []}
         while True:
             t0 = time.perf_counter()
-            x, y = batch(rank, step)
-            sgd.zero_grad(set_to_none=True)
-            loss = lm_loss(ddp, x, y)
-            loss.backward()
-            sgd.step()
-            mon.step(loss)
+            train_step(ddp, sgd, mon, rank, step)
             times[phase].append(time.perf_counter() - t0)
             step += 1
             if rank == 0:

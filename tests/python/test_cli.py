@@ -12,9 +12,8 @@ import subprocess
 
 import pytest
 
-from conftest import BUILD_DIR, CLI_BIN, Collector
+from conftest import BUILD_DIR, CLI_BIN, Collector, run_loadgen
 
-LOADGEN = BUILD_DIR / "bin" / "rankscope-loadgen"
 JOB = "cli-a"
 STEPS, RANKS, OUTLIER, DIVERGENT = 40, 8, 5, 3
 
@@ -33,31 +32,20 @@ def cli(*args, collector=None, check=True, timeout=60):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    if not LOADGEN.exists():
-        pytest.skip(f"{LOADGEN} not built")
     c = Collector(tmp_path_factory.mktemp("cli")).start()
     try:
-        run = subprocess.run(
-            [
-                str(LOADGEN),
-                f"--collector={c.address}",
-                f"--job={JOB}",
-                f"--ranks={RANKS}",
-                f"--steps={STEPS}",
-                "--step_interval=0",
-                f"--outlier_rank={OUTLIER}",
-                "--outlier_from_step=20",
-                "--outlier_loss_shift=5",
-                f"--divergent_rank={DIVERGENT}",
-                "--divergent_from_step=30",
-                "--param_check_every=10",
-                "--flush_timeout=30s",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        run_loadgen(
+            c,
+            JOB,
+            RANKS,
+            STEPS,
+            f"--outlier_rank={OUTLIER}",
+            "--outlier_from_step=20",
+            "--outlier_loss_shift=5",
+            f"--divergent_rank={DIVERGENT}",
+            "--divergent_from_step=30",
+            "--param_check_every=10",
         )
-        assert run.returncode == 0, run.stdout + run.stderr
         # loadgen exits after every report is acked, i.e. committed.
         assert len(c.step_rows(JOB)) == STEPS
         yield c

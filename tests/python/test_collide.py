@@ -110,6 +110,8 @@ def _stored_run(loss: float) -> int:
     return int(loss // LOSS_OFFSET)
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_two_live_runs_under_one_name_collide_and_the_refused_run_is_told(tmp_path):
     # Keepalive short so that the "dead" holder is dropped quickly (default: 20 s + 10 s).
     collector = Collector(

@@ -20,11 +20,9 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-import pytest
 
-from conftest import BUILD_DIR, COLLECTOR_BIN, Collector, free_port, wait_until
+from conftest import COLLECTOR_BIN, Collector, age_steps, filled_store, free_port, wait_until
 
-LOADGEN = BUILD_DIR / "bin" / "rankscope-loadgen"
 FIXTURE_V4 = Path(__file__).resolve().parents[1] / "collector" / "testdata" / "schema_v4.sql"
 JOB = "crash-maint"
 STEPS, RANKS, OLD = 120, 8, 100  # steps < OLD are 100 days old
@@ -76,44 +74,14 @@ STEP_ROWS = "SELECT step, ranks, loss_mean, grad_norm_mean FROM step_stats WHERE
 
 
 def test_sigkill_inside_each_maintenance_step_loses_nothing_and_resumes(tmp_path):
-    if not LOADGEN.exists():
-        pytest.skip(f"{LOADGEN} not built")
-    c = Collector(tmp_path).start()
-    run = subprocess.run(
-        [
-            str(LOADGEN),
-            f"--collector={c.address}",
-            f"--job={JOB}",
-            f"--ranks={RANKS}",
-            f"--steps={STEPS}",
-            "--start_step=0",
-            "--step_interval=0",
-            "--flush_timeout=30s",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr  # every report acked
-    assert c.stop() == 0
+    c = filled_store(tmp_path, JOB, RANKS, STEPS)
     db = c.db_path
     ranks_before = read(db, RANK_ROWS + "ORDER BY step, rank", (JOB,))
     steps_before = read(db, STEP_ROWS + "ORDER BY step", (JOB,))
     assert len(ranks_before) == STEPS * RANKS and len(steps_before) == STEPS
     young_ranks = [r for r in ranks_before if r[0] >= OLD]
     young_steps = [r for r in steps_before if r[0] >= OLD]
-    con = sqlite3.connect(str(db))
-    days = 100 * 86400
-    con.execute(
-        "UPDATE rank_steps SET received_at = received_at - ? WHERE job = ? AND step < ?",
-        (days, JOB, OLD),
-    )
-    con.execute(
-        "UPDATE step_stats SET completed_at = completed_at - ? WHERE job = ? AND step < ?",
-        (days, JOB, OLD),
-    )
-    con.commit()
-    con.close()
+    age_steps(db, JOB, OLD, 100 * 86400)
 
     # 1. Inside the downsampling fold: rolled back whole (rows kept, no window, no progress).
     crash_at(db, "store_downsample_fold", tmp_path)

@@ -122,7 +122,7 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
             param_check_every=PARAM_CHECK_EVERY,
             **extra,
         )
-        mon._force_torch_sketch = name == "nudge"  # the device (torch-op) path, on the CPU
+        mon._bypass_native = name == "nudge"  # the device (torch-op) path, on the CPU
         truth = {}
         current = [0]
         if name == "layer" and rank == LAYER_RANK:

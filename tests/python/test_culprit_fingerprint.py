@@ -110,7 +110,9 @@ def test_segment_layout_rejects_a_segment_outside_the_buffer():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_cpp_kernel_agrees_with_the_torch_ops(dtype):
-    if not fp.native_supported(torch.zeros(1, dtype=dtype)):
+    from rankscope import _backend
+
+    if _backend.fingerprint(torch.zeros(1, dtype=dtype)).backend != _backend.NATIVE:
         pytest.skip("rankscope._native without fingerprint_segments")
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(10_001, generator=g) * 100).to(dtype)
@@ -161,27 +163,36 @@ def test_fold_many_and_fold_segments_and_squares_on_the_torch_path():
     assert float(ss) == pytest.approx(float(buf.double().square().sum()), rel=1e-12)
 
 
-def test_gpu_sketch_kernel_choice():
-    """Which Triton sketch kernel a dtype and k get (rankscope.triton_kernels._variant; pure
+def test_gpu_sketch_kernel_choice(monkeypatch):
+    """Which Triton sketch kernel a dtype and k get (rankscope._backend.sketch_variant; pure
     Python, so it is tested here too): the tensor-core one for 16-bit values at k = 512 .. 4,096
     and float32 up to 1,024, the atomic one otherwise or when forced."""
-    import os
+    from rankscope import _backend as b
 
-    tk = pytest.importorskip("rankscope.triton_kernels")
-    saved = os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
-    try:
-        assert tk._variant(torch.bfloat16, 1024) == (32, True, False)
-        assert tk._variant(torch.float16, 4096) == (128, True, False)
-        assert tk._variant(torch.float32, 1024) == (32, True, True)
-        assert tk._variant(torch.float32, 4096)[1] is False
-        assert tk._variant(torch.bfloat16, 1000)[1] is False  # not 32 times a power of two
-        assert tk._variant(torch.bfloat16, 256)[1] is False
-        assert tk._variant(torch.bfloat16, 8192)[1] is False
-        os.environ["RANKSCOPE_GPU_SKETCH"] = "atomic"
-        assert tk._variant(torch.bfloat16, 1024)[1] is False
-        os.environ["RANKSCOPE_GPU_SKETCH"] = "dot"
-        assert tk._variant(torch.float32, 4096) == (128, True, True)
-    finally:
-        os.environ.pop("RANKSCOPE_GPU_SKETCH", None)
-        if saved is not None:
-            os.environ["RANKSCOPE_GPU_SKETCH"] = saved
+    monkeypatch.delenv("RANKSCOPE_GPU_SKETCH", raising=False)
+    monkeypatch.setattr(b, "DOT_FAILED", [])
+
+    def dot(dtype, dim):
+        c = b.sketch_variant(dtype, dim)
+        assert c.backend == b.TRITON
+        return (c.q, True, c.exact_tf32) if c.variant == b.DOT else (c.q, False, False)
+
+    assert dot(torch.bfloat16, 1024) == (32, True, False)
+    assert dot(torch.float16, 4096) == (128, True, False)
+    assert dot(torch.float32, 1024) == (32, True, True)
+    assert dot(torch.float32, 4096)[1] is False
+    assert dot(torch.bfloat16, 1000)[1] is False  # not 32 times a power of two
+    assert dot(torch.bfloat16, 256)[1] is False
+    assert dot(torch.bfloat16, 8192)[1] is False
+    assert dot(torch.float64, 1024)[1] is False
+    monkeypatch.setenv("RANKSCOPE_GPU_SKETCH", "atomic")
+    assert dot(torch.bfloat16, 1024)[1] is False
+    monkeypatch.setenv("RANKSCOPE_GPU_SKETCH", "dot")
+    assert dot(torch.float32, 4096) == (128, True, True)
+    # A dot kernel that failed in this process: the atomic one, also when forced.
+    monkeypatch.setattr(b, "DOT_FAILED", ["an error"])
+    assert dot(torch.float32, 4096)[1] is False
+    # forced() outranks the environment.
+    with b.forced(sketch=b.ATOMIC):
+        monkeypatch.setattr(b, "DOT_FAILED", [])
+        assert dot(torch.bfloat16, 1024)[1] is False

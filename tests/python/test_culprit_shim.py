@@ -44,7 +44,7 @@ def test_sent_fingerprints_equal_the_definition(one_rank, collector, torch_path)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     job = f"sent-{int(torch_path)}"
     mon = rst.attach(ddp, collector=collector.address, job=job, sketch_dim=64, param_check_every=2)
-    mon._force_torch_sketch = torch_path
+    mon._bypass_native = torch_path
     expected = {}
     for step in range(5):
         g = torch.Generator().manual_seed(step)

@@ -61,6 +61,8 @@ def fleet(tmp_path):
             c.kill()
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_one_shard_killed_only_its_jobs_pause_and_nothing_is_lost(tmp_path, fleet):
     shards, started = fleet
     for c in shards:

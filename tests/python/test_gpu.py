@@ -139,11 +139,15 @@ def exact_worker(rank, world_size, collector, out_dir):
                         [float(v) for v in losses], gathered, SKETCH_DIM, DEFAULT_SKETCH_SEED
                     )
             stats = mon.close(timeout=30)
-            from rankscope import triton_kernels
+            from rankscope import _backend
 
             H.write_json(
                 out_dir / f"{name}.rank{rank}.json",
-                {"stats": stats, "dot_failed": triton_kernels._DOT_FAILED},
+                {
+                    "stats": stats,
+                    "dot_failed": _backend.DOT_FAILED,
+                    "triton_failed": _backend.TRITON_FAILED,
+                },
             )
             if rank == 0:
                 H.write_json(out_dir / f"{name}.expected.json", expected)
@@ -250,9 +254,10 @@ def nosync_worker(rank, world_size, collector, out_dir):
                 "pinned": pinned,
                 "stats": stats,
             }
-    from rankscope import triton_kernels
+    from rankscope import _backend
 
-    out["dot_failed"] = triton_kernels._DOT_FAILED
+    out["dot_failed"] = _backend.DOT_FAILED
+    out["triton_failed"] = _backend.TRITON_FAILED
     H.write_json(Path(out_dir) / "nosync.json", out)
 
 
@@ -286,6 +291,7 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
     for rank in range(WORLD):
         info = _load(out / f"{name}.rank{rank}.json")
         assert info["dot_failed"] == []
+        assert info["triton_failed"] == []  # the Triton rows ran Triton, not the torch ops
         stats = info["stats"]
         assert stats["recorded"] == STEPS and stats["acked"] == STEPS, stats
         assert stats.get("shim_hook_errors", 0) == 0, stats
@@ -334,6 +340,7 @@ def test_gpu_steps_never_synchronize(module_collector, tmp_path):
     H.spawn(nosync_worker, 1, module_collector.address, str(tmp_path), timeout=240, backend="nccl")
     out = _load(tmp_path / "nosync.json")
     assert out.pop("dot_failed") == []
+    assert out.pop("triton_failed") == []
     for case, r in out.items():
         assert r["errors"] == [], (case, r["errors"])
         stats = r["stats"]

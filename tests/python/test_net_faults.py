@@ -108,6 +108,8 @@ class Ranks:
         return [read_json(self.work / f"rank{r}.json") for r in range(WORLD)]
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_partition_reset_and_blackhole_lose_nothing(net, tmp_path):
     # A step waits for both ranks' reports however far apart the two agents' reconnects land
     # after a fault (the join within --step_timeout is not what this test measures; a CI run

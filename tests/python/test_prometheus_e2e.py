@@ -252,6 +252,8 @@ class Prometheus:
 # The scenario, run once for the module
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     missing = [

@@ -22,9 +22,9 @@ ONSET, STEPS = 8, 16
 
 
 def rows(*flags, steps=12):
-    """step_stats rows (step, outlier, replica, drifting, slow, missing) for steps 0..steps-1,
+    """step_stats rows (step, then one rank list per real_bugs.COLUMNS) for steps 0..steps-1,
     with `flags` = (step, column, text) set on top of empty rows."""
-    table = {s: [s, "", "", "", "", ""] for s in range(steps)}
+    table = {s: [s] + [""] * len(real_bugs.COLUMNS) for s in range(steps)}
     for step, column, text in flags:
         table[step][1 + real_bugs.COLUMNS.index(column)] = text
     return [tuple(r) for r in table.values()]
@@ -56,6 +56,10 @@ def test_scoring_a_fault_on_every_rank_needs_a_flag_naming_every_rank():
     assert not s["named"] and s["by_column"] == {"outlier": [1]} and s["wrong"] == []
     s = real_bugs.score_case(every, 4, rows((6, "outlier", "1"), (7, "replica", "0,1,2,3")))
     assert s["named"] and s["named_at"] == 7
+    # The integrity check names the reduction every rank received ("0-3": no rank's weight
+    # explains it), from its first failed step.
+    s = real_bugs.score_case(every, 4, rows((5, "integrity", "0-3"), (9, "integrity", "0-3")))
+    assert (s["named"], s["named_at"], s["how"]) == (True, 5, "integrity") and s["wrong"] == []
 
 
 @pytest.fixture(scope="module")

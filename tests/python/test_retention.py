@@ -14,14 +14,12 @@ import io
 import json
 import math
 import sqlite3
-import subprocess
 
 import pytest
 
-from conftest import BUILD_DIR, Collector, wait_until
+from conftest import age_steps, filled_store, wait_until
 from test_cli import cli
 
-LOADGEN = BUILD_DIR / "bin" / "rankscope-loadgen"
 JOB = "retention-a"
 STEPS, RANKS, OUTLIER, OLD = 40, 8, 5, 20  # steps < OLD are a month old
 THRESHOLD = 6.0  # rank_diagnostics.h's outlier threshold
@@ -29,30 +27,16 @@ THRESHOLD = 6.0  # rank_diagnostics.h's outlier threshold
 
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory):
-    if not LOADGEN.exists():
-        pytest.skip(f"{LOADGEN} not built")
-    c = Collector(tmp_path_factory.mktemp("retention")).start()
+    c = filled_store(
+        tmp_path_factory.mktemp("retention"),
+        JOB,
+        RANKS,
+        STEPS,
+        f"--outlier_rank={OUTLIER}",
+        "--outlier_from_step=25",
+        "--outlier_loss_shift=5",
+    )
     try:
-        run = subprocess.run(
-            [
-                str(LOADGEN),
-                f"--collector={c.address}",
-                f"--job={JOB}",
-                f"--ranks={RANKS}",
-                f"--steps={STEPS}",
-                "--start_step=0",
-                "--step_interval=0",
-                f"--outlier_rank={OUTLIER}",
-                "--outlier_from_step=25",
-                "--outlier_loss_shift=5",
-                "--flush_timeout=30s",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
-        assert c.stop() == 0
         con = sqlite3.connect(str(c.db_path))
         cols = (
             "step",
@@ -79,17 +63,8 @@ def pruned(tmp_path_factory):
                 (JOB,),
             )
         }
-        month = 30 * 86400
-        con.execute(
-            "UPDATE rank_steps SET received_at = received_at - ? WHERE job = ? AND step < ?",
-            (month, JOB, OLD),
-        )
-        con.execute(
-            "UPDATE step_stats SET completed_at = completed_at - ? WHERE job = ? AND step < ?",
-            (month, JOB, OLD),
-        )
-        con.commit()
         con.close()
+        age_steps(c.db_path, JOB, OLD, 30 * 86400)  # a month
         c.restart()
         # The store thread's first retention check runs at start; wait for its outcome.
         wait_until(

@@ -16,7 +16,8 @@ import torch
 from conftest import PYTHON_DIR
 
 _native = pytest.importorskip("rankscope._native")
-from rankscope.torch_sketch import TorchSketch, sketch_mix, sketch_slots  # noqa: E402
+from rankscope._device_sketch import DeviceSketch  # noqa: E402
+from rankscope.torch_sketch import sketch_mix, sketch_slots  # noqa: E402
 
 SEED = _native.DEFAULT_SKETCH_SEED
 MASK64 = (1 << 64) - 1
@@ -116,7 +117,7 @@ def test_torch_path_sketch_equals_kernel_sketch(dtype, dim):
         for n, off in [(5000, 70_000), (1, 0), (64_007, 1), (3000, 5_000_000_000)]
     ]
     kernel = _native.Sketch(dim, SEED)
-    ours = TorchSketch(dim, SEED, "cpu")
+    ours = DeviceSketch(dim, SEED, "cpu")
     for values, offset in chunks:
         assert kernel.add(values.data_ptr(), DTYPES[dtype], values.numel(), offset) == ""
         ours.add(values, offset)
@@ -130,7 +131,7 @@ def test_torch_path_sketch_equals_kernel_sketch(dtype, dim):
 
 
 def test_add_segments_equals_adds_of_the_views():
-    """TorchSketch.add_segments (a DDP bucket with a cached layout) adds each segment of the
+    """DeviceSketch.add_segments (a DDP bucket with a cached layout) adds each segment of the
     buffer at its global offset, padding excluded: the same bins as add() per view."""
     from rankscope.fingerprint import SegmentLayout
 
@@ -139,9 +140,9 @@ def test_add_segments_equals_adds_of_the_views():
     layout = SegmentLayout(
         buf.numel(), [0, 5003, 9000], [5000, 3997, 11_000], [70_000, 1, 5_000_000_000]
     )
-    whole = TorchSketch(1000, SEED, "cpu")
+    whole = DeviceSketch(1000, SEED, "cpu")
     whole.add_segments(buf, layout)
-    views = TorchSketch(1000, SEED, "cpu")
+    views = DeviceSketch(1000, SEED, "cpu")
     for start, n, off in zip(layout.starts, layout.counts, layout.global_offsets):
         views.add(buf[start : start + n], off)
     assert torch.equal(whole.bins, views.bins)
@@ -258,7 +259,7 @@ def test_attach_refuses_a_plain_module():
 def test_torch_sketch_never_writes_into_the_gradient(dtype):
     g = torch.randn(1000, dtype=dtype)
     before = g.clone()
-    TorchSketch(64, SEED, "cpu").add(g, 5)
+    DeviceSketch(64, SEED, "cpu").add(g, 5)
     assert torch.equal(g, before)
 
 
@@ -311,6 +312,34 @@ def test_a_second_backward_before_step_restarts_the_sketch(single_rank_group):
     mon.close(timeout=0)
 
 
+def test_a_model_cast_after_wrapping_is_named_by_the_shim(single_rank_group):
+    """pytorch#104336: a DDP model moved or cast after it was wrapped gets new gradient
+    accumulators; DDP's hooks stay on the old ones, so no bucket is all-reduced again. The shim
+    sees steps that reduced, then steps that do not, and says what that means, once."""
+    import warnings
+
+    import rankscope.torch as rst
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    mon = rst.attach(ddp, collector="127.0.0.1:1", job="cast-after-wrap")
+    for _ in range(2):
+        ddp(torch.randn(2, 4)).sum().backward()
+        mon.step(torch.tensor(1.0))
+    assert mon.counters["steps_without_gradients"] == 0
+    ddp.to(torch.float64)
+    ddp.to(torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+            mon.step(torch.tensor(1.0))
+    named = [w for w in caught if "moved or cast" in str(w.message)]
+    assert len(named) == 1 and "pytorch#104336" in str(named[0].message), caught
+    assert "step 2" in str(named[0].message)
+    assert mon.counters["steps_without_gradients"] == 3
+    mon.close(timeout=0)
+
+
 def test_a_bad_loss_never_breaks_the_training_loop(single_rank_group):
     import rankscope.torch as rst
 
@@ -359,40 +388,127 @@ def test_native_packing_round_trips_within_its_bound(encoding):
 def test_a_failing_triton_kernel_turns_triton_off_and_the_torch_ops_take_over(monkeypatch):
     """Where Triton imports but cannot run (no C compiler for its launcher, a GPU it cannot
     target), the first failure turns the Triton kernels off for the process, with one warning,
-    and the sketch and fingerprints come from the torch ops, the same values. Simulated on the
-    CPU: the kernels are forced on for CPU tensors, where they fail before any launch."""
+    and the sketch and fingerprints come from the torch ops, the same values
+    (rankscope._backend.run). Simulated on the CPU: the kernels are forced on for CPU tensors
+    (forced(any_device=True)), where, compiled, they fail before any launch."""
+    from rankscope import _backend
     from rankscope import fingerprint as fp
-    from rankscope import triton_kernels as tk
 
-    monkeypatch.setattr(tk, "_FAILED", [])
-    monkeypatch.setattr(tk, "enabled", lambda t: not tk._FAILED)
+    if _backend._tk.triton is None:
+        pytest.skip("Triton does not import here: nothing can fail")
+    monkeypatch.setattr(_backend, "TRITON_FAILED", [])
+    monkeypatch.setattr(_backend, "DOT_FAILED", [])
     torch.manual_seed(3)
     g = torch.randn(5000)
     layout = fp.SegmentLayout(5000, [0, 2000], [2000, 3000], [7, 4000])
-    with pytest.warns(RuntimeWarning, match="Triton kernels failed"):
-        sketch = TorchSketch(256, SEED, "cpu")
-        sketch.add(g, 11)
-    assert len(tk._FAILED) == 1
-    reference = TorchSketch(256, SEED, "cpu")
+    reference = DeviceSketch(256, SEED, "cpu")
     reference.add(g, 11)
-    assert torch.equal(sketch.bins, reference.bins)
-    # Later calls take the torch ops at once (no second warning).
-    sketch.add_segments(g, layout)
-    reference.add_segments(g, layout)
-    assert torch.equal(sketch.bins, reference.bins)
-    assert len(tk._FAILED) == 1
-
-    monkeypatch.setattr(tk, "_FAILED", [])
-    with pytest.warns(RuntimeWarning):
-        assert fp.to_uint64(fp.fold(g, 3)) == fp.to_uint64(fp.fold(g, 3))
-    for failed in ([], ["x"]):  # the first call fails over, the second starts off
+    with _backend.forced(kernels=_backend.TRITON, any_device=True):
+        with pytest.warns(RuntimeWarning, match="Triton kernels failed"):
+            sketch = DeviceSketch(256, SEED, "cpu")
+            sketch.add(g, 11)
+        assert len(_backend.TRITON_FAILED) == 1
+        assert torch.equal(sketch.bins, reference.bins)
+        # Later calls take the torch ops at once (no second warning).
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            monkeypatch.setattr(tk, "_FAILED", list(failed))
-            f, ss = fp.fold_segments_and_squares(g, layout)
-            assert tk._FAILED
-            assert int(f) == int(fp.fold_segments(g, layout))
-            monkeypatch.setattr(tk, "_FAILED", list(failed))
-            parts = fp.fold_many([g[:10], g[10:]], [0, 10], {})
-            assert tk._FAILED
-            assert fp.to_uint64(fp.add_all(parts, "cpu")) == fp.to_uint64(fp.fold(g, 0))
+            warnings.simplefilter("error", RuntimeWarning)
+            sketch.add_segments(g, layout)
+        reference.add_segments(g, layout)
+        assert torch.equal(sketch.bins, reference.bins)
+        assert len(_backend.TRITON_FAILED) == 1
+
+        monkeypatch.setattr(_backend, "TRITON_FAILED", [])
+        with pytest.warns(RuntimeWarning):
+            assert fp.to_uint64(fp.fold(g, 3)) == fp.to_uint64(fp.fold(g, 3))
+        for failed in ([], ["x"]):  # the first call fails over, the second starts off
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                monkeypatch.setattr(_backend, "TRITON_FAILED", list(failed))
+                f, ss = fp.fold_segments_and_squares(g, layout)
+                assert _backend.TRITON_FAILED
+                assert int(f) == int(fp.fold_segments(g, layout))
+                monkeypatch.setattr(_backend, "TRITON_FAILED", list(failed))
+                parts = fp.fold_many([g[:10], g[10:]], [0, 10], {})
+                assert _backend.TRITON_FAILED
+                assert fp.to_uint64(fp.add_all(parts, "cpu")) == fp.to_uint64(fp.fold(g, 0))
+
+
+def test_a_strictly_forced_variant_that_fails_raises_and_is_not_remembered(monkeypatch):
+    """What bench/gpu_bench.py relies on: forced(strict=True) raises the kernel's error (or
+    why a variant cannot apply) as BackendFailed, never times another backend in its place, and
+    leaves the process's choices as they were (no Triton or dot kernel marked failed)."""
+    from rankscope import _backend
+
+    if _backend._tk.triton is None:
+        pytest.skip("Triton does not import here")
+    monkeypatch.setattr(_backend, "TRITON_FAILED", [])
+    monkeypatch.setattr(_backend, "DOT_FAILED", [])
+    g = torch.randn(3000)
+    for variant in (_backend.ATOMIC, _backend.DOT):
+        with _backend.forced(kernels=_backend.TRITON, sketch=variant, strict=True, any_device=True):
+            with pytest.raises(_backend.BackendFailed, match=f"triton {variant}"):
+                DeviceSketch(1024, SEED, "cpu").add(g, 0)
+    with _backend.forced(kernels=_backend.TRITON, sketch=_backend.DOT, strict=True):
+        with pytest.raises(_backend.BackendFailed, match="dim 1000"):
+            _backend.sketch_variant(torch.float32, 1000)
+        with pytest.raises(_backend.BackendFailed, match="a cpu tensor"):
+            _backend.sketch(g, 1024, native=False)
+    assert _backend.TRITON_FAILED == [] and _backend.DOT_FAILED == []
+    # Outside the force, the default choice is unchanged: a CPU tensor takes the torch ops.
+    assert _backend.sketch(g, 1024, native=False) == _backend.Choice(_backend.TORCH_OPS)
+
+
+def test_backend_table():
+    """rankscope._backend's table, the rows that hold on any machine (CPU tensors; a CUDA
+    tensor's rows through the dtype and dim rules of sketch_variant)."""
+    from rankscope import _backend as b
+
+    cpu = torch.zeros(4)
+    assert b.sketch(cpu, 1024) == b.Choice(b.NATIVE)
+    assert b.sketch(cpu.double(), 1024) == b.Choice(b.NATIVE)  # after a float32 copy
+    assert b.sketch(cpu, 1024, native=False) == b.Choice(b.TORCH_OPS)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        assert b.fingerprint(cpu.to(dtype)) == b.Choice(b.NATIVE)
+        assert b.fingerprint(cpu.to(dtype), native=False) == b.Choice(b.TORCH_OPS)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        assert b.fingerprint(cpu.to(dtype)) == b.Choice(b.TORCH_OPS)
+    assert b.fingerprint(cpu.to(torch.uint8)) == b.Choice(b.NONE)
+    assert b.fingerprint(cpu.to(torch.bool)) == b.Choice(b.NONE)
+    assert b.reduced_sketch(cpu) == b.Choice(b.NATIVE)
+    assert b.reduced_sketch(cpu.double()) == b.Choice(b.NONE)
+    assert b.reduced_sketch(torch.zeros(4, 4).t()) == b.Choice(b.NONE)
+    # The Triton sketch variants per dtype and dim: test_culprit_fingerprint.py.
+
+
+def test_sketch_mix_constants_match_the_cpp_header():
+    """SketchMix's constants: one definition per language, checked against the C++ header's
+    (agent/include/rankscope/sketch.h): the Python one (rankscope.torch_sketch, through
+    rankscope._native), the int64 patterns of the torch ops, and the arguments the Triton
+    kernels get (rankscope.triton_kernels)."""
+    import re
+    from pathlib import Path
+
+    from rankscope import torch_sketch as ts
+    from rankscope import triton_kernels as tk
+
+    root = Path(__file__).resolve().parents[2]
+    header = (root / "agent/include/rankscope/sketch.h").read_text()
+    found = dict(re.findall(r"kSketchMix(Golden|M1|M2) = (0x[0-9A-Fa-f]+)ULL;", header))
+    assert sorted(found) == ["Golden", "M1", "M2"], found
+    expected = tuple(int(found[k], 16) for k in ("Golden", "M1", "M2"))
+    assert tuple(_native.SKETCH_MIX_CONSTANTS) == expected
+    assert ts.SKETCH_MIX_CONSTANTS == expected
+    assert tuple(c & MASK64 for c in (ts._GOLDEN, ts._M1, ts._M2)) == expected
+    assert (tk._GOLDEN, tk._M1, tk._M2) == expected
+
+
+def test_torch_sketch_is_a_deprecated_name_of_device_sketch():
+    """The class that also runs the Triton kernels is DeviceSketch; its old public name still
+    works, with a DeprecationWarning."""
+    from rankscope import torch_sketch
+
+    with pytest.warns(DeprecationWarning, match="DeviceSketch"):
+        cls = torch_sketch.TorchSketch
+    assert cls is DeviceSketch
+    with pytest.raises(AttributeError):
+        torch_sketch.NoSuchThing  # noqa: B018

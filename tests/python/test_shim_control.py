@@ -63,6 +63,8 @@ def settings_at(transitions, step):
     return current
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     job = "ctl-job"
     work = tmp_path / "work"

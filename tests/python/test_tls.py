@@ -311,6 +311,8 @@ def test_collector_refuses_to_start_with_bad_tls_files(tmp_path, pki, flags, mes
     assert not (tmp_path / "x.db").exists()  # checked before anything is created
 
 
+# Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
+# processes and expectations would be handed between helpers.
 def test_rotated_certificates_are_picked_up_without_restarts(tmp_path, pki):
     """Everything moves to a new CA while an mTLS agent streams: the collector's certificate and
     key, the client CA it trusts, the agent's trust bundle and client certificate, each file

@@ -1,7 +1,7 @@
 """The Triton kernels of rankscope.triton_kernels, checked on the CPU with Triton's interpreter
 (TRITON_INTERPRET=1: each program of a launch runs in turn, its tl operations as numpy
 operations on CPU tensors), against the torch-op path CI otherwise tests (torch_sketch.py,
-fingerprint.py). No GPU needed; test_gpu.py checks the compiled kernels on one.
+fingerprint.py), each kernel and variant launched as rankscope._backend would choose it. No GPU needed; test_gpu.py checks the compiled kernels on one.
 
 Triton decides whether a kernel is compiled or interpreted when ``@triton.jit`` decorates it,
 i.e. when rankscope.triton_kernels is imported, and other suites import it in this process
@@ -23,14 +23,15 @@ bounds ("The GPU path on a real GPU", "Checked without a GPU, under Triton's int
   check) and the sum of squares within float64 summation order (2 (n + 2) 2**-53, relative).
 * _sketch_pieces_kernel (``sketch_add_pieces`` with ``SegmentLayout.pieces``), both kernels, on
   a bucket-like buffer: padding, segments crossing PIECE (2,048) boundaries, offsets not
-  multiples of 32, an empty segment; against TorchSketch.add_segments, as above.
-* _fold_kernel (``fold``), _fold_pieces_kernel without and with SQUARES (``fold_pieces``), and
-  _fold_tensors_kernel (``fold_tensors``), every dtype fingerprint.py takes (float32, bfloat16,
+  multiples of 32, an empty segment; against DeviceSketch.add_segments' torch ops, as above.
+* _fold_kernel (``fold``), _fold_pieces_kernel without and with SQUARES (``fold_pieces``: a
+  bucket's segments, and a parameter check's tensors in one launch), every dtype fingerprint.py
+  takes (float32, bfloat16,
   float16, float64, int32, int64, int16), with -0.0, infinities, NaN and subnormals: fingerprints
   bit-identical to the torch ops'; SQUARES' sum of squares as above.
-* the shim's entry points (TorchSketch, fold, fold_segments, fold_segments_and_squares,
-  fold_many) with the kernels enabled for CPU tensors give what the torch ops give, and no call
-  fell back to them.
+* the shim's entry points (DeviceSketch, fold, fold_segments, fold_segments_and_squares,
+  fold_many) with the kernels forced strictly for CPU tensors (_backend.forced) give what the
+  torch ops give, and no call fell back to them.
 
 What the interpreter cannot check (skipped there, with the reason): the tensor-core sketch of
 bfloat16 values, since Triton 3.9's interpreter keeps bfloat16 as uint16 bits and gets -x, a
@@ -58,10 +59,13 @@ CASES = Path(__file__).resolve().parent / "triton_interpret_cases.py"
 
 
 def test_cpu_tensors_keep_the_torch_ops():
-    """In a normal process the shim never sends a CPU tensor to a Triton kernel."""
-    from rankscope import triton_kernels as tk
+    """In a normal process the shim never sends a CPU tensor to a Triton kernel
+    (rankscope._backend: the C++ kernel, or the torch ops on the device path)."""
+    from rankscope import _backend
 
-    assert not tk.enabled(torch.zeros(4))
+    x = torch.zeros(4)
+    assert _backend.sketch(x, 1024, native=False).backend == _backend.TORCH_OPS
+    assert _backend.fingerprint(x, native=False).backend == _backend.TORCH_OPS
 
 
 def test_every_kernel_under_the_interpreter():

@@ -20,8 +20,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from rankscope import DEFAULT_SKETCH_SEED  # noqa: E402
+from rankscope import _backend  # noqa: E402
 from rankscope import fingerprint as fp  # noqa: E402
 from rankscope import torch_sketch as ts  # noqa: E402
+from rankscope._device_sketch import DeviceSketch  # noqa: E402
 from rankscope import triton_kernels as tk  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -116,11 +118,12 @@ def skip_bfloat16_dot(dtype, dot):
 @pytest.fixture(autouse=True)
 def no_fallback():
     """A kernel that raised must fail its case, not pass it on the torch ops: the launchers are
-    called directly here (errors propagate), and where a path could fall back (a tensor-core
-    sketch to the atomic one, ``attempt`` to the torch ops) the record of it must stay empty."""
+    called directly here (errors propagate), and where a path could fall back
+    (rankscope._backend.run: a tensor-core sketch to the atomic one, Triton to the torch ops)
+    the record of it must stay empty."""
     yield
-    assert tk._DOT_FAILED == [], tk._DOT_FAILED
-    assert tk._FAILED == [], tk._FAILED
+    assert _backend.DOT_FAILED == [], _backend.DOT_FAILED
+    assert _backend.TRITON_FAILED == [], _backend.TRITON_FAILED
 
 
 def values(dtype, n, kind, gen):
@@ -216,11 +219,18 @@ class BinBounds:
 
 
 def variant(monkeypatch, dtype, dim, dot):
-    """Forces the atomic or tensor-core sketch kernel (RANKSCOPE_GPU_SKETCH) and checks that
-    _variant picks it: (Q = dim / 32, DOT, EXACT_TF32 for float32) or the atomic kernel."""
+    """Forces the atomic or tensor-core sketch kernel (RANKSCOPE_GPU_SKETCH), checks that
+    _backend.sketch_variant picks it (Q = dim / 32, EXACT_TF32 for float32, or the atomic
+    kernel) and returns that choice, what the launchers take."""
     monkeypatch.setenv("RANKSCOPE_GPU_SKETCH", "dot" if dot else "atomic")
-    expected = (dim // 32, True, dtype == torch.float32) if dot else (16, False, False)
-    assert tk._variant(dtype, dim) == expected
+    choice = _backend.sketch_variant(dtype, dim)
+    if dot:
+        assert choice == _backend.Choice(
+            _backend.TRITON, _backend.DOT, dim // 32, dtype == torch.float32
+        )
+    else:
+        assert choice.variant == _backend.ATOMIC
+    return choice
 
 
 # dim 32 and 1,000 (not 32 Q) take the atomic kernel only; 512, 1,024 and 4,096 are the tensor-core
@@ -242,19 +252,19 @@ def _case_id(case):
 @pytest.mark.parametrize("case", SKETCH_CASES, ids=_case_id)
 def test_sketch_add(case, kind, monkeypatch):
     """_sketch_kernel (sketch_add): several tensors added into one set of partial sums, folded
-    as TorchSketch folds them, against TorchSketch's torch ops."""
+    as DeviceSketch folds them, against DeviceSketch's torch ops."""
     dtype, dim, dot = case
     skip_bfloat16_dot(dtype, dot)
-    variant(monkeypatch, dtype, dim, dot)
+    choice = variant(monkeypatch, dtype, dim, dot)
     seed = HIGH_SEED if dim % 3 else DEFAULT_SKETCH_SEED
     gen = torch.Generator().manual_seed(dim)
     rows, ss = tk.sketch_partials(CPU, dim)
     assert rows.shape == (tk._INTERPRETER_PROGRAMS, dim)
-    ref = ts.TorchSketch(dim, seed, CPU)
+    ref = DeviceSketch(dim, seed, CPU)
     bounds = BinBounds(dim, seed)
     for n, offset in SKETCH_SHAPES:
         x = values(dtype, n, kind, gen)
-        tk.sketch_add(rows, ss, x, offset, seed, dim)
+        tk.sketch_add(rows, ss, x, offset, seed, dim, choice)
         ref.add(x, offset)
         bounds.add(x, offset)
     got = rows.sum(0, dtype=torch.float64)
@@ -285,18 +295,18 @@ PIECE_CASES = [
 @pytest.mark.parametrize("case", PIECE_CASES, ids=_case_id)
 def test_sketch_add_pieces(case, kind, monkeypatch):
     """_sketch_pieces_kernel (sketch_add_pieces, one launch for a bucket, its table from
-    SegmentLayout.pieces) against TorchSketch.add_segments' torch ops; the padding between
+    SegmentLayout.pieces) against DeviceSketch.add_segments' torch ops; the padding between
     segments holds values that must not count."""
     dtype, dim, dot = case
     skip_bfloat16_dot(dtype, dot)
-    variant(monkeypatch, dtype, dim, dot)
+    choice = variant(monkeypatch, dtype, dim, dot)
     seed = HIGH_SEED if dot else DEFAULT_SKETCH_SEED
     gen = torch.Generator().manual_seed(dim + 1)
     buf = values(dtype, BUFFER, kind, gen)
     lay = layout()
     rows, ss = tk.sketch_partials(CPU, dim)
-    tk.sketch_add_pieces(rows, ss, buf, lay.pieces(CPU), seed, dim)
-    ref = ts.TorchSketch(dim, seed, CPU)
+    tk.sketch_add_pieces(rows, ss, buf, lay.pieces(CPU), seed, dim, choice)
+    ref = DeviceSketch(dim, seed, CPU)
     ref.add_segments(buf, lay)
     bounds = BinBounds(dim, seed)
     for s, n, g in SEGMENTS:
@@ -308,9 +318,10 @@ def test_sketch_add_pieces(case, kind, monkeypatch):
 def test_sketch_of_nothing_adds_nothing():
     """Empty tensors and tables launch nothing (the launchers return first)."""
     rows, ss = tk.sketch_partials(CPU, 512)
-    tk.sketch_add(rows, ss, torch.zeros(0), 5, DEFAULT_SKETCH_SEED, 512)
+    dot = _backend.Choice(_backend.TRITON, _backend.DOT, 16, False)
+    tk.sketch_add(rows, ss, torch.zeros(0), 5, DEFAULT_SKETCH_SEED, 512, dot)
     empty = fp.SegmentLayout(10, [3], [0], [7])
-    tk.sketch_add_pieces(rows, ss, torch.ones(10), empty.pieces(CPU), DEFAULT_SKETCH_SEED, 512)
+    tk.sketch_add_pieces(rows, ss, torch.ones(10), empty.pieces(CPU), DEFAULT_SKETCH_SEED, 512, dot)
     assert not rows.any() and not ss.any()
 
 
@@ -324,10 +335,11 @@ def test_kernels_are_interpreted():
         "_sketch_pieces_kernel",
         "_fold_kernel",
         "_fold_pieces_kernel",
-        "_fold_tensors_kernel",
     ):
         assert isinstance(getattr(tk, name), InterpretedFunction), name
-    assert not tk.enabled(torch.zeros(4))
+    x = torch.zeros(4)
+    assert _backend.sketch(x, 1024, native=False).backend == _backend.TORCH_OPS
+    assert _backend.fingerprint(x, native=False).backend == _backend.TORCH_OPS
 
 
 def _dtype_id(dtype):
@@ -389,28 +401,30 @@ def test_fold_pieces_with_squares(dtype, kind):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=_dtype_id)
 def test_fold_tensors(dtype):
-    """_fold_tensors_kernel (fold_tensors: a parameter check, every tensor of a dtype in one
-    launch, its table from fingerprint._offset_table) against the sum of fingerprint.fold of
-    each, bit for bit: views of one allocation with gaps between them plus a tensor of its own
-    (an offset of any sign from the first), counts of 1, 33, 4,097 and 3 tiles + 1."""
+    """_fold_pieces_kernel over several tensors (fold_many's parameter check: every tensor of a
+    dtype in one launch, its table from fingerprint._piece_table) against the sum of
+    fingerprint.fold of each, bit for bit: views of one allocation with gaps between them plus a
+    tensor of its own (an offset of any sign from the first), counts of 1, 33, 4,097 and 3 tiles
+    + 1."""
     gen = torch.Generator().manual_seed(6)
     arena = with_specials(values(dtype, 20000, "random", gen))
     own = values(dtype, 77, "random", gen)
     tensors = [arena[0:1], arena[100:133], own, arena[1000:5097], arena[6000 : 6000 + 3 * 4096 + 1]]
     offsets = [5, 77777, 123, 40, 1 << 33]
-    table = fp._offset_table(tensors, offsets, {})
+    table = fp._piece_table(tensors, offsets, {})
     assert table is not None
-    got = tk.fold_tensors(tensors[0], table, len(tensors), max(t.numel() for t in tensors))
+    got = tk.fold_pieces(tensors[0].view(fp._BITS_DTYPE[dtype]), table)
     assert got.dtype == torch.int64 and got.dim() == 0
     assert same(got, sum(int(fp.fold(t, g)) for t, g in zip(tensors, offsets)))
 
 
 def test_shim_entry_points_take_the_kernels(monkeypatch):
-    """The torch-op modules' own entry points with the kernels enabled for CPU tensors (only
-    possible here, under the interpreter): TorchSketch.add and add_segments (persistent
-    partial sums, folded when the bins are read), fold, fold_segments,
-    fold_segments_and_squares and fold_many give what they give on the torch ops; no_fallback
-    checks that none fell back."""
+    """The shim's entry points with the kernels forced for CPU tensors (only possible here,
+    under the interpreter: rankscope._backend.forced(any_device=True)): DeviceSketch.add and
+    add_segments (persistent partial sums, folded when the bins are read), fold, fold_segments,
+    fold_segments_and_squares and fold_many (one launch for its three tensors) give what they
+    give on the torch ops. Forced strictly, so a kernel that raised fails the case instead of
+    falling back (and no_fallback checks that nothing was recorded)."""
     gen = torch.Generator().manual_seed(7)
     buf = values(torch.float32, BUFFER, "exact", gen)
     lay = layout()
@@ -420,13 +434,16 @@ def test_shim_entry_points_take_the_kernels(monkeypatch):
     buf[~inside] = 0  # DDP's padding: fold_segments_and_squares' torch path takes the norm of all
     tensors = [buf[0:90], buf[100:2090].clone(), buf[2100:6600]]
     offsets = [7000, 12000, 10]
+    launched = []
 
     def run():
-        sk = ts.TorchSketch(1024, DEFAULT_SKETCH_SEED, CPU)
+        sk = DeviceSketch(1024, DEFAULT_SKETCH_SEED, CPU)
         sk.add(buf[:3001], 45)
         sk.add_segments(buf, lay)
         f, q = fp.fold_segments_and_squares(buf, lay)
+        launched.append("many:")
         many = fp.add_all(fp.fold_many(tensors, offsets, {}), CPU)
+        launched.append(":many")
         return (
             sk.bins.clone(),
             float(sk.sum_squares),
@@ -438,10 +455,10 @@ def test_shim_entry_points_take_the_kernels(monkeypatch):
         )
 
     monkeypatch.delenv("RANKSCOPE_GPU_SKETCH", raising=False)
-    assert not tk.enabled(buf)  # CPU tensors stay on the torch ops, also under the interpreter
+    assert _backend.sketch(buf, 1024, native=False).backend == _backend.TORCH_OPS
     reference = run()
-    launched = []
-    for name in ("sketch_add", "sketch_add_pieces", "fold", "fold_pieces", "fold_tensors"):
+    launched.clear()
+    for name in ("sketch_add", "sketch_add_pieces", "fold", "fold_pieces"):
         fn = getattr(tk, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
@@ -449,15 +466,17 @@ def test_shim_entry_points_take_the_kernels(monkeypatch):
             return _fn(*args, **kwargs)
 
         monkeypatch.setattr(tk, name, counted)
-    monkeypatch.setattr(tk, "enabled", lambda t: True)
-    fused = run()
-    assert sorted(set(launched)) == [
+    with _backend.forced(kernels=_backend.TRITON, strict=True, any_device=True):
+        assert _backend.sketch(buf, 1024, native=False).variant == _backend.DOT
+        fused = run()
+    assert sorted(set(launched) - {"many:", ":many"}) == [
         "fold",
         "fold_pieces",
-        "fold_tensors",
         "sketch_add",
         "sketch_add_pieces",
     ]
+    many = launched[launched.index("many:") + 1 : launched.index(":many")]
+    assert many == ["fold_pieces"], many  # one launch for the three tensors
     assert torch.equal(fused[0], reference[0])
     assert fused[1:5] == reference[1:5] and fused[6] == reference[6]
     # The torch path's sum of squares is a float64 norm, squared: not bit for bit.

@@ -119,6 +119,8 @@ std::string Csv(bool has, double v) { return has ? Csv(v) : std::string(); }
 
 }  // namespace
 
+// Long: one verb's output in its two formats from the same reads, the columns of each listed once,
+// side by side.
 int Export(const Cli& cli, const std::string& job) {
   const std::string& format = cli.config.format;
   const std::string& table = cli.config.table;

@@ -40,6 +40,8 @@
 
 namespace cli = rankscope::cli;
 
+// Long: the CLI's dispatch in the order it must run (the attach hand-over before absl parses flags,
+// --help, flags, the client, one branch per verb); every verb's work is in its own file.
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(cli::kUsage);
   for (int i = 1; i < argc; ++i) {

@@ -496,6 +496,9 @@ bool Summarize(const std::vector<std::unique_ptr<rankscope::Agent>>& agents, boo
 
 }  // namespace
 
+// Long: the load generator read top to bottom (flags into one plan of jobs, groups and faults, the
+// agents started, the steps driven, the summary written); the per-step work is in functions of its
+// own.
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "rankscope-loadgen: simulated ranks of one job streaming to a rankscope collector\n"

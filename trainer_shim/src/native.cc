@@ -356,6 +356,8 @@ py::dict SetControl(const std::string& collector, const std::string& job,
 }  // namespace
 }  // namespace rankscope
 
+// Long: the module's binding table, one .def per function or class the package imports, nothing to
+// branch on; split, it would scatter the Python API's one list.
 PYBIND11_MODULE(_native, m) {
   using namespace rankscope;
   m.doc() = "rankscope native bridge: count sketch kernel and agent (see rankscope.torch)";

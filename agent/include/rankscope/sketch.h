@@ -97,8 +97,9 @@ struct SketchSlot {
 // way in two's complement, but >> on int64 is arithmetic there, so write the logical shift as
 // (z >> s) & ((1 << (64 - s)) - 1); (mix >> 32) then lies in [0, 2^32) and % dim is unchanged
 // (bit o of mix, o < 32, is the same under either shift).
-// The three constants are defined once, below; the Python shim's ports (torch_sketch.py,
-// triton_kernels.py) read them from rankscope._native (SKETCH_MIX_CONSTANTS).
+// The three constants are defined once, below; the Python shim reads them from rankscope._native
+// (SKETCH_MIX_CONSTANTS) into its one Python copy (torch_sketch.py), which its Triton kernels get
+// as arguments (triton_kernels.py); tests/python/test_shim.py compares them with this text.
 // Test vectors: SketchMix(0, 0) == 0xE220A8397B1DCDAF;
 //   SketchMix(0, kDefaultSketchSeed) == 0x9609B8E9179AF10C;
 //   SketchMix(385, kDefaultSketchSeed) == 0xFD1FA0A8C3134223 (block 385 holds 12320-12351);

@@ -2,6 +2,11 @@
 // plain canvas from the collector's JSON API (/api/v1/...). No framework, no network beyond the
 // collector. The page's state is kept in window.rankscope (tests read it) and mirrored in the DOM
 // (data-* attributes on the jobs table and the flagged-ranks list).
+//
+// One file, several parts (the API reads, the jobs list, the heatmap, the groups picture, the rank
+// panel), kept together on purpose: they share the page's one state (window.rankscope) and its one
+// refresh loop, and the page is one embedded asset with no bundler; split, they would be several
+// script tags sharing globals.
 "use strict";
 
 (function () {
@@ -9,9 +14,6 @@
   // Steps the page holds: the API's default windows (web_api.h kDefaultStepsWindow and
   // kDefaultRanksWindow).
   const STEPS_WINDOW = 300, RANKS_WINDOW = 120;
-  // How many of the newest rank-matrix steps the page holds each refresh reads again, so that a
-  // late report for one of them shows (jobPage()).
-  const LATE_STEPS = 8;
   const OUTLIER_THRESHOLD = 6;  // collector/rank_diagnostics.h
   const state = (window.rankscope = { page: null, refreshes: 0, errors: 0 });
   const $ = (id) => document.getElementById(id);
@@ -296,6 +298,13 @@
     // (RankscopeRankDrifting, RankscopeRankStraggler) name them.
     if (latest.drifting_ranks.length) out.push(["drifting", "drifting ranks: " + rankList(latest.drifting_ranks), latest.drifting_ranks]);
     if (latest.slow_ranks.length) out.push(["slow", "slow ranks: " + rankList(latest.slow_ranks), latest.slow_ranks]);
+    // The aggregation check (RankscopeAggregationIntegrity): the all-reduce returned a wrong sum
+    // on every rank; the rank whose contribution was missing, doubled or corrupted when named.
+    if (latest.integrity_fault) {
+      const named = latest.integrity_rank === null || latest.integrity_rank === undefined ? [] : [latest.integrity_rank];
+      out.push(["integrity", "aggregation integrity: " + latest.integrity_fault +
+        (named.length ? " (rank " + named[0] + ")" : " (no single rank)"), named]);
+    }
     return out;
   }
 
@@ -311,7 +320,8 @@
          el("tbody", { id: "jobs-body" })),
       el("p", { class: "muted", text: "Alerts are the latest stored step's: divergent replicas " +
         "(fingerprints that disagree), outlier ranks (persistent), missing ranks (timed out), " +
-        "drifting and slow ranks (sequential tests), as `rankscope show` names them." }));
+        "drifting and slow ranks (sequential tests), a failed aggregation check (when that " +
+        "step was checked), as `rankscope show` names them." }));
     every(async () => {
       const data = await api("/jobs");
       state.jobs = data.jobs;
@@ -614,7 +624,9 @@
     heat.addEventListener("click", (ev) => {
       if (brushed) { brushed = false; return; }
       const cell = heatCell(ev);
-      if (cell) selectRank(cell.rank);
+      // The rank, at the cell's (newest) step: its panel says which buckets deviate there.
+      if (cell) selectRank(cell.rank, state.matrix.steps[cell.lastCol].last ??
+                                      state.matrix.steps[cell.lastCol].step);
     });
     $("heat-all-ranks").addEventListener("click", () => { state.band = null; drawHeatmap(); });
     // History: the heatmap's window of steps pans (half a window at a time) and zooms (30 to
@@ -627,6 +639,7 @@
       const m = await api("/jobs/" + enc(key) + "/ranks?first=" + first + "&last=" + last);
       m.requested = [first, last];
       state.matrix = withWindows(m);
+      state.changes = m.changes;
       drawHeatmap();
     };
     const newest = () => Math.max(state.lastStep || 0,
@@ -659,56 +672,75 @@
     $("heat-live").addEventListener("click", live);
     // The first read takes the API's default windows; every later one only the steps after the
     // newest the page holds (?since=), merged in, the oldest dropped beyond the window. The rank
-    // matrix's reads also take the last LATE_STEPS steps the page holds again (?since=newest -
-    // LATE_STEPS), replacing them: a late report stored after the page read its step (the
-    // rank's cell goes from missing to a row) shows at the next refresh.
+    // matrix's reads also pass the cursor of the previous answer (?changes=) and the first step
+    // the page holds (&first=): the collector answers again every held step whose rows were
+    // stored since (a late report for a step however old, a step that closed after newer ones),
+    // and only those; the page replaces them. Away from the newest steps (history) the reads
+    // ask for the held window's changed steps alone. Where the collector cannot say what changed
+    // (it restarted, or the cursor is older than its change log), the answer holds every held
+    // step ("resync") and replaces them all.
     const lastOf = (a) => (a && a.length ? a[a.length - 1].step : null);
-    // What of a rank-matrix step a late report can change: which ranks have a row, and the
-    // verdicts of the rows.
-    const nulls = (a) => a.reduce((n, v) => n + (v === null), 0);
-    const shape = (s) => [s.missing.length, s.nonfinite.length, s.divergent.length,
-                          nulls(s.cosine), nulls(s.outlier), s.cosine.length].join();
-    // Whether `fresh` (an answer to ?since=) adds a step after `held`'s newest or changes one
-    // `held` has.
-    const changes = (held, fresh) => {
-      const newest = lastOf(held), at = new Map(held.map((s) => [s.step, s]));
-      return fresh.some((s) => s.step > newest || !at.has(s.step) ||
-                               shape(at.get(s.step)) !== shape(s));
+    // `held` with the steps of `fresh` (an answer's, ascending) put in: a step the page has is
+    // replaced, a new one inserted; with `resync`, every held step up to `upTo` is replaced.
+    // Then at most `window` steps back from the newest (live; null: history keeps its window).
+    const merge = (held, fresh, window, resync, upTo) => {
+      if (!fresh.length && !resync) return held;
+      const byStep = new Map();
+      for (const s of held) if (!(resync && s.step <= upTo)) byStep.set(s.step, s);
+      for (const s of fresh) byStep.set(s.step, s);
+      const out = [...byStep.values()].sort((a, b) => a.step - b.step);
+      if (window === null || !out.length) return out;
+      const newest = out[out.length - 1].step;
+      return out.filter((s) => s.step + window > newest);
     };
-    const merge = (held, fresh, window) => {
+    // The steps answer (line charts): only newer steps, appended.
+    const mergeSteps = (held, fresh, window) => {
       if (!fresh.length) return held;
       const out = held.filter((s) => s.step < fresh[0].step).concat(fresh);
       const newest = out[out.length - 1].step;
       return out.filter((s) => s.step + window > newest);
     };
-    state.lateSteps = LATE_STEPS;
-    state.fetches = [];  // per read: the queries and how many steps each answer held
+    state.fetches = [];  // per read: the queries and the steps each answer held
     every(async () => {
       const f0 = performance.now();
-      const stepsSince = lastOf(state.steps), ranksSince = state.matrix ? lastOf(state.matrix.steps) : null;
+      const m0 = state.matrix, live = state.view.live;
+      const stepsSince = lastOf(state.steps), ranksSince = m0 ? lastOf(m0.steps) : null;
       const stepsQ = stepsSince === null ? "" : "?since=" + stepsSince;
-      const ranksQ = ranksSince === null ? "" : "?since=" + Math.max(0, ranksSince - LATE_STEPS);
+      let ranksQ = "";
+      if (!live && m0 && m0.requested && state.changes) {
+        ranksQ = "?first=" + m0.requested[0] + "&last=" + m0.requested[1] + "&changes=" +
+                 state.changes;
+      } else if (live && ranksSince !== null && state.changes) {
+        ranksQ = "?since=" + ranksSince + "&first=" + m0.steps[0].step + "&changes=" +
+                 state.changes;
+      }
       const [steps, matrix] = await Promise.all([
         api("/jobs/" + enc(key) + "/steps" + stepsQ),
-        // Away from the newest steps (history) the heatmap's window stays as it is.
-        state.view.live ? api("/jobs/" + enc(key) + "/ranks" + ranksQ)
-                        : Promise.resolve({ steps: [], world_size: 0 })]);
+        // History without a cursor (never, past the first window's answer): nothing to read.
+        live || ranksQ ? api("/jobs/" + enc(key) + "/ranks" + ranksQ)
+                       : Promise.resolve(null)]);
       state.fetchMs = performance.now() - f0;  // both answers, fetched and parsed
       state.fetches.push({ steps: stepsQ, ranks: ranksQ, step_rows: steps.steps.length,
-                           rank_steps: matrix.steps.map((s) => s.step) });
+                           rank_steps: matrix ? matrix.steps.map((s) => s.step) : [],
+                           resync: !!(matrix && matrix.resync) });
       if (state.fetches.length > 200) state.fetches.shift();
-      state.steps = stepsQ ? merge(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
-      let matrixChanged = !ranksQ;
-      if (!state.view.live) {
-        // history: nothing to merge
-      } else if (!ranksQ) {
-        state.matrix = withWindows(matrix);
-      } else {
-        matrixChanged = changes(state.matrix.steps, matrix.steps);
-        state.matrix.steps = merge(state.matrix.steps, matrix.steps, state.view.span);
-        state.matrix.world_size = Math.max(state.matrix.world_size, matrix.world_size);
-        state.matrix.truncated = matrix.truncated;
-        state.matrix.last = matrix.last;
+      state.steps = stepsQ ? mergeSteps(state.steps, steps.steps, STEPS_WINDOW) : steps.steps;
+      let matrixChanged = false;
+      // A pan or zoom while this read was in flight replaced the matrix: its answer is stale.
+      if (matrix && state.matrix === m0 && state.view.live === live) {
+        if (!ranksQ) {
+          matrixChanged = true;
+          state.matrix = withWindows(matrix);
+        } else {
+          const fresh = matrix.resync ? withWindows(matrix).steps : matrix.steps;
+          matrixChanged = fresh.length > 0 || !!matrix.resync;
+          const upTo = live ? ranksSince : m0.requested[1];
+          m0.steps = merge(m0.steps, fresh, live ? state.view.span : null, !!matrix.resync, upTo);
+          m0.world_size = Math.max(m0.world_size, matrix.world_size);
+          if (matrix.resync) m0.downsampled_before = matrix.downsampled_before;
+          if (live) { m0.truncated = matrix.truncated; m0.last = matrix.last; }
+        }
+        state.changes = matrix.changes;
       }
       state.lastStep = lastOf(state.steps);
       const changed = !stepsQ || steps.steps.length || matrixChanged;
@@ -720,7 +752,7 @@
       state.updateMs = performance.now() - f0;  // this read: fetched, parsed, merged and drawn
       state.draws = (state.draws || 0) + 1;
       // From navigation start to the first heatmap on screen (performance.now() counts from it).
-      if (state.firstHeatmapAt === undefined && matrix.steps.length) {
+      if (state.firstHeatmapAt === undefined && state.matrix && state.matrix.steps.length) {
         state.firstHeatmapAt = performance.now();
       }
       if (state.selectedRank !== null) await loadRank(state.selectedRank);
@@ -1003,8 +1035,11 @@
       (m.truncated ? " (truncated)" : "");
   }
 
-  async function selectRank(rank) {
+  // Opens rank `rank`'s panel at `step` (undefined: the newest step whose buckets deviate, else
+  // the newest step).
+  async function selectRank(rank, step) {
     state.selectedRank = rank;
+    state.selectedStep = step === undefined ? null : step;
     if (state.matrix) drawHeatmap();
     await loadRank(rank);
     $("rank-panel").scrollIntoView({ block: "nearest" });
@@ -1022,7 +1057,7 @@
     if (!panel.dataset.rank || panel.dataset.rank !== String(rank)) {
       panel.dataset.rank = String(rank);
       panel.replaceChildren(el("h2", { text: "Rank " + rank, id: "rank-title" }),
-        el("p", { id: "rank-where" }),
+        el("div", { id: "rank-buckets" }),
         el("div", { class: "charts" },
            chartBox("rank-loss", "loss of rank " + rank + " (blue) and the ranks' mean (grey)"),
            chartBox("rank-gn", "gradient norm of rank " + rank + " and the ranks' mean (grey)"),
@@ -1030,12 +1065,7 @@
            chartBox("rank-out", "outlier score of rank " + rank + " (threshold " + OUTLIER_THRESHOLD + ")")));
     }
     const st = data.steps, xs = st.map((s) => s.step);
-    // Where in the model: the buckets of the newest step on which the rank was flagged.
-    const where = st.filter((s) => s.deviating_buckets).pop();
-    $("rank-where").textContent = where
-      ? "rank " + rank + " at step " + where.step + ": " + where.deviating_buckets +
-        " (robust z of each bucket's gradient norm against the other ranks)"
-      : "";
+    drawBuckets(data, rank);
     const mean = state.steps.filter((s) => s.step >= first);
     lineChart($("rank-loss"), [
       { xs: mean.map((s) => s.step), ys: mean.map((s) => s.loss_mean), color: "#9aa4ad" },
@@ -1046,6 +1076,80 @@
     lineChart($("rank-cos"), [{ xs, ys: st.map((s) => s.cosine), color: "#2e7d32" }]);
     lineChart($("rank-out"), [{ xs, ys: st.map((s) => s.outlier), color: "#c62828" }],
       { ymin: 0, ymax: OUTLIER_THRESHOLD });
+  }
+
+  // Where in the model, for the selected rank and step: each bucket's robust z against the other
+  // ranks (kept for flagged rows and every 100th step) as a bar, the deviating ones (|z| >=
+  // bucket_z_threshold) red, named and listed worst first. Steps with deviating buckets can be
+  // stepped through (◀ ▶); a heatmap click picks the cell's step.
+  function drawBuckets(data, rank) {
+    const st = data.steps, box = $("rank-buckets");
+    const flaggedSteps = st.filter((s) => (s.buckets && s.buckets.length) || s.deviating_buckets)
+      .map((s) => s.step);
+    let step = state.selectedStep;
+    if (step === null || !st.some((s) => s.step === step)) {
+      step = flaggedSteps.length ? flaggedSteps[flaggedSteps.length - 1]
+        : (st.filter((s) => s.bucket_z).pop() || st[st.length - 1] || { step: null }).step;
+    }
+    state.bucketStep = step;
+    const row = st.find((s) => s.step === step);
+    const names = data.bucket_names || [], thr = data.bucket_z_threshold;
+    const nameOf = (b) => (b < names.length ? names[b] : "bucket " + b);
+    const prev = flaggedSteps.filter((s) => s < step).pop();
+    const next = flaggedSteps.find((s) => s > step);
+    const nav = (to, text) => el("button", to === undefined ? { disabled: "", text }
+      : { text, onclick: () => { state.selectedStep = to; drawBuckets(data, rank); } });
+    const head = el("div", { class: "title" },
+      "Where in the model: rank " + rank + (step === null ? "" : " at step " + step) + "  ",
+      nav(prev, "◀ earlier deviation"), nav(next, "later deviation ▶"));
+    const out = [head];
+    const deviating = row && row.buckets ? row.buckets : [];
+    let summary;
+    if (!row) {
+      summary = "no row of this rank at this step";
+    } else if (deviating.length) {
+      summary = deviating.map((d) => d.name + " z=" + fmt(d.z, 1)).join(", ");
+    } else if (row.deviating_buckets) {
+      summary = row.deviating_buckets;  // stored text (its z were not kept)
+    } else if (row.bucket_z) {
+      summary = "no bucket deviates (every |z| < " + thr + ")";
+    } else {
+      summary = "per-bucket norms not kept at this step (kept for flagged rows and every 100th " +
+        "step); " + (flaggedSteps.length ? "◀ ▶ go to the steps where buckets deviate"
+                                          : "no step of this window names a deviating bucket");
+    }
+    out.push(el("p", { id: "rank-where", "data-step": String(step) },
+      el("b", { text: deviating.length || (row && row.deviating_buckets) ? "deviating: " : "" }),
+      summary));
+    if (row && row.bucket_z) {
+      // Worst first: the deviating ones (named by the API, NaN first), then the rest by |z|.
+      const order = row.bucket_z.map((z, b) => b).sort((a, b) => {
+        const za = row.bucket_z[a], zb = row.bucket_z[b];
+        if (za === null || zb === null) return (za === null ? 0 : 1) - (zb === null ? 0 : 1);
+        return Math.abs(zb) - Math.abs(za);
+      });
+      const top = Math.max(8, Math.abs(row.bucket_z[order[0]] ?? 0));
+      const shown = order.slice(0, 16);
+      out.push(el("ul", { id: "bucket-bars", class: "bucket-bars" }, ...shown.map((b) => {
+        const z = row.bucket_z[b], bad = z === null || Math.abs(z) >= thr;
+        const bar = el("i");
+        // CSSOM, not a style attribute (the page's CSP allows no inline style).
+        bar.style.width = (z === null ? 100 : Math.max(1, Math.round((100 * Math.abs(z)) / top))) + "%";
+        return el("li", { class: bad ? "deviating" : "", "data-bucket": nameOf(b),
+                          "data-z": z === null ? "nan" : String(z) },
+          el("span", { class: "bucket-name", text: nameOf(b) }),
+          el("span", { class: "bucket-bar" }, bar),
+          el("span", { class: "bucket-z", text: "z=" + (z === null ? "nan" : fmt(z, 1)) }));
+      })));
+      if (order.length > shown.length) {
+        out.push(el("p", { class: "muted", text: "+" + (order.length - shown.length) +
+          " more buckets, each |z| at most " + fmt(Math.abs(row.bucket_z[order[16]]), 1) }));
+      }
+      out.push(el("p", { class: "muted", text: "robust z of each bucket's local gradient norm " +
+        "against the other ranks' (|z| >= " + thr + " deviates)" +
+        (names.length ? "" : "; bucket names come with the job's next hello") }));
+    }
+    box.replaceChildren(...out);
   }
 
   // ---- routing ---------------------------------------------------------------------------

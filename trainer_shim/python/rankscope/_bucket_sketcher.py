@@ -6,10 +6,17 @@ flat offset (fixed once from ``module.named_parameters()``, identical on every r
 its buckets after the first iteration, so nothing is keyed by bucket index until they are final),
 and the exact sum of squares is accumulated. CPU gradients go to the C++ kernel straight from the
 tensor's memory (float32, bfloat16, float16; other dtypes are converted to float32 first), with
-the GIL released; once DDP's buckets are final, a bucket's layout is cached as a
-``_native.BucketPlan`` and the whole bucket is added in one call. Gradients on another device are
-sketched there with torch operations that reproduce the kernel's hash exactly
-(rankscope.torch_sketch), one sketch per device.
+the GIL released. Gradients on another device are sketched there by a DeviceSketch
+(rankscope._device_sketch: a fused Triton kernel on a CUDA device, else torch operations that
+reproduce the kernel's hash exactly), one sketch per device; rankscope._backend decides which
+(its docstring has the table).
+
+Bucket layouts: where each gradient of a bucket lies in its buffer and in the global flat vector
+(a fingerprint.SegmentLayout) is computed here (``bucket_layout``), for the sketch and for the
+replica fingerprints (rankscope._replica asks for it), and cached once per bucket when DDP's
+buckets are final, with what the sketch's fast path needs (a ``_native.BucketPlan`` for the C++
+kernel, the layout itself for DeviceSketch.add_segments): from then on a bucket is added in one
+call.
 
 The sketcher also tracks which parameters this step has sketched: a parameter seen twice means a
 second synchronized backward ran before ``mon.step()``, and the step starts over (``reset``, then
@@ -29,13 +36,15 @@ import bisect
 import time
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from rankscope import _native
+from rankscope import _backend, _native
+from rankscope import fingerprint as _fp
 from rankscope._buckets import DEFAULT_MAX_BUCKETS, group_parameters
+from rankscope._device_sketch import DeviceSketch
 from rankscope.fingerprint import SegmentLayout
-from rankscope.torch_sketch import TorchSketch
 
 # The dtypes the C++ kernel reads in place.
 NATIVE_DTYPES = {
@@ -43,6 +52,45 @@ NATIVE_DTYPES = {
     torch.bfloat16: _native.DTYPE_BFLOAT16,
     torch.float16: _native.DTYPE_FLOAT16,
 }
+
+
+class _Bucket(NamedTuple):
+    """A final bucket's cached layout: its buffer (address, numel), where its gradients lie
+    (``layout``), and the sketch's plan for it (a ``_native.BucketPlan``, the layout for a
+    DeviceSketch, or None: the slow path every step)."""
+
+    base: int
+    numel: int
+    layout: SegmentLayout
+    plan: object
+
+
+def bucket_layout(buf, params, grads, offset_of):
+    """(SegmentLayout, None) of where ``grads`` (of ``params``) lie in the bucket buffer
+    ``buf`` and in the global flat vector (``offset_of(p)``), or (None, why it has none)."""
+    if not _fp.supported(buf.dtype) or buf.is_sparse:
+        return None, f"a {buf.dtype} gradient bucket"
+    base, size = buf.data_ptr(), buf.element_size()
+    starts, counts, offsets = [], [], []
+    for p, g in zip(params, grads):
+        n = g.numel()
+        if n == 0:
+            continue
+        off = offset_of(p)
+        delta = g.data_ptr() - base
+        if (
+            off is None
+            or g.dtype != buf.dtype
+            or not g.is_contiguous()
+            or delta % size
+            or delta < 0
+            or delta // size + n > buf.numel()
+        ):
+            return None, "a gradient that is not a dense view of its bucket"
+        starts.append(delta // size)
+        counts.append(n)
+        offsets.append(off)
+    return SegmentLayout(buf.numel(), starts, counts, offsets), None
 
 
 def buckets_are_final(ddp) -> bool:
@@ -108,11 +156,12 @@ class BucketSketcher:
         self._seed = seed
         self._threads = threads  # CPU sketch threads (rankscope/striped_sketch.h)
         self.cpu_sketch = _native.Sketch(dim, seed, threads)
-        self.device_sketches = {}  # device -> TorchSketch
-        # Tests: sketch CPU tensors with the torch-op path (as on a GPU) instead of the kernel.
-        self.force_torch = False
-        # Per bucket index: (buffer address, numel, first offset, BucketPlan), filled only once
-        # DDP has rebuilt its buckets (after that, index, buffer and layout stay fixed).
+        self.device_sketches = {}  # device -> DeviceSketch
+        # Tests: CPU tensors bypass the C++ kernel and take the device path (DeviceSketch),
+        # as a GPU's would (rankscope._backend's ``native=False``).
+        self.bypass_native = False
+        # Per bucket index: a _Bucket, filled only once DDP has rebuilt its buckets (after
+        # that, index, buffer and layout stay fixed).
         self._ddp_ref = weakref.ref(model)
         self.plans_final = False
         self._plans = {}
@@ -140,13 +189,20 @@ class BucketSketcher:
             # Fast path: DDP's buckets are final, and this one's plan is known.
             buf = bucket.buffer()
             entry = self._plans.get(bucket.index())
-            if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
-                self._note_bucket((entry[2],))
-                plan = entry[3]
-                if isinstance(plan, SegmentLayout):  # a device bucket: one fused launch
+            if (
+                entry is not None
+                and entry.plan is not None
+                and entry.base == buf.data_ptr()
+                and entry.numel == buf.numel()
+            ):
+                # A bucket's parameters are marked by its first offset: buckets are final, so
+                # no other bucket holds that parameter.
+                self._note_bucket((entry.layout.global_offsets[0],))
+                plan = entry.plan
+                if isinstance(plan, SegmentLayout):  # the device path: one launch a bucket
                     self._device_sketch(buf.device).add_segments(buf, plan)
                 else:
-                    self.cpu_sketch.add_plan(plan, entry[0])
+                    self.cpu_sketch.add_plan(plan, entry.base)
                 self._counters["planned_buckets"] += 1
                 self._add_bucket_norms(bucket)
                 return
@@ -158,15 +214,31 @@ class BucketSketcher:
         self._note_bucket([o for o in offsets if o is not None])
         if not grads:
             return
-        if grads[0].device.type == "cpu" and not self.force_torch:
+        if self._sketch_backend(grads[0]) == _backend.NATIVE:
             self._add_cpu(offsets, grads)
-            if self.plans_final:
-                self._make_plan(bucket, offsets, grads)
         else:
             self._add_on_device(offsets, grads)
-            if self.plans_final:
-                self._make_plan(bucket, offsets, grads)
+        if self.plans_final:
+            self.bucket_layout(bucket)  # cached with the sketch's plan for the next steps
         self._add_bucket_norms(bucket, offsets, grads)
+
+    def _sketch_backend(self, t) -> str:
+        return _backend.sketch(t, self.dim, native=not self.bypass_native).backend
+
+    def bucket_layout(self, bucket):
+        """(SegmentLayout, None) of where the bucket's gradients lie, or (None, why it has
+        none): cached per bucket once DDP's buckets are final (with the sketch's plan for
+        it), computed at each call before that."""
+        buf = bucket.buffer()
+        entry = self._plans.get(bucket.index()) if self.plans_final else None
+        if entry is not None and entry.base == buf.data_ptr() and entry.numel == buf.numel():
+            return entry.layout, None
+        layout, why = bucket_layout(buf, bucket.parameters(), bucket.gradients(), self.offset_of)
+        if layout is not None and self.plans_final:
+            self._plans[bucket.index()] = _Bucket(
+                buf.data_ptr(), buf.numel(), layout, self._plan(buf, layout)
+            )
+        return layout, why
 
     def bucket_of_offset(self, offset: int) -> int:
         """The bucket (index into ``bucket_names``) of the parameter holding global coordinate
@@ -302,7 +374,8 @@ class BucketSketcher:
         del keep
 
     def _add_on_device(self, offsets, grads) -> None:
-        """Torch ops on the gradient's device (rankscope.torch_sketch): no host copy."""
+        """The device path (DeviceSketch: Triton or torch ops, on the gradient's device): no
+        host copy."""
         sketch = self._device_sketch(grads[0].device)
         for off, g in zip(offsets, grads):
             if off is None:
@@ -315,49 +388,27 @@ class BucketSketcher:
                 continue
             sketch.add(g, off)
 
-    def _device_sketch(self, device) -> TorchSketch:
+    def _device_sketch(self, device) -> DeviceSketch:
         sketch = self.device_sketches.get(device)
         if sketch is None:
-            sketch = self.device_sketches[device] = TorchSketch(self.dim, self._seed, device)
+            sketch = self.device_sketches[device] = DeviceSketch(self.dim, self._seed, device)
         return sketch
 
-    def _make_plan(self, bucket, offsets, grads) -> None:
-        """Caches where this bucket's gradients lie in its buffer, once DDP no longer rebuilds
-        its buckets, if every gradient is a dense block of one kernel dtype in the buffer: a
-        BucketPlan for the C++ kernel (CPU), a SegmentLayout for TorchSketch.add_segments (a
-        device)."""
-        buf = bucket.buffer()
-        base, dtype = buf.data_ptr(), buf.dtype
-        if dtype not in NATIVE_DTYPES or buf.is_sparse:
-            return
-        end = base + buf.numel() * buf.element_size()
-        byte_offsets, counts, global_offsets = [], [], []
-        for off, g in zip(offsets, grads):
-            n = g.numel()
-            if n == 0:
-                continue
-            if off is None or g.dtype != dtype or not g.is_contiguous():
-                return
-            start = g.data_ptr()
-            if start < base or start + n * g.element_size() > end:
-                return
-            byte_offsets.append(start - base)
-            counts.append(n)
-            global_offsets.append(off)
-        if not counts:
-            return
-        if buf.device.type != "cpu" or self.force_torch:
-            size = buf.element_size()
-            if any(b % size for b in byte_offsets):
-                return
-            plan = SegmentLayout(
-                buf.numel(), [b // size for b in byte_offsets], counts, global_offsets
-            )
-        else:
-            plan = _native.BucketPlan(NATIVE_DTYPES[dtype], byte_offsets, counts, global_offsets)
-        # A bucket's parameters are marked by its first offset on the fast path: buckets are
-        # final, so no other bucket holds that parameter.
-        self._plans[bucket.index()] = (base, buf.numel(), global_offsets[0], plan)
+    def _plan(self, buf, layout):
+        """The sketch's fast-path plan for a final bucket: a BucketPlan for the C++ kernel, the
+        layout for a DeviceSketch, or None (a dtype the sketch plans do not take, or no
+        gradient in it)."""
+        if buf.dtype not in NATIVE_DTYPES or not layout.counts:
+            return None
+        if self._sketch_backend(buf) != _backend.NATIVE:
+            return layout
+        size = buf.element_size()
+        return _native.BucketPlan(
+            NATIVE_DTYPES[buf.dtype],
+            [s * size for s in layout.starts],
+            layout.counts,
+            layout.global_offsets,
+        )
 
     def _unknown_param(self) -> None:
         self._counters["unknown_parameters"] += 1

@@ -108,7 +108,7 @@ class DeferredReports:
         after_record: Callable[[str], None],
         bucket_sq=None,
     ) -> None:
-        """Starts copying one step's report from ``device``: ``sketch`` (the TorchSketch on
+        """Starts copying one step's report from ``device``: ``sketch`` (the DeviceSketch on
         ``device``, or None), ``cpu_sketch`` (added when not empty: a model split across CPU and
         a device), ``loss`` (a tensor on ``device`` travels in the payload; anything else is
         read now), ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``) and

@@ -10,8 +10,8 @@ same schedule from the step number, without communication; each checked step cos
 more sketch pass over the reduced gradient.
 
 CPU buckets go to the C++ kernel (the local sketch's ``_native.Sketch``, GIL released); buckets
-on a device are not checked yet (counted as ``integrity_skipped_buckets``, and that step sends no
-reduced sketch).
+on a device are not checked yet (rankscope._backend.reduced_sketch says "none"; counted as
+``integrity_skipped_buckets``, and that step sends no reduced sketch).
 
 Thread safety: ``begin_step`` and ``take`` run on the training thread in ``mon.step``; ``add``
 in the all-reduce's future callbacks, possibly on several communication threads at once (a lock
@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from rankscope import _native
+from rankscope import _backend, _native
 from rankscope._options import INTEGRITY_EVERY as INTEGRITY_EVERY
 
 # Significand bits of the dtypes a reduction runs in (the collector's tolerance uses 2^-p).
@@ -90,12 +90,12 @@ class ReducedSketch:
         step's reduced sketch."""
         if not self._due:
             return
-        dtype = _NATIVE.get(flat.dtype)
-        if flat.device.type != "cpu" or dtype is None or not flat.is_contiguous():
+        if _backend.reduced_sketch(flat).backend != _backend.NATIVE:
             with self._lock:
                 self._complete = False
             self._counters["integrity_skipped_buckets"] += 1
             return
+        dtype = _NATIVE[flat.dtype]
         base, size = flat.data_ptr(), flat.element_size()
         addrs = [base + s * size for s in layout.starts]
         with self._lock:

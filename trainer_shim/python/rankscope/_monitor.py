@@ -35,6 +35,8 @@ from rankscope._replica import ReplicaFingerprints
 class Monitor:
     """One rank's rankscope session; made by ``attach``."""
 
+    # Long: the monitor's state, every attribute set once here so that they are listed in one place;
+    # the work is in the methods and the parts it holds.
     def __init__(
         self,
         model,
@@ -92,6 +94,10 @@ class Monitor:
         self._sum_squares = None  # close_step's value for the step being emitted
         self.counters = collections.Counter()
         self._warned = set()
+        # A step of this monitor all-reduced a gradient bucket: a later step without one is the
+        # shape of a model moved or cast after DDP wrapped it (pytorch#104336), not a setup
+        # without backward.
+        self._reduced_before = False
         # The four parts behind the monitor: the hook's sketching and fingerprinting, the
         # reports waiting for device copies, and the ranks' agreement on control steps. They
         # share the counters and the warned keys, and hold no reference to the monitor.
@@ -194,13 +200,26 @@ class Monitor:
         if self._active:
             if not self._sketcher.got_grads:
                 self.counters["steps_without_gradients"] += 1
-                self._warn_once(
-                    "nograd",
-                    "rankscope: mon.step() was called but no gradient bucket was "
-                    "all-reduced since the previous step (no backward, or no_sync() on every "
-                    "micro-batch?); nothing is reported for such steps",
-                )
+                if self._reduced_before:
+                    # The hooks fired before and no longer do: every rank now trains alone.
+                    self._warn_once(
+                        "nograd-after-reducing",
+                        f"rankscope: mon.step() was called but no gradient bucket was "
+                        f"all-reduced since the previous step, although earlier steps were "
+                        f"(step {s}): DDP's hooks no longer fire and this rank trains alone. "
+                        f"Was the model moved or cast (.to(), .half(), .cpu(), .cuda()) after "
+                        f"DDP wrapped it (pytorch#104336)? Move or cast it before wrapping; "
+                        f"nothing is reported for such steps",
+                    )
+                else:
+                    self._warn_once(
+                        "nograd",
+                        "rankscope: mon.step() was called but no gradient bucket was "
+                        "all-reduced since the previous step (no backward, or no_sync() on "
+                        "every micro-batch?); nothing is reported for such steps",
+                    )
             elif self._close_framework_step():
+                self._reduced_before = True
                 try:
                     self._emit(s, loss, batch_size)
                 except Exception as e:  # monitoring must never break training
@@ -308,15 +327,17 @@ class Monitor:
         return self._sketcher.cpu_sketch
 
     @property
-    def _force_torch_sketch(self) -> bool:
-        """Tests: sketch and fingerprint CPU tensors with the torch-op path (as on a GPU)
-        instead of the C++ kernels."""
-        return self._sketcher.force_torch
+    def _bypass_native(self) -> bool:
+        """Tests: CPU tensors bypass the C++ kernels and are sketched and fingerprinted by the
+        device path (rankscope._backend with ``native=False``: the torch ops, as a GPU without
+        Triton runs them). Not RANKSCOPE_GPU_KERNELS=torch, which picks the torch ops over
+        Triton for device tensors."""
+        return self._sketcher.bypass_native
 
-    @_force_torch_sketch.setter
-    def _force_torch_sketch(self, value: bool) -> None:
-        self._sketcher.force_torch = bool(value)
-        self._replica.force_torch = bool(value)
+    @_bypass_native.setter
+    def _bypass_native(self, value: bool) -> None:
+        self._sketcher.bypass_native = bool(value)
+        self._replica.bypass_native = bool(value)
 
     def _reset_accumulators(self) -> None:
         if self.local_grads is not None:

@@ -4,8 +4,10 @@ The comm hook chains a callback on each bucket's all-reduce future that folds th
 bucket into an order-independent 64-bit fingerprint and its exact sum of squares; every
 ``param_check_every`` steps ``mon.step`` fingerprints the parameters after the optimizer step. The
 values go with the step's report, and the collector names the ranks whose fingerprints differ
-from the majority. CPU tensors take the C++ kernel (Python numbers); tensors on a device are
-folded there with torch ops (0-d tensors, never synchronized here).
+from the majority. rankscope._backend picks the backend per tensor (its table): CPU tensors take
+the C++ kernel (Python numbers); tensors on a device are folded there, by a Triton kernel on a
+CUDA device or torch ops (0-d tensors, never synchronized here). A bucket's layout is the bucket
+sketcher's (computed and cached there once).
 
 Thread safety: ``bucket_layout`` runs on the autograd thread while backward runs, and
 ``fold_reduced`` when a collective completes, possibly on a communication thread (it only appends
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from rankscope import _backend
 from rankscope import fingerprint as _fp
 
 
@@ -43,10 +46,10 @@ class ReplicaFingerprints:
         self.enabled = enabled  # fingerprint the reduced gradient of every reported step
         self._param_check_every = param_check_every
         self._last_param_check = None  # step of the last parameter fingerprint
-        self._layouts = {}  # bucket index -> (buffer address, numel, SegmentLayout), when final
-        self._fold_tables = {}  # the parameters' offset tables for fingerprint.fold_many
-        # Tests: fold CPU tensors with torch ops (as on a GPU) instead of the C++ kernel.
-        self.force_torch = False
+        self._fold_tables = {}  # the parameters' piece tables for fingerprint.fold_many
+        # Tests: CPU tensors bypass the C++ kernel and take the device path, as a GPU's would
+        # (rankscope._backend's ``native=False``).
+        self.bypass_native = False
         # Aggregation integrity (rankscope._integrity.ReducedSketch), set by the monitor: the
         # reduced buckets of the steps this rank checks are sketched here too.
         self.integrity = None
@@ -74,42 +77,13 @@ class ReplicaFingerprints:
 
     def bucket_layout(self, bucket, sketcher):
         """Where this bucket's parameters lie in its buffer and in the global flat vector (a
-        SegmentLayout), or None when the buffer cannot be folded (counted). ``sketcher`` (the
-        BucketSketcher, which saw the bucket first) gives the parameters' global offsets and
-        whether DDP's buckets are final; the layout is cached per bucket once they are."""
-        final = sketcher.plans_final
-        buf = bucket.buffer()
-        entry = self._layouts.get(bucket.index()) if final else None
-        if entry is not None and entry[0] == buf.data_ptr() and entry[1] == buf.numel():
-            self._buckets += 1
-            return entry[2]
-        if not _fp.supported(buf.dtype) or buf.is_sparse:
-            self._skipped(f"a {buf.dtype} gradient bucket")
+        SegmentLayout, from ``sketcher``, the BucketSketcher, which saw the bucket first and
+        caches it once DDP's buckets are final), or None when the buffer cannot be folded
+        (counted)."""
+        layout, why = sketcher.bucket_layout(bucket)
+        if layout is None:
+            self._skipped(why)
             return None
-        base, size = buf.data_ptr(), buf.element_size()
-        starts, counts, offsets = [], [], []
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            n = g.numel()
-            if n == 0:
-                continue
-            off = sketcher.offset_of(p)
-            delta = g.data_ptr() - base
-            if (
-                off is None
-                or g.dtype != buf.dtype
-                or not g.is_contiguous()
-                or delta % size
-                or delta < 0
-                or delta // size + n > buf.numel()
-            ):
-                self._skipped("a gradient that is not a dense view of its bucket")
-                return None
-            starts.append(delta // size)
-            counts.append(n)
-            offsets.append(off)
-        layout = _fp.SegmentLayout(buf.numel(), starts, counts, offsets)
-        if final:
-            self._layouts[bucket.index()] = (base, buf.numel(), layout)
         self._buckets += 1
         return layout
 
@@ -125,7 +99,7 @@ class ReplicaFingerprints:
                 self.integrity.add(flat, layout)
             if not self.enabled:
                 pass
-            elif _fp.native_supported(flat) and not self.force_torch:  # C++: one pass
+            elif self._backend_of(flat) == _backend.NATIVE:  # C++: one pass
                 f, ss = _fp.fold_segments_cpu(flat, layout)
                 self._grad_fps.append(f)
                 self._reduced_ss.append(ss)
@@ -172,9 +146,10 @@ class ReplicaFingerprints:
                 parts, on_device, device_offsets = [], [], []
                 with torch.no_grad():
                     for p, off in zip(self._params, self._param_offsets):
-                        if _fp.native_supported(p) and not self.force_torch:
+                        backend = self._backend_of(p)
+                        if backend == _backend.NATIVE:
                             parts.append(_fp.fold_cpu(p, off)[0])
-                        elif _fp.supported(p.dtype):
+                        elif backend != _backend.NONE:
                             on_device.append(p)
                             device_offsets.append(off)
                     parts.extend(_fp.fold_many(on_device, device_offsets, self._fold_tables))
@@ -187,6 +162,9 @@ class ReplicaFingerprints:
                     "fpparam", f"rankscope: could not fingerprint the parameters ({e!r})"
                 )
         return grad_fp, param_fp, reduced_ss
+
+    def _backend_of(self, t) -> str:
+        return _backend.fingerprint(t, native=not self.bypass_native).backend
 
     def _param_check_due(self, step: int) -> bool:
         every = self._param_check_every

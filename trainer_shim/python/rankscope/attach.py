@@ -375,6 +375,9 @@ def _describe(pid: int, ack: dict, injected: dict) -> str:
     return "\n".join(lines)
 
 
+# Long: the attaching side's steps in order (the /proc checks, the request folder, gdb, the
+# acknowledgements), each with its own message to the user; the reusable pieces are the functions
+# above.
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="rankscope attach",

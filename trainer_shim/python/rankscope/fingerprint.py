@@ -15,10 +15,10 @@ in int64 two's-complement arithmetic (``+`` and ``*`` wrap as uint64 would). Pro
   changes can cancel only by a 2**-64-rare coincidence;
 * position: the weight ties each value to its global index, so swapping two values changes F.
 
-Everything is torch integer ops on the tensor's device, or on a CUDA device where Triton is
-present one fused kernel with the same integer sum (rankscope.triton_kernels, bit-identical): no
-host copy, no synchronization. The
-result is a 0-d int64 tensor; ``to_uint64`` turns a host value into the unsigned number sent to
+The device functions (``fold``, ``fold_segments``, ``fold_segments_and_squares``, ``fold_many``)
+run torch integer ops on the tensor's device, or one fused Triton kernel with the same integer sum
+(rankscope.triton_kernels, bit-identical), as rankscope._backend decides (its table): no host
+copy, no synchronization. The result is a 0-d int64 tensor; ``to_uint64`` turns a host value into the unsigned number sent to
 the collector. A bucket of a DDP gradient buffer is folded with ``fold_segments`` in a constant
 number of kernels (two cumulative sums), whatever the number of parameters in it.
 
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rankscope import _backend
 from rankscope import triton_kernels as _tk
 
 _MASK64 = (1 << 64) - 1
@@ -63,12 +64,14 @@ except (ImportError, AttributeError):  # the torch-op path still works
 
 
 def supported(dtype: torch.dtype) -> bool:
-    return dtype in _BITS_DTYPE
+    """A fingerprint is defined for ``dtype`` (rankscope._backend.FINGERPRINT_DTYPES)."""
+    return dtype in _backend.FINGERPRINT_DTYPES
 
 
-def native_supported(t: torch.Tensor) -> bool:
-    """True iff ``t`` can go to the C++ kernel (a dense CPU tensor of a float dtype)."""
-    return t.device.type == "cpu" and t.dtype in _NATIVE_CODES and not t.is_sparse
+def _device_choice(t: torch.Tensor):
+    """What the device functions run for ``t``: Triton or the torch ops (never the C++ kernel,
+    which fold_cpu and fold_segments_cpu call)."""
+    return _backend.fingerprint(t, native=False)
 
 
 def fold_cpu(values: torch.Tensor, offset: int):
@@ -142,16 +145,13 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     n = flat.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
-    if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
-        f = _tk.attempt(_tk.fold, flat.view(_BITS_DTYPE[flat.dtype]), offset)
-        if f is not _tk.FELL_BACK:
-            return f
-    c = _terms(flat)
-    # sum c_j * (2 (offset + j) + 1) = sum c_j * (2 j + 1) + 2 offset * sum c_j
-    csum = c.sum()
-    w = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=flat.device)
-    total = c.mul_(w).sum()
-    return total.add_(csum.mul_(2 * offset))
+
+    def compute(choice):
+        if choice.backend == _backend.TRITON:  # one fused pass, the same integer sum
+            return _tk.fold(flat.view(_BITS_DTYPE[flat.dtype]), offset)
+        return _fold_torch_ops(flat, offset=offset)
+
+    return _backend.run(lambda: _device_choice(flat), compute)
 
 
 class SegmentLayout:
@@ -221,16 +221,30 @@ def fold_segments(buffer: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     device = flat.device
     if not layout.counts:
         return torch.zeros((), dtype=torch.int64, device=device)
-    if _tk.enabled(flat):  # one fused pass on a CUDA device, the same integer sum
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        f = _tk.attempt(
-            lambda: _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
-        )
-        if f is not _tk.FELL_BACK:
-            return f
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+
+    def compute(choice):
+        if choice.backend == _backend.TRITON:  # one fused pass, the same integer sum
+            return _tk.fold_pieces(flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(device))
+        return _fold_torch_ops(flat, layout)
+
+    return _backend.run(lambda: _device_choice(flat), compute)
+
+
+def _fold_torch_ops(flat: torch.Tensor, layout: SegmentLayout = None, offset: int = 0):
+    """F with torch ops, the one torch-op implementation: with p the position in ``flat`` and
+    c_p = bits_p + 1, segment k (start s_k, global offset o_k) adds
+    sum_p c_p (2 p + 1) + 2 (o_k - s_k) sum_p c_p over its positions. Without ``layout`` the
+    whole of ``flat`` is one segment at global ``offset`` (two sums); with one, both sums of
+    every segment come from two prefix sums (a constant number of kernels per buffer)."""
+    device = flat.device
+    n = flat.numel()
     c = _terms(flat)
-    w = torch.arange(1, 2 * layout.numel, 2, dtype=torch.int64, device=device)
+    w = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=device)
+    if layout is None:
+        csum = c.sum()
+        return c.mul_(w).sum().add_(csum.mul_(2 * offset))
     cs1 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
     torch.cumsum(c, 0, out=cs1[1:])
     cs2 = torch.zeros(layout.numel + 1, dtype=torch.int64, device=device)
@@ -246,67 +260,79 @@ def fold_segments_and_squares(buffer: torch.Tensor, layout: SegmentLayout):
     the values: ``add_all`` and a sum take them as they are), else fold_segments and a float64
     norm of the whole buffer (padding is zeros)."""
     flat = buffer.detach().reshape(-1)
-    if (
-        _tk.enabled(flat)
-        and flat.is_contiguous()
-        and layout.counts
-        and flat.numel() == layout.numel
-    ):
-        both = _tk.attempt(
-            lambda: _tk.fold_pieces(
-                flat.view(_BITS_DTYPE[flat.dtype]), layout.pieces(flat.device), values=flat
-            )
-        )
-        if both is not _tk.FELL_BACK:
-            return both
-    norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
-    return fold_segments(flat, layout), norm * norm
+    if flat.numel() != layout.numel:
+        raise ValueError(f"buffer has {flat.numel()} elements, layout {layout.numel}")
+
+    def compute(choice):
+        if choice.backend == _backend.TRITON and layout.counts:
+            bits = flat.view(_BITS_DTYPE[flat.dtype])
+            return _tk.fold_pieces(bits, layout.pieces(flat.device), values=flat)
+        norm = torch.linalg.vector_norm(flat, 2, dtype=torch.float64)
+        if choice.backend == _backend.TRITON:  # no segments: nothing to fold
+            return torch.zeros((), dtype=torch.int64, device=flat.device), norm * norm
+        return _fold_torch_ops(flat, layout), norm * norm
+
+    return _backend.run(lambda: _device_choice(flat), compute)
 
 
 def fold_many(tensors, offsets, cache: dict) -> list:
     """Fingerprints (0-d int64 tensors) whose wrapping sum is F of ``tensors`` (not CPU ones),
-    each at its global offset: on a CUDA device with Triton one launch per device and dtype for
-    the contiguous ones, ``fold`` for the others. ``cache`` keeps each group's offset table per
-    set of addresses (a model's parameters stay where they are)."""
+    each at its global offset: where rankscope._backend picks Triton, one launch per device and
+    dtype (triton_kernels.fold_pieces over the tensors' pieces), else ``fold`` each. ``cache``
+    keeps each group's piece table per set of addresses (a model's parameters stay where they
+    are)."""
     groups, parts = {}, []
     for t, off in zip(tensors, offsets):
         t = t.detach()
-        if _tk.enabled(t) and t.is_contiguous() and t.dtype in _BITS_DTYPE and t.numel():
+        if t.numel() and _device_choice(t).backend == _backend.TRITON:
             ts, offs = groups.setdefault((t.device, t.dtype), ([], []))
             ts.append(t)
             offs.append(off)
         else:
             parts.append(fold(t, off))
     for ts, offs in groups.values():
-        table = _offset_table(ts, offs, cache)
-        f = _tk.FELL_BACK
-        if table is not None:
-            f = _tk.attempt(_tk.fold_tensors, ts[0], table, len(ts), max(t.numel() for t in ts))
-        if f is _tk.FELL_BACK:
-            parts.extend(fold(t, off) for t, off in zip(ts, offs))
-        else:
-            parts.append(f)
+        table = _piece_table(ts, offs, cache)
+
+        def compute(choice, ts=ts, offs=offs, table=table):
+            if choice.backend == _backend.TRITON and table is not None:
+                return [_tk.fold_pieces(ts[0].view(_BITS_DTYPE[ts[0].dtype]), table)]
+            return [fold(t, off) for t, off in zip(ts, offs)]
+
+        parts.extend(_backend.run(lambda ts=ts: _device_choice(ts[0]), compute))
     return parts
 
 
-def _offset_table(tensors, offsets, cache: dict):
-    """triton_kernels.fold_tensors' table for ``tensors`` (one dtype, one device): rows
-    (element offset from the first, count, global offset), on the device; cached by addresses
-    and sizes. None when an address is not a whole number of elements from the first's."""
+def _piece_table(tensors, offsets, cache: dict):
+    """triton_kernels.fold_pieces' table for ``tensors`` (one dtype, one device): each tensor at
+    its element offset from the first (of any sign), cut into pieces (triton_kernels.piece_table),
+    as three int64 tensors on the device; cached by addresses and sizes. None when an address is
+    not a whole number of elements from the first's."""
     base, size = tensors[0], tensors[0].element_size()
     key = tuple((t.data_ptr(), t.numel()) for t in tensors)
     table = cache.get(key)
     if table is None:
-        rows = []
-        for t, g in zip(tensors, offsets):
+        starts = []
+        for t in tensors:
             delta = t.data_ptr() - base.data_ptr()
             if delta % size:
                 return None
-            rows.extend((delta // size, t.numel(), g))
+            starts.append(delta // size)
+        segments = _Segments(starts, [t.numel() for t in tensors], offsets)
+        rows = _to_device(torch.tensor(_tk.piece_table(segments), dtype=torch.int64), base.device)
         if len(cache) >= 8:  # parameters that keep moving: keep the newest tables only
             cache.clear()
-        table = cache[key] = _to_device(torch.tensor(rows, dtype=torch.int64), base.device)
+        table = cache[key] = (rows[0], rows[1], rows[2])
     return table
+
+
+class _Segments:
+    """Segments for triton_kernels.piece_table whose starts may be negative (element offsets from
+    a base tensor, not positions in one buffer: not a SegmentLayout)."""
+
+    __slots__ = ("starts", "counts", "global_offsets")
+
+    def __init__(self, starts, counts, global_offsets):
+        self.starts, self.counts, self.global_offsets = starts, counts, global_offsets
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,8 @@ def _say(ax, text: str) -> None:
     )
 
 
+# Long: one figure's panels in order, each a few matplotlib calls on shared axes; split per panel,
+# the figure and its shared step axis would be passed around.
 def plot(data: dict, job: str, output: str) -> None:
     import matplotlib
 

@@ -24,8 +24,9 @@ names the ranks whose fingerprints differ from the majority.
 
 Where the work runs. CPU gradients are sketched by the C++ kernel straight from the tensor's
 memory (float32, bfloat16, float16; other dtypes are converted to float32 first), with the GIL
-released. Gradients on another device are sketched there with torch operations that reproduce
-the kernel's hash exactly (rankscope.torch_sketch); the loss, sketch and norm are copied to
+released. Gradients on another device are sketched there, with the same hash: on a CUDA device by
+a fused Triton kernel, else by torch operations (rankscope._device_sketch; rankscope._backend
+decides, per tensor, and its docstring has the table); the loss, sketch and norm are copied to
 pinned host memory without blocking and read at a later ``mon.step`` once a CUDA event says the
 copy is done. Nothing on the training thread calls ``.item()`` on a device tensor, synchronizes a
 device or runs a collective.
@@ -85,6 +86,8 @@ __all__ = ["attach", "attach_reducer", "Monitor"]
 _ATTACHED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
+# Long: the public entry point: its documented keywords resolved and checked, then the dispatch to
+# one path; the work is in _options, frameworks and _monitor.
 def attach(
     model: "torch.nn.parallel.DistributedDataParallel",
     collector: str | None = None,

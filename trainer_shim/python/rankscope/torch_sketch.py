@@ -14,19 +14,28 @@ Bins accumulate in float64 and the sum of squares in a float64 0-d tensor: the s
 as the C++ kernel, summed with less rounding (the kernel sums segments in float first, sketch.h
 "Rounding"), so the two agree up to rounding, not bit for bit.
 Work is done in chunks of ``CHUNK`` coordinates to bound the temporary memory (about 40 bytes a
-coordinate of a chunk). On a CUDA device with Triton, ``add`` runs one fused kernel instead
-(rankscope.triton_kernels: the same bins and signs, float32 partial sums per program summed in
-float64; ``RANKSCOPE_GPU_KERNELS=torch`` keeps these torch ops).
+coordinate of a chunk).
+
+This module is the torch-op backend of the sketch (``add``); the sketch object that holds the
+bins on a device and asks rankscope._backend whether these ops or a Triton kernel run is
+rankscope._device_sketch.DeviceSketch (``TorchSketch`` here is its deprecated old name).
+It is also the package's one Python definition of SketchMix's constants
+(``SKETCH_MIX_CONSTANTS``), read from the C++ header's through rankscope._native;
+tests/python/test_shim.py checks them against the header's text.
 """
 
 import torch
 
 from rankscope import _native
-from rankscope import triton_kernels as _tk
 
 CHUNK = 1 << 22
 
 _MASK64 = (1 << 64) - 1
+
+# SketchMix's constants (agent/include/rankscope/sketch.h: kSketchMixGolden, kSketchMixM1,
+# kSketchMixM2) as unsigned 64-bit numbers: the one Python definition (triton_kernels.py passes
+# them to its kernels).
+SKETCH_MIX_CONSTANTS = tuple(int(c) for c in _native.SKETCH_MIX_CONSTANTS)
 
 
 def _s64(x: int) -> int:
@@ -35,8 +44,8 @@ def _s64(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-# SketchMix's constants, defined once in agent/include/rankscope/sketch.h, as int64 patterns.
-_GOLDEN, _M1, _M2 = (_s64(c) for c in _native.SKETCH_MIX_CONSTANTS)
+# The same constants as int64 bit patterns, for torch's int64 arithmetic.
+_GOLDEN, _M1, _M2 = (_s64(c) for c in SKETCH_MIX_CONSTANTS)
 
 
 def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -86,96 +95,33 @@ def sketch_slots(offset: int, n: int, seed: int, dim: int, device=None):
     return bins.view(-1)[start : start + n], signs.view(-1)[start : start + n]
 
 
-class TorchSketch:
-    """A count sketch accumulated on ``device`` with torch ops (same bins as rankscope._native).
+def add(
+    bins: torch.Tensor, sum_squares: torch.Tensor, values: torch.Tensor, offset: int, seed: int
+):
+    """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the float64
+    ``bins`` and the 0-d float64 ``sum_squares``, with torch ops on their device (never writes
+    into ``values``)."""
+    flat = values.reshape(-1)
+    n = flat.numel()
+    dim = bins.numel()
+    for start in range(0, n, CHUNK):
+        chunk = flat[start : start + CHUNK].to(torch.float64)  # the gradient itself if f64
+        slots, signs = sketch_slots(offset + start, chunk.numel(), seed, dim, bins.device)
+        sum_squares.add_(torch.dot(chunk, chunk))
+        bins.index_add_(0, slots, signs.mul_(chunk))
 
-    Thread-compatible: one writer at a time (DDP calls its comm hooks one after another).
-    """
 
-    def __init__(self, dim: int, seed: int, device):
-        self.dim = int(dim)
-        self.seed = int(seed)
-        self.device = torch.device(device)
-        self._bins = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
-        self._sum_squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        # The Triton kernels' per-program partial sums (rows of float32 bins, float64 squares),
-        # added into by every launch of a step and folded into the float64 totals when read:
-        # one launch a bucket, no per-launch allocation or reduction.
-        self._partials = None
-        self._pending = False
+def __getattr__(name):
+    if name == "TorchSketch":  # the old name of DeviceSketch, which also runs Triton kernels
+        import warnings
 
-    @property
-    def bins(self) -> torch.Tensor:
-        """The float64 bins (a tensor on the device; partial sums folded in first)."""
-        self._fold()
-        return self._bins
+        from rankscope._device_sketch import DeviceSketch
 
-    @property
-    def sum_squares(self) -> torch.Tensor:
-        """The float64 sum of squares, a 0-d tensor on the device."""
-        self._fold()
-        return self._sum_squares
-
-    def reset(self) -> None:
-        self._bins.zero_()
-        self._sum_squares.zero_()
-        if self._pending:
-            for t in self._partials:
-                t.zero_()
-            self._pending = False
-
-    def _fold(self) -> None:
-        if self._pending:
-            rows, ss = self._partials
-            self._bins.add_(rows.sum(0, dtype=torch.float64))
-            self._sum_squares.add_(ss.sum())
-            rows.zero_()
-            ss.zero_()
-            self._pending = False
-
-    def _fused_partials(self):
-        if self._partials is None:
-            self._partials = _tk.sketch_partials(self.device, self.dim)
-        self._pending = True
-        return self._partials
-
-    def add(self, values: torch.Tensor, offset: int) -> None:
-        """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
-        flat = values.reshape(-1)
-        if self._fused(flat) and _tk.attempt(self._add_fused, flat, offset) is not _tk.FELL_BACK:
-            return  # one fused pass on a CUDA device
-        n = flat.numel()
-        for start in range(0, n, CHUNK):
-            chunk = flat[start : start + CHUNK].to(torch.float64)  # the gradient itself if f64
-            bins, signs = sketch_slots(
-                offset + start, chunk.numel(), self.seed, self.dim, self.device
-            )
-            self._sum_squares.add_(torch.dot(chunk, chunk))
-            self._bins.index_add_(0, bins, signs.mul_(chunk))  # never writes into the gradient
-
-    def add_segments(self, buffer: torch.Tensor, layout) -> None:
-        """Adds the segments of ``buffer`` that ``layout`` (a fingerprint.SegmentLayout) describes,
-        each at its global offset: on a CUDA device with Triton one launch for the whole buffer
-        (a DDP bucket), else ``add`` per segment."""
-        flat = buffer.detach().reshape(-1)
-        if (
-            self._fused(flat)
-            and flat.is_contiguous()
-            and _tk.attempt(self._add_segments_fused, flat, layout) is not _tk.FELL_BACK
-        ):
-            return
-        for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
-            if n:
-                self.add(flat[start : start + n], offset)
-
-    def _add_fused(self, flat: torch.Tensor, offset: int) -> None:
-        _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim)
-
-    def _add_segments_fused(self, flat: torch.Tensor, layout) -> None:
-        _tk.sketch_add_pieces(
-            *self._fused_partials(), flat, layout.pieces(self.device), self.seed, self.dim
+        warnings.warn(
+            "rankscope.torch_sketch.TorchSketch is deprecated: it is "
+            "rankscope._device_sketch.DeviceSketch (it runs the Triton kernels where they apply)",
+            DeprecationWarning,
+            stacklevel=2,
         )
-
-    def _fused(self, flat: torch.Tensor) -> bool:
-        # The kernel wraps a block's 32 bins at most once: dim >= 32 (smaller sketches are rare).
-        return self.dim >= 32 and _tk.enabled(flat)
+        return DeviceSketch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

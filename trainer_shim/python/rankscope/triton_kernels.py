@@ -1,16 +1,24 @@
 """Fused Triton kernels for GPU gradients: the count sketch and the replica fingerprint in one
 pass over the tensor each, instead of the ~10 elementwise torch passes of torch_sketch.py and
-fingerprint.py (which stay the fallback, and the path CI tests on CPU).
+fingerprint.py (the torch-op path, and the path CI tests on CPU). This module only launches:
+which kernel and variant runs for a tensor, and what happens when one fails, is
+rankscope._backend's decision (its docstring has the table); errors propagate to it.
 
 How their results relate to the torch-op path (tests/python/test_gpu.py checks both):
 
-* ``fold`` / ``fold_segments``: the same 64-bit wrapping integer sum, so bit-identical.
+* ``fold`` / ``fold_pieces``: the same 64-bit wrapping integer sum, so bit-identical to
+  fingerprint.fold / fold_segments. ``fold_pieces`` (_fold_pieces_kernel) is the one kernel for a
+  table of pieces: a bucket's segments (with or without the squares), and a parameter check's
+  tensors of one dtype in one launch (fingerprint.fold_many: pieces at element offsets of any
+  sign from the first tensor). ``fold`` (_fold_kernel) is the same sum for one contiguous tensor
+  without a table, kept for its speed on 16-bit values (H100, 2^28 bfloat16 values: 0.258 ms,
+  70 % of the copy, against 0.351 ms, 52 %, through pieces; docs/PERFORMANCE.md "Kernels").
 * ``sketch_add`` / ``sketch_add_pieces``: the same bins and signs (SketchMix of the block index,
   as torch_sketch.py and agent/include/rankscope/sketch.h), added into per-program float32 rows
-  of ``dim`` bins that TorchSketch folds into float64 (a fixed order) when the bins are read. Two
-  kernels: one atomic add per value into the program's row, or (DOT) each block's 32 values
-  shifted into a row of 64 and added by a one-hot matrix product on the tensor cores into a
-  [dim/32, 64] register tile flushed into the row at the end (bfloat16 and float16 values are
+  of ``dim`` bins that DeviceSketch folds into float64 (a fixed order) when the bins are read.
+  Two variants: one atomic add per value into the program's row, or (DOT) each block's 32
+  values shifted into a row of 64 and added by a one-hot matrix product on the tensor cores into
+  a [dim/32, 64] register tile flushed into the row at the end (bfloat16 and float16 values are
   exact operands; float32 takes three tf32 products, about float32's precision). Either way a
   bin is within float32 rounding of the torch-op path's float64 sum, and, because atomic adds
   into a row land in any order, not bit-reproducible from run to run at that rounding level. The
@@ -19,20 +27,14 @@ How their results relate to the torch-op path (tests/python/test_gpu.py checks b
 
 Nothing here synchronizes the host with the device: partial buffers are allocated on the device
 and reduced with torch ops; the segment and offset tables the kernels read come to the device
-from pinned memory without blocking (fingerprint.py builds and caches them).
-
-Selection: ``RANKSCOPE_GPU_KERNELS=torch`` forces the torch-op path; the default is Triton where
-it imports and the tensor is on a CUDA device. The sketch kernel is chosen per dtype and dim
-(``_variant``, from the H100 figures in docs/PERFORMANCE.md); ``RANKSCOPE_GPU_SKETCH=atomic`` or
-``dot`` forces one. The first launch of each kernel in a process compiles it (seconds).
+from pinned memory without blocking (fingerprint.py builds and caches them). The first launch of
+each kernel in a process compiles it (seconds).
 
 tests/python/test_triton_interpret.py runs every kernel on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1, set before this module is imported). For it, loop indices are cast
 with ``tl.cast(t, ...)``, not ``t.to(...)`` (an interpreted loop index is a Python int; compiled,
 the two are the same IR), and ``_programs`` gives a non-CUDA device a small fixed grid.
 """
-
-import os
 
 import torch
 
@@ -42,11 +44,12 @@ try:
 except ImportError:  # a torch without Triton (e.g. torch 2.2 on Python 3.12): the torch-op path
     triton = None
 
-from rankscope import _native
+from rankscope.torch_sketch import SKETCH_MIX_CONSTANTS
 
-# SketchMix's constants (agent/include/rankscope/sketch.h), as unsigned 64-bit numbers: Triton
-# types a kernel argument of 2**63 or more as uint64.
-_GOLDEN, _M1, _M2 = _native.SKETCH_MIX_CONSTANTS
+# SketchMix's constants, the package's one Python definition (rankscope.torch_sketch, from
+# agent/include/rankscope/sketch.h), passed to the kernels as arguments: Triton types an argument
+# of 2**63 or more as uint64, which the hash's arithmetic needs.
+_GOLDEN, _M1, _M2 = SKETCH_MIX_CONSTANTS
 _MASK64 = (1 << 64) - 1
 
 _SKETCH_BLOCKS = 64  # hash blocks (of 32 coordinates) per tile
@@ -57,50 +60,6 @@ _SKETCH_WARPS = None  # warps of a sketch program (None: 4, or 8 for the larger 
 _PROGRAMS = {}  # (device index, factor) -> programs of a persistent grid
 
 
-_FAILED = []  # the first error a Triton kernel raised in this process: Triton is off from then
-
-
-def enabled(t: torch.Tensor) -> bool:
-    """True iff ``t`` takes the Triton kernels (a CUDA tensor, Triton present, not disabled by
-    RANKSCOPE_GPU_KERNELS=torch or by an earlier failure)."""
-    return (
-        triton is not None
-        and not _FAILED
-        and t.is_cuda
-        and os.environ.get("RANKSCOPE_GPU_KERNELS", "triton") != "torch"
-    )
-
-
-def disable(error: Exception) -> None:
-    """Turns the Triton kernels off for this process after ``error``, which a kernel raised
-    before it ran (Triton compiles each kernel and a C launcher at the first launch: a machine
-    without a C compiler, or a GPU Triton cannot target, fails there), with one warning; callers
-    then take the torch ops. A failure after a launch (a CUDA error) is not recoverable here."""
-    if not _FAILED:
-        _FAILED.append(repr(error))
-        import warnings
-
-        warnings.warn(
-            f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
-            "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-FELL_BACK = object()  # what ``attempt`` returns when the kernel could not run
-
-
-def attempt(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, or FELL_BACK after ``disable`` when it raised (Triton cannot run
-    here): the caller then takes the torch ops."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - a compiler or launcher error
-        disable(e)
-        return FELL_BACK
-
-
 _INTERPRETER_PROGRAMS = 3  # programs of a persistent grid on a non-CUDA device (below)
 
 
@@ -108,7 +67,7 @@ def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         # Reached only under Triton's interpreter (TRITON_INTERPRET=1, which runs the kernels on
         # CPU tensors with numpy, one program after another), whose tests call the launchers
-        # directly; ``enabled`` keeps every non-CUDA tensor on the torch ops otherwise. A small
+        # directly; rankscope._backend keeps every non-CUDA tensor off Triton otherwise. A small
         # fixed grid, odd, so that programs take uneven shares of the tiles.
         return _INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -355,58 +314,9 @@ if triton is not None:
         if SQUARES:
             tl.store(out_ptr + programs + pid, tl.sum(sq, axis=0).to(tl.int64, bitcast=True))
 
-    @triton.jit
-    def _fold_tensors_kernel(
-        base_ptr, table_ptr, n_tensors, out_ptr, TILE: tl.constexpr, BITS: tl.constexpr
-    ):
-        """F of several tensors of one dtype in one launch: row i of the table is (element
-        offset from base_ptr, count, global offset). Every program takes its share of every
-        tensor's tiles."""
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        lanes = tl.arange(0, TILE)
-        acc = tl.zeros([TILE], dtype=tl.int64)
-        for i in range(0, n_tensors):
-            off = tl.load(table_ptr + 3 * i)
-            n = tl.load(table_ptr + 3 * i + 1)
-            goff = tl.load(table_ptr + 3 * i + 2)
-            for t in range(pid, (n + TILE - 1) // TILE, programs):
-                idx = tl.cast(t, tl.int64) * TILE + lanes
-                mask = idx < n
-                x = tl.load(base_ptr + off + idx, mask=mask, other=0)
-                c = tl.where(mask, x.to(BITS, bitcast=True).to(tl.int64) + 1, 0)
-                acc += c * (2 * (goff + idx) + 1)
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
-_DOT_FAILED = []  # the tensor-core kernel's compile error, once it failed
-
-
-def _variant(dtype: torch.dtype, dim: int):
-    """(Q, DOT, EXACT_TF32) for a sketch of ``dim`` bins over ``dtype`` values. The tensor-core
-    kernel where dim is 32 Q with Q a power of two from 16 to 128 (dims 512 .. 4,096) for
-    bfloat16 and float16 values, and for float32 values up to dim 1,024 (their three tf32
-    products make larger dims slower than the atomic kernel: docs/PERFORMANCE.md, "GPU
-    kernels"); else one atomic add a value. RANKSCOPE_GPU_SKETCH=atomic or =dot forces one
-    (dot where the dim allows), and a dot kernel that failed to compile here is not tried
-    again."""
-    q = dim // 32
-    choice = os.environ.get("RANKSCOPE_GPU_SKETCH", "auto")
-    allowed = (
-        dim % 32 == 0
-        and 16 <= q <= 128
-        and q & (q - 1) == 0
-        and not _DOT_FAILED
-        and dtype in (torch.float32, torch.bfloat16, torch.float16)
-    )
-    preferred = dtype != torch.float32 or q <= 32
-    if allowed and choice != "atomic" and (preferred or choice == "dot"):
-        return q, True, dtype == torch.float32
-    return 16, False, False
-
 
 def sketch_partials(device: torch.device, dim: int):
-    """The per-program partial sums a TorchSketch's launches add into: float32 rows of ``dim``
+    """The per-program partial sums a DeviceSketch's launches add into: float32 rows of ``dim``
     bins and float64 sums of squares, one per program of the persistent grid, zeroed."""
     programs = _programs(device)
     return (
@@ -415,51 +325,36 @@ def sketch_partials(device: torch.device, dim: int):
     )
 
 
-def _launch_sketch(kernel, flat, grid_args, units, rows, ss, dim):
-    programs = min(rows.shape[0], units)
-    q, dot, exact = _variant(flat.dtype, dim)
-    try:
-        kernel[(programs,)](
-            flat,
-            *grid_args,
-            rows,
-            ss,
-            BLOCKS=_SKETCH_BLOCKS,
-            Q=q,
-            DOT=dot,
-            EXACT_TF32=exact,
-            num_warps=_SKETCH_WARPS or (8 if dot and q >= 64 else 4),
-        )
-    except Exception as e:  # noqa: BLE001 - a compiler error: the atomic kernel from now on
-        if not dot:
-            raise
-        _DOT_FAILED.append(repr(e))
-        import warnings
-
-        warnings.warn(
-            f"rankscope: the tensor-core sketch kernel failed ({e!r}); using the atomic one",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        kernel[(programs,)](
-            flat,
-            *grid_args,
-            rows,
-            ss,
-            BLOCKS=_SKETCH_BLOCKS,
-            Q=16,
-            DOT=False,
-            EXACT_TF32=False,
-            num_warps=4,
-        )
+def _launch_sketch(kernel, flat, grid_args, units, rows, ss, variant):
+    """One launch of a sketch kernel in ``variant`` (a rankscope._backend.Choice: ``variant``
+    "atomic" or "dot", ``q``, ``exact_tf32``). Errors propagate: the caller's _backend.run
+    decides what follows."""
+    dot = variant.variant == "dot"
+    kernel[(min(rows.shape[0], units),)](
+        flat,
+        *grid_args,
+        rows,
+        ss,
+        BLOCKS=_SKETCH_BLOCKS,
+        Q=variant.q if dot else 16,
+        DOT=dot,
+        EXACT_TF32=dot and variant.exact_tf32,
+        num_warps=_SKETCH_WARPS or (8 if dot and variant.q >= 64 else 4),
+    )
 
 
 def sketch_add(
-    rows: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int, seed: int, dim: int
+    rows: torch.Tensor,
+    ss: torch.Tensor,
+    values: torch.Tensor,
+    offset: int,
+    seed: int,
+    dim: int,
+    variant,
 ) -> None:
     """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the
     partial sums ``rows`` and ``ss`` (``sketch_partials``), on the values' device, in one
-    launch. Requires dim >= 32."""
+    launch of ``variant`` (rankscope._backend.sketch_variant). Requires dim >= 32."""
     flat = values.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -475,12 +370,12 @@ def sketch_add(
         n_tiles,
         rows,
         ss,
-        dim,
+        variant,
     )
 
 
 def sketch_add_pieces(
-    rows: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table, seed: int, dim: int
+    rows: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table, seed: int, dim: int, variant
 ) -> None:
     """``sketch_add`` of the segments of a flat contiguous buffer, given as a ``pieces``
     table: one launch for a whole DDP bucket. Requires dim >= 32."""
@@ -495,7 +390,7 @@ def sketch_add_pieces(
         n_pieces,
         rows,
         ss,
-        dim,
+        variant,
     )
 
 
@@ -512,8 +407,10 @@ def fold(bits: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def piece_table(layout):
-    """The segments of a SegmentLayout cut where the global index crosses a multiple of PIECE,
-    so that a piece lies in one sketch tile: lists (buffer start, count, global offset)."""
+    """The segments of a SegmentLayout (or any object with ``starts``, ``counts`` and
+    ``global_offsets``; starts may be negative, element offsets from a base) cut where the
+    global index crosses a multiple of PIECE, so that a piece lies in one sketch tile and holds
+    at most PIECE elements: lists (buffer start, count, global offset)."""
     starts, counts, goffs = [], [], []
     for s, n, g in zip(layout.starts, layout.counts, layout.global_offsets):
         end = g + n
@@ -527,26 +424,14 @@ def piece_table(layout):
     return starts, counts, goffs
 
 
-_BITS = {}  # torch dtype -> the Triton integer type of its bits (filled below)
-if triton is not None:
-    _BITS = {
-        torch.float32: tl.int32,
-        torch.bfloat16: tl.int16,
-        torch.float16: tl.int16,
-        torch.float64: tl.int64,
-        torch.int32: tl.int32,
-        torch.int64: tl.int64,
-        torch.int16: tl.int16,
-    }
-
-
 def fold_pieces(bits: torch.Tensor, table, values: torch.Tensor = None):
-    """The fingerprint of the pieces ``table`` (three int64 device tensors: buffer start, count,
-    global offset of each piece of ``piece_table``) of the flat contiguous integer view ``bits``
-    of a buffer: a 0-d int64 tensor, bit-identical to fingerprint.fold_segments. With ``values``
-    (the same buffer as floats), (per-program fingerprints [P] int64, per-program float64 sums
-    of squares [P]) instead, from the same pass: their sums are the fingerprint and the sum of
-    squares."""
+    """The fingerprint of the pieces ``table`` (three int64 device tensors: start, count,
+    global offset of each piece of ``piece_table``) of the integer view ``bits`` of a buffer (a
+    start is an element offset from ``bits``' first element, of any sign: the pieces may lie in
+    other tensors' memory, as a parameter check's do): a 0-d int64 tensor, bit-identical to
+    fingerprint.fold_segments. With ``values`` (the same memory as floats), (per-program
+    fingerprints [P] int64, per-program float64 sums of squares [P]) instead, from the same
+    pass: their sums are the fingerprint and the sum of squares."""
     starts, counts, goffs = table
     n_pieces = starts.numel()
     programs = max(1, min(_programs(bits.device), n_pieces))
@@ -566,19 +451,4 @@ def fold_pieces(bits: torch.Tensor, table, values: torch.Tensor = None):
     )
     if squares:
         return out[:programs], out[programs:].view(torch.float64)
-    return out.sum()
-
-
-def fold_tensors(
-    base: torch.Tensor, table: torch.Tensor, n_tensors: int, largest: int
-) -> torch.Tensor:
-    """The fingerprint of ``n_tensors`` contiguous tensors of ``base``'s dtype on its CUDA
-    device in one launch: row i of ``table`` (an int64 device tensor) is (element offset from
-    ``base``, count, global offset); ``largest`` is the largest count. A 0-d int64 tensor,
-    bit-identical to the sum of fingerprint.fold of each."""
-    programs = max(1, min(_programs(base.device), (largest + _FOLD_TILE - 1) // _FOLD_TILE))
-    out = torch.empty(programs, dtype=torch.int64, device=base.device)
-    _fold_tensors_kernel[(programs,)](
-        base, table, n_tensors, out, TILE=_FOLD_TILE, BITS=_BITS[base.dtype], num_warps=4
-    )
     return out.sum()
