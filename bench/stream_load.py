@@ -24,6 +24,7 @@ loadgen's count) and the rows in rank_steps (SQLite). Prints one line per N and 
 
 import argparse
 import os
+import queue
 import re
 import resource
 import signal
@@ -160,44 +161,72 @@ def run_streams(
     groups: int = 1,
     silent_rank: int = -1,
     flush_timeout: float = 120.0,
+    procs: int = 1,
 ) -> dict:
     """One measurement: a fresh collector, N streams (one job of `groups` data-parallel groups).
     Returns the figures (KiB, counts, seconds)."""
     job = f"load-{n}"
     with tempfile.TemporaryDirectory(prefix="rankscope-load-") as tmp:
-        c = CollectorProcess(build, Path(tmp), collector_args)
+        # --max_streams (default 10,000) above N: past it a stream is refused, and its agent
+        # retries until one closes.
+        c = CollectorProcess(
+            build, Path(tmp), [f"--max_streams={max(10000, n + 256)}", *collector_args]
+        )
         try:
             time.sleep(0.5)
             idle = c.rss_kib()
             collector_cpu0 = cpu_seconds(c.proc.pid)
             children_cpu0 = children_cpu_seconds()
-            lg = subprocess.Popen(
-                [
-                    str(build / "bin" / "rankscope-loadgen"),
-                    f"--collector={c.address}",
-                    f"--job={job}",
-                    f"--ranks={n}",
-                    f"--duration={duration}s",
-                    f"--step_interval={step_interval}s",
-                    f"--sketch_dim={sketch_dim}",
-                    "--queue_capacity=16",
-                    "--step_time=0",
-                    "--wait_connected",
-                    f"--hold={hold}s",
-                    f"--flush_timeout={flush_timeout:.0f}s",
-                    f"--groups={groups}",
-                    *(
-                        [f"--silent_rank={silent_rank}", "--silent_in_every_group"]
-                        if silent_rank >= 0
-                        else []
-                    ),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            # P processes of n / P consecutive ranks each (whole groups when P divides the
+            # groups): one process cannot hold every stream past its file-descriptor limit.
+            per = n // procs
+            base = [
+                str(build / "bin" / "rankscope-loadgen"),
+                f"--collector={c.address}",
+                f"--job={job}",
+                f"--ranks={n}",
+                f"--duration={duration}s",
+                f"--step_interval={step_interval}s",
+                f"--sketch_dim={sketch_dim}",
+                "--queue_capacity=16",
+                "--step_time=0",
+                "--wait_connected",
+                f"--hold={hold}s",
+                f"--flush_timeout={flush_timeout:.0f}s",
+                f"--groups={groups}",
+                *(
+                    [f"--silent_rank={silent_rank}", "--silent_in_every_group"]
+                    if silent_rank >= 0
+                    else []
+                ),
+            ]
+            if procs > 1:
+                base.append("--go_on_stdin")
+            # Started one after another, each once the one before has all its streams open: a
+            # reconnect storm of every agent at once (connects timing out in the collector's
+            # accept queue at a high load average) is not what is measured here.
+            lgs = []
+
+            def start_next():
+                k = len(lgs)
+                lg = subprocess.Popen(
+                    base + ([f"--rank={k * per}", f"--rank_count={per}"] if procs > 1 else []),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                lgs.append(lg)
+                for target, args in (
+                    (drain, (lg.stdout, outs[k], k)),
+                    (drain, (lg.stderr, errs[k], None)),
+                ):
+                    t = threading.Thread(target=target, args=args, daemon=True)
+                    readers.append(t)
+                    t.start()
+
             samples = []
-            figures = {"n": n, "idle_kib": idle}
+            figures = {"n": n, "idle_kib": idle, "procs": procs}
             stop = threading.Event()
 
             def sample():
@@ -209,38 +238,89 @@ def run_streams(
                         return
                     time.sleep(0.25)
 
+            # Every pipe is drained by its own thread: a loadgen blocked writing to a full
+            # stderr pipe would stop (an agent prints a line when its collector is slow).
+            events = queue.Queue()
+            outs = [[] for _ in range(procs)]
+            errs = [[] for _ in range(procs)]
+
+            def drain(stream, into, key):
+                for line in stream:
+                    into.append(line)
+                    if key is not None:
+                        events.put((key, line))
+                events.put((key, None))
+
+            readers = []
+            start_next()
+
+            def go():  # --go_on_stdin: every process goes on together
+                if procs > 1:
+                    for lg in lgs:
+                        try:
+                            lg.stdin.write("go\n")
+                            lg.stdin.flush()
+                        except OSError:
+                            pass
+
             times = []
-            lines = []
             sampler = None
             t_reports = t_hold = None
-            for line in lg.stdout:
-                lines.append(line)
+            connected, holding, ended = set(), set(), 0
+            while ended < len(lgs):
+                key, line = events.get()
+                if key is None:
+                    continue
+                if line is None:
+                    ended += 1
+                    if t_hold is None:  # one ended early (a failure): let the others end too
+                        for lg in lgs:
+                            try:
+                                lg.stdin.close()
+                            except OSError:
+                                pass
+                    continue
                 if "agents connected" in line:
-                    t_reports = time.monotonic()
-                    figures["connected_kib"] = c.rss_kib()
-                    sampler = threading.Thread(target=sample, daemon=True)
-                    sampler.start()
+                    connected.add(key)
+                    if len(lgs) < procs:
+                        start_next()
+                    elif len(connected) == procs:
+                        t_reports = time.monotonic()
+                        figures["connected_kib"] = c.rss_kib()
+                        figures["connected_load"] = os.getloadavg()[0]
+                        sampler = threading.Thread(target=sample, daemon=True)
+                        sampler.start()
+                        go()
                 elif "holding" in line:
-                    t_hold = time.monotonic()
-                    figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
-                    figures["ingest_p50_s"] = histogram_quantile(
-                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.5
-                    )
-                    figures["ingest_p99_s"] = histogram_quantile(
-                        c.metrics_port, "rankscope_ingest_latency_seconds", 0.99
-                    )
-                    figures["held_kib"] = c.rss_kib()
-            rc = lg.wait()
+                    holding.add(key)
+                    if len(holding) == procs:
+                        t_hold = time.monotonic()
+                        figures["streams_open"] = metric(c.metrics_port, "rankscope_streams_open")
+                        figures["ingest_p50_s"] = histogram_quantile(
+                            c.metrics_port, "rankscope_ingest_latency_seconds", 0.5
+                        )
+                        figures["ingest_p99_s"] = histogram_quantile(
+                            c.metrics_port, "rankscope_ingest_latency_seconds", 0.99
+                        )
+                        figures["held_kib"] = c.rss_kib()
+                        figures["held_load"] = os.getloadavg()[0]
+                        go()
+            rcs = [lg.wait() for lg in lgs]
             figures["loadgen_cpu_s"] = children_cpu_seconds() - children_cpu0
             figures["collector_cpu_s"] = cpu_seconds(c.proc.pid) - collector_cpu0
             stop.set()
             if sampler is not None:
                 sampler.join()
-            err = lg.stderr.read()
-            if rc != 0:
-                raise RuntimeError(f"loadgen failed ({rc}): {''.join(lines)}{err[-2000:]}")
-            m = re.search(r"recorded=(\d+) acked=(\d+)", "".join(lines))
-            figures["recorded"], figures["acked"] = int(m.group(1)), int(m.group(2))
+            for r in readers:
+                r.join()
+            lines = [line for out in outs for line in out]
+            if any(rcs) or t_hold is None:
+                err = "".join(line for e in errs for line in e)
+                raise RuntimeError(f"loadgen failed ({rcs}): {''.join(lines)}{err[-2000:]}")
+            figures["recorded"] = figures["acked"] = 0
+            for m in re.finditer(r"recorded=(\d+) acked=(\d+)", "".join(lines)):
+                figures["recorded"] += int(m.group(1))
+                figures["acked"] += int(m.group(2))
             figures["peak_kib"] = max(samples + [figures["held_kib"]])
             # Growth over the run: the largest sample of the first and of the second half of
             # the reports phase (equal when memory is flat once reports flow).
@@ -290,6 +370,20 @@ def main() -> int:
         "of every group stays open; (peak RSS silent - peak RSS normal) / open steps",
     )
     ap.add_argument(
+        "--loadgen-procs",
+        type=int,
+        default=1,
+        help="loadgen processes sharing each job's ranks (must divide every N; they start "
+        "reporting together and close together): one process holds at most its file-descriptor "
+        "limit of streams",
+    )
+    ap.add_argument(
+        "--analysis-threads",
+        default="",
+        help="comma-separated collector --analysis_threads values: each case is run once per "
+        "value, side by side (empty: the collector's default)",
+    )
+    ap.add_argument(
         "--flush-timeout",
         type=float,
         default=120.0,
@@ -302,23 +396,37 @@ def main() -> int:
         f"{args.duration} s; sketch_dim {args.sketch_dim}; fresh collector per N"
     )
     rows = []
-    cases = [(int(n), int(g)) for n in args.streams.split(",") for g in args.groups.split(",")]
-    for n, g in cases:
-        if n % g:
-            print(f"--groups {g} does not divide --streams {n}", file=sys.stderr)
+    threads = [int(t) for t in args.analysis_threads.split(",") if t] or [None]
+    cases = [
+        (int(n), int(g), t)
+        for n in args.streams.split(",")
+        for g in args.groups.split(",")
+        for t in threads
+    ]
+    for n, g, _ in cases:
+        if n % g or n % args.loadgen_procs:
+            print(f"--groups {g} and --loadgen-procs must divide --streams {n}", file=sys.stderr)
             return 2
-    for n, g in cases:
+    for n, g, t in cases:
+        threads_args = [] if t is None else [f"--analysis_threads={t}"]
+        print(
+            f"# N={n} groups={g} analysis_threads={t}: load average {os.getloadavg()}", flush=True
+        )
         f = run_streams(
             build,
             n,
             args.duration,
             args.step_interval,
             args.sketch_dim,
+            collector_args=threads_args,
             groups=g,
             flush_timeout=args.flush_timeout,
+            procs=args.loadgen_procs,
         )
+        f["analysis_threads"] = t
         print(
-            f"N={n} groups={g}: ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
+            f"N={n} groups={g} analysis_threads={t} (load {f['connected_load']:.1f} at start, "
+            f"{f['held_load']:.1f} at the end): ingest p50 {f['ingest_p50_s'] * 1e3:.1f} ms, p99 "
             f"{f['ingest_p99_s'] * 1e3:.1f} ms (histogram bucket bounds); idle {f['idle_kib'] / 1024:.1f} MiB, connected {f['connected_kib'] / 1024:.1f}"
             f" MiB, peak {f['peak_kib'] / 1024:.1f} MiB, held {f['held_kib'] / 1024:.1f} MiB; "
             f"streams_open {f['streams_open']:.0f}; recorded {f['recorded']}, acked "
@@ -332,7 +440,7 @@ def main() -> int:
             print(f"FAIL: N={n}: {f}", file=sys.stderr)
             return 1
         rows.append(f)
-        if args.silent_rank >= 0:
+        if args.silent_rank >= 0 and t == threads[0]:  # once per N and groups
             timeout = args.duration + 60
             o = run_streams(
                 build,
@@ -340,10 +448,11 @@ def main() -> int:
                 args.duration,
                 args.step_interval,
                 args.sketch_dim,
-                collector_args=[f"--step_timeout={timeout:.0f}s"],
+                collector_args=[f"--step_timeout={timeout:.0f}s", *threads_args],
                 groups=g,
                 silent_rank=args.silent_rank,
                 flush_timeout=args.flush_timeout,
+                procs=args.loadgen_procs,
             )
             steps = o["recorded"] // (n - g)  # steps each reporting rank recorded
             open_steps = g * steps
@@ -362,13 +471,14 @@ def main() -> int:
                 return 1
     print()
     print(
-        "| streams | groups | idle RSS | connected RSS | peak RSS | KiB/stream connected |"
+        "| streams | groups | analysis threads | idle RSS | connected RSS | peak RSS | KiB/stream connected |"
         " KiB/stream peak | reports stored | reports/s | ingest p50 | ingest p99 | collector CPU |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for f in rows:
         print(
-            f"| {f['n']} | {f['groups']} | {f['idle_kib'] / 1024:.1f} MiB | "
+            f"| {f['n']} | {f['groups']} | {f['analysis_threads'] or 'default'} | "
+            f"{f['idle_kib'] / 1024:.1f} MiB | "
             f"{f['connected_kib'] / 1024:.1f} MiB | {f['peak_kib'] / 1024:.1f} MiB | "
             f"{f['kib_per_stream_connected']:.0f} | {f['kib_per_stream_peak']:.0f} | "
             f"{f['rows']} / {f['recorded']} | {f['reports_per_s']:.0f} | "

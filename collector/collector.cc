@@ -118,7 +118,8 @@ absl::Status Collector::ServeGrpc(const std::shared_ptr<grpc::ServerCredentials>
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.grpc_address, credentials, &grpc_port_);
   // A vanished agent noticed within keepalive_time + keepalive_timeout (common/keepalive.h).
-  keepalive::ApplyToServer(&builder, options.keepalive_time, options.keepalive_timeout);
+  keepalive::ApplyToServer(&builder, options.keepalive_time, options.keepalive_timeout,
+                           options.agent_pings);
   // The ingest service refuses messages over max_message_bytes with an actionable status; gRPC's
   // own limit, at twice that, stops a grossly oversized one before it is buffered.
   builder.SetMaxReceiveMessageSize(

@@ -98,6 +98,8 @@ struct CollectorOptions {
   // keepalive_time + keepalive_timeout (30 s by default). <= 0: gRPC's defaults (2 h).
   absl::Duration keepalive_time = keepalive::kServerPingInterval;
   absl::Duration keepalive_timeout = keepalive::kServerPingTimeout;
+  // What the collector accepts of the agents' pings (--grpc_agent_min_ping_interval, ...).
+  keepalive::AgentPingPolicy agent_pings;
   size_t max_queued_messages_per_stream = 1024;
   size_t max_pending_acks_per_stream = 65'536;
   ServerTlsOptions tls;

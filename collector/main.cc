@@ -2,10 +2,13 @@
 // Prometheus metrics. See README.md and docs/ARCHITECTURE.md.
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -23,6 +26,8 @@
 #include "collector/store/retention.h"
 #include "common/collector_shard.h"
 #include "common/flag_help.h"
+#include "common/memory_trimmer.h"
+#include "grpc/support/log.h"
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
           "Address for agents (Ingest) and the CLI (Query). Loopback by default; binding "
@@ -141,31 +146,77 @@ ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(60),
           "certificate renewed on disk (replaced atomically, by rename) serves new connections "
           "after at most this long, without a restart; open streams are kept. Whole seconds, at "
           "least 1s.");
+ABSL_FLAG(absl::Duration, grpc_agent_min_ping_interval,
+          absl::Milliseconds(rankscope::keepalive::kServerMinPingIntervalMs),
+          "Pings from a peer closer together than this (with no data sent between) are strikes; "
+          "after --grpc_agent_max_ping_strikes the connection is closed (GOAWAY too_many_pings). "
+          "The default allows the agents' 30 s pings; gRPC's own default, 5m, is what a "
+          "collector older than this flag used (agents then reconnect, nothing is lost).");
+ABSL_FLAG(bool, grpc_agent_pings_without_calls, true,
+          "Accept pings on a connection with no open stream (the agents ping between streams); "
+          "false, gRPC's default, counts them as strikes.");
+ABSL_FLAG(int, grpc_agent_max_ping_strikes, 2,
+          "Bad pings (see --grpc_agent_min_ping_interval) tolerated before GOAWAY.");
+ABSL_FLAG(absl::Duration, memory_trim_interval, absl::Seconds(10),
+          "How often the collector checks how much memory malloc holds free and, above "
+          "--memory_trim_min_mib, gives it back to the system (malloc_trim): after a burst of "
+          "connections or streams is freed, RSS follows what is in use instead of staying at "
+          "the burst's peak. 0: never.");
+ABSL_FLAG(int, memory_trim_min_mib, 16,
+          "Free memory held by malloc below which --memory_trim_interval does nothing (MiB).");
 
 namespace {
 
-// Every agent stream holds a TCP connection, i.e. a file descriptor: raises the soft
-// RLIMIT_NOFILE to cover `max_streams` plus a margin for the database, the HTTP endpoint and
-// the CLI (up to the hard limit), and warns when the hard limit is lower.
+// Every agent stream holds a TCP connection, i.e. a file descriptor, and so does every
+// connection that holds no stream (a half-open peer until keepalive closes it, an agent whose
+// connect timed out while its connection waited in the accept queue, and that reconnected). An
+// accept4 that fails with EMFILE stops gRPC 1.51's listener (Debian bookworm's) for good: the
+// collector then serves its open streams but accepts no new connection ("Failed accept4: Too many
+// open files" in its log; seen at 16,384 agents with the soft limit at 20,000,
+// docs/PERFORMANCE.md). So the soft RLIMIT_NOFILE is raised to the hard limit, every descriptor
+// the system allows, and a warning is printed when that is below `max_streams` plus a margin for
+// the database, the HTTP endpoints and connections without a stream.
 void RaiseFileLimit(size_t max_streams) {
-  constexpr rlim_t kMargin = 256;
+  constexpr rlim_t kMargin = 1024;
   const rlim_t wanted = static_cast<rlim_t>(max_streams) + kMargin;
   rlimit lim{};
-  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
-      lim.rlim_cur >= wanted) {
-    return;
-  }
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return;
   rlimit raised = lim;
-  raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, lim.rlim_max);
-  if (setrlimit(RLIMIT_NOFILE, &raised) != 0) raised.rlim_cur = lim.rlim_cur;
+  // An infinite hard limit: as many as the kernel allows one process (fs/nr_open), at least wanted.
+  raised.rlim_cur =
+      lim.rlim_max != RLIM_INFINITY ? lim.rlim_max : std::max<rlim_t>(wanted, 1 << 20);
+  if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+    raised.rlim_cur = std::max(lim.rlim_cur, wanted);  // fs/nr_open is lower: try what is needed
+    if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+      raised.rlim_cur = lim.rlim_cur;
+    }
+  }
   if (raised.rlim_cur < wanted) {
     std::fprintf(stderr,
                  "rankscope-collector: warning: the file descriptor limit (%llu, ulimit -Hn) is "
-                 "below --max_streams + %llu; streams beyond it fail to connect (raise the hard "
+                 "below --max_streams + %llu; streams beyond it fail to connect, and a burst of "
+                 "connections past it stops new connections until a restart (raise the hard "
                  "limit, e.g. LimitNOFILE= in the systemd unit)\n",
                  static_cast<unsigned long long>(raised.rlim_cur),
                  static_cast<unsigned long long>(kMargin));
   }
+}
+
+// gRPC's log lines, printed as gRPC prints them, watched for the one that means its listener is
+// gone: gRPC 1.51's accept loop (Debian bookworm's) stops for good on an accept4 error other than
+// EAGAIN/ECONNABORTED/EINTR ("Failed accept4: Too many open files" when the file-descriptor limit
+// is hit), and the collector would then serve its open streams but never accept another
+// connection: reconnecting agents and new jobs locked out, silently. The line raises
+// kListenerFailed, and main shuts the collector down cleanly and exits with
+// kExitListenerFailed, for its supervisor (systemd Restart=on-failure, Kubernetes) to restart it;
+// the agents buffer and resend meanwhile, nothing acknowledged is lost.
+constexpr int kListenerFailed = SIGUSR2;
+constexpr int kExitListenerFailed = 75;  // EX_TEMPFAIL
+
+void LogGrpc(gpr_log_func_args* args) {
+  std::fprintf(stderr, "%s %s:%d] %s\n", gpr_log_severity_string(args->severity), args->file,
+               args->line, args->message);
+  if (std::strstr(args->message, "Failed accept4") != nullptr) kill(getpid(), kListenerFailed);
 }
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
@@ -247,6 +298,9 @@ absl::StatusOr<rankscope::collector::CollectorOptions> OptionsFromFlags() {
   options.hello_timeout = absl::GetFlag(FLAGS_hello_timeout);
   options.keepalive_time = absl::GetFlag(FLAGS_grpc_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_grpc_keepalive_timeout);
+  options.agent_pings.min_interval = absl::GetFlag(FLAGS_grpc_agent_min_ping_interval);
+  options.agent_pings.permit_without_calls = absl::GetFlag(FLAGS_grpc_agent_pings_without_calls);
+  options.agent_pings.max_strikes = absl::GetFlag(FLAGS_grpc_agent_max_ping_strikes);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = ReadToken(absl::GetFlag(FLAGS_auth_token_file));
     if (!token.ok()) return absl::InvalidArgumentError(token.status().ToString());
@@ -291,7 +345,9 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, kListenerFailed);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  gpr_set_log_function(LogGrpc);
 
   absl::StatusOr<rankscope::collector::CollectorOptions> parsed = OptionsFromFlags();
   if (!parsed.ok()) {
@@ -318,14 +374,32 @@ int main(int argc, char** argv) {
                (*collector)->metrics_port(), (*collector)->http_port(), options.db_path.c_str());
   std::fflush(stderr);
 
+  // Started after the collector (its threads have made their arenas): stopped before it.
+  rankscope::MemoryTrimmer::Options trim;
+  trim.interval = absl::GetFlag(FLAGS_memory_trim_interval);
+  trim.min_free_bytes = static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_memory_trim_min_mib)))
+                        << 20;
+  auto trimmer = std::make_unique<rankscope::MemoryTrimmer>(trim);
+
   int sig = 0;
   sigwait(&stop_signals, &sig);
-  std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n", sig);
+  trimmer.reset();
+  if (sig == kListenerFailed) {
+    std::fprintf(stderr,
+                 "rankscope-collector: gRPC stopped accepting connections (accept4 failed, see "
+                 "above; it does not retry): shutting down to be restarted, exit status %d; the "
+                 "agents buffer and resend. If the file-descriptor limit was hit, raise it "
+                 "(LimitNOFILE=, ulimit -Hn)\n",
+                 kExitListenerFailed);
+  } else {
+    std::fprintf(stderr, "rankscope-collector: signal %d, closing open steps and committing\n",
+                 sig);
+  }
   absl::Status st = (*collector)->Shutdown(absl::Seconds(10));
   if (!st.ok()) {
     std::fprintf(stderr, "rankscope-collector: shutdown: %s\n", st.ToString().c_str());
     return 1;
   }
   std::fprintf(stderr, "rankscope-collector: stopped cleanly\n");
-  return 0;
+  return sig == kListenerFailed ? kExitListenerFailed : 0;
 }

@@ -35,11 +35,23 @@ inline constexpr int kServerHandshakeTimeoutMs = 10000;  // TCP accepted, handsh
 // The agent's channel: pings every kPingIntervalMs, gives up after kPingTimeoutMs.
 void ApplyToChannel(grpc::ChannelArguments* args);
 
+// What the collector accepts of its peers' pings. The defaults allow the agent's (every
+// kPingIntervalMs, with or without calls). gRPC's own defaults, which a collector older than these
+// settings used (at most one ping per 5 minutes without data, none without calls, GOAWAY
+// "too_many_pings" after 2 strikes), can be set (--grpc_agent_min_ping_interval, ...) to check
+// agents against such a collector: the agent reconnects and resends what is unacked, nothing is
+// lost (docs/reliability.md "Keepalive").
+struct AgentPingPolicy {
+  absl::Duration min_interval = absl::Milliseconds(kServerMinPingIntervalMs);
+  bool permit_without_calls = true;
+  int max_strikes = 2;  // gRPC's default: bad pings tolerated before GOAWAY too_many_pings
+};
+
 // The collector's server: pings towards agents every `ping_interval`, a connection whose ping is
 // unanswered after `ping_timeout` closed (ping_interval <= 0: gRPC's defaults, 2 h), the agents'
-// pings allowed, the handshake timeout.
+// pings allowed as `policy` says, the handshake timeout.
 void ApplyToServer(grpc::ServerBuilder* builder, absl::Duration ping_interval,
-                   absl::Duration ping_timeout);
+                   absl::Duration ping_timeout, const AgentPingPolicy& policy = {});
 
 }  // namespace rankscope::keepalive
 

@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "agent_impl.h"
@@ -357,55 +358,59 @@ void AgentImpl::RunStream() {
     status = stream_status_;
   }
   call.reset();
-  MutexLock lock(&mu_);
-  if (!status.ok() && !stopping_ && IsPermanentRefusal(status.error_code())) {
-    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
-    RefuseLocked();
-    return;
+  // What to tell the job's stderr, printed once mu_ is released: a write to stderr may block (a
+  // pipe nobody reads), and must then block this thread only, never the poller or a Record().
+  std::string note;
+  {
+    MutexLock lock(&mu_);
+    note = StreamEndNoteLocked(status);
   }
-  if (!status.ok() && !stopping_ && status.error_code() == grpc::StatusCode::ALREADY_EXISTS) {
-    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
-    // Said once per episode: nothing of this rank is stored until the holder's streams are gone.
-    if (!held_elsewhere_) {
-      held_elsewhere_ = true;
-      std::fprintf(stderr,
-                   "rankscope: collector %s does NOT store job %s group '%s' rank %u: %s; this "
-                   "rank keeps its reports (bounded) and retries until the holder's streams are "
-                   "gone, training continues\n",
-                   collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
-                   last_error_.c_str());
-    }
-    return;
-  }
-  if (!status.ok() && !stopping_) {
-    last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
-    // Log once per outage, quietly: the training job must not be spammed.
-    if (!warned_down_) {
-      warned_down_ = true;
-      std::fprintf(stderr,
-                   "rankscope: collector %s %s (%s)%s; training continues, reports are "
-                   "buffered and resent\n",
-                   collector_.c_str(), DescribeFailure(status.error_code()), last_error_.c_str(),
-                   TransportHint(status).c_str());
-    }
-  }
+  if (!note.empty()) std::fputs(note.c_str(), stderr);
 }
 
-void AgentImpl::RefuseLocked() {
+std::string AgentImpl::StreamEndNoteLocked(const grpc::Status& status) {
+  if (status.ok() || stopping_) return "";
+  last_error_ = absl::StrCat(StatusCodeName(status), ": ", status.error_message());
+  if (IsPermanentRefusal(status.error_code())) return RefuseLocked();
+  if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS) {
+    // Said once per episode: nothing of this rank is stored until the holder's streams are gone.
+    if (held_elsewhere_) return "";
+    held_elsewhere_ = true;
+    return absl::StrCat("rankscope: collector ", collector_, " does NOT store job ", options_.job,
+                        " group '", options_.group, "' rank ", options_.rank, ": ", last_error_,
+                        "; this rank keeps its reports (bounded) and retries until the holder's "
+                        "streams are gone, training continues\n");
+  }
+  // Said once per outage, quietly: the training job must not be spammed.
+  if (warned_down_) return "";
+  warned_down_ = true;
+  return absl::StrCat("rankscope: collector ", collector_, " ",
+                      DescribeFailure(status.error_code()), " (", last_error_, ")",
+                      TransportHint(status),
+                      "; training continues, reports are buffered and resent\n");
+}
+
+std::string AgentImpl::RefuseLocked() {
   refused_ = true;
   stats_.rejected += outstanding_;
   outstanding_ = 0;
   ring_.Clear();
   unacked_.Clear();
-  std::fprintf(stderr,
-               "rankscope: collector %s refused job %s group '%s' rank %u for good (%s); this "
-               "rank stops reporting to it, training continues\n",
-               collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank,
-               last_error_.c_str());
+  return absl::StrCat("rankscope: collector ", collector_, " refused job ", options_.job,
+                      " group '", options_.group, "' rank ", options_.rank, " for good (",
+                      last_error_, "); this rank stops reporting to it, training continues\n");
 }
 
 std::string AgentImpl::TransportHint(const grpc::Status& status) const {
   if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+  // GOAWAY too_many_pings: the connection worked, the collector's ping policy is older than the
+  // agent's keepalive (docs/reliability.md "Keepalive"); TLS is not the problem.
+  if (absl::StrContains(status.error_message(), "Too many pings")) {
+    return "; the collector allows fewer keepalive pings than the agent sends (an older "
+           "collector, or --grpc_agent_min_ping_interval above 30s): it closes an idle "
+           "connection after a few; the agent reconnects and resends what is unacked, nothing "
+           "is lost";
+  }
   if (!options_.tls.enabled()) {
     return "; connecting in plaintext: if the collector serves TLS, give the agent its CA "
            "(tls_ca_file, RANKSCOPE_TLS_CA)";
@@ -482,20 +487,15 @@ void AgentImpl::OnReadDone(StreamCall* call, bool ok) {
     Wake();
     return;
   }
+  bool stored_again = false;  // said below, without mu_ (a write to stderr may block)
   {
     MutexLock lock(&mu_);
     if (!call->received_any) {
       call->received_any = true;
       backoff_.Reset();
       warned_down_ = false;
-      if (held_elsewhere_) {
-        held_elsewhere_ = false;
-        std::fprintf(stderr,
-                     "rankscope: collector %s now stores job %s group '%s' rank %u (the run "
-                     "that held it is gone)\n",
-                     collector_.c_str(), options_.job.c_str(), options_.group.c_str(),
-                     options_.rank);
-      }
+      stored_again = held_elsewhere_;
+      held_elsewhere_ = false;
     }
     const v1::CollectorMessage& msg = call->in;
     switch (msg.kind_case()) {
@@ -520,6 +520,12 @@ void AgentImpl::OnReadDone(StreamCall* call, bool ok) {
       case v1::CollectorMessage::KIND_NOT_SET:
         break;
     }
+  }
+  if (stored_again) {
+    std::fprintf(stderr,
+                 "rankscope: collector %s now stores job %s group '%s' rank %u (the run that "
+                 "held it is gone)\n",
+                 collector_.c_str(), options_.job.c_str(), options_.group.c_str(), options_.rank);
   }
   if (call->in.kind_case() == v1::CollectorMessage::kAck) ApplyAcks(call->in.ack().seqs());
   RANKSCOPE_TSAN_RELEASE(call);

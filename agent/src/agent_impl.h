@@ -17,8 +17,10 @@
 // has its own wake_mu_, never held with mu_. Whoever holds the write token (writing_ set under
 // mu_) owns scratch_ and the StreamCall's write-side fields. No gRPC call (Start*, TryCancel,
 // RemoveHold) is made with mu_ held: gRPC may run reactions inline in them, and reactions take
-// mu_. Lock order: the SendPoller's mu_ (held across PollSend) before mu_; wake_mu_ and the
-// poller's wake_mu_ are leaves.
+// mu_. Nor is any write to stderr (it blocks while a pipe nobody reads is full): lines for the
+// job's stderr are built under mu_ and printed after it is released. Lock order: mu_ is taken
+// with no other lock held (the SendPoller calls PollSend with none of its own); wake_mu_ and the
+// poller's locks are leaves.
 //
 // Cost (docs/PERFORMANCE.md "Agent Record"): Record() locks mu_, copies the report into a
 // preallocated ring slot and returns. It makes no syscall and wakes no thread (except the poller
@@ -140,9 +142,14 @@ class AgentImpl final : public Agent, private SendPoller::Client {
   // The stream is over. Touches only the agent, so the sender may then destroy the StreamCall.
   void OnStreamDone(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The collector refused this rank for good: stop reconnecting, say so once, plainly, and
-  // let go of every held report (counted as rejected), so Flush and Close return at once.
-  void RefuseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The collector refused this rank for good: stop reconnecting and let go of every held report
+  // (counted as rejected), so Flush and Close return at once. Returns the line that says so,
+  // once, plainly (the caller prints it after releasing mu_).
+  std::string RefuseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A stream ended with `status` (sender thread): records its error, and returns the line for
+  // stderr if this end is news (a refusal, a holder elsewhere, the first failure of an outage),
+  // else "". Printed by the caller after releasing mu_: no stderr write is made with mu_ held.
+  std::string StreamEndNoteLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a person can do about a connection failure, given how this agent connects.
   std::string TransportHint(const grpc::Status& status) const;
 

@@ -25,6 +25,13 @@ void SendPoller::Register(Client* client) {
 void SendPoller::Unregister(Client* client) {
   MutexLock lock(&mu_);
   clients_.erase(std::remove(clients_.begin(), clients_.end(), client), clients_.end());
+  if (!sweeping_) return;
+  // The sweep in progress polls a copy that may hold `client`: wait for its end (the next sweep's
+  // copy no longer holds it).
+  const uint64_t sweep = sweeps_;
+  auto ended = [this, sweep]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !sweeping_ || sweeps_ != sweep; };
+  mu_.Await(absl::Condition(&ended));
 }
 
 void SendPoller::Wake() {
@@ -34,16 +41,24 @@ void SendPoller::Wake() {
 
 void SendPoller::Run() {
   absl::Duration poll = kMinSendPoll;
+  std::vector<Client*> snapshot;  // this sweep's clients
   while (true) {
     {
       MutexLock lock(&wake_mu_);
       wake_mu_.AwaitWithTimeout(absl::Condition(&wake_), poll);
       wake_ = false;
     }
-    bool started = false;
     {
       MutexLock lock(&mu_);
-      for (Client* client : clients_) started |= client->PollSend();
+      snapshot.assign(clients_.begin(), clients_.end());  // reuses its capacity: no allocation
+      ++sweeps_;
+      sweeping_ = true;
+    }
+    bool started = false;
+    for (Client* client : snapshot) started |= client->PollSend();
+    {
+      MutexLock lock(&mu_);
+      sweeping_ = false;
     }
     poll = started ? kMinSendPoll : std::min(2 * poll, kMaxSendPoll);
   }

@@ -3,11 +3,14 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "agent/src/send_poller.h"
 #include "collector/collector.h"
 #include "common/collector_shard.h"
+#include "common/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rankscope/agent_c.h"
@@ -228,6 +231,68 @@ TEST(AgentCApiTest, SketchAndAgentRoundTrip) {
   rankscope_agent_stats_get(agent, &st);
   EXPECT_EQ(st.recorded, 1u);
   rankscope_agent_destroy(agent);
+}
+
+// A SendPoller client that records its polls; with `stuck` set, a poll waits until Release()
+// (as an agent's PollSend would wait for a mutex held by a thread blocked elsewhere).
+class TestClient final : public internal::SendPoller::Client {
+ public:
+  explicit TestClient(bool stuck) : stuck_(stuck) {}
+
+  bool PollSend() override {
+    MutexLock lock(&mu_);
+    ++polls_;
+    in_poll_ = true;
+    auto released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !stuck_; };
+    mu_.Await(absl::Condition(&released));
+    in_poll_ = false;
+    return false;
+  }
+  // Waits until PollSend has been called `n` times in all.
+  void AwaitPolls(int n) {
+    MutexLock lock(&mu_);
+    auto polled = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return polls_ >= n; };
+    mu_.Await(absl::Condition(&polled));
+  }
+  void Release() {
+    MutexLock lock(&mu_);
+    stuck_ = false;
+  }
+  bool in_poll() {
+    MutexLock lock(&mu_);
+    return in_poll_;
+  }
+
+ private:
+  Mutex mu_;
+  bool stuck_ ABSL_GUARDED_BY(mu_);
+  int polls_ ABSL_GUARDED_BY(mu_) = 0;
+  bool in_poll_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// loadgen's 16,384 agents in one process once stalled for good: the poller held its lock across
+// every client's PollSend, one PollSend waited (its agent's mutex was held by a thread blocked on
+// a full stderr pipe), and the main thread's Register() of the next agent waited for the poller.
+// Register() must not wait for a sweep, and Unregister() must wait for one that may poll its
+// client. A regression hangs this test (ctest's timeout fails it).
+TEST(SendPollerTest, RegisterNeverWaitsForAStuckPollAndUnregisterWaitsForIt) {
+  internal::SendPoller& poller = internal::SendPoller::Get();
+  TestClient stuck(/*stuck=*/true);
+  poller.Register(&stuck);
+  stuck.AwaitPolls(1);  // the poller's thread is now inside stuck.PollSend, and stays there
+
+  TestClient other(/*stuck=*/false);
+  poller.Register(&other);  // returns although the sweep in progress is stuck
+  bool unregistered_while_in_poll = true;
+  std::thread unregister([&] {
+    poller.Unregister(&stuck);  // waits for the stuck sweep to end
+    unregistered_while_in_poll = stuck.in_poll();
+  });
+  stuck.Release();
+  unregister.join();
+  EXPECT_FALSE(unregistered_while_in_poll);
+  other.AwaitPolls(1);  // the next sweep polls the client registered during the stuck one
+  poller.Unregister(&other);
 }
 
 }  // namespace

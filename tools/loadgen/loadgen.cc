@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <random>
@@ -53,8 +54,11 @@ ABSL_FLAG(int, groups, 1,
           "r % (ranks/groups) of group g<r / (ranks/groups)>, as a job with tensor or pipeline "
           "parallelism lays them out; 1: the job's only group. Fault flags name global ranks.");
 ABSL_FLAG(int, rank, -1,
-          "Simulate only this rank of the --ranks (one process per rank, as a real job runs); "
-          "-1: every rank.");
+          "Simulate only this rank of the --ranks (one process per rank, as a real job runs), "
+          "or with --rank_count the ranks from this one on; -1: every rank.");
+ABSL_FLAG(int, rank_count, 1,
+          "With --rank: simulate this many consecutive ranks from --rank on (several loadgen "
+          "processes share one large job: --rank=0 --rank_count=4096, --rank=4096 ...).");
 ABSL_FLAG(int, steps, 100, "Steps per rank (ignored when --duration is set).");
 ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(), "Run for this long instead of --steps.");
 ABSL_FLAG(int, start_step, 1, "First step number.");
@@ -119,6 +123,11 @@ ABSL_FLAG(bool, wait_connected, false,
           "Before the first step, wait (up to --flush_timeout) until every agent's stream is "
           "open, and print 'loadgen: all N agents connected' (load tests: every stream is up "
           "before reports flow).");
+ABSL_FLAG(bool, go_on_stdin, false,
+          "Wait for a line on stdin before the first step (after --wait_connected) and another "
+          "before closing the streams (after --hold): several loadgen processes of one large "
+          "job start reporting together and keep every stream open until all are done "
+          "(bench/stream_load.py --loadgen-procs).");
 ABSL_FLAG(absl::Duration, hold, absl::ZeroDuration(),
           "After the last step is acked, keep every stream open this long before closing "
           "(load tests: measure the collector with all streams open and idle).");
@@ -144,16 +153,18 @@ rlim_t RaiseFileLimit() {
 // The simulated ranks, as the flags describe them. Agent i is rank RankOf(i) of job
 // i / local_ranks.
 struct Plan {
-  int ranks = 0;       // world size of the whole job (--ranks)
-  int dim = 0;         // --sketch_dim
-  int jobs = 0;        // --jobs
-  int groups = 0;      // --groups
-  int group_size = 0;  // ranks / groups: each agent's world size
-  double cosine = 0;   // --cosine, clamped to [0, 1]
-  int only_rank = -1;  // --rank: simulate this rank only (-1: every rank)
-  int local_ranks = 0;
+  int ranks = 0;        // world size of the whole job (--ranks)
+  int dim = 0;          // --sketch_dim
+  int jobs = 0;         // --jobs
+  int groups = 0;       // --groups
+  int group_size = 0;   // ranks / groups: each agent's world size
+  double cosine = 0;    // --cosine, clamped to [0, 1]
+  int only_rank = -1;   // --rank: simulate from this rank on only (-1: every rank)
+  int local_ranks = 0;  // ranks simulated per job: --rank_count with --rank, else --ranks
   int total_agents = 0;
-  int RankOf(int agent) const { return only_rank >= 0 ? only_rank : agent % ranks; }
+  int RankOf(int agent) const {
+    return only_rank >= 0 ? only_rank + agent % local_ranks : agent % ranks;
+  }
 };
 
 // The plan from the flags, or nullopt after saying why (exit status 2).
@@ -179,7 +190,13 @@ std::optional<Plan> PlanFromFlags() {
     std::fprintf(stderr, "loadgen: --rank %d >= --ranks %d\n", plan.only_rank, plan.ranks);
     return std::nullopt;
   }
-  plan.local_ranks = plan.only_rank >= 0 ? 1 : plan.ranks;
+  const int rank_count = absl::GetFlag(FLAGS_rank_count);
+  if (plan.only_rank >= 0 && (rank_count < 1 || plan.only_rank + rank_count > plan.ranks)) {
+    std::fprintf(stderr, "loadgen: --rank %d --rank_count %d must name ranks below --ranks %d\n",
+                 plan.only_rank, rank_count, plan.ranks);
+    return std::nullopt;
+  }
+  plan.local_ranks = plan.only_rank >= 0 ? rank_count : plan.ranks;
   plan.total_agents = plan.local_ranks * plan.jobs;
   return plan;
 }
@@ -529,6 +546,13 @@ int main(int argc, char** argv) {
   }
   std::vector<std::unique_ptr<rankscope::Agent>>& agents = *created;
   if (absl::GetFlag(FLAGS_wait_connected) && !WaitConnected(agents)) return 1;
+  // --go_on_stdin: a line (or EOF) lets this process go on.
+  auto await_go = [] {
+    if (!absl::GetFlag(FLAGS_go_on_stdin)) return;
+    std::string line;
+    std::getline(std::cin, line);
+  };
+  await_go();
 
   const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
                                                        : std::min(plan->total_agents, 4);
@@ -561,6 +585,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     absl::SleepFor(absl::GetFlag(FLAGS_hold));
   }
+  await_go();
   std::string last_error;
   for (auto& a : agents) {
     if (last_error.empty()) last_error = a->stats().last_error;
