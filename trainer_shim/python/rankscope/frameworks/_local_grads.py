@@ -237,3 +237,19 @@ def refuse(what: str, mode: str, why: str, start_step: int = 0, stacklevel: int 
     )
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
     return Unwatched(message, start_step)
+
+
+def wrap_retargetable(owner, name: str, state, make_wrapper) -> None:
+    """Replaces ``owner.name`` once by ``make_wrapper(original, target)``, where ``target[0]``
+    holds ``state``; a later call on the same owner (a re-attach) only points ``target[0]`` at
+    the new state, so the framework's method is never wrapped twice. The wrapper reads
+    ``target[0]`` on every call."""
+    current = getattr(owner, name)
+    target = getattr(current, "_rankscope_target", None)
+    if target is not None:
+        target[0] = state
+        return
+    target = [state]
+    wrapper = make_wrapper(current, target)
+    wrapper._rankscope_target = target
+    setattr(owner, name, wrapper)

@@ -43,6 +43,7 @@ from rankscope.frameworks._local_grads import (
     ParamTable,
     StepGradients,
     refuse,
+    wrap_retargetable,
 )
 
 WHAT = "FSDP2 (fully_shard)"
@@ -180,24 +181,20 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
 
 def _wrap(group, grads: StepGradients, spec_by_param: dict) -> None:
     """Wraps the group's _prepare_reduce_scatter_inputs once; a later attach retargets it."""
-    current = group._prepare_reduce_scatter_inputs
-    target = getattr(current, "_rankscope_target", None)
-    if target is not None:
-        target[0] = (grads, spec_by_param)
-        return
-    target = [(grads, spec_by_param)]
 
-    def prepare(fsdp_params, unsharded_grads, world_size, *args, **kwargs):
-        step_grads, specs = target[0]
-        if step_grads._monitor._active:
-            try:
-                params = [specs[id(fp.sharded_param)] for fp in fsdp_params]
-            except KeyError as e:  # monitoring must never break training
-                step_grads._monitor._hook_failed(e)
-            else:
-                with torch.no_grad():
-                    step_grads.add(params, list(unsharded_grads))
-        return current(fsdp_params, unsharded_grads, world_size, *args, **kwargs)
+    def make(current, target):
+        def prepare(fsdp_params, unsharded_grads, world_size, *args, **kwargs):
+            step_grads, specs = target[0]
+            if step_grads._monitor._active:
+                try:
+                    params = [specs[id(fp.sharded_param)] for fp in fsdp_params]
+                except KeyError as e:  # monitoring must never break training
+                    step_grads._monitor._hook_failed(e)
+                else:
+                    with torch.no_grad():
+                        step_grads.add(params, list(unsharded_grads))
+            return current(fsdp_params, unsharded_grads, world_size, *args, **kwargs)
 
-    prepare._rankscope_target = target
-    group._prepare_reduce_scatter_inputs = prepare
+        return prepare
+
+    wrap_retargetable(group, "_prepare_reduce_scatter_inputs", (grads, spec_by_param), make)

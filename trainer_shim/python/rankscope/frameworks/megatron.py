@@ -42,6 +42,7 @@ from rankscope.frameworks._local_grads import (
     ParamTable,
     StepGradients,
     refuse,
+    wrap_retargetable,
 )
 
 WHAT = "Megatron-core DistributedDataParallel"
@@ -154,28 +155,24 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
 
 def _wrap(bucket_group, grads: StepGradients, spec_by_param: dict) -> None:
     """Wraps the bucket group's start_grad_sync once; a later attach retargets it."""
-    current = bucket_group.start_grad_sync
-    target = getattr(current, "_rankscope_target", None)
-    if target is not None:
-        target[0] = (grads, spec_by_param)
-        return
-    target = [(grads, spec_by_param)]
 
-    def start_grad_sync(*args, **kwargs):
-        step_grads, specs = target[0]
-        # Megatron's own no-op case (the collective of the first batch was already issued).
-        no_op = bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None
-        if step_grads._monitor._active and not no_op:
-            try:
-                params = [p for b in bucket_group.buckets for p in b.params_list]
-                local = [specs[id(p)] for p in params]
-                views = [p.main_grad.view(p.shape) for p in params]
-            except Exception as e:  # monitoring must never break training
-                step_grads._monitor._hook_failed(e)
-            else:
-                with torch.no_grad():
-                    step_grads.add(local, views)
-        return current(*args, **kwargs)
+    def make(current, target):
+        def start_grad_sync(*args, **kwargs):
+            step_grads, specs = target[0]
+            # Megatron's own no-op case (the collective of the first batch was already issued).
+            no_op = bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None
+            if step_grads._monitor._active and not no_op:
+                try:
+                    params = [p for b in bucket_group.buckets for p in b.params_list]
+                    local = [specs[id(p)] for p in params]
+                    views = [p.main_grad.view(p.shape) for p in params]
+                except Exception as e:  # monitoring must never break training
+                    step_grads._monitor._hook_failed(e)
+                else:
+                    with torch.no_grad():
+                        step_grads.add(local, views)
+            return current(*args, **kwargs)
 
-    start_grad_sync._rankscope_target = target
-    bucket_group.start_grad_sync = start_grad_sync
+        return start_grad_sync
+
+    wrap_retargetable(bucket_group, "start_grad_sync", (grads, spec_by_param), make)
