@@ -34,6 +34,23 @@ def gather_truth(rank, world_size, loss, grad, sketch_dim):
     return exact_step_stats([float(v) for v in losses], grads, sketch_dim, DEFAULT_SKETCH_SEED)
 
 
+def truth_callback(rank, world_size, truth, ref, sketch_dim):
+    """A Trainer callback that, at each optimizer step, gathers the ranks' exact values of the
+    step (the mean of ``truth["losses"]``, the reference model's local gradient) into rank 0's
+    ``truth["expected"][global_step]`` and empties ``truth["losses"]``."""
+    import transformers
+
+    class Truth(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            loss = torch.stack(truth["losses"]).mean()
+            truth["losses"] = []
+            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
+            if rank == 0:
+                truth["expected"][state.global_step] = e
+
+    return Truth()
+
+
 def reference_step(ref, rank, step, accumulation, bsz=4):
     """(mean micro-batch loss, flat local gradient of the step): the sum over micro-batches of
     the gradients of loss / accumulation, as DeepSpeed, Hugging Face and Lightning scale it."""
@@ -194,15 +211,7 @@ def _huggingface_deepspeed(
 
     trainer.training_step = training_step
 
-    class Truth(transformers.TrainerCallback):
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            loss = torch.stack(truth["losses"]).mean()
-            truth["losses"] = []
-            e = gather_truth(rank, world_size, loss, flat_grad(ref), sketch_dim)
-            if rank == 0:
-                truth["expected"][state.global_step] = e
-
-    trainer.add_callback(Truth())
+    trainer.add_callback(truth_callback(rank, world_size, truth, ref, sketch_dim))
     trainer.train()
     mon = cb.monitor
     assert mon.framework.startswith(f"transformers {transformers.__version__} deepspeed"), mon
@@ -344,15 +353,7 @@ def huggingface_worker(
 
         trainer.training_step = training_step
 
-        class Truth(transformers.TrainerCallback):
-            def on_optimizer_step(self, args, state, control, _truth=truth, _ref=ref, **kwargs):
-                loss = torch.stack(_truth["losses"]).mean()
-                _truth["losses"] = []
-                e = gather_truth(rank, world_size, loss, flat_grad(_ref), sketch_dim)
-                if rank == 0:
-                    _truth["expected"][state.global_step] = e
-
-        trainer.add_callback(Truth())
+        trainer.add_callback(truth_callback(rank, world_size, truth, ref, sketch_dim))
         trainer.train()
         attacher = _autoattach.current()
         info = {
