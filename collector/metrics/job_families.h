@@ -189,8 +189,8 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
      "Steps in which two or more ranks had identical or near-identical local gradients.",
      prometheus::MetricType::Counter},
     {kRankInfo, "rankscope_rank_info",
-     "1 for each rank with per-rank series (most deviating, missing, replica-divergent, lagging ranks): "
-     "its global rank, host and agent version, as its agent stated them.",
+     "1 for each rank with per-rank series (most deviating, missing, replica-divergent, lagging "
+     "ranks): its global rank, host and agent version, as its agent stated them.",
      prometheus::MetricType::Gauge},
     {kJobGroups, "rankscope_job_groups", "Data-parallel groups of the training job exported.",
      prometheus::MetricType::Gauge},

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <limits>
 
-
 namespace rankscope::collector {
 
 StepChangeLog::StepChangeLog(uint64_t instance, size_t max_entries_per_job, size_t max_jobs)

@@ -48,9 +48,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "collector/model/change_cursor.h"
 #include "collector/model/rank_windows.h"
 #include "collector/model/rows.h"
-#include "collector/model/change_cursor.h"
 #include "rankscope/v1/rankscope.pb.h"
 
 namespace rankscope::collector {
