@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("rankscope._native", reason="build the trainer shim (rankscope_python)")
 
-from conftest import wait_until  # noqa: E402
+from conftest import parse_metric, wait_until  # noqa: E402
 import shim_harness  # noqa: E402
 
 WORLD = 4
@@ -95,9 +95,12 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     )
     wait_until(lambda: progress() >= 10, 60, "10 dormant steps")
     assert collector.step_rows(job) == {}
+    # No control known yet (a dormant start states none): RankscopeJobStalled's guard is absent.
+    assert parse_metric(collector.scrape(), "rankscope_reporting_enabled", train_job=job) is None
 
     out = collector.ctl("enable", job, "--lead_steps=5")
     assert "enabled=true" in out and f"{WORLD} ranks notified" in out, out
+    assert parse_metric(collector.scrape(), "rankscope_reporting_enabled", train_job=job) == 1
     all_ranks(lambda t: t[-1][1], "every rank to apply enable")
     enabled_at = transitions(0)[-1][0]
     wait_until(lambda: len(collector.step_rows(job)) >= 8, 60, "8 enabled steps stored")
@@ -113,6 +116,8 @@ def test_dormant_enable_retune_disable_through_ctl(collector, tmp_path):
     )
 
     collector.ctl("disable", job, "--lead_steps=5")
+    # Switched off on purpose: its steps stop, and RankscopeJobStalled must not fire.
+    assert parse_metric(collector.scrape(), "rankscope_reporting_enabled", train_job=job) == 0
     all_ranks(lambda t: not t[-1][1], "every rank to apply disable")
     disabled_at = transitions(0)[-1][0]
     wait_until(lambda: progress() >= disabled_at + 10, 60, "10 disabled steps")
