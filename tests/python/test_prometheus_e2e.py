@@ -46,6 +46,7 @@ import extract_promql  # noqa: E402
 
 COLLECTOR_BIN = BUILD_DIR / "bin" / "rankscope-collector"
 LOADGEN_BIN = BUILD_DIR / "bin" / "rankscope-loadgen"
+CLI_BIN = BUILD_DIR / "bin" / "rankscope"
 PROMETHEUS_BIN = shutil.which("prometheus")
 PROMETHEUS_YML = REPO / "deploy" / "prometheus.yml"
 RULES_DIR = REPO / "deploy" / "prometheus" / "rules"
@@ -348,6 +349,25 @@ def stack(tmp_path_factory):
             ),
         }
         procs += jobs.values()
+
+        # A job told by `rankscope ctl` exports rankscope_reporting_enabled (RankscopeJobStalled
+        # reads it); enabling the running healthy job changes nothing else.
+        def ctl_enable_healthy():
+            out = subprocess.run(
+                [
+                    str(CLI_BIN),
+                    f"--collector=127.0.0.1:{collector.grpc_port}",
+                    "--job=healthy",
+                    "ctl",
+                    "enable",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            return out.returncode == 0 and "enabled=true" in out.stdout
+
+        wait_until(ctl_enable_healthy, 60, "rankscope ctl enable of the healthy job", interval=1)
 
         expected = [
             (name, {k: instances["doomed"] if v == "<doomed>" else v for k, v in labels.items()})
