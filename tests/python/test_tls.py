@@ -396,14 +396,10 @@ def test_rotated_certificates_are_picked_up_without_restarts(tmp_path, pki):
         # The collector serves the new certificate and trusts only the new CA, without a restart:
         # a client of the new PKI only gets in.
         def client_of(job, ca, cert):  # a one-rank agent of the PKI named by its files
-            return _native.Agent(
-                collector=c.address,
-                job=job,
-                rank=0,
-                world_size=1,
-                sketch_dim=DIM,
-                initial_backoff_s=0.05,
-                max_backoff_s=0.5,
+            return make_agent(
+                c,
+                job,
+                auth_token="",
                 tls_ca_file=str(pki / f"{ca}.pem"),
                 tls_cert_file=str(pki / f"{cert}.pem"),
                 tls_key_file=str(pki / f"{cert}.key"),
