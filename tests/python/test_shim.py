@@ -474,9 +474,13 @@ def test_backend_table():
         assert b.fingerprint(cpu.to(dtype)) == b.Choice(b.TORCH_OPS)
     assert b.fingerprint(cpu.to(torch.uint8)) == b.Choice(b.NONE)
     assert b.fingerprint(cpu.to(torch.bool)) == b.Choice(b.NONE)
-    assert b.reduced_sketch(cpu) == b.Choice(b.NATIVE)
-    assert b.reduced_sketch(cpu.double()) == b.Choice(b.NONE)
-    assert b.reduced_sketch(torch.zeros(4, 4).t()) == b.Choice(b.NONE)
+    assert b.reduced_sketch(cpu, 1024) == b.Choice(b.NATIVE)
+    assert b.reduced_sketch(cpu.double(), 1024) == b.Choice(b.NONE)
+    assert b.reduced_sketch(torch.zeros(4, 4).t(), 1024) == b.Choice(b.NONE)
+    assert b.reduced_sketch(cpu.to(torch.int32), 1024) == b.Choice(b.NONE)
+    # The device path (a GPU's, or the tests' bypass_native): float64 too, through the torch ops.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        assert b.reduced_sketch(cpu.to(dtype), 1024, native=False) == b.Choice(b.TORCH_OPS)
     # The Triton sketch variants per dtype and dim: test_culprit_fingerprint.py.
 
 

@@ -42,8 +42,11 @@ fingerprint    cpu     float32, bfloat16,          native allowed, dense        
 fingerprint    cuda    those and int16/32/64       Triton usable, contiguous    triton
 fingerprint    any     those and int16/32/64       otherwise                    torch-ops
 fingerprint    any     any other dtype                                          none
-reduced        cpu     float32, bfloat16, float16  contiguous                   native
-sketch         other   any                                                      none
+reduced        cpu     float32, bfloat16, float16  native allowed, contiguous   native
+sketch         any     float32, bfloat16,          otherwise (a device, or      as ``sketch`` with
+                       float16, float64            ``bypass_native``), dense    native=False
+reduced        any     other, or sparse                                         none
+sketch
 =============  ======  ==========================  ===========================  ==================
 
 (The dot kernel's choice per dtype and dim comes from the H100 figures in docs/PERFORMANCE.md,
@@ -229,12 +232,21 @@ def fingerprint(t: torch.Tensor, native: bool = True) -> Choice:
     return Choice(TRITON)
 
 
-def reduced_sketch(t: torch.Tensor) -> Choice:
+# The dtypes the aggregation check takes (rankscope._integrity.MANTISSA_BITS).
+REDUCED_SKETCH_DTYPES = NATIVE_SKETCH_DTYPES + (torch.float64,)
+
+
+def reduced_sketch(t: torch.Tensor, dim: int, native: bool = True) -> Choice:
     """How the aggregation check sketches a reduced bucket ``t`` (NONE: not checked; the step
-    then sends no reduced sketch)."""
-    if t.device.type == "cpu" and t.dtype in NATIVE_SKETCH_DTYPES and t.is_contiguous():
-        return Choice(NATIVE)
-    return Choice(NONE)
+    then sends no reduced sketch). Device tensors take the device path (a DeviceSketch, which
+    asks ``sketch`` again at each launch); the choice returned for them says which it is now."""
+    if t.dtype not in REDUCED_SKETCH_DTYPES or t.is_sparse:
+        return Choice(NONE)
+    if native and t.device.type == "cpu":
+        if t.dtype in NATIVE_SKETCH_DTYPES and t.is_contiguous():
+            return Choice(NATIVE)
+        return Choice(NONE)
+    return sketch(t, dim, native=False)
 
 
 def run(choose: Callable[[], Choice], compute: Callable[[Choice], object]):

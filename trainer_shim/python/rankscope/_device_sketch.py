@@ -8,6 +8,12 @@ sums per program, folded into the float64 totals when the bins are read), else t
 rankscope.torch_sketch (float64 throughout). The same bins and signs as the C++ kernel either
 way; nothing synchronizes the host with the device.
 
+Float32 partial sums: the Triton kernels add each program's values into a float32 row before the
+rows are folded in float64, so a bin carries the rounding of a float32 sum of about
+``float32_terms`` values (the busiest program's tiles times a tile's values per bin). The
+aggregation check widens its tolerance by it (rankscope._integrity.effective_mantissa_bits);
+the torch-op path sums in float64 (0 terms).
+
 Thread-compatible: one writer at a time (DDP calls its comm hooks one after another).
 """
 
@@ -32,6 +38,8 @@ class DeviceSketch:
         # one launch a bucket, no per-launch allocation or reduction.
         self._partials = None
         self._pending = False
+        # Tiles the busiest program added into its float32 row since the last reset.
+        self._tiles = 0
 
     @property
     def bins(self) -> torch.Tensor:
@@ -45,9 +53,16 @@ class DeviceSketch:
         self._fold()
         return self._sum_squares
 
+    @property
+    def float32_terms(self) -> int:
+        """About how many values one float32 partial bin summed since the last reset (the
+        busiest program's tiles times a tile's values per bin); 0 on the torch-op path."""
+        return -(-self._tiles * _tk.PIECE // self.dim)
+
     def reset(self) -> None:
         self._bins.zero_()
         self._sum_squares.zero_()
+        self._tiles = 0
         if self._pending:
             for t in self._partials:
                 t.zero_()
@@ -68,6 +83,12 @@ class DeviceSketch:
         self._pending = True
         return self._partials
 
+    def _launched(self, tiles: int) -> None:
+        """Counts one Triton launch of ``tiles`` tiles over the persistent grid's programs."""
+        if tiles > 0:
+            programs = min(self._partials[0].shape[0], tiles)
+            self._tiles += -(-tiles // programs)
+
     def add(self, values: torch.Tensor, offset: int) -> None:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
         flat = values.reshape(-1)
@@ -75,6 +96,9 @@ class DeviceSketch:
         def compute(choice):
             if choice.backend == _backend.TRITON:
                 _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim, choice)
+                n = flat.numel()
+                if n:
+                    self._launched(((offset + n - 1) // 32 - offset // 32) // (_tk.PIECE // 32) + 1)
             else:
                 _ts.add(self._bins, self._sum_squares, flat, offset, self.seed)
 
@@ -94,6 +118,7 @@ class DeviceSketch:
                 _tk.sketch_add_pieces(
                     *self._fused_partials(), flat, table, self.seed, self.dim, choice
                 )
+                self._launched(table[0].numel())
                 return
             for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
                 if n:
