@@ -185,9 +185,13 @@ class ReducedSketch:
             with self._lock:
                 self._note_bits(reduction_dtype)
         native = {}  # dtype -> (addresses, counts, offsets)
+        copies = []  # contiguous copies the C++ kernel reads (kept alive until it has)
         for t, off in zip(tensors, offsets):
             if t is None or t.numel() == 0:
                 continue
+            if not t.is_contiguous():
+                t = t.contiguous()
+                copies.append(t)
             choice = _backend.reduced_sketch(t, self._dim, native=not self.bypass_native)
             if choice.backend == _backend.NONE:
                 self._skipped()
@@ -201,6 +205,7 @@ class ReducedSketch:
                 self._add_device(t, lambda sketch, t=t, off=off: sketch.add(t, off))
         for dtype, (addrs, counts, offs) in native.items():
             self._add_native(dtype, addrs, counts, offs)
+        del copies
 
     def _add_native(self, dtype, addrs, counts, offsets) -> None:
         with self._lock:
@@ -216,20 +221,21 @@ class ReducedSketch:
         """``add(DeviceSketch)`` on ``t``'s device: launched there, no synchronization."""
         with self._lock:
             sketch = self._devices.get(t.device)
-            if sketch is None:
-                sketch = self._devices[t.device] = DeviceSketch(self._dim, self._seed, t.device)
-            if self._device is not None and self._device is not sketch:
-                self._complete = False  # buckets on two devices: not one report's payload
-                failed = True
+            failed = False
+            if self._device is not None and self._device.device != t.device:
+                failed = True  # buckets on two devices: not one report's payload
             else:
                 try:
+                    if sketch is None:
+                        sketch = DeviceSketch(self._dim, self._seed, t.device)
+                        self._devices[t.device] = sketch
+                    self._device = sketch
                     add(sketch)
-                    failed = False
                 except Exception:  # monitoring must never break training; this step unchecked
-                    self._complete = False
                     failed = True
-                self._device = sketch
                 self._note_bits(t.dtype)
+            if failed:
+                self._complete = False
         if failed:
             self._counters["integrity_errors"] += 1
 

@@ -428,10 +428,9 @@ class Monitor:
             # The framework's exact value (a 0-d tensor on the device) replaces the sketch's
             # sum of squares of the step's reductions.
             sketcher.device_sketches[device].sum_squares.copy_(self._sum_squares)
-        if device is None:
-            device = loss.device if reduced is None or reduced.device is None else None
-        if device is None:
-            device = reduced.device.device
+        if device is None:  # the loss, or the reduced sketch, is what lies on a device
+            on_device = reduced is not None and reduced.device is not None
+            device = reduced.device.device if on_device else loss.device
         if reduced is not None:
             # Sketches summed in float32 partial bins (Triton) round more than the reduction's
             # dtype says: the precision sent covers both (rankscope._integrity).
