@@ -5,7 +5,8 @@ tools/gpu/run_checks.sh on a GPU machine).
   collector; float32, bf16 autocast and bf16 gradients, each with the three GPU sketch paths
   (KERNELS: Triton on the tensor cores, Triton with atomic adds, torch ops): loss and grad-norm
   dispersion equal to the ranks' own exact values, direction consistency within the ideal count
-  sketch's bound (the CPU truth tests' checks, shim_harness.check_exact_rows).
+  sketch's bound (the CPU truth tests' checks, shim_harness.check_exact_rows); the aggregation
+  check's reduced sketch, computed on the device, sent every step and clean.
 * nudge: 3 ranks; healthy ranks' replica fingerprints are equal; a one-ulp nudge of one rank's
   parameters is named at the next parameter check, and only that rank.
 * no synchronization: one rank with NCCL, every step (forward, backward, optimizer step,
@@ -299,6 +300,20 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
         if mode != "bf16":
             # Once DDP's buckets are final, each is sketched in one launch (add_segments).
             assert stats.get("shim_planned_buckets", 0) >= STEPS - 3, stats
+        # The aggregation check on the device path (a DeviceSketch of each reduced bucket, read
+        # back with the deferred report): every step's check sent, none skipped or failed.
+        assert stats.get("shim_integrity_skipped_buckets", 0) == 0, stats
+        assert stats.get("shim_integrity_errors", 0) == 0, stats
+    sent = sum(_load(out / f"{name}.rank{r}.json")["stats"].get("shim_integrity_checks_sent", 0)
+               for r in range(WORLD))
+    assert sent == STEPS, sent
+    checks = collector.query(
+        "SELECT step, integrity_error_ratio, integrity_fault FROM step_stats WHERE job = ? "
+        "ORDER BY step",
+        (f"gpu-{name}",),
+    )
+    assert [c[0] for c in checks] == list(range(STEPS)), checks
+    assert all(r is not None and r <= 1.0 and f == "" for _, r, f in checks), checks
 
 
 @pytest.fixture(scope="module")

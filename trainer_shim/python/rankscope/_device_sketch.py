@@ -10,9 +10,12 @@ way; nothing synchronizes the host with the device.
 
 Float32 partial sums: the Triton kernels add each program's values into a float32 row before the
 rows are folded in float64, so a bin carries the rounding of a float32 sum of about
-``float32_terms`` values (the busiest program's tiles times a tile's values per bin). The
-aggregation check widens its tolerance by it (rankscope._integrity.effective_mantissa_bits);
-the torch-op path sums in float64 (0 terms).
+``float32_terms`` values (the busiest program's tiles times a tile's values per bin), and a value
+enters that sum rounded to ``value_bits`` significant bits where the kernel cannot take it exactly
+(22: float32 values on the tensor cores as three tf32 products; 24: float64 values cast to
+float32; 0: exact, as bfloat16, float16 and, in the atomic kernel, float32 values are). The
+aggregation check widens its tolerance by both (rankscope._integrity.effective_mantissa_bits);
+the torch-op path sums in float64 (0 terms, exact values).
 
 Thread-compatible: one writer at a time (DDP calls its comm hooks one after another).
 """
@@ -38,8 +41,10 @@ class DeviceSketch:
         # one launch a bucket, no per-launch allocation or reduction.
         self._partials = None
         self._pending = False
-        # Tiles the busiest program added into its float32 row since the last reset.
+        # Tiles the busiest program added into its float32 row since the last reset, and the
+        # coarsest rounding of a value on its way in (0: none).
         self._tiles = 0
+        self.value_bits = 0
 
     @property
     def bins(self) -> torch.Tensor:
@@ -63,6 +68,7 @@ class DeviceSketch:
         self._bins.zero_()
         self._sum_squares.zero_()
         self._tiles = 0
+        self.value_bits = 0
         if self._pending:
             for t in self._partials:
                 t.zero_()
@@ -83,11 +89,19 @@ class DeviceSketch:
         self._pending = True
         return self._partials
 
-    def _launched(self, tiles: int) -> None:
-        """Counts one Triton launch of ``tiles`` tiles over the persistent grid's programs."""
+    def _launched(self, tiles: int, dtype, choice) -> None:
+        """Counts one Triton launch (``choice``) of ``tiles`` tiles of ``dtype`` values over the
+        persistent grid's programs."""
         if tiles > 0:
             programs = min(self._partials[0].shape[0], tiles)
             self._tiles += -(-tiles // programs)
+        bits = 0
+        if choice.variant == _backend.DOT and choice.exact_tf32:
+            bits = 22  # hi + lo tf32 parts of a float32 value: 2 x 11 significant bits
+        elif dtype == torch.float64:
+            bits = 24  # cast to float32
+        if bits and (not self.value_bits or bits < self.value_bits):
+            self.value_bits = bits
 
     def add(self, values: torch.Tensor, offset: int) -> None:
         """Adds the flat view of ``values`` as coordinates [offset, offset + numel)."""
@@ -98,7 +112,8 @@ class DeviceSketch:
                 _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim, choice)
                 n = flat.numel()
                 if n:
-                    self._launched(((offset + n - 1) // 32 - offset // 32) // (_tk.PIECE // 32) + 1)
+                    tiles = ((offset + n - 1) // 32 - offset // 32) // (_tk.PIECE // 32) + 1
+                    self._launched(tiles, flat.dtype, choice)
             else:
                 _ts.add(self._bins, self._sum_squares, flat, offset, self.seed)
 
@@ -118,7 +133,7 @@ class DeviceSketch:
                 _tk.sketch_add_pieces(
                     *self._fused_partials(), flat, table, self.seed, self.dim, choice
                 )
-                self._launched(table[0].numel())
+                self._launched(table[0].numel(), flat.dtype, choice)
                 return
             for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
                 if n:

@@ -56,23 +56,36 @@ def check_rank(step: int, every: int, world: int):
     return (step // every) % world
 
 
-def effective_mantissa_bits(bits: int, float32_terms: int) -> int:
+# How much of the added variance effective_mantissa_bits may leave to lambda's margin.
+SLACK = 9 / 8
+
+
+def effective_mantissa_bits(bits: int, float32_terms: int, value_bits: int = 0) -> int:
     """The precision p to send with a reduced sketch whose sketches (the local ones and the
-    reduced one) were summed in float32 partial bins of about ``float32_terms`` values each (the
-    Triton kernels: DeviceSketch.float32_terms): the largest p <= ``bits`` with
-    ``2^-2p >= 2^-2bits + 2^-48 * terms / 3``.
+    reduced one) were summed in float32 partial bins of about ``float32_terms`` values each, with
+    values rounded to ``value_bits`` significant bits on their way in (0: exact) (the Triton
+    kernels: DeviceSketch.float32_terms, .value_bits): the largest p <= ``bits`` with
+    ``SLACK * 2^-2p >= 2^-2bits + 2^-48 * terms / 3 + (2/3) 2^-2 value_bits``.
 
     Why that covers it (docs/DESIGN.md "Aggregation integrity"): a float32 running sum of m values
     of random sign rounds each partial sum S_j by at most 2^-24 |S_j|, error variance about
-    2^-48 m / 6 times the bin's square; summed over the bins, 2^-48 (m/6) (||s||^2 +
-    sum_r ||x_r||^2 / W^2) <= 2^-48 (m/3) sum_r ||g_r||^2 (||s||^2 <= sum_r ||g_r||^2 / W, and a
-    sketch keeps a vector's squared norm in expectation). The collector's reduction term is
-    u^2 sum_r ||g_r||^2 with u = 2^-p, so lowering p by this much adds exactly that bound. The
-    torch-op and C++ paths sum in float64 (0 terms: ``bits`` unchanged)."""
-    if float32_terms <= 0:
+    2^-48 m / 6 times the bin's square, and a value rounded to v bits errs by at most 2^-v of
+    itself, variance 2^-2v / 3 of its square; summed over the bins of the reduced sketch s and
+    the local ones x_r (the mean divides each by W): (m/6 2^-48 + 2^-2v / 3) (||s||^2 +
+    sum_r ||x_r||^2 / W^2) <= (2^-48 m / 3 + (2/3) 2^-2v) sum_r ||g_r||^2 (||s||^2 <=
+    sum_r ||g_r||^2 / W, and a sketch keeps a vector's squared norm in expectation). The
+    collector's reduction term is u^2 sum_r ||g_r||^2 with u = 2^-p, so lowering p by this much
+    adds that bound. SLACK (9/8) keeps p where the added terms are under an eighth of the
+    reduction's own: p is a whole number, and one bit less would double tau for a 1 % wider
+    bound (bfloat16 gradients on the tensor cores); an eighth of the variance moves tau by under
+    6 %, inside lambda's margin (the clean steps' worst ratio is 0.27). The torch-op and C++
+    paths sum in float64 from exact values (``bits`` unchanged)."""
+    if float32_terms <= 0 and value_bits <= 0:
         return bits
-    variance = 2.0 ** (-2 * bits) + 2.0**-48 * float32_terms / 3
-    return max(1, min(bits, math.floor(-0.5 * math.log2(variance))))
+    variance = 2.0 ** (-2 * bits) + 2.0**-48 * max(float32_terms, 0) / 3
+    if value_bits > 0:
+        variance += 2.0 ** (-2 * value_bits) * 2 / 3
+    return max(1, min(bits, math.floor(-0.5 * math.log2(variance / SLACK))))
 
 
 class Reduced(NamedTuple):

@@ -434,10 +434,14 @@ class Monitor:
         if reduced is not None:
             # Sketches summed in float32 partial bins (Triton) round more than the reduction's
             # dtype says: the precision sent covers both (rankscope._integrity).
-            terms = max([s.float32_terms for s in sketcher.device_sketches.values()], default=0)
+            sketches = list(sketcher.device_sketches.values())
             if reduced.device is not None:
-                terms = max(terms, reduced.device.float32_terms)
-            reduced = reduced._replace(bits=effective_mantissa_bits(reduced.bits, terms))
+                sketches.append(reduced.device)
+            terms = max([s.float32_terms for s in sketches], default=0)
+            value_bits = min([s.value_bits for s in sketches if s.value_bits], default=0)
+            reduced = reduced._replace(
+                bits=effective_mantissa_bits(reduced.bits, terms, value_bits)
+            )
         self._deferred.add(
             step,
             device,
