@@ -304,8 +304,10 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
         # back with the deferred report): every step's check sent, none skipped or failed.
         assert stats.get("shim_integrity_skipped_buckets", 0) == 0, stats
         assert stats.get("shim_integrity_errors", 0) == 0, stats
-    sent = sum(_load(out / f"{name}.rank{r}.json")["stats"].get("shim_integrity_checks_sent", 0)
-               for r in range(WORLD))
+    sent = sum(
+        _load(out / f"{name}.rank{r}.json")["stats"].get("shim_integrity_checks_sent", 0)
+        for r in range(WORLD)
+    )
     assert sent == STEPS, sent
     checks = collector.query(
         "SELECT step, integrity_error_ratio, integrity_fault FROM step_stats WHERE job = ? "

@@ -124,8 +124,9 @@ class DeferredReports:
         ``bucket_sq`` (the squared norm per bucket on ``device``, or None) and ``reduced`` (the
         aggregation check's rankscope._integrity.Reduced, or None: its device bins travel in
         the same payload, after the reduction on the device's stream order)."""
-        payload = torch.empty(dim + 2 + (dim if reduced is not None else 0), dtype=torch.float64,
-                              device=device)
+        payload = torch.empty(
+            dim + 2 + (dim if reduced is not None else 0), dtype=torch.float64, device=device
+        )
         reduced_cpu_bins = None
         if reduced is not None:
             if reduced.device is not None:

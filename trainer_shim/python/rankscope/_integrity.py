@@ -278,4 +278,3 @@ class ReducedSketch:
             return None
         self._counters["integrity_checks_sent"] += 1
         return Reduced(self._sketch if self._on_cpu else None, self._device, self._bits)
-
