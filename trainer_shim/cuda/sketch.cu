@@ -38,6 +38,10 @@
 //  * A tile not wholly inside [offset, offset + n), or whose first value is not 16-byte aligned
 //    (a segment at an odd offset), is read element by element into the stage (zeros outside):
 //    correct for any offset and pointer, slower only on those tiles.
+//  * Lanes of a warp are not in lockstep under the memory model (independent thread scheduling):
+//    a __syncwarp after each block's update orders it before the next block's, whose lanes may
+//    touch the same bins; the one after the stage's stores orders them before its loads, and the
+//    last block's before the next tile's stores.
 //  * After the last tile: __syncthreads, then thread t sums bin t of the 8 private sketches and
 //    makes one atomicAdd into global memory (bins that stayed 0 are skipped): dim atomics a block,
 //    against 1,024 x tiles values, so the merge costs little while there are >= a few tiles a warp
@@ -142,8 +146,10 @@ __device__ __forceinline__ void SketchValues(const T* __restrict__ x, long long 
         const uint32_t bin = rankscope_cuda::BinOf(start, lane, dim);
         sketch[bin] +=
             __uint_as_float(__float_as_uint(value) ^ rankscope_cuda::SignBit(signs, lane));
+        // Block b + 1 may put another lane on this bin: its read must see this store (the CUDA
+        // memory model orders lanes of a warp only at a sync; a converged warp pays ~nothing).
+        __syncwarp();
       }
-      __syncwarp();  // the stage is rewritten by the next tile
     }
   }
 
