@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "rankscope/sketch.h"
@@ -53,6 +54,54 @@ TEST(CudaSketchHashTest, BinAndSignAreSketchHash) {
       }
     }
   }
+}
+
+// The kernel's walk (sketch.cu): tile t's value e = 32 b + lane (staged from x[i0 + e] by either
+// read path) is hashed as offset `lane` of block TileBlock + b. Over every tile, each of the n
+// values is visited exactly once, as its own coordinate's block and offset; a tile read with
+// 16-byte loads lies wholly inside the values, its first value 16-byte aligned.
+TEST(CudaSketchHashTest, TileWalkCoversEachCoordinateOnceInItsBlock) {
+  const long long offsets[] = {0, 1, 5, 31, 32, 77, 1000005, (1LL << 37) + 3};
+  const long long lengths[] = {1, 2, 31, 32, 33, 1023, 1024, 1025, 3000, 70003};
+  const unsigned sizes[] = {4, 2};
+  for (long long offset : offsets) {
+    for (long long n : lengths) {
+      for (unsigned size : sizes) {
+        for (uintptr_t base : {uintptr_t{0x10000}, uintptr_t{0x10000} + size}) {
+          const rankscope_cuda::TileWalk walk = rankscope_cuda::Walk(offset, n);
+          std::vector<int> seen(static_cast<size_t>(n), 0);
+          for (long long t = 0; t < walk.tiles; ++t) {
+            const long long block0 = rankscope_cuda::TileBlock(walk, t);
+            const long long i0 = rankscope_cuda::TileIndex(block0, offset);
+            const bool vector = rankscope_cuda::VectorTile(base, size, i0, n);
+            if (vector) {
+              ASSERT_EQ((base + static_cast<uintptr_t>(i0) * size) % 16, 0u);
+              ASSERT_TRUE(i0 >= 0 && i0 + rankscope_cuda::kTileValues <= n);
+            }
+            for (long long b = 0; b < rankscope_cuda::kTileBlocks; ++b) {
+              for (long long lane = 0; lane < 32; ++lane) {
+                const long long i = i0 + 32 * b + lane;
+                if (i < 0 || i >= n) {
+                  ASSERT_FALSE(vector);  // a vector tile has no value outside
+                  continue;
+                }
+                ++seen[static_cast<size_t>(i)];
+                ASSERT_EQ((offset + i) >> 5, block0 + b) << offset << " " << n << " " << i;
+                ASSERT_EQ((offset + i) & 31, lane) << offset << " " << n << " " << i;
+              }
+            }
+          }
+          for (long long i = 0; i < n; ++i) {
+            ASSERT_EQ(seen[static_cast<size_t>(i)], 1) << offset << " " << n << " " << i;
+          }
+        }
+      }
+    }
+  }
+  // An aligned, whole-tile case does take the 16-byte path.
+  EXPECT_TRUE(rankscope_cuda::VectorTile(0x10000, 4, 0, 1024));
+  EXPECT_FALSE(rankscope_cuda::VectorTile(0x10004, 4, 0, 1024));
+  EXPECT_FALSE(rankscope_cuda::VectorTile(0x10000, 4, 0, 1023));
 }
 
 // sketch.h's test vectors, through the helpers.

@@ -66,8 +66,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileBlocks = 32;                                    // hash blocks a warp's tile
-constexpr int kTileValues = kTileBlocks * rankscope_cuda::kBlock;  // 1,024 coordinates
+using rankscope_cuda::kTileBlocks;
+using rankscope_cuda::kTileValues;
 
 template <typename T>
 struct Value;
@@ -111,16 +111,13 @@ __device__ __forceinline__ void SketchValues(const T* __restrict__ x, long long 
 
   double squares = 0.0;
   if (n > 0) {
-    const long long first_block = offset >> 5;
-    const long long blocks = ((offset + n - 1) >> 5) - first_block + 1;
-    const long long tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+    const rankscope_cuda::TileWalk walk = rankscope_cuda::Walk(offset, n);
     const long long warps = static_cast<long long>(gridDim.x) * kWarps;
-    for (long long t = static_cast<long long>(blockIdx.x) * kWarps + warp; t < tiles; t += warps) {
-      const long long block0 = first_block + t * kTileBlocks;
-      const long long i0 = block0 * 32 - offset;  // index in x of the tile's first coordinate
-      const bool aligned =
-          ((reinterpret_cast<uintptr_t>(x) + static_cast<uintptr_t>(i0) * sizeof(T)) & 15) == 0;
-      if (aligned && i0 >= 0 && i0 + kTileValues <= n) {
+    for (long long t = static_cast<long long>(blockIdx.x) * kWarps + warp; t < walk.tiles;
+         t += warps) {
+      const long long block0 = rankscope_cuda::TileBlock(walk, t);
+      const long long i0 = rankscope_cuda::TileIndex(block0, offset);  // x index of its first
+      if (rankscope_cuda::VectorTile(reinterpret_cast<uintptr_t>(x), sizeof(T), i0, n)) {
         const uint4* src = reinterpret_cast<const uint4*>(x + i0);
         uint4 v[kLoads];
 #pragma unroll

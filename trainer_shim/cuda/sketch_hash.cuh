@@ -55,6 +55,39 @@ RANKSCOPE_HD uint32_t BinOf(uint32_t start, uint32_t o, uint32_t dim) {
 // The sign of offset `o` as the bit to XOR into a float's sign bit (0 or 0x80000000).
 RANKSCOPE_HD uint32_t SignBit(uint32_t signs, uint32_t o) { return ((signs >> o) & 1u) << 31; }
 
+// The kernel's walk over the coordinates [offset, offset + n), n > 0: tiles of kTileBlocks whole
+// hash blocks from the block holding `offset`. Pure index arithmetic, so the host test checks
+// that the walk covers every coordinate once, each with its own block and offset.
+constexpr int kTileBlocks = 32;                                      // hash blocks a warp's tile
+constexpr int kTileValues = kTileBlocks * static_cast<int>(kBlock);  // 1,024 coordinates
+
+struct TileWalk {
+  long long first_block;  // the hash block of coordinate `offset`
+  long long tiles;        // tiles to cover [offset, offset + n)
+};
+
+RANKSCOPE_HD TileWalk Walk(long long offset, long long n) {
+  const long long first_block = offset >> 5;
+  const long long blocks = ((offset + n - 1) >> 5) - first_block + 1;
+  return TileWalk{first_block, (blocks + kTileBlocks - 1) / kTileBlocks};
+}
+
+// The first hash block of tile t, and the index into the values of its first coordinate (negative
+// for the first tile when `offset` is not a multiple of 32): value i is coordinate offset + i.
+RANKSCOPE_HD long long TileBlock(TileWalk walk, long long t) {
+  return walk.first_block + t * kTileBlocks;
+}
+RANKSCOPE_HD long long TileIndex(long long tile_block, long long offset) {
+  return tile_block * static_cast<long long>(kBlock) - offset;
+}
+
+// Whether a tile is read with 16-byte loads: wholly inside the n values and its first value, at
+// address x + i0 * size (x: the values' address), on a 16-byte boundary.
+RANKSCOPE_HD bool VectorTile(uintptr_t x, unsigned size, long long i0, long long n) {
+  const uintptr_t first = x + static_cast<uintptr_t>(i0) * size;  // wraps as the address would
+  return (first & 15) == 0 && i0 >= 0 && i0 + kTileValues <= n;
+}
+
 }  // namespace rankscope_cuda
 
 #endif  // RANKSCOPE_TRAINER_SHIM_CUDA_SKETCH_HASH_CUH_
