@@ -8,6 +8,8 @@ it (its bins against the torch ops are compared on a GPU: tests/python/test_gpu.
   stack, no local memory, no static shared memory beyond the system's 1 KiB reserve, <= 64
   registers a thread, so that shared memory alone sets the blocks an SM holds: >= 3 (float32) and
   >= 4 (16-bit) blocks of 8 warps at dim 1,024, and 1 block at dim 4,096, on a 228 KiB SM.
+* The loader's parameter arrays (rankscope._cuda_sketch) match the entry points' parameters in
+  number and size (the fatbin's PTX).
 * Its machine code (cuobjdump -sass) has the design's instructions: 16-byte global loads, no
   shared-memory atomics (the private sketches take plain loads and stores), no local loads or
   stores.
@@ -18,6 +20,7 @@ The hash helpers the kernel uses are checked against sketch.h on the host by the
 tests/agent/cuda_sketch_hash_test.cc.
 """
 
+import ctypes
 import math
 import os
 import re
@@ -38,7 +41,7 @@ from rankscope._device_sketch import DeviceSketch  # noqa: E402
 BUILD = Path(os.environ.get("RANKSCOPE_BUILD_DIR", "build")).resolve()
 FATBIN = BUILD / "python" / "rankscope" / "_sketch.fatbin"
 ARCHS = BUILD / "python" / "rankscope" / "_sketch.fatbin.archs"
-KERNELS = ("rankscope_sketch_f32", "rankscope_sketch_bf16", "rankscope_sketch_f16")
+KERNELS = tuple(name.decode() for name, _ in _cuda_sketch._KERNELS.values())
 SM_SHARED = 228 * 1024  # shared memory an sm_90 / sm_100 SM has for blocks
 RESERVED = 1024  # the system's shared memory a block (reported as SHARED:1024 on sm_90)
 MAX_REGISTERS = 64
@@ -121,7 +124,7 @@ def test_resources_fit_the_occupancy_budget(cuobjdump):
             assert u["STACK"] == 0 and u["LOCAL"] == 0, (arch, name, u)  # no spills
             assert u["SHARED"] <= RESERVED, (arch, name, u)  # all of it dynamic
             assert u["REG"] <= MAX_REGISTERS, (arch, name, u)
-            dtype = torch.float32 if name.endswith("f32") else torch.bfloat16
+            dtype = torch.float32 if name.endswith("_f32") else torch.bfloat16
             # The blocks sketch.cu claims, from its shared memory: registers do not cut them.
             claims = {1024: 3 if dtype == torch.float32 else 4, 4096: 1}
             for dim, blocks in claims.items():
@@ -131,6 +134,22 @@ def test_resources_fit_the_occupancy_budget(cuobjdump):
     assert 32 * 6240 + 32768 <= 227 * 1024 < 32 * 6272 + 32768
     assert _cuda_sketch.shared_bytes(torch.float32, 6240) <= 227 * 1024
     assert _cuda_sketch.shared_bytes(torch.bfloat16, 6752) <= 227 * 1024
+
+
+def test_the_loaders_parameter_arrays_match_the_entry_points(cuobjdump):
+    """rankscope._cuda_sketch builds each kernel's cuLaunchKernel parameter array once from its
+    table of ctypes values: their number and sizes are the compiled entry points' (.param
+    declarations of the fatbin's PTX), and each array slot points at its value."""
+    ptx = _run(cuobjdump, "-ptx", str(_fatbin()))
+    bits = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4}
+    for name, params in _cuda_sketch._KERNELS.values():
+        m = re.search(rf"\.entry {name.decode()}\(([^)]*)\)", ptx)
+        assert m, name
+        declared = [bits[t] for t in re.findall(r"\.param \.(\w+)", m.group(1))]
+        assert declared == [ctypes.sizeof(kind) for _, kind in params], (name, declared)
+        kernel = _cuda_sketch._Kernel(ctypes.c_void_p(), params)
+        for slot, (pname, _) in zip(kernel.params, params):
+            assert slot == ctypes.addressof(kernel.values[pname])
 
 
 def test_machine_code_has_the_designs_instructions(cuobjdump):

@@ -18,7 +18,8 @@ tools/gpu/run_checks.sh on a GPU machine).
   bins, bin for bin, equal the torch-op path's within the float32 summation bound, and its sum of
   squares equals theirs, for float32, bfloat16 and float16 values at dims 1,024 and 4,096 (and
   dim 1,000), through the 16-byte path and the element-by-element one (misaligned pointers,
-  offsets within a hash block, partial tiles), launched strictly (no fallback hides a failure).
+  offsets within a hash block, partial tiles) and the piece-table kernel over a bucket's
+  segments, launched strictly (no fallback hides a failure).
 """
 
 import copy
@@ -393,3 +394,31 @@ def test_cuda_kernel_bins_equal_the_torch_ops(dtype, dim):
         diff = (got.bins - want.bins).abs()
         assert bool((diff <= bound).all()), (dtype, dim, offset, float((diff - bound).max()))
         assert torch.allclose(got.sum_squares, want.sum_squares, rtol=1e-12, atol=0)
+
+    # A bucket (the piece-table kernel, one launch): segments of odd lengths with gaps, their
+    # global offsets shuffled, one inside a hash block, one empty.
+    from rankscope import fingerprint as fp
+
+    seg = 9_973
+    layout = fp.SegmentLayout(
+        base.numel(),
+        [3 + i * seg for i in range(40)] + [500_001],
+        [seg - 5 - (i % 7) for i in range(40)] + [0],
+        [(39 - i) * seg * 2 + (i % 3) for i in range(40)] + [17],
+    )
+    got = DeviceSketch(dim, seed, "cuda")
+    with _backend.forced(kernels=_backend.CUDA, strict=True):
+        got.add_segments(base, layout)
+    want = DeviceSketch(dim, seed, "cuda")
+    with _backend.forced(kernels=_backend.TORCH_OPS, strict=True):
+        want.add_segments(base, layout)
+    magnitude = torch.zeros(dim, dtype=torch.float64, device="cuda")
+    terms = torch.zeros(dim, dtype=torch.float64, device="cuda")
+    for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
+        slots, _ = ts.sketch_slots(offset, n, seed, dim, "cuda")
+        magnitude.index_add_(0, slots, base[start : start + n].double().abs())
+        terms += torch.bincount(slots, minlength=dim).double()
+    bound = (terms + 1) * 2.0**-24 * magnitude
+    diff = (got.bins - want.bins).abs()
+    assert bool((diff <= bound).all()), (dtype, dim, "segments", float((diff - bound).max()))
+    assert torch.allclose(got.sum_squares, want.sum_squares, rtol=1e-12, atol=0)

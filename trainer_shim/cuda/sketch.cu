@@ -3,17 +3,18 @@
 // and launched from Python through the CUDA driver API (rankscope/_cuda_sketch.py); built by nvcc
 // into rankscope/_sketch.fatbin (trainer_shim/cuda/CMakeLists.txt).
 //
-// Contract. Each entry point adds the values x[0 .. n) as the coordinates [offset, offset + n) of a
-// count sketch of `dim` bins (32 <= dim, and the shared memory below fits the device) into
-// `bins` (float32[dim], global memory, added to with atomicAdd) and their float64 sum of squares
-// into *ss (also atomicAdd). Bins and signs are sketch.h's SketchHash, through sketch_hash.cuh
-// (the host test checks that header against sketch.h): the same coordinate goes to the same bin
-// with the same sign as the C++ kernel, the torch ops and the Triton kernels. Each bin is a
-// float32 sum (values within a warp's private sketch in coordinate order, then the warps of a
-// block, then the blocks in whatever order their atomics land): within float32 rounding of the
-// torch-op path's float64 sum, not bit-reproducible run to run. Squares are exact float64 products
-// summed in float64. Nothing synchronises with the host; the kernel runs on the stream it is
-// launched on.
+// Contract. rankscope_sketch_{f32,bf16,f16} add the values x[0 .. n) as the coordinates
+// [offset, offset + n), and rankscope_sketch_pieces_{f32,bf16,f16} the pieces of a piece table (a
+// DDP bucket's segments, one launch: SketchKernel below), to a count sketch of `dim` bins (32 <=
+// dim, and the shared memory below fits the device) into `bins` (float32[dim], global memory, added
+// to with atomicAdd) and their float64 sum of squares into *ss (also atomicAdd). Bins and signs are
+// sketch.h's SketchHash, through sketch_hash.cuh (the host test checks that header against
+// sketch.h): the same coordinate goes to the same bin with the same sign as the C++ kernel, the
+// torch ops and the Triton kernels. Each bin is a float32 sum (values within a warp's private
+// sketch in coordinate order, then the warps of a block, then the blocks in whatever order their
+// atomics land): within float32 rounding of the torch-op path's float64 sum, not bit-reproducible
+// run to run. Squares are exact float64 products summed in float64. Nothing synchronises with the
+// host; the kernel runs on the stream it is launched on.
 //
 // Design (why this should run near copy bandwidth; measured on no GPU yet: docs/PERFORMANCE.md).
 //  * A block is kWarps = 8 warps. Each warp owns a PRIVATE sketch of dim float32 bins in shared
@@ -91,14 +92,61 @@ struct Value<Half> {
   }
 };
 
+// Tile `block0` of the walk over the values x[0 .. n) as coordinates [offset, offset + n) into the
+// warp's private `sketch`, through its `stage`; the squares into `squares`.
 template <typename T>
-__device__ __forceinline__ void SketchValues(const T* __restrict__ x, long long n, long long offset,
+__device__ __forceinline__ void SketchTile(const T* __restrict__ x, long long n, long long offset,
+                                           long long block0, unsigned long long seed,
+                                           unsigned int dim, float* sketch, T* stage, uint32_t lane,
+                                           double& squares) {
+  static_assert(16 % sizeof(T) == 0, "16-byte loads of whole values");
+  constexpr int kVec = 16 / sizeof(T);                             // values a 16-byte load
+  constexpr int kLoads = kTileValues / (32 * kVec);                // 16-byte loads a lane a tile
+  const long long i0 = rankscope_cuda::TileIndex(block0, offset);  // x index of its first
+  if (rankscope_cuda::VectorTile(reinterpret_cast<uintptr_t>(x), sizeof(T), i0, n)) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + i0);
+    uint4 v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) v[u] = __ldcs(src + u * 32 + lane);  // streamed once
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) reinterpret_cast<uint4*>(stage)[u * 32 + lane] = v[u];
+  } else {
+    for (int e = lane; e < kTileValues; e += 32) {
+      const long long i = i0 + e;
+      stage[e] = (i >= 0 && i < n) ? x[i] : T{};
+    }
+  }
+  // Lane b hashes block b of the tile; the others read its start and signs by shuffles.
+  const rankscope_cuda::BlockHash mine = rankscope_cuda::HashBlock(
+      static_cast<uint64_t>(block0 + lane), static_cast<uint64_t>(seed), dim);
+  __syncwarp();
+#pragma unroll 4  // 8 spills in the piece-table bfloat16 kernel (ptxas 13.0)
+  for (int b = 0; b < kTileBlocks; ++b) {
+    const uint32_t start = __shfl_sync(0xffffffffu, mine.start, b);
+    const uint32_t signs = __shfl_sync(0xffffffffu, mine.signs, b);
+    const float value = Value<T>::ToFloat(stage[b * 32 + lane]);
+    squares += static_cast<double>(value) * static_cast<double>(value);
+    const uint32_t bin = rankscope_cuda::BinOf(start, lane, dim);
+    sketch[bin] += __uint_as_float(__float_as_uint(value) ^ rankscope_cuda::SignBit(signs, lane));
+    // Block b + 1 may put another lane on this bin: its read must see this store (the CUDA
+    // memory model orders lanes of a warp only at a sync; a converged warp pays ~nothing). The
+    // last one also orders this tile's stage reads before the next tile's stores.
+    __syncwarp();
+  }
+}
+
+// The whole kernel. kPieces false: the values x[0 .. n) as coordinates [offset, offset + n),
+// tiles dealt to the grid's warps in turn. kPieces true: a piece table of n pieces (the Triton
+// kernels' table, triton_kernels.piece_table: piece p holds coordinates [goffs[p], goffs[p] +
+// counts[p]) at x + starts[p], a start of any sign), pieces dealt to the warps in turn, each
+// walked whole (a piece of at most 2,048 coordinates in one aligned 2,048 window: 2 tiles).
+template <typename T, bool kPieces>
+__device__ __forceinline__ void SketchKernel(const T* __restrict__ x, long long n, long long offset,
+                                             const long long* __restrict__ starts,
+                                             const long long* __restrict__ counts,
+                                             const long long* __restrict__ goffs,
                                              unsigned long long seed, unsigned int dim,
                                              float* __restrict__ bins, double* __restrict__ ss) {
-  static_assert(16 % sizeof(T) == 0, "16-byte loads of whole values");
-  constexpr int kVec = 16 / sizeof(T);               // values a 16-byte load
-  constexpr int kLoads = kTileValues / (32 * kVec);  // 16-byte loads a lane a tile
-
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5;
   const uint32_t lane = threadIdx.x & 31;
@@ -110,43 +158,25 @@ __device__ __forceinline__ void SketchValues(const T* __restrict__ x, long long 
   __syncwarp();
 
   double squares = 0.0;
-  if (n > 0) {
+  const long long first = static_cast<long long>(blockIdx.x) * kWarps + warp;
+  const long long warps = static_cast<long long>(gridDim.x) * kWarps;
+  if (kPieces) {
+    for (long long p = first; p < n; p += warps) {
+      const long long count = counts[p];
+      if (count <= 0) continue;
+      const long long goff = goffs[p];
+      const T* piece = x + starts[p];
+      const rankscope_cuda::TileWalk walk = rankscope_cuda::Walk(goff, count);
+      for (long long t = 0; t < walk.tiles; ++t) {
+        SketchTile(piece, count, goff, rankscope_cuda::TileBlock(walk, t), seed, dim, sketch, stage,
+                   lane, squares);
+      }
+    }
+  } else if (n > 0) {
     const rankscope_cuda::TileWalk walk = rankscope_cuda::Walk(offset, n);
-    const long long warps = static_cast<long long>(gridDim.x) * kWarps;
-    for (long long t = static_cast<long long>(blockIdx.x) * kWarps + warp; t < walk.tiles;
-         t += warps) {
-      const long long block0 = rankscope_cuda::TileBlock(walk, t);
-      const long long i0 = rankscope_cuda::TileIndex(block0, offset);  // x index of its first
-      if (rankscope_cuda::VectorTile(reinterpret_cast<uintptr_t>(x), sizeof(T), i0, n)) {
-        const uint4* src = reinterpret_cast<const uint4*>(x + i0);
-        uint4 v[kLoads];
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u) v[u] = __ldcs(src + u * 32 + lane);  // streamed once
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u) reinterpret_cast<uint4*>(stage)[u * 32 + lane] = v[u];
-      } else {
-        for (int e = lane; e < kTileValues; e += 32) {
-          const long long i = i0 + e;
-          stage[e] = (i >= 0 && i < n) ? x[i] : T{};
-        }
-      }
-      // Lane b hashes block b of the tile; the others read its start and signs by shuffles.
-      const rankscope_cuda::BlockHash mine = rankscope_cuda::HashBlock(
-          static_cast<uint64_t>(block0 + lane), static_cast<uint64_t>(seed), dim);
-      __syncwarp();
-#pragma unroll 8
-      for (int b = 0; b < kTileBlocks; ++b) {
-        const uint32_t start = __shfl_sync(0xffffffffu, mine.start, b);
-        const uint32_t signs = __shfl_sync(0xffffffffu, mine.signs, b);
-        const float value = Value<T>::ToFloat(stage[b * 32 + lane]);
-        squares += static_cast<double>(value) * static_cast<double>(value);
-        const uint32_t bin = rankscope_cuda::BinOf(start, lane, dim);
-        sketch[bin] +=
-            __uint_as_float(__float_as_uint(value) ^ rankscope_cuda::SignBit(signs, lane));
-        // Block b + 1 may put another lane on this bin: its read must see this store (the CUDA
-        // memory model orders lanes of a warp only at a sync; a converged warp pays ~nothing).
-        __syncwarp();
-      }
+    for (long long t = first; t < walk.tiles; t += warps) {
+      SketchTile(x, n, offset, rankscope_cuda::TileBlock(walk, t), seed, dim, sketch, stage, lane,
+                 squares);
     }
   }
 
@@ -164,23 +194,23 @@ __device__ __forceinline__ void SketchValues(const T* __restrict__ x, long long 
 
 }  // namespace
 
-// The entry points (unmangled: the loader looks them up by name). All take the same parameters;
-// launch with blockDim kThreads (256) and RankscopeSketchSharedBytes(dim, value size) bytes of
-// dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(kThreads)
-    rankscope_sketch_f32(const float* x, long long n, long long offset, unsigned long long seed,
-                         unsigned int dim, float* bins, double* ss) {
-  SketchValues<float>(x, n, offset, seed, dim, bins, ss);
-}
+// The entry points (unmangled: the loader looks them up by name); launch with blockDim kThreads
+// (256) and 32 dim + 8 x 1,024 x (value size) bytes of dynamic shared memory
+// (rankscope/_cuda_sketch.py, shared_bytes). bfloat16 and float16 values come as their bits.
+#define RANKSCOPE_SKETCH_ENTRY(suffix, T, V)                                                       \
+  extern "C" __global__ void __launch_bounds__(kThreads) rankscope_sketch_##suffix(                \
+      const T* x, long long n, long long offset, unsigned long long seed, unsigned int dim,        \
+      float* bins, double* ss) {                                                                   \
+    SketchKernel<V, false>(reinterpret_cast<const V*>(x), n, offset, nullptr, nullptr, nullptr,    \
+                           seed, dim, bins, ss);                                                   \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kThreads) rankscope_sketch_pieces_##suffix(         \
+      const T* x, const long long* starts, const long long* counts, const long long* goffs,        \
+      long long n_pieces, unsigned long long seed, unsigned int dim, float* bins, double* ss) {    \
+    SketchKernel<V, true>(reinterpret_cast<const V*>(x), n_pieces, 0, starts, counts, goffs, seed, \
+                          dim, bins, ss);                                                          \
+  }
 
-extern "C" __global__ void __launch_bounds__(kThreads)
-    rankscope_sketch_bf16(const uint16_t* x, long long n, long long offset, unsigned long long seed,
-                          unsigned int dim, float* bins, double* ss) {
-  SketchValues<uint16_t>(x, n, offset, seed, dim, bins, ss);
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads)
-    rankscope_sketch_f16(const uint16_t* x, long long n, long long offset, unsigned long long seed,
-                         unsigned int dim, float* bins, double* ss) {
-  SketchValues<Half>(reinterpret_cast<const Half*>(x), n, offset, seed, dim, bins, ss);
-}
+RANKSCOPE_SKETCH_ENTRY(f32, float, float)
+RANKSCOPE_SKETCH_ENTRY(bf16, uint16_t, uint16_t)
+RANKSCOPE_SKETCH_ENTRY(f16, uint16_t, Half)

@@ -38,12 +38,35 @@ _FATBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sketch.fatb
 _THREADS = 256  # sketch.cu kWarps * 32
 _STAGE_VALUES = 8 * 1024  # sketch.cu kWarps * kTileValues
 _TILE = 1024  # coordinates a warp's tile
-_MIN_TILES_PER_WARP = 2  # a block's dim merge atomics against >= 2 tiles a warp
+_MIN_TILES_PER_WARP = 2  # a block's dim merge atomics against >= 2 tiles (or pieces) a warp
+_MASK64 = (1 << 64) - 1
 
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# Each entry point's parameters (sketch.cu): a contiguous range, and a piece table.
+_RANGE = (
+    ("x", ctypes.c_void_p),
+    ("n", ctypes.c_longlong),
+    ("offset", ctypes.c_longlong),
+    ("seed", ctypes.c_ulonglong),
+    ("dim", ctypes.c_uint),
+    ("bins", ctypes.c_void_p),
+    ("ss", ctypes.c_void_p),
+)
+_PIECES = (
+    ("x", ctypes.c_void_p),
+    ("starts", ctypes.c_void_p),
+    ("counts", ctypes.c_void_p),
+    ("goffs", ctypes.c_void_p),
+    ("n_pieces", ctypes.c_longlong),
+    ("seed", ctypes.c_ulonglong),
+    ("dim", ctypes.c_uint),
+    ("bins", ctypes.c_void_p),
+    ("ss", ctypes.c_void_p),
+)
 _KERNELS = {
-    torch.float32: b"rankscope_sketch_f32",
-    torch.bfloat16: b"rankscope_sketch_bf16",
-    torch.float16: b"rankscope_sketch_f16",
+    (dtype, pieces): (f"rankscope_sketch_{'pieces_' if pieces else ''}{suffix}".encode(), params)
+    for dtype, suffix in _SUFFIXES.items()
+    for pieces, params in ((False, _RANGE), (True, _PIECES))
 }
 
 # CUDA driver API enumerators (cuda.h).
@@ -92,20 +115,14 @@ def _libcuda():
 
 
 class _Kernel:
-    """One entry point and its parameter array, built once."""
+    """One entry point and its parameter array, built once: ``values[name]`` is the ctypes value
+    a launch rewrites, ``params`` the array of their addresses cuLaunchKernel reads."""
 
-    def __init__(self, function):
+    def __init__(self, function, params):
         self.function = function
-        self.x = ctypes.c_void_p()
-        self.n = ctypes.c_longlong()
-        self.offset = ctypes.c_longlong()
-        self.seed = ctypes.c_ulonglong()
-        self.dim = ctypes.c_uint()
-        self.bins = ctypes.c_void_p()
-        self.ss = ctypes.c_void_p()
-        values = (self.x, self.n, self.offset, self.seed, self.dim, self.bins, self.ss)
-        self.params = (ctypes.c_void_p * len(values))(
-            *(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values)
+        self.values = {name: kind() for name, kind in params}
+        self.params = (ctypes.c_void_p * len(params))(
+            *(ctypes.cast(ctypes.byref(self.values[name]), ctypes.c_void_p) for name, _ in params)
         )
         self.grids = {}  # dim -> most blocks resident on the device at once
         self.max_dynamic = 0  # dynamic shared memory a block may have (set at load)
@@ -128,10 +145,10 @@ class _Device:
         self.module = ctypes.c_void_p()
         _check(lib.cuModuleLoadData(ctypes.byref(self.module), self._image), "cuModuleLoadData")
         self.kernels = {}
-        for dtype, name in _KERNELS.items():
+        for key, (name, params) in _KERNELS.items():
             function = ctypes.c_void_p()
             _check(lib.cuModuleGetFunction(ctypes.byref(function), self.module, name), name)
-            kernel = _Kernel(function)
+            kernel = _Kernel(function, params)
             # The opt-in limit less the function's static shared memory (none of its own; the
             # system's reserve, if the driver counts it there).
             _check(
@@ -143,7 +160,7 @@ class _Device:
                 lib.cuFuncSetAttribute(function, _ATTR_MAX_DYNAMIC_SHARED, kernel.max_dynamic),
                 "max dynamic shared memory",
             )
-            self.kernels[dtype] = kernel
+            self.kernels[key] = kernel
 
     def _current(self, lib) -> None:
         """Torch's primary context current on this thread (torch's own threads have it; a
@@ -196,7 +213,7 @@ def unusable(t: torch.Tensor, dim: int):
     """None if the kernel can sketch ``t`` into ``dim`` bins here, else why not (str)."""
     if not t.is_cuda:
         return f"a {t.device.type} tensor (the CUDA kernel reads CUDA tensors only)"
-    if t.dtype not in _KERNELS:
+    if t.dtype not in _SUFFIXES:
         return f"{t.dtype} values (the kernel reads float32, bfloat16 and float16)"
     if dim < 32:
         return f"dim {dim} < 32 (a block's 32 bins wrap at most once)"
@@ -205,7 +222,7 @@ def unusable(t: torch.Tensor, dim: int):
     if isinstance(loaded, str):
         return loaded
     need = shared_bytes(t.dtype, dim)
-    limit = loaded.kernels[t.dtype].max_dynamic
+    limit = min(loaded.kernels[(t.dtype, p)].max_dynamic for p in (False, True))
     if need > limit:
         return (
             f"dim {dim} needs {need} bytes of shared memory a block, over the {limit} the "
@@ -214,38 +231,26 @@ def unusable(t: torch.Tensor, dim: int):
     return None
 
 
-def sketch_add(
-    bins: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int, seed: int, dim: int
-) -> None:
-    """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the float32
-    ``bins`` [dim] and the float64 ``ss`` [>= 1] (its first element), on torch's current stream of
-    the values' device, in one launch. The caller has checked ``unusable`` (None)."""
-    flat = values.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    if n == 0:
-        return
+def _launch(flat: torch.Tensor, pieces: bool, dim: int, units: int, values: dict) -> None:
+    """One launch of the (dtype, pieces) kernel over ``flat`` with ``values`` as its parameters
+    (besides x and dim), a grid of at most the blocks resident at once and at least 2 units (tiles
+    or pieces) a warp, on torch's current stream."""
     index = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
     device = _device(index)
     lib = _lib
-    kernel = device.kernels[flat.dtype]
+    kernel = device.kernels[(flat.dtype, pieces)]
     shared = shared_bytes(flat.dtype, dim)
-    tiles = ((offset + n - 1) // 32 - offset // 32) // 32 + 1
     blocks = min(
         device.grid(lib, kernel, dim, shared),
-        max(1, -(-tiles // (8 * _MIN_TILES_PER_WARP))),
+        max(1, -(-units // (8 * _MIN_TILES_PER_WARP))),
     )
     stream = torch.cuda.current_stream(flat.device).cuda_stream
     with _lock:
         device._current(lib)
-        kernel.x.value = flat.data_ptr()
-        kernel.n.value = n
-        kernel.offset.value = offset
-        kernel.seed.value = seed & ((1 << 64) - 1)
-        kernel.dim.value = dim
-        kernel.bins.value = bins.data_ptr()
-        kernel.ss.value = ss.data_ptr()
+        kernel.values["x"].value = flat.data_ptr()
+        kernel.values["dim"].value = dim
+        for name, value in values.items():
+            kernel.values[name].value = value
         _check(
             lib.cuLaunchKernel(
                 kernel.function,
@@ -262,3 +267,60 @@ def sketch_add(
             ),
             "cuLaunchKernel",
         )
+
+
+def sketch_add(
+    bins: torch.Tensor, ss: torch.Tensor, values: torch.Tensor, offset: int, seed: int, dim: int
+) -> None:
+    """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the float32
+    ``bins`` [dim] and the float64 ``ss`` [>= 1] (its first element), on torch's current stream of
+    the values' device, in one launch. The caller has checked ``unusable`` (None)."""
+    flat = values.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    if n == 0:
+        return
+    tiles = ((offset + n - 1) // 32 - offset // 32) // 32 + 1
+    _launch(
+        flat,
+        False,
+        dim,
+        tiles,
+        {
+            "n": n,
+            "offset": offset,
+            "seed": seed & _MASK64,
+            "bins": bins.data_ptr(),
+            "ss": ss.data_ptr(),
+        },
+    )
+
+
+def sketch_add_pieces(
+    bins: torch.Tensor, ss: torch.Tensor, flat: torch.Tensor, table, seed: int, dim: int
+) -> None:
+    """``sketch_add`` of the segments of the flat contiguous buffer ``flat``, given as a piece
+    table (three int64 tensors on its device: start, count, global offset of each piece;
+    fingerprint.SegmentLayout.pieces, triton_kernels.piece_table): one launch for a whole DDP
+    bucket. The table's tensors must stay alive until the kernel has run (the layout caches
+    them)."""
+    starts, counts, goffs = table
+    n_pieces = starts.numel()
+    if n_pieces == 0:
+        return
+    _launch(
+        flat,
+        True,
+        dim,
+        n_pieces,
+        {
+            "starts": starts.data_ptr(),
+            "counts": counts.data_ptr(),
+            "goffs": goffs.data_ptr(),
+            "n_pieces": n_pieces,
+            "seed": seed & _MASK64,
+            "bins": bins.data_ptr(),
+            "ss": ss.data_ptr(),
+        },
+    )

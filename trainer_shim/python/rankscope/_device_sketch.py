@@ -93,13 +93,10 @@ class DeviceSketch:
             flat = flat.contiguous()
 
         def compute(choice):
-            if choice.backend == _backend.CUDA:  # a launch a segment (no piece table yet)
+            if choice.backend == _backend.CUDA:
                 rows, ss = self._fused_partials()
-                for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
-                    if n:
-                        _cs.sketch_add(
-                            rows[0], ss, flat[start : start + n], offset, self.seed, self.dim
-                        )
+                table = layout.pieces(self.device)
+                _cs.sketch_add_pieces(rows[0], ss, flat, table, self.seed, self.dim)
                 return
             if choice.backend == _backend.TRITON:
                 table = layout.pieces(self.device)
