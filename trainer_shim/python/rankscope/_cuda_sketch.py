@@ -9,11 +9,11 @@ kernel is compiled once at build time (nvcc, with its resource usage checked by
 tests/python/test_cuda_sketch.py), so nothing compiles at run time and nothing needs the NVRTC
 library, CUDA_HOME or a private torch API; the driver library is present wherever torch runs on
 an NVIDIA GPU. A launch is one ``cuLaunchKernel`` whose parameter array is built once per kernel
-(its seven ctypes values are rewritten in place each launch): a few microseconds of host time,
-against Triton's launcher's 5-13 (/work/shared/notes: tritonbench#669).
+(its ctypes values are rewritten in place each launch): expected to cost a few microseconds of
+host time against Triton's launcher's 5-13 (tritonbench#669); not yet measured.
 
-Contract of ``sketch_add``: the same as triton_kernels.sketch_add for the bins and squares it
-adds (same bins and signs as agent/include/rankscope/sketch.h; float32 bins within rounding of
+Contract of ``sketch_add`` and ``sketch_add_pieces``: the same as triton_kernels.sketch_add and
+sketch_add_pieces for the bins and squares they add (same bins and signs as agent/include/rankscope/sketch.h; float32 bins within rounding of
 the torch-op path's float64 sums; squares exact float64), added into ONE float32 row ``bins``
 [dim] and one float64 ``ss`` [1] (DeviceSketch passes row 0 of its partials). Launched on torch's
 current stream of the values' device; nothing synchronizes with the host.
@@ -24,8 +24,9 @@ device's opt-in limit per block; the fatbin in this build; libcuda loading; the 
 the device (a GPU older than sm_90 takes the compute_90 PTX only if its driver can JIT it: it
 cannot, so it fails to load, and the reason says so).
 
-Thread safety: the module, the functions and the per-(function, dim) grid sizes are loaded under a
-lock and then only read; a launch rewrites its kernel's parameter array under the same lock.
+Thread safety: the module and its functions are loaded under a lock and then only read; the
+per-(function, dim) grid sizes are computed on first use (two threads may both compute one, the
+same value); a launch rewrites its kernel's parameter array under the lock.
 """
 
 import ctypes
@@ -37,7 +38,6 @@ import torch
 _FATBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sketch.fatbin")
 _THREADS = 256  # sketch.cu kWarps * 32
 _STAGE_VALUES = 8 * 1024  # sketch.cu kWarps * kTileValues
-_TILE = 1024  # coordinates a warp's tile
 _MIN_TILES_PER_WARP = 2  # a block's dim merge atomics against >= 2 tiles (or pieces) a warp
 _MASK64 = (1 << 64) - 1
 
