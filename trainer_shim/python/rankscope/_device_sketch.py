@@ -13,8 +13,9 @@ rows are folded in float64, so a bin carries the rounding of a float32 sum of ab
 ``float32_terms`` values (the busiest program's tiles times a tile's values per bin), and a value
 enters that sum rounded to ``value_bits`` significant bits where the kernel cannot take it exactly
 (22: float32 values on the tensor cores as three tf32 products; 24: float64 values cast to
-float32; 0: exact, as bfloat16, float16 and, in the atomic kernel, float32 values are). The
-aggregation check widens its tolerance by both (rankscope._integrity.effective_mantissa_bits);
+float32; 0: exact, as bfloat16, float16 and, in the atomic kernel, float32 values are). The CUDA
+kernel (rankscope._cuda_sketch, opt-in) adds a step's values into one float32 row: counted as
+all of a bin's values in one running sum, an upper bound. The aggregation check widens its tolerance by both (rankscope._integrity.effective_mantissa_bits);
 the torch-op path sums in float64 (0 terms, exact values).
 
 Thread-compatible: one writer at a time (DDP calls its comm hooks one after another).
@@ -45,6 +46,7 @@ class DeviceSketch:
         # Tiles the busiest program added into its float32 row since the last reset, and the
         # coarsest rounding of a value on its way in (0: none).
         self._tiles = 0
+        self._cuda_values = 0  # values the CUDA kernel added into its one float32 row
         self.value_bits = 0
 
     @property
@@ -62,13 +64,17 @@ class DeviceSketch:
     @property
     def float32_terms(self) -> int:
         """About how many values one float32 partial bin summed since the last reset (the
-        busiest program's tiles times a tile's values per bin); 0 on the torch-op path."""
-        return -(-self._tiles * _tk.PIECE // self.dim)
+        busiest program's tiles times a tile's values per bin; the CUDA kernel's one row: all
+        the values of a bin, as if summed one after another, an upper bound of its warp-private
+        and per-block sums); 0 on the torch-op path."""
+        triton = -(-self._tiles * _tk.PIECE // self.dim)
+        return max(triton, -(-self._cuda_values // self.dim))
 
     def reset(self) -> None:
         self._bins.zero_()
         self._sum_squares.zero_()
         self._tiles = 0
+        self._cuda_values = 0
         self.value_bits = 0
         if self._pending:
             for t in self._partials:
@@ -112,6 +118,7 @@ class DeviceSketch:
             if choice.backend == _backend.CUDA:
                 rows, ss = self._fused_partials()
                 _cs.sketch_add(rows[0], ss, flat, offset, self.seed, self.dim)
+                self._cuda_values += flat.numel()
             elif choice.backend == _backend.TRITON:
                 _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim, choice)
                 n = flat.numel()
@@ -136,6 +143,7 @@ class DeviceSketch:
                 rows, ss = self._fused_partials()
                 table = layout.pieces(self.device)
                 _cs.sketch_add_pieces(rows[0], ss, flat, table, self.seed, self.dim)
+                self._cuda_values += sum(layout.counts)
                 return
             if choice.backend == _backend.TRITON:
                 table = layout.pieces(self.device)
