@@ -86,7 +86,15 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
     from rankscope import _autoattach, _fsdp2_attach
 
     models, optimizers = _autoattach.find_models_and_optimizers()
-    watched = [m for m in models if type(m) is not _autoattach.DDP and _fsdp2_attach.is_watched(m)]
+    existing = _autoattach.current()
+    # An FSDP2 model that rst.attach in the script (or a framework's callback) watches.
+    watched = [
+        m
+        for m in models
+        if type(m) is not _autoattach.DDP
+        and not (existing is not None and existing.covers(m))
+        and _fsdp2_attach.is_watched(m)
+    ]
     models = [m for m in models if all(m is not w for w in watched)]
     if not models:
         ack.write(
@@ -101,7 +109,6 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
         )
         return
     job = str(request["job"])
-    existing = _autoattach.current()
     if existing is not None and all(existing.covers(m) for m in models):
         ack.write(
             status="already attached",
