@@ -60,7 +60,11 @@ def find_models_and_optimizers():
             continue
         elif issubclass(t, optimizer_type):
             optimizers.append(o)
-        elif fsdp_module is not None and _fsdp2_attach.is_root(o, fsdp_module):
+        elif (
+            fsdp_module is not None
+            and issubclass(t, fsdp_module)  # a C-level test first: the walk sees every object
+            and _fsdp2_attach.is_root(o, fsdp_module)
+        ):
             models.append(o)
     inner = {id(getattr(o, "optim", None)) for o in optimizers}
     # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has no

@@ -50,7 +50,6 @@ model's attachment and is kept in ``error``. Thread safety: training thread only
 pre-hooks, the optimizer's step post-hook, the payload).
 """
 
-import gc
 import sys
 import weakref
 
@@ -393,12 +392,3 @@ class AttachedFsdp2:
             f"rankscope: could not attach to an FSDP2 model ({self.error}); training is unaffected"
         )
         self._attacher.changed()
-
-
-def find_roots() -> list:
-    """The root FSDP2 modules alive in this process (one heap walk), or [] when the process
-    never imported FSDP2."""
-    cls = fsdp_module_class_if_imported()
-    if cls is None:
-        return []
-    return [o for o in gc.get_objects() if is_root(o, cls)]
