@@ -15,8 +15,8 @@ counter, so each attached model reads a clock of its own at each optimizer step 
 optimizer's ``register_step_post_hook``, the step boundary):
 
 - zero-code launch (``CLOCK_STEPS``): the optimizer steps since the model's first forward with
-  gradients. The monitor is installed at that forward, on every rank before its first optimizer
-  step, so every rank has the same count at the same boundary.
+  gradients. The monitor is installed at that forward, the same point of the program on every
+  rank (before the first optimizer step), so every rank has the same count at the same boundary.
 - live attach (``CLOCK_COLLECTIVES``): ranks are attached at different steps, so a count since
   arrival differs from rank to rank. The clock is the number of collectives this rank issued on
   the model's mesh (``_get_sequence_number_for_group`` of the backend for the model's device,
