@@ -86,6 +86,20 @@ def full_state(trainer, args) -> dict:
     }
 
 
+def reference_backward(ref, loss, args) -> None:
+    """The reference replica's backward. With --fsdp2, through torch.autograd.grad, not
+    torch.autograd.backward, whose calls rankscope's loss capture records: the job's own losses
+    are then the only ones the step's reported loss averages (the FSDP2 tests hold it to the
+    float32 mean exactly). The gradients are added into .grad as autograd would."""
+    if not args.fsdp2:
+        loss.backward()
+        return
+    params = [p for p in ref.parameters() if p.requires_grad]
+    for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
 def missed_shard_sync(opt, owner):
     """ZeroRedundancyOptimizer's parameter sync, after which this rank keeps its old copy of
     ``owner``'s shard (it takes part in every broadcast, so no rank hangs)."""
@@ -150,10 +164,12 @@ def main():
         ref.load_state_dict(full_state(trainer, args))
         ref.zero_grad(set_to_none=True)
         ref_losses = []
+        ref_loss_tensors = []
         for micro in range(args.accum):
             rl = lm_loss(ref, *batch(args.rank, step, micro))
-            rl.backward()
+            reference_backward(ref, rl, args)
             ref_losses.append(float(rl))
+            ref_loss_tensors.append(rl.detach())
         g = flat_grad(ref)
 
         opt.zero_grad(set_to_none=True)
@@ -179,6 +195,9 @@ def main():
         opt.step()
         opt.__dict__.pop("_sync_params", None)
 
+        if args.save_grads:  # the step's loss as the job computes it: the mean in its dtype
+            step_losses = [torch.zeros(1) for _ in range(args.world)]
+            dist.all_gather(step_losses, torch.stack(ref_loss_tensors).mean().reshape(1))
         gathered = [torch.zeros_like(g) for _ in range(args.world)]
         dist.all_gather(gathered, g)
         losses = torch.zeros(args.world, dtype=torch.float64)
@@ -194,7 +213,7 @@ def main():
                 "cosine": sum(float(units[i] @ units[j]) for i, j in pairs) / len(pairs),
             }
             if args.save_grads:
-                saved[step] = ([float(v) for v in losses], torch.stack(gathered))
+                saved[step] = ([float(v) for v in step_losses], torch.stack(gathered))
             (out / "progress.tmp").write_text(str(step))
             os.replace(out / "progress.tmp", out / "progress")
         if not args.total:

@@ -563,9 +563,7 @@ def test_attach_to_running_fsdp2_job_reports_every_step_exactly(module_collector
     job = Job(tmp_path / "fsdp2", world=2, args=("--fsdp2", "--adam", "--save-grads"))
     try:
         job.wait_progress(3)
-        out = attach(
-            module_collector, "live-fsdp2", job.pids, f"--sketch_dim={FSDP2_SKETCH_DIM}"
-        )
+        out = attach(module_collector, "live-fsdp2", job.pids, f"--sketch_dim={FSDP2_SKETCH_DIM}")
         assert out.returncode == 0, out.stdout + out.stderr
         starts = start_steps(out.stdout)
         assert len(starts) == 2 and len(set(starts)) == 1, out.stdout
