@@ -266,7 +266,9 @@ class AttachedFsdp2:
         self._steps = 0  # optimizer steps since the monitor was installed
         self._optimizer = None
         self._hook_handles = []
-        self._pre_hook = model.register_forward_pre_hook(self._pre_forward)
+        # Before FSDP2's own pre-forward (prepend): the parameters are still the sharded ones
+        # then, which the FSDP2 path maps (during the forward they are the unsharded ones).
+        self._pre_hook = model.register_forward_pre_hook(self._pre_forward, prepend=True)
 
     def describe(self) -> dict:
         d = {
