@@ -14,6 +14,7 @@ Thread-compatible: one writer at a time (DDP calls its comm hooks one after anot
 import torch
 
 from rankscope import _backend
+from rankscope import _cuda_sketch as _cs
 from rankscope import torch_sketch as _ts
 from rankscope import triton_kernels as _tk
 
@@ -73,7 +74,10 @@ class DeviceSketch:
         flat = values.reshape(-1)
 
         def compute(choice):
-            if choice.backend == _backend.TRITON:
+            if choice.backend == _backend.CUDA:
+                rows, ss = self._fused_partials()
+                _cs.sketch_add(rows[0], ss, flat, offset, self.seed, self.dim)
+            elif choice.backend == _backend.TRITON:
                 _tk.sketch_add(*self._fused_partials(), flat, offset, self.seed, self.dim, choice)
             else:
                 _ts.add(self._bins, self._sum_squares, flat, offset, self.seed)
@@ -89,6 +93,11 @@ class DeviceSketch:
             flat = flat.contiguous()
 
         def compute(choice):
+            if choice.backend == _backend.CUDA:
+                rows, ss = self._fused_partials()
+                table = layout.pieces(self.device)
+                _cs.sketch_add_pieces(rows[0], ss, flat, table, self.seed, self.dim)
+                return
             if choice.backend == _backend.TRITON:
                 table = layout.pieces(self.device)
                 _tk.sketch_add_pieces(
