@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rankscope import _fsdp2_attach, _loss_capture
 from rankscope import torch as rst
 from rankscope._attach_agreement import StartAgreement
+from rankscope._attachment import Attachment
 from rankscope._ddp_clock import DdpIterations
 
 DDP = torch.nn.parallel.DistributedDataParallel
@@ -92,49 +93,29 @@ def has_comm_hook(model) -> str:
         return ""
 
 
-class AttachedModel:
+class AttachedModel(Attachment):
     """One DDP model attached from outside the script."""
 
+    KIND = "a DDP model"
+
     def __init__(self, attacher: "AutoAttacher", model):
-        self._attacher = attacher
-        self._model = weakref.ref(model)
-        self.state = "waiting"
-        self.path = ""
-        self.group = None
-        self.rank = dist.get_rank(model.process_group)
-        self.world_size = dist.get_world_size(model.process_group)
-        self.global_rank = dist.get_rank()
-        self.start_step: int | None = None
-        self.step_boundary = ""
-        self.error = ""
-        self.monitor = None
+        super().__init__(
+            attacher,
+            model,
+            dist.get_rank(model.process_group),
+            dist.get_world_size(model.process_group),
+        )
         self._agreement = None
         self._agreement_key = None
         self._clock = DdpIterations()
-        self._optimizer = None
         self._last_iteration = None
         self._sync_backward = True
         self._params: list[torch.Tensor] = []
-        self._hook_handles = []
         self._pre_hook = model.register_forward_pre_hook(self._pre_forward)
 
-    def describe(self) -> dict:
-        d = {
-            "state": self.state,
-            "path": self.path,
-            "group": self.group or "",
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "global_rank": self.global_rank,
-            "start_step": self.start_step,
-            "step_boundary": self.step_boundary,
-            "error": self.error,
-        }
+    def _describe_more(self, d: dict) -> None:
         if self._agreement is not None:
             d["arrived"] = self._agreement.arrived
-        capture = self._attacher.capture
-        d["backward_calls_per_step"] = capture.last_count
-        return d
 
     # ---- the forward pre-hook: every state change happens here or at the step boundary ------
 
@@ -267,32 +248,6 @@ class AttachedModel:
             self._fail(e)
 
     # ---- state ------------------------------------------------------------------------------
-
-    def _changed(self, state: str) -> None:
-        self.state = state
-        self._attacher.changed()
-
-    def _fail(self, e: Exception) -> None:
-        self.error = f"{type(e).__name__}: {e}"
-        self.state = "failed"
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
-        for h in self._hook_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._hook_handles = []
-        if self.monitor is not None:
-            try:
-                self.monitor.close(timeout=0)
-            except Exception:
-                pass
-        self._attacher.warn(
-            f"rankscope: could not attach to a DDP model ({self.error}); training is unaffected"
-        )
-        self._attacher.changed()
 
 
 class AutoAttacher:

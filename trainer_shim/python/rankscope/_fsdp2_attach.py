@@ -51,13 +51,13 @@ pre-hooks, the optimizer's step post-hook, the payload).
 """
 
 import sys
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from rankscope import torch as rst
 from rankscope._attach_agreement import LEAD, StartAgreement
+from rankscope._attachment import Attachment
 from rankscope.frameworks import fsdp2
 from rankscope.frameworks._local_grads import Unwatched
 
@@ -238,55 +238,36 @@ class ClockStart:
         return own if own is not None else since_start - 1
 
 
-class AttachedFsdp2:
+class AttachedFsdp2(Attachment):
     """One root FSDP2 model attached from outside the script. Its states and ``describe()`` are
     rankscope._autoattach.AttachedModel's: waiting -> agreeing -> agreed -> reporting (or
     failed); here "agreed" is never shown apart (the start is taken at the boundary that
     reaches it)."""
 
+    KIND = "an FSDP2 model"
+
     def __init__(self, attacher, model, clock: str):
-        self._attacher = attacher
-        self._model = weakref.ref(model)
-        self._clock_kind = clock
-        self.state = "waiting"
-        self.path = ""
-        self.group = None
-        self.start_step: int | None = None
-        self.step_boundary = ""
-        self.error = ""
-        self.monitor = None
         groups = fsdp2.param_groups(model)
         pg = fsdp2._mesh_group(groups) if groups else None
+        super().__init__(
+            attacher,
+            model,
+            dist.get_rank(pg) if pg is not None else dist.get_rank(),
+            dist.get_world_size(pg) if pg is not None else dist.get_world_size(),
+        )
+        self._clock_kind = clock
         self._pg = pg
-        self.rank = dist.get_rank(pg) if pg is not None else dist.get_rank()
-        self.world_size = dist.get_world_size(pg) if pg is not None else dist.get_world_size()
-        self.global_rank = dist.get_rank()
         self._start = None  # ClockStart
         self._clock = None  # () -> the clock's value now
         self._steps = 0  # optimizer steps since the monitor was installed
-        self._optimizer = None
-        self._hook_handles = []
         # Before FSDP2's own pre-forward (prepend): the parameters are still the sharded ones
         # then, which the FSDP2 path maps (during the forward they are the unsharded ones).
         self._pre_hook = model.register_forward_pre_hook(self._pre_forward, prepend=True)
 
-    def describe(self) -> dict:
-        d = {
-            "state": self.state,
-            "path": self.path,
-            "group": self.group or "",
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "global_rank": self.global_rank,
-            "start_step": self.start_step,
-            "step_boundary": self.step_boundary,
-            "error": self.error,
-            "clock": self._clock_kind,
-        }
+    def _describe_more(self, d: dict) -> None:
+        d["clock"] = self._clock_kind
         if self._start is not None and self._start.arrived:
             d["arrived"] = self._start.arrived
-        d["backward_calls_per_step"] = self._attacher.capture.last_count
-        return d
 
     # ---- installation, at the next forward with gradients -----------------------------------
 
@@ -365,32 +346,3 @@ class AttachedFsdp2:
             self._fail(e)
 
     # ---- state ------------------------------------------------------------------------------
-
-    def _remove_pre_hook(self) -> None:
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
-
-    def _changed(self, state: str) -> None:
-        self.state = state
-        self._attacher.changed()
-
-    def _fail(self, e: Exception) -> None:
-        self.error = f"{type(e).__name__}: {e}"
-        self.state = "failed"
-        self._remove_pre_hook()
-        for h in self._hook_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._hook_handles = []
-        if self.monitor is not None:
-            try:
-                self.monitor.close(timeout=0)
-            except Exception:
-                pass
-        self._attacher.warn(
-            f"rankscope: could not attach to an FSDP2 model ({self.error}); training is unaffected"
-        )
-        self._attacher.changed()
