@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -154,6 +155,18 @@ absl::Status AgentImpl::Record(const StepReport& report) {
           absl::StrCat("reduced_sketch has ", report.reduced_sketch.size(),
                        " values and mantissa bits ", report.reduced_grad_mantissa_bits,
                        "; the sketch has ", report.sketch.size(), " and bits must be in [1, 53]"));
+    }
+    if (!report.param_projections.empty()) {
+      bool finite = std::isfinite(report.param_rounding) && report.param_rounding >= 0.0;
+      for (double p : report.param_projections) finite = finite && std::isfinite(p);
+      if (!report.param_fingerprint || report.param_projections.size() != kReplicaProjections ||
+          !finite) {
+        ++stats_.invalid;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "param_projections has ", report.param_projections.size(),
+            " values and rounding ", report.param_rounding, "; a summary needs ",
+            kReplicaProjections, " finite values, a finite rounding >= 0 and param_fingerprint"));
+      }
     }
     if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;

@@ -70,6 +70,11 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
     r->mutable_reduced_sketch()->Add(q.reduced_sketch.begin(), q.reduced_sketch.end());
     r->set_reduced_grad_mantissa_bits(q.reduced_grad_mantissa_bits);
   }
+  if (!q.param_projections.empty()) {
+    v1::ReplicaSummary* summary = r->mutable_param_summary();
+    summary->mutable_projections()->Add(q.param_projections.begin(), q.param_projections.end());
+    summary->set_rounding(q.param_rounding);
+  }
   return msg;
 }
 

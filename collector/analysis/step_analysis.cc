@@ -61,6 +61,7 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   const size_t n = step.reports.size();
   std::vector<RankSignals> signals;
   std::vector<RankFingerprint> grads, params;
+  std::vector<RankReplicaSummary> param_summaries;
   std::vector<double> local_norms, reduced_norms, times;
   signals.reserve(n);
   local_norms.reserve(n);
@@ -74,7 +75,10 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine,
                        r.loss_absent, echoes.contains(r.rank)});
     if (r.reduced_grad_fingerprint) grads.push_back({r.rank, *r.reduced_grad_fingerprint});
-    if (r.param_fingerprint) params.push_back({r.rank, *r.param_fingerprint});
+    if (r.param_fingerprint) {
+      params.push_back({r.rank, *r.param_fingerprint});
+      if (r.param_summary) param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary});
+    }
     local_norms.push_back(r.grad_norm);
     if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
     times.push_back(r.step_time_seconds.value_or(std::nan("")));
@@ -83,7 +87,18 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   }
   d.outliers = ComputeOutlierScores(signals, scale_floor, &d.scales);
   const ReplicaVerdict grad_verdict = CheckReplicas(grads);
-  const ReplicaVerdict param_verdict = CheckReplicas(params);
+  // The parameters: with a tolerance when every rank that sent a fingerprint sent a summary
+  // (their replica check is "tolerance", replica_tolerance.h), else bit for bit.
+  ReplicaVerdict param_verdict;
+  if (!params.empty() && param_summaries.size() == params.size()) {
+    ToleranceVerdict tolerance = CheckReplicasWithTolerance(param_summaries);
+    param_verdict = std::move(tolerance.verdict);
+    d.replica_tolerance = true;
+    d.replica_within_tolerance = std::move(tolerance.within_tolerance);
+    d.replica_tolerance_ratio = tolerance.worst_ratio;
+  } else {
+    param_verdict = CheckReplicas(params);
+  }
   d.replica_checked = grad_verdict.checked || param_verdict.checked;
   std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
                  param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),

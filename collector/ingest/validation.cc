@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "collector/model/rank_report.h"
 #include "common/job_name.h"
 
 namespace rankscope::collector {
@@ -219,6 +220,21 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                       report.reduced_grad_mantissa_bits(), "; job ", hello.job(), "'s report has ",
                       dim, " sketch bins, and the bits must be in [1, 53]")),
                   RejectReason::kSketchLength);
+  }
+  if (report.has_param_summary()) {
+    const v1::ReplicaSummary& summary = report.param_summary();
+    bool finite = std::isfinite(summary.rounding()) && summary.rounding() >= 0.0;
+    for (double p : summary.projections()) finite = finite && std::isfinite(p);
+    if (!report.has_param_fingerprint() ||
+        static_cast<size_t>(summary.projections_size()) != kReplicaProjections || !finite) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat(
+                        "param_summary of step ", report.step(), " of job ", hello.job(),
+                        " must come with param_fingerprint and hold ", kReplicaProjections,
+                        " finite projections and a finite rounding >= 0 (has ",
+                        summary.projections_size(), " projections, rounding ",
+                        summary.rounding(), ")")),
+                    RejectReason::kInvalidReport);
+    }
   }
   return {};
 }

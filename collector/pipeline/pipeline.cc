@@ -52,6 +52,14 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   out.received_at = received_at;
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
   if (r.has_param_fingerprint()) out.param_fingerprint = r.param_fingerprint();
+  if (r.has_param_summary()) {  // validated: kReplicaProjections values
+    ReplicaSummary summary;
+    for (size_t j = 0; j < kReplicaProjections; ++j) {
+      summary.projections[j] = r.param_summary().projections(static_cast<int>(j));
+    }
+    summary.rounding = r.param_summary().rounding();
+    out.param_summary = summary;
+  }
   if (r.has_reduced_grad_norm()) out.reduced_grad_norm = r.reduced_grad_norm();
   if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();
   out.local_batch_size = r.local_batch_size();

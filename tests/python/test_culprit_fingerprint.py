@@ -196,3 +196,67 @@ def test_gpu_sketch_kernel_choice(monkeypatch):
     with b.forced(sketch=b.ATOMIC):
         monkeypatch.setattr(b, "DOT_FAILED", [])
         assert dot(torch.bfloat16, 1024)[1] is False
+
+
+# ---- the tolerance replica check's float summary (rankscope.replica_summary) ----------------
+
+
+def _splitmix64(g: int) -> int:
+    z = (g + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def test_summary_matches_its_definition():
+    """P_j = sum_i s_j(g_i) x_i with s_j from bit 60 + j of splitmix64(g), computed in Python
+    integers and floats, and R's ulp term; across two tensors at their offsets, with offsets
+    past 2**63 / 2 where the int64 arithmetic wraps."""
+    rs = pytest.importorskip("rankscope.replica_summary")
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(300, generator=g)
+    b = torch.randn(7, 11, generator=g).to(torch.bfloat16)
+    offsets = [5, (1 << 62) + 17]
+    projections, rounding = rs.summarize([a, b], offsets)
+    expected = [0.0] * rs.PROJECTIONS
+    ulp_squares = 0.0
+    magnitude = 0.0
+    for t, off in zip([a, b], offsets):
+        unit = 2.0 ** (1 - rs.precision(t.dtype))
+        for i, v in enumerate(t.reshape(-1).double().tolist()):
+            z = _splitmix64(off + i)
+            for j in range(rs.PROJECTIONS):
+                expected[j] += -v if (z >> (60 + j)) & 1 else v
+            ulp_squares += (unit * v) ** 2
+            magnitude += abs(v)
+    for got, want in zip(projections, expected):
+        assert abs(got - want) <= 1e-12 * magnitude
+    ulp_term = ulp_squares**0.5
+    chain = (rs.CHUNK - 1).bit_length() + 2
+    assert rounding == pytest.approx(ulp_term + chain * 2.0**-53 * magnitude, rel=1e-9)
+    # The signs are balanced (a fixed pseudo-random pattern, not a constant).
+    s = rs.signs(torch.arange(100_000))
+    assert s.shape == (rs.PROJECTIONS, 100_000)
+    assert set(s.unique().tolist()) == {-1.0, 1.0}
+    assert s.mean(1).abs().max() < 0.02
+
+
+def test_summary_is_independent_of_chunking_and_sees_a_change():
+    """Equal bits give equal summaries whatever the tensors' split (exact values, balanced
+    trees aside: within the stated rounding); a one-ulp change moves a projection by at most
+    one ulp-sized term, a 1e-3 change of a quarter of the values far more than R."""
+    rs = pytest.importorskip("rankscope.replica_summary")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, generator=g) * 0.05
+    whole, r_whole = rs.summarize([x], [0])
+    split, r_split = rs.summarize([x[:1000], x[1000:]], [0, 1000])
+    assert max(abs(p - q) for p, q in zip(whole, split)) <= r_whole
+    assert r_split == pytest.approx(r_whole, rel=1e-6)
+    y = x.clone()
+    y[17] = torch.nextafter(y[17], torch.tensor(1.0))
+    near, _ = rs.summarize([y], [0])
+    assert 0 < max(abs(p - q) for p, q in zip(whole, near)) <= r_whole
+    z = x.clone()
+    z[1024:2048] *= 1.001
+    far, _ = rs.summarize([z], [0])
+    assert max(abs(p - q) for p, q in zip(whole, far)) > 100 * r_whole

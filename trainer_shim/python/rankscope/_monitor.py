@@ -57,6 +57,7 @@ class Monitor:
         param_check_every=PARAM_CHECK_EVERY,
         fingerprints=True,
         integrity_every=INTEGRITY_EVERY,
+        replica_check="exact",
         queue_capacity,
         max_unacked,
         warn_after,
@@ -103,7 +104,7 @@ class Monitor:
         # share the counters and the warned keys, and hold no reference to the monitor.
         warn_once = functools.partial(_warn_once, self._warned)
         self._replica = ReplicaFingerprints(
-            model, fingerprints, param_check_every, self.counters, warn_once
+            model, fingerprints, param_check_every, self.counters, warn_once, replica_check
         )
         self._replica.integrity = ReducedSketch(
             sketch_dim, sketch_seed, self.rank, self.world_size, integrity_every, self.counters
@@ -413,10 +414,19 @@ class Monitor:
                 bucket_norms=sketcher.bucket_norms(),
                 reduced_sketch=reduced_sketch,
                 reduced_grad_mantissa_bits=mantissa_bits,
+                **self._param_summary_args(param_fp),
             )
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch)
+
+    def _param_summary_args(self, param_fp) -> dict:
+        """The record call's parameter summary (tolerance replica check), when this step carries
+        a parameter fingerprint and its summary."""
+        summary = self._replica.param_summary
+        if param_fp is None or summary is None:
+            return {}
+        return {"param_projections": summary[0], "param_rounding": summary[1]}
 
     def _emit_device(self, step, loss, step_time, batch) -> None:
         sketcher = self._sketcher

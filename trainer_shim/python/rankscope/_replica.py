@@ -9,6 +9,15 @@ the C++ kernel (Python numbers); tensors on a device are folded there, by a Trit
 CUDA device or torch ops (0-d tensors, never synchronized here). A bucket's layout is the bucket
 sketcher's (computed and cached there once).
 
+Replica check (docs/DESIGN.md "Replica check: exact or tolerance"): ``"exact"`` compares the
+fingerprints bit for bit; ``"tolerance"`` (replicas a framework or mode does not promise to keep
+bit-identical) also sends the parameters' float summary (rankscope.replica_summary) with each
+parameter fingerprint, which the collector compares within a tolerance, and sends no
+reduced-gradient fingerprint (its tolerance is not built yet; the reduced gradient's norm is still
+sent). The summary is computed for CPU
+parameters; a rank whose parameters lie on a device sends none (counted), and its step is
+compared bit for bit.
+
 Thread safety: ``bucket_layout`` runs on the autograd thread while backward runs, and
 ``fold_reduced`` when a collective completes, possibly on a communication thread (it only appends
 to lists); ``step_values`` and ``reset`` run on the training thread in ``mon.step``, after every
@@ -21,6 +30,9 @@ import torch
 
 from rankscope import _backend
 from rankscope import fingerprint as _fp
+from rankscope import replica_summary as _summary
+
+REPLICA_CHECKS = ("exact", "tolerance")
 
 
 class ReplicaFingerprints:
@@ -29,7 +41,21 @@ class ReplicaFingerprints:
     ``counters`` and ``warn_once(key, message)`` are the monitor's.
     """
 
-    def __init__(self, model, enabled: bool, param_check_every: int, counters, warn_once: Callable):
+    def __init__(
+        self,
+        model,
+        enabled: bool,
+        param_check_every: int,
+        counters,
+        warn_once: Callable,
+        replica_check: str = "exact",
+    ):
+        if replica_check not in REPLICA_CHECKS:
+            raise ValueError(f"replica_check must be one of {REPLICA_CHECKS}, got {replica_check!r}")
+        self.replica_check = replica_check
+        # The parameters' float summary of the latest parameter check ((projections, rounding);
+        # tolerance mode, CPU parameters), None otherwise: what the step's report carries.
+        self.param_summary = None
         self._counters = counters
         self._warn_once = warn_once
         # Parameter fingerprints: every parameter (frozen ones too), model.parameters() order.
@@ -117,6 +143,7 @@ class ReplicaFingerprints:
         closed: Python numbers when computed on the host (CPU tensors), 0-d tensors on
         ``device`` otherwise, None when not sent. No synchronization."""
         grad_fp = reduced_ss = param_fp = None
+        self.param_summary = None
         if (
             self.enabled
             and self._buckets
@@ -141,6 +168,8 @@ class ReplicaFingerprints:
                     .sum()
                     .add_(host)
                 )
+        if self.replica_check == "tolerance":
+            grad_fp = None  # its norm still goes out; the fingerprint has no tolerance yet
         if self._param_check_due(step):
             try:
                 parts, on_device, device_offsets = [], [], []
@@ -154,6 +183,8 @@ class ReplicaFingerprints:
                             device_offsets.append(off)
                     parts.extend(_fp.fold_many(on_device, device_offsets, self._fold_tables))
                 param_fp = _fp.add_all(parts, device) if parts else 0
+                if self.replica_check == "tolerance":
+                    self.param_summary = self._summarize(on_device)
                 self._last_param_check = step
                 self._counters["param_checks"] += 1
             except Exception as e:
@@ -162,6 +193,24 @@ class ReplicaFingerprints:
                     "fpparam", f"rankscope: could not fingerprint the parameters ({e!r})"
                 )
         return grad_fp, param_fp, reduced_ss
+
+    def _summarize(self, on_device):
+        """The parameters' float summary (rankscope.replica_summary) over the values the
+        fingerprint covers, or None when some lie on a device (counted, warned once)."""
+        if on_device:
+            self._counters["replica_summary_skipped"] += 1
+            self._warn_once(
+                "fpsummary",
+                "rankscope: the tolerance replica check summarizes CPU parameters only so far; "
+                "this rank's parameters are compared bit for bit",
+            )
+            return None
+        tensors, offsets = [], []
+        for p, off in zip(self._params, self._param_offsets):
+            if self._backend_of(p) != _backend.NONE:
+                tensors.append(p)
+                offsets.append(off)
+        return _summary.summarize(tensors, offsets)
 
     def _backend_of(self, t) -> str:
         return _backend.fingerprint(t, native=not self.bypass_native).backend
