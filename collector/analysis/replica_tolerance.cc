@@ -7,7 +7,19 @@
 
 namespace rankscope::collector {
 
-ToleranceVerdict CheckReplicasWithTolerance(absl::Span<const RankReplicaSummary> ranks) {
+double ReductionRounding(absl::Span<const double> local_norms, uint32_t world_size,
+                         uint32_t precision) {
+  if (local_norms.empty()) return 0.0;
+  double squares = 0.0;
+  for (double n : local_norms) squares += n * n;
+  if (!std::isfinite(squares)) return std::numeric_limits<double>::quiet_NaN();
+  const double scale = std::max(1.0, static_cast<double>(world_size) /
+                                         static_cast<double>(local_norms.size()));
+  return 2.0 * std::ldexp(1.0, -static_cast<int>(precision)) * std::sqrt(squares * scale);
+}
+
+ToleranceVerdict CheckReplicasWithTolerance(absl::Span<const RankReplicaSummary> ranks,
+                                            double reduction) {
   ToleranceVerdict out;
   if (ranks.empty()) return out;
   std::vector<RankFingerprint> fingerprints;
@@ -26,8 +38,8 @@ ToleranceVerdict CheckReplicasWithTolerance(absl::Span<const RankReplicaSummary>
     center[j] = FiniteMedian(column);
   }
   for (size_t i = 0; i < ranks.size(); ++i) column[i] = ranks[i].summary.rounding;
-  out.tolerance =
-      kReplicaToleranceSigmas * kReplicaToleranceUlps * std::max(0.0, FiniteMedian(column));
+  out.tolerance = kReplicaToleranceSigmas *
+                  (kReplicaToleranceUlps * std::max(0.0, FiniteMedian(column)) + reduction);
 
   std::vector<uint32_t> beyond, within;
   for (const RankReplicaSummary& r : ranks) {

@@ -9,6 +9,9 @@
 // x_i with fixed pseudo-random signs, and R, the size of a one-ulp difference in every value plus
 // the summary's own float64 rounding), and CheckReplicasWithTolerance compares those.
 //
+// The reduced gradient (reduced_grad_summary) is compared the same way, with a tolerance that
+// also covers a reduction summed in another order on each rank (ReductionRounding).
+//
 // The arithmetic. Two replicas x and x + d give P_j(x + d) - P_j(x) = sum_i s_j(g_i) d_i: over
 // the signs (independent of d), a sum with mean 0, variance ||d||^2 and sub-Gaussian tails
 // (Hoeffding: P(|.| > t ||d||) <= 2 exp(-t^2 / 2)). Replicas that differ by at most
@@ -63,9 +66,22 @@ struct ToleranceVerdict {
   double worst_ratio = 0.0;
 };
 
-// The tolerance check of one step's parameter replicas (every rank that sent a fingerprint sent
-// a summary). Unchecked (verdict.checked false) for an empty input.
-ToleranceVerdict CheckReplicasWithTolerance(absl::Span<const RankReplicaSummary> ranks);
+// The tolerance check of one step's replicas (every rank that sent a fingerprint sent a
+// summary): tau = lambda (k R_med + reduction), where `reduction` bounds the RMS difference two
+// reductions summed in different orders may leave (the reduced gradient's:
+// ReductionRounding; 0 for the parameters). Unchecked (verdict.checked false) for an empty input.
+ToleranceVerdict CheckReplicasWithTolerance(absl::Span<const RankReplicaSummary> ranks,
+                                            double reduction = 0.0);
+
+// The reduced gradient's `reduction` term: 2 * 2^-p * sqrt(sum_r ||g_r||^2) * sqrt(world_size /
+// ranks) over the step's reported local gradient norms (the missing ranks' taken as their mean),
+// with p the smallest precision the ranks' summaries state. A reduction's rounding error e, with
+// the errors of its W - 1 additions and of the division by W modelled as independent and zero
+// mean, has E||e||^2 <= 2^-2p sum_r ||g_r||^2 (docs/DESIGN.md "Aggregation integrity", the same
+// model); two orders differ by at most twice that RMS. NaN when a norm is not finite (the exact
+// check is used then).
+double ReductionRounding(absl::Span<const double> local_norms, uint32_t world_size,
+                         uint32_t precision);
 
 }  // namespace rankscope::collector
 

@@ -198,5 +198,51 @@ TEST(ReplicaToleranceTest, FourUlpsEverywhereNeverNamedRealDivergenceAlways) {
   }
 }
 
+// The reduced gradient of a one-shot all-reduce that sums the W ranks' float32 gradients on
+// every rank starting from its own (pytorch#129501's shape): each rank's result differs by
+// rounding. With ReductionRounding's term none is named; a 1e-3 change of a quarter of one
+// rank's result is.
+TEST(ReplicaToleranceTest, ReductionsInDifferentOrdersAgreeUnderTheReductionTerm) {
+  constexpr uint32_t kW = 8;
+  std::vector<std::vector<float>> local;
+  std::vector<double> norms;
+  for (uint32_t r = 0; r < kW; ++r) {
+    local.push_back(Model(kN, 100 + r));
+    double sq = 0.0;
+    for (float v : local.back()) sq += double{v} * v;
+    norms.push_back(std::sqrt(sq));
+  }
+  std::vector<std::vector<float>> reduced(kW, std::vector<float>(kN));
+  for (uint32_t r = 0; r < kW; ++r) {
+    for (size_t i = 0; i < kN; ++i) {
+      float acc = 0.0f;
+      for (uint32_t k = 0; k < kW; ++k) acc += local[(r + k) % kW][i] / static_cast<float>(kW);
+      reduced[r][i] = acc;
+    }
+  }
+  std::vector<RankReplicaSummary> ranks = Ranks(reduced);
+  EXPECT_TRUE(CheckReplicas(Fingerprints(ranks)).ambiguous);  // every rank's bits differ
+  const double reduction = ReductionRounding(norms, kW, 24);
+  EXPECT_GT(reduction, 0.0);
+  const ToleranceVerdict v = CheckReplicasWithTolerance(ranks, reduction);
+  EXPECT_THAT(v.verdict.divergent_ranks, IsEmpty());
+  EXPECT_EQ(v.within_tolerance.size(), kW);
+  EXPECT_LT(v.worst_ratio, 1.0);
+
+  for (size_t i = 0; i < kN / 4; ++i) reduced[5][i] *= 1.001f;
+  const ToleranceVerdict bad = CheckReplicasWithTolerance(Ranks(reduced), reduction);
+  EXPECT_THAT(bad.verdict.divergent_ranks, ElementsAre(5u));
+}
+
+TEST(ReplicaToleranceTest, ReductionRoundingScalesWithTheNormsAndThePrecision) {
+  const std::vector<double> norms = {3.0, 4.0};
+  EXPECT_DOUBLE_EQ(ReductionRounding(norms, 2, 24), 2.0 * std::ldexp(1.0, -24) * 5.0);
+  // Two of four ranks reported: the missing ones counted at the reported ones' mean square.
+  EXPECT_DOUBLE_EQ(ReductionRounding(norms, 4, 8),
+                   2.0 * std::ldexp(1.0, -8) * std::sqrt(25.0 * 2.0));
+  EXPECT_TRUE(std::isnan(ReductionRounding({1.0, std::nan("")}, 2, 24)));
+  EXPECT_EQ(ReductionRounding({}, 2, 24), 0.0);
+}
+
 }  // namespace
 }  // namespace rankscope::collector

@@ -12,8 +12,9 @@ One spawned run trains a small regression MLP through five scenarios, each its o
   layer     rank 1's gradient of one layer (net.2.weight) scaled by 45 from step 15 (a tensor
             hook: a kernel fault in one layer), for "where in the model";
   tolerance replica_check="tolerance" (replicas not bit-identical by design): rank 2's
-            parameters nudged in their last bit (four values) after step 12, then rank 1's
-            net.2.weight scaled by 1 + 1e-3 after step 22 (a real divergence).
+            parameters nudged in their last bit (four values) after step 12, rank 1's reduced
+            gradient moved by one ulp on step 25 (perturb's hook), and rank 1's net.2.weight
+            scaled by 1 + 1e-3 after step 22 (a real divergence).
 The workers write the ground truth they know (e.g. whether rank 2's parameters still differ at
 the check) to JSON; the tests read what the collector stored in SQLite.
 """
@@ -116,11 +117,11 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
         extra = {}
         pstate = None
-        if name == "perturb":
+        if name in ("perturb", "tolerance"):
             pstate = _PerturbState(ddp.process_group, rank)
             extra = {"comm_hook": perturbing_hook, "comm_hook_state": pstate}
         if name == "tolerance":
-            extra = {"replica_check": "tolerance"}
+            extra["replica_check"] = "tolerance"
         mon = rst.attach(
             ddp,
             collector=collector,
@@ -228,19 +229,10 @@ def test_every_scenario_reports_every_step_with_fingerprints(run):
     for name, steps in STEPS.items():
         stats = step_table(collector, f"culprit-{name}")
         assert sorted(stats) == list(range(steps)), name
-        assert all(s["ranks"] == W for s in stats.values()), name
-        # Every step is checked (its reduced gradient), under the tolerance check only the
-        # parameter checks' steps.
-        for step, s in stats.items():
-            assert s["checked"] == (name != "tolerance" or step % PARAM_CHECK_EVERY == 0), name
+        assert all(s["ranks"] == W and s["checked"] for s in stats.values()), name
         ranks = rank_table(collector, f"culprit-{name}")
         for step, by_rank in ranks.items():
-            # Under the tolerance check no reduced-gradient fingerprint is sent.
-            with_grad = name != "tolerance"
-            assert all((r["grad_fp"] is not None) == with_grad for r in by_rank.values()), (
-                name,
-                step,
-            )
+            assert all(r["grad_fp"] is not None for r in by_rank.values()), (name, step)
             has_param = [r["param_fp"] is not None for r in by_rank.values()]
             assert all(has_param) == (step % PARAM_CHECK_EVERY == 0), (name, step)
             assert not any(has_param) or all(has_param)
@@ -498,13 +490,15 @@ def test_unflagged_rows_keep_no_bucket_norms(run):
 
 def test_tolerance_check_passes_last_bit_differences_and_names_a_real_divergence(run):
     """replica_check="tolerance": rank 2's parameters, nudged in their last bit after step 12,
-    differ bit for bit from the others at the checks of steps 20 and 30 (their fingerprints
-    differ: what the exact check names, as the nudge scenario shows) and are not named; rank 1's
-    layer scaled by 1 + 1e-3 after step 22 is named at the check of step 30, and only rank 1."""
+    differ bit for bit from the others at the checks of steps 20 and 30, and rank 1's reduced
+    gradient on step 25 (their fingerprints differ: what the exact check names, as the nudge and
+    perturb scenarios show); neither is named. Rank 1's layer scaled by 1 + 1e-3 after step 22
+    is named at the check of step 30, and only rank 1."""
     collector, out, _ = run
     import json
 
     truth = json.loads((out / "tolerance.truth.json").read_text())
+    assert ROUNDING_AFTER < DIVERGE_AFTER < PERTURB_STEP < 30
     first = (ROUNDING_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
     second = (DIVERGE_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
     assert truth[str(first)] == [ROUNDING_RANK], "the nudge must still be there at the check"
@@ -515,9 +509,13 @@ def test_tolerance_check_passes_last_bit_differences_and_names_a_real_divergence
     at_first = ranks[first]
     others = {at_first[r]["param_fp"] for r in range(W) if r != ROUNDING_RANK}
     assert len(others) == 1 and at_first[ROUNDING_RANK]["param_fp"] not in others
+    # Rank 1's reduced gradient, one ulp off on step 25, is stored with its own fingerprint.
+    at_perturb = ranks[PERTURB_STEP]
+    others = {at_perturb[r]["grad_fp"] for r in range(W) if r != PERTURB_RANK}
+    assert len(others) == 1 and at_perturb[PERTURB_RANK]["grad_fp"] not in others
     for step in range(second):
         assert stats[step]["divergent"] == "", step
-    assert all(at_first[r]["replica_ok"] == 1 for r in range(W))
+        assert all(ranks[step][r]["replica_ok"] == 1 for r in range(W)), step
     assert stats[second]["divergent"] == str(DIVERGE_RANK)
     assert ranks[second][DIVERGE_RANK]["replica_ok"] == 0
     assert all(ranks[second][r]["replica_ok"] == 1 for r in range(W) if r != DIVERGE_RANK)

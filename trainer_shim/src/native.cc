@@ -191,8 +191,8 @@ class PyAgent {
   // The optional replica fields (fingerprints as uint64, the reduced gradient's norm) are sent
   // when given (rankscope.fingerprint); `reduced_sketch` (a Sketch or None) is the reduced
   // gradient's sketch on the steps this rank checks the aggregation (rankscope._integrity);
-  // `param_projections` and `param_rounding` the parameters' float summary under the tolerance
-  // replica check (rankscope.replica_summary; empty: the exact check).
+  // `param_*` and `reduced_grad_*` the float summaries under the tolerance replica check
+  // (rankscope.replica_summary; empty projections: the exact check).
   std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
@@ -200,7 +200,9 @@ class PyAgent {
                            std::optional<double> reduced_grad_norm, bool loss_absent,
                            const std::vector<float>& bucket_norms, py::object reduced_sketch,
                            uint32_t reduced_grad_mantissa_bits,
-                           const std::vector<double>& param_projections, double param_rounding) {
+                           const std::vector<double>& param_projections, double param_rounding,
+                           const std::vector<double>& reduced_grad_projections,
+                           double reduced_grad_rounding, uint32_t reduced_grad_precision) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -219,6 +221,9 @@ class PyAgent {
     r.reduced_grad_norm = reduced_grad_norm;
     r.param_projections = param_projections;
     r.param_rounding = param_rounding;
+    r.reduced_grad_projections = reduced_grad_projections;
+    r.reduced_grad_rounding = reduced_grad_rounding;
+    r.reduced_grad_precision = reduced_grad_precision;
     return StatusText(agent_->Record(r));
   }
 
@@ -230,7 +235,9 @@ class PyAgent {
                         std::optional<double> reduced_grad_norm, bool loss_absent,
                         const std::vector<float>& bucket_norms, py::object reduced_sketch,
                         uint32_t reduced_grad_mantissa_bits,
-                        const std::vector<double>& param_projections, double param_rounding) {
+                        const std::vector<double>& param_projections, double param_rounding,
+                        const std::vector<double>& reduced_grad_projections,
+                        double reduced_grad_rounding, uint32_t reduced_grad_precision) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -249,6 +256,9 @@ class PyAgent {
     r.reduced_grad_norm = reduced_grad_norm;
     r.param_projections = param_projections;
     r.param_rounding = param_rounding;
+    r.reduced_grad_projections = reduced_grad_projections;
+    r.reduced_grad_rounding = reduced_grad_rounding;
+    r.reduced_grad_precision = reduced_grad_precision;
     return StatusText(agent_->Record(r));
   }
 
@@ -539,7 +549,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
            py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
            py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
-           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0)
+           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
+           py::arg("reduced_grad_projections") = std::vector<double>{},
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
@@ -547,7 +559,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
            py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
            py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
-           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0)
+           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
+           py::arg("reduced_grad_projections") = std::vector<double>{},
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

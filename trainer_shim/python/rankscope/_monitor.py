@@ -414,19 +414,25 @@ class Monitor:
                 bucket_norms=sketcher.bucket_norms(),
                 reduced_sketch=reduced_sketch,
                 reduced_grad_mantissa_bits=mantissa_bits,
-                **self._param_summary_args(param_fp),
+                **self._summary_args(grad_fp, param_fp),
             )
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch)
 
-    def _param_summary_args(self, param_fp) -> dict:
-        """The record call's parameter summary (tolerance replica check), when this step carries
-        a parameter fingerprint and its summary."""
-        summary = self._replica.param_summary
-        if param_fp is None or summary is None:
-            return {}
-        return {"param_projections": summary[0], "param_rounding": summary[1]}
+    def _summary_args(self, grad_fp, param_fp) -> dict:
+        """The record call's float summaries (the tolerance replica check) of the fingerprints
+        this step carries."""
+        args = {}
+        grad, param = self._replica.grad_summary, self._replica.param_summary
+        if grad_fp is not None and grad is not None:
+            args["reduced_grad_projections"] = grad[0]
+            args["reduced_grad_rounding"] = grad[1]
+            args["reduced_grad_precision"] = grad[2]
+        if param_fp is not None and param is not None:
+            args["param_projections"] = param[0]
+            args["param_rounding"] = param[1]
+        return args
 
     def _emit_device(self, step, loss, step_time, batch) -> None:
         sketcher = self._sketcher

@@ -24,10 +24,15 @@ accumulator, so every P_j is a chain of at most C = 20 + (number of chunks) addi
 is at most C 2^-53 sum_i |x_i| (the classical bound for recursive summation), which R includes.
 Every replica computes its summary the same way, so replicas with equal bits have equal summaries.
 
+The reduced gradient is summarized the same way, bucket by bucket (``partial_segments``: a DDP
+bucket's segments at their global offsets), and the collector's tolerance for it also covers a
+reduction summed in another order on each rank (collector/analysis/replica_tolerance.h).
+
 Cost: about 25 passes of int64 and float64 torch ops over the values (the signs are recomputed
-from the indices, never stored): a parameter check in tolerance mode, every ``param_check_every``
-steps. Torch ops on the tensors' own device; the monitor sends it for CPU parameters (the device
-path's deferred reports do not carry it yet: such a rank's parameters are compared bit for bit).
+from the indices, never stored): the parameters at each parameter check, the reduced gradient
+every step, under the tolerance check only. Torch ops on the tensors' own device, read back to
+the host; the monitor computes them for CPU tensors (the device path's deferred reports do not
+carry summaries yet: under the tolerance check such a rank sends no fingerprint).
 """
 
 import math
@@ -89,14 +94,44 @@ def precision(dtype: torch.dtype) -> int:
     return 53
 
 
-def summarize(tensors, offsets) -> tuple[list[float], float]:
-    """(P_0 .. P_{PROJECTIONS-1}, R) of ``tensors`` (each flattened, at global flat index
-    ``offsets[t]``), as Python floats. Tensors on a device are summed there and read back (a
-    synchronization: the monitor calls it for CPU tensors only)."""
-    total = None
-    squares = 0.0
-    magnitude = 0.0
-    chunks = 0
+class Partial:
+    """The parts of a summary over some of the values, added with ``add``; ``finish`` gives
+    (projections, R)."""
+
+    __slots__ = ("projections", "squares", "magnitude", "chunks")
+
+    def __init__(self):
+        self.projections = None  # [PROJECTIONS] float64 tensor
+        self.squares = 0.0  # sum over the values of (2^(1-p) x)^2
+        self.magnitude = 0.0  # sum |x|
+        self.chunks = 0
+
+    def add(self, other: "Partial") -> None:
+        if other.projections is not None:
+            p = other.projections.cpu()
+            self.projections = p if self.projections is None else self.projections + p
+        self.squares += other.squares
+        self.magnitude += other.magnitude
+        self.chunks += other.chunks
+
+    def finish(self) -> tuple[list[float], float]:
+        if self.projections is None:
+            return [0.0] * PROJECTIONS, 0.0
+        chain = (CHUNK - 1).bit_length() + self.chunks
+        rounding = math.sqrt(self.squares) + chain * 2.0**-53 * self.magnitude
+        return [float(v) for v in self.projections.cpu()], rounding
+
+
+def _chunk_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum_i s_j(g_i) x_i of one chunk (float64 values, int64 indices): [PROJECTIONS]."""
+    return _tree_sum(signs(g).mul_(x))
+
+
+def partial(tensors, offsets) -> Partial:
+    """The summary's parts of ``tensors`` (each flattened, at global flat index
+    ``offsets[t]``). Tensors on a device are summed there and read back (a synchronization:
+    the monitor calls it for CPU tensors only)."""
+    out = Partial()
     with torch.no_grad():
         for t, offset in zip(tensors, offsets):
             flat = t.detach().reshape(-1)
@@ -105,18 +140,51 @@ def summarize(tensors, offsets) -> tuple[list[float], float]:
                 continue
             values = flat.to(torch.float64)
             unit = 2.0 ** (1 - precision(flat.dtype))
-            squares += (unit * float(torch.linalg.vector_norm(values))) ** 2
-            magnitude += float(values.abs().sum())
+            out.squares += (unit * float(torch.linalg.vector_norm(values))) ** 2
+            out.magnitude += float(values.abs().sum())
             for start in range(0, n, CHUNK):
                 x = values[start : start + CHUNK]
                 g = torch.arange(
                     offset + start, offset + start + x.numel(), dtype=torch.int64, device=x.device
                 )
-                part = _tree_sum(signs(g).mul_(x))
-                total = part if total is None else total + part.to(total.device)
-                chunks += 1
-    if total is None:
-        return [0.0] * PROJECTIONS, 0.0
-    chain = (CHUNK - 1).bit_length() + chunks
-    rounding = math.sqrt(squares) + chain * 2.0**-53 * magnitude
-    return [float(v) for v in total.cpu()], rounding
+                part = _chunk_sum(x, g).cpu()
+                out.projections = part if out.projections is None else out.projections + part
+                out.chunks += 1
+    return out
+
+
+def partial_segments(buffer: torch.Tensor, layout) -> Partial:
+    """The summary's parts of the segments of a flat ``buffer`` that ``layout`` (a
+    fingerprint.SegmentLayout: a DDP bucket's parameters) describes, values outside every
+    segment left out: each position's global index and segment mask come from a binary search
+    of the segments' starts (a constant number of ops per chunk, whatever the number of
+    parameters)."""
+    flat = buffer.detach().reshape(-1)
+    out = Partial()
+    if not layout.counts:
+        return out
+    device = flat.device
+    starts, ends, shift = layout.tensors(device)  # shift = 2 (offset - start)
+    order = torch.argsort(starts)
+    starts, ends, offset_minus_start = starts[order], ends[order], shift[order] // 2
+    unit = 2.0 ** (1 - precision(flat.dtype))
+    with torch.no_grad():
+        for begin in range(0, flat.numel(), CHUNK):
+            x = flat[begin : begin + CHUNK].to(torch.float64)
+            pos = torch.arange(begin, begin + x.numel(), dtype=torch.int64, device=device)
+            seg = torch.searchsorted(starts, pos, right=True).sub_(1).clamp_(min=0)
+            inside = (pos >= starts[seg]) & (pos < ends[seg])
+            x = torch.where(inside, x, torch.zeros((), dtype=torch.float64, device=device))
+            g = pos.add_(offset_minus_start[seg])
+            part = _chunk_sum(x, g).cpu()
+            out.projections = part if out.projections is None else out.projections + part
+            out.chunks += 1
+            out.squares += (unit * float(torch.linalg.vector_norm(x))) ** 2
+            out.magnitude += float(x.abs().sum())
+    return out
+
+
+def summarize(tensors, offsets) -> tuple[list[float], float]:
+    """(P_0 .. P_{PROJECTIONS-1}, R) of ``tensors`` (each flattened, at global flat index
+    ``offsets[t]``), as Python floats."""
+    return partial(tensors, offsets).finish()

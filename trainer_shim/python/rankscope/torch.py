@@ -179,10 +179,11 @@ def attach(
         check: exact or tolerance"): ``"exact"``, the fingerprints bit for bit (reduced
         gradient and parameters); ``"tolerance"``, for replicas a framework or mode does not
         keep bit-identical (ranks on different GPU models, a reduction summed in a different
-        order on each rank, a non-deterministic optimizer step): the parameters with a float
-        summary and a tolerance of a few ulps a value (no reduced-gradient fingerprint is sent
-        then). Default ``$RANKSCOPE_REPLICA_CHECK``, else the path's choice (docs/shim.md's
-        tables; "exact" for DDP).
+        order on each rank, a non-deterministic optimizer step): each fingerprint with a float
+        summary, compared within a tolerance of a few ulps a value (CPU tensors; costs ~25
+        passes of torch ops over the reduced gradient every step). Default
+        ``$RANKSCOPE_REPLICA_CHECK``, else the path's choice (docs/shim.md's tables; "exact"
+        for DDP).
       auth_token: the collector's shared token (``--auth_token_file``), if it requires one.
       tls_ca: PEM CA that signs the collector's certificate: connect over TLS. Default
         ``$RANKSCOPE_TLS_CA``; plaintext when no CA, certificate or key is set.
