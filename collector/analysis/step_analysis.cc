@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "collector/analysis/replica_tolerance.h"
 #include "collector/model/rank_ranges.h"
 
 namespace rankscope::collector {

@@ -34,7 +34,6 @@
 #include "collector/analysis/outlier_scale.h"
 #include "collector/analysis/rank_cusum.h"
 #include "collector/analysis/rank_diagnostics.h"
-#include "collector/analysis/replica_tolerance.h"
 #include "collector/analysis/step_stats.h"
 #include "collector/model/rank_report.h"
 #include "collector/model/rows.h"
