@@ -52,7 +52,10 @@ def main() -> None:
         segments = 64
         per = n // segments
         layout = fp.SegmentLayout(
-            n, [i * per for i in range(segments)], [per] * segments, [i * per for i in range(segments)]
+            n,
+            [i * per for i in range(segments)],
+            [per] * segments,
+            [i * per for i in range(segments)],
         )
         row = {"n": n}
         row["fingerprint_ms"] = 1e3 * timed(lambda: fp.fold_cpu(x, 0), args.repeats)

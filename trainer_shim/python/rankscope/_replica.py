@@ -50,7 +50,9 @@ class ReplicaFingerprints:
         replica_check: str = "exact",
     ):
         if replica_check not in REPLICA_CHECKS:
-            raise ValueError(f"replica_check must be one of {REPLICA_CHECKS}, got {replica_check!r}")
+            raise ValueError(
+                f"replica_check must be one of {REPLICA_CHECKS}, got {replica_check!r}"
+            )
         self.replica_check = replica_check
         # The float summaries of the step being closed (tolerance mode, CPU tensors; None
         # otherwise): the parameters' (projections, rounding) at a parameter check, and the
@@ -230,7 +232,7 @@ class ReplicaFingerprints:
     def _summarize(self, on_device):
         """The parameters' float summary (rankscope.replica_summary) over the values the
         fingerprint covers, or None when some lie on a device (counted, warned once)."""
-        if on_device:
+        if any(p.device.type != "cpu" for p in on_device):
             self._skipped_summary()
             return None
         tensors, offsets = [], []

@@ -90,7 +90,7 @@ def precision(dtype: torch.dtype) -> int:
     """p: the significand bits of a floating dtype (24 float32, 8 bfloat16, 11 float16, 53
     float64); 53 for an integer dtype (its values are exact in float64)."""
     if dtype.is_floating_point:
-        return torch.finfo(dtype).nmant + 1
+        return 1 - round(math.log2(torch.finfo(dtype).eps))  # eps = 2^(1 - p)
     return 53
 
 
