@@ -17,11 +17,14 @@ the fixed pseudo-random signs a sum of mean 0 and variance ||d||^2. A value's ul
 2^(1 - p) |x| (normal numbers), so replicas that differ by at most k ulps in every value have
 ||d|| <= k R: what the collector's tolerance is built on.
 
-Rounding of the summary itself: s x is exact in float64 (a float32, bfloat16 or float16 value,
-and its negation, are float64 numbers); each chunk of at most CHUNK values is summed by halving
-(a tree of depth ceil(log2 CHUNK) = 20), and the chunks' sums are added in order into one
-accumulator, so every P_j is a chain of at most C = 20 + (number of chunks) additions and its error
-is at most C 2^-53 sum_i |x_i| (the classical bound for recursive summation), which R includes.
+Rounding of the summary itself: s x is exact in float64 (any float value, and its negation, is a
+float64 number). The C++ kernel (CPU tensors, rankscope._native.replica_summary_segments) adds
+blocks of 1,024 values in order and the blocks' sums pairwise; the torch-op path sums chunks of
+at most CHUNK values by halving (a tree of depth 20) and adds the chunks' sums in order. Either
+way every P_j is a chain of at most C additions, C = (the path's chain) + (the partial sums added
+after it), and its error is at most C 2^-53 sum_i |x_i| (the classical bound for recursive
+summation), which R includes. The two paths differ within that bound, not bit for bit; the ranks
+of a job run the same one.
 Every replica computes its summary the same way, so replicas with equal bits have equal summaries.
 
 The reduced gradient is summarized the same way, bucket by bucket (``partial_segments``: a DDP
@@ -38,6 +41,8 @@ carry summaries yet: under the tolerance check such a rank sends no fingerprint)
 import math
 
 import torch
+
+from rankscope import _native
 
 PROJECTIONS = 4
 CHUNK = 1 << 20
@@ -94,32 +99,64 @@ def precision(dtype: torch.dtype) -> int:
     return 53
 
 
+_NATIVE_CODES = {}
+if hasattr(_native, "replica_summary_segments"):
+    _NATIVE_CODES = {
+        torch.float32: _native.DTYPE_FLOAT32,
+        torch.bfloat16: _native.DTYPE_BFLOAT16,
+        torch.float16: _native.DTYPE_FLOAT16,
+        torch.float64: _native.DTYPE_FLOAT64,
+    }
+
+
 class Partial:
     """The parts of a summary over some of the values, added with ``add``; ``finish`` gives
-    (projections, R)."""
+    (projections, R). ``chain`` bounds the float64 additions behind each projection."""
 
-    __slots__ = ("projections", "squares", "magnitude", "chunks")
+    __slots__ = ("projections", "squares", "magnitude", "chain")
 
     def __init__(self):
-        self.projections = None  # [PROJECTIONS] float64 tensor
+        self.projections = None  # [PROJECTIONS] float64 CPU tensor
         self.squares = 0.0  # sum over the values of (2^(1-p) x)^2
         self.magnitude = 0.0  # sum |x|
-        self.chunks = 0
+        self.chain = 0
 
     def add(self, other: "Partial") -> None:
-        if other.projections is not None:
-            p = other.projections.cpu()
-            self.projections = p if self.projections is None else self.projections + p
+        """Adds ``other``'s values: one more addition after the longer of the two chains."""
+        if other.projections is None:
+            return
+        if self.projections is None:
+            self.projections = other.projections.clone()
+            self.chain = other.chain
+        else:
+            self.projections += other.projections
+            self.chain = max(self.chain, other.chain) + 1
         self.squares += other.squares
         self.magnitude += other.magnitude
-        self.chunks += other.chunks
 
     def finish(self) -> tuple[list[float], float]:
         if self.projections is None:
             return [0.0] * PROJECTIONS, 0.0
-        chain = (CHUNK - 1).bit_length() + self.chunks
-        rounding = math.sqrt(self.squares) + chain * 2.0**-53 * self.magnitude
-        return [float(v) for v in self.projections.cpu()], rounding
+        rounding = math.sqrt(self.squares) + self.chain * 2.0**-53 * self.magnitude
+        return [float(v) for v in self.projections], rounding
+
+
+def _native_ok(flat: torch.Tensor, native: bool) -> bool:
+    return native and flat.device.type == "cpu" and flat.dtype in _NATIVE_CODES
+
+
+def _native_partial(flat: torch.Tensor, starts, counts, offsets) -> Partial:
+    """The C++ kernel (rankscope._native.replica_summary_segments) over segments of ``flat``
+    (a contiguous CPU tensor): blocks of 1,024 values in order, the blocks' sums pairwise."""
+    projections, squares, magnitude, chain = _native.replica_summary_segments(
+        flat.data_ptr(), _NATIVE_CODES[flat.dtype], starts, counts, offsets
+    )
+    out = Partial()
+    out.projections = torch.tensor(projections, dtype=torch.float64)
+    out.squares = (2.0 ** (1 - precision(flat.dtype))) ** 2 * squares
+    out.magnitude = magnitude
+    out.chain = int(chain)
+    return out
 
 
 def _chunk_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -127,9 +164,24 @@ def _chunk_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _tree_sum(signs(g).mul_(x))
 
 
-def partial(tensors, offsets) -> Partial:
+def _torch_partial(pieces) -> Partial:
+    """The torch-op path over ``pieces``, (float64 values, int64 global indices) chunk pairs of
+    at most CHUNK values: each chunk summed by halving, the chunks' sums added in order."""
+    out = Partial()
+    chunks = 0
+    for x, g in pieces:
+        part = _chunk_sum(x, g).cpu()
+        out.projections = part if out.projections is None else out.projections + part
+        chunks += 1
+        out.magnitude += float(x.abs().sum())
+    out.chain = (CHUNK - 1).bit_length() + chunks
+    return out
+
+
+def partial(tensors, offsets, native: bool = True) -> Partial:
     """The summary's parts of ``tensors`` (each flattened, at global flat index
-    ``offsets[t]``). Tensors on a device are summed there and read back (a synchronization:
+    ``offsets[t]``): CPU tensors of float32, bfloat16, float16 and float64 through the C++
+    kernel (``native``), others with torch ops on their device, read back (a synchronization:
     the monitor calls it for CPU tensors only)."""
     out = Partial()
     with torch.no_grad():
@@ -138,36 +190,44 @@ def partial(tensors, offsets) -> Partial:
             n = flat.numel()
             if n == 0:
                 continue
+            if _native_ok(flat, native):
+                out.add(_native_partial(flat.contiguous(), [0], [n], [int(offset)]))
+                continue
             values = flat.to(torch.float64)
             unit = 2.0 ** (1 - precision(flat.dtype))
-            out.squares += (unit * float(torch.linalg.vector_norm(values))) ** 2
-            out.magnitude += float(values.abs().sum())
+            pieces = []
             for start in range(0, n, CHUNK):
                 x = values[start : start + CHUNK]
                 g = torch.arange(
                     offset + start, offset + start + x.numel(), dtype=torch.int64, device=x.device
                 )
-                part = _chunk_sum(x, g).cpu()
-                out.projections = part if out.projections is None else out.projections + part
-                out.chunks += 1
+                pieces.append((x, g))
+            part = _torch_partial(pieces)
+            part.squares = (unit * float(torch.linalg.vector_norm(values))) ** 2
+            out.add(part)
     return out
 
 
-def partial_segments(buffer: torch.Tensor, layout) -> Partial:
+def partial_segments(buffer: torch.Tensor, layout, native: bool = True) -> Partial:
     """The summary's parts of the segments of a flat ``buffer`` that ``layout`` (a
     fingerprint.SegmentLayout: a DDP bucket's parameters) describes, values outside every
-    segment left out: each position's global index and segment mask come from a binary search
-    of the segments' starts (a constant number of ops per chunk, whatever the number of
-    parameters)."""
+    segment left out: through the C++ kernel for a CPU buffer (``native``), else with torch ops,
+    each position's global index and segment mask from a binary search of the segments' starts
+    (a constant number of ops per chunk, whatever the number of parameters)."""
     flat = buffer.detach().reshape(-1)
-    out = Partial()
     if not layout.counts:
-        return out
+        return Partial()
+    if _native_ok(flat, native):
+        return _native_partial(
+            flat.contiguous(), layout.starts, layout.counts, layout.global_offsets
+        )
     device = flat.device
     starts, ends, shift = layout.tensors(device)  # shift = 2 (offset - start)
     order = torch.argsort(starts)
     starts, ends, offset_minus_start = starts[order], ends[order], shift[order] // 2
     unit = 2.0 ** (1 - precision(flat.dtype))
+    squares = 0.0
+    pieces = []
     with torch.no_grad():
         for begin in range(0, flat.numel(), CHUNK):
             x = flat[begin : begin + CHUNK].to(torch.float64)
@@ -175,16 +235,14 @@ def partial_segments(buffer: torch.Tensor, layout) -> Partial:
             seg = torch.searchsorted(starts, pos, right=True).sub_(1).clamp_(min=0)
             inside = (pos >= starts[seg]) & (pos < ends[seg])
             x = torch.where(inside, x, torch.zeros((), dtype=torch.float64, device=device))
-            g = pos.add_(offset_minus_start[seg])
-            part = _chunk_sum(x, g).cpu()
-            out.projections = part if out.projections is None else out.projections + part
-            out.chunks += 1
-            out.squares += (unit * float(torch.linalg.vector_norm(x))) ** 2
-            out.magnitude += float(x.abs().sum())
+            pieces.append((x, pos.add_(offset_minus_start[seg])))
+            squares += (unit * float(torch.linalg.vector_norm(x))) ** 2
+        out = _torch_partial(pieces)
+    out.squares = squares
     return out
 
 
-def summarize(tensors, offsets) -> tuple[list[float], float]:
+def summarize(tensors, offsets, native: bool = True) -> tuple[list[float], float]:
     """(P_0 .. P_{PROJECTIONS-1}, R) of ``tensors`` (each flattened, at global flat index
     ``offsets[t]``), as Python floats."""
-    return partial(tensors, offsets).finish()
+    return partial(tensors, offsets, native).finish()
