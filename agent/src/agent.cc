@@ -94,8 +94,8 @@ bool SummaryValid(absl::Span<const double> projections, double rounding, bool ha
   if (projections.empty()) return true;
   bool finite = std::isfinite(rounding) && rounding >= 0.0;
   for (double p : projections) finite = finite && std::isfinite(p);
-  return finite && has_fingerprint && projections.size() == kReplicaProjections &&
-         precision >= 1 && precision <= 53;
+  return finite && has_fingerprint && projections.size() == kReplicaProjections && precision >= 1 &&
+         precision <= 53;
 }
 
 }  // namespace
@@ -171,13 +171,12 @@ absl::Status AgentImpl::Record(const StepReport& report) {
     if (!SummaryValid(report.param_projections, report.param_rounding,
                       report.param_fingerprint.has_value(), 53) ||
         !SummaryValid(report.reduced_grad_projections, report.reduced_grad_rounding,
-                      report.reduced_grad_fingerprint.has_value(),
-                      report.reduced_grad_precision)) {
+                      report.reduced_grad_fingerprint.has_value(), report.reduced_grad_precision)) {
       ++stats_.invalid;
       return absl::InvalidArgumentError(absl::StrCat(
           "a replica summary (param_projections: ", report.param_projections.size(),
-          " values, reduced_grad_projections: ", report.reduced_grad_projections.size(),
-          ") needs ", kReplicaProjections,
+          " values, reduced_grad_projections: ", report.reduced_grad_projections.size(), ") needs ",
+          kReplicaProjections,
           " finite values, a finite rounding >= 0, its fingerprint and (reduced gradient) a "
           "precision in [1, 53]"));
     }

@@ -13,8 +13,8 @@ double ReductionRounding(absl::Span<const double> local_norms, uint32_t world_si
   double squares = 0.0;
   for (double n : local_norms) squares += n * n;
   if (!std::isfinite(squares)) return std::numeric_limits<double>::quiet_NaN();
-  const double scale = std::max(1.0, static_cast<double>(world_size) /
-                                         static_cast<double>(local_norms.size()));
+  const double scale =
+      std::max(1.0, static_cast<double>(world_size) / static_cast<double>(local_norms.size()));
   return 2.0 * std::ldexp(1.0, -static_cast<int>(precision)) * std::sqrt(squares * scale);
 }
 

@@ -85,7 +85,8 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     }
     if (r.param_fingerprint) {
       params.push_back({r.rank, *r.param_fingerprint});
-      if (r.param_summary) param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary});
+      if (r.param_summary)
+        param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary});
     }
     local_norms.push_back(r.grad_norm);
     if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
@@ -113,10 +114,10 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
                                     : std::max(d.replica_tolerance_ratio, tolerance.worst_ratio);
     return std::move(tolerance.verdict);
   };
-  const ReplicaVerdict grad_verdict =
-      check(grads, grad_summaries,
-            grad_summaries.empty() ? 0.0
-                                   : ReductionRounding(local_norms, step.world_size, grad_precision));
+  const ReplicaVerdict grad_verdict = check(
+      grads, grad_summaries,
+      grad_summaries.empty() ? 0.0
+                             : ReductionRounding(local_norms, step.world_size, grad_precision));
   const ReplicaVerdict param_verdict = check(params, param_summaries, 0.0);
   d.replica_checked = grad_verdict.checked || param_verdict.checked;
   std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),

@@ -54,7 +54,7 @@ struct StepDiagnostics {
   bool replica_tolerance = false;
   std::vector<uint32_t> replica_within_tolerance;
   double replica_tolerance_ratio = std::numeric_limits<double>::quiet_NaN();
-  std::vector<uint32_t> flagged_ranks;      // score above threshold this step, sorted
+  std::vector<uint32_t> flagged_ranks;  // score above threshold this step, sorted
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
   // This step's own cross-rank scale of each outlier signal (before any floor): what the job's
   // OutlierScaleWindow keeps.

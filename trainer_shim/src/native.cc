@@ -269,33 +269,35 @@ py::tuple PyReplicaSummarySegments(uintptr_t base, int dtype, const std::vector<
     for (size_t k = 0; k < counts.size(); ++k) {
       switch (dtype) {
         case 0:
-          SummarizeSegment(bytes, size, starts[k], counts[k], global_offsets[k],
-                           [](const char* q) {
-                             float v;
-                             std::memcpy(&v, q, sizeof v);
-                             return static_cast<double>(v);
-                           },
-                           &acc);
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [](const char* q) {
+                float v;
+                std::memcpy(&v, q, sizeof v);
+                return static_cast<double>(v);
+              },
+              &acc);
           break;
         case 1:
         case 2:
-          SummarizeSegment(bytes, size, starts[k], counts[k], global_offsets[k],
-                           [dtype](const char* q) {
-                             uint16_t b;
-                             std::memcpy(&b, q, sizeof b);
-                             return static_cast<double>(dtype == 1 ? BFloat16ToFloat(b)
-                                                                   : Float16ToFloat(b));
-                           },
-                           &acc);
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [dtype](const char* q) {
+                uint16_t b;
+                std::memcpy(&b, q, sizeof b);
+                return static_cast<double>(dtype == 1 ? BFloat16ToFloat(b) : Float16ToFloat(b));
+              },
+              &acc);
           break;
         default:
-          SummarizeSegment(bytes, size, starts[k], counts[k], global_offsets[k],
-                           [](const char* q) {
-                             double v;
-                             std::memcpy(&v, q, sizeof v);
-                             return v;
-                           },
-                           &acc);
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [](const char* q) {
+                double v;
+                std::memcpy(&v, q, sizeof v);
+                return v;
+              },
+              &acc);
       }
     }
   }
