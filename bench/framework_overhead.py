@@ -131,7 +131,7 @@ def fsdp2_rows(rank, world, args):
 
         units[variant] = step
     times = interleaved(rank, args, units)
-    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    params = _tiny_params(args)
     return [summary("fsdp2", "FSDP", params, args, *(times[v] for v in units))]
 
 
@@ -154,12 +154,29 @@ def in_rounds(args, run_one):
     return [times[v] for v in variants]
 
 
+def _close_monitors(callbacks):
+    """Close the Monitor of every rankscope callback a Trainer holds (HF and Lightning alike)."""
+    for cb in callbacks:
+        if getattr(cb, "_rankscope", False) and cb.monitor is not None:
+            cb.monitor.close(timeout=0.1)
+
+
+def _intervals(marks):
+    """Step times from the clock marks taken at the first step's start and each step's end."""
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _tiny_params(args):
+    from shim_harness import TinyLM
+
+    return sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+
+
 def hf_rows(rank, world, args):
     import framework_harness
     import transformers
 
     import rankscope.torch as rst
-    from shim_harness import TinyLM
 
     _trainer_env(rank, world)
 
@@ -190,13 +207,10 @@ def hf_rows(rank, world, args):
         clock = Clock()
         trainer.add_callback(clock)
         trainer.train()
-        for cb in trainer.callback_handler.callbacks:
-            if getattr(cb, "_rankscope", False) and cb.monitor is not None:
-                cb.monitor.close(timeout=0.1)
-        m = clock.marks
-        return [b - a for a, b in zip(m, m[1:])]
+        _close_monitors(trainer.callback_handler.callbacks)
+        return _intervals(clock.marks)
 
-    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    params = _tiny_params(args)
     return [summary("hf", "Trainer, DDP backend", params, args, *in_rounds(args, run_one))]
 
 
@@ -248,13 +262,10 @@ def lightning_rows(rank, world, args):
         n = 8 * args.accum * world * (args.warmup + args.steps + 1)
         data = framework_harness.TokenData(n=n)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
-        for cb in trainer.callbacks:
-            if getattr(cb, "_rankscope", False) and cb.monitor is not None:
-                cb.monitor.close(timeout=0.1)
-        m = module.marks
-        return [b - a for a, b in zip(m, m[1:])]
+        _close_monitors(trainer.callbacks)
+        return _intervals(module.marks)
 
-    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    params = _tiny_params(args)
     return [summary("lightning", "DDP strategy", params, args, *in_rounds(args, run_one))]
 
 
@@ -284,7 +295,7 @@ def deepspeed_rows(rank, world, args):
             if variant == "rankscope":
                 rst.attach(engine, collector=args.collector, job=f"bench-z{stage}", warn_after=1e9)
             engines[(stage, variant)] = engine
-    params = sum(p.numel() for p in TinyLM(d=args.d_model, ff=4 * args.d_model).parameters())
+    params = _tiny_params(args)
 
     def unit(engine):
         def step(i):

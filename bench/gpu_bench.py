@@ -10,7 +10,9 @@ kernels  The device-to-device copy bandwidth (bytes read + bytes written per sec
          tensor), then the count sketch and the replica fingerprint of a large gradient, float32
          and bfloat16, with the torch-op path (torch_sketch.py, fingerprint.py) and the fused
          Triton kernels (triton_kernels.py; the sketch with atomic adds and on the tensor
-         cores): bytes of gradient read per second and that rate as a share of the copy's. Each
+         cores), and the sketch with the CUDA C++ kernel (path cuda: trainer_shim/cuda/sketch.cu
+         through rankscope._cuda_sketch, opt-in in the package; FAILED with the reason where its
+         fatbin or the driver does not load): bytes of gradient read per second and that rate as a share of the copy's. Each
          timing is the median of CUDA-event timings after a warm-up. Also checks that the paths
          agree: fingerprints bit for bit, sketch bins within float32 rounding of the float64
          torch-op sums.
@@ -91,7 +93,10 @@ def kernels(args) -> dict:
         f"(read + written, {n * 4 / 2**20:.0f} MiB)"
     )
     print(f"{'what':<22}{'dtype':<10}{'path':<8}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
-    print("(torch: torch ops; atomic: Triton, one atomic add a value; dot: Triton, tensor cores)")
+    print(
+        "(torch: torch ops; atomic: Triton, one atomic add a value; dot: Triton, tensor cores; "
+        "cuda: CUDA C++, bins private in shared memory)"
+    )
 
     def row(what, dtype, path, fn, nbytes, result):
         """Times ``fn`` (forced to ``path``) and keeps ``result()``; a failure is a FAILED row
@@ -136,11 +141,12 @@ def kernels(args) -> dict:
         "atomic": dict(triton, sketch=_backend.ATOMIC),
         "dot": dict(triton, sketch=_backend.DOT),
         "triton": triton,
+        "cuda": {"kernels": _backend.CUDA, "strict": True},
     }
-    paths = [p for p in ("torch", "atomic", "dot") if p in args.paths]
+    paths = [p for p in ("torch", "atomic", "dot", "cuda") if p in args.paths]
     if tk.triton is None:
-        print("Triton does not import here: the torch-op rows only")
-        paths = [p for p in paths if p == "torch"]
+        print("Triton does not import here: the torch-op and CUDA C++ rows only")
+        paths = [p for p in paths if p in ("torch", "cuda")]
     for dtype in [getattr(torch, d) for d in args.dtypes]:
         x = (torch.randn(n, device=dev) * 1e-3).to(dtype)
         nbytes = x.numel() * x.element_size()
@@ -182,7 +188,7 @@ def kernels(args) -> dict:
                     nbytes,
                     ((dim, "segs"), lambda: bins(sketch_segments)),
                 )
-            if path == "dot":
+            if path in ("dot", "cuda"):
                 continue  # the fingerprint kernels do not depend on the sketch variant
             fpath = "torch" if path == "torch" else "triton"
             row(
@@ -566,7 +572,9 @@ def main(argv=None):
         "--sketch-dims", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096]
     )
     k.add_argument("--reps", type=int, default=7)
-    k.add_argument("--paths", type=lambda v: v.split(","), default=["torch", "atomic", "dot"])
+    k.add_argument(
+        "--paths", type=lambda v: v.split(","), default=["torch", "atomic", "dot", "cuda"]
+    )
     k.add_argument("--dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
     w = sub.add_parser("sweep")
     w.add_argument("--elements", type=int, default=1 << 28)

@@ -12,6 +12,11 @@ half-precision paths do) and sketch encoding (float32, float16, int8), `--steps`
 split evenly. Read back from SQLite: steps checked, steps flagged (must be 0), and the largest
 error ratio ||s - m|| / tolerance and relative error ||s - m|| / ||s|| per combination.
 
+``--device-path``: the same through the shim's device path on the CPU (``Monitor._bypass_native``:
+the local and the reduced sketches are torch-op DeviceSketches, read back through
+rankscope._deferred, as a GPU's are; the Triton kernels need a GPU), and part 2 times the reduced
+sketch's device path against the local DeviceSketch of the same bucket.
+
 Part 2, cost: the reduced-gradient sketch is the local sketch's C++ kernel run once more over
 the reduced buffer, on one rank per checked step. Timed here on a flat float32 bucket of
 `--cost-numel` elements (rankscope._integrity.ReducedSketch.add, as the all-reduce callback calls
@@ -58,7 +63,7 @@ def wide_hook(state, bucket):
     return fut.then(narrow)
 
 
-def clean_worker(rank, world, collector, steps_per_combo):
+def clean_worker(rank, world, collector, steps_per_combo, device_path=False):
     import torch.nn as nn
 
     import rankscope.torch as rst
@@ -79,6 +84,7 @@ def clean_worker(rank, world, collector, steps_per_combo):
                 integrity_every=1,
                 param_check_every=0,
             )
+            mon._bypass_native = device_path
             sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
             for step in range(steps_per_combo):
                 sgd.zero_grad(set_to_none=True)
@@ -127,7 +133,9 @@ def clean_steps(args) -> dict:
         )
         try:
             t0 = time.monotonic()
-            shim_harness.spawn(clean_worker, args.world, address, per_combo, timeout=3600.0)
+            shim_harness.spawn(
+                clean_worker, args.world, address, per_combo, args.device_path, timeout=3600.0
+            )
             elapsed = time.monotonic() - t0
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
             out = {}
@@ -150,7 +158,12 @@ def clean_steps(args) -> dict:
         finally:
             proc.terminate()
             proc.wait(30)
-    return {"per_combination": out, "seconds": elapsed, "world": args.world}
+    return {
+        "per_combination": out,
+        "seconds": elapsed,
+        "world": args.world,
+        "device_path": args.device_path,
+    }
 
 
 def median_ms(fn, reps: int) -> float:
@@ -165,6 +178,7 @@ def median_ms(fn, reps: int) -> float:
 
 def cost(args) -> dict:
     from rankscope import _native
+    from rankscope._device_sketch import DeviceSketch
     from rankscope._integrity import ReducedSketch
     from rankscope.fingerprint import SegmentLayout
 
@@ -173,14 +187,20 @@ def cost(args) -> dict:
     layout = SegmentLayout(n, [0], [n], [0])
     counters = {"integrity_checks_sent": 0, "integrity_errors": 0, "integrity_skipped_buckets": 0}
     reduced = ReducedSketch(1024, _native.DEFAULT_SKETCH_SEED, 0, 4, 1, counters)
+    reduced.bypass_native = args.device_path
     reduced.begin_step(0)
     local = _native.Sketch(1024, _native.DEFAULT_SKETCH_SEED, 1)
+    device_local = DeviceSketch(1024, _native.DEFAULT_SKETCH_SEED, buf.device)
 
     def add_reduced():
         reduced.reset()
         reduced.add(buf, layout)
 
     def add_local():
+        if args.device_path:
+            device_local.reset()
+            device_local.add_segments(buf, layout)
+            return
         local.reset()
         local.add(buf.data_ptr(), _native.DTYPE_FLOAT32, n, 0)
 
@@ -206,6 +226,7 @@ def cost(args) -> dict:
         "fwd_bwd_ms": step_ms,
         "checking_rank_share_of_step": reduced_ms / step_ms,
         "threads": torch.get_num_threads(),
+        "device_path": args.device_path,
     }
 
 
@@ -220,6 +241,11 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip-clean", action="store_true")
+    p.add_argument(
+        "--device-path",
+        action="store_true",
+        help="the shim's device path (torch ops on the CPU, deferred reports)",
+    )
     p.add_argument("--keep", help="make the collector's database in this directory (default: /tmp)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()

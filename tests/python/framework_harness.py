@@ -79,6 +79,29 @@ DEEPSPEED_SCENARIOS = {
     "auto-zero2-accum": (2, 2),
 }
 
+# The aggregation check on ZeRO-0 (rankscope.frameworks.deepspeed): in this scenario the reduced
+# gradient of this step is perturbed by this fraction of its norm on every rank, after DeepSpeed's
+# all-reduce (the same wrong sum everywhere); the truth checks read the local gradients only.
+DEEPSPEED_CORRUPT = ("zero0", 1, 2e-4)
+
+
+def corrupt_allreduce(engine, step: int, relative: float) -> None:
+    """Wraps the engine's ``allreduce_bucket`` (ZeRO-0's reduction; its result is copied back
+    into the gradients) to add noise of ``relative`` times the reduced bucket's norm, the same on
+    every rank, at the optimizer step ``step``."""
+    original = engine.allreduce_bucket
+
+    def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+        out = original(bucket, dp_group, dp_world_size)
+        if engine.global_steps == step:
+            g = torch.Generator().manual_seed(1000 * step + out.numel())
+            noise = torch.randn(out.numel(), generator=g, dtype=torch.float64)
+            scale = relative * out.double().norm() / noise.norm()
+            out.add_((noise * scale).to(out.dtype).view_as(out))
+        return out
+
+    engine.allreduce_bucket = allreduce_bucket
+
 
 def import_deepspeed():
     """deepspeed on its CPU accelerator, without the shared-memory all-reduce op that it would
@@ -152,6 +175,8 @@ def _deepspeed_scenario(rank, world_size, collector, job_prefix, out_dir, steps,
     else:
         mon = rst.attach(engine, collector=collector, job=job, sketch_dim=sketch_dim)
     assert mon is not None and mon.framework.endswith(f"zero-{stage}"), mon
+    if name == DEEPSPEED_CORRUPT[0]:
+        corrupt_allreduce(engine, *DEEPSPEED_CORRUPT[1:])
     expected = {}
     for step in range(steps):
         ref.load_state_dict(full_state(engine, stage))

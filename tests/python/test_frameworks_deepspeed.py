@@ -8,7 +8,10 @@ checked as the DDP truth tests check them (shim_harness.check_exact_rows): loss 
 dispersion and each rank's norm to float tolerance, direction consistency equal to the cosine of
 ideal sketches of the exact gradients. ZeRO-2/3 reduce every micro-batch; the accumulation
 scenarios hold the norm to the same exactness. Stages 0-2 fingerprint the (replicated)
-parameters, which must agree across ranks; stage 3 has no replicas and sends none. The
+parameters, which must agree across ranks; stage 3 has no replicas and sends none. ZeRO-0's
+reduced gradient goes through the aggregation check every step: clean steps pass, and a
+perturbation of 2e-4 of its norm added on every rank after DeepSpeed's all-reduce
+(framework_harness.DEEPSPEED_CORRUPT) is flagged at its step. The
 "auto-" scenario is attached by the zero-code launch (rankscope.auto.install) when the engine is
 built.
 """
@@ -73,6 +76,26 @@ def test_collector_statistics_equal_exact_values(run, scenario):
         assert len(first) == WORLD and first[0] is not None and len(set(first)) == 1, fps
     else:
         assert all(r[3] is None for r in fps), "ZeRO-3 parameters are shards: not compared"
+    # The aggregation check (rankscope.frameworks.deepspeed): ZeRO-0's reduced gradient is whole
+    # before the step, checked every step; the other stages partition it and send none.
+    rows = collector.query(
+        "SELECT step, integrity_error_ratio, integrity_relative_error, integrity_fault, "
+        "integrity_rank FROM step_stats WHERE job = ? ORDER BY step",
+        (f"ds-{scenario}",),
+    )
+    assert [r[0] for r in rows] == list(range(STEPS)), rows
+    if stage > 0:
+        assert all(r[1] is None for r in rows), rows
+        return
+    name, bad_step, relative = framework_harness.DEEPSPEED_CORRUPT
+    for step, ratio, rel, fault, suspect in rows:
+        assert ratio is not None, f"step {step} not checked: {rows}"
+        if scenario == name and step == bad_step:
+            # The same wrong sum on every rank: flagged, its size measured, no rank named.
+            assert fault == "sum" and suspect is None, rows
+            assert ratio > 1.0 and abs(rel - relative) < 0.5 * relative, rows
+        else:
+            assert fault == "" and ratio <= 1.0, rows
 
 
 def test_unsupported_version_is_refused_and_training_goes_on(run):

@@ -5,7 +5,8 @@ tools/gpu/run_checks.sh on a GPU machine).
   collector; float32, bf16 autocast and bf16 gradients, each with the three GPU sketch paths
   (KERNELS: Triton on the tensor cores, Triton with atomic adds, torch ops): loss and grad-norm
   dispersion equal to the ranks' own exact values, direction consistency within the ideal count
-  sketch's bound (the CPU truth tests' checks, shim_harness.check_exact_rows).
+  sketch's bound (the CPU truth tests' checks, shim_harness.check_exact_rows); the aggregation
+  check's reduced sketch, computed on the device, sent every step and clean.
 * nudge: 3 ranks; healthy ranks' replica fingerprints are equal; a one-ulp nudge of one rank's
   parameters is named at the next parameter check, and only that rank.
 * no synchronization: one rank with NCCL, every step (forward, backward, optimizer step,
@@ -14,6 +15,12 @@ tools/gpu/run_checks.sh on a GPU machine).
   step's host side also returns while a long kernel queued before it is still running (an event
   recorded after that kernel has not completed: nothing in the step waited for the device), and
   the host buffers of pending reports are pinned.
+* the CUDA C++ sketch kernel (trainer_shim/cuda/sketch.cu, the opt-in ``cuda`` backend): its
+  bins, bin for bin, equal the torch-op path's within the float32 summation bound, and its sum of
+  squares equals theirs, for float32, bfloat16 and float16 values at dims 1,024 and 4,096 (and
+  dim 1,000), through the 16-byte path and the element-by-element one (misaligned pointers,
+  offsets within a hash block, partial tiles) and the piece-table kernel over a bucket's
+  segments, launched strictly (no fallback hides a failure).
 """
 
 import copy
@@ -299,6 +306,22 @@ def test_gpu_statistics_equal_exact_values(exact_run, mode, kernels):
         if mode != "bf16":
             # Once DDP's buckets are final, each is sketched in one launch (add_segments).
             assert stats.get("shim_planned_buckets", 0) >= STEPS - 3, stats
+        # The aggregation check on the device path (a DeviceSketch of each reduced bucket, read
+        # back with the deferred report): every step's check sent, none skipped or failed.
+        assert stats.get("shim_integrity_skipped_buckets", 0) == 0, stats
+        assert stats.get("shim_integrity_errors", 0) == 0, stats
+    sent = sum(
+        _load(out / f"{name}.rank{r}.json")["stats"].get("shim_integrity_checks_sent", 0)
+        for r in range(WORLD)
+    )
+    assert sent == STEPS, sent
+    checks = collector.query(
+        "SELECT step, integrity_error_ratio, integrity_fault FROM step_stats WHERE job = ? "
+        "ORDER BY step",
+        (f"gpu-{name}",),
+    )
+    assert [c[0] for c in checks] == list(range(STEPS)), checks
+    assert all(r is not None and r <= 1.0 and f == "" for _, r, f in checks), checks
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +372,70 @@ def test_gpu_steps_never_synchronize(module_collector, tmp_path):
         assert r["busy_ok"] and all(r["busy_ok"]), (case, r["busy_ok"])
         assert r["pinned"] and all(r["pinned"]), (case, r["pinned"])
         assert stats["acked"] == stats["recorded"] > 0, (case, stats)
+
+
+@pytest.mark.parametrize("dim", [1024, 4096, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_bins_equal_the_torch_ops(dtype, dim):
+    from rankscope import _backend
+    from rankscope import torch_sketch as ts
+    from rankscope._device_sketch import DeviceSketch
+
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    base = torch.randn(3_000_011, generator=g, device="cuda").to(dtype)
+    base[12345] = 300.0  # an outlier coordinate, as LLM gradients have
+    seed = 0x72616E6B73636F70
+    # (values, global offset): aligned and whole tiles; a pointer 2 or 4 bytes off 16; an offset
+    # inside a hash block; a short piece; a piece larger than one wave of the grid.
+    pieces = [
+        (base[:1_048_576], 0),
+        (base[1:200_001], 77),
+        (base[3:70_003], 1_000_005),
+        (base[40:41], 5),
+        (base[8:], 2_000_000),
+    ]
+    for values, offset in pieces:
+        got = DeviceSketch(dim, seed, "cuda")
+        with _backend.forced(kernels=_backend.CUDA, strict=True):
+            got.add(values, offset)
+        want = DeviceSketch(dim, seed, "cuda")
+        with _backend.forced(kernels=_backend.TORCH_OPS, strict=True):
+            want.add(values, offset)
+        # The float32 summation bound, bin by bin: (terms a bin) * 2^-24 * (sum of |values| in it).
+        slots, _ = ts.sketch_slots(offset, values.numel(), seed, dim, "cuda")
+        magnitude = torch.zeros(dim, dtype=torch.float64, device="cuda").index_add_(
+            0, slots, values.double().abs()
+        )
+        terms = torch.bincount(slots, minlength=dim).double()
+        bound = (terms + 1) * 2.0**-24 * magnitude
+        diff = (got.bins - want.bins).abs()
+        assert bool((diff <= bound).all()), (dtype, dim, offset, float((diff - bound).max()))
+        assert torch.allclose(got.sum_squares, want.sum_squares, rtol=1e-12, atol=0)
+
+    # A bucket (the piece-table kernel, one launch): segments of odd lengths with gaps, their
+    # global offsets shuffled, one inside a hash block, one empty.
+    from rankscope import fingerprint as fp
+
+    seg = 9_973
+    layout = fp.SegmentLayout(
+        base.numel(),
+        [3 + i * seg for i in range(40)] + [500_001],
+        [seg - 5 - (i % 7) for i in range(40)] + [0],
+        [(39 - i) * seg * 2 + (i % 3) for i in range(40)] + [17],
+    )
+    got = DeviceSketch(dim, seed, "cuda")
+    with _backend.forced(kernels=_backend.CUDA, strict=True):
+        got.add_segments(base, layout)
+    want = DeviceSketch(dim, seed, "cuda")
+    with _backend.forced(kernels=_backend.TORCH_OPS, strict=True):
+        want.add_segments(base, layout)
+    magnitude = torch.zeros(dim, dtype=torch.float64, device="cuda")
+    terms = torch.zeros(dim, dtype=torch.float64, device="cuda")
+    for start, n, offset in zip(layout.starts, layout.counts, layout.global_offsets):
+        slots, _ = ts.sketch_slots(offset, n, seed, dim, "cuda")
+        magnitude.index_add_(0, slots, base[start : start + n].double().abs())
+        terms += torch.bincount(slots, minlength=dim).double()
+    bound = (terms + 1) * 2.0**-24 * magnitude
+    diff = (got.bins - want.bins).abs()
+    assert bool((diff <= bound).all()), (dtype, dim, "segments", float((diff - bound).max()))
+    assert torch.allclose(got.sum_squares, want.sum_squares, rtol=1e-12, atol=0)

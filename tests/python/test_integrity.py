@@ -5,6 +5,10 @@ norm added on every rank after the reduction (the same wrong sum everywhere: rep
 agree, only the aggregation check can see it), (b) one rank's contribution dropped (its bucket
 zeroed before the reduction), (c) one rank's contribution doubled. Every other step is clean, in
 float32, bfloat16 and float16 gradients and every sketch encoding, and must raise nothing.
+
+The ``torchpath-`` jobs take the device path on the CPU (``Monitor._bypass_native``: the torch-op
+DeviceSketch for the local and the reduced sketch, read back through rankscope._deferred, as a
+GPU's are), with the same faults and the same verdicts.
 """
 
 import torch
@@ -32,7 +36,10 @@ CONFIGS = {
     "f32-int8": ("float32", "int8", FAULTS),
     "bf16-int8": ("bfloat16", "int8", FAULTS),
     "f16-float32": ("float16", "float32", FAULTS),
+    "torchpath-f32-float32": ("float32", "float32", {**FAULTS, PERTURB_STEP: ("perturb", PERTURB)}),
 }
+# The jobs that take the deferred device path (torch ops on the CPU).
+TORCH_PATH = {"torchpath-f32-float32"}
 
 
 class FaultState:
@@ -89,6 +96,7 @@ def integrity_worker(rank, world, collector):
             comm_hook_state=state,
             integrity_every=1,
         )
+        mon._bypass_native = name in TORCH_PATH
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for step in range(STEPS):
             state.step = step
@@ -97,9 +105,13 @@ def integrity_worker(rank, world, collector):
             loss.backward()
             sgd.step()
             mon.step(loss)
+        # The device path's reports went through the deferred queue (none left behind).
+        assert bool(mon._sketcher.device_sketches) == (name in TORCH_PATH), name
         assert mon.flush(60.0), f"{name}: reports not acknowledged"
         stats = mon.close()
         assert stats.get("shim_integrity_checks_sent", 0) == STEPS // world, stats
+        assert stats.get("shim_integrity_skipped_buckets", 0) == 0, stats
+        assert stats.get("shim_integrity_errors", 0) == 0, stats
 
 
 def test_faults_in_the_reduction_are_named_and_clean_steps_raise_nothing(collector):

@@ -474,10 +474,46 @@ def test_backend_table():
         assert b.fingerprint(cpu.to(dtype)) == b.Choice(b.TORCH_OPS)
     assert b.fingerprint(cpu.to(torch.uint8)) == b.Choice(b.NONE)
     assert b.fingerprint(cpu.to(torch.bool)) == b.Choice(b.NONE)
-    assert b.reduced_sketch(cpu) == b.Choice(b.NATIVE)
-    assert b.reduced_sketch(cpu.double()) == b.Choice(b.NONE)
-    assert b.reduced_sketch(torch.zeros(4, 4).t()) == b.Choice(b.NONE)
+    assert b.reduced_sketch(cpu, 1024) == b.Choice(b.NATIVE)
+    assert b.reduced_sketch(cpu.double(), 1024) == b.Choice(b.NONE)
+    assert b.reduced_sketch(torch.zeros(4, 4).t(), 1024) == b.Choice(b.NONE)
+    assert b.reduced_sketch(cpu.to(torch.int32), 1024) == b.Choice(b.NONE)
+    # The device path (a GPU's, or the tests' bypass_native): float64 too, through the torch ops.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        assert b.reduced_sketch(cpu.to(dtype), 1024, native=False) == b.Choice(b.TORCH_OPS)
     # The Triton sketch variants per dtype and dim: test_culprit_fingerprint.py.
+
+
+def test_effective_mantissa_bits_cover_the_float32_partial_sums():
+    """The precision the aggregation check sends (rankscope._integrity.effective_mantissa_bits,
+    docs/DESIGN.md "Aggregation integrity"): with sketches summed in float32 partial bins of m
+    values from values rounded to v bits (the Triton kernels), the largest p' <= p whose 2^-2p'
+    covers the reduction's 2^-2p plus 2^-48 m / 3 plus (2/3) 2^-2v, up to SLACK; p itself on the
+    float64 paths (m = 0, exact values: the torch ops and the C++ kernel)."""
+    from rankscope._device_sketch import DeviceSketch
+    from rankscope._integrity import SLACK, effective_mantissa_bits
+
+    for bits in (8, 11, 24, 53):
+        assert effective_mantissa_bits(bits, 0) == bits
+        for value_bits in (0, 22, 24):
+            previous = bits
+            for terms in (0, 1, 6, 100, 1850, 10**6, 10**12):
+                p = effective_mantissa_bits(bits, terms, value_bits)
+                need = 2.0 ** (-2 * bits) + 2.0**-48 * terms / 3
+                if value_bits:
+                    need += 2.0 ** (-2 * value_bits) * 2 / 3
+                case = (bits, terms, value_bits, p)
+                assert 1 <= p <= previous, case
+                assert SLACK * 2.0 ** (-2 * p) >= need, case
+                assert p == bits or SLACK * 2.0 ** (-2 * (p + 1)) < need, case
+                previous = p
+    # bfloat16 gradients keep their 8 bits on the tensor cores (the added terms are tiny), and
+    # float32 ones on a large model lose what the partial sums cost.
+    assert effective_mantissa_bits(8, 2000, 22) == 8
+    assert effective_mantissa_bits(24, 1850, 0) < 24
+    sketch = DeviceSketch(1024, SEED, "cpu")  # the torch ops: float64 from exact values
+    sketch.add(torch.randn(5000), 3)
+    assert sketch.float32_terms == 0 and sketch.value_bits == 0
 
 
 def test_sketch_mix_constants_match_the_cpp_header():

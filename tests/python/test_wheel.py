@@ -6,6 +6,7 @@ streaming in one process, and the one-line errors of a Python without (a new eno
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -117,3 +118,16 @@ def test_torch_older_than_the_floor_is_named():
             f"rankscope.torch needs torch >= 2.2, but this Python ({sys.executable}) has "
             f"torch {old}: pip install 'torch>=2.2'"
         )
+
+
+@installed_only
+def test_the_cuda_sketch_kernel_is_in_the_wheel():
+    """Built where nvcc is (trainer_shim/cuda/CMakeLists.txt), the CUDA sketch kernel's fatbin is
+    installed beside rankscope._cuda_sketch, which loads it from there."""
+    if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("no nvcc here: the wheel has no CUDA sketch kernel")
+    from rankscope import _cuda_sketch
+
+    fatbin = Path(rankscope.__file__).resolve().parent / "_sketch.fatbin"
+    assert Path(_cuda_sketch._FATBIN).resolve() == fatbin
+    assert fatbin.read_bytes()[:4] == bytes.fromhex("50ed55ba")  # a fatbin's magic number

@@ -7,11 +7,14 @@
 #
 #   tools/gpu/run_checks.sh [all|env|kernels|test|train]...     (default: all)
 #
-#   env      the machine: GPU, driver, torch, Triton, CPU, and the installed rankscope
+#   env      the machine: GPU, driver, torch, Triton, CPU, and the installed rankscope (with
+#            its CUDA sketch fatbin, or ABSENT when the wheel was built without nvcc)
 #   kernels  bench/gpu_bench.py kernels: sketch and fingerprint throughput against the
-#            device-to-device copy, torch ops against the Triton kernels, and their agreement
-#   test     tests/python/test_gpu.py: exact statistics on CUDA, the one-ulp nudge, and no
-#            synchronization under torch.cuda.set_sync_debug_mode("error")
+#            device-to-device copy, torch ops against the Triton kernels and the CUDA C++
+#            sketch kernel (rows "cuda"), and their agreement
+#   test     tests/python/test_gpu.py: exact statistics on CUDA, the one-ulp nudge, no
+#            synchronization under torch.cuda.set_sync_debug_mode("error"), and the CUDA C++
+#            sketch kernel's bins against the torch ops'
 #   train    bench/gpu_bench.py train: a GPT-2-small-sized step, plain DDP against rankscope
 #            against an in-band all_gather
 #
@@ -64,8 +67,11 @@ for s in "${steps[@]}"; do
         torch.__version__, \"cuda\", torch.version.cuda); import triton; print(\"triton\", \
         triton.__version__)'; lscpu | grep -E \"Model name|^CPU\\(s\\)|Thread|Socket|L3\"; \
         nproc; $PY -c 'import rankscope, rankscope._native; print(\"rankscope\", \
-        rankscope.__version__, rankscope._native.__file__)'; rankscope-collector --version" ;;
-    kernels) run kernels 120 "$PY" bench/gpu_bench.py kernels --json "$OUT/kernels.json" ;;
+        rankscope.__version__, rankscope._native.__file__)'; $PY -c 'import os, rankscope; \
+        p = os.path.join(os.path.dirname(rankscope.__file__), \"_sketch.fatbin\"); \
+        print(\"cuda sketch fatbin\", p if os.path.exists(p) else \"ABSENT\")'; \
+        rankscope-collector --version" ;;
+    kernels) run kernels 180 "$PY" bench/gpu_bench.py kernels --json "$OUT/kernels.json" ;;
     test) run test 200 "$PY" -m pytest -q -p no:cacheprovider tests/python/test_gpu.py -rA ;;
     train) run train 150 "$PY" bench/gpu_bench.py train --json "$OUT/train.json" ;;
     *) echo "run_checks.sh: unknown step $s" >&2; failed=$((failed + 1)) ;;

@@ -352,14 +352,16 @@ class PyAgent {
     return StatusText(agent_->Record(r));
   }
 
-  // Records one step whose sketch is `sketch_len` float32 values at `sketch_address`.
+  // Records one step whose sketch is `sketch_len` float32 values at `sketch_address`. The
+  // reduced gradient's sketch (rankscope._integrity) is `reduced_sketch` (a Sketch) or, from the
+  // deferred device path, `sketch_len` float32 values at `reduced_sketch_address` (0: none).
   std::string RecordRaw(uint64_t step, double loss, double grad_norm, uintptr_t sketch_address,
                         size_t sketch_len, std::optional<double> step_time_seconds,
                         uint32_t local_batch_size, std::optional<uint64_t> reduced_grad_fingerprint,
                         std::optional<uint64_t> param_fingerprint,
                         std::optional<double> reduced_grad_norm, bool loss_absent,
                         const std::vector<float>& bucket_norms, py::object reduced_sketch,
-                        uint32_t reduced_grad_mantissa_bits,
+                        uint32_t reduced_grad_mantissa_bits, uintptr_t reduced_sketch_address,
                         const std::vector<double>& param_projections, double param_rounding,
                         const std::vector<double>& reduced_grad_projections,
                         double reduced_grad_rounding, uint32_t reduced_grad_precision) {
@@ -372,6 +374,10 @@ class PyAgent {
     r.sketch = absl::MakeConstSpan(reinterpret_cast<const float*>(sketch_address), sketch_len);
     if (!reduced_sketch.is_none()) {
       r.reduced_sketch = reduced_sketch.cast<PySketch&>().Floats();
+      r.reduced_grad_mantissa_bits = reduced_grad_mantissa_bits;
+    } else if (reduced_sketch_address != 0) {
+      r.reduced_sketch =
+          absl::MakeConstSpan(reinterpret_cast<const float*>(reduced_sketch_address), sketch_len);
       r.reduced_grad_mantissa_bits = reduced_grad_mantissa_bits;
     }
     r.step_time_seconds = step_time_seconds;
@@ -689,6 +695,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
            py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
            py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
+           py::arg("reduced_sketch_address") = 0,
            py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
            py::arg("reduced_grad_projections") = std::vector<double>{},
            py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)

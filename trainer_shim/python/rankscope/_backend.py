@@ -10,6 +10,14 @@ Backends:
 * ``triton``: the fused Triton kernels (rankscope.triton_kernels). The sketch comes in two
   variants: ``atomic`` (one float32 atomic add a value) and ``dot`` (a one-hot product on the
   tensor cores, Q = dim / 32; float32 values as three tf32 products, ``exact_tf32``).
+* ``cuda``: the CUDA C++ sketch kernel (trainer_shim/cuda/sketch.cu through
+  rankscope._cuda_sketch: bins privatised in shared memory, one launch through the driver API).
+  OPT-IN: only with ``RANKSCOPE_GPU_KERNELS=cuda`` (or ``forced(kernels=CUDA)``), until a GPU
+  session has measured it; for the sketch only (fingerprints keep the table below). Where it
+  cannot run (``_cuda_sketch.unusable``: not a CUDA tensor, another dtype, dim < 32 or too
+  large for shared memory, no fatbin in this build, no driver) the choice is the table's below,
+  with a warning once; strictly forced, BackendFailed("cuda: <why>"). Its first failure at a
+  launch turns it off for the process (``CUDA_FAILED``, warned once), as Triton's does.
 * ``torch-ops``: torch operations on the tensor's own device (rankscope.torch_sketch,
   rankscope.fingerprint): the path CI runs, on CPU tensors.
 * ``none``: not computed (the caller counts it and the step carries no such value).
@@ -42,8 +50,11 @@ fingerprint    cpu     float32, bfloat16,          native allowed, dense        
 fingerprint    cuda    those and int16/32/64       Triton usable, contiguous    triton
 fingerprint    any     those and int16/32/64       otherwise                    torch-ops
 fingerprint    any     any other dtype                                          none
-reduced        cpu     float32, bfloat16, float16  contiguous                   native
-sketch         other   any                                                      none
+reduced        cpu     float32, bfloat16, float16  native allowed, contiguous   native
+sketch         any     float32, bfloat16,          otherwise (a device, or      as ``sketch`` with
+                       float16, float64            ``bypass_native``), dense    native=False
+reduced        any     other, or sparse                                         none
+sketch
 =============  ======  ==========================  ===========================  ==================
 
 (The dot kernel's choice per dtype and dim comes from the H100 figures in docs/PERFORMANCE.md,
@@ -78,12 +89,14 @@ from typing import NamedTuple
 
 import torch
 
+from rankscope import _cuda_sketch as _cs
 from rankscope import _native
 from rankscope import triton_kernels as _tk
 
 NATIVE = "native"
 TRITON = "triton"
 TORCH_OPS = "torch-ops"
+CUDA = "cuda"  # opt-in: RANKSCOPE_GPU_KERNELS=cuda (the sketch only)
 NONE = "none"
 
 ATOMIC = "atomic"
@@ -99,6 +112,8 @@ FINGERPRINT_DTYPES = NATIVE_FINGERPRINT_DTYPES + (torch.int32, torch.int64, torc
 
 TRITON_FAILED = []  # the first error of a Triton kernel in this process: Triton is off from then
 DOT_FAILED = []  # the first error of the tensor-core sketch kernel: the atomic one from then
+CUDA_FAILED = []  # the first error of the CUDA sketch kernel: the table's choice from then
+_CUDA_UNUSABLE = []  # why an opted-in CUDA kernel could not run, warned once
 
 
 class Choice(NamedTuple):
@@ -116,7 +131,7 @@ class BackendFailed(RuntimeError):
 
 
 class _Force(NamedTuple):
-    kernels: str | None  # TRITON or TORCH_OPS
+    kernels: str | None  # TRITON, TORCH_OPS or CUDA
     sketch: str | None  # ATOMIC or DOT
     strict: bool
     any_device: bool
@@ -132,12 +147,12 @@ def forced(
     strict: bool = False,
     any_device: bool = False,
 ):
-    """Within the block, device tensors take ``kernels`` (TRITON or TORCH_OPS; None: the
-    default) and the Triton sketch ``sketch`` (ATOMIC or DOT). ``strict``: what cannot run is
+    """Within the block, device tensors take ``kernels`` (TRITON, TORCH_OPS or CUDA, the last
+    for the sketch only; None: the default) and the Triton sketch ``sketch`` (ATOMIC or DOT). ``strict``: what cannot run is
     raised as BackendFailed, never replaced by another backend and never remembered.
     ``any_device``: Triton for CPU tensors too (Triton's interpreter). Process-wide."""
-    if kernels not in (None, TRITON, TORCH_OPS):
-        raise ValueError(f"kernels must be {TRITON!r} or {TORCH_OPS!r}, not {kernels!r}")
+    if kernels not in (None, TRITON, TORCH_OPS, CUDA):
+        raise ValueError(f"kernels must be {TRITON!r}, {TORCH_OPS!r} or {CUDA!r}, not {kernels!r}")
     if sketch not in (None, ATOMIC, DOT):
         raise ValueError(f"sketch must be {ATOMIC!r} or {DOT!r}, not {sketch!r}")
     force = _Force(kernels, sketch, strict, any_device)
@@ -196,11 +211,40 @@ def sketch_variant(dtype: torch.dtype, dim: int) -> Choice:
     return Choice(TRITON, ATOMIC, 16, False)
 
 
+def _cuda_sketch(t: torch.Tensor, dim: int, force: _Force):
+    """Choice(CUDA) where the CUDA kernel is asked for (forced, or RANKSCOPE_GPU_KERNELS=cuda)
+    and can run; None where it is not asked for or cannot run (warned once; strictly forced:
+    BackendFailed)."""
+    if force.kernels != CUDA and (
+        force.kernels is not None or os.environ.get("RANKSCOPE_GPU_KERNELS") != CUDA
+    ):
+        return None
+    if CUDA_FAILED and not force.strict:
+        return None  # warned when it failed
+    why = _cs.unusable(t, dim)
+    if why is None:
+        return Choice(CUDA)
+    if force.strict and force.kernels == CUDA:
+        raise BackendFailed(f"cuda: {why}")
+    if not _CUDA_UNUSABLE:
+        _CUDA_UNUSABLE.append(why)
+        warnings.warn(
+            f"rankscope: the CUDA sketch kernel cannot run ({why[:300]}); the GPU path uses "
+            "the Triton kernels or torch operations instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
+
+
 def sketch(t: torch.Tensor, dim: int, native: bool = True) -> Choice:
     """How the count sketch of ``t`` (a gradient, or a bucket's buffer) is computed."""
     if native and t.device.type == "cpu":
         return Choice(NATIVE)
     force = _force()
+    cuda = _cuda_sketch(t, dim, force)
+    if cuda is not None:
+        return cuda
     why = _triton_usable(t, force)
     if why is None and dim < 32:
         why = f"dim {dim} < 32 (the kernel wraps a block's 32 bins at most once)"
@@ -229,12 +273,21 @@ def fingerprint(t: torch.Tensor, native: bool = True) -> Choice:
     return Choice(TRITON)
 
 
-def reduced_sketch(t: torch.Tensor) -> Choice:
+# The dtypes the aggregation check takes (rankscope._integrity.MANTISSA_BITS).
+REDUCED_SKETCH_DTYPES = NATIVE_SKETCH_DTYPES + (torch.float64,)
+
+
+def reduced_sketch(t: torch.Tensor, dim: int, native: bool = True) -> Choice:
     """How the aggregation check sketches a reduced bucket ``t`` (NONE: not checked; the step
-    then sends no reduced sketch)."""
-    if t.device.type == "cpu" and t.dtype in NATIVE_SKETCH_DTYPES and t.is_contiguous():
-        return Choice(NATIVE)
-    return Choice(NONE)
+    then sends no reduced sketch). Device tensors take the device path (a DeviceSketch, which
+    asks ``sketch`` again at each launch); the choice returned for them says which it is now."""
+    if t.dtype not in REDUCED_SKETCH_DTYPES or t.is_sparse:
+        return Choice(NONE)
+    if native and t.device.type == "cpu":
+        if t.dtype in NATIVE_SKETCH_DTYPES and t.is_contiguous():
+            return Choice(NATIVE)
+        return Choice(NONE)
+    return sketch(t, dim, native=False)
 
 
 def run(choose: Callable[[], Choice], compute: Callable[[Choice], object]):
@@ -245,7 +298,7 @@ def run(choose: Callable[[], Choice], compute: Callable[[Choice], object]):
     nothing is remembered."""
     while True:
         choice = choose()
-        if choice.backend != TRITON:
+        if choice.backend not in (TRITON, CUDA):
             return compute(choice)
         try:
             return compute(choice)
@@ -256,6 +309,16 @@ def run(choose: Callable[[], Choice], compute: Callable[[Choice], object]):
 def _failed(choice: Choice, error: Exception) -> None:
     if _force().strict:
         raise BackendFailed(f"{choice.backend} {choice.variant or ''}: {error!r}") from error
+    if choice.backend == CUDA:
+        if not CUDA_FAILED:
+            CUDA_FAILED.append(repr(error))
+            warnings.warn(
+                f"rankscope: the CUDA sketch kernel failed ({repr(error)[:300]}); the GPU path "
+                "uses the Triton kernels or torch operations from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
     if choice.variant == DOT:
         if not DOT_FAILED:
             DOT_FAILED.append(repr(error))

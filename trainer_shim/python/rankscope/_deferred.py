@@ -1,8 +1,8 @@
-"""Deferred device reports (rankscope.torch): a step whose sketch, loss or fingerprints lie on a
-device is copied into pinned host memory without blocking, and handed to the agent at a later
-``mon.step`` once a CUDA event says the copy is done. Nothing here calls ``.item()`` on a device
-tensor or synchronizes a device, except ``drain(block=True)`` (``flush``, ``close``, and a full
-queue of ``MAX_PENDING`` reports).
+"""Deferred device reports (rankscope.torch): a step whose sketch, loss, fingerprints or reduced
+sketch (the aggregation check's) lie on a device is copied into pinned host memory without
+blocking, and handed to the agent at a later ``mon.step`` once a CUDA event says the copy is done.
+Nothing here calls ``.item()`` on a device tensor or synchronizes a device, except
+``drain(block=True)`` (``flush``, ``close``, and a full queue of ``MAX_PENDING`` reports).
 
 Thread safety: training thread only (``mon.step``, ``flush``, ``close``).
 """
@@ -47,6 +47,9 @@ class _Pending:
         "fp_present",
         "loss_absent",
         "buckets",
+        "dim",
+        "reduced_bits",
+        "reduced_cpu_bins",
     )
 
     def __init__(
@@ -76,6 +79,11 @@ class _Pending:
         self.batch = batch
         self.loss_absent = False
         self.buckets = None  # float32 squared norm per bucket (host), or None
+        self.dim = 0  # the sketch_dim of its step (a control may change it): set by add
+        # The aggregation check's reduced sketch (rankscope._integrity), on the steps this rank
+        # checks: its bins ride in ``host`` after the local ones; 0 bits: none.
+        self.reduced_bits = 0
+        self.reduced_cpu_bins = None  # float64 bins of its CPU buckets (host), or None
 
 
 class DeferredReports:
@@ -107,13 +115,27 @@ class DeferredReports:
         batch,
         after_record: Callable[[str], None],
         bucket_sq=None,
+        reduced=None,
     ) -> None:
         """Starts copying one step's report from ``device``: ``sketch`` (the DeviceSketch on
         ``device``, or None), ``cpu_sketch`` (added when not empty: a model split across CPU and
         a device), ``loss`` (a tensor on ``device`` travels in the payload; anything else is
-        read now), ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``) and
-        ``bucket_sq`` (the squared norm per bucket on ``device``, or None)."""
-        payload = torch.empty(dim + 2, dtype=torch.float64, device=device)
+        read now), ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``),
+        ``bucket_sq`` (the squared norm per bucket on ``device``, or None) and ``reduced`` (the
+        aggregation check's rankscope._integrity.Reduced, or None: its device bins travel in
+        the same payload, after the reduction on the device's stream order)."""
+        payload = torch.empty(
+            dim + 2 + (dim if reduced is not None else 0), dtype=torch.float64, device=device
+        )
+        reduced_cpu_bins = None
+        if reduced is not None:
+            if reduced.device is not None:
+                payload[dim + 2 :].copy_(reduced.device.bins)
+            else:
+                payload[dim + 2 :].zero_()
+            if reduced.cpu is not None:
+                reduced_cpu_bins = torch.empty(dim, dtype=torch.float64)
+                reduced.cpu.copy_bins_to(reduced_cpu_bins.data_ptr())
         if sketch is not None:
             payload[:dim].copy_(sketch.bins)
             payload[dim].copy_(sketch.sum_squares)
@@ -148,7 +170,7 @@ class DeferredReports:
             if bucket_sq is not None:
                 buckets_host = torch.empty(bucket_sq.numel(), dtype=torch.float32, pin_memory=True)
                 buckets_host.copy_(bucket_sq, non_blocking=True)
-            host = torch.empty(dim + 2, dtype=torch.float64, pin_memory=True)
+            host = torch.empty(payload.numel(), dtype=torch.float64, pin_memory=True)
             host.copy_(payload, non_blocking=True)
             fp_host = None
             if fp_payload is not None:
@@ -164,6 +186,10 @@ class DeferredReports:
         )
         pending.loss_absent = loss is None  # mon.step() without a loss: a pipeline stage
         pending.buckets = buckets_host
+        pending.dim = dim
+        if reduced is not None:
+            pending.reduced_bits = reduced.bits
+            pending.reduced_cpu_bins = reduced_cpu_bins
         self._pending.append(pending)
         if len(self._pending) > MAX_PENDING:
             self._counters["pending_overflow_waits"] += 1
@@ -183,13 +209,19 @@ class DeferredReports:
                     return
                 p.event.synchronize()
             host = p.host if p.event is not None else p.host.to("cpu")
-            dim = host.numel() - 2  # the sketch_dim of its step (a control may have changed it)
+            dim = p.dim
             bins = host[:dim]
             ss = float(host[dim]) + p.cpu_sum_squares
             if p.cpu_bins is not None:
                 bins = bins + p.cpu_bins
             loss = float(host[dim + 1]) if p.loss is None else p.loss
             floats = bins.to(torch.float32).contiguous()
+            reduced = None
+            if p.reduced_bits:
+                rbins = host[dim + 2 : 2 * dim + 2]
+                if p.reduced_cpu_bins is not None:
+                    rbins = rbins + p.reduced_cpu_bins
+                reduced = rbins.to(torch.float32).contiguous()
             fps = list(p.fp_present)
             if p.fp_host is not None:
                 fp_host = p.fp_host if p.event is not None else p.fp_host.to("cpu")
@@ -220,6 +252,8 @@ class DeferredReports:
                 bucket_norms=[]
                 if p.buckets is None
                 else p.buckets.to("cpu", torch.float32).sqrt().tolist(),
+                reduced_sketch_address=0 if reduced is None else reduced.data_ptr(),
+                reduced_grad_mantissa_bits=p.reduced_bits,
             )
             after_record(err)
             self._pending.popleft()

@@ -27,7 +27,7 @@ from rankscope._bucket_sketcher import BucketSketcher
 from rankscope._buckets import DEFAULT_MAX_BUCKETS
 from rankscope._control_agreement import ControlAgreement
 from rankscope._deferred import DeferredReports, host_loss
-from rankscope._integrity import INTEGRITY_EVERY, ReducedSketch
+from rankscope._integrity import INTEGRITY_EVERY, ReducedSketch, effective_mantissa_bits
 from rankscope._options import PARAM_CHECK_EVERY
 from rankscope._replica import ReplicaFingerprints
 
@@ -339,6 +339,7 @@ class Monitor:
     def _bypass_native(self, value: bool) -> None:
         self._sketcher.bypass_native = bool(value)
         self._replica.bypass_native = bool(value)
+        self._replica.integrity.bypass_native = bool(value)
 
     def _reset_accumulators(self) -> None:
         if self.local_grads is not None:
@@ -389,7 +390,9 @@ class Monitor:
         step_time = self._step_time()
         loss_on_device = isinstance(loss, torch.Tensor) and loss.device.type != "cpu"
         sketcher = self._sketcher
-        if not sketcher.device_sketches and not loss_on_device:
+        reduced = self._replica.integrity.take()  # the aggregation check's, or None
+        on_host = reduced is None or reduced.device is None
+        if not sketcher.device_sketches and not loss_on_device and on_host:
             grad_fp, param_fp, reduced_ss = self._replica.step_values(step, torch.device("cpu"))
             ss = (
                 sketcher.cpu_sketch.sum_squares()
@@ -397,7 +400,6 @@ class Monitor:
                 else self._sum_squares
             )
             gn = math.sqrt(max(float(ss), 0.0))
-            reduced_sketch, mantissa_bits = self._replica.integrity.take()
             err = self._agent.record_sketch(
                 step,
                 host_loss(loss),
@@ -412,13 +414,13 @@ class Monitor:
                 else math.sqrt(max(float(reduced_ss), 0.0)),
                 loss_absent=loss is None,
                 bucket_norms=sketcher.bucket_norms(),
-                reduced_sketch=reduced_sketch,
-                reduced_grad_mantissa_bits=mantissa_bits,
+                reduced_sketch=None if reduced is None else reduced.cpu,
+                reduced_grad_mantissa_bits=0 if reduced is None else reduced.bits,
                 **self._summary_args(grad_fp, param_fp),
             )
             self._after_record(err)
             return
-        self._emit_device(step, loss, step_time, batch)
+        self._emit_device(step, loss, step_time, batch, reduced)
 
     def _summary_args(self, grad_fp, param_fp) -> dict:
         """The record call's float summaries (the tolerance replica check) of the fingerprints
@@ -434,7 +436,7 @@ class Monitor:
             args["param_rounding"] = param[1]
         return args
 
-    def _emit_device(self, step, loss, step_time, batch) -> None:
+    def _emit_device(self, step, loss, step_time, batch, reduced=None) -> None:
         sketcher = self._sketcher
         # One device holds the gradient (DDP replicates a module on one device per process).
         device = next(iter(sketcher.device_sketches), None)
@@ -442,8 +444,20 @@ class Monitor:
             # The framework's exact value (a 0-d tensor on the device) replaces the sketch's
             # sum of squares of the step's reductions.
             sketcher.device_sketches[device].sum_squares.copy_(self._sum_squares)
-        if device is None:
-            device = loss.device
+        if device is None:  # the loss, or the reduced sketch, is what lies on a device
+            on_device = reduced is not None and reduced.device is not None
+            device = reduced.device.device if on_device else loss.device
+        if reduced is not None:
+            # Sketches summed in float32 partial bins (Triton) round more than the reduction's
+            # dtype says: the precision sent covers both (rankscope._integrity).
+            sketches = list(sketcher.device_sketches.values())
+            if reduced.device is not None:
+                sketches.append(reduced.device)
+            terms = max([s.float32_terms for s in sketches], default=0)
+            value_bits = min([s.value_bits for s in sketches if s.value_bits], default=0)
+            reduced = reduced._replace(
+                bits=effective_mantissa_bits(reduced.bits, terms, value_bits)
+            )
         self._deferred.add(
             step,
             device,
@@ -456,6 +470,7 @@ class Monitor:
             batch,
             self._after_record,
             bucket_sq=sketcher.bucket_sq(device),
+            reduced=reduced,
         )
 
     def _after_record(self, err: str) -> None:

@@ -29,6 +29,18 @@ rank, fingerprinted after the optimizer step every ``param_check_every`` steps; 
 partitions them (no replicas: no fingerprint). The reduced gradient is not fingerprinted in any
 stage (ZeRO-1/2/3 leave each rank only its own partition of it).
 
+Aggregation integrity (rankscope._integrity): ZeRO-0 all-reduces every parameter's gradient
+whole (``buffered_allreduce_fallback``: ``allreduce_bucket`` then a copy back into ``.grad``)
+at the end of the boundary micro-batch's ``engine.backward``, so between that and the optimizer
+step (which clips, then steps) every ``param.grad`` holds the reduced mean gradient on every rank.
+On the steps this rank checks, the wrapped ``engine.step`` sketches those ``.grad`` tensors before
+calling DeepSpeed's (one C++ call on the CPU, a DeviceSketch launch a parameter on a GPU), with
+the precision of the coarser of the gradient's dtype and ``communication_data_type``. Not checked
+(``_integrity_unsupported`` says why): ZeRO-1/2/3 (partitioned), bf16 (BF16_Optimizer reduces
+its own float32 copies of the gradients), MoE (expert gradients are reduced over other groups),
+sequence or pipeline parallelism (other divisors and groups), ``gradient_average`` off, and a
+script that reduces the gradients itself (``enable_backward_allreduce`` off).
+
 Refused, with one warning naming the version and mode, the engine left unwatched: DeepSpeed
 versions outside SUPPORTED, fp16 (dynamic loss scaling: the gradients autograd produces are
 scaled), the ZeRO-0 torch-autocast GradScaler, and engines without the methods used here.
@@ -139,15 +151,46 @@ class _Module:
         return self._module.register_forward_pre_hook(hook)
 
 
+def _integrity_unsupported(engine) -> str:
+    """Why the aggregation check cannot read this engine's reduced gradient whole as the mean of
+    the ranks' local gradients ("" when it can: ZeRO-0 without the exceptions below)."""
+    stage = engine.zero_optimization_stage()
+    if stage != 0:
+        return f"ZeRO-{stage} leaves each rank only its partition of the reduced gradient"
+    if callable(getattr(engine, "bfloat16_enabled", None)) and engine.bfloat16_enabled():
+        return "bf16: BF16_Optimizer reduces its own float32 copies of the gradients"
+    if not getattr(engine, "enable_backward_allreduce", True):
+        return "the script reduces the gradients itself"
+    if getattr(engine, "has_moe_layers", False):
+        return "MoE: expert gradients are reduced over the expert data-parallel groups"
+    if int(getattr(engine, "sequence_parallel_size", 1) or 1) != 1:
+        return "sequence parallelism: another group and divisor"
+    if getattr(engine, "pipeline_parallelism", False):
+        return "pipeline parallelism"
+    if not getattr(engine, "gradient_average", True):
+        return "gradient_average is off (a sum, not the mean)"
+    if not callable(getattr(engine, "is_gradient_accumulation_boundary", None)):
+        return "the engine lacks is_gradient_accumulation_boundary"
+    return ""
+
+
 class DeepSpeedMonitor:
     """Feeds one engine's local gradients, losses and steps to a Monitor (``monitor``)."""
 
-    def __init__(self, engine, monitor, params, coords):
+    def __init__(self, engine, monitor, params, coords, check_reduced=False):
         self.monitor = monitor
         self.stage = engine.zero_optimization_stage()
         self.accumulation = int(engine.gradient_accumulation_steps())
         self._engine = weakref.ref(engine)
         self._coords = coords
+        # ZeRO-0's aggregation check reads each parameter's reduced .grad before the step.
+        self._check_reduced = check_reduced
+        self._params = params
+        self._offsets = []
+        offset = 0
+        for c in coords:
+            self._offsets.append(offset)
+            offset += c.numel()
         # The step's local gradient, float32, in the flat index's order (one view a parameter);
         # zeroed after each step. One buffer makes the step one sketch call.
         self._flat = None
@@ -207,11 +250,31 @@ class DeepSpeedMonitor:
 
     def step(self, *args, **kwargs):
         engine = self._engine()
+        if engine is not None and self._check_reduced and self.monitor._active:
+            self._add_reduced(engine)
         before = engine.global_steps if engine is not None else None
         out = self._step(*args, **kwargs)
         if engine is not None and engine.global_steps != before:
             self._boundary()
         return out
+
+    def _add_reduced(self, engine) -> None:
+        """On a step this rank checks, at the accumulation boundary: the reduced gradient (each
+        parameter's .grad, before DeepSpeed's step clips and applies it) into the step's
+        reduced sketch."""
+        integrity = self.monitor._replica.integrity
+        if not integrity.due:
+            return
+        try:
+            if not engine.is_gradient_accumulation_boundary():
+                return
+            integrity.add_tensors(
+                [None if p.grad is None else p.grad.detach() for p in self._params],
+                self._offsets,
+                reduction_dtype=engine.communication_data_type,
+            )
+        except Exception:  # monitoring must never break training; the step goes unchecked
+            integrity.fail()
 
     def _boundary(self) -> None:
         mon = self.monitor
@@ -264,8 +327,13 @@ def attach(engine, **options):
     # The reduced gradient is partitioned (ZeRO-1/2/3) or reduced in DeepSpeed's own buckets
     # (ZeRO-0): only the parameters are compared.
     mon._replica.enabled = False
-    mon._replica.integrity.disable()  # nor the aggregation (the reduced gradient is partitioned)
+    # The aggregation check: ZeRO-0's reduced gradient is whole in .grad before the step.
+    mon.integrity_unsupported = _integrity_unsupported(engine)
+    if mon.integrity_unsupported:
+        mon._replica.integrity.disable()
     mon.framework = f"deepspeed {_version()} zero-{stage}"
-    mon.deepspeed = DeepSpeedMonitor(engine, mon, params, coords)
+    mon.deepspeed = DeepSpeedMonitor(
+        engine, mon, params, coords, check_reduced=not mon.integrity_unsupported
+    )
     engine._rankscope_monitor = mon
     return mon

@@ -23,6 +23,14 @@ _HYBRID_SHARD_ZERO2: torch refuses comm hooks there; refused with a message, tra
 Micro-batches: without ``no_sync()`` FSDP1 reduces every backward (see
 rankscope.frameworks._local_grads.StepGradients); with ``no_sync()`` on all but the last, once.
 
+Aggregation integrity (rankscope._integrity): under NO_SHARD the hook's all-reduce leaves each
+unit's whole reduced (mean) flat gradient in the tensor it was given, so on the steps this rank
+checks the hook adds it, after chaining, with the unit's pieces at their global offsets (on a GPU
+a DeviceSketch launch on the same stream, after the all-reduce). A unit reduced twice in a step
+(accumulation without ``no_sync``: the second holds the first's sum too) leaves that step
+unchecked. FULL_SHARD and SHARD_GRAD_OP leave each rank one shard of the reduced gradient: not
+checked (docs/DESIGN.md "Aggregation integrity" says what a sharded check would need).
+
 Versions: the hook API and the FlatParameter fields read are the same in torch 2.2 and 2.15.
 Register before the first forward (FSDP's rule for comm hooks).
 """
@@ -31,6 +39,7 @@ import torch
 from torch.distributed.algorithms._comm_hooks import default_hooks
 
 from rankscope._options import replica_check_for
+from rankscope.fingerprint import SegmentLayout
 from rankscope.frameworks._local_grads import (
     FrameworkModel,
     ParamTable,
@@ -127,7 +136,11 @@ def attach_fsdp1(
     grads = StepGradients(monitor, keep=accumulate_local_grad)
     monitor.local_grads = grads
     monitor.framework_mode = "FSDP1 " + "/".join(sorted(strategies))
-    shared = _Shared(grads, comm_hook, comm_hook_state, pg)
+    # The aggregation check needs the whole reduced gradient: NO_SHARD only.
+    check_reduced = strategies == {"NO_SHARD"}
+    if not check_reduced:
+        monitor._replica.integrity.disable()
+    shared = _Shared(grads, comm_hook, comm_hook_state, pg, check_reduced)
     try:
         model.register_comm_hook(shared, _fsdp1_hook)
     except (AssertionError, RuntimeError, ValueError) as e:
@@ -146,23 +159,36 @@ def attach_fsdp1(
 class _Shared:
     """What every unit's hook state shares: the step's gradients and the hook chained to."""
 
-    __slots__ = ("grads", "chain", "chain_state", "default_state")
+    __slots__ = ("grads", "chain", "chain_state", "default_state", "check_reduced")
 
-    def __init__(self, grads, chain, chain_state, pg):
+    def __init__(self, grads, chain, chain_state, pg, check_reduced=False):
         self.grads = grads
         self.chain = chain
         self.chain_state = chain_state
         self.default_state = default_hooks.DefaultState(pg)
+        self.check_reduced = check_reduced  # NO_SHARD: the reduced flat gradient is whole
 
 
 class _UnitState:
     """One FSDP unit's hook state: where each original parameter lies in its flat gradient."""
 
-    __slots__ = ("shared", "layout")
+    __slots__ = ("shared", "layout", "_segments")
 
     def __init__(self, shared, layout):
         self.shared = shared
         self.layout = layout  # [(offset, numel, ParamSpec)]
+        self._segments = None  # the layout as a SegmentLayout of the flat gradient (cached)
+
+    def segments(self, numel: int) -> SegmentLayout:
+        """The pieces as a SegmentLayout of a flat gradient of ``numel`` elements."""
+        if self._segments is None or self._segments.numel != numel:
+            self._segments = SegmentLayout(
+                numel,
+                [off for off, _, _ in self.layout],
+                [n for _, n, _ in self.layout],
+                [spec.offset for _, _, spec in self.layout],
+            )
+        return self._segments
 
 
 def _fsdp1_hook(state, grad: torch.Tensor, output: torch.Tensor | None = None):
@@ -182,8 +208,27 @@ def _fsdp1_hook(state, grad: torch.Tensor, output: torch.Tensor | None = None):
         shared = state
     if shared.chain is not None:
         if output is None:
-            return shared.chain(shared.chain_state, grad)
-        return shared.chain(shared.chain_state, grad, output)
-    if output is None:
-        return default_hooks.allreduce_hook(shared.default_state, grad)
-    return default_hooks.reduce_scatter_hook(shared.default_state, grad, output)
+            result = shared.chain(shared.chain_state, grad)
+        else:
+            return shared.chain(shared.chain_state, grad, output)
+    elif output is None:
+        result = default_hooks.allreduce_hook(shared.default_state, grad)
+    else:
+        return default_hooks.reduce_scatter_hook(shared.default_state, grad, output)
+    if shared.check_reduced and isinstance(state, _UnitState):
+        _add_reduced(state, grad)
+    return result
+
+
+def _add_reduced(state: _UnitState, grad: torch.Tensor) -> None:
+    """NO_SHARD, after the all-reduce: the unit's reduced flat gradient into the step's reduced
+    sketch, on the steps this rank checks the aggregation."""
+    monitor = state.shared.grads._monitor
+    integrity = monitor._replica.integrity
+    if not monitor._active or not integrity.due:
+        return
+    try:
+        flat = grad.detach().reshape(-1)
+        integrity.add(flat, state.segments(flat.numel()), key=id(state))
+    except Exception:  # monitoring must never break training; the step goes unchecked
+        integrity.fail()
