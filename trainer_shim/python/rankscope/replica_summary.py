@@ -31,11 +31,12 @@ The reduced gradient is summarized the same way, bucket by bucket (``partial_seg
 bucket's segments at their global offsets), and the collector's tolerance for it also covers a
 reduction summed in another order on each rank (collector/analysis/replica_tolerance.h).
 
-Cost: about 25 passes of int64 and float64 torch ops over the values (the signs are recomputed
-from the indices, never stored): the parameters at each parameter check, the reduced gradient
-every step, under the tolerance check only. Torch ops on the tensors' own device, read back to
-the host; the monitor computes them for CPU tensors (the device path's deferred reports do not
-carry summaries yet: under the tolerance check such a rank sends no fingerprint).
+Cost (the signs are recomputed from the indices, never stored): the C++ kernel, one scalar pass,
+~22 ns a value on the shared 2-core machine (docs/PERFORMANCE.md "Replica tolerance"); the
+torch-op path about 25 passes of int64 and float64 ops. The parameters at each parameter check,
+the reduced gradient every step, under the tolerance check only. The monitor computes them for
+CPU tensors (the device path's deferred reports do not carry summaries yet: under the tolerance
+check such a rank sends no fingerprint).
 """
 
 import math

@@ -180,8 +180,8 @@ def attach(
         gradient and parameters); ``"tolerance"``, for replicas a framework or mode does not
         keep bit-identical (ranks on different GPU models, a reduction summed in a different
         order on each rank, a non-deterministic optimizer step): each fingerprint with a float
-        summary, compared within a tolerance of a few ulps a value (CPU tensors; costs ~25
-        passes of torch ops over the reduced gradient every step). Default
+        summary, compared within a tolerance of a few ulps a value (CPU tensors; a C++ pass
+        over the reduced gradient every step, docs/PERFORMANCE.md "Replica tolerance"). Default
         ``$RANKSCOPE_REPLICA_CHECK``, else the path's choice (docs/shim.md's tables; "exact"
         for DDP).
       auth_token: the collector's shared token (``--auth_token_file``), if it requires one.
