@@ -2,7 +2,8 @@
 the zero-code launch; it never imports rankscope). One process per rank:
 
     attach_target.py [--rank R --world W --port P] --dir D [--total N] [--accum A] [--zero]
-                     [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S]
+                     [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S] [--fsdp2]
+                     [--save-grads] [--adam]
 
 (Without --rank, torchrun's environment says who the rank is.) Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
 deterministic batches. Next to each DDP step it computes the rank's exact local loss and
@@ -17,6 +18,10 @@ it each step and every rank stops K steps after rank 0 saw it (one broadcast per
 --skip-shard-at STEP (with --zero): rank 1 keeps its old copy of rank 0's shard after that step
 (or the first step after D/skip appears), as if it had missed the shard's broadcast.
 --framework: DDP is built inside a "Trainer" class, as HF Trainer or Lightning do.
+--fsdp2: FSDP2 (fully_shard on a 1-D mesh, the block then the root) instead of DDP; with --accum,
+only the last micro-batch reduces (set_requires_gradient_sync); --adam: Adam instead of SGD.
+--save-grads: rank 0 also writes D/grads.pt: per step, the ranks' exact losses and their full local
+gradients in rankscope's flat order (for the exact statistics of shim_harness.exact_step_stats).
 """
 
 import argparse
@@ -37,10 +42,25 @@ from shim_harness import TinyLM, batch, flat_grad, lm_loss  # noqa: E402  (no ra
 
 
 class Trainer:
-    """What a framework does for the user: builds DDP and the optimizer, runs the steps."""
+    """What a framework does for the user: builds DDP (or FSDP2) and the optimizer, runs the
+    steps."""
 
     def __init__(self, model, args):
+        if args.fsdp2:  # FSDP2 on a 1-D mesh: the block, then the root (the test_fsdp.py layout)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (args.world,))
+            fully_shard(model.block, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+            self.module = model
+            if args.adam:  # an optimizer that counts its steps in its state
+                self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            else:
+                self.opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            return
         self.model = nn.parallel.DistributedDataParallel(model)
+        self.module = self.model.module
         if args.own_hook:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -53,6 +73,31 @@ class Trainer:
             )
         else:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+
+def full_state(trainer, args) -> dict:
+    """The model's full parameters as a plain state dict (FSDP2: its DTensors gathered, a
+    collective every rank runs)."""
+    if not args.fsdp2:
+        return trainer.module.state_dict()
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        for k, v in trainer.model.state_dict().items()
+    }
+
+
+def reference_backward(ref, loss, args) -> None:
+    """The reference replica's backward. With --fsdp2, through torch.autograd.grad, not
+    torch.autograd.backward, whose calls rankscope's loss capture records: the job's own losses
+    are then the only ones the step's reported loss averages (the FSDP2 tests hold it to the
+    float32 mean exactly). The gradients are added into .grad as autograd would."""
+    if not args.fsdp2:
+        loss.backward()
+        return
+    params = [p for p in ref.parameters() if p.requires_grad]
+    for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
 
 
 def missed_shard_sync(opt, owner):
@@ -85,6 +130,9 @@ def main():
     ap.add_argument("--framework", action="store_true")
     ap.add_argument("--skip-shard-at", type=int, default=-1)
     ap.add_argument("--pace", type=float, default=0.02)
+    ap.add_argument("--fsdp2", action="store_true")
+    ap.add_argument("--adam", action="store_true")
+    ap.add_argument("--save-grads", action="store_true")
     args = ap.parse_args()
     out = Path(args.dir)
     torch.set_num_threads(1)
@@ -106,25 +154,31 @@ def main():
     ddp, opt = trainer.model, trainer.opt
 
     expected = {}
+    saved = {}  # rank 0, --save-grads: step -> (the ranks' exact losses, their local gradients)
     times = []  # rank 0: wall time of each whole iteration (what an attach pause lengthens)
     skipped = False
     stop_at = args.total if args.total else -1
     step = 0
     while stop_at < 0 or step < stop_at:
         t_iter = time.monotonic()
-        ref.load_state_dict(ddp.module.state_dict())
+        ref.load_state_dict(full_state(trainer, args))
         ref.zero_grad(set_to_none=True)
         ref_losses = []
+        ref_loss_tensors = []
         for micro in range(args.accum):
             rl = lm_loss(ref, *batch(args.rank, step, micro))
-            rl.backward()
+            reference_backward(ref, rl, args)
             ref_losses.append(float(rl))
+            ref_loss_tensors.append(rl.detach())
         g = flat_grad(ref)
 
         opt.zero_grad(set_to_none=True)
         for micro in range(args.accum):
             x, y = batch(args.rank, step, micro)
-            if micro < args.accum - 1:
+            if args.fsdp2:  # one reduction a step, of the micro-batches' sum
+                ddp.set_requires_gradient_sync(micro == args.accum - 1)
+                lm_loss(ddp, x, y).backward()
+            elif micro < args.accum - 1:
                 with ddp.no_sync():
                     lm_loss(ddp, x, y).backward()
             else:
@@ -141,6 +195,9 @@ def main():
         opt.step()
         opt.__dict__.pop("_sync_params", None)
 
+        if args.save_grads:  # the step's loss as the job computes it: the mean in its dtype
+            step_losses = [torch.zeros(1) for _ in range(args.world)]
+            dist.all_gather(step_losses, torch.stack(ref_loss_tensors).mean().reshape(1))
         gathered = [torch.zeros_like(g) for _ in range(args.world)]
         dist.all_gather(gathered, g)
         losses = torch.zeros(args.world, dtype=torch.float64)
@@ -155,6 +212,8 @@ def main():
                 "norms": [float(v.norm()) for v in gathered],
                 "cosine": sum(float(units[i] @ units[j]) for i, j in pairs) / len(pairs),
             }
+            if args.save_grads:
+                saved[step] = ([float(v) for v in step_losses], torch.stack(gathered))
             (out / "progress.tmp").write_text(str(step))
             os.replace(out / "progress.tmp", out / "progress")
         if not args.total:
@@ -171,14 +230,17 @@ def main():
         times.append(time.monotonic() - t_iter)
 
     digest = hashlib.sha256()
-    for _, p in ddp.module.named_parameters():
-        digest.update(p.detach().numpy().tobytes())
+    final = full_state(trainer, args)
+    for name, _ in trainer.module.named_parameters():
+        digest.update(final[name].detach().numpy().tobytes())
     (out / f"final.{args.rank}").write_text(
         json.dumps({"sha256": digest.hexdigest(), "steps": step})
     )
     if args.rank == 0:
         (out / "expected.json").write_text(json.dumps(expected))
         (out / "times.json").write_text(json.dumps(times))
+        if args.save_grads:
+            torch.save(saved, out / "grads.pt")
     dist.barrier()
     dist.destroy_process_group()
 

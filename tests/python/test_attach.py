@@ -483,3 +483,174 @@ def test_torchrun_zero_code_launch_then_attach_all_local(module_collector, tmp_p
             launcher.wait()
     for step, r in module_collector.step_rows("torchrun-job").items():
         assert r["ranks"] == 2 and r["missing_ranks"] == "", (step, r)
+
+
+# ---- FSDP2: the zero-code launch and `rankscope attach --pid` (rankscope._fsdp2_attach) -------
+
+FSDP2_SKETCH_DIM = 1024
+
+
+def _fsdp2_available() -> bool:
+    try:
+        from rankscope.frameworks import fsdp2
+
+        return fsdp2.fsdp_module_class() is not None
+    except Exception:
+        return False
+
+
+needs_fsdp2 = pytest.mark.skipif(not _fsdp2_available(), reason="this torch has no FSDP2")
+
+
+def check_fsdp2_exact(collector, job_name, job, steps):
+    """Every step of ``steps`` stored, complete, and equal to the exact statistics of the ranks'
+    own losses and full local gradients (attach_target.py --save-grads), as test_fsdp.py checks
+    FSDP2 in the script (shim_harness.check_exact_rows)."""
+    import torch
+
+    from rankscope import DEFAULT_SKETCH_SEED
+    from shim_harness import check_exact_rows, exact_step_stats
+
+    saved = torch.load(job.dir / "grads.pt")
+    expected = {
+        s: exact_step_stats(
+            saved[s][0], list(saved[s][1]), FSDP2_SKETCH_DIM, DEFAULT_SKETCH_SEED, "float32"
+        )
+        for s in steps
+    }
+    check_exact_rows(
+        collector.step_rows(job_name),
+        collector.rank_rows(job_name),
+        expected,
+        job.world,
+        FSDP2_SKETCH_DIM,
+    )
+
+
+@needs_fsdp2
+def test_zero_code_launch_finds_fsdp2_models(module_collector, tmp_path):
+    """`python -m rankscope.run --enabled train.py` for a script that shards its model with FSDP2
+    (fully_shard, two micro-batches a step): the root is found at its first forward, the ranks
+    agree on the first step on their optimizer-step count (0 on every rank then), and every step
+    from the agreed one is exact."""
+    from rankscope._attach_agreement import LEAD
+
+    steps = 9
+    job = Job(
+        tmp_path / "run",
+        world=2,
+        args=("--fsdp2", "--accum", "2", "--total", str(steps), "--save-grads"),
+        launcher=(
+            "-m",
+            "rankscope.run",
+            "--job=zero-code-fsdp2",
+            "--enabled",
+            f"--sketch_dim={FSDP2_SKETCH_DIM}",
+            f"--collector={module_collector.address}",
+        ),
+        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
+    )
+    job.join()
+    # Installed before any optimizer step on both ranks: the agreed first step is 0 + LEAD.
+    check_fsdp2_exact(module_collector, "zero-code-fsdp2", job, range(LEAD, steps))
+
+
+@needs_fsdp2
+def test_attach_to_running_fsdp2_job_reports_every_step_exactly(module_collector, tmp_path):
+    """`rankscope attach --pid` into a live FSDP2 job (Adam, which counts its steps): both ranks
+    agree on the first step through the collectives they issued, number their steps by the
+    optimizer's count, and every step from the agreed one is exact."""
+    job = Job(tmp_path / "fsdp2", world=2, args=("--fsdp2", "--adam", "--save-grads"))
+    try:
+        job.wait_progress(3)
+        out = attach(module_collector, "live-fsdp2", job.pids, f"--sketch_dim={FSDP2_SKETCH_DIM}")
+        assert out.returncode == 0, out.stdout + out.stderr
+        starts = start_steps(out.stdout)
+        assert len(starts) == 2 and len(set(starts)) == 1, out.stdout
+        assert out.stdout.count("path: FSDP2 FSDP: reduce-scatter inputs") == 2, out.stdout
+        assert out.stdout.count("step boundary: Adam.step post-hook") == 2, out.stdout
+        first = starts[0]
+        assert first > 3
+        job.stop_after(6)
+    except BaseException:  # a failed assertion must not leave the job training
+        job.kill()
+        raise
+    job.join()
+    last = job.finals()[0]["steps"] - 1
+    assert last >= first + 5
+    check_fsdp2_exact(module_collector, "live-fsdp2", job, range(first, last + 1))
+
+
+def _run_clock_starts(kind, world, arrivals, per_step, run_ahead, seed, optimizer_count):
+    """Drives ``world`` ranks' ClockStarts (rankscope._fsdp2_attach) through one real c10d store
+    (HashStore) over a training whose step k ends with the collective clock at ``clock[k]``
+    (``per_step(k)`` collectives in step k). Rank r is installed before step ``arrivals[r]`` and
+    sees every boundary (end of a step) from then on; the ranks' boundaries interleave at random,
+    no rank processing boundary k + 1 + ``run_ahead`` before every rank processed boundary k
+    (``run_ahead`` 0: a step's collectives complete only once every rank issued them, so nobody
+    ends step k + 1 before everybody ended step k). Returns, per rank, (the global step it reports
+    first, the number it gives that step)."""
+    import random
+
+    import torch.distributed as dist
+
+    from rankscope._fsdp2_attach import CLOCK_STEPS, ClockStart
+
+    rng = random.Random(seed)
+    store = dist.HashStore()
+    steps = 80
+    clock = []
+    for k in range(steps):
+        clock.append((clock[-1] if clock else 0) + per_step(k))
+    starts = [None] * world
+    if kind == CLOCK_STEPS:  # published at install, before any rank's first boundary
+        starts = [ClockStart(store, "job/-", r, world, kind, lambda m: None) for r in range(world)]
+    done = [0] * world  # boundaries each rank has passed: the next one ends step done[r]
+    first = [None] * world
+    while any(f is None for f in first):
+        slowest = min(done)
+        r = rng.choice([r for r in range(world) if done[r] <= slowest + run_ahead])
+        k = done[r]
+        assert k < steps, "a rank never started"
+        done[r] += 1
+        if first[r] is not None or k < arrivals[r]:
+            continue
+        if starts[r] is None:
+            starts[r] = ClockStart(store, "job/-", r, world, kind, lambda m: None)
+        value = k + 1 - arrivals[r] if kind == CLOCK_STEPS else clock[k]
+        number = starts[r].at_boundary(value, lambda: optimizer_count(k))
+        if number is not None:
+            first[r] = (k + 1, number)  # the step after boundary k is its first reported one
+    return first
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fsdp2_clock_start_gives_every_rank_the_same_first_step_and_numbers(seed):
+    """rankscope._fsdp2_attach.ClockStart, three ranks on a real store: whatever the order in
+    which the ranks reach their step boundaries, and whenever each was attached,
+    - in lockstep (nobody ends a step before everybody ended the one before) every rank starts
+      at the same step, after every rank's arrival, with the same number;
+    - with ranks running further ahead (a CPU that queues a GPU's collectives) a rank may start
+      later than another, and every rank still gives every step the same number."""
+    from rankscope._fsdp2_attach import CLOCK_COLLECTIVES, CLOCK_STEPS
+
+    def irregular(k):  # collectives a step: an evaluation's extra all-reduces every 4th step
+        return 5 + (3 if k % 4 == 0 else 0)
+
+    arrivals = [(seed * 7 + 3 * r) % 9 for r in range(3)]
+    for kind, count, arr in (
+        (CLOCK_COLLECTIVES, lambda k: None, arrivals),  # SGD: numbered from 0
+        (CLOCK_COLLECTIVES, lambda k: k + 1, arrivals),  # Adam: steps it took after step k
+        (CLOCK_STEPS, lambda k: None, [0, 0, 0]),  # zero-code: installed before step 0
+    ):
+        lockstep = _run_clock_starts(kind, 3, arr, irregular, 0, seed, count)
+        assert len(set(lockstep)) == 1, (kind, lockstep)
+        step, number = lockstep[0]
+        assert step > max(arr)
+        if kind == CLOCK_STEPS or count(0) is not None:
+            assert number == step  # the count numbers the training steps
+        else:
+            assert number == 0
+        ahead = _run_clock_starts(kind, 3, arr, irregular, 6, seed, count)
+        offsets = {number - step for step, number in ahead}
+        assert len(offsets) == 1, (kind, ahead)  # one numbering on every rank

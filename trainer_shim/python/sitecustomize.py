@@ -1,5 +1,5 @@
 """rankscope's start-up hook: with ``RANKSCOPE_AUTO=1`` and this folder on PYTHONPATH, every
-Python process attaches rankscope to the DistributedDataParallel models it builds
+Python process attaches rankscope to the DistributedDataParallel and FSDP2 models it builds
 (rankscope.auto; settings from RANKSCOPE_JOB and the other RANKSCOPE_* variables). Without the
 variable it does nothing but hand over to the next ``sitecustomize`` on sys.path (Debian ships
 one), which this file would otherwise hide.

@@ -2,8 +2,9 @@
 
 The attaching side (rankscope.attach) writes a request (JSON: job, options, ack_path) and has
 ``_attach_helper.so`` queue ``run(request)`` as a pending call: it runs on the main thread at a
-bytecode boundary. ``run`` finds the process's DDP models by exact type with ``gc``, hands them
-to the process's AutoAttacher (rankscope._autoattach), and writes the acknowledgement file, then
+bytecode boundary. ``run`` finds the process's DDP models by exact type and its root FSDP2 modules
+with ``gc``, hands them to the process's AutoAttacher (rankscope._autoattach,
+rankscope._fsdp2_attach), and writes the acknowledgement file, then
 rewrites it each time a model changes state (installed, agreed, reporting), so the attaching side
 can say per process: attached at step N, which path, how long the main thread paused.
 
@@ -82,19 +83,32 @@ def _run(request: dict, ack: _Ack, t0: float) -> None:
             "(not a rank yet, or the launcher): attach once training has started",
         )
         return
-    from rankscope import _autoattach
+    from rankscope import _autoattach, _fsdp2_attach
 
     models, optimizers = _autoattach.find_models_and_optimizers()
+    existing = _autoattach.current()
+    # An FSDP2 model that rst.attach in the script (or a framework's callback) watches.
+    watched = [
+        m
+        for m in models
+        if type(m) is not _autoattach.DDP
+        and not (existing is not None and existing.covers(m))
+        and _fsdp2_attach.is_watched(m)
+    ]
+    models = [m for m in models if all(m is not w for w in watched)]
     if not models:
         ack.write(
             status="error",
-            error="no torch.nn.parallel.DistributedDataParallel model in "
-            "this process (matched by exact type; a trainer that reduces gradients itself "
-            "needs rst.attach_reducer in the script)",
+            error="the FSDP2 model of this process is already watched by rankscope (attach() in "
+            "the script, or a framework's callback)"
+            if watched
+            else "no torch.nn.parallel.DistributedDataParallel model or root FSDP2 module "
+            "(fully_shard, after its first forward) in this process (DDP matched by exact "
+            "type; a trainer that reduces gradients itself needs rst.attach_reducer in the "
+            "script)",
         )
         return
     job = str(request["job"])
-    existing = _autoattach.current()
     if existing is not None and all(existing.covers(m) for m in models):
         ack.write(
             status="already attached",

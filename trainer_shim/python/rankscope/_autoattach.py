@@ -1,6 +1,7 @@
 """Attaching to DDP models that the training script never handed to rankscope: the zero-code
 launch (``python -m rankscope.run``, ``RANKSCOPE_AUTO=1``) and ``rankscope attach --pid`` (through
-rankscope._attach_payload) both end here.
+rankscope._attach_payload) both end here. FSDP2 models go through the same ``AutoAttacher`` to
+rankscope._fsdp2_attach (their own clock and step boundary).
 
 For each DDP model (matched by exact type) an ``AttachedModel`` walks through four states:
 
@@ -31,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rankscope import _loss_capture
+from rankscope import _fsdp2_attach, _loss_capture
 from rankscope import torch as rst
 from rankscope._attach_agreement import StartAgreement
 from rankscope._ddp_clock import DdpIterations
@@ -43,17 +44,28 @@ PATH_PARAM_HOOKS = "parameter hooks"
 
 
 def find_models_and_optimizers():
-    """(DDP models, optimizers) alive in this process, by exact type (DDP) and by type's class
-    hierarchy (optimizers; never ``isinstance``, which runs user ``__class__`` properties). An
-    optimizer wrapped by another (ZeroRedundancyOptimizer's local ``optim``) is left out."""
+    """(models, optimizers) alive in this process: DDP models by exact type, root FSDP2 modules
+    (rankscope._fsdp2_attach.is_root; only when the process imported FSDP2), and optimizers by
+    type's class hierarchy (never ``isinstance``, which runs user ``__class__`` properties). An
+    optimizer wrapped by another (ZeroRedundancyOptimizer's local ``optim``) is left out. One
+    heap walk."""
     models, optimizers = [], []
     optimizer_type = torch.optim.Optimizer
+    fsdp_module = _fsdp2_attach.fsdp_module_class_if_imported()
     for o in gc.get_objects():
         t = type(o)
         if t is DDP:
             models.append(o)
-        elif isinstance(t, type) and issubclass(t, optimizer_type):
+        elif not isinstance(t, type):
+            continue
+        elif issubclass(t, optimizer_type):
             optimizers.append(o)
+        elif (
+            fsdp_module is not None
+            and issubclass(t, fsdp_module)  # a C-level test first: the walk sees every object
+            and _fsdp2_attach.is_root(o, fsdp_module)
+        ):
+            models.append(o)
     inner = {id(getattr(o, "optim", None)) for o in optimizers}
     # A wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has no
     # step hooks; the optimizer it wraps steps once per optimizer step.
@@ -202,13 +214,7 @@ class AttachedModel:
             )
             self.path = f"{PATH_PARAM_HOOKS} (the model has its own comm hook: {hook})"
             self._install_param_hooks(model)
-        # The optimizers the payload found (live attach) serve first; a scan of the heap
-        # (one more gc walk on the training thread) only when none of them holds this model.
-        self._optimizer = optimizer_of(model, attacher.known_optimizers())
-        if self._optimizer is None:
-            _, found = find_models_and_optimizers()
-            attacher.remember_optimizers(found)
-            self._optimizer = optimizer_of(model, found)
+        self._optimizer = attacher.optimizer_for(model)
         if self._optimizer is None:
             self.step_boundary = "forward"
         else:
@@ -308,8 +314,11 @@ class AutoAttacher:
         self._on_change = on_change
         self._warned = set()
 
-    def add(self, model) -> AttachedModel | None:
-        """Attaches ``model`` (a DDP) at its next forward; None if it already is."""
+    def add(self, model):
+        """Attaches ``model`` (a DDP model, or a root FSDP2 module found in a live process) at
+        its next forward; None if it already is (or, for FSDP2, the script watches it)."""
+        if type(model) is not DDP:
+            return self.add_fsdp2(model, _fsdp2_attach.CLOCK_COLLECTIVES)
         for m in self.models:
             if m._model() is model:
                 return None
@@ -317,6 +326,31 @@ class AutoAttacher:
         self.models.append(m)
         self.changed()
         return m
+
+    def add_fsdp2(self, model, clock: str, in_forward: bool = False):
+        """Attaches a root FSDP2 module (rankscope._fsdp2_attach) at its next forward with
+        gradients, or, ``in_forward`` (called from inside the root's first forward, before its
+        backward), at this one; ``clock`` as there. None if it is already attached or watched
+        (``rst.attach`` in the script, a framework's callback)."""
+        if self.covers(model) or _fsdp2_attach.is_watched(model):
+            return None
+        m = _fsdp2_attach.AttachedFsdp2(self, model, clock)
+        self.models.append(m)
+        self.changed()
+        if in_forward:
+            m._pre_forward(model, ())
+        return m
+
+    def optimizer_for(self, model):
+        """The optimizer that steps ``model`` (optimizer_of): the optimizers the payload found
+        (live attach) serve first; a scan of the heap (one more gc walk on the training thread)
+        only when none of them holds the model."""
+        optimizer = optimizer_of(model, self.known_optimizers())
+        if optimizer is None:
+            _, found = find_models_and_optimizers()
+            self.remember_optimizers(found)
+            optimizer = optimizer_of(model, found)
+        return optimizer
 
     def release(self, model) -> bool:
         """Stops attaching ``model`` if its monitor is not installed yet (rankscope.frameworks
@@ -344,14 +378,20 @@ class AutoAttacher:
         return any(m._model() is model for m in self.models)
 
     def group_for(self, attached: AttachedModel, model) -> str:
+        """The group of a DDP model (group_for_process_group)."""
+        return self.group_for_process_group(
+            attached, model.process_group, type(model.module).__name__
+        )
+
+    def group_for_process_group(self, attached, process_group, class_name: str) -> str:
         """The group of a model: derived from its process group, and, when another model of this
         process already reports that group, suffixed with the module's class name (a GAN's
         generator and discriminator), the same on every rank."""
-        base = rst.data_parallel_group(model.process_group)
+        base = rst.data_parallel_group(process_group)
         taken = {m.group for m in self.models if m is not attached and m.group is not None}
         if base not in taken:
             return base
-        name = type(model.module).__name__.lower()[:40] or "model"
+        name = class_name.lower()[:40] or "model"
         candidate, i = (f"{base}-{name}" if base else name), 1
         while candidate in taken:
             i += 1

@@ -1,5 +1,6 @@
 """Zero-code attach for jobs started from now on: every DistributedDataParallel model the script
-constructs is attached (rankscope._autoattach), dormant unless told otherwise, with the loss taken
+constructs is attached (rankscope._autoattach), and every root FSDP2 module at its first forward
+(rankscope._fsdp2_attach), dormant unless told otherwise, with the loss taken
 from its backward calls and the step from its optimizer. Used by ``python -m rankscope.run`` and
 by ``RANKSCOPE_AUTO=1`` (the package's ``sitecustomize``).
 
@@ -55,7 +56,8 @@ _installed = False
 
 
 def install(job: str, dormant: bool = True, options: dict | None = None):
-    """Attaches every DDP model constructed from now on (exact type), at its first forward.
+    """Attaches every DDP model constructed from now on (exact type), at its first forward, and
+    (through rankscope.frameworks.install_auto) every root FSDP2 module and framework object.
     Idempotent. Returns the process's AutoAttacher."""
     global _installed
     import torch

@@ -1,6 +1,6 @@
 """Zero-code launch: ``python -m rankscope.run [OPTIONS] train.py ARGS...`` runs ``train.py`` as
-``__main__`` with every DistributedDataParallel model it builds attached to rankscope (dormant
-unless ``--enabled``), the loss taken from its backward calls (their mean under gradient
+``__main__`` with every DistributedDataParallel and FSDP2 model it builds attached to rankscope
+(dormant unless ``--enabled``), the loss taken from its backward calls (their mean under gradient
 accumulation) and the step from its optimizer. Also ``torchrun ... -m rankscope.run train.py``
 and ``python -m rankscope.run [OPTIONS] -m package.module ARGS...``.
 
@@ -18,8 +18,8 @@ USAGE = """usage: python -m rankscope.run [--job=NAME] [--collector=HOST:PORT] [
                               [--sketch_bytes=B] [--sketch_encoding=E] [--sketch_dim=K]
                               [--sketch_threads=T] [--every=N] (SCRIPT | -m MODULE) [ARGS...]
 
-Runs a training script with rankscope attached to every DistributedDataParallel model it builds,
-without changing the script: dormant until `rankscope ctl enable --job=NAME` (or reporting from
+Runs a training script with rankscope attached to every DistributedDataParallel or FSDP2 model
+it builds, without changing the script: dormant until `rankscope ctl enable --job=NAME` (or reporting from
 the first step every rank agrees on, with --enabled). Works under torchrun:
   torchrun --nproc_per_node=8 -m rankscope.run --job=exp-42 train.py --lr=3e-4
 Job name and collector default to $RANKSCOPE_JOB and $RANKSCOPE_COLLECTOR.

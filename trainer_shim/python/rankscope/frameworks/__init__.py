@@ -84,19 +84,36 @@ def install_auto(attacher) -> None:
     """(rankscope.auto) Attaches every Hugging Face Trainer, Lightning Trainer and DeepSpeed
     engine constructed from now on, with ``attacher``'s job, dormancy and options: wraps the
     class's ``__init__`` when its module is imported (a post-import hook on ``sys.meta_path``;
-    at once when it already is). Never raises into the script: failures are warned through
-    ``attacher.warn``."""
+    at once when it already is); and every root FSDP2 module at its first forward (FSDP2's state
+    module patched the same way: rankscope._fsdp2_attach.patch_state_module). Never raises into
+    the script: failures are warned through ``attacher.warn``."""
+    import functools
     import sys
 
+    from rankscope import _fsdp2_attach
+
+    patches = {  # module -> what patches it once it is imported
+        name: functools.partial(_patch_class, cls_name=cls_name, framework=framework)
+        for name, (cls_name, framework) in _AUTO_CLASSES.items()
+    }
+    for name in _fsdp2_attach.STATE_MODULES:
+        patches[name] = _fsdp2_attach.patch_state_module
     pending = {}
-    for module_name, (cls_name, framework) in _AUTO_CLASSES.items():
+    for module_name, patch in patches.items():
         module = sys.modules.get(module_name)
         if module is not None:
-            _patch_class(module, cls_name, framework, attacher)
+            _run_patch(patch, module, attacher)
         else:
-            pending[module_name] = (cls_name, framework)
+            pending[module_name] = patch
     if pending and not any(isinstance(f, _PostImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImport(pending, attacher))
+
+
+def _run_patch(patch, module, attacher) -> None:
+    try:
+        patch(module, attacher=attacher)
+    except Exception as e:  # attaching must never break the script
+        attacher.warn(f"rankscope: could not watch {module.__name__} ({e!r})")
 
 
 def _patch_class(module, cls_name: str, framework: str, attacher) -> None:
@@ -143,25 +160,23 @@ class _PostImport:
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        cls_name, framework = self._pending.pop(fullname)
-        spec.loader = _PatchingLoader(spec.loader, cls_name, framework, self._attacher)
+        patch = self._pending.pop(fullname)
+        spec.loader = _PatchingLoader(spec.loader, patch, self._attacher)
         return spec
 
 
 class _PatchingLoader:
-    def __init__(self, loader, cls_name, framework, attacher):
+    def __init__(self, loader, patch, attacher):
         self._loader = loader
-        self._args = (cls_name, framework, attacher)
+        self._patch = patch
+        self._attacher = attacher
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        try:
-            _patch_class(module, *self._args)
-        except Exception as e:  # attaching must never break the script
-            self._args[2].warn(f"rankscope: could not watch {module.__name__} ({e!r})")
+        _run_patch(self._patch, module, self._attacher)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
