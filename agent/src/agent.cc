@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -85,6 +86,18 @@ std::string StatusCodeName(const grpc::Status& status) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()));
 }
 
+// A replica summary (StepReport's param_* / reduced_grad_*) is absent (no projections) or holds
+// kReplicaProjections finite values, a finite rounding >= 0 and a precision in [1, 53], and
+// comes with its fingerprint.
+bool SummaryValid(absl::Span<const double> projections, double rounding, bool has_fingerprint,
+                  uint32_t precision) {
+  if (projections.empty()) return true;
+  bool finite = std::isfinite(rounding) && rounding >= 0.0;
+  for (double p : projections) finite = finite && std::isfinite(p);
+  return finite && has_fingerprint && projections.size() == kReplicaProjections && precision >= 1 &&
+         precision <= 53;
+}
+
 }  // namespace
 
 AgentImpl::AgentImpl(AgentOptions options, std::string collector,
@@ -154,6 +167,18 @@ absl::Status AgentImpl::Record(const StepReport& report) {
           absl::StrCat("reduced_sketch has ", report.reduced_sketch.size(),
                        " values and mantissa bits ", report.reduced_grad_mantissa_bits,
                        "; the sketch has ", report.sketch.size(), " and bits must be in [1, 53]"));
+    }
+    if (!SummaryValid(report.param_projections, report.param_rounding,
+                      report.param_fingerprint.has_value(), 53) ||
+        !SummaryValid(report.reduced_grad_projections, report.reduced_grad_rounding,
+                      report.reduced_grad_fingerprint.has_value(), report.reduced_grad_precision)) {
+      ++stats_.invalid;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a replica summary (param_projections: ", report.param_projections.size(),
+          " values, reduced_grad_projections: ", report.reduced_grad_projections.size(), ") needs ",
+          kReplicaProjections,
+          " finite values, a finite rounding >= 0, its fingerprint and (reduced gradient) a "
+          "precision in [1, 53]"));
     }
     if (ring_.Push(report, now)) {  // the oldest queued report was overwritten
       ++stats_.dropped;

@@ -35,6 +35,12 @@ bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
   slot.local_batch_size = report.local_batch_size;
   slot.reduced_sketch.assign(report.reduced_sketch.begin(), report.reduced_sketch.end());
   slot.reduced_grad_mantissa_bits = report.reduced_grad_mantissa_bits;
+  slot.param_projections.assign(report.param_projections.begin(), report.param_projections.end());
+  slot.param_rounding = report.param_rounding;
+  slot.reduced_grad_projections.assign(report.reduced_grad_projections.begin(),
+                                       report.reduced_grad_projections.end());
+  slot.reduced_grad_rounding = report.reduced_grad_rounding;
+  slot.reduced_grad_precision = report.reduced_grad_precision;
   slot.recorded_unix_nanos = recorded_unix_nanos;
   ++size_;
   return dropped;

@@ -32,6 +32,11 @@ struct QueuedReport {
   uint32_t local_batch_size = 0;
   std::vector<float> reduced_sketch;  // empty on most steps
   uint32_t reduced_grad_mantissa_bits = 0;
+  std::vector<double> param_projections;  // empty: no summary (the exact check)
+  double param_rounding = 0.0;
+  std::vector<double> reduced_grad_projections;  // empty: no summary
+  double reduced_grad_rounding = 0.0;
+  uint32_t reduced_grad_precision = 0;
   int64_t recorded_unix_nanos = 0;
 };
 

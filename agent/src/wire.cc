@@ -70,6 +70,18 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
     r->mutable_reduced_sketch()->Add(q.reduced_sketch.begin(), q.reduced_sketch.end());
     r->set_reduced_grad_mantissa_bits(q.reduced_grad_mantissa_bits);
   }
+  if (!q.param_projections.empty()) {
+    v1::ReplicaSummary* summary = r->mutable_param_summary();
+    summary->mutable_projections()->Add(q.param_projections.begin(), q.param_projections.end());
+    summary->set_rounding(q.param_rounding);
+  }
+  if (!q.reduced_grad_projections.empty()) {
+    v1::ReplicaSummary* summary = r->mutable_reduced_grad_summary();
+    summary->mutable_projections()->Add(q.reduced_grad_projections.begin(),
+                                        q.reduced_grad_projections.end());
+    summary->set_rounding(q.reduced_grad_rounding);
+    summary->set_precision(q.reduced_grad_precision);
+  }
   return msg;
 }
 

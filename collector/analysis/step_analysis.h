@@ -49,7 +49,12 @@ struct StepDiagnostics {
   std::vector<std::optional<bool>> replica_ok;  // nullopt: the rank sent no fingerprint
   bool replica_checked = false;
   std::vector<uint32_t> replica_divergent;  // sorted
-  std::vector<uint32_t> flagged_ranks;      // score above threshold this step, sorted
+  // The parameters were compared with a tolerance (replica_tolerance.h): the ranks whose
+  // fingerprint differed within it (sorted), and the largest deviation over the tolerance.
+  bool replica_tolerance = false;
+  std::vector<uint32_t> replica_within_tolerance;
+  double replica_tolerance_ratio = std::numeric_limits<double>::quiet_NaN();
+  std::vector<uint32_t> flagged_ranks;  // score above threshold this step, sorted
   double grad_noise_scale = std::numeric_limits<double>::quiet_NaN();
   // This step's own cross-rank scale of each outlier signal (before any floor): what the job's
   // OutlierScaleWindow keeps.

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "collector/model/rank_report.h"
 #include "common/job_name.h"
 
 namespace rankscope::collector {
@@ -12,6 +13,13 @@ namespace {
 
 Rejection Reject(absl::Status status, RejectReason reason) {
   return Rejection{std::move(status), reason};
+}
+
+// kReplicaProjections finite projections and a finite rounding >= 0.
+bool SummaryValid(const v1::ReplicaSummary& summary) {
+  bool finite = std::isfinite(summary.rounding()) && summary.rounding() >= 0.0;
+  for (double p : summary.projections()) finite = finite && std::isfinite(p);
+  return finite && static_cast<size_t>(summary.projections_size()) == kReplicaProjections;
 }
 
 }  // namespace
@@ -219,6 +227,22 @@ Rejection ValidateReport(const v1::StepReport& report, const v1::Hello& hello,
                       report.reduced_grad_mantissa_bits(), "; job ", hello.job(), "'s report has ",
                       dim, " sketch bins, and the bits must be in [1, 53]")),
                   RejectReason::kSketchLength);
+  }
+  const bool param_ok = !report.has_param_summary() ||
+                        (report.has_param_fingerprint() && SummaryValid(report.param_summary()));
+  const bool grad_ok =
+      !report.has_reduced_grad_summary() ||
+      (report.has_reduced_grad_fingerprint() && SummaryValid(report.reduced_grad_summary()) &&
+       report.reduced_grad_summary().precision() >= 1 &&
+       report.reduced_grad_summary().precision() <= 53);
+  if (!param_ok || !grad_ok) {
+    return Reject(absl::InvalidArgumentError(absl::StrCat(
+                      "the replica summary ", param_ok ? "reduced_grad_summary" : "param_summary",
+                      " of step ", report.step(), " of job ", hello.job(),
+                      " must come with its fingerprint and hold ", kReplicaProjections,
+                      " finite projections, a finite rounding >= 0 and (the reduced "
+                      "gradient's) a precision in [1, 53]")),
+                  RejectReason::kInvalidReport);
   }
   return {};
 }

@@ -170,16 +170,18 @@ inline constexpr JobFamilySpec kJobFamilies[kJobFamilyCount] = {
      "defined, in samples.",
      prometheus::MetricType::Gauge},
     {kReplicaDivergentRanks, "rankscope_replica_divergent_ranks",
-     "Most ranks whose replica fingerprint differed from the majority in one checked step of "
-     "the spike window.",
+     "Most ranks whose replica fingerprint differed from the majority (beyond the tolerance, "
+     "for ranks whose replica check is tolerance) in one checked step of the spike window.",
      prometheus::MetricType::Gauge},
     {kReplicaChecksTotal, "rankscope_replica_checks_total",
      "Steps whose replica fingerprints were compared.", prometheus::MetricType::Counter},
     {kReplicaDivergentStepsTotal, "rankscope_replica_divergent_steps_total",
-     "Checked steps in which some rank's replica fingerprint differed.",
+     "Checked steps in which some rank's replica fingerprint differed (beyond the tolerance, "
+     "for ranks whose replica check is tolerance).",
      prometheus::MetricType::Counter},
     {kRankReplicaDivergent, "rankscope_rank_replica_divergent",
-     "1 for each rank whose replica fingerprint differed in a step of the spike window (capped).",
+     "1 for each rank whose replica fingerprint differed (beyond the tolerance, for ranks whose "
+     "replica check is tolerance) in a step of the spike window (capped).",
      prometheus::MetricType::Gauge},
     {kDuplicateRanks, "rankscope_duplicate_ranks",
      "Ranks whose local gradient was identical or nearly so (sketch cosine >= 0.999) to another "

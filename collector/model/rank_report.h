@@ -2,6 +2,7 @@
 #ifndef RANKSCOPE_COLLECTOR_MODEL_RANK_REPORT_H_
 #define RANKSCOPE_COLLECTOR_MODEL_RANK_REPORT_H_
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -12,6 +13,17 @@
 #include "common/sketch_encoding.h"
 
 namespace rankscope::collector {
+
+// The float summary of a replicated vector (proto ReplicaSummary; docs/DESIGN.md "Replica
+// check: exact or tolerance"): kReplicaProjections signed sums, the size R of a one-ulp
+// difference in every value plus the summary's own rounding, and (the reduced gradient's) the
+// precision of the dtype its reduction ran in.
+inline constexpr size_t kReplicaProjections = 4;
+struct ReplicaSummary {
+  std::array<double, kReplicaProjections> projections{};
+  double rounding = 0.0;
+  uint32_t precision = 0;
+};
 
 struct RankReport {
   uint32_t rank = 0;
@@ -30,6 +42,11 @@ struct RankReport {
   absl::Time received_at = absl::UnixEpoch();
   std::optional<uint64_t> reduced_grad_fingerprint;
   std::optional<uint64_t> param_fingerprint;
+  // With param_fingerprint, from a rank whose replica check is "tolerance": the parameters'
+  // float summary (validated: kReplicaProjections finite values, a finite rounding >= 0).
+  std::optional<ReplicaSummary> param_summary;
+  // With reduced_grad_fingerprint, likewise (precision in [1, 53]).
+  std::optional<ReplicaSummary> reduced_grad_summary;
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;

@@ -21,6 +21,17 @@
 namespace rankscope::collector {
 namespace {
 
+// A validated ReplicaSummary (kReplicaProjections values).
+ReplicaSummary SummaryOf(const v1::ReplicaSummary& in) {
+  ReplicaSummary summary;
+  for (size_t j = 0; j < kReplicaProjections; ++j) {
+    summary.projections[j] = in.projections(static_cast<int>(j));
+  }
+  summary.rounding = in.rounding();
+  summary.precision = in.precision();
+  return summary;
+}
+
 // The report's sketch goes into a buffer from `pool`.
 RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32_t rank,
                         uint32_t attempt, absl::Time received_at, AckHandle ack,
@@ -52,6 +63,8 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   out.received_at = received_at;
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
   if (r.has_param_fingerprint()) out.param_fingerprint = r.param_fingerprint();
+  if (r.has_param_summary()) out.param_summary = SummaryOf(r.param_summary());
+  if (r.has_reduced_grad_summary()) out.reduced_grad_summary = SummaryOf(r.reduced_grad_summary());
   if (r.has_reduced_grad_norm()) out.reduced_grad_norm = r.reduced_grad_norm();
   if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();
   out.local_batch_size = r.local_batch_size();

@@ -104,6 +104,34 @@ TEST(AgentTest, RecordRejectsWrongSketchLengthAndRecordAfterClose) {
   (*agent)->Close(absl::ZeroDuration()).IgnoreError();
 }
 
+// A replica summary (the tolerance check) needs kReplicaProjections finite values, a finite
+// rounding >= 0, its fingerprint and, for the reduced gradient, a precision in [1, 53].
+TEST(AgentTest, RecordRejectsAMalformedReplicaSummary) {
+  auto agent = Agent::Create(Options(testing::PickFreePort()));
+  ASSERT_TRUE(agent.ok());
+  std::vector<float> sketch(16, 1.0f);
+  const std::vector<double> four = {1.0, 2.0, 3.0, 4.0};
+  const std::vector<double> three = {1.0, 2.0, 3.0};
+  StepReport r = Report(1, sketch);
+  r.param_projections = four;  // no param_fingerprint
+  EXPECT_EQ((*agent)->Record(r).code(), absl::StatusCode::kInvalidArgument);
+  r.param_fingerprint = 5;
+  r.param_projections = three;
+  EXPECT_EQ((*agent)->Record(r).code(), absl::StatusCode::kInvalidArgument);
+  r.param_projections = four;
+  r.param_rounding = -1.0;
+  EXPECT_EQ((*agent)->Record(r).code(), absl::StatusCode::kInvalidArgument);
+  r.param_rounding = 1e-7;
+  r.reduced_grad_fingerprint = 6;
+  r.reduced_grad_projections = four;  // precision 0
+  EXPECT_EQ((*agent)->Record(r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*agent)->stats().invalid, 4u);
+  r.reduced_grad_precision = 24;
+  EXPECT_TRUE((*agent)->Record(r).ok());
+  EXPECT_EQ((*agent)->stats().recorded, 1u);
+  (*agent)->Close(absl::ZeroDuration()).IgnoreError();
+}
+
 TEST(AgentTest, CollectorDownRingDropsOldestThenDeliversTheRestWhenItComesUp) {
   const std::string dir = testing::MakeTempDir();
   const int port = testing::PickFreePort();

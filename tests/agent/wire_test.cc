@@ -101,6 +101,8 @@ TEST(WireTest, ReportCarriesEveryFieldAndOnlyTheOptionalOnesGiven) {
   EXPECT_FALSE(r.has_param_fingerprint());
   EXPECT_FALSE(r.has_reduced_grad_norm());
   EXPECT_FALSE(r.has_step_time_seconds());
+  EXPECT_FALSE(r.has_param_summary());
+  EXPECT_FALSE(r.has_reduced_grad_summary());
 
   q.reduced_grad_fingerprint = 0xfedcba9876543210ull;
   q.param_fingerprint = 0;
@@ -112,6 +114,25 @@ TEST(WireTest, ReportCarriesEveryFieldAndOnlyTheOptionalOnesGiven) {
   EXPECT_EQ(full->report().param_fingerprint(), 0u);
   EXPECT_EQ(full->report().reduced_grad_norm(), 0.25);
   EXPECT_EQ(full->report().step_time_seconds(), 0.125);
+  EXPECT_FALSE(full->report().has_param_summary());
+
+  // The tolerance replica check's summaries.
+  q.param_projections = {1.0, -2.0, 3.0, -4.0};
+  q.param_rounding = 1e-7;
+  q.reduced_grad_projections = {0.5, 0.25, -0.125, 8.0};
+  q.reduced_grad_rounding = 2e-7;
+  q.reduced_grad_precision = 24;
+  MessagePtr summarized = ReportMessage(q, 11, 0);
+  const v1::ReplicaSummary& ps = summarized->report().param_summary();
+  EXPECT_EQ(std::vector<double>(ps.projections().begin(), ps.projections().end()),
+            q.param_projections);
+  EXPECT_EQ(ps.rounding(), 1e-7);
+  EXPECT_EQ(ps.precision(), 0u);
+  const v1::ReplicaSummary& gs = summarized->report().reduced_grad_summary();
+  EXPECT_EQ(std::vector<double>(gs.projections().begin(), gs.projections().end()),
+            q.reduced_grad_projections);
+  EXPECT_EQ(gs.rounding(), 2e-7);
+  EXPECT_EQ(gs.precision(), 24u);
 }
 
 TEST(WireTest, ControlIsAdoptedOnlyWhenNewer) {

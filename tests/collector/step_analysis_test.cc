@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -421,6 +422,50 @@ TEST(StepAnalysisTest, FlaggedRankNamesTheBucketThatCarriesItsDeviation) {
   for (RankReport& r : sampled.reports) r.bucket_norms = {1.0f, 2.0f, 3.0f + r.rank / 100.0f};
   const StepWrite ws = StepRows(sampled, analyzer.Analyze(sampled), kT0);
   for (const RankRow& row : ws.ranks) EXPECT_EQ(row.bucket_norms.size(), 3u) << row.rank;
+}
+
+}  // namespace
+}  // namespace rankscope::collector
+
+namespace rankscope::collector {
+namespace {
+
+// The parameters are compared within the tolerance when every rank that sent a fingerprint sent
+// its summary (replica_tolerance.h), bit for bit otherwise; the reduced gradient likewise, with
+// the reduction's rounding from the ranks' local norms.
+TEST(StepAnalysisTest, SummariesSelectTheToleranceCheck) {
+  auto step = [](bool summaries, double drift) {
+    JoinedStep js = Step(10, 4, AllRanks(4));
+    for (RankReport& r : js.reports) {
+      r.param_fingerprint = r.rank == 2 ? 2 : 1;  // rank 2's bits differ
+      r.reduced_grad_fingerprint = 100 + r.rank;  // every rank's bits differ
+      if (!summaries) continue;
+      ReplicaSummary s;
+      s.projections = {1.0, -2.0, 3.0, 0.5};
+      s.rounding = 1e-7;
+      if (r.rank == 2) s.projections[1] += drift;
+      r.param_summary = s;
+      s.precision = 24;
+      s.projections[0] += 1e-9 * r.rank;  // rounding-sized, far below 2 * 2^-24 * 4.06
+      r.reduced_grad_summary = s;
+    }
+    return DiagnoseStep(js, ComputeJoinedStepStatistics(js));
+  };
+  const StepDiagnostics exact = step(false, 0.0);
+  EXPECT_FALSE(exact.replica_tolerance);
+  EXPECT_THAT(exact.replica_divergent, ElementsAre(0u, 1u, 2u, 3u));  // no gradient majority
+
+  const StepDiagnostics near = step(true, 1e-7);  // 1e-7 < 32 * 1e-7
+  EXPECT_TRUE(near.replica_tolerance);
+  EXPECT_THAT(near.replica_divergent, IsEmpty());
+  EXPECT_THAT(near.replica_within_tolerance, ElementsAre(0u, 1u, 2u, 3u));
+  for (const std::optional<bool>& ok : near.replica_ok) EXPECT_EQ(ok, std::optional<bool>(true));
+  EXPECT_LT(near.replica_tolerance_ratio, 1.0);
+
+  const StepDiagnostics far = step(true, 1e-3);
+  EXPECT_THAT(far.replica_divergent, ElementsAre(2u));
+  EXPECT_EQ(far.replica_ok[2], std::optional<bool>(false));
+  EXPECT_GT(far.replica_tolerance_ratio, 1.0);
 }
 
 }  // namespace

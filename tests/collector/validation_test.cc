@@ -1,5 +1,6 @@
 #include "collector/ingest/validation.h"
 
+#include <cmath>
 #include <limits>
 #include <string>
 
@@ -138,6 +139,42 @@ TEST(ValidationTest, BucketNormsMatchTheHellosNames) {
   hello = GoodHello();
   for (int i = 0; i <= kMaxHelloBuckets; ++i) hello.add_bucket_names("b");
   EXPECT_THAT(ValidateHello(hello, IngestLimits{}).status.message(), HasSubstr("257 buckets"));
+}
+
+// The tolerance replica check's summaries: kReplicaProjections finite projections, a finite
+// rounding >= 0, with their fingerprint; the reduced gradient's with a precision in [1, 53].
+TEST(ValidationTest, ReplicaSummariesAreChecked) {
+  v1::StepReport report;
+  report.set_step(5);
+  for (int i = 0; i < 4; ++i) report.add_sketch(0.0f);
+  auto fill = [](v1::ReplicaSummary* s, uint32_t precision) {
+    for (int j = 0; j < 4; ++j) s->add_projections(0.5 * j);
+    s->set_rounding(1e-7);
+    s->set_precision(precision);
+  };
+  fill(report.mutable_param_summary(), 0);
+  Rejection r = ValidateReport(report, GoodHello(), {4});  // no param_fingerprint
+  EXPECT_EQ(ReasonLabel(r.reason), "invalid_report");
+  EXPECT_THAT(r.status.message(), HasSubstr("param_summary of step 5"));
+  report.set_param_fingerprint(42);
+  EXPECT_TRUE(ValidateReport(report, GoodHello(), {4}).status.ok());
+  report.mutable_param_summary()->add_projections(1.0);  // five
+  EXPECT_EQ(ReasonLabel(ValidateReport(report, GoodHello(), {4}).reason), "invalid_report");
+  report.mutable_param_summary()->mutable_projections()->RemoveLast();
+  report.mutable_param_summary()->set_rounding(std::numeric_limits<double>::infinity());
+  EXPECT_EQ(ReasonLabel(ValidateReport(report, GoodHello(), {4}).reason), "invalid_report");
+  report.mutable_param_summary()->set_rounding(0.0);
+  EXPECT_TRUE(ValidateReport(report, GoodHello(), {4}).status.ok());
+
+  report.set_reduced_grad_fingerprint(7);
+  fill(report.mutable_reduced_grad_summary(), 0);  // precision 0
+  r = ValidateReport(report, GoodHello(), {4});
+  EXPECT_EQ(ReasonLabel(r.reason), "invalid_report");
+  EXPECT_THAT(r.status.message(), HasSubstr("reduced_grad_summary of step 5"));
+  report.mutable_reduced_grad_summary()->set_precision(24);
+  EXPECT_TRUE(ValidateReport(report, GoodHello(), {4}).status.ok());
+  report.mutable_reduced_grad_summary()->set_projections(2, std::nan(""));
+  EXPECT_EQ(ReasonLabel(ValidateReport(report, GoodHello(), {4}).reason), "invalid_report");
 }
 
 v1::Hello PackedHello(v1::SketchEncoding encoding) {

@@ -10,7 +10,11 @@ One spawned run trains a small regression MLP through five scenarios, each its o
   corrupt   rank 3 fed pure-noise targets from step 40;
   straggler rank 1 sleeps before every backward;
   layer     rank 1's gradient of one layer (net.2.weight) scaled by 45 from step 15 (a tensor
-            hook: a kernel fault in one layer), for "where in the model".
+            hook: a kernel fault in one layer), for "where in the model";
+  tolerance replica_check="tolerance" (replicas not bit-identical by design): rank 2's
+            parameters nudged in their last bit (four values) after step 12, rank 1's reduced
+            gradient moved by one ulp on step 25 (perturb's hook), and rank 1's net.2.weight
+            scaled by 1 + 1e-3 after step 22 (a real divergence).
 The workers write the ground truth they know (e.g. whether rank 2's parameters still differ at
 the check) to JSON; the tests read what the collector stored in SQLite.
 """
@@ -37,6 +41,8 @@ PERTURB_STEP, PERTURB_RANK = 25, 1
 CORRUPT_FROM, CORRUPT_RANK = 40, 3
 STRAGGLER_RANK, STRAGGLER_SLEEP = 1, 0.05
 LAYER_FROM, LAYER_RANK, LAYER_SCALE = 15, 1, 45.0
+ROUNDING_AFTER, ROUNDING_RANK = 12, 2
+DIVERGE_AFTER, DIVERGE_RANK, DIVERGE_SCALE = 22, 1, 1.001
 STEPS = {
     "healthy": 60,
     "nudge": 60,
@@ -44,6 +50,7 @@ STEPS = {
     "corrupt": 80,
     "straggler": 25,
     "layer": 30,
+    "tolerance": 31,
 }
 
 
@@ -110,9 +117,11 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)
         extra = {}
         pstate = None
-        if name == "perturb":
+        if name in ("perturb", "tolerance"):
             pstate = _PerturbState(ddp.process_group, rank)
             extra = {"comm_hook": perturbing_hook, "comm_hook_state": pstate}
+        if name == "tolerance":
+            extra["replica_check"] = "tolerance"
         mon = rst.attach(
             ddp,
             collector=collector,
@@ -150,7 +159,15 @@ def culprit_worker(rank, world_size, collector, job_prefix, out_dir):
                     w = ddp.module.net[0].weight.view(-1)
                     i = int(w.abs().argmax())  # large |w|: an SGD update keeps the ulp
                     w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
-            if name in ("nudge", "perturb") and step % PARAM_CHECK_EVERY == 0:
+            if name == "tolerance" and step == ROUNDING_AFTER and rank == ROUNDING_RANK:
+                with torch.no_grad():
+                    w = ddp.module.net[0].weight.view(-1)
+                    for i in w.abs().topk(4).indices.tolist():  # large |w|: SGD keeps the ulp
+                        w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
+            if name == "tolerance" and step == DIVERGE_AFTER and rank == DIVERGE_RANK:
+                with torch.no_grad():
+                    ddp.module.net[2].weight.mul_(DIVERGE_SCALE)
+            if name in ("nudge", "perturb", "tolerance") and step % PARAM_CHECK_EVERY == 0:
                 truth[step] = params_differ_from_rank0(ddp.module)
         buckets = list(mon._sketcher.bucket_names)
         stats = mon.close(timeout=30)
@@ -469,3 +486,36 @@ def test_unflagged_rows_keep_no_bucket_norms(run):
         named = any(str(rank) in (x or "").split(",") for x in (outliers, drifting, slow))
         flagged = score is None or score > 6.0 or nonfinite or ok == 0 or named
         assert kept == (step == 0 or flagged), (step, rank)
+
+
+def test_tolerance_check_passes_last_bit_differences_and_names_a_real_divergence(run):
+    """replica_check="tolerance": rank 2's parameters, nudged in their last bit after step 12,
+    differ bit for bit from the others at the checks of steps 20 and 30, and rank 1's reduced
+    gradient on step 25 (their fingerprints differ: what the exact check names, as the nudge and
+    perturb scenarios show); neither is named. Rank 1's layer scaled by 1 + 1e-3 after step 22
+    is named at the check of step 30, and only rank 1."""
+    collector, out, _ = run
+    import json
+
+    truth = json.loads((out / "tolerance.truth.json").read_text())
+    assert ROUNDING_AFTER < DIVERGE_AFTER < PERTURB_STEP < 30
+    first = (ROUNDING_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
+    second = (DIVERGE_AFTER // PARAM_CHECK_EVERY + 1) * PARAM_CHECK_EVERY
+    assert truth[str(first)] == [ROUNDING_RANK], "the nudge must still be there at the check"
+    assert truth[str(second)] == sorted([ROUNDING_RANK, DIVERGE_RANK])
+    stats = step_table(collector, "culprit-tolerance")
+    ranks = rank_table(collector, "culprit-tolerance")
+    # The stored fingerprints show the bit difference the exact check would name.
+    at_first = ranks[first]
+    others = {at_first[r]["param_fp"] for r in range(W) if r != ROUNDING_RANK}
+    assert len(others) == 1 and at_first[ROUNDING_RANK]["param_fp"] not in others
+    # Rank 1's reduced gradient, one ulp off on step 25, is stored with its own fingerprint.
+    at_perturb = ranks[PERTURB_STEP]
+    others = {at_perturb[r]["grad_fp"] for r in range(W) if r != PERTURB_RANK}
+    assert len(others) == 1 and at_perturb[PERTURB_RANK]["grad_fp"] not in others
+    for step in range(second):
+        assert stats[step]["divergent"] == "", step
+        assert all(ranks[step][r]["replica_ok"] == 1 for r in range(W)), step
+    assert stats[second]["divergent"] == str(DIVERGE_RANK)
+    assert ranks[second][DIVERGE_RANK]["replica_ok"] == 0
+    assert all(ranks[second][r]["replica_ok"] == 1 for r in range(W) if r != DIVERGE_RANK)

@@ -196,3 +196,91 @@ def test_gpu_sketch_kernel_choice(monkeypatch):
     with b.forced(sketch=b.ATOMIC):
         monkeypatch.setattr(b, "DOT_FAILED", [])
         assert dot(torch.bfloat16, 1024)[1] is False
+
+
+# ---- the tolerance replica check's float summary (rankscope.replica_summary) ----------------
+
+
+def _splitmix64(g: int) -> int:
+    z = (g + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-kernel", "torch-ops"])
+def test_summary_matches_its_definition(native):
+    """P_j = sum_i s_j(g_i) x_i with s_j from bit 60 + j of splitmix64(g), computed in Python
+    integers and floats, and R's ulp term, on both paths (the C++ kernel, the torch ops); across
+    two tensors at their offsets, one past 2**62 where the int64 arithmetic wraps. Each
+    projection is within the summation bound R states (R minus its ulp term)."""
+    rs = pytest.importorskip("rankscope.replica_summary")
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3000, generator=g)
+    b = torch.randn(7, 11, generator=g).to(torch.bfloat16)
+    offsets = [5, (1 << 62) + 17]
+    projections, rounding = rs.summarize([a, b], offsets, native=native)
+    expected = [0.0] * rs.PROJECTIONS
+    ulp_squares = 0.0
+    magnitude = 0.0
+    for t, off in zip([a, b], offsets):
+        unit = 2.0 ** (1 - rs.precision(t.dtype))
+        for i, v in enumerate(t.reshape(-1).double().tolist()):
+            z = _splitmix64(off + i)
+            for j in range(rs.PROJECTIONS):
+                expected[j] += -v if (z >> (60 + j)) & 1 else v
+            ulp_squares += (unit * v) ** 2
+            magnitude += abs(v)
+    ulp_term = ulp_squares**0.5
+    summation = rounding - ulp_term
+    assert 0 < summation <= 2048 * 2.0**-53 * magnitude * (1 + 1e-9)
+    for got, want in zip(projections, expected):
+        # The reference's own sequential sum errs by up to 3,077 additions' worth.
+        assert abs(got - want) <= summation + 3077 * 2.0**-53 * magnitude
+    assert {rs.precision(d) for d in (torch.float32, torch.bfloat16, torch.float16)} == {24, 8, 11}
+    # The signs are balanced (a fixed pseudo-random pattern, not a constant).
+    s = rs.signs(torch.arange(100_000))
+    assert s.shape == (rs.PROJECTIONS, 100_000)
+    assert set(s.unique().tolist()) == {-1.0, 1.0}
+    assert s.mean(1).abs().max() < 0.02
+
+
+def test_summary_paths_and_bucket_segments_agree():
+    """The C++ kernel and the torch ops, and a bucket's segments (partial_segments, padding left
+    out) against the same values as tensors, agree within R."""
+    rs = pytest.importorskip("rankscope.replica_summary")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, generator=g) * 0.05
+    cpp, r = rs.summarize([x], [0])
+    ops, _ = rs.summarize([x], [0], native=False)
+    assert max(abs(p - q) for p, q in zip(cpp, ops)) <= r
+    # A bucket: three parameters at global offsets 100, 0, 3000 with padding between them.
+    buffer = torch.randn(5200, generator=g) * 0.05
+    layout = fp.SegmentLayout(5200, [0, 2100, 4000], [2000, 1000, 1100], [100, 0, 3000])
+    pieces = [buffer[0:2000], buffer[2100:3100], buffer[4000:5100]]
+    want, r = rs.summarize(pieces, [100, 0, 3000])
+    for native in (True, False):
+        got, r_got = rs.partial_segments(buffer, layout, native=native).finish()
+        assert max(abs(p - q) for p, q in zip(got, want)) <= r, native
+        assert r_got == pytest.approx(r, rel=1e-3)
+
+
+def test_summary_is_independent_of_chunking_and_sees_a_change():
+    """Equal bits give equal summaries whatever the tensors' split (exact values, balanced
+    trees aside: within the stated rounding); a one-ulp change moves a projection by at most
+    one ulp-sized term, a 1e-3 change of a quarter of the values far more than R."""
+    rs = pytest.importorskip("rankscope.replica_summary")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, generator=g) * 0.05
+    whole, r_whole = rs.summarize([x], [0])
+    split, r_split = rs.summarize([x[:1000], x[1000:]], [0, 1000])
+    assert max(abs(p - q) for p, q in zip(whole, split)) <= r_whole
+    assert r_split == pytest.approx(r_whole, rel=1e-6)
+    y = x.clone()
+    y[17] = torch.nextafter(y[17], torch.tensor(1.0))
+    near, _ = rs.summarize([y], [0])
+    assert 0 < max(abs(p - q) for p, q in zip(whole, near)) <= r_whole
+    z = x.clone()
+    z[1024:2048] *= 1.001
+    far, _ = rs.summarize([z], [0])
+    assert max(abs(p - q) for p, q in zip(whole, far)) > 100 * r_whole

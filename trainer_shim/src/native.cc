@@ -19,8 +19,10 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -179,6 +181,129 @@ py::tuple PyFingerprintSegments(uintptr_t base, int dtype, const std::vector<siz
   return py::make_tuple(result->fingerprint, result->sum_squares);
 }
 
+// The tolerance replica check's float summary of segments of CPU memory (the arithmetic is
+// rankscope/replica_summary.py's): segment k is counts[k] values (dtype code as for
+// fingerprint_segments) from element starts[k], at global indices from global_offsets[k].
+// Returns ([P_0 .. P_3], sum of squares, sum of magnitudes, chain). Each P_j is summed in float64
+// blocks of kSummaryBlock values in order (the blocks run on across segments), the blocks' sums
+// added pairwise (a binary counter of partial sums, then its levels from the lowest), so each P_j
+// is a chain of at most `chain` = kSummaryBlock + 2 * (levels used) additions, the bound
+// replica_summary's R takes. The GIL is released.
+constexpr size_t kSummaryBlock = 1024;
+
+class SummaryAccumulator {
+ public:
+  void Add(uint64_t index, double x) {
+    uint64_t z = index + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    for (int j = 0; j < 4; ++j) block_[j] += ((z >> (60 + j)) & 1) ? -x : x;
+    squares_ += x * x;
+    magnitude_ += x < 0 ? -x : x;
+    if (++in_block_ == kSummaryBlock) Carry();
+  }
+
+  py::tuple Finish() {
+    if (in_block_ > 0) Carry();
+    std::array<double, 4> total{};
+    for (size_t level = 0; level < levels_.size(); ++level) {
+      if (!occupied_[level]) continue;
+      for (int j = 0; j < 4; ++j) total[j] += levels_[level][j];
+    }
+    const size_t chain = kSummaryBlock + 2 * levels_.size();
+    return py::make_tuple(std::vector<double>(total.begin(), total.end()), squares_, magnitude_,
+                          chain);
+  }
+
+ private:
+  // The finished block joins the binary counter: equal-sized sums are added pairwise.
+  void Carry() {
+    std::array<double, 4> sum = block_;
+    block_ = {};
+    in_block_ = 0;
+    size_t level = 0;
+    while (level < levels_.size() && occupied_[level]) {
+      for (int j = 0; j < 4; ++j) sum[j] += levels_[level][j];
+      occupied_[level] = false;
+      ++level;
+    }
+    if (level == levels_.size()) {
+      levels_.push_back({});
+      occupied_.push_back(false);
+    }
+    levels_[level] = sum;
+    occupied_[level] = true;
+  }
+
+  std::array<double, 4> block_{};
+  size_t in_block_ = 0;
+  std::vector<std::array<double, 4>> levels_;
+  std::vector<bool> occupied_;
+  double squares_ = 0.0;
+  double magnitude_ = 0.0;
+};
+
+template <typename Load>
+void SummarizeSegment(const char* base, size_t size, size_t start, size_t count, uint64_t offset,
+                      Load load, SummaryAccumulator* acc) {
+  const char* p = base + start * size;
+  for (size_t i = 0; i < count; ++i) acc->Add(offset + i, load(p + i * size));
+}
+
+py::tuple PyReplicaSummarySegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
+                                   const std::vector<size_t>& counts,
+                                   const std::vector<uint64_t>& global_offsets) {
+  if (dtype < 0 || dtype > kFingerprintFloat64) {
+    throw py::value_error("dtype must be 0 (float32), 1 (bfloat16), 2 (float16) or 3 (float64)");
+  }
+  if (starts.size() != counts.size() || counts.size() != global_offsets.size()) {
+    throw py::value_error("starts, counts and global_offsets differ in length");
+  }
+  if (base == 0 && !counts.empty()) throw py::value_error("null address");
+  SummaryAccumulator acc;
+  {
+    py::gil_scoped_release release;
+    const char* bytes = static_cast<const char*>(AsPointer(base));
+    const size_t size = FingerprintElementSize(dtype);
+    for (size_t k = 0; k < counts.size(); ++k) {
+      switch (dtype) {
+        case 0:
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [](const char* q) {
+                float v;
+                std::memcpy(&v, q, sizeof v);
+                return static_cast<double>(v);
+              },
+              &acc);
+          break;
+        case 1:
+        case 2:
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [dtype](const char* q) {
+                uint16_t b;
+                std::memcpy(&b, q, sizeof b);
+                return static_cast<double>(dtype == 1 ? BFloat16ToFloat(b) : Float16ToFloat(b));
+              },
+              &acc);
+          break;
+        default:
+          SummarizeSegment(
+              bytes, size, starts[k], counts[k], global_offsets[k],
+              [](const char* q) {
+                double v;
+                std::memcpy(&v, q, sizeof v);
+                return v;
+              },
+              &acc);
+      }
+    }
+  }
+  return acc.Finish();
+}
+
 class PyAgent {
  public:
   explicit PyAgent(AgentOptions options) {
@@ -190,14 +315,19 @@ class PyAgent {
   // Records one step whose sketch is `sketch`'s bins. Returns "" or the refusal's message.
   // The optional replica fields (fingerprints as uint64, the reduced gradient's norm) are sent
   // when given (rankscope.fingerprint); `reduced_sketch` (a Sketch or None) is the reduced
-  // gradient's sketch on the steps this rank checks the aggregation (rankscope._integrity).
+  // gradient's sketch on the steps this rank checks the aggregation (rankscope._integrity);
+  // `param_*` and `reduced_grad_*` the float summaries under the tolerance replica check
+  // (rankscope.replica_summary; empty projections: the exact check).
   std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
                            std::optional<uint64_t> param_fingerprint,
                            std::optional<double> reduced_grad_norm, bool loss_absent,
                            const std::vector<float>& bucket_norms, py::object reduced_sketch,
-                           uint32_t reduced_grad_mantissa_bits) {
+                           uint32_t reduced_grad_mantissa_bits,
+                           const std::vector<double>& param_projections, double param_rounding,
+                           const std::vector<double>& reduced_grad_projections,
+                           double reduced_grad_rounding, uint32_t reduced_grad_precision) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -214,6 +344,11 @@ class PyAgent {
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
     r.param_fingerprint = param_fingerprint;
     r.reduced_grad_norm = reduced_grad_norm;
+    r.param_projections = param_projections;
+    r.param_rounding = param_rounding;
+    r.reduced_grad_projections = reduced_grad_projections;
+    r.reduced_grad_rounding = reduced_grad_rounding;
+    r.reduced_grad_precision = reduced_grad_precision;
     return StatusText(agent_->Record(r));
   }
 
@@ -226,7 +361,10 @@ class PyAgent {
                         std::optional<uint64_t> param_fingerprint,
                         std::optional<double> reduced_grad_norm, bool loss_absent,
                         const std::vector<float>& bucket_norms, py::object reduced_sketch,
-                        uint32_t reduced_grad_mantissa_bits, uintptr_t reduced_sketch_address) {
+                        uint32_t reduced_grad_mantissa_bits, uintptr_t reduced_sketch_address,
+                        const std::vector<double>& param_projections, double param_rounding,
+                        const std::vector<double>& reduced_grad_projections,
+                        double reduced_grad_rounding, uint32_t reduced_grad_precision) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -247,6 +385,11 @@ class PyAgent {
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
     r.param_fingerprint = param_fingerprint;
     r.reduced_grad_norm = reduced_grad_norm;
+    r.param_projections = param_projections;
+    r.param_rounding = param_rounding;
+    r.reduced_grad_projections = reduced_grad_projections;
+    r.reduced_grad_rounding = reduced_grad_rounding;
+    r.reduced_grad_precision = reduced_grad_precision;
     return StatusText(agent_->Record(r));
   }
 
@@ -415,6 +558,11 @@ PYBIND11_MODULE(_native, m) {
         "memory; see rankscope/fingerprint.py. dtype 0 float32, 1 bfloat16, 2 float16, 3 "
         "float64. Releases the GIL.");
 
+  m.def("replica_summary_segments", &PyReplicaSummarySegments, py::arg("base_address"),
+        py::arg("dtype"), py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
+        "The tolerance replica check's float summary of segments of CPU memory: ([P_0 .. P_3], "
+        "sum of squares, sum of magnitudes, chain); see rankscope/replica_summary.py. dtype as "
+        "for fingerprint_segments. Releases the GIL.");
   m.def("sketch_mix", &SketchMix, py::arg("index"), py::arg("seed"),
         "SplitMix64 output number `index` for `seed`; sketch_hash takes it at the block index "
         "(coordinate >> 5): base bin from the high 32 bits, the 32 signs from the low 32.");
@@ -536,7 +684,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("local_batch_size") = 0, py::arg("reduced_grad_fingerprint") = py::none(),
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
            py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
-           py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0)
+           py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
+           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
+           py::arg("reduced_grad_projections") = std::vector<double>{},
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
@@ -544,7 +695,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("param_fingerprint") = py::none(), py::arg("reduced_grad_norm") = py::none(),
            py::arg("loss_absent") = false, py::arg("bucket_norms") = std::vector<float>{},
            py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
-           py::arg("reduced_sketch_address") = 0)
+           py::arg("reduced_sketch_address") = 0,
+           py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
+           py::arg("reduced_grad_projections") = std::vector<double>{},
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

@@ -127,7 +127,19 @@ struct StepReport {
   // `sketch`), sent in float32, and the precision of the dtype the reduction ran in.
   absl::Span<const float> reduced_sketch;
   uint32_t reduced_grad_mantissa_bits = 0;
+  // With param_fingerprint, on a rank whose replica check is "tolerance" (docs/DESIGN.md
+  // "Replica check: exact or tolerance"): the parameters' float summary, kReplicaProjections
+  // signed sums (empty: the exact check) and the size of a one-ulp difference in every value.
+  absl::Span<const double> param_projections;
+  double param_rounding = 0.0;
+  // The same for the reduced gradient (with reduced_grad_fingerprint), and the precision (1..53
+  // significand bits) of the dtype its reduction ran in.
+  absl::Span<const double> reduced_grad_projections;
+  double reduced_grad_rounding = 0.0;
+  uint32_t reduced_grad_precision = 0;
 };
+
+inline constexpr size_t kReplicaProjections = 4;
 
 struct AgentStats {
   uint64_t recorded = 0;    // Record() calls accepted

@@ -57,6 +57,7 @@ class Monitor:
         param_check_every=PARAM_CHECK_EVERY,
         fingerprints=True,
         integrity_every=INTEGRITY_EVERY,
+        replica_check="exact",
         queue_capacity,
         max_unacked,
         warn_after,
@@ -103,7 +104,7 @@ class Monitor:
         # share the counters and the warned keys, and hold no reference to the monitor.
         warn_once = functools.partial(_warn_once, self._warned)
         self._replica = ReplicaFingerprints(
-            model, fingerprints, param_check_every, self.counters, warn_once
+            model, fingerprints, param_check_every, self.counters, warn_once, replica_check
         )
         self._replica.integrity = ReducedSketch(
             sketch_dim, sketch_seed, self.rank, self.world_size, integrity_every, self.counters
@@ -415,10 +416,25 @@ class Monitor:
                 bucket_norms=sketcher.bucket_norms(),
                 reduced_sketch=None if reduced is None else reduced.cpu,
                 reduced_grad_mantissa_bits=0 if reduced is None else reduced.bits,
+                **self._summary_args(grad_fp, param_fp),
             )
             self._after_record(err)
             return
         self._emit_device(step, loss, step_time, batch, reduced)
+
+    def _summary_args(self, grad_fp, param_fp) -> dict:
+        """The record call's float summaries (the tolerance replica check) of the fingerprints
+        this step carries."""
+        args = {}
+        grad, param = self._replica.grad_summary, self._replica.param_summary
+        if grad_fp is not None and grad is not None:
+            args["reduced_grad_projections"] = grad[0]
+            args["reduced_grad_rounding"] = grad[1]
+            args["reduced_grad_precision"] = grad[2]
+        if param_fp is not None and param is not None:
+            args["param_projections"] = param[0]
+            args["param_rounding"] = param[1]
+        return args
 
     def _emit_device(self, step, loss, step_time, batch, reduced=None) -> None:
         sketcher = self._sketcher

@@ -37,6 +37,17 @@ def integrity_every_for(value) -> int:
     return every
 
 
+def replica_check_for(value, default: str = "exact") -> str:
+    """attach's ``replica_check``: the value given, else ``$RANKSCOPE_REPLICA_CHECK``, else
+    ``default`` (the framework path's choice, docs/shim.md's tables). Raises ValueError when it
+    is not "exact" or "tolerance"."""
+    if value is None:
+        value = os.environ.get("RANKSCOPE_REPLICA_CHECK", "").strip().lower() or default
+    if value not in ("exact", "tolerance"):
+        raise ValueError(f"replica_check must be 'exact' or 'tolerance', got {value!r}")
+    return value
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 

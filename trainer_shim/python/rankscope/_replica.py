@@ -9,6 +9,14 @@ the C++ kernel (Python numbers); tensors on a device are folded there, by a Trit
 CUDA device or torch ops (0-d tensors, never synchronized here). A bucket's layout is the bucket
 sketcher's (computed and cached there once).
 
+Replica check (docs/DESIGN.md "Replica check: exact or tolerance"): ``"exact"`` compares the
+fingerprints bit for bit; ``"tolerance"`` (replicas a framework or mode does not promise to keep
+bit-identical) sends each fingerprint with the float summary of the same values
+(rankscope.replica_summary: the reduced buckets' in the same callback, the parameters' at a
+parameter check), which the collector compares within a tolerance. The summaries are computed
+for CPU tensors so far; on a device no fingerprint is sent under this check (counted as
+``replica_summary_skipped``, warned once): alone it would be compared bit for bit.
+
 Thread safety: ``bucket_layout`` runs on the autograd thread while backward runs, and
 ``fold_reduced`` when a collective completes, possibly on a communication thread (it only appends
 to lists); ``step_values`` and ``reset`` run on the training thread in ``mon.step``, after every
@@ -21,6 +29,9 @@ import torch
 
 from rankscope import _backend
 from rankscope import fingerprint as _fp
+from rankscope import replica_summary as _summary
+
+REPLICA_CHECKS = ("exact", "tolerance")
 
 
 class ReplicaFingerprints:
@@ -29,7 +40,25 @@ class ReplicaFingerprints:
     ``counters`` and ``warn_once(key, message)`` are the monitor's.
     """
 
-    def __init__(self, model, enabled: bool, param_check_every: int, counters, warn_once: Callable):
+    def __init__(
+        self,
+        model,
+        enabled: bool,
+        param_check_every: int,
+        counters,
+        warn_once: Callable,
+        replica_check: str = "exact",
+    ):
+        if replica_check not in REPLICA_CHECKS:
+            raise ValueError(
+                f"replica_check must be one of {REPLICA_CHECKS}, got {replica_check!r}"
+            )
+        self.replica_check = replica_check
+        # The float summaries of the step being closed (tolerance mode, CPU tensors; None
+        # otherwise): the parameters' (projections, rounding) at a parameter check, and the
+        # reduced gradient's (projections, rounding, precision). What the step's report carries.
+        self.param_summary = None
+        self.grad_summary = None
         self._counters = counters
         self._warn_once = warn_once
         # Parameter fingerprints: every parameter (frozen ones too), model.parameters() order.
@@ -59,6 +88,7 @@ class ReplicaFingerprints:
         self._incomplete = False  # a bucket of this step could not be fingerprinted
         self._grad_fps = []
         self._reduced_ss = []
+        self._grad_partials = []  # tolerance mode: (replica_summary.Partial, precision) a bucket
 
     def reset(self) -> None:
         """Forgets the step's buckets (the next step starts)."""
@@ -66,6 +96,7 @@ class ReplicaFingerprints:
         self._incomplete = False
         self._grad_fps = []
         self._reduced_ss = []
+        self._grad_partials = []
         if self.integrity is not None:
             self.integrity.reset()
 
@@ -107,6 +138,9 @@ class ReplicaFingerprints:
                 f, ss = _fp.fold_segments_and_squares(flat, layout)
                 self._grad_fps.append(f)
                 self._reduced_ss.append(ss)
+            if self.enabled and self.replica_check == "tolerance" and flat.device.type == "cpu":
+                part = _summary.partial_segments(flat, layout)
+                self._grad_partials.append((part, _summary.precision(flat.dtype)))
         except Exception as e:  # monitoring must never break training
             self._counters["fingerprint_errors"] += 1
             self._warn_once("fperr", f"rankscope: could not fingerprint a reduced bucket ({e!r})")
@@ -117,6 +151,7 @@ class ReplicaFingerprints:
         closed: Python numbers when computed on the host (CPU tensors), 0-d tensors on
         ``device`` otherwise, None when not sent. No synchronization."""
         grad_fp = reduced_ss = param_fp = None
+        self.param_summary = self.grad_summary = None
         if (
             self.enabled
             and self._buckets
@@ -141,6 +176,8 @@ class ReplicaFingerprints:
                     .sum()
                     .add_(host)
                 )
+        if grad_fp is not None and self.replica_check == "tolerance":
+            self.grad_summary = self._grad_summary()
         if self._param_check_due(step):
             try:
                 parts, on_device, device_offsets = [], [], []
@@ -154,6 +191,8 @@ class ReplicaFingerprints:
                             device_offsets.append(off)
                     parts.extend(_fp.fold_many(on_device, device_offsets, self._fold_tables))
                 param_fp = _fp.add_all(parts, device) if parts else 0
+                if self.replica_check == "tolerance":
+                    self.param_summary = self._summarize(on_device)
                 self._last_param_check = step
                 self._counters["param_checks"] += 1
             except Exception as e:
@@ -161,7 +200,47 @@ class ReplicaFingerprints:
                 self._warn_once(
                     "fpparam", f"rankscope: could not fingerprint the parameters ({e!r})"
                 )
+        if self.replica_check == "tolerance":
+            # A fingerprint goes out with its summary only: alone, the collector would compare
+            # it bit for bit, which these replicas do not promise.
+            if self.grad_summary is None:
+                grad_fp = None
+            if self.param_summary is None:
+                param_fp = None
         return grad_fp, param_fp, reduced_ss
+
+    def _grad_summary(self):
+        """The reduced gradient's (projections, rounding, precision) from the step's buckets, or
+        None when a bucket was not summarized (on a device: counted, warned once)."""
+        if len(self._grad_partials) != self._buckets:
+            self._skipped_summary()
+            return None
+        total = _summary.Partial()
+        for part, _ in self._grad_partials:
+            total.add(part)
+        projections, rounding = total.finish()
+        return projections, rounding, min(p for _, p in self._grad_partials)
+
+    def _skipped_summary(self) -> None:
+        self._counters["replica_summary_skipped"] += 1
+        self._warn_once(
+            "fpsummary",
+            "rankscope: the tolerance replica check summarizes CPU tensors only so far; this "
+            "rank's replicas on a device are not compared",
+        )
+
+    def _summarize(self, on_device):
+        """The parameters' float summary (rankscope.replica_summary) over the values the
+        fingerprint covers, or None when some lie on a device (counted, warned once)."""
+        if any(p.device.type != "cpu" for p in on_device):
+            self._skipped_summary()
+            return None
+        tensors, offsets = [], []
+        for p, off in zip(self._params, self._param_offsets):
+            if self._backend_of(p) != _backend.NONE:
+                tensors.append(p)
+                offsets.append(off)
+        return _summary.summarize(tensors, offsets)
 
     def _backend_of(self, t) -> str:
         return _backend.fingerprint(t, native=not self.bypass_native).backend

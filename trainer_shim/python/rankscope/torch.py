@@ -75,7 +75,7 @@ from rankscope._options import DEFAULT_SKETCH_ENCODING as DEFAULT_SKETCH_ENCODIN
 from rankscope._options import MAX_DEFAULT_SKETCH_THREADS as MAX_DEFAULT_SKETCH_THREADS
 from rankscope._options import PARAM_CHECK_EVERY as PARAM_CHECK_EVERY
 from rankscope._options import env_flag
-from rankscope._options import integrity_every_for
+from rankscope._options import integrity_every_for, replica_check_for
 from rankscope._options import data_parallel_group as data_parallel_group
 from rankscope._options import default_sketch_threads as default_sketch_threads
 from rankscope._options import sketch_dim_for as sketch_dim_for
@@ -102,6 +102,7 @@ def attach(
     param_check_every: int = PARAM_CHECK_EVERY,
     fingerprints: bool = True,
     integrity_every: int | None = None,
+    replica_check: str | None = None,
     comm_hook: Callable | None = None,
     comm_hook_state=None,
     auth_token: str | None = None,
@@ -174,6 +175,15 @@ def attach(
         naming a dropped, doubled or corrupted contribution. 0 never. Default
         ``$RANKSCOPE_INTEGRITY_EVERY``, else 1 (its cost: docs/PERFORMANCE.md "Aggregation
         integrity"). CPU gradients only for now.
+      replica_check: how the collector compares the ranks' replicas (docs/DESIGN.md "Replica
+        check: exact or tolerance"): ``"exact"``, the fingerprints bit for bit (reduced
+        gradient and parameters); ``"tolerance"``, for replicas a framework or mode does not
+        keep bit-identical (ranks on different GPU models, a reduction summed in a different
+        order on each rank, a non-deterministic optimizer step): each fingerprint with a float
+        summary, compared within a tolerance of a few ulps a value (CPU tensors; a C++ pass
+        over the reduced gradient every step, docs/PERFORMANCE.md "Replica tolerance"). Default
+        ``$RANKSCOPE_REPLICA_CHECK``, else the path's choice (docs/shim.md's tables; "exact"
+        for DDP).
       auth_token: the collector's shared token (``--auth_token_file``), if it requires one.
       tls_ca: PEM CA that signs the collector's certificate: connect over TLS. Default
         ``$RANKSCOPE_TLS_CA``; plaintext when no CA, certificate or key is set.
@@ -252,6 +262,7 @@ def attach(
     if param_check_every < 0:
         raise ValueError(f"param_check_every must be >= 0, got {param_check_every}")
     integrity_every = integrity_every_for(integrity_every)
+    replica_check = replica_check_for(replica_check)
     sketch_dim, sketch_encoding = sketch_dim_for(sketch_dim, sketch_bytes, sketch_encoding)
     if sketch_threads is None:
         sketch_threads = default_sketch_threads()
@@ -284,6 +295,7 @@ def attach(
         param_check_every=int(param_check_every) if fingerprints else 0,
         fingerprints=bool(fingerprints),
         integrity_every=integrity_every,
+        replica_check=replica_check,
         auth_token=auth_token or "",
         tls_options=_tls.resolve(tls_ca, tls_cert, tls_key, tls_target_name),
         queue_capacity=int(queue_capacity),

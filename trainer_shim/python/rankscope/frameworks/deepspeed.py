@@ -320,6 +320,9 @@ def attach(engine, **options):
     if not replicas:
         options["fingerprints"] = False
     options.setdefault("group", rst.data_parallel_group(group))
+    # Exact: ZeRO-1/2 step each partition on its one owner and all-gather the bits (copies);
+    # ZeRO-0 steps every rank on the same all-reduced gradient (docs/shim.md).
+    options["replica_check"] = rst.replica_check_for(options.get("replica_check"), "exact")
     mon = rst.attach_reducer(module, process_group=group, **options)
     # The reduced gradient is partitioned (ZeRO-1/2/3) or reduced in DeepSpeed's own buckets
     # (ZeRO-0): only the parameters are compared.

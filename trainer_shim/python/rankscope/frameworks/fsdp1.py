@@ -38,6 +38,7 @@ Register before the first forward (FSDP's rule for comm hooks).
 import torch
 from torch.distributed.algorithms._comm_hooks import default_hooks
 
+from rankscope._options import replica_check_for
 from rankscope.fingerprint import SegmentLayout
 from rankscope.frameworks._local_grads import (
     FrameworkModel,
@@ -129,6 +130,8 @@ def attach_fsdp1(
 
     pg = model.process_group
     options["fingerprints"] = replicas is not None  # see the module docstring
+    # NO_SHARD all-reduces and steps every rank alike: exact (docs/shim.md).
+    options["replica_check"] = replica_check_for(options.get("replica_check"), "exact")
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
     grads = StepGradients(monitor, keep=accumulate_local_grad)
     monitor.local_grads = grads

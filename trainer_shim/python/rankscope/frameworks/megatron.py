@@ -37,6 +37,7 @@ Versions: read in megatron-core 0.19.2 (``_ParamAndGradBucketGroup.start_grad_sy
 
 import torch
 
+from rankscope._options import replica_check_for
 from rankscope.frameworks._local_grads import (
     FrameworkModel,
     ParamTable,
@@ -141,6 +142,8 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
                         mode, "a bucket's parameter is not among the model's", start_step
                     )
     options["fingerprints"] = replicas is not None
+    # All-reduce mode steps every rank alike on the reduced gradient: exact (docs/shim.md).
+    options["replica_check"] = replica_check_for(options.get("replica_check"), "exact")
     # Megatron reduces once a step: the step's norm is exact without a copy (keep=False: a
     # parameter reduced twice in a step is not reported, never mis-summed).
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
