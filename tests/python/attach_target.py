@@ -3,7 +3,7 @@ the zero-code launch; it never imports rankscope). One process per rank:
 
     attach_target.py [--rank R --world W --port P] --dir D [--total N] [--accum A] [--zero]
                      [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S] [--fsdp2]
-                     [--save-grads] [--adam]
+                     [--fsdp1] [--save-grads] [--adam]
 
 (Without --rank, torchrun's environment says who the rank is.) Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
 deterministic batches. Next to each DDP step it computes the rank's exact local loss and
@@ -20,6 +20,8 @@ it each step and every rank stops K steps after rank 0 saw it (one broadcast per
 --framework: DDP is built inside a "Trainer" class, as HF Trainer or Lightning do.
 --fsdp2: FSDP2 (fully_shard on a 1-D mesh, the block then the root) instead of DDP; with --accum,
 only the last micro-batch reduces (set_requires_gradient_sync); --adam: Adam instead of SGD.
+--fsdp1: FSDP1 (FullyShardedDataParallel, FULL_SHARD, the block its own unit) instead of DDP; with
+--accum, no_sync() on all but the last micro-batch.
 --save-grads: rank 0 also writes D/grads.pt: per step, the ranks' exact losses and their full local
 gradients in rankscope's flat order (for the exact statistics of shim_harness.exact_step_stats).
 """
@@ -46,6 +48,18 @@ class Trainer:
     steps."""
 
     def __init__(self, model, args):
+        if args.fsdp1:  # the block its own unit inside the root (the test_fsdp.py layout)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            self.model = FSDP(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
+                device_id=torch.device("cpu"),
+            )
+            self.module = model
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            return
         if args.fsdp2:  # FSDP2 on a 1-D mesh: the block, then the root (the test_fsdp.py layout)
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -76,8 +90,10 @@ class Trainer:
 
 
 def full_state(trainer, args) -> dict:
-    """The model's full parameters as a plain state dict (FSDP2: its DTensors gathered, a
-    collective every rank runs)."""
+    """The model's full parameters as a plain state dict (FSDP2: its DTensors gathered; FSDP1:
+    its full state dict, gathered; collectives every rank runs)."""
+    if args.fsdp1:
+        return trainer.model.state_dict()
     if not args.fsdp2:
         return trainer.module.state_dict()
     return {
@@ -87,11 +103,11 @@ def full_state(trainer, args) -> dict:
 
 
 def reference_backward(ref, loss, args) -> None:
-    """The reference replica's backward. With --fsdp2, through torch.autograd.grad, not
+    """The reference replica's backward. With --fsdp2 or --fsdp1, through torch.autograd.grad, not
     torch.autograd.backward, whose calls rankscope's loss capture records: the job's own losses
     are then the only ones the step's reported loss averages (the FSDP2 tests hold it to the
     float32 mean exactly). The gradients are added into .grad as autograd would."""
-    if not args.fsdp2:
+    if not (args.fsdp2 or args.fsdp1):
         loss.backward()
         return
     params = [p for p in ref.parameters() if p.requires_grad]
@@ -131,6 +147,7 @@ def main():
     ap.add_argument("--skip-shard-at", type=int, default=-1)
     ap.add_argument("--pace", type=float, default=0.02)
     ap.add_argument("--fsdp2", action="store_true")
+    ap.add_argument("--fsdp1", action="store_true")
     ap.add_argument("--adam", action="store_true")
     ap.add_argument("--save-grads", action="store_true")
     args = ap.parse_args()
@@ -231,7 +248,7 @@ def main():
 
     digest = hashlib.sha256()
     final = full_state(trainer, args)
-    for name, _ in trainer.module.named_parameters():
+    for name, _ in ref.named_parameters():  # the model's own names (FSDP1 renames its module's)
         digest.update(final[name].detach().numpy().tobytes())
     (out / f"final.{args.rank}").write_text(
         json.dumps({"sha256": digest.hexdigest(), "steps": step})

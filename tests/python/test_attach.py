@@ -555,6 +555,33 @@ def test_zero_code_launch_finds_fsdp2_models(module_collector, tmp_path):
     check_fsdp2_exact(module_collector, "zero-code-fsdp2", job, range(LEAD, steps))
 
 
+def test_zero_code_launch_finds_fsdp1_roots(module_collector, tmp_path):
+    """`python -m rankscope.run --enabled train.py` for a script that wraps its model with FSDP1
+    (FULL_SHARD, the block a nested unit, two micro-batches a step under no_sync, a full state
+    dict read before the first forward): only the root is attached, at its first forward,
+    through the comm hook; the ranks agree on the first step on their optimizer-step count, and
+    every step from the agreed one is exact."""
+    from rankscope._attach_agreement import LEAD
+
+    steps = 9
+    job = Job(
+        tmp_path / "run",
+        world=2,
+        args=("--fsdp1", "--accum", "2", "--total", str(steps), "--save-grads"),
+        launcher=(
+            "-m",
+            "rankscope.run",
+            "--job=zero-code-fsdp1",
+            "--enabled",
+            f"--sketch_dim={FSDP2_SKETCH_DIM}",
+            f"--collector={module_collector.address}",
+        ),
+        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
+    )
+    job.join()
+    check_fsdp2_exact(module_collector, "zero-code-fsdp1", job, range(LEAD, steps))
+
+
 @needs_fsdp2
 def test_attach_to_running_fsdp2_job_reports_every_step_exactly(module_collector, tmp_path):
     """`rankscope attach --pid` into a live FSDP2 job (Adam, which counts its steps): both ranks

@@ -1,7 +1,8 @@
 """Attaching to DDP models that the training script never handed to rankscope: the zero-code
 launch (``python -m rankscope.run``, ``RANKSCOPE_AUTO=1``) and ``rankscope attach --pid`` (through
 rankscope._attach_payload) both end here. FSDP2 models go through the same ``AutoAttacher`` to
-rankscope._fsdp2_attach (their own clock and step boundary).
+rankscope._fsdp2_attach (their own clock and step boundary), FSDP1 roots (zero-code launch only)
+to rankscope._fsdp1_attach (FSDP2's attachment on the optimizer-step clock).
 
 For each DDP model (matched by exact type) an ``AttachedModel`` walks through four states:
 
@@ -294,6 +295,32 @@ class AutoAttacher:
         self.changed()
         if in_forward:
             m._pre_forward(model, ())
+        return m
+
+    def add_fsdp1(self, model):
+        """Attaches an FSDP1 root (rankscope._fsdp1_attach; called from inside its first forward,
+        before its backward) at this forward if it runs with gradients, else at its next one that
+        does. None if it is already attached or has a comm hook (``rst.attach`` in the script:
+        rankscope's; the script's own: warned, left unwatched)."""
+        from rankscope import _fsdp1_attach
+        from rankscope.frameworks import fsdp1
+
+        if self.covers(model):
+            return None
+        hook = _fsdp1_attach.comm_hook_of(model)
+        if hook is not None:
+            if hook is not fsdp1._fsdp1_hook:
+                self.warn(
+                    "rankscope: an FSDP1 model has its own comm hook "
+                    f"({getattr(hook, '__qualname__', hook)!s}); the zero-code launch leaves it "
+                    "unwatched (rst.attach(model, comm_hook=...) before the first forward chains "
+                    "to it)"
+                )
+            return None
+        m = _fsdp1_attach.AttachedFsdp1(self, model)
+        self.models.append(m)
+        self.changed()
+        m._pre_forward(model, ())
         return m
 
     def optimizer_for(self, model):

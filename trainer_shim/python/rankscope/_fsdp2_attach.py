@@ -245,10 +245,10 @@ class AttachedFsdp2(Attachment):
     reaches it)."""
 
     KIND = "an FSDP2 model"
+    PATH = "reduce-scatter inputs"  # where the local gradient is seen, after framework_mode
 
     def __init__(self, attacher, model, clock: str):
-        groups = fsdp2.param_groups(model)
-        pg = fsdp2._mesh_group(groups) if groups else None
+        pg = self._process_group(model)
         super().__init__(
             attacher,
             model,
@@ -263,6 +263,18 @@ class AttachedFsdp2(Attachment):
         # Before FSDP2's own pre-forward (prepend): the parameters are still the sharded ones
         # then, which the FSDP2 path maps (during the forward they are the unsharded ones).
         self._pre_hook = model.register_forward_pre_hook(self._pre_forward, prepend=True)
+
+    @staticmethod
+    def _process_group(model):
+        """The group the model's gradient is reduced over (None: a mesh spanning part of the
+        job, refused at install)."""
+        groups = fsdp2.param_groups(model)
+        return fsdp2._mesh_group(groups) if groups else None
+
+    @staticmethod
+    def _class_name(model) -> str:
+        """The class name that tells two models of one group apart (group_for_process_group)."""
+        return type(model).__name__
 
     def _describe_more(self, d: dict) -> None:
         d["clock"] = self._clock_kind
@@ -286,24 +298,24 @@ class AttachedFsdp2(Attachment):
         attacher = self._attacher
         if self._pg is None:
             raise RuntimeError(
-                "the FSDP2 model's 2-D mesh spans part of the job (no process group for it)"
+                f"the model's mesh ({self.KIND}) spans part of the job (no process group for it)"
             )
         if self._clock_kind == CLOCK_COLLECTIVES:
             self._clock = collective_counter(model)
         else:
             self._clock = lambda: self._steps
-        self.group = attacher.group_for_process_group(self, self._pg, type(model).__name__)
+        self.group = attacher.group_for_process_group(self, self._pg, self._class_name(model))
         options = dict(attacher.options, job=attacher.job, group=self.group, dormant=True)
         monitor = rst.attach(model, **options)
         if isinstance(monitor, Unwatched):  # the FSDP2 path warned, naming torch and the mode
             raise RuntimeError(monitor.reason)
         self.monitor = monitor
-        self.path = f"{monitor.framework_mode}: reduce-scatter inputs"
+        self.path = f"{monitor.framework_mode}: {self.PATH}"
         self._optimizer = attacher.optimizer_for(model)
         if self._optimizer is None:
             raise RuntimeError(
-                "no torch.optim optimizer holds the FSDP2 model's parameters (its step is the "
-                "step boundary an FSDP2 model is watched by)"
+                f"no torch.optim optimizer holds the parameters of {self.KIND} (its step is "
+                "the step boundary such a model is watched by)"
             )
         self._hook_handles.append(
             self._optimizer.register_step_post_hook(lambda opt, args, kwargs: self._boundary())
