@@ -3,7 +3,7 @@ the zero-code launch; it never imports rankscope). One process per rank:
 
     attach_target.py [--rank R --world W --port P] --dir D [--total N] [--accum A] [--zero]
                      [--own-hook] [--framework] [--skip-shard-at STEP] [--pace S] [--fsdp2]
-                     [--fsdp1] [--save-grads] [--adam]
+                     [--fsdp1] [--megatron] [--save-grads] [--adam]
 
 (Without --rank, torchrun's environment says who the rank is.) Trains TinyLM (tests/python/shim_harness.py) with SGD or ZeroRedundancyOptimizer on
 deterministic batches. Next to each DDP step it computes the rank's exact local loss and
@@ -22,6 +22,9 @@ it each step and every rank stops K steps after rank 0 saw it (one broadcast per
 only the last micro-batch reduces (set_requires_gradient_sync); --adam: Adam instead of SGD.
 --fsdp1: FSDP1 (FullyShardedDataParallel, FULL_SHARD, the block its own unit) instead of DDP; with
 --accum, no_sync() on all but the last micro-batch.
+--megatron: megatron-core's DistributedDataParallel (all-reduce mode, grad_reduce_in_fp32, on the
+CPU as framework_harness.megatron_on_cpu does), each micro-batch's loss backpropagated divided by
+--accum (Megatron's schedules' scaling), finalize_model_grads ending the reduction.
 --save-grads: rank 0 also writes D/grads.pt: per step, the ranks' exact losses and their full local
 gradients in rankscope's flat order (for the exact statistics of shim_harness.exact_step_stats).
 """
@@ -48,6 +51,26 @@ class Trainer:
     steps."""
 
     def __init__(self, model, args):
+        if args.megatron:
+            from framework_harness import megatron_on_cpu
+
+            megatron_on_cpu()
+            from megatron.core import parallel_state
+            from megatron.core.distributed import (
+                DistributedDataParallel,
+                DistributedDataParallelConfig,
+            )
+            from megatron.core.transformer import TransformerConfig
+
+            parallel_state.initialize_model_parallel()
+            config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+            ddp_config = DistributedDataParallelConfig(
+                overlap_grad_reduce=False, grad_reduce_in_fp32=True
+            )
+            self.model = DistributedDataParallel(config, ddp_config, model)
+            self.module = model
+            self.opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            return
         if args.fsdp1:  # the block its own unit inside the root (the test_fsdp.py layout)
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -103,11 +126,13 @@ def full_state(trainer, args) -> dict:
 
 
 def reference_backward(ref, loss, args) -> None:
-    """The reference replica's backward. With --fsdp2 or --fsdp1, through torch.autograd.grad, not
+    """The reference replica's backward. With --fsdp2, --fsdp1 or --megatron, through torch.autograd.grad, not
     torch.autograd.backward, whose calls rankscope's loss capture records: the job's own losses
     are then the only ones the step's reported loss averages (the FSDP2 tests hold it to the
     float32 mean exactly). The gradients are added into .grad as autograd would."""
-    if not (args.fsdp2 or args.fsdp1):
+    if args.megatron:  # Megatron's scaling: the local gradient is of the losses' mean
+        loss = loss / args.accum
+    if not (args.fsdp2 or args.fsdp1 or args.megatron):
         loss.backward()
         return
     params = [p for p in ref.parameters() if p.requires_grad]
@@ -148,6 +173,7 @@ def main():
     ap.add_argument("--pace", type=float, default=0.02)
     ap.add_argument("--fsdp2", action="store_true")
     ap.add_argument("--fsdp1", action="store_true")
+    ap.add_argument("--megatron", action="store_true")
     ap.add_argument("--adam", action="store_true")
     ap.add_argument("--save-grads", action="store_true")
     args = ap.parse_args()
@@ -190,9 +216,13 @@ def main():
         g = flat_grad(ref)
 
         opt.zero_grad(set_to_none=True)
+        if args.megatron:
+            ddp.zero_grad_buffer()
         for micro in range(args.accum):
             x, y = batch(args.rank, step, micro)
-            if args.fsdp2:  # one reduction a step, of the micro-batches' sum
+            if args.megatron:  # Megatron reduces once a step, in finalize_model_grads
+                (lm_loss(ddp, x, y) / args.accum).backward()
+            elif args.fsdp2:  # one reduction a step, of the micro-batches' sum
                 ddp.set_requires_gradient_sync(micro == args.accum - 1)
                 lm_loss(ddp, x, y).backward()
             elif micro < args.accum - 1:
@@ -209,7 +239,16 @@ def main():
         if skip:  # within this step, rank 1 "misses" rank 0's broadcast of its shard
             skipped = True
             opt._sync_params = missed_shard_sync(opt, 0)
+        if args.megatron:  # the reduced gradient, where Megatron's optimizers read it
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([ddp])
+            for p in trainer.module.parameters():
+                p.grad = p.main_grad
         opt.step()
+        if args.megatron:
+            for p in trainer.module.parameters():
+                p.grad = None  # Megatron's backward hook adds .grad into main_grad
         opt.__dict__.pop("_sync_params", None)
 
         if args.save_grads:  # the step's loss as the job computes it: the mean in its dtype

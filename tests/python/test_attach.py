@@ -582,6 +582,39 @@ def test_zero_code_launch_finds_fsdp1_roots(module_collector, tmp_path):
     check_fsdp2_exact(module_collector, "zero-code-fsdp1", job, range(LEAD, steps))
 
 
+def test_zero_code_launch_finds_megatron_ddp(module_collector, tmp_path):
+    """`python -m rankscope.run --enabled train.py` for a script that trains with megatron-core's
+    DistributedDataParallel (two micro-batches a step, each loss divided by two before backward):
+    the model is found when built, attached at its first forward through its buckets'
+    start_grad_sync; the ranks agree on the first step on their optimizer-step count, and every
+    step from the agreed one is exact (the step's loss: the sum of the divided losses)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:  # not imported here: only the job needs it
+        if os.environ.get("RANKSCOPE_E2E_REQUIRED"):  # CI installs it
+            raise ImportError("megatron-core is not installed")
+        pytest.skip("megatron-core is not installed")
+    from rankscope._attach_agreement import LEAD
+
+    steps = 9
+    job = Job(
+        tmp_path / "run",
+        world=2,
+        args=("--megatron", "--accum", "2", "--total", str(steps), "--save-grads"),
+        launcher=(
+            "-m",
+            "rankscope.run",
+            "--job=zero-code-megatron",
+            "--enabled",
+            f"--sketch_dim={FSDP2_SKETCH_DIM}",
+            f"--collector={module_collector.address}",
+        ),
+        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
+    )
+    job.join()
+    check_fsdp2_exact(module_collector, "zero-code-megatron", job, range(LEAD, steps))
+
+
 @needs_fsdp2
 def test_attach_to_running_fsdp2_job_reports_every_step_exactly(module_collector, tmp_path):
     """`rankscope attach --pid` into a live FSDP2 job (Adam, which counts its steps): both ranks

@@ -1,8 +1,9 @@
 """Attaching to DDP models that the training script never handed to rankscope: the zero-code
 launch (``python -m rankscope.run``, ``RANKSCOPE_AUTO=1``) and ``rankscope attach --pid`` (through
 rankscope._attach_payload) both end here. FSDP2 models go through the same ``AutoAttacher`` to
-rankscope._fsdp2_attach (their own clock and step boundary), FSDP1 roots (zero-code launch only)
-to rankscope._fsdp1_attach (FSDP2's attachment on the optimizer-step clock).
+rankscope._fsdp2_attach (their own clock and step boundary), FSDP1 roots and Megatron-core DDP
+models (zero-code launch only) to rankscope._fsdp1_attach and rankscope._megatron_attach (FSDP2's
+attachment on the optimizer-step clock).
 
 For each DDP model (matched by exact type) an ``AttachedModel`` walks through four states:
 
@@ -321,6 +322,18 @@ class AutoAttacher:
         self.models.append(m)
         self.changed()
         m._pre_forward(model, ())
+        return m
+
+    def add_megatron(self, model):
+        """Attaches a Megatron-core DDP model (rankscope._megatron_attach) at its next forward
+        with gradients; None if it is already attached."""
+        from rankscope import _megatron_attach
+
+        if self.covers(model):
+            return None
+        m = _megatron_attach.AttachedMegatron(self, model)
+        self.models.append(m)
+        self.changed()
         return m
 
     def optimizer_for(self, model):

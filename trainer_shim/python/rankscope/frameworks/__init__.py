@@ -86,12 +86,13 @@ def install_auto(attacher) -> None:
     class's ``__init__`` when its module is imported (a post-import hook on ``sys.meta_path``;
     at once when it already is); and every root FSDP2 module at its first forward (FSDP2's state
     module patched the same way: rankscope._fsdp2_attach.patch_state_module), and every
-    FSDP1 root at its first forward (rankscope._fsdp1_attach.patch_fsdp1_module). Never raises
-    into the script: failures are warned through ``attacher.warn``."""
+    FSDP1 root at its first forward (rankscope._fsdp1_attach.patch_fsdp1_module), and every
+    Megatron-core DDP model (rankscope._megatron_attach.patch_ddp_module). Never raises into the
+    script: failures are warned through ``attacher.warn``."""
     import functools
     import sys
 
-    from rankscope import _fsdp1_attach, _fsdp2_attach
+    from rankscope import _fsdp1_attach, _fsdp2_attach, _megatron_attach
 
     patches = {  # module -> what patches it once it is imported
         name: functools.partial(_patch_class, cls_name=cls_name, framework=framework)
@@ -100,6 +101,7 @@ def install_auto(attacher) -> None:
     for name in _fsdp2_attach.STATE_MODULES:
         patches[name] = _fsdp2_attach.patch_state_module
     patches[_fsdp1_attach.FSDP1_MODULE] = _fsdp1_attach.patch_fsdp1_module
+    patches[_megatron_attach.DDP_MODULE] = _megatron_attach.patch_ddp_module
     pending = {}
     for module_name, patch in patches.items():
         module = sys.modules.get(module_name)
