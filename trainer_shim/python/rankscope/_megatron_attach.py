@@ -11,9 +11,10 @@ with one warning for what that path refuses).
 
 The clock: optimizer steps since that forward (``CLOCK_STEPS``, FSDP2's zero-code clock, the same
 ``ClockStart`` agreement); the step boundary is the step post-hook of the ``torch.optim``
-optimizer that holds the model's parameters. Megatron's own optimizers with fp16/bf16 or the
-distributed optimizer step fp32 copies (main parameters), not the model's: no optimizer is found
-and the model is left unwatched with a warning saying so (docs/shim.md "Limits").
+optimizer that holds the model's parameters. Megatron's ``FP32Optimizer`` wraps one; its fp16/bf16
+and distributed optimizers step fp32 copies (main parameters): where no ``torch.optim`` optimizer
+holds any of the model's own parameters, the attachment fails with a warning saying so and the
+model is left unwatched (docs/shim.md "Limits").
 
 The loss: Megatron's schedules backpropagate each micro-batch's loss divided by the number of
 micro-batches, so the step's loss is the sum of the backward losses (the loss capture's

@@ -1,6 +1,7 @@
 """Zero-code attach for jobs started from now on: every DistributedDataParallel model the script
-constructs is attached (rankscope._autoattach), and every root FSDP2 module at its first forward
-(rankscope._fsdp2_attach), dormant unless told otherwise, with the loss taken
+constructs is attached (rankscope._autoattach), every root FSDP2 module and FSDP1 root at its
+first forward (rankscope._fsdp2_attach, rankscope._fsdp1_attach), and every Megatron-core DDP
+model (rankscope._megatron_attach), dormant unless told otherwise, with the loss taken
 from its backward calls and the step from its optimizer. Used by ``python -m rankscope.run`` and
 by ``RANKSCOPE_AUTO=1`` (the package's ``sitecustomize``).
 

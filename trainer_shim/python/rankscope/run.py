@@ -1,7 +1,8 @@
 """Zero-code launch: ``python -m rankscope.run [OPTIONS] train.py ARGS...`` runs ``train.py`` as
-``__main__`` with every DistributedDataParallel and FSDP2 model it builds attached to rankscope
-(dormant unless ``--enabled``), the loss taken from its backward calls (their mean under gradient
-accumulation) and the step from its optimizer. Also ``torchrun ... -m rankscope.run train.py``
+``__main__`` with every DistributedDataParallel, FSDP1, FSDP2 and Megatron-core DDP model it
+builds attached to rankscope (dormant unless ``--enabled``), the loss taken from its backward
+calls (their mean under gradient accumulation; their sum for Megatron) and the step from its
+optimizer. Also ``torchrun ... -m rankscope.run train.py``
 and ``python -m rankscope.run [OPTIONS] -m package.module ARGS...``.
 
 Options (before the script): --job=NAME (default $RANKSCOPE_JOB), --collector=HOST:PORT (default
