@@ -563,7 +563,7 @@ def test_zero_code_launch_finds_fsdp1_roots(module_collector, tmp_path):
     every step from the agreed one is exact."""
     from rankscope._attach_agreement import LEAD
 
-    steps = 9
+    steps = LEAD + 3
     job = Job(
         tmp_path / "run",
         world=2,
@@ -596,7 +596,7 @@ def test_zero_code_launch_finds_megatron_ddp(module_collector, tmp_path):
         pytest.skip("megatron-core is not installed")
     from rankscope._attach_agreement import LEAD
 
-    steps = 9
+    steps = LEAD + 3
     job = Job(
         tmp_path / "run",
         world=2,

@@ -7,7 +7,9 @@ Finding the models. The zero-code launch wraps ``DistributedDataParallel.__init_
 ``patch_ddp_module``): every model of exactly that class is handed to the attacher when built.
 It is attached at its first forward with gradients, as ``rst.attach(model)`` would be in the
 script (rankscope.frameworks.megatron: ``start_grad_sync`` of each bucket group wrapped; refused
-with one warning for what that path refuses).
+with one warning for what that path refuses). A model the script attached itself before that
+forward (``rst.attach(model)``: its bucket groups' ``start_grad_sync`` already wrapped) is
+released, never retargeted away from the script's monitor.
 
 The clock: optimizer steps since that forward (``CLOCK_STEPS``, FSDP2's zero-code clock, the same
 ``ClockStart`` agreement); the step boundary is the step post-hook of the ``torch.optim``
@@ -24,11 +26,22 @@ Contract: nothing here raises into the training script; failures are warned thro
 attacher. Thread safety: training thread only.
 """
 
+import torch
+
 from rankscope._fsdp2_attach import CLOCK_STEPS, AttachedFsdp2
 from rankscope.frameworks import megatron
 
 # megatron-core's module where ``DistributedDataParallel`` is defined (0.19).
 DDP_MODULE = "megatron.core.distributed.distributed_data_parallel"
+
+
+def is_watched(model) -> bool:
+    """True when rankscope already watches the Megatron model (``rst.attach`` in the script): a
+    bucket group's ``start_grad_sync`` is rankscope's wrapper."""
+    return any(
+        hasattr(getattr(g, "start_grad_sync", None), "_rankscope_target")
+        for g in getattr(model, "bucket_groups", ())
+    )
 
 
 def patch_ddp_module(module, attacher) -> None:
@@ -75,6 +88,12 @@ class AttachedMegatron(AttachedFsdp2):
     @staticmethod
     def _class_name(model) -> str:
         return type(getattr(model, "module", model)).__name__
+
+    def _pre_forward(self, module, inputs):
+        if self.state == "waiting" and torch.is_grad_enabled() and is_watched(module):
+            self._attacher.release(module)  # the script's rst.attach watches it
+            return None
+        return super()._pre_forward(module, inputs)
 
     def _install(self, model) -> None:
         super()._install(model)
