@@ -14,7 +14,7 @@ to the attacher, inside that forward, before its backward. A nested unit's first
 inside the root's, after the root's lazy initialization made it non-root: it is skipped.
 
 Why inside the forward, not at ``__init__``: at construction nobody knows yet whether another
-FSDP1 instance will wrap this one. ``register_comm_hook`` (torch 2.2 to 2.15) asserts only that
+FSDP1 instance will wrap this one. ``register_comm_hook`` (read in torch 2.15) asserts only that
 the instance is the root and that no hook is registered yet; FSDP1 reads the hook in each unit's
 post-backward, so registering between the first forward and its backward is in time.
 
