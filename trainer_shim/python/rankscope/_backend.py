@@ -310,30 +310,21 @@ def _failed(choice: Choice, error: Exception) -> None:
     if _force().strict:
         raise BackendFailed(f"{choice.backend} {choice.variant or ''}: {error!r}") from error
     if choice.backend == CUDA:
-        if not CUDA_FAILED:
-            CUDA_FAILED.append(repr(error))
-            warnings.warn(
-                f"rankscope: the CUDA sketch kernel failed ({repr(error)[:300]}); the GPU path "
-                "uses the Triton kernels or torch operations from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return
-    if choice.variant == DOT:
-        if not DOT_FAILED:
-            DOT_FAILED.append(repr(error))
-            warnings.warn(
-                f"rankscope: the tensor-core sketch kernel failed ({repr(error)[:300]}); "
-                "using the atomic one",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return
-    if not TRITON_FAILED:
-        TRITON_FAILED.append(repr(error))
+        failures, what, after = (
+            CUDA_FAILED,
+            "the CUDA sketch kernel",
+            "the GPU path uses the Triton kernels or torch operations from now on",
+        )
+    elif choice.variant == DOT:
+        failures, what, after = DOT_FAILED, "the tensor-core sketch kernel", "using the atomic one"
+    else:
+        failures, what, after = (
+            TRITON_FAILED,
+            "the Triton kernels",
+            "the GPU path uses torch operations from now on (slower; docs/PERFORMANCE.md)",
+        )
+    if not failures:  # the first failure is remembered for the process and warned once
+        failures.append(repr(error))
         warnings.warn(
-            f"rankscope: the Triton kernels failed ({repr(error)[:300]}); the GPU path "
-            "uses torch operations from now on (slower; docs/PERFORMANCE.md)",
-            RuntimeWarning,
-            stacklevel=3,
+            f"rankscope: {what} failed ({repr(error)[:300]}); {after}", RuntimeWarning, stacklevel=3
         )
