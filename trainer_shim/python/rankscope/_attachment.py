@@ -85,3 +85,25 @@ class Attachment:
             f"rankscope: could not attach to {self.KIND} ({self.error}); training is unaffected"
         )
         self._attacher.changed()
+
+
+def hand_over_when_built(cls, attacher, add, kind: str) -> None:
+    """(zero-code launch) Wraps ``cls.__init__`` so that every instance of exactly ``cls`` (not a
+    subclass, whose own ``__init__`` may not have finished) is passed to ``add`` once built. A
+    failure of ``add`` is warned through ``attacher`` ("could not attach to ``kind``"), never
+    raised into the script. Wrapping an already wrapped class does nothing."""
+    original = cls.__init__
+    if getattr(original, "_rankscope", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if type(self) is cls:
+            try:
+                add(self)
+            except Exception as e:  # attaching must never break the script
+                attacher.warn(f"rankscope: could not attach to {kind} ({e!r})")
+
+    __init__._rankscope = True
+    __init__.__wrapped__ = original
+    cls.__init__ = __init__

@@ -28,6 +28,7 @@ attacher. Thread safety: training thread only.
 
 import torch
 
+from rankscope._attachment import hand_over_when_built
 from rankscope._fsdp2_attach import CLOCK_STEPS, AttachedFsdp2
 from rankscope.frameworks import megatron
 
@@ -48,21 +49,8 @@ def patch_ddp_module(module, attacher) -> None:
     """(zero-code launch) Wraps ``DistributedDataParallel.__init__`` of megatron-core so that every
     model of exactly that class is handed to ``attacher`` once built."""
     cls = getattr(module, "DistributedDataParallel", None)
-    if cls is None or getattr(cls.__init__, "_rankscope", False):
-        return
-    original = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if type(self) is cls:
-            try:
-                attacher.add_megatron(self)
-            except Exception as e:  # attaching must never break the script
-                attacher.warn(f"rankscope: could not attach to a Megatron-core DDP model ({e!r})")
-
-    __init__._rankscope = True
-    __init__.__wrapped__ = original
-    cls.__init__ = __init__
+    if cls is not None:
+        hand_over_when_built(cls, attacher, attacher.add_megatron, "a Megatron-core DDP model")
 
 
 class AttachedMegatron(AttachedFsdp2):

@@ -64,23 +64,14 @@ def install(job: str, dormant: bool = True, options: dict | None = None):
     import torch
 
     from rankscope import _autoattach
+    from rankscope._attachment import hand_over_when_built
 
     attacher = _autoattach.get_or_create(job, dormant, options or {})
     if _installed:
         return attacher
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    original_init = ddp_type.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        if type(self) is ddp_type:
-            try:
-                attacher.add(self)
-            except Exception as e:  # attaching must never break the script
-                attacher.warn(f"rankscope: could not attach to a DDP model ({e!r})")
-
-    __init__.__wrapped__ = original_init
-    ddp_type.__init__ = __init__
+    hand_over_when_built(
+        torch.nn.parallel.DistributedDataParallel, attacher, attacher.add, "a DDP model"
+    )
     from rankscope import frameworks  # Hugging Face, Lightning, DeepSpeed
 
     frameworks.install_auto(attacher)
