@@ -527,32 +527,38 @@ def check_fsdp2_exact(collector, job_name, job, steps):
     )
 
 
+def run_zero_code_exact(collector, tmp_path, flag: str, job_name: str, steps: int) -> None:
+    """Runs attach_target.py ``flag`` (two micro-batches a step) for ``steps`` steps on 2 ranks
+    under `python -m rankscope.run --enabled`, then checks every step from the agreed one (0 +
+    LEAD: the monitor is installed before any optimizer step on both ranks) exact."""
+    from rankscope._attach_agreement import LEAD
+
+    job = Job(
+        tmp_path / "run",
+        world=2,
+        args=(flag, "--accum", "2", "--total", str(steps), "--save-grads"),
+        launcher=(
+            "-m",
+            "rankscope.run",
+            f"--job={job_name}",
+            "--enabled",
+            f"--sketch_dim={FSDP2_SKETCH_DIM}",
+            f"--collector={collector.address}",
+        ),
+        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
+    )
+    job.join()
+    check_fsdp2_exact(collector, job_name, job, range(LEAD, steps))
+
+
 @needs_fsdp2
 def test_zero_code_launch_finds_fsdp2_models(module_collector, tmp_path):
     """`python -m rankscope.run --enabled train.py` for a script that shards its model with FSDP2
     (fully_shard, two micro-batches a step): the root is found at its first forward, the ranks
     agree on the first step on their optimizer-step count (0 on every rank then), and every step
     from the agreed one is exact."""
-    from rankscope._attach_agreement import LEAD
-
     steps = 9
-    job = Job(
-        tmp_path / "run",
-        world=2,
-        args=("--fsdp2", "--accum", "2", "--total", str(steps), "--save-grads"),
-        launcher=(
-            "-m",
-            "rankscope.run",
-            "--job=zero-code-fsdp2",
-            "--enabled",
-            f"--sketch_dim={FSDP2_SKETCH_DIM}",
-            f"--collector={module_collector.address}",
-        ),
-        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
-    )
-    job.join()
-    # Installed before any optimizer step on both ranks: the agreed first step is 0 + LEAD.
-    check_fsdp2_exact(module_collector, "zero-code-fsdp2", job, range(LEAD, steps))
+    run_zero_code_exact(module_collector, tmp_path, "--fsdp2", "zero-code-fsdp2", steps)
 
 
 def test_zero_code_launch_finds_fsdp1_roots(module_collector, tmp_path):
@@ -564,22 +570,7 @@ def test_zero_code_launch_finds_fsdp1_roots(module_collector, tmp_path):
     from rankscope._attach_agreement import LEAD
 
     steps = LEAD + 3
-    job = Job(
-        tmp_path / "run",
-        world=2,
-        args=("--fsdp1", "--accum", "2", "--total", str(steps), "--save-grads"),
-        launcher=(
-            "-m",
-            "rankscope.run",
-            "--job=zero-code-fsdp1",
-            "--enabled",
-            f"--sketch_dim={FSDP2_SKETCH_DIM}",
-            f"--collector={module_collector.address}",
-        ),
-        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
-    )
-    job.join()
-    check_fsdp2_exact(module_collector, "zero-code-fsdp1", job, range(LEAD, steps))
+    run_zero_code_exact(module_collector, tmp_path, "--fsdp1", "zero-code-fsdp1", steps)
 
 
 def test_zero_code_launch_finds_megatron_ddp(module_collector, tmp_path):
@@ -597,22 +588,7 @@ def test_zero_code_launch_finds_megatron_ddp(module_collector, tmp_path):
     from rankscope._attach_agreement import LEAD
 
     steps = LEAD + 3
-    job = Job(
-        tmp_path / "run",
-        world=2,
-        args=("--megatron", "--accum", "2", "--total", str(steps), "--save-grads"),
-        launcher=(
-            "-m",
-            "rankscope.run",
-            "--job=zero-code-megatron",
-            "--enabled",
-            f"--sketch_dim={FSDP2_SKETCH_DIM}",
-            f"--collector={module_collector.address}",
-        ),
-        env=target_env({"PYTHONPATH": child_pythonpath(TARGET.parent)}),
-    )
-    job.join()
-    check_fsdp2_exact(module_collector, "zero-code-megatron", job, range(LEAD, steps))
+    run_zero_code_exact(module_collector, tmp_path, "--megatron", "zero-code-megatron", steps)
 
 
 @needs_fsdp2
