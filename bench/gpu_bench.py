@@ -65,6 +65,8 @@ def _events_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+# Long: one table, its rows in order (per dtype and k: copy, each backend and variant forced
+# strictly, agreement with the torch ops), each row a few lines; a split would scatter the table.
 def kernels(args) -> dict:
     from rankscope import DEFAULT_SKETCH_SEED
     from rankscope import _backend
@@ -407,6 +409,8 @@ def _start_collector(collector: str, tmp: Path):
     raise RuntimeError("collector did not start: " + (tmp / "collector.log").read_text())
 
 
+# Long: one training comparison, its variants built, stepped in a rotating order and timed in
+# one place so that each sees the same device state; a split would pass the variants around.
 def train(args) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F

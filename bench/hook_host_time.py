@@ -106,7 +106,10 @@ def timed_stages():
     return seconds, calls, restore
 
 
-def main() -> None:
+VARIANTS = ["plain", "plain-2", "hook", "rankscope", "rankscope-device"]
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=96)
     ap.add_argument("--width", type=int, default=64)
@@ -130,83 +133,99 @@ def main() -> None:
         ap.error(f"--attach is not JSON: {e}")
     if not isinstance(extra, dict):
         ap.error("--attach must be a JSON object of attach's keyword arguments")
+    return a, extra
 
-    import rankscope.torch as rst
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    # One layer's parameters (weight and bias) in a bucket: DDP's cap is in MiB.
-    cap_mb = (a.width * a.width + a.width) * 4 / 2**20
-    variants = ["plain", "plain-2", "hook", "rankscope", "rankscope-device"]
-    ddp, opt, mons = {}, {}, {}
-    calls = [0]
-    for v in variants:
-        m = DDP(model(a.layers, a.width), bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
-        if v == "hook":
-            m.register_comm_hook(None, counting_allreduce_hook(calls))
-        elif v.startswith("rankscope"):
-            mon = rst.attach(
-                m,
-                collector="127.0.0.1:9",
-                job=f"hook-{v}",
-                sketch_dim=a.sketch_dim,
-                warn_after=1e9,
-                **extra,
-            )
-            if v == "rankscope-device":
-                mon._bypass_native = True
-            mons[v] = mon
-        ddp[v] = m
-        opt[v] = torch.optim.SGD(m.parameters(), lr=1e-3)
-    x = torch.randn(a.batch, a.width)
-    times = {v: [] for v in variants}
-    step_calls = {v: [] for v in mons}
+class Variants:
+    """One DDP replica, optimizer and (rankscope variants) monitor per variant; ``calls[0]``
+    counts the ``hook`` variant's buckets."""
+
+    def __init__(self, a, extra):
+        import rankscope.torch as rst
+
+        # One layer's parameters (weight and bias) in a bucket: DDP's cap is in MiB.
+        cap_mb = (a.width * a.width + a.width) * 4 / 2**20
+        self.ddp, self.opt, self.mons = {}, {}, {}
+        self.calls = [0]
+        self.x = torch.randn(a.batch, a.width)
+        for v in VARIANTS:
+            m = DDP(model(a.layers, a.width), bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
+            if v == "hook":
+                m.register_comm_hook(None, counting_allreduce_hook(self.calls))
+            elif v.startswith("rankscope"):
+                mon = rst.attach(
+                    m,
+                    collector="127.0.0.1:9",
+                    job=f"hook-{v}",
+                    sketch_dim=a.sketch_dim,
+                    warn_after=1e9,
+                    **extra,
+                )
+                mon._bypass_native = v == "rankscope-device"
+                self.mons[v] = mon
+            self.ddp[v] = m
+            self.opt[v] = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+    def step(self, v):
+        """One training step of variant ``v``; returns the seconds ``mon.step`` took, or None."""
+        loss = self.ddp[v](self.x).square().mean()
+        loss.backward()
+        self.opt[v].step()
+        self.opt[v].zero_grad(set_to_none=False)
+        if v not in self.mons:
+            return None
+        t = time.perf_counter()
+        self.mons[v].step(loss)
+        return time.perf_counter() - t
+
+    def close(self):
+        for mon in self.mons.values():
+            mon.close(timeout=0.1)
+
+
+def interleaved(a, vs: Variants):
+    """Steps every variant in a rotating order; returns each variant's measured step times, each
+    rankscope variant's ``mon.step`` times, and the buckets a step."""
+    times = {v: [] for v in VARIANTS}
+    mon_step = {v: [] for v in vs.mons}
     buckets = []
     for i in range(a.warmup + a.steps):
-        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
         for v in order:
-            calls[0] = 0
+            vs.calls[0] = 0
             t0 = time.perf_counter()
-            loss = ddp[v](x).square().mean()
-            loss.backward()
-            opt[v].step()
-            opt[v].zero_grad(set_to_none=False)
-            if v in mons:
-                t1 = time.perf_counter()
-                mons[v].step(loss)
-                step_calls[v].append(time.perf_counter() - t1)
+            in_mon = vs.step(v)
             elapsed = time.perf_counter() - t0
-            if i >= a.warmup:
-                times[v].append(elapsed)
-                if v == "hook":
-                    buckets.append(calls[0])
-    breakdown = {}
-    if a.breakdown:
-        for v in mons:
-            seconds, calls, restore = timed_stages()
-            try:
-                for _ in range(a.steps):
-                    loss = ddp[v](x).square().mean()
-                    loss.backward()
-                    opt[v].step()
-                    opt[v].zero_grad(set_to_none=False)
-                    mons[v].step(loss)
-            finally:
-                restore()
-            breakdown[v] = {
-                k: (seconds[k] / calls[k] * 1e6, calls[k] / a.steps) for k in calls if calls[k]
-            }
-    for mon in mons.values():
-        mon.close(timeout=0.1)
-    dist.destroy_process_group()
+            if i < a.warmup:
+                continue
+            times[v].append(elapsed)
+            if in_mon is not None:
+                mon_step[v].append(in_mon)
+            if v == "hook":
+                buckets.append(vs.calls[0])
+    return times, mon_step, statistics.median(buckets)
 
-    n_buckets = statistics.median(buckets)
+
+def breakdown(a, vs: Variants) -> dict:
+    """Per rankscope variant: {stage: (microseconds a call, calls a step)} over --steps steps."""
+    out = {}
+    for v in vs.mons:
+        seconds, calls, restore = timed_stages()
+        try:
+            for _ in range(a.steps):
+                vs.step(v)
+        finally:
+            restore()
+        out[v] = {k: (seconds[k] / calls[k] * 1e6, calls[k] / a.steps) for k in calls if calls[k]}
+    return out
+
+
+def report(a, extra, times, mon_step, n_buckets, stages) -> dict:
+    """Prints the table (and the breakdown); returns the rows."""
 
     def paired(v, base):
         return statistics.median(b - c for b, c in zip(times[v], times[base]))
 
-    rows = {}
     print(
         f"{a.layers} layers of Linear({a.width}, {a.width}), {n_buckets:.0f} buckets a step, "
         f"k = {a.sketch_dim}, attach {extra}, {a.steps} steps a variant, load average "
@@ -215,30 +234,47 @@ def main() -> None:
     print(
         f"{'variant':18} {'step':>10} {'vs plain':>10} {'vs hook, a bucket':>18} {'mon.step':>10}"
     )
-    for v in variants:
+    rows = {}
+    for v in VARIANTS:
         med = statistics.median(times[v]) * 1e3
         vs_plain = paired(v, "plain") * 1e3
         per_bucket = paired(v, "hook") / n_buckets * 1e6 if v.startswith("rankscope") else None
-        mon_step = statistics.median(step_calls[v][a.warmup :]) * 1e6 if v in mons else None
+        in_mon = statistics.median(mon_step[v]) * 1e6 if v in mon_step else None
         rows[v] = {
             "step_ms": med,
             "paired_vs_plain_ms": vs_plain,
             "per_bucket_vs_hook_us": per_bucket,
-            "mon_step_us": mon_step,
+            "mon_step_us": in_mon,
         }
         print(
             f"{v:18} {med:8.3f}ms {vs_plain:+8.3f}ms "
             + (f"{per_bucket:15.1f} us" if per_bucket is not None else f"{'':18}")
-            + (f" {mon_step:7.1f} us" if mon_step is not None else "")
+            + (f" {in_mon:7.1f} us" if in_mon is not None else "")
         )
-    for v, stages in breakdown.items():
+    for v, by_stage in stages.items():
         print(f"{v}: time a call (calls a step)")
-        for k, (us, per_step) in sorted(stages.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+        for k, (us, per_step) in sorted(by_stage.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
             print(f"  {k:36} {us:9.1f} us  ({per_step:g})")
+    return rows
+
+
+def main() -> None:
+    a, extra = parse_args()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    vs = Variants(a, extra)
+    try:
+        times, mon_step, n_buckets = interleaved(a, vs)
+        stages = breakdown(a, vs) if a.breakdown else {}
+    finally:
+        vs.close()
+        dist.destroy_process_group()
+    rows = report(a, extra, times, mon_step, n_buckets, stages)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
-                {"buckets": n_buckets, "args": vars(a), "rows": rows, "breakdown": breakdown},
+                {"buckets": n_buckets, "args": vars(a), "rows": rows, "breakdown": stages},
                 f,
                 indent=1,
             )

@@ -231,6 +231,7 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 // The collector's options from its parsed flags; an invalid value is INVALID_ARGUMENT with the
 // message to print (the flag named).
+// Long: a flat list of flag -> option assignments and their checks, one per flag.
 absl::StatusOr<rankscope::collector::CollectorOptions> OptionsFromFlags() {
   using rankscope::collector::CollectorOptions;
   using rankscope::collector::ParseRetentionAge;
@@ -316,6 +317,9 @@ absl::StatusOr<rankscope::collector::CollectorOptions> OptionsFromFlags() {
 
 }  // namespace
 
+// Long: the daemon's whole life in order (usage text, flags, signal masks, options, descriptor
+// limit, start, memory trimmer, wait for a stop or a failed listener, shutdown), each a call or
+// a commented line; most of the length is the usage text and the comments.
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "rankscope-collector: watches data-parallel training ranks for silent inconsistency.\n"

@@ -52,6 +52,9 @@ StepStatistics ComputeJoinedStepStatistics(const JoinedStep& step) {
   return StatisticsOf(samples, same_dim);
 }
 
+// Long: one pass over the step's reports gathers what four independent verdicts read (the
+// outlier scores, the replica checks exact or with a tolerance, the step-time z, the noise
+// scale), and one pass writes each rank's row from them.
 StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats,
                              absl::Span<const DuplicateGroup> duplicates,
                              const SignalScales& scale_floor) {

@@ -124,6 +124,9 @@ class DeferredReports:
         ``bucket_sq`` (the squared norm per bucket on ``device``, or None) and ``reduced`` (the
         aggregation check's rankscope._integrity.Reduced, or None: its device bins travel in
         the same payload, after the reduction on the device's stream order)."""
+        # Long: one step's payload is laid out, filled and copied in one place, in the order the
+        # reader (``_land``) takes it apart: sketch bins, loss, squared norm, the reduced bins; a
+        # split would pass the layout between functions.
         payload = torch.empty(
             dim + 2 + (dim if reduced is not None else 0), dtype=torch.float64, device=device
         )
