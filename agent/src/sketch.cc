@@ -84,13 +84,18 @@ inline uint32_t BaseOf(uint64_t mix, const BinMap& map) {
 }
 
 // What one piece of an Add writes to: the open segment's float partial bins, the open run's
-// float partial squares and the double lanes they close into.
+// float partial squares and the double lanes they close into, and the call's own squares (the
+// `squares` output of CountSketch::Add): float partials like the run's, closed into their own
+// double lanes at every run boundary and at the end of each head, body and tail, so they never
+// hold squares of another call.
 struct KernelArgs {
   uint64_t seed;
   BinMap map;
   float* partial_bins;     // dim + kBlock - 1 floats
   float* partial_squares;  // kLanes floats
   double* square_lanes;    // kLanes doubles
+  float* call_squares;     // kLanes floats, +0 between the pieces of a call
+  double* call_lanes;      // kLanes doubles
 };
 
 // Closes a run: partial square l into double lane l, partial back to +0.
@@ -154,10 +159,15 @@ void AddScalar(const unsigned char* data, size_t n, uint64_t first, const Kernel
     for (uint32_t o = first_offset; o < first_offset + count; ++o, ++j) {
       const float v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
       a.partial_squares[o] = std::fma(v, v, a.partial_squares[o]);
+      a.call_squares[o] = std::fma(v, v, a.call_squares[o]);
       partial[base + o] += v;  // base + o < dim + 31
-      if ((first + j + 1) % kRun == 0) CloseRunLanes(a.partial_squares, a.square_lanes);
+      if ((first + j + 1) % kRun == 0) {
+        CloseRunLanes(a.partial_squares, a.square_lanes);
+        CloseRunLanes(a.call_squares, a.call_lanes);
+      }
     }
   }
+  if (n > 0) CloseRunLanes(a.call_squares, a.call_lanes);
 }
 
 // The vector body: `blocks` whole blocks of kBlock coordinates, the first one starting at
@@ -252,6 +262,9 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
   __m256 sq0 = _mm256_loadu_ps(a.partial_squares), sq1 = _mm256_loadu_ps(a.partial_squares + 8),
          sq2 = _mm256_loadu_ps(a.partial_squares + 16),
          sq3 = _mm256_loadu_ps(a.partial_squares + 24);
+  // The call's own squares (KernelArgs::call_squares: +0 here, closed at the end).
+  __m256 cq0 = _mm256_setzero_ps(), cq1 = _mm256_setzero_ps(), cq2 = _mm256_setzero_ps(),
+         cq3 = _mm256_setzero_ps();
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX2 {
     const __m256i m = _mm256_set1_epi32(static_cast<int32_t>(mix));
     __m256 v[4];
@@ -286,6 +299,10 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
     sq1 = _mm256_fmadd_ps(v[1], v[1], sq1);
     sq2 = _mm256_fmadd_ps(v[2], v[2], sq2);
     sq3 = _mm256_fmadd_ps(v[3], v[3], sq3);
+    cq0 = _mm256_fmadd_ps(v[0], v[0], cq0);
+    cq1 = _mm256_fmadd_ps(v[1], v[1], cq1);
+    cq2 = _mm256_fmadd_ps(v[2], v[2], cq2);
+    cq3 = _mm256_fmadd_ps(v[3], v[3], cq3);
     float* const w = bins + BaseOf<kPow2>(mix, map);
     for (int q = 0; q < 4; ++q) {
       _mm256_storeu_ps(w + 8 * q, _mm256_add_ps(_mm256_loadu_ps(w + 8 * q), v[q]));
@@ -303,8 +320,16 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
     close(sq1, a.square_lanes + 8);
     close(sq2, a.square_lanes + 16);
     close(sq3, a.square_lanes + 24);
+    close(cq0, a.call_lanes);
+    close(cq1, a.call_lanes + 8);
+    close(cq2, a.call_lanes + 16);
+    close(cq3, a.call_lanes + 24);
   };
   ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
+  close(cq0, a.call_lanes);
+  close(cq1, a.call_lanes + 8);
+  close(cq2, a.call_lanes + 16);
+  close(cq3, a.call_lanes + 24);
   _mm256_storeu_ps(a.partial_squares, sq0);
   _mm256_storeu_ps(a.partial_squares + 8, sq1);
   _mm256_storeu_ps(a.partial_squares + 16, sq2);
@@ -336,6 +361,8 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
   const __m512i sign_bit = _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
   __m512 sq_lo = _mm512_loadu_ps(a.partial_squares);  // offsets 0-15
   __m512 sq_hi = _mm512_loadu_ps(a.partial_squares + 16);
+  // The call's own squares (KernelArgs::call_squares: +0 here, closed at the end).
+  __m512 cq_lo = _mm512_setzero_ps(), cq_hi = _mm512_setzero_ps();
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX512 {
     const __m512i x = _mm512_castps_si512(Load16Avx512<kType>(p));
     const __m512i y = _mm512_castps_si512(Load16Avx512<kType>(p + 16 * kSize));
@@ -345,23 +372,30 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
         _mm512_mask_xor_epi32(y, static_cast<__mmask16>(mix >> 16), y, sign_bit));
     sq_lo = _mm512_fmadd_ps(lo, lo, sq_lo);
     sq_hi = _mm512_fmadd_ps(hi, hi, sq_hi);
+    cq_lo = _mm512_fmadd_ps(lo, lo, cq_lo);
+    cq_hi = _mm512_fmadd_ps(hi, hi, cq_hi);
     float* const w = bins + BaseOf<kPow2>(mix, map);
     _mm512_storeu_ps(w, _mm512_add_ps(_mm512_loadu_ps(w), lo));
     _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_loadu_ps(w + 16), hi));
   };
-  auto end_run = [&]() RANKSCOPE_TARGET_AVX512 {
-    double* const lanes = a.square_lanes;
-    const __m512d parts[4] = {_mm512_cvtps_pd(_mm512_castps512_ps256(sq_lo)),
-                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(sq_lo, 1)),
-                              _mm512_cvtps_pd(_mm512_castps512_ps256(sq_hi)),
-                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(sq_hi, 1))};
+  // Partials of offsets 0-15 (lo) and 16-31 (hi) into double lanes 0-31, partials back to +0.
+  auto close = [](__m512& lo, __m512& hi, double* lanes) RANKSCOPE_TARGET_AVX512 {
+    const __m512d parts[4] = {_mm512_cvtps_pd(_mm512_castps512_ps256(lo)),
+                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(lo, 1)),
+                              _mm512_cvtps_pd(_mm512_castps512_ps256(hi)),
+                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1))};
     for (int q = 0; q < 4; ++q) {
       _mm512_storeu_pd(lanes + 8 * q, _mm512_add_pd(_mm512_loadu_pd(lanes + 8 * q), parts[q]));
     }
-    sq_lo = _mm512_setzero_ps();
-    sq_hi = _mm512_setzero_ps();
+    lo = _mm512_setzero_ps();
+    hi = _mm512_setzero_ps();
+  };
+  auto end_run = [&]() RANKSCOPE_TARGET_AVX512 {
+    close(sq_lo, sq_hi, a.square_lanes);
+    close(cq_lo, cq_hi, a.call_lanes);
   };
   ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
+  close(cq_lo, cq_hi, a.call_lanes);
   _mm512_storeu_ps(a.partial_squares, sq_lo);
   _mm512_storeu_ps(a.partial_squares + 16, sq_hi);
 }
@@ -477,7 +511,7 @@ const char* KernelIsaName(KernelIsa isa) {
 }
 
 void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType type, size_t n,
-                uint64_t offset) {
+                uint64_t offset, double* squares) {
   static_assert(CountSketch::kSumSquaresLanes == kLanes, "one partial sum per block offset");
   if (n == 0) return;
   assert(data != nullptr);
@@ -485,8 +519,13 @@ void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType
   if (!KernelIsaSupported(isa)) isa = KernelIsa::kScalar;
   // A run other than the open one: close the open one (its partials are +0 if it was completed).
   if (offset / kRun != sketch.open_run_) sketch.CloseRun();
-  const KernelArgs args{sketch.seed_, MakeBinMap(sketch.dim()), sketch.partial_bins_.data(),
-                        sketch.partial_squares_, sketch.square_lanes_};
+  // This call's squares (sketch.h "Rounding"), computed whether asked for or not: two more
+  // fused multiply-adds a vector in the loop, no branch.
+  float call_squares[kLanes] = {};
+  double call_lanes[kLanes] = {};
+  const KernelArgs args{sketch.seed_,          MakeBinMap(sketch.dim()), sketch.partial_bins_.data(),
+                        sketch.partial_squares_, sketch.square_lanes_,   call_squares,
+                        call_lanes};
   const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
   const auto* bytes = static_cast<const unsigned char*>(data);
   const uint64_t segment_length = sketch.segment_length_;
@@ -521,6 +560,7 @@ void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType
   }
   // The run of the last coordinate added stays open (its partials are +0 if it was completed).
   sketch.open_run_ = (offset - 1) / kRun;
+  if (squares != nullptr) *squares += internal::FoldPartialSums(call_lanes);
 }
 
 }  // namespace sketch_internal
@@ -569,8 +609,10 @@ void CountSketch::Close() const {
   sum_squares_ = internal::FoldPartialSums(square_lanes_);
 }
 
-void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offset) {
-  sketch_internal::AddWithIsa(*this, sketch_internal::BestKernelIsa(), data, type, n, offset);
+void CountSketch::Add(const void* data, ScalarType type, size_t n, uint64_t offset,
+                      double* squares) {
+  sketch_internal::AddWithIsa(*this, sketch_internal::BestKernelIsa(), data, type, n, offset,
+                              squares);
 }
 
 void CountSketch::MergeFrom(const CountSketch& other) {

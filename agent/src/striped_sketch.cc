@@ -45,12 +45,17 @@ void StripedSketch::Add(const void* data, ScalarType type, size_t n, uint64_t of
   AddSegments(absl::MakeConstSpan(&segment, 1), type);
 }
 
-void StripedSketch::AddSegments(absl::Span<const Segment> segments, ScalarType type) {
+void StripedSketch::AddSegments(absl::Span<const Segment> segments, ScalarType type,
+                                absl::Span<double> segment_squares) {
+  assert(segment_squares.empty() || segment_squares.size() == segments.size());
+  const bool squares = !segment_squares.empty() && segment_squares.size() == segments.size();
   const size_t size = ElementSize(type);
   const uint64_t slot_count = slots_.size();
   size_t total = 0;
   busy_.clear();
-  for (const Segment& s : segments) {
+  piece_segment_.clear();
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
     const auto* p = static_cast<const unsigned char*>(s.data);
     uint64_t offset = s.offset;
     size_t left = s.n;
@@ -61,7 +66,8 @@ void StripedSketch::AddSegments(absl::Span<const Segment> segments, ScalarType t
           static_cast<size_t>(std::min<uint64_t>(left, (stripe + 1) * kStripe - offset));
       const auto slot = static_cast<uint32_t>(stripe % slot_count);
       if (pieces_[slot].empty()) busy_.push_back(slot);
-      pieces_[slot].push_back(Piece{p, n, offset});
+      pieces_[slot].push_back(Piece{p, n, offset, piece_segment_.size()});
+      piece_segment_.push_back(static_cast<uint32_t>(i));
       p += n * size;
       offset += n;
       left -= n;
@@ -70,10 +76,15 @@ void StripedSketch::AddSegments(absl::Span<const Segment> segments, ScalarType t
   if (busy_.empty()) return;
   merged_valid_ = false;
   std::sort(busy_.begin(), busy_.end());
+  // Each piece's squares into its own entry (no two threads share one), summed below in order.
+  if (squares) piece_squares_.assign(piece_segment_.size(), 0.0);
+  double* const piece_squares = squares ? piece_squares_.data() : nullptr;
   auto add_slot = [&](int task) {
     const uint32_t slot = busy_[task];
-    for (const Piece& piece : pieces_[slot])
-      slots_[slot].Add(piece.data, type, piece.n, piece.offset);
+    for (const Piece& piece : pieces_[slot]) {
+      slots_[slot].Add(piece.data, type, piece.n, piece.offset,
+                       piece_squares == nullptr ? nullptr : piece_squares + piece.id);
+    }
   };
   if (total < 2 * kStripe || pool_->threads() == 1) {
     for (size_t t = 0; t < busy_.size(); ++t) add_slot(static_cast<int>(t));
@@ -83,6 +94,11 @@ void StripedSketch::AddSegments(absl::Span<const Segment> segments, ScalarType t
   for (uint32_t slot : busy_) {
     touched_[slot] = true;
     pieces_[slot].clear();
+  }
+  if (squares) {
+    for (size_t id = 0; id < piece_segment_.size(); ++id) {
+      segment_squares[piece_segment_[id]] += piece_squares_[id];
+    }
   }
 }
 

@@ -386,6 +386,62 @@ TEST(CountSketchTest, SpecialValuesIdenticalOnAllPaths) {
   }
 }
 
+// ---- A call's own squares (Add's `squares`).
+
+TEST(CountSketchTest, CallSquaresSameOnAllPathsNearExactAndIndependentOfTheState) {
+  // Random lengths and offsets (heads, bodies, tails; runs and segments crossed), a sketch that
+  // already holds other values: the call's squares are the same bits on every path, within the
+  // contract's 2^-19 of the exact sum (computed in long double from the floats the kernel reads),
+  // and added to what *squares held.
+  std::mt19937_64 rng(13);
+  const std::vector<float> f32 = RandomVector(70000, 14);
+  const std::vector<uint16_t> bf16 = ToBFloat16(f32);
+  const std::vector<uint16_t> f16 = RandomFloat16Bits(f32.size(), 15);
+  for (ScalarType type : {ScalarType::kFloat32, ScalarType::kBFloat16, ScalarType::kFloat16}) {
+    const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
+    const auto* bytes = type == ScalarType::kFloat32    ? reinterpret_cast<const char*>(f32.data())
+                        : type == ScalarType::kBFloat16 ? reinterpret_cast<const char*>(bf16.data())
+                                                        : reinterpret_cast<const char*>(f16.data());
+    for (int trial = 0; trial < 24; ++trial) {
+      const size_t n = trial == 0 ? 0 : rng() % (trial < 12 ? 100 : 70000);
+      const size_t start = rng() % (f32.size() - n + 1);
+      const uint64_t offset = rng() % 300000;
+      long double exact = 0;
+      for (size_t j = 0; j < n; ++j) {
+        float v;
+        if (type == ScalarType::kFloat32) {
+          v = f32[start + j];
+        } else {
+          const uint16_t h = (type == ScalarType::kBFloat16 ? bf16 : f16)[start + j];
+          v = type == ScalarType::kBFloat16 ? BFloat16ToFloat(h) : Float16ToFloat(h);
+        }
+        exact += static_cast<long double>(v) * v;
+      }
+      double reference = -1.0;
+      for (KernelIsa isa : SupportedKernelIsas()) {
+        SCOPED_TRACE(testing::Message() << KernelIsaName(isa) << " type "
+                                        << static_cast<int>(type) << " n " << n << " at " << offset);
+        CountSketch sketch(1000, 5);
+        // Earlier values in the same run and segment, and a read: none of them may leak in.
+        AddWithIsa(sketch, isa, bytes, type, 77, offset > 77 ? offset - 77 : offset + n);
+        double squares = 0.5;
+        AddWithIsa(sketch, isa, bytes + start * size, type, n, offset, &squares);
+        squares -= 0.5;
+        if (reference < 0) reference = squares;
+        EXPECT_EQ(DoubleBits(squares), DoubleBits(reference));
+        EXPECT_NEAR(squares, static_cast<double>(exact),
+                    std::ldexp(1.0, -19) * static_cast<double>(exact) + 1e-300);
+        // The sketch itself is what it is without the output.
+        CountSketch without(1000, 5);
+        AddWithIsa(without, isa, bytes, type, 77, offset > 77 ? offset - 77 : offset + n);
+        AddWithIsa(without, isa, bytes + start * size, type, n, offset);
+        ExpectBitIdentical(sketch.bins(), without.bins());
+        EXPECT_EQ(DoubleBits(sketch.sum_squares()), DoubleBits(without.sum_squares()));
+      }
+    }
+  }
+}
+
 // ---- Chunking.
 
 TEST(CountSketchTest, AscendingChunksEqualWholeExactly) {

@@ -140,6 +140,38 @@ TEST_P(StripedSketchTest, SegmentsAtOnceEqualOneCallEachAndOneCountSketchUpToRou
               2 * 33 * std::ldexp(1.0, -24) * plain.sum_squares());
 }
 
+TEST_P(StripedSketchTest, SegmentSquaresSameWhateverTheThreadCountAndEqualOneCountSketchEach) {
+  // The segments' squares, read in the bucket's one pass, are the same bits on any number of
+  // threads, equal those of a CountSketch fed each segment alone (a segment's stripes are pieces
+  // whose sums add in ascending order: equal within one rounding per piece), and leave the
+  // sketch as it is without them.
+  const auto [type, dim] = GetParam();
+  const Bucket bucket = MakeBucket(type, 17);
+  std::vector<double> one_squares(bucket.segments.size(), 0.0);
+  StripedSketch one(dim, kDefaultSketchSeed, 1);
+  one.AddSegments(bucket.segments, type, absl::MakeSpan(one_squares));
+  StripedSketch plain(dim, kDefaultSketchSeed, 1);
+  plain.AddSegments(bucket.segments, type);
+  ExpectBitIdentical(one.sketch(), plain.sketch());
+  for (int threads : {2, 8}) {
+    std::vector<double> squares(bucket.segments.size(), 0.0);
+    StripedSketch many(dim, kDefaultSketchSeed, threads);
+    many.AddSegments(bucket.segments, type, absl::MakeSpan(squares));
+    for (size_t i = 0; i < squares.size(); ++i) {
+      EXPECT_EQ(DoubleBits(squares[i]), DoubleBits(one_squares[i])) << i;
+    }
+  }
+  for (size_t i = 0; i < bucket.segments.size(); ++i) {
+    const StripedSketch::Segment& s = bucket.segments[i];
+    CountSketch alone(dim, kDefaultSketchSeed);
+    double squares = 0.0;
+    alone.Add(s.data, type, s.n, s.offset, &squares);
+    const double pieces = static_cast<double>(s.n / StripedSketch::kStripe + 2);
+    EXPECT_NEAR(one_squares[i], squares, pieces * std::ldexp(1.0, -19) * squares) << i;
+    EXPECT_GT(one_squares[i], 0.0) << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(TypesAndDims, StripedSketchTest,
                          ::testing::Combine(::testing::Values(ScalarType::kFloat32,
                                                               ScalarType::kBFloat16,

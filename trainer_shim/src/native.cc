@@ -65,12 +65,18 @@ absl::StatusOr<ScalarType> ToScalarType(int dtype) {
 const void* AsPointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
 // Where one DDP gradient bucket's parameters lie in its flat buffer and in the global flat
-// vector, computed once (after DDP's bucket rebuild) so that a hook call is one C++ call.
+// vector, computed once (after DDP's bucket rebuild) so that a hook call is one C++ call: the
+// sketch with the per-group squared norms (Sketch.add_plan) before the all-reduce, the replica
+// fingerprint of the reduced bucket (BucketPlan.fingerprint) after it.
 struct BucketPlan {
   ScalarType type = ScalarType::kFloat32;
   std::vector<size_t> byte_offsets;  // from the buffer's start
+  std::vector<size_t> starts;        // the same, in elements (for FingerprintSegments)
   std::vector<size_t> counts;
   std::vector<uint64_t> global_offsets;
+  // Per segment, the parameter group (rankscope._buckets) whose squared norm its squares add
+  // to, or -1; empty: no per-group norms.
+  std::vector<int32_t> groups;
 };
 
 // A StripedSketch owned by Python (a count sketch on `threads` threads, bit-identical whatever
@@ -83,8 +89,15 @@ class PySketch {
   uint32_t dim() const { return sketch_.dim(); }
   uint64_t seed() const { return sketch_.seed(); }
   int threads() const { return sketch_.threads(); }
-  void Reset() { sketch_.Reset(); }
+  void Reset() {
+    sketch_.Reset();
+    std::fill(group_squares_.begin(), group_squares_.end(), 0.0);
+  }
   double sum_squares() { return sketch_.sketch().sum_squares(); }
+
+  // The per-group sums of squares add_plan accumulated since the last reset (float64, one per
+  // group index up to the largest seen; sketch.h "Rounding", the call's squares, per segment).
+  const std::vector<double>& group_squares() const { return group_squares_; }
 
   // Adds n elements at `address` as coordinates [offset, offset + n).
   std::string Add(uintptr_t address, int dtype, size_t n, uint64_t offset) {
@@ -117,7 +130,8 @@ class PySketch {
     return "";
   }
 
-  // Adds every segment of `plan`, reading the bucket buffer at `base_address`.
+  // Adds every segment of `plan`, reading the bucket buffer at `base_address`, and, when the
+  // plan has groups, each segment's sum of squares (read in the same pass) to its group's.
   void AddPlan(const BucketPlan& plan, uintptr_t base_address) {
     segments_.clear();
     for (size_t i = 0; i < plan.counts.size(); ++i) {
@@ -125,7 +139,18 @@ class PySketch {
           {AsPointer(base_address + plan.byte_offsets[i]), plan.counts[i], plan.global_offsets[i]});
     }
     py::gil_scoped_release release;
-    sketch_.AddSegments(segments_, plan.type);
+    if (plan.groups.empty()) {
+      sketch_.AddSegments(segments_, plan.type);
+      return;
+    }
+    segment_squares_.assign(segments_.size(), 0.0);
+    sketch_.AddSegments(segments_, plan.type, absl::MakeSpan(segment_squares_));
+    for (size_t i = 0; i < plan.groups.size(); ++i) {
+      const int32_t g = plan.groups[i];
+      if (g < 0) continue;
+      if (static_cast<size_t>(g) >= group_squares_.size()) group_squares_.resize(g + 1, 0.0);
+      group_squares_[g] += segment_squares_[i];
+    }
   }
 
   // Writes the bins as dim() float32 values at `address`.
@@ -163,6 +188,8 @@ class PySketch {
   // One bucket's segments, reused from call to call (no allocation on the hook's path once the
   // largest bucket was seen).
   std::vector<StripedSketch::Segment> segments_;
+  std::vector<double> segment_squares_;
+  std::vector<double> group_squares_;
   std::vector<float> floats_;
 };
 
@@ -592,21 +619,41 @@ PYBIND11_MODULE(_native, m) {
                          "Segments of one gradient bucket: byte offsets in its buffer, element "
                          "counts, global flat offsets, one dtype.")
       .def(py::init([](int dtype, std::vector<size_t> byte_offsets, std::vector<size_t> counts,
-                       std::vector<uint64_t> global_offsets) {
+                       std::vector<uint64_t> global_offsets, std::vector<int32_t> groups) {
              absl::StatusOr<ScalarType> type = ToScalarType(dtype);
              if (!type.ok()) throw py::value_error(std::string(type.status().message()));
              if (byte_offsets.size() != counts.size() || counts.size() != global_offsets.size()) {
                throw py::value_error("byte_offsets, counts and global_offsets differ in length");
              }
+             if (!groups.empty() && groups.size() != counts.size()) {
+               throw py::value_error("groups must be empty or have one entry per segment");
+             }
+             const size_t size = FingerprintElementSize(dtype);
              auto plan = std::make_unique<BucketPlan>();
              plan->type = *type;
+             for (size_t b : byte_offsets) {
+               if (b % size != 0) throw py::value_error("a byte offset is not element-aligned");
+               plan->starts.push_back(b / size);
+             }
              plan->byte_offsets = std::move(byte_offsets);
              plan->counts = std::move(counts);
              plan->global_offsets = std::move(global_offsets);
+             plan->groups = std::move(groups);
              return plan;
            }),
-           py::arg("dtype"), py::arg("byte_offsets"), py::arg("counts"), py::arg("global_offsets"))
-      .def_property_readonly("segments", [](const BucketPlan& p) { return p.counts.size(); });
+           py::arg("dtype"), py::arg("byte_offsets"), py::arg("counts"), py::arg("global_offsets"),
+           py::arg("groups") = std::vector<int32_t>{})
+      .def_property_readonly("segments", [](const BucketPlan& p) { return p.counts.size(); })
+      .def(
+          "fingerprint",
+          [](const BucketPlan& p, uintptr_t base_address) {
+            return PyFingerprintSegments(base_address, static_cast<int>(p.type), p.starts,
+                                         p.counts, p.global_offsets);
+          },
+          py::arg("base_address"),
+          "(fingerprint, sum of squares) of the plan's segments of the buffer at base_address, "
+          "as fingerprint_segments; the segments' vectors built once, at the plan. Releases "
+          "the GIL.");
 
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
       .def(py::init<uint32_t, uint64_t, int>(), py::arg("dim"),
@@ -616,6 +663,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("seed", &PySketch::seed)
       .def("reset", &PySketch::Reset)
       .def("sum_squares", &PySketch::sum_squares)
+      .def("group_squares", &PySketch::group_squares,
+           "The per-group sums of squares add_plan added since the last reset (a list of "
+           "float, one per group index up to the largest a plan named).")
       .def("add", &PySketch::Add, py::arg("address"), py::arg("dtype"), py::arg("n"),
            py::arg("offset"))
       .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"), py::arg("offsets"),

@@ -37,6 +37,16 @@
 //     lane l, and sum_squares() folds the 32 double lanes in a fixed order. Relative error at
 //     most about 2^-19 (32 terms a float partial); a coordinate of magnitude >= 2^64 overflows
 //     its float square and makes the sum +inf, as does an infinite one (NaN stays NaN).
+//   - A call's own squares (Add's `squares`): the same squares (one fused multiply-add each into
+//     float partial i % 32), but in partials of the call's own, which are added into 32 double
+//     lanes of the call's own at every run boundary and wherever the call's head (up to the
+//     first block boundary), body (whole blocks) and tail end; the lanes are then folded in the
+//     fixed order of sum_squares() and added to *squares. So at most 32 squares meet in a float
+//     partial: relative error at most about 2^-19 of the sum (2^-24 for each of <= 32 float
+//     additions, the double part exact to ~2^-50), whatever the length; identical bits on
+//     every instruction-set path; independent of what the sketch held before. (It replaces the
+//     shim's float32 torch norm, squared, for the per-bucket norms: both are float rounding
+//     away from the exact value; tests/python/test_bucket_norms* hold it to 1e-5 of it.)
 //   A segment or run is closed when an Add goes on past its end, when an Add starts in another
 //   one, and when the sketch is read (bins(), sum_squares(), CopyTo, ToFloats, MergeFrom). So
 //   chunks fed in ascending order, with no read between them, give the bits of one whole Add.
@@ -162,7 +172,7 @@ KernelIsa BestKernelIsa();
 const char* KernelIsaName(KernelIsa isa);
 // CountSketch::Add through the given path; `isa` must be supported.
 void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType type, size_t n,
-                uint64_t offset);
+                uint64_t offset, double* squares = nullptr);
 
 }  // namespace sketch_internal
 
@@ -181,7 +191,10 @@ class CountSketch {
   // `data` needs no alignment. Chunks fed in ascending order of offset, with no read between
   // them, give bit-for-bit the bins and sum of squares of one whole Add; in any other order, or
   // read between chunks, they differ only by rounding (see "Rounding" above).
-  void Add(const void* data, ScalarType type, size_t n, uint64_t offset);
+  // `squares`, when given, gets this call's own sum of squares added to it (see "Rounding": the
+  // call's squares), read in the same pass: a parameter's squared gradient norm, for instance.
+  void Add(const void* data, ScalarType type, size_t n, uint64_t offset,
+           double* squares = nullptr);
   void AddFloat32(const float* data, size_t n, uint64_t offset) {
     Add(data, ScalarType::kFloat32, n, offset);
   }
@@ -209,7 +222,7 @@ class CountSketch {
 
  private:
   friend void sketch_internal::AddWithIsa(CountSketch&, sketch_internal::KernelIsa, const void*,
-                                          ScalarType, size_t, uint64_t);
+                                          ScalarType, size_t, uint64_t, double*);
   // Lanes of the sums of squares: coordinate i goes to float partial i % 32 within its run, and
   // the run's partials to the double lanes of the same number.
   static constexpr int kSumSquaresLanes = 32;

@@ -60,8 +60,13 @@ class StripedSketch {
     uint64_t offset;
   };
   void Add(const void* data, ScalarType type, size_t n, uint64_t offset);
-  // The segments in order (one gradient bucket), in one pass over the threads.
-  void AddSegments(absl::Span<const Segment> segments, ScalarType type);
+  // The segments in order (one gradient bucket), in one pass over the threads. When
+  // `segment_squares` is not empty it has one entry per segment, and segment i's sum of squares
+  // is added to segment_squares[i], read in the same pass (CountSketch::Add's `squares`: the
+  // sums of its stripes' pieces, added in ascending coordinate order, so the bits do not depend
+  // on the thread count).
+  void AddSegments(absl::Span<const Segment> segments, ScalarType type,
+                   absl::Span<double> segment_squares = {});
 
   // The merged sketch, recomputed on the first call after an Add or Reset. Valid until the next
   // Add, AddSegments or Reset.
@@ -73,12 +78,15 @@ class StripedSketch {
     const unsigned char* data;
     size_t n;
     uint64_t offset;
+    size_t id;  // this call's pieces are numbered in order: piece_squares_[id]
   };
 
   std::vector<CountSketch> slots_;
   std::vector<bool> touched_;               // added to since the last Reset
   std::vector<std::vector<Piece>> pieces_;  // per slot, this call's pieces (reused buffers)
   std::vector<uint32_t> busy_;              // this call's slots with pieces, ascending
+  std::vector<double> piece_squares_;       // this call's pieces' sums of squares, by id
+  std::vector<uint32_t> piece_segment_;     // the segment each piece of this call is from
   CountSketch merged_;
   bool merged_valid_ = true;
   std::unique_ptr<WorkerPool> pool_;

@@ -23,9 +23,13 @@ second synchronized backward ran before ``mon.step()``, and the step starts over
 ``on_restart`` for the rest of the monitor's per-step state).
 
 Where in the model: the sketcher also sums each parameter group's squared local gradient norm
-(rankscope._buckets: the groups and their names, fixed at attach), one ``torch._foreach_norm``
-per bucket on the gradient's device (no host copy, no synchronization); ``bucket_norms`` reads
-them at the step. It is one more read of each gradient, beside the sketch's. A failure there
+(rankscope._buckets: the groups and their names, fixed at attach); ``bucket_norms`` reads them at
+the step. A planned CPU bucket gets them from the C++ sketch kernel's own pass (each segment's
+sum of squares into its group's float64 sum: the BucketPlan knows each segment's group; the
+precision is rankscope/sketch.h's "call's squares", within float rounding of the float32 torch
+norm it replaces), so it costs no torch call. Elsewhere (the first, unplanned steps, and the
+device path) it is one ``torch._foreach_norm`` per bucket on the gradient's device (no host
+copy, no synchronization), one more read of each gradient beside the sketch's. A failure there
 turns the per-bucket norms off (warned once), never the sketch.
 
 Thread safety: used from the autograd thread while backward runs (``add_bucket``) and from the
@@ -199,12 +203,12 @@ class BucketSketcher:
                 # no other bucket holds that parameter.
                 self._note_bucket((entry.layout.global_offsets[0],))
                 plan = entry.plan
+                self._counters["planned_buckets"] += 1
                 if isinstance(plan, SegmentLayout):  # the device path: one launch a bucket
                     self._device_sketch(buf.device).add_segments(buf, plan)
-                else:
+                    self._add_bucket_norms(bucket)
+                else:  # one C++ call: the sketch and the per-group norms in one pass
                     self.cpu_sketch.add_plan(plan, entry.base)
-                self._counters["planned_buckets"] += 1
-                self._add_bucket_norms(bucket)
                 return
         else:
             self.plans_final = buckets_are_final(self._ddp_ref())
@@ -235,9 +239,10 @@ class BucketSketcher:
             return entry.layout, None
         layout, why = bucket_layout(buf, bucket.parameters(), bucket.gradients(), self.offset_of)
         if layout is not None and self.plans_final:
-            self._plans[bucket.index()] = _Bucket(
-                buf.data_ptr(), buf.numel(), layout, self._plan(buf, layout)
-            )
+            plan = self._plan(buf, layout)
+            if isinstance(plan, _native.BucketPlan):  # the reduced fingerprint's, too
+                layout.native = (plan, buf.dtype)
+            self._plans[bucket.index()] = _Bucket(buf.data_ptr(), buf.numel(), layout, plan)
         return layout, why
 
     def bucket_of_offset(self, offset: int) -> int:
@@ -293,18 +298,38 @@ class BucketSketcher:
             self._bucket_sq = {}
 
     def bucket_sq(self, device):
-        """The step's squared norm per bucket on ``device`` (a tensor), or None."""
-        return self._bucket_sq.get(device) if self.bucket_names else None
+        """The step's squared norm per bucket on ``device`` (a tensor), or None. On the CPU it
+        includes what the C++ kernel summed for the planned buckets."""
+        if not self.bucket_names:
+            return None
+        t = self._bucket_sq.get(device)
+        native = self._native_bucket_sq() if torch.device(device).type == "cpu" else None
+        if native is None:
+            return t
+        native = native.to(torch.float32)
+        return native if t is None else t + native
+
+    def _native_bucket_sq(self):
+        """The C++ kernel's per-group squared norms of the step (float64, one per bucket
+        name), or None when no planned CPU bucket added any."""
+        sq = self.cpu_sketch.group_squares()
+        if not sq:
+            return None
+        out = torch.zeros(len(self.bucket_names), dtype=torch.float64)
+        out[: len(sq)] = torch.tensor(sq, dtype=torch.float64)
+        return out
 
     def bucket_norms(self) -> list:
         """The step's local gradient norm per bucket, on the host (CPU gradients; a model on a
         device reads them through DeferredReports), or [] when not measured."""
-        if not self.bucket_names or not self._bucket_sq:
+        if not self.bucket_names:
             return []
-        total = None
+        total = self._native_bucket_sq()
         for t in self._bucket_sq.values():
-            t = t.to("cpu")
+            t = t.to("cpu", torch.float64)
             total = t if total is None else total + t
+        if total is None:
+            return []
         return total.sqrt().tolist()
 
     def reset(self) -> None:
@@ -403,11 +428,15 @@ class BucketSketcher:
         if self._sketch_backend(buf) != _backend.NATIVE:
             return layout
         size = buf.element_size()
+        groups = []
+        if self.bucket_names:  # each segment's squares to its parameter group's norm
+            groups = [self.bucket_of_offset(o) for o in layout.global_offsets]
         return _native.BucketPlan(
             NATIVE_DTYPES[buf.dtype],
             [s * size for s in layout.starts],
             layout.counts,
             layout.global_offsets,
+            groups,
         )
 
     def _unknown_param(self) -> None:

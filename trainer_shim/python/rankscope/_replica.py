@@ -125,6 +125,21 @@ class ReplicaFingerprints:
         value = fut.value()
         try:
             t = value[0] if isinstance(value, (list, tuple)) else value
+            native = layout.native
+            if (
+                native is not None
+                and t.dtype is native[1]
+                and t.is_cpu
+                and t.numel() == layout.numel
+                and t.is_contiguous()
+                and self._plain_fold()
+            ):
+                # The planned CPU bucket, folded as it lies: one C++ call (the bucket sketcher
+                # built its vectors once), the same kernel as fold_segments_cpu.
+                f, ss = native[0].fingerprint(t.data_ptr())
+                self._grad_fps.append(f)
+                self._reduced_ss.append(ss)
+                return value
             flat = t.detach().reshape(-1)
             if self.integrity is not None:
                 self.integrity.add(flat, layout)
@@ -241,6 +256,17 @@ class ReplicaFingerprints:
                 tensors.append(p)
                 offsets.append(off)
         return _summary.summarize(tensors, offsets)
+
+    def _plain_fold(self) -> bool:
+        """A reduced bucket needs the fingerprint alone: no aggregation check this step, the
+        exact replica check, and the C++ kernel not bypassed (tests)."""
+        integrity = self.integrity
+        return (
+            self.enabled
+            and self.replica_check == "exact"
+            and not self.bypass_native
+            and (integrity is None or not integrity.due)
+        )
 
     def _backend_of(self, t) -> str:
         return _backend.fingerprint(t, native=not self.bypass_native).backend

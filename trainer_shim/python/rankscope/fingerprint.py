@@ -157,9 +157,12 @@ def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
 class SegmentLayout:
     """Where the parameters of one flat buffer (a DDP gradient bucket) lie: element ``starts``
     in the buffer, ``counts`` elements each, at global flat indices ``global_offsets``. Holds the
-    small index tensors ``fold_segments`` needs, per device."""
+    small index tensors ``fold_segments`` needs, per device. ``native`` is set by the bucket
+    sketcher once a final CPU bucket has a ``_native.BucketPlan``: (plan, dtype), so that the
+    reduced bucket's fingerprint is one C++ call (``BucketPlan.fingerprint``), its vectors built
+    once; None otherwise."""
 
-    __slots__ = ("numel", "starts", "counts", "global_offsets", "_device_tensors")
+    __slots__ = ("numel", "starts", "counts", "global_offsets", "_device_tensors", "native")
 
     def __init__(
         self,
@@ -178,6 +181,7 @@ class SegmentLayout:
         self.counts = [int(n) for n in counts]
         self.global_offsets = [int(o) for o in global_offsets]
         self._device_tensors = {}
+        self.native = None
 
     def tensors(self, device):
         t = self._device_tensors.get(device)
