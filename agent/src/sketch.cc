@@ -523,8 +523,12 @@ void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType
   // fused multiply-adds a vector in the loop, no branch.
   float call_squares[kLanes] = {};
   double call_lanes[kLanes] = {};
-  const KernelArgs args{sketch.seed_,          MakeBinMap(sketch.dim()), sketch.partial_bins_.data(),
-                        sketch.partial_squares_, sketch.square_lanes_,   call_squares,
+  const KernelArgs args{sketch.seed_,
+                        MakeBinMap(sketch.dim()),
+                        sketch.partial_bins_.data(),
+                        sketch.partial_squares_,
+                        sketch.square_lanes_,
+                        call_squares,
                         call_lanes};
   const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
   const auto* bytes = static_cast<const unsigned char*>(data);

@@ -419,8 +419,8 @@ TEST(CountSketchTest, CallSquaresSameOnAllPathsNearExactAndIndependentOfTheState
       }
       double reference = -1.0;
       for (KernelIsa isa : SupportedKernelIsas()) {
-        SCOPED_TRACE(testing::Message() << KernelIsaName(isa) << " type "
-                                        << static_cast<int>(type) << " n " << n << " at " << offset);
+        SCOPED_TRACE(testing::Message() << KernelIsaName(isa) << " type " << static_cast<int>(type)
+                                        << " n " << n << " at " << offset);
         CountSketch sketch(1000, 5);
         // Earlier values in the same run and segment, and a read: none of them may leak in.
         AddWithIsa(sketch, isa, bytes, type, 77, offset > 77 ? offset - 77 : offset + n);

@@ -230,6 +230,22 @@ SCENARIOS = {
 }
 
 
+def bucket_norm_error(sketcher, ddp, ref) -> float:
+    """The worst relative difference, over the parameter groups, between the per-bucket local
+    gradient norms the sketcher holds for the step (read before mon.step) and torch's float64
+    norms of the reference replica's gradients, grouped as the sketcher groups them."""
+    got = sketcher.bucket_norms()
+    assert len(got) == len(sketcher.bucket_names) > 0
+    sq = [0.0] * len(got)
+    for p, (_, q) in zip(ddp.module.parameters(), ref.named_parameters()):
+        off = sketcher.offset_of(p)
+        if q.grad is None or off is None or p.numel() == 0:
+            continue
+        n = torch.linalg.vector_norm(q.grad.detach().double()).item()
+        sq[sketcher.bucket_of_offset(off)] += n * n
+    return max(abs(g - math.sqrt(e)) / max(math.sqrt(e), 1e-30) for g, e in zip(got, sq))
+
+
 # Long: one end-to-end scenario read top to bottom, its phases commented in order; split, its
 # processes and expectations would be handed between helpers.
 def exact_worker(
@@ -315,6 +331,7 @@ def exact_worker(
         mon._bypass_native = bool(opt.get("torchpath"))
 
         expected = {}
+        norm_errors = []  # per step: (planned buckets so far, worst relative error)
         for step in range(first, first + steps):
             # Exact local loss and gradient from the reference replica (same weights, batch).
             ref.load_state_dict(ddp.module.state_dict())
@@ -329,6 +346,9 @@ def exact_worker(
             g = flat_grad(ref)
 
             loss = train_step(step)
+            norm_errors.append(
+                (mon.counters["planned_buckets"], bucket_norm_error(mon._sketcher, ddp, ref))
+            )
             mon.step(loss)
 
             gathered = [torch.zeros_like(g) for _ in range(world_size)]
@@ -346,6 +366,7 @@ def exact_worker(
             "first": first,
             "steps": steps,
             "num_coordinates": mon.num_coordinates,
+            "bucket_norm_errors": norm_errors,
         }
         write_json(out_dir / f"{name}.rank{rank}.json", info)
         if rank == 0:

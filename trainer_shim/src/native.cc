@@ -647,8 +647,8 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "fingerprint",
           [](const BucketPlan& p, uintptr_t base_address) {
-            return PyFingerprintSegments(base_address, static_cast<int>(p.type), p.starts,
-                                         p.counts, p.global_offsets);
+            return PyFingerprintSegments(base_address, static_cast<int>(p.type), p.starts, p.counts,
+                                         p.global_offsets);
           },
           py::arg("base_address"),
           "(fingerprint, sum of squares) of the plan's segments of the buffer at base_address, "

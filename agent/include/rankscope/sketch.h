@@ -193,8 +193,7 @@ class CountSketch {
   // read between chunks, they differ only by rounding (see "Rounding" above).
   // `squares`, when given, gets this call's own sum of squares added to it (see "Rounding": the
   // call's squares), read in the same pass: a parameter's squared gradient norm, for instance.
-  void Add(const void* data, ScalarType type, size_t n, uint64_t offset,
-           double* squares = nullptr);
+  void Add(const void* data, ScalarType type, size_t n, uint64_t offset, double* squares = nullptr);
   void AddFloat32(const float* data, size_t n, uint64_t offset) {
     Add(data, ScalarType::kFloat32, n, offset);
   }
