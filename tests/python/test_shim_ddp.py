@@ -115,7 +115,7 @@ def test_bucket_norms_equal_torch_norms_per_group(exact_run, scenario):
     for rank in range(WORLD):
         errors = load(out / f"{scenario}.rank{rank}.json")["bucket_norm_errors"]
         assert len(errors) == STEPS
-        for planned, err in errors:
+        for _, err in errors:
             assert err <= 1e-5, (rank, errors)
         # The fused path was measured: the later steps' buckets were planned (as above).
         if scenario not in ("torchpath", "bf16"):
