@@ -123,6 +123,20 @@ def test_the_cpp_kernel_agrees_with_the_torch_ops(dtype):
     f2, ss2 = fp.fold_segments_cpu(x, layout)
     assert f2 == fp.to_uint64(fp.fold_segments(x, layout))
     assert ss2 == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12)
+    if dtype != torch.float64:  # the sketch's dtypes: a bucket's plan folds it in one call
+        from rankscope import _native
+        from rankscope._bucket_sketcher import NATIVE_DTYPES
+
+        size = x.element_size()
+        plan = _native.BucketPlan(
+            NATIVE_DTYPES[dtype],
+            [s * size for s in layout.starts],
+            layout.counts,
+            layout.global_offsets,
+        )
+        assert plan.fingerprint(x.data_ptr()) == (f2, ss2)
+        with pytest.raises(ValueError):
+            _native.BucketPlan(NATIVE_DTYPES[dtype], [size + 1], [1], [0])
     # Non-contiguous input is folded in its logical order.
     m = x[:10_000].reshape(100, 100).t()
     assert fp.fold_cpu(m, 3)[0] == fp.to_uint64(fp.fold(m.contiguous(), 3))
