@@ -84,17 +84,16 @@ inline uint32_t BaseOf(uint64_t mix, const BinMap& map) {
 }
 
 // What one piece of an Add writes to: the open segment's float partial bins, the open run's
-// float partial squares and the double lanes they close into, and the call's own squares (the
-// `squares` output of CountSketch::Add): float partials like the run's, closed into their own
-// double lanes at every run boundary and at the end of each head, body and tail, so they never
-// hold squares of another call.
+// float partial squares and the double lanes they close into, and the double lanes of the call's
+// own squares (the `squares` output of CountSketch::Add): each head, body and tail sums them in
+// float partials of its own, like the run's, closed into these lanes at every run boundary and
+// at its end, so a partial never holds squares of another call.
 struct KernelArgs {
   uint64_t seed;
   BinMap map;
   float* partial_bins;     // dim + kBlock - 1 floats
   float* partial_squares;  // kLanes floats
   double* square_lanes;    // kLanes doubles
-  float* call_squares;     // kLanes floats, +0 between the pieces of a call
   double* call_lanes;      // kLanes doubles
 };
 
@@ -149,6 +148,9 @@ inline float ApplySign(float v, uint64_t bits) {
 template <ScalarType kType, bool kPow2>
 void AddScalar(const unsigned char* data, size_t n, uint64_t first, const KernelArgs& a) {
   float* const partial = a.partial_bins;
+  // The call's partial squares in a local array (+0 on entry: closed at the end of every piece),
+  // which the stores into the bins cannot alias.
+  float call[kLanes] = {};
   size_t j = 0;
   while (j < n) {
     const uint64_t index = first + j;
@@ -159,15 +161,15 @@ void AddScalar(const unsigned char* data, size_t n, uint64_t first, const Kernel
     for (uint32_t o = first_offset; o < first_offset + count; ++o, ++j) {
       const float v = ApplySign(LoadScalar<kType>(data + j * kElementSize<kType>), mix >> o);
       a.partial_squares[o] = std::fma(v, v, a.partial_squares[o]);
-      a.call_squares[o] = std::fma(v, v, a.call_squares[o]);
+      call[o] = std::fma(v, v, call[o]);
       partial[base + o] += v;  // base + o < dim + 31
       if ((first + j + 1) % kRun == 0) {
         CloseRunLanes(a.partial_squares, a.square_lanes);
-        CloseRunLanes(a.call_squares, a.call_lanes);
+        CloseRunLanes(call, a.call_lanes);
       }
     }
   }
-  if (n > 0) CloseRunLanes(a.call_squares, a.call_lanes);
+  if (n > 0) CloseRunLanes(call, a.call_lanes);
 }
 
 // The vector body: `blocks` whole blocks of kBlock coordinates, the first one starting at
@@ -262,7 +264,7 @@ RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, ui
   __m256 sq0 = _mm256_loadu_ps(a.partial_squares), sq1 = _mm256_loadu_ps(a.partial_squares + 8),
          sq2 = _mm256_loadu_ps(a.partial_squares + 16),
          sq3 = _mm256_loadu_ps(a.partial_squares + 24);
-  // The call's own squares (KernelArgs::call_squares: +0 here, closed at the end).
+  // The call's own partial squares (KernelArgs::call_lanes), closed at run ends and at the end.
   __m256 cq0 = _mm256_setzero_ps(), cq1 = _mm256_setzero_ps(), cq2 = _mm256_setzero_ps(),
          cq3 = _mm256_setzero_ps();
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX2 {
@@ -352,6 +354,25 @@ RANKSCOPE_TARGET_AVX512 inline __m512 Load16Avx512(const unsigned char* p) {
   }
 }
 
+// GCC 12 takes the undefined pass-through operands inside these intrinsics (avx512fintrin.h's
+// __Y) for uninitialized variables where they are inlined after the block loop below; they are
+// never read (the masks are all ones).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// Float partials of block offsets 0-15 (lo) and 16-31 (hi) added into double lanes 0-31.
+RANKSCOPE_TARGET_AVX512 inline void AddToLanesAvx512(__m512 lo, __m512 hi, double* lanes) {
+  const __m512d parts[4] = {
+      _mm512_cvtps_pd(_mm512_castps512_ps256(lo)), _mm512_cvtps_pd(_mm512_extractf32x8_ps(lo, 1)),
+      _mm512_cvtps_pd(_mm512_castps512_ps256(hi)), _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1))};
+  for (int q = 0; q < 4; ++q) {
+    _mm512_storeu_pd(lanes + 8 * q, _mm512_add_pd(_mm512_loadu_pd(lanes + 8 * q), parts[q]));
+  }
+}
+
 template <ScalarType kType, bool kPow2>
 RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks, uint64_t first,
                                         const KernelArgs& a) {
@@ -361,7 +382,7 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
   const __m512i sign_bit = _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
   __m512 sq_lo = _mm512_loadu_ps(a.partial_squares);  // offsets 0-15
   __m512 sq_hi = _mm512_loadu_ps(a.partial_squares + 16);
-  // The call's own squares (KernelArgs::call_squares: +0 here, closed at the end).
+  // The call's own partial squares (KernelArgs::call_lanes), closed at run ends and at the end.
   __m512 cq_lo = _mm512_setzero_ps(), cq_hi = _mm512_setzero_ps();
   auto add_block = [&](const unsigned char* p, uint64_t mix) RANKSCOPE_TARGET_AVX512 {
     const __m512i x = _mm512_castps_si512(Load16Avx512<kType>(p));
@@ -378,27 +399,23 @@ RANKSCOPE_TARGET_AVX512 void BodyAvx512(const unsigned char* data, size_t blocks
     _mm512_storeu_ps(w, _mm512_add_ps(_mm512_loadu_ps(w), lo));
     _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_loadu_ps(w + 16), hi));
   };
-  // Partials of offsets 0-15 (lo) and 16-31 (hi) into double lanes 0-31, partials back to +0.
-  auto close = [](__m512& lo, __m512& hi, double* lanes) RANKSCOPE_TARGET_AVX512 {
-    const __m512d parts[4] = {_mm512_cvtps_pd(_mm512_castps512_ps256(lo)),
-                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(lo, 1)),
-                              _mm512_cvtps_pd(_mm512_castps512_ps256(hi)),
-                              _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1))};
-    for (int q = 0; q < 4; ++q) {
-      _mm512_storeu_pd(lanes + 8 * q, _mm512_add_pd(_mm512_loadu_pd(lanes + 8 * q), parts[q]));
-    }
-    lo = _mm512_setzero_ps();
-    hi = _mm512_setzero_ps();
-  };
   auto end_run = [&]() RANKSCOPE_TARGET_AVX512 {
-    close(sq_lo, sq_hi, a.square_lanes);
-    close(cq_lo, cq_hi, a.call_lanes);
+    AddToLanesAvx512(sq_lo, sq_hi, a.square_lanes);
+    sq_lo = _mm512_setzero_ps();
+    sq_hi = _mm512_setzero_ps();
+    AddToLanesAvx512(cq_lo, cq_hi, a.call_lanes);
+    cq_lo = _mm512_setzero_ps();
+    cq_hi = _mm512_setzero_ps();
   };
   ForEachBlock<kType>(data, blocks, first, a.seed, add_block, end_run);
-  close(cq_lo, cq_hi, a.call_lanes);
+  AddToLanesAvx512(cq_lo, cq_hi, a.call_lanes);
   _mm512_storeu_ps(a.partial_squares, sq_lo);
   _mm512_storeu_ps(a.partial_squares + 16, sq_hi);
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #endif  // RANKSCOPE_KERNEL_X86
 
@@ -519,16 +536,14 @@ void AddWithIsa(CountSketch& sketch, KernelIsa isa, const void* data, ScalarType
   if (!KernelIsaSupported(isa)) isa = KernelIsa::kScalar;
   // A run other than the open one: close the open one (its partials are +0 if it was completed).
   if (offset / kRun != sketch.open_run_) sketch.CloseRun();
-  // This call's squares (sketch.h "Rounding"), computed whether asked for or not: two more
-  // fused multiply-adds a vector in the loop, no branch.
-  float call_squares[kLanes] = {};
+  // This call's squares (sketch.h "Rounding"), computed whether asked for or not: one more fused
+  // multiply-add per vector of values in the loop, no branch.
   double call_lanes[kLanes] = {};
   const KernelArgs args{sketch.seed_,
                         MakeBinMap(sketch.dim()),
                         sketch.partial_bins_.data(),
                         sketch.partial_squares_,
                         sketch.square_lanes_,
-                        call_squares,
                         call_lanes};
   const size_t size = type == ScalarType::kFloat32 ? 4 : 2;
   const auto* bytes = static_cast<const unsigned char*>(data);
