@@ -9,8 +9,9 @@
 // (Sketch.add*, Agent.record) never raise for a runtime condition, they return a status string
 // ("" on success) so that the training loop cannot be broken by monitoring.
 //
-// GIL: released while a sketch kernel runs and while Flush/Close wait, never held by the agent's
-// own threads (they do not touch Python).
+// GIL: released while a sketch kernel runs (a planned bucket's kernels: from
+// kReleaseGilElements elements on) and while Flush/Close wait, never held by the agent's own
+// threads (they do not touch Python).
 //
 // Thread safety: Sketch is thread-compatible: one caller at a time, reads included (a read
 // merges the stripes and closes the open float sums, as StripedSketch and CountSketch). Agent
@@ -64,6 +65,11 @@ absl::StatusOr<ScalarType> ToScalarType(int dtype) {
 
 const void* AsPointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
+// A bucket's kernels release the GIL from this many elements on (a few microseconds of work):
+// below it, handing the GIL to another thread and waiting to get it back (the comm hook's
+// autograd thread and the all-reduce callback's thread take turns) costs more than the kernel.
+constexpr size_t kReleaseGilElements = size_t{1} << 16;
+
 // Where one DDP gradient bucket's parameters lie in its flat buffer and in the global flat
 // vector, computed once (after DDP's bucket rebuild) so that a hook call is one C++ call: the
 // sketch with the per-group squared norms (Sketch.add_plan) before the all-reduce, the replica
@@ -77,6 +83,7 @@ struct BucketPlan {
   // Per segment, the parameter group (rankscope._buckets) whose squared norm its squares add
   // to, or -1; empty: no per-group norms.
   std::vector<int32_t> groups;
+  size_t total = 0;  // the sum of counts
 };
 
 // A StripedSketch owned by Python (a count sketch on `threads` threads, bit-identical whatever
@@ -138,7 +145,8 @@ class PySketch {
       segments_.push_back(
           {AsPointer(base_address + plan.byte_offsets[i]), plan.counts[i], plan.global_offsets[i]});
     }
-    py::gil_scoped_release release;
+    std::optional<py::gil_scoped_release> release;
+    if (plan.total >= kReleaseGilElements) release.emplace();
     if (plan.groups.empty()) {
       sketch_.AddSegments(segments_, plan.type);
       return;
@@ -198,10 +206,12 @@ class PySketch {
 // rankscope/fingerprint.h; `dtype` is a ScalarType code or kFingerprintFloat64.
 py::tuple PyFingerprintSegments(uintptr_t base, int dtype, const std::vector<size_t>& starts,
                                 const std::vector<size_t>& counts,
-                                const std::vector<uint64_t>& global_offsets) {
+                                const std::vector<uint64_t>& global_offsets,
+                                bool release_gil = true) {
   absl::StatusOr<ReplicaFingerprint> result;
   {
-    py::gil_scoped_release release;  // the checks read only these vectors
+    std::optional<py::gil_scoped_release> release;  // the checks read only these vectors
+    if (release_gil) release.emplace();
     result = rankscope::FingerprintSegments(AsPointer(base), dtype, starts, counts, global_offsets);
   }
   if (!result.ok()) throw py::value_error(std::string(result.status().message()));
@@ -579,11 +589,17 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("bins"), py::arg("encoding"), py::arg("scale"));
   m.attr("DTYPE_FLOAT64") = kFingerprintFloat64;
-  m.def("fingerprint_segments", &PyFingerprintSegments, py::arg("base_address"), py::arg("dtype"),
-        py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
-        "Replica fingerprint (uint64) and exact sum of squares (float) of segments of CPU "
-        "memory; see rankscope/fingerprint.py. dtype 0 float32, 1 bfloat16, 2 float16, 3 "
-        "float64. Releases the GIL.");
+  m.def(
+      "fingerprint_segments",
+      [](uintptr_t base, int dtype, const std::vector<size_t>& starts,
+         const std::vector<size_t>& counts, const std::vector<uint64_t>& global_offsets) {
+        return PyFingerprintSegments(base, dtype, starts, counts, global_offsets);
+      },
+      py::arg("base_address"), py::arg("dtype"), py::arg("starts"), py::arg("counts"),
+      py::arg("global_offsets"),
+      "Replica fingerprint (uint64) and exact sum of squares (float) of segments of CPU "
+      "memory; see rankscope/fingerprint.py. dtype 0 float32, 1 bfloat16, 2 float16, 3 "
+      "float64. Releases the GIL.");
 
   m.def("replica_summary_segments", &PyReplicaSummarySegments, py::arg("base_address"),
         py::arg("dtype"), py::arg("starts"), py::arg("counts"), py::arg("global_offsets"),
@@ -637,6 +653,7 @@ PYBIND11_MODULE(_native, m) {
              }
              plan->byte_offsets = std::move(byte_offsets);
              plan->counts = std::move(counts);
+             for (size_t n : plan->counts) plan->total += n;
              plan->global_offsets = std::move(global_offsets);
              plan->groups = std::move(groups);
              return plan;
@@ -648,12 +665,12 @@ PYBIND11_MODULE(_native, m) {
           "fingerprint",
           [](const BucketPlan& p, uintptr_t base_address) {
             return PyFingerprintSegments(base_address, static_cast<int>(p.type), p.starts, p.counts,
-                                         p.global_offsets);
+                                         p.global_offsets, p.total >= kReleaseGilElements);
           },
           py::arg("base_address"),
           "(fingerprint, sum of squares) of the plan's segments of the buffer at base_address, "
           "as fingerprint_segments; the segments' vectors built once, at the plan. Releases "
-          "the GIL.");
+          "the GIL for a plan of 65,536 elements or more.");
 
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
       .def(py::init<uint32_t, uint64_t, int>(), py::arg("dim"),
