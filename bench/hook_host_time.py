@@ -21,8 +21,10 @@ other in a rotating order so all see the same machine noise:
 
 With --breakdown, after the run, each rankscope variant trains --steps more steps with timers around
 the shim's per-bucket stages (the sketch of the local bucket with its per-bucket norms, the norms
-alone, the reduced bucket's fingerprint in the all-reduce's callback, the layout lookup) and
-``mon.step``, and prints their time a call.
+alone where torch computes them, the reduced bucket's fingerprint in the all-reduce's callback,
+the layout lookup) and ``mon.step``, and prints their wall time a call and the calling thread's
+CPU time a call (the difference is waiting, mostly for the GIL: the callback runs on the process
+group's thread).
 
 Prints each variant's median step time, the paired median difference against ``hook`` divided by
 the buckets a step (the host time a bucket rankscope adds beyond any comm hook), and the median
@@ -77,23 +79,27 @@ STAGES = [
 
 
 def timed_stages():
-    """Wraps STAGES' methods with timers; returns (seconds, calls) dicts keyed by
-    'Class.method', and a function that restores the originals."""
+    """Wraps STAGES' methods with timers; returns (seconds, calls, cpu_seconds) dicts keyed by
+    'Class.method', and a function that restores the originals. ``seconds`` is wall time,
+    ``cpu_seconds`` the calling thread's CPU time: the difference is time spent waiting (for the
+    GIL, mostly: the all-reduce callback runs on the process group's thread and takes turns with
+    the autograd thread's comm hook)."""
     import importlib
 
-    seconds, calls, originals = {}, {}, []
+    seconds, calls, cpu, originals = {}, {}, {}, []
     for module, cls_name, name in STAGES:
         cls = getattr(importlib.import_module(module), cls_name)
         original = getattr(cls, name)
         key = f"{cls_name}.{name}"
-        seconds[key], calls[key] = 0.0, 0
+        seconds[key], calls[key], cpu[key] = 0.0, 0, 0.0
 
         def timed(*args, _f=original, _k=key, **kwargs):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return _f(*args, **kwargs)
             finally:
                 seconds[_k] += time.perf_counter() - t
+                cpu[_k] += time.thread_time() - c
                 calls[_k] += 1
 
         setattr(cls, name, timed)
@@ -103,7 +109,7 @@ def timed_stages():
         for cls, name, original in originals:
             setattr(cls, name, original)
 
-    return seconds, calls, restore
+    return seconds, calls, cpu, restore
 
 
 VARIANTS = ["plain", "plain-2", "hook", "rankscope", "rankscope-device"]
@@ -210,13 +216,17 @@ def breakdown(a, vs: Variants) -> dict:
     """Per rankscope variant: {stage: (microseconds a call, calls a step)} over --steps steps."""
     out = {}
     for v in vs.mons:
-        seconds, calls, restore = timed_stages()
+        seconds, calls, cpu, restore = timed_stages()
         try:
             for _ in range(a.steps):
                 vs.step(v)
         finally:
             restore()
-        out[v] = {k: (seconds[k] / calls[k] * 1e6, calls[k] / a.steps) for k in calls if calls[k]}
+        out[v] = {
+            k: (seconds[k] / calls[k] * 1e6, calls[k] / a.steps, cpu[k] / calls[k] * 1e6)
+            for k in calls
+            if calls[k]
+        }
     return out
 
 
@@ -252,9 +262,11 @@ def report(a, extra, times, mon_step, n_buckets, stages) -> dict:
             + (f" {in_mon:7.1f} us" if in_mon is not None else "")
         )
     for v, by_stage in stages.items():
-        print(f"{v}: time a call (calls a step)")
-        for k, (us, per_step) in sorted(by_stage.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
-            print(f"  {k:36} {us:9.1f} us  ({per_step:g})")
+        print(f"{v}: wall time a call, the thread's CPU time a call (calls a step)")
+        for k, (us, per_step, cpu_us) in sorted(
+            by_stage.items(), key=lambda kv: -kv[1][0] * kv[1][1]
+        ):
+            print(f"  {k:36} {us:9.1f} us {cpu_us:9.1f} us  ({per_step:g})")
     return rows
 
 
