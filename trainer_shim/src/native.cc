@@ -138,8 +138,9 @@ class PySketch {
   }
 
   // Adds every segment of `plan`, reading the bucket buffer at `base_address`, and, when the
-  // plan has groups, each segment's sum of squares (read in the same pass) to its group's.
-  void AddPlan(const BucketPlan& plan, uintptr_t base_address) {
+  // plan has groups and `groups` is true, each segment's sum of squares (read in the same pass)
+  // to its group's.
+  void AddPlan(const BucketPlan& plan, uintptr_t base_address, bool groups = true) {
     segments_.clear();
     for (size_t i = 0; i < plan.counts.size(); ++i) {
       segments_.push_back(
@@ -147,7 +148,7 @@ class PySketch {
     }
     std::optional<py::gil_scoped_release> release;
     if (plan.total >= kReleaseGilElements) release.emplace();
-    if (plan.groups.empty()) {
+    if (plan.groups.empty() || !groups) {
       sketch_.AddSegments(segments_, plan.type);
       return;
     }
@@ -663,14 +664,17 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("segments", [](const BucketPlan& p) { return p.counts.size(); })
       .def(
           "fingerprint",
-          [](const BucketPlan& p, uintptr_t base_address) {
+          [](const BucketPlan& p, uintptr_t base_address, PySketch* reduced_sketch) {
+            if (reduced_sketch != nullptr) reduced_sketch->AddPlan(p, base_address, false);
             return PyFingerprintSegments(base_address, static_cast<int>(p.type), p.starts, p.counts,
                                          p.global_offsets, p.total >= kReleaseGilElements);
           },
-          py::arg("base_address"),
+          py::arg("base_address"), py::arg("reduced_sketch") = nullptr,
           "(fingerprint, sum of squares) of the plan's segments of the buffer at base_address, "
-          "as fingerprint_segments; the segments' vectors built once, at the plan. Releases "
-          "the GIL for a plan of 65,536 elements or more.");
+          "as fingerprint_segments; the segments' vectors built once, at the plan. With "
+          "reduced_sketch (a Sketch), the segments are first added to it too (add_plan without "
+          "the groups: the aggregation check's reduced sketch), in the same call. Releases the "
+          "GIL for a plan of 65,536 elements or more.");
 
   py::class_<PySketch>(m, "Sketch", "A count sketch of a flat vector (rankscope/sketch.h).")
       .def(py::init<uint32_t, uint64_t, int>(), py::arg("dim"),
@@ -687,7 +691,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("offset"))
       .def("add_many", &PySketch::AddMany, py::arg("addresses"), py::arg("ns"), py::arg("offsets"),
            py::arg("dtype"))
-      .def("add_plan", &PySketch::AddPlan, py::arg("plan"), py::arg("base_address"))
+      .def("add_plan", &PySketch::AddPlan, py::arg("plan"), py::arg("base_address"),
+           py::arg("groups") = true)
       .def("copy_to", &PySketch::CopyTo, py::arg("address"))
       .def("copy_bins_to", &PySketch::CopyBinsTo, py::arg("address"))
       .def("values", &PySketch::values);

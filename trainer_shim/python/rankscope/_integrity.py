@@ -184,6 +184,16 @@ class ReducedSketch:
             return
         self._add_device(flat, lambda sketch: sketch.add_segments(flat, layout))
 
+    def fold_planned(self, plan, base: int, dtype):
+        """A planned CPU bucket (``plan``, a ``_native.BucketPlan``, of the buffer at ``base``
+        of ``dtype``): added to the step's reduced sketch and folded into its replica fingerprint
+        in one C++ call (``BucketPlan.fingerprint``); returns (fingerprint, sum of squares). The
+        caller checked that this rank is due, the kernel not bypassed, and the dtype native."""
+        with self._lock:
+            self._on_cpu = True
+            self._note_bits(dtype)
+            return plan.fingerprint(base, self._sketch)
+
     def add_tensors(self, tensors, offsets, reduction_dtype=None) -> None:
         """Adds reduced gradients given one tensor a parameter (``tensors[i]`` dense, at global
         flat offset ``offsets[i]``; None entries skipped): a framework that reduces outside the

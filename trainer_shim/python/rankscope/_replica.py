@@ -135,8 +135,13 @@ class ReplicaFingerprints:
                 and self._plain_fold()
             ):
                 # The planned CPU bucket, folded as it lies: one C++ call (the bucket sketcher
-                # built its vectors once), the same kernel as fold_segments_cpu.
-                f, ss = native[0].fingerprint(t.data_ptr())
+                # built its vectors once), the same kernels as fold_segments_cpu and, on the
+                # steps this rank checks the aggregation, as integrity.add's.
+                integrity = self.integrity
+                if integrity is not None and integrity.due:
+                    f, ss = integrity.fold_planned(native[0], t.data_ptr(), t.dtype)
+                else:
+                    f, ss = native[0].fingerprint(t.data_ptr())
                 self._grad_fps.append(f)
                 self._reduced_ss.append(ss)
                 return value
@@ -258,14 +263,15 @@ class ReplicaFingerprints:
         return _summary.summarize(tensors, offsets)
 
     def _plain_fold(self) -> bool:
-        """A reduced bucket needs the fingerprint alone: no aggregation check this step, the
-        exact replica check, and the C++ kernel not bypassed (tests)."""
+        """A planned reduced bucket can be folded in one C++ call: the fingerprint is on, under
+        the exact replica check (no float summary), the C++ kernel not bypassed (tests), and the
+        aggregation check, if due, not bypassing it either."""
         integrity = self.integrity
         return (
             self.enabled
             and self.replica_check == "exact"
             and not self.bypass_native
-            and (integrity is None or not integrity.due)
+            and (integrity is None or not integrity.due or not integrity.bypass_native)
         )
 
     def _backend_of(self, t) -> str:
