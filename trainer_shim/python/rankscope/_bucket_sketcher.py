@@ -37,6 +37,7 @@ training thread in ``mon.step`` (everything else); the two never overlap.
 """
 
 import bisect
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -154,6 +155,7 @@ class BucketSketcher:
         if max_buckets > 0 and param_names:
             self.bucket_names, self._param_bucket = group_parameters(param_names, max_buckets)
         self._bucket_sq = {}  # device -> float32 tensor, one squared norm per bucket
+        self._torch_norms = False  # this step added to _bucket_sq (else it holds zeros)
         self._norm_index = {}  # bucket index -> (len(grads), kept positions, group indices)
 
         self.dim = dim
@@ -288,6 +290,7 @@ class BucketSketcher:
                     len(self.bucket_names), dtype=torch.float32, device=chosen[0].device
                 )
             acc.index_add_(0, index, torch.stack(norms).square())
+            self._torch_norms = True
         except Exception as e:  # the norms must never cost the sketch
             self._counters["bucket_norm_errors"] += 1
             self._warn_once(
@@ -324,12 +327,18 @@ class BucketSketcher:
         device reads them through DeferredReports), or [] when not measured."""
         if not self.bucket_names:
             return []
+        if not self._torch_norms:
+            # Planned CPU buckets only (the usual step once DDP's buckets are final): the C++
+            # kernel's sums as they are, no torch call.
+            sq = self.cpu_sketch.group_squares()
+            if not sq and not self._bucket_sq:
+                return []
+            sq = list(sq) + [0.0] * (len(self.bucket_names) - len(sq))
+            return [math.sqrt(x) for x in sq]
         total = self._native_bucket_sq()
         for t in self._bucket_sq.values():
             t = t.to("cpu", torch.float64)
             total = t if total is None else total + t
-        if total is None:
-            return []
         return total.sqrt().tolist()
 
     def reset(self) -> None:
@@ -337,8 +346,10 @@ class BucketSketcher:
         self.cpu_sketch.reset()
         for s in self.device_sketches.values():
             s.reset()
-        for t in self._bucket_sq.values():
-            t.zero_()
+        if self._torch_norms:
+            for t in self._bucket_sq.values():
+                t.zero_()
+            self._torch_norms = False
         self.seen_params.clear()
         self.got_grads = False
         self.t_first_hook = None
