@@ -120,8 +120,23 @@ class StepGradients:
         self._auto = keep is None
         self._keep = bool(keep)
         self._reductions = 0
+        self._dormant_seen = None  # parameters reduced in the dormant step (dormant_step_ended)
         monitor._sketcher.restart_on_repeat = False
         self.reset()
+
+    def dormant_step_ended(self) -> None:
+        """(rankscope._fsdp2_attach) An optimizer step ended while the monitor is not active yet
+        (a live attach agreeing on its first step): from now on, until the monitor is active,
+        ``add`` only notes which parameters each step reduced, and in the default mode a
+        parameter reduced twice in one such step keeps the running sums from the first reported
+        step on, so that step is reported too (``learning``)."""
+        if self._auto and not self._keep:
+            self._dormant_seen = set()
+
+    @property
+    def learning(self) -> bool:
+        """Whether ``add`` wants the reductions while the monitor is not active."""
+        return self._dormant_seen is not None and not self._keep
 
     def reset(self) -> None:
         self._seen = set()
@@ -134,7 +149,13 @@ class StepGradients:
         parameter's shape) and, in kept mode, adds them to the step's running sums."""
         monitor = self._monitor
         if not monitor._active:
+            if self.learning:
+                offsets = {spec.offset for spec in specs}
+                if offsets & self._dormant_seen:
+                    self._keep = True  # reduces every micro-batch: keep the sums from the start
+                self._dormant_seen |= offsets
             return
+        self._dormant_seen = None  # reporting began: the steps tell from now on
         try:
             for spec, g in zip(specs, grads):
                 off = spec.offset

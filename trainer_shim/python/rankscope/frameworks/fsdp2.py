@@ -210,7 +210,7 @@ def _wrap(group, grads: StepGradients, spec_by_param: dict) -> None:
     def make(current, target):
         def prepare(fsdp_params, unsharded_grads, world_size, *args, **kwargs):
             step_grads, specs = target[0]
-            if step_grads._monitor._active:
+            if step_grads._monitor._active or step_grads.learning:
                 try:
                     params = [specs[id(fp.sharded_param)] for fp in fsdp_params]
                 except KeyError as e:  # monitoring must never break training
