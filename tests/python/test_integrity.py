@@ -130,9 +130,9 @@ def integrity_worker(rank, world, collector, fsdp2=False):
 
 # FSDP2 pure data parallelism: name -> (wrapping, only the last micro-batch reduces).
 FSDP2_CONFIGS = {"fsdp2-replicate": ("replicate", False), "fsdp2-shard1": ("shard1", True)}
-FSDP2_STEPS, FSDP2_ACCUM = 12, 2
-FSDP2_DOUBLE_STEP, FSDP2_DOUBLE_RANK = 5, 2
-FSDP2_PERTURB_STEP = 10  # checked by rank 10 % WORLD, whose reduced gradient is perturbed
+FSDP2_STEPS, FSDP2_ACCUM = 8, 2
+FSDP2_DOUBLE_STEP, FSDP2_DOUBLE_RANK = 3, 2
+FSDP2_PERTURB_STEP = 6  # checked by rank 6 % WORLD, whose reduced gradient is perturbed
 FSDP2_FAULTS = {
     FSDP2_DOUBLE_STEP: ("double", FSDP2_DOUBLE_RANK),
     FSDP2_PERTURB_STEP: ("perturb", PERTURB),

@@ -156,6 +156,9 @@ class StepGradients:
                 self._dormant_seen |= offsets
             return
         self._dormant_seen = None  # reporting began: the steps tell from now on
+        # Counted first: a reduction that fails below still changed the reduced gradient (the
+        # FSDP2 aggregation check re-reads it when this count moved).
+        self._reductions += 1
         try:
             for spec, g in zip(specs, grads):
                 off = spec.offset
@@ -170,7 +173,6 @@ class StepGradients:
                     self._seen.add(off)
                     if self._keep:
                         self._sums[off] = g.detach().reshape(spec.shape).to(torch.float32).clone()
-            self._reductions += 1
             monitor._add_bucket(_Bucket(self._reductions, list(specs), list(grads)))
         except Exception as e:  # monitoring must never break training
             monitor._hook_failed(e)
