@@ -15,7 +15,10 @@ asked or once a step reduced a parameter twice, a running float32 sum of each pa
 gradient for the step (memory: one unsharded copy of the model's gradients per rank), and the
 step's norm is that sum's exact norm. A step that reduced a parameter twice before the sum was kept
 is not reported (counted as ``shim_accumulation_unseen``, warned once): nothing is reported that is
-not the local gradient it claims to be.
+not the local gradient it claims to be. A model attached from outside the script
+(rankscope._fsdp2_attach) learns it before its first reported step instead: while the ranks agree
+on that step, the attachment marks each optimizer step's end (``dormant_step_ended``) and
+``add`` notes which parameters each step reduced, so that first step already keeps the sums.
 
 Thread safety: ``add`` runs where the framework's hook runs (the autograd thread, or FSDP1's
 post-backward stream context on the same thread) while backward runs; ``reset`` and ``close_step``

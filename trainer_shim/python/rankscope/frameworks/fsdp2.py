@@ -237,7 +237,10 @@ def _integrity_unsupported(model, groups, mode) -> str:
         if isinstance(m, cls) and not callable(
             getattr(m._get_fsdp_state(), "_root_post_backward_final_callback", None)
         ):
-            return f"this torch ({torch.__version__}) has no FSDPState._root_post_backward_final_callback"
+            return (
+                f"this torch ({torch.__version__}) has no "
+                "FSDPState._root_post_backward_final_callback"
+            )
     return ""
 
 
