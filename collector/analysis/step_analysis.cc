@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "collector/analysis/replica_sets.h"
 #include "collector/analysis/replica_tolerance.h"
 #include "collector/model/rank_ranges.h"
 
@@ -87,9 +88,10 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
       }
     }
     if (r.param_fingerprint) {
-      params.push_back({r.rank, *r.param_fingerprint});
+      // The parameters are compared within each replica set (replica_sets.h).
+      params.push_back({r.rank, *r.param_fingerprint, r.replica_set});
       if (r.param_summary)
-        param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary});
+        param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary, r.replica_set});
     }
     local_norms.push_back(r.grad_norm);
     if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
@@ -98,24 +100,23 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     batch = std::max(batch, r.local_batch_size);
   }
   d.outliers = ComputeOutlierScores(signals, scale_floor, &d.scales);
-  // Each with a tolerance when every rank that sent its fingerprint sent a summary (their
+  // Each within its replica sets (replica_sets.h; the reduced gradient's are one set), a set
+  // with a tolerance when every rank of it that sent its fingerprint sent a summary (their
   // replica check is "tolerance", replica_tolerance.h), else bit for bit.
   auto check = [&d](const std::vector<RankFingerprint>& fingerprints,
                     const std::vector<RankReplicaSummary>& summaries, double reduction) {
-    if (fingerprints.empty() || summaries.size() != fingerprints.size() || std::isnan(reduction)) {
-      return CheckReplicas(fingerprints);
-    }
-    ToleranceVerdict tolerance = CheckReplicasWithTolerance(summaries, reduction);
+    ReplicaSetsVerdict sets = CheckReplicaSets(fingerprints, summaries, reduction);
+    if (!sets.tolerance) return std::move(sets.verdict);
     d.replica_tolerance = true;
     std::vector<uint32_t> within;
     std::set_union(d.replica_within_tolerance.begin(), d.replica_within_tolerance.end(),
-                   tolerance.within_tolerance.begin(), tolerance.within_tolerance.end(),
+                   sets.within_tolerance.begin(), sets.within_tolerance.end(),
                    std::back_inserter(within));
     d.replica_within_tolerance = std::move(within);
     d.replica_tolerance_ratio = std::isnan(d.replica_tolerance_ratio)
-                                    ? tolerance.worst_ratio
-                                    : std::max(d.replica_tolerance_ratio, tolerance.worst_ratio);
-    return std::move(tolerance.verdict);
+                                    ? sets.worst_ratio
+                                    : std::max(d.replica_tolerance_ratio, sets.worst_ratio);
+    return std::move(sets.verdict);
   };
   const ReplicaVerdict grad_verdict = check(
       grads, grad_summaries,
