@@ -45,8 +45,8 @@ ReplicaSetsVerdict CheckReplicaSets(absl::Span<const RankFingerprint> fingerprin
     out.verdict.checked = out.verdict.checked || v.checked;
     out.verdict.ambiguous = out.verdict.ambiguous || v.ambiguous;
     if (sets.size() == 1) out.verdict.majority = v.majority;
-    out.verdict.divergent_ranks.insert(out.verdict.divergent_ranks.end(),
-                                       v.divergent_ranks.begin(), v.divergent_ranks.end());
+    out.verdict.divergent_ranks.insert(out.verdict.divergent_ranks.end(), v.divergent_ranks.begin(),
+                                       v.divergent_ranks.end());
   }
   std::sort(out.verdict.divergent_ranks.begin(), out.verdict.divergent_ranks.end());
   std::sort(out.within_tolerance.begin(), out.within_tolerance.end());
