@@ -91,9 +91,6 @@ struct RankExtras {
 struct RankFingerprint {
   uint32_t rank = 0;
   uint64_t fingerprint = 0;
-  // The replica set the fingerprint belongs to (replica_sets.h); CheckReplicas ignores it and
-  // compares whatever it is given as one set.
-  std::optional<uint32_t> replica_set;
 };
 
 struct ReplicaVerdict {

@@ -17,16 +17,14 @@ struct OneSet {
 
 }  // namespace
 
-ReplicaSetsVerdict CheckReplicaSets(absl::Span<const RankFingerprint> fingerprints,
-                                    absl::Span<const RankReplicaSummary> summaries,
-                                    double reduction) {
+ReplicaSetsVerdict CheckReplicaSets(absl::Span<const RankReplica> ranks, double reduction) {
   ReplicaSetsVerdict out;
   // std::map: the sets in a fixed order (nullopt, the set of ranks that send none, first).
   std::map<std::optional<uint32_t>, OneSet> sets;
-  for (const RankFingerprint& f : fingerprints) sets[f.replica_set].fingerprints.push_back(f);
-  for (const RankReplicaSummary& s : summaries) {
-    auto it = sets.find(s.replica_set);
-    if (it != sets.end()) it->second.summaries.push_back(s);
+  for (const RankReplica& r : ranks) {
+    OneSet& set = sets[r.replica_set];
+    set.fingerprints.push_back({r.rank, r.fingerprint});
+    if (r.summary) set.summaries.push_back({r.rank, r.fingerprint, *r.summary});
   }
   out.sets = sets.size();
   for (const auto& [set, members] : sets) {

@@ -24,13 +24,23 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/types/span.h"
 #include "collector/analysis/rank_diagnostics.h"
 #include "collector/analysis/replica_tolerance.h"
+#include "collector/model/rank_report.h"
 
 namespace rankscope::collector {
+
+// One rank's fingerprint, the replica set it belongs to, and its tolerance summary if it sent one.
+struct RankReplica {
+  uint32_t rank = 0;
+  uint64_t fingerprint = 0;
+  std::optional<uint32_t> replica_set;  // nullopt: the set of the ranks that send none
+  std::optional<ReplicaSummary> summary;
+};
 
 struct ReplicaSetsVerdict {
   ReplicaVerdict verdict;  // the union over the sets (above)
@@ -43,13 +53,10 @@ struct ReplicaSetsVerdict {
   double worst_ratio = std::numeric_limits<double>::quiet_NaN();
 };
 
-// `fingerprints`: every rank that sent one, with its set; `summaries`: those of them that sent
-// a tolerance summary (same rank and set). Each set is compared with CheckReplicasWithTolerance
-// (`reduction` as there) when each of its ranks has a summary and `reduction` is not NaN, else
-// bit for bit with CheckReplicas. Unchecked for an empty input.
-ReplicaSetsVerdict CheckReplicaSets(absl::Span<const RankFingerprint> fingerprints,
-                                    absl::Span<const RankReplicaSummary> summaries,
-                                    double reduction = 0.0);
+// `ranks`: every rank that sent a fingerprint. Each set is compared with
+// CheckReplicasWithTolerance (`reduction` as there) when each of its ranks has a summary and
+// `reduction` is not NaN, else bit for bit with CheckReplicas. Unchecked for an empty input.
+ReplicaSetsVerdict CheckReplicaSets(absl::Span<const RankReplica> ranks, double reduction = 0.0);
 
 }  // namespace rankscope::collector
 

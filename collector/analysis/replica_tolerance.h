@@ -38,7 +38,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <optional>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -54,7 +53,6 @@ struct RankReplicaSummary {
   uint32_t rank = 0;
   uint64_t fingerprint = 0;
   ReplicaSummary summary;
-  std::optional<uint32_t> replica_set;  // as RankFingerprint's; ignored here (one set)
 };
 
 struct ToleranceVerdict {
