@@ -50,6 +50,7 @@ class _Pending:
         "dim",
         "reduced_bits",
         "reduced_cpu_bins",
+        "replica_set",
     )
 
     def __init__(
