@@ -445,6 +445,7 @@ class Monitor:
                 batch,
                 reduced_grad_fingerprint=None if grad_fp is None else _fp.to_uint64(grad_fp),
                 param_fingerprint=None if param_fp is None else _fp.to_uint64(param_fp),
+                replica_set=None if param_fp is None else self._replica.replica_set,
                 reduced_grad_norm=None
                 if reduced_ss is None
                 else math.sqrt(max(float(reduced_ss), 0.0)),
@@ -507,6 +508,7 @@ class Monitor:
             self._after_record,
             bucket_sq=sketcher.bucket_sq(device),
             reduced=reduced,
+            replica_set=self._replica.replica_set,
         )
 
     def _after_record(self, err: str) -> None:

@@ -22,11 +22,17 @@ Modes and what is compared:
   - FSDP (1-D shard mesh): each rank's local loss, gradient norm and sketch, compared across all
     ranks of the mesh. No replica fingerprints: no two ranks hold the same reduced shard.
   - HSDP (2-D mesh, replicate x shard): the same, across all ranks of the mesh (every rank has its
-    own data). Replica fingerprints not sent (ranks with the same shard index in different
-    replicas hold equal shards, but the collector compares a group's ranks all against all).
+    own data). The ranks of one shard index in the different replicas hold equal shards: each
+    rank sends the parameter fingerprint of its local shards (every ``param_check_every`` steps,
+    of each DTensor's local tensor, as replicate does) with its replica set, its coordinate on
+    the shard mesh dimension, and the collector compares each shard index's replicas with each
+    other, never shards against shards (docs/DESIGN.md "Replica sets"). Uneven shards: the local
+    tensor is FSDP2's unpadded view (the padding is never read) and has the same shape on every
+    replica of one shard index. The reduced gradient's fingerprint is not sent.
   - replicate (shard group of one rank): the same; every rank holds every parameter whole, so
     the parameter fingerprints (every ``param_check_every`` steps, of each DTensor's local
-    tensor) are sent and compared across all ranks. The reduced gradient's fingerprint is not.
+    tensor) are sent and compared across all ranks (one replica set, the whole group). The
+    reduced gradient's fingerprint is not.
 Micro-batches: FSDP2 reduces every backward unless ``set_requires_gradient_sync(False)``;
 ``rankscope.frameworks._local_grads.StepGradients`` sums the step's reductions (see there).
 
@@ -135,6 +141,17 @@ def _mesh_key(mesh):
     return (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
 
 
+def _shard_index(groups):
+    """This rank's coordinate on the model's shard mesh dimension (HSDP: the ranks of one shard
+    index in the different replicas hold equal shards), or None where this torch does not say."""
+    info = groups[0].mesh_info
+    dim = getattr(info, "shard_mesh_dim", None)
+    if dim is not None and hasattr(info.mesh, "get_local_rank"):
+        return int(info.mesh.get_local_rank(dim))
+    rank = getattr(info, "shard_mesh_rank", None)
+    return None if rank is None else int(rank)
+
+
 def _missing(groups) -> str:
     """What this torch lacks of what the path reads, or ""."""
     for g in groups:
@@ -181,9 +198,15 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     # global shapes of its DTensor parameters).
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Replicas: with a shard group of one rank every rank holds every parameter whole (its
-    # DTensor's local tensor), and the parameter fingerprints compare them.
-    replicas = None
-    if mode == "replicate" and options.get("fingerprints", True):
+    # DTensor's local tensor), and the parameter fingerprints compare them across the group.
+    # HSDP: the local tensors are this rank's shards, compared with the other replicas' of the
+    # same shard index only (the replica set).
+    replicas = replica_set = None
+    if mode == "HSDP":
+        replica_set = _shard_index(groups)
+    if options.get("fingerprints", True) and (
+        mode == "replicate" or (mode == "HSDP" and replica_set is not None)
+    ):
         replicas = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     table = ParamTable(((n, p.shape) for n, p in named), replicas)
     spec_by_param = {id(p): s for (_, p), s in zip(named, table.specs)}
@@ -198,6 +221,8 @@ def attach_fsdp2(model, attach_monitor, *, accumulate_local_grad=None, start_ste
     grads = StepGradients(monitor, keep=accumulate_local_grad)
     monitor.local_grads = grads
     monitor.framework_mode = f"FSDP2 {mode}"
+    if replicas is not None and hasattr(monitor, "_replica"):
+        monitor._replica.replica_set = replica_set
     for g in groups:
         _wrap(g, grads, spec_by_param)
     _watch_reduced(model, monitor, grads, groups, mode, named, spec_by_param)
