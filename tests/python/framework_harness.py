@@ -7,6 +7,7 @@ the step from a reference replica (same weights, same micro-batches, no framewor
 to rank 0 (a collective the test pays).
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -600,26 +601,59 @@ def megatron_on_cpu() -> None:
     parameter and gradient buffers on ``torch.cuda.current_device()`` and ``start_grad_sync``
     reads ``torch.cuda.current_stream()`` unconditionally. Both are pointed at the CPU; every
     other line (buckets, main_grad views, scaling, the gloo collectives, finalize_model_grads) is
-    Megatron's own. Only for overlap_grad_reduce=False (the overlapped path uses CUDA streams)."""
+    Megatron's own, the overlapped path (overlap_grad_reduce: asynchronous gloo collectives from
+    the backward hooks, waited on in finish_grad_sync) included: it uses a CUDA stream only with
+    several distributed-optimizer instances, which rankscope refuses."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
 
 
-# name -> (micro-batches a step, refuse by version, use_distributed_optimizer)
+# name -> (micro-batches a step, refuse by version, use_distributed_optimizer, overlap_grad_reduce)
 MEGATRON_SCENARIOS = {
-    "allreduce-accum": (2, False, False),
+    "allreduce-accum": (2, False, False, False),
+    # Buckets of about 200 elements: several bucket groups, each reduced asynchronously from
+    # Megatron's backward hooks as it becomes ready on the last micro-batch (the first runs under
+    # model.no_sync()); finish_grad_sync waits.
+    "overlap-accum": (2, False, False, True),
     # Reduce-scatter into each rank's shard of the buffer. Megatron's DistributedOptimizer is not
     # built here: the parameters are not updated (the truth reloads them every step anyway).
-    "distopt-accum": (2, False, True),
-    "refused": (1, True, False),
+    "distopt-accum": (2, False, True, False),
+    "refused": (1, True, False, False),
 }
+
+# The aggregation check in all-reduce mode (rankscope.frameworks.megatron): in this scenario the
+# reduced gradient of this step is perturbed by this fraction of its norm on every rank, after
+# Megatron's all-reduce (the same wrong mean everywhere); the truth checks read the local
+# gradients only.
+MEGATRON_CORRUPT = ("allreduce-accum", 1, 2e-4)
+
+
+def corrupt_finish_grad_sync(model, current: dict, step: int, relative: float) -> None:
+    """Wraps each bucket group's ``finish_grad_sync`` (after it, the bucket's grad_data holds the
+    all-reduced gradient) to add noise of ``relative`` times each parameter's reduced gradient
+    norm, the same on every rank, when ``current["step"] == step``."""
+    for group in model.bucket_groups:
+        original = group.finish_grad_sync
+
+        def finish_grad_sync(*args, group=group, original=original, **kwargs):
+            out = original(*args, **kwargs)
+            if current["step"] == step:
+                for p in (p for b in group.buckets for p in b.params_list):
+                    g = torch.Generator().manual_seed(1000 * step + p.numel())
+                    noise = torch.randn(p.numel(), generator=g, dtype=torch.float64)
+                    scale = relative * p.main_grad.double().norm() / noise.norm()
+                    p.main_grad.add_((noise * scale).to(p.main_grad.dtype).view_as(p.main_grad))
+            return out
+
+        group.finish_grad_sync = finish_grad_sync
 
 
 def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
-    """Megatron-core DistributedDataParallel (all-reduce mode, grad_reduce_in_fp32; without
-    overlap_grad_reduce Megatron makes one bucket) training TinyLM, attached with rankscope.torch.attach(model); the
-    step's loss is the mean of its micro-batch losses, each backpropagated as loss / micro-batches
-    (Megatron's schedules' scaling), and finalize_model_grads ends the reduction."""
+    """Megatron-core DistributedDataParallel (MEGATRON_SCENARIOS: all-reduce or reduce-scatter,
+    overlapped or not; grad_reduce_in_fp32; without overlap_grad_reduce Megatron makes one
+    bucket) training TinyLM, attached with rankscope.torch.attach(model); the step's loss is the
+    mean of its micro-batch losses, each backpropagated as loss / micro-batches (Megatron's
+    schedules' scaling), and finalize_model_grads ends the reduction."""
     megatron_on_cpu()
     from megatron.core import package_info, parallel_state
     from megatron.core.distributed import (
@@ -634,17 +668,25 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
 
     parallel_state.initialize_model_parallel()
     for name in names:
-        accumulation, refused, distopt = MEGATRON_SCENARIOS[name]
+        accumulation, refused, distopt, overlap = MEGATRON_SCENARIOS[name]
         torch.manual_seed(7)
         lm = TinyLM()
         ref = copy.deepcopy(lm)
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
         ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+            overlap_grad_reduce=overlap,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=distopt,
+            bucket_size=200 if overlap else None,
         )
         model = DistributedDataParallel(config, ddp_config, lm)
+        if overlap:
+            assert len(model.bucket_groups) > 1, model.bucket_groups
         opt = torch.optim.SGD(lm.parameters(), lr=0.05)
         job = f"{job_prefix}-{name}"
+        current = {"step": -1}
+        if name == MEGATRON_CORRUPT[0]:
+            corrupt_finish_grad_sync(model, current, *MEGATRON_CORRUPT[1:])
         messages = []
         if refused:
             real = package_info.__version__
@@ -662,13 +704,18 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         for step in range(steps):
             ref.load_state_dict(lm.state_dict())
             ref_loss, g = reference_step(ref, rank, step, accumulation)
+            current["step"] = step
             model.zero_grad_buffer()
             losses = []
             for micro in range(accumulation):
                 x, y = batch(rank, step, micro)
-                loss = lm_loss(model, x, y)
-                (loss / accumulation).backward()
+                last = micro == accumulation - 1
+                with contextlib.nullcontext() if last or not overlap else model.no_sync():
+                    loss = lm_loss(model, x, y)
+                    (loss / accumulation).backward()
                 losses.append(loss.detach())
+            if overlap and step > 0:  # issued from backward, one bucket group at a time
+                assert all(g.grad_reduce_handle is not None for g in model.bucket_groups)
             finalize_model_grads([model])
             if not distopt:
                 for p in lm.parameters():
@@ -683,6 +730,7 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         info = {
             "stats": mon.close(timeout=30),
             "messages": messages,
+            "integrity_unsupported": getattr(mon, "integrity_unsupported", None),
         }
         write_json(Path(out_dir) / f"{name}.rank{rank}.json", info)
         if rank == 0:

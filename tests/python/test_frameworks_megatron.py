@@ -1,6 +1,6 @@
-"""Megatron-core's DistributedDataParallel (2 gloo processes, CPU, all-reduce mode and the
-distributed optimizer's reduce-scatter, 2 micro-batches a step) reporting to a real collector through
-rankscope.torch.attach(model).
+"""Megatron-core's DistributedDataParallel (2 gloo processes, CPU, all-reduce mode, overlapped
+or not, and the distributed optimizer's reduce-scatter, 2 micro-batches a step) reporting to a
+real collector through rankscope.torch.attach(model).
 
 Megatron allocates its gradient buffers on torch.cuda.current_device() and reads
 torch.cuda.current_stream(): the rank processes point both at the CPU
@@ -8,7 +8,9 @@ torch.cuda.current_stream(): the rank processes point both at the CPU
 the same micro-batches run through a reference replica (same weights): the local gradient is the
 sum of the gradients of loss / micro-batches, the loss their mean; the collector's statistics must
 equal it as the DDP truth tests require (shim_harness.check_exact_rows). In all-reduce mode
-every rank holds the parameters whole: their fingerprints must agree.
+every rank holds the parameters whole: their fingerprints must agree, and the aggregation check
+reads the all-reduced gradient (framework_harness.MEGATRON_CORRUPT perturbs one step's, flagged at
+that step; the other steps are clean).
 """
 
 import os
@@ -49,19 +51,42 @@ def run(module_collector, tmp_path_factory):
     return module_collector, out
 
 
-@pytest.mark.parametrize("scenario", ["allreduce-accum", "distopt-accum"])
+@pytest.mark.parametrize("scenario", ["allreduce-accum", "overlap-accum", "distopt-accum"])
 def test_megatron_ddp_statistics_equal_exact_values(run, scenario):
-    """all-reduce mode: every rank holds the parameters whole, their fingerprints agree;
-    distributed optimizer (reduce-scatter into shards): no fingerprint is sent."""
+    """all-reduce mode (overlapped or not): every rank holds the parameters whole, their
+    fingerprints agree, and every step's all-reduced gradient is checked against the mean of the
+    local sketches; distributed optimizer (reduce-scatter into shards): no fingerprint, no check."""
     collector, out = run
     infos, fps = framework_harness.check_framework_job(
         collector, out, f"mg-{scenario}", scenario, WORLD, STEPS, SKETCH_DIM
     )
-    if scenario == "allreduce-accum":
-        first = {r[3] for r in fps if r[0] == 0}
-        assert len(first) == 1 and None not in first, fps
-    else:
+    rows = collector.query(
+        "SELECT step, integrity_error_ratio, integrity_relative_error, integrity_fault, "
+        "integrity_rank FROM step_stats WHERE job = ? ORDER BY step",
+        (f"mg-{scenario}",),
+    )
+    assert [r[0] for r in rows] == list(range(STEPS)), rows
+    if scenario == "distopt-accum":
         assert all(r[2] is None and r[3] is None for r in fps), fps
+        assert all(r[1] is None for r in rows), rows
+        for info in infos:
+            assert "reduce-scatters" in info["integrity_unsupported"], info
+            assert info["stats"].get("shim_integrity_checks_sent", 0) == 0, info
+        return
+    first = {r[3] for r in fps if r[0] == 0}
+    assert len(first) == 1 and None not in first, fps
+    # Step s is checked by rank s % WORLD (integrity_every=1).
+    sent = [info["stats"].get("shim_integrity_checks_sent", 0) for info in infos]
+    assert sent == [len(range(rank, STEPS, WORLD)) for rank in range(WORLD)], sent
+    name, bad_step, relative = framework_harness.MEGATRON_CORRUPT
+    for step, ratio, rel, fault, suspect in rows:
+        assert ratio is not None, f"step {step} not checked: {rows}"
+        if scenario == name and step == bad_step:
+            # The same wrong mean on every rank: flagged, its size measured, no rank named.
+            assert fault == "sum" and suspect is None, rows
+            assert ratio > 1.0 and abs(rel - relative) < 0.5 * relative, rows
+        else:
+            assert fault == "" and ratio <= 1.0, rows
 
 
 def test_megatron_version_outside_the_tested_ones_is_refused_and_trains(run):

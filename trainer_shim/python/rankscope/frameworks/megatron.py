@@ -26,17 +26,41 @@ fingerprints (every ``param_check_every`` steps) are sent and compared across th
 (ranks step different shards, then all-gather, possibly during the next forward) none are sent.
 The reduced gradient's fingerprint is not sent.
 
+Overlapped reduction (``overlap_grad_reduce=True``): Megatron's backward post-hook on each
+parameter calls ``register_grad_ready``; once every parameter of a bucket group is ready on the
+last micro-batch (the others run under ``model.no_sync()``), it calls the group's
+``start_grad_sync``, which issues an asynchronous collective, and ``finish_grad_sync`` (from
+``finalize_model_grads``) waits on it. The first step calls ``start_grad_sync`` from
+``finish_grad_sync`` instead (Megatron learns the ready counts then). Either way the wrapped
+``start_grad_sync`` is where each bucket group's local gradient is read, now on the autograd
+thread while backward runs, one bucket group at a time; nothing else changes. Runs on the CPU
+with gloo (tests/python/test_frameworks_megatron.py).
+
+Aggregation integrity (rankscope._integrity), all-reduce mode: once a bucket group's
+``finish_grad_sync`` returns, its buckets' ``grad_data`` hold the reduced gradient, the mean of
+the ranks' local gradients (scaled by 1/dp then summed, or averaged by the collective), on every
+rank. On the steps this rank checks, the wrapped ``finish_grad_sync`` adds each bucket's
+``grad_data`` (its parameters' segments, at their flat offsets) to the step's reduced sketch, in
+the buffer's dtype. A bucket group whose reduction was already waited on this step (Megatron's
+``finish_grad_sync`` is then a no-op) is not added again; one reduced twice in a step leaves the
+step unchecked (``integrity_repeated_reductions``). Not checked (``integrity_unsupported`` says
+why): the distributed optimizer (reduce-scatter: each rank keeps only its shard of the reduced
+gradient) and a reduction that is not the mean (``calculate_per_token_loss``: a sum).
+
 Refused (one warning naming megatron-core's version and the mode, training unwatched): a version
 outside ``SUPPORTED`` or without the attributes read, expert-parallel buffers (MoE experts
 reduce over another group), several distributed-optimizer instances, and bucket groups that
 reduce over different process groups.
 
 Versions: read in megatron-core 0.19.2 (``_ParamAndGradBucketGroup.start_grad_sync``,
-``is_first_batch``, ``grad_reduce_handle``, ``buckets[i].params_list``, ``param.main_grad``).
+``finish_grad_sync``, ``is_first_batch``, ``grad_reduce_handle``, ``grad_reduce_finished``,
+``buckets[i].params_list``, ``.grad_data``, ``.param_to_index``, ``.gradient_scaling_factor``,
+``param.main_grad``).
 """
 
 import torch
 
+from rankscope.fingerprint import SegmentLayout
 from rankscope._options import replica_check_for
 from rankscope.frameworks._local_grads import (
     FrameworkModel,
@@ -153,7 +177,72 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
     monitor.framework_mode = f"Megatron DDP {mode}"
     for g in model.bucket_groups:
         _wrap(g, grads, spec_by_param)
+    # The aggregation check: the reduced gradient is whole in grad_data after finish_grad_sync.
+    monitor.integrity_unsupported = _integrity_unsupported(model, distopt, pg)
+    if monitor.integrity_unsupported:
+        monitor._replica.integrity.disable()
+    else:
+        for g in model.bucket_groups:
+            _wrap_finish(g, monitor, spec_by_param)
     return monitor
+
+
+def _integrity_unsupported(model, distopt: bool, pg) -> str:
+    """Why the aggregation check cannot read this model's reduced gradient whole as the mean of
+    the ranks' local gradients ("" when it can: all-reduce mode, averaged)."""
+    if distopt:
+        return "the distributed optimizer reduce-scatters: each rank keeps only its shard"
+    average = bool(getattr(model.ddp_config, "average_in_collective", False))
+    world = pg.size() if hasattr(pg, "size") else torch.distributed.get_world_size(pg)
+    for g in model.bucket_groups:
+        if not hasattr(g, "finish_grad_sync") or not hasattr(g, "grad_reduce_finished"):
+            return "this megatron-core has no _ParamAndGradBucketGroup.finish_grad_sync"
+        for b in g.buckets:
+            if not hasattr(b, "grad_data") or not hasattr(b, "param_to_index"):
+                return "this megatron-core has no _ParamAndGradBucket.grad_data/param_to_index"
+            factor = float(getattr(b, "gradient_scaling_factor", 0.0))
+            if (average and factor != 1.0) or (not average and factor * world != 1.0):
+                return f"the reduction is not the mean (gradient_scaling_factor {factor})"
+    return ""
+
+
+def _bucket_layout(bucket, spec_by_param) -> SegmentLayout:
+    """Where the bucket's parameters lie in its ``grad_data``, at their global flat offsets."""
+    starts, counts, offsets = [], [], []
+    for p in bucket.params_list:
+        start, end = bucket.param_to_index[p]
+        starts.append(start)
+        counts.append(end - start)
+        offsets.append(spec_by_param[id(p)].offset)
+    return SegmentLayout(bucket.grad_data.numel(), starts, counts, offsets)
+
+
+def _wrap_finish(bucket_group, monitor, spec_by_param: dict) -> None:
+    """Wraps the bucket group's finish_grad_sync once (a later attach retargets it): after
+    Megatron's, on the steps this rank checks, each bucket's reduced grad_data into the step's
+    reduced sketch."""
+    layouts = [(b, _bucket_layout(b, spec_by_param)) for b in bucket_group.buckets]
+
+    def make(current, target):
+        def finish_grad_sync(*args, **kwargs):
+            mon, buckets = target[0]
+            # Overlapped: a second call in the step waits on nothing and reduces nothing.
+            waited = bool(bucket_group.ddp_config.overlap_grad_reduce) and bool(
+                bucket_group.grad_reduce_finished
+            )
+            out = current(*args, **kwargs)
+            integrity = mon._replica.integrity
+            if mon._active and integrity.due and not waited:
+                try:
+                    for b, layout in buckets:
+                        integrity.add(b.grad_data.detach(), layout, key=id(b))
+                except Exception:  # monitoring must never break training; the step unchecked
+                    integrity.fail()
+            return out
+
+        return finish_grad_sync
+
+    wrap_retargetable(bucket_group, "finish_grad_sync", (monitor, layouts), make)
 
 
 def _wrap(bucket_group, grads: StepGradients, spec_by_param: dict) -> None:
