@@ -621,6 +621,46 @@ MEGATRON_SCENARIOS = {
     "refused": (1, True, False, False),
 }
 
+# The zero-code launch (rankscope.auto.install) with Megatron's mixed-precision optimizers: bf16
+# parameters and gradient buffers, get_megatron_optimizer(bf16=True); name -> (its
+# use_distributed_optimizer, the optimizer's loss_scale). Run after the scenarios above, in the
+# same processes (every model built after install is attached).
+MEGATRON_AUTO_SCENARIOS = {
+    "auto-bf16": (False, None),  # Float16OptimizerWithFloat16Params
+    "auto-bf16-distopt": (True, None),  # DistributedOptimizer: shards of the main parameters
+    "auto-bf16-scaled": (False, 1024.0),  # a constant loss scale: refused
+}
+
+
+def megatron_optimizers_on_cpu() -> None:
+    """Lets megatron-core 0.19's Float16OptimizerWithFloat16Params and DistributedOptimizer be
+    built and step on the CPU in this (test rank) process: they accept only parameters whose
+    ``Tensor.type()`` is ``torch.cuda.{Half,BFloat16,Float}Tensor`` and make a few scalars with
+    ``torch.tensor(..., device="cuda")`` / ``torch.zeros(..., device="cuda")`` (the unit scale,
+    the grad norm's accumulator). ``type()`` without arguments names CPU tensors as CUDA ones and
+    those two factories put ``"cuda"`` tensors on the CPU; every other line (main parameters,
+    gradient copies, Adam, the shard all-gather) is Megatron's own."""
+    real_type, real_tensor, real_zeros = torch.Tensor.type, torch.tensor, torch.zeros
+
+    def type_(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or not name.startswith("torch.") or name.startswith("torch.cuda."):
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    def on_cpu(factory):
+        def make(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    torch.Tensor.type = type_
+    torch.tensor = on_cpu(real_tensor)
+    torch.zeros = on_cpu(real_zeros)
+
+
 # The aggregation check in all-reduce mode (rankscope.frameworks.megatron): in this scenario the
 # reduced gradient of this step is perturbed by this fraction of its norm on every rank, after
 # Megatron's all-reduce (the same wrong mean everywhere); the truth checks read the local
@@ -667,7 +707,7 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
     from rankscope.frameworks._local_grads import Unwatched
 
     parallel_state.initialize_model_parallel()
-    for name in names:
+    for name in [n for n in names if n in MEGATRON_SCENARIOS]:
         accumulation, refused, distopt, overlap = MEGATRON_SCENARIOS[name]
         torch.manual_seed(7)
         lm = TinyLM()
@@ -736,3 +776,95 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         if rank == 0:
             write_json(Path(out_dir) / f"{name}.expected.json", expected)
         dist.barrier()
+    auto = [n for n in names if n in MEGATRON_AUTO_SCENARIOS]
+    if auto:
+        megatron_optimizers_on_cpu()
+    for name in auto:
+        _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name)
+
+
+def _bf16_reference_step(ref, rank, step, accumulation):
+    """reference_step through torch.autograd.grad (the zero-code launch records every
+    ``.backward`` of the process as the step's loss): the micro-batches' gradients of loss /
+    accumulation added in the parameters' dtype in micro-batch order, as Megatron's buffer adds
+    each ``.grad`` into ``main_grad``."""
+    params = [p for p in ref.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    losses = []
+    for micro in range(accumulation):
+        x, y = batch(rank, step, micro)
+        loss = lm_loss(ref, x, y)
+        for t, g in zip(total, torch.autograd.grad(loss / accumulation, params)):
+            t.add_(g)
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), torch.cat([t.reshape(-1).double() for t in total])
+
+
+def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name):
+    """One model of bf16 parameters under the zero-code launch, stepped by Megatron's
+    mixed-precision optimizer (MEGATRON_AUTO_SCENARIOS); the truth from a bf16 reference
+    replica, whose autograd accumulates the micro-batches' gradients in bf16 as Megatron's
+    buffers do. Writes the attachment's stats, state and step boundary."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    import rankscope.auto
+
+    distopt, loss_scale = MEGATRON_AUTO_SCENARIOS[name]
+    job = f"{job_prefix}-{name}"
+    options = {"collector": collector, "sketch_dim": 256}
+    attacher = rankscope.auto.install(job, dormant=False, options=options)
+    attacher.job = job  # install is once a process: later scenarios rename the job
+    accumulation = 2
+    torch.manual_seed(7)
+    lm = TinyLM().to(torch.bfloat16)
+    ref = copy.deepcopy(lm)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, use_distributed_optimizer=distopt
+    )
+    model = DistributedDataParallel(config, ddp_config, lm)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.01,
+            bf16=True,
+            loss_scale=loss_scale,
+            use_distributed_optimizer=distopt,
+        ),
+        [model],
+    )
+    expected = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            ref.load_state_dict(lm.state_dict())
+            ref_loss, g = _bf16_reference_step(ref, rank, step, accumulation)
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            for micro in range(accumulation):
+                x, y = batch(rank, step, micro)
+                loss = lm_loss(model, x, y)
+                (loss / accumulation).backward()
+            finalize_model_grads([model])
+            opt.step()
+            e = gather_truth(rank, world_size, ref_loss, g, 256)
+            if rank == 0:
+                expected[step] = e
+    (attachment,) = [m for m in attacher.models if m._model() is model]
+    info = {
+        "state": attachment.state,
+        "group": attachment.group,
+        "step_boundary": getattr(attachment, "step_boundary", None),
+        "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "stats": attachment.monitor.close(timeout=30) if attachment.monitor else None,
+    }
+    write_json(Path(out_dir) / f"{name}.rank{rank}.json", info)
+    if rank == 0:
+        write_json(Path(out_dir) / f"{name}.expected.json", expected)
+    dist.barrier()

@@ -21,6 +21,7 @@ pytest.importorskip("rankscope._native", reason="build the trainer shim (ranksco
 
 import framework_harness  # noqa: E402
 import shim_harness  # noqa: E402
+from rankscope._attach_agreement import LEAD  # noqa: E402
 
 try:
     from megatron.core import package_info
@@ -30,7 +31,7 @@ except ImportError:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 WORLD = 2
-STEPS = 3
+STEPS = LEAD + 2  # the zero-code launch reports from step LEAD (the ranks' agreed start)
 SKETCH_DIM = 1024
 
 
@@ -45,7 +46,7 @@ def run(module_collector, tmp_path_factory):
         str(out),
         STEPS,
         SKETCH_DIM,
-        list(framework_harness.MEGATRON_SCENARIOS),
+        [*framework_harness.MEGATRON_SCENARIOS, *framework_harness.MEGATRON_AUTO_SCENARIOS],
         timeout=240,
     )
     return module_collector, out
@@ -100,3 +101,41 @@ def test_megatron_version_outside_the_tested_ones_is_refused_and_trains(run):
         assert info["stats"] == {"unwatched": info["messages"][0]}, info
     assert collector.rank_rows("mg-refused") == []
     assert package_info.__version__.startswith("0.19.")
+
+
+@pytest.mark.parametrize("scenario", ["auto-bf16", "auto-bf16-distopt"])
+def test_zero_code_launch_with_megatron_mixed_precision_optimizers_is_exact(run, scenario):
+    """The zero-code launch on a bf16 model stepped by Float16OptimizerWithFloat16Params or the
+    DistributedOptimizer: the step boundary is the step of the torch.optim optimizer of Megatron's
+    float32 main parameters (whole or this rank's shard), the local gradient the bf16 buffer's;
+    every step from the agreed first one equals the bf16 reference's exact values."""
+    collector, out = run
+    expected = framework_harness.load(out / f"{scenario}.expected.json")
+    expected = {int(k): v for k, v in expected.items() if int(k) >= LEAD}
+    # A process's second attached model gets a group of its own (the job's "/<group>").
+    group = framework_harness.load(out / f"{scenario}.rank0.json")["group"]
+    job = f"mg-{scenario}" + (f"/{group}" if group else "")
+    shim_harness.check_exact_rows(
+        collector.step_rows(job), collector.rank_rows(job), expected, WORLD, 256
+    )
+    wrapper = "DistributedOptimizer" if "distopt" in scenario else "Float16OptimizerWithFloat16"
+    for rank in range(WORLD):
+        info = framework_harness.load(out / f"{scenario}.rank{rank}.json")
+        assert info["state"] == "reporting" and info["messages"] == [], info
+        assert info["step_boundary"].startswith(wrapper), info
+        assert info["stats"]["recorded"] == STEPS - LEAD, info
+        assert info["stats"].get("shim_hook_errors", 0) == 0, info
+
+
+def test_zero_code_launch_refuses_a_megatron_optimizer_with_a_loss_scale(run):
+    """bf16 with a loss scale (Megatron's ConstantGradScaler): the buffers hold scaled
+    gradients; one warning naming megatron-core's version and the optimizer, nothing reported,
+    training went on."""
+    collector, out = run
+    for rank in range(WORLD):
+        info = framework_harness.load(out / f"auto-bf16-scaled.rank{rank}.json")
+        assert info["state"] == "failed", info
+        (message,) = info["messages"]
+        assert f"megatron-core {package_info.__version__}" in message, message
+        assert "Float16OptimizerWithFloat16Params with a loss scale" in message, message
+    assert collector.rank_rows("mg-auto-bf16-scaled") == []

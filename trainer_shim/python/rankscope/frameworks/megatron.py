@@ -48,7 +48,10 @@ why): the distributed optimizer (reduce-scatter: each rank keeps only its shard 
 gradient) and a reduction that is not the mean (``calculate_per_token_loss``: a sum).
 
 Refused (one warning naming megatron-core's version and the mode, training unwatched): a version
-outside ``SUPPORTED`` or without the attributes read, expert-parallel buffers (MoE experts
+outside ``SUPPORTED`` or without the attributes read, fp16 models (``TransformerConfig.fp16``:
+Megatron's schedules backpropagate the loss times the optimizer's loss scale, so the buffers hold
+scaled gradients; bf16 with a ``loss_scale`` is the same, but only the zero-code launch, which
+finds the optimizer, sees it and refuses it), expert-parallel buffers (MoE experts
 reduce over another group), several distributed-optimizer instances, and bucket groups that
 reduce over different process groups.
 
@@ -138,6 +141,13 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
     if major_minor not in SUPPORTED:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
         return _refuse(mode, f"only megatron-core {supported} is read and tested", start_step)
+    if bool(getattr(getattr(model, "config", None), "fp16", False)):
+        return _refuse(
+            "fp16 " + mode,
+            "Megatron's gradient buffers hold the local gradient times the optimizer's loss "
+            "scale, which the model does not know",
+            start_step,
+        )
     missing = _missing(model, distopt)
     if missing:
         return _refuse(mode, f"this megatron-core has no {missing}", start_step)
