@@ -737,6 +737,17 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
             package_info.__version__ = real
             messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             assert isinstance(mon, Unwatched), mon
+            # fp16: Megatron's buffers hold loss-scaled gradients (never trained here).
+            fp16 = DistributedDataParallel(
+                TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, fp16=True),
+                DistributedDataParallelConfig(),
+                TinyLM(),
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                refused_fp16 = rst.attach(fp16, collector="127.0.0.1:1", job=f"{job}-fp16")
+            assert isinstance(refused_fp16, Unwatched), refused_fp16
+            messages += [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         else:
             mon = rst.attach(model, collector=collector, job=job, sketch_dim=sketch_dim)
             assert mon.framework == f"megatron-core {package_info.__version__} ddp", mon

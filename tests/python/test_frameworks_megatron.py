@@ -91,15 +91,20 @@ def test_megatron_ddp_statistics_equal_exact_values(run, scenario):
 
 
 def test_megatron_version_outside_the_tested_ones_is_refused_and_trains(run):
-    """One RuntimeWarning naming the version and mode; nothing reported; training ran."""
+    """One RuntimeWarning naming the version and mode; nothing reported; training ran. An fp16
+    model (loss-scaled gradients in Megatron's buffers) is refused the same way."""
     collector, out = run
     for rank in range(WORLD):
         info = framework_harness.load(out / f"refused.rank{rank}.json")
-        assert len(info["messages"]) == 1, info
+        assert len(info["messages"]) == 2, info
         assert "megatron-core 0.99.0" in info["messages"][0], info
         assert "mode all-reduce" in info["messages"][0], info
         assert info["stats"] == {"unwatched": info["messages"][0]}, info
+        fp16 = info["messages"][1]
+        assert f"megatron-core {package_info.__version__}" in fp16, fp16
+        assert "mode fp16 all-reduce" in fp16 and "loss scale" in fp16, fp16
     assert collector.rank_rows("mg-refused") == []
+    assert collector.rank_rows("mg-refused-fp16") == []
     assert package_info.__version__.startswith("0.19.")
 
 
