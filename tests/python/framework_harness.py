@@ -790,8 +790,62 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
     auto = [n for n in names if n in MEGATRON_AUTO_SCENARIOS]
     if auto:
         megatron_optimizers_on_cpu()
+        _megatron_scaled_attach(rank, collector, job_prefix, out_dir)
     for name in auto:
         _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name)
+
+
+def _megatron_bf16(distopt: bool, loss_scale):
+    """(TinyLM in bf16, its Megatron DDP model, Megatron's optimizer of it: Adam, bf16)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(7)
+    lm = TinyLM().to(torch.bfloat16)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, use_distributed_optimizer=distopt
+    )
+    model = DistributedDataParallel(config, ddp_config, lm)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.01,
+            bf16=True,
+            loss_scale=loss_scale,
+            use_distributed_optimizer=distopt,
+        ),
+        [model],
+    )
+    return lm, model, opt
+
+
+def _megatron_scaled_attach(rank, collector, job_prefix, out_dir):
+    """rst.attach(model) on a bf16 model whose Megatron optimizer has a loss scale: refused at
+    its first reduction (one warning), two steps trained, nothing reported."""
+    from megatron.core.distributed import finalize_model_grads
+
+    import rankscope.torch as rst
+
+    _, model, opt = _megatron_bf16(False, 1024.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(model, collector=collector, job=f"{job_prefix}-scaled-attach")
+        for step in range(2):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            x, y = batch(rank, step, 0)
+            opt.scale_loss(lm_loss(model, x, y)).backward()  # Megatron's schedules' scaling
+            finalize_model_grads([model])
+            opt.step()
+            mon.step()
+    info = {
+        "stats": mon.close(timeout=30),
+        "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
+    write_json(Path(out_dir) / f"scaled-attach.rank{rank}.json", info)
+    dist.barrier()
 
 
 def _bf16_reference_step(ref, rank, step, accumulation):
@@ -816,13 +870,7 @@ def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, st
     mixed-precision optimizer (MEGATRON_AUTO_SCENARIOS); the truth from a bf16 reference
     replica, whose autograd accumulates the micro-batches' gradients in bf16 as Megatron's
     buffers do. Writes the attachment's stats, state and step boundary."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.distributed import finalize_model_grads
 
     import rankscope.auto
 
@@ -832,24 +880,8 @@ def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, st
     attacher = rankscope.auto.install(job, dormant=False, options=options)
     attacher.job = job  # install is once a process: later scenarios rename the job
     accumulation = 2
-    torch.manual_seed(7)
-    lm = TinyLM().to(torch.bfloat16)
+    lm, model, opt = _megatron_bf16(distopt, loss_scale)
     ref = copy.deepcopy(lm)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, use_distributed_optimizer=distopt
-    )
-    model = DistributedDataParallel(config, ddp_config, lm)
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=0.01,
-            bf16=True,
-            loss_scale=loss_scale,
-            use_distributed_optimizer=distopt,
-        ),
-        [model],
-    )
     expected = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -144,3 +144,17 @@ def test_zero_code_launch_refuses_a_megatron_optimizer_with_a_loss_scale(run):
         assert f"megatron-core {package_info.__version__}" in message, message
         assert "Float16OptimizerWithFloat16Params with a loss scale" in message, message
     assert collector.rank_rows("mg-auto-bf16-scaled") == []
+
+
+def test_attach_stops_watching_at_a_megatron_optimizer_with_a_loss_scale(run):
+    """rst.attach(model) cannot see the optimizer's loss scale at attach: at the model's first
+    reduction it finds the Megatron optimizer stepping its main parameters with a grad scaler,
+    warns once (version, mode, optimizer) and reports nothing; training went on."""
+    collector, out = run
+    for rank in range(WORLD):
+        info = framework_harness.load(out / f"scaled-attach.rank{rank}.json")
+        (message,) = info["messages"]
+        assert f"megatron-core {package_info.__version__}" in message, message
+        assert "mode all-reduce with Float16OptimizerWithFloat16Params" in message, message
+        assert info["stats"]["recorded"] == 0, info
+    assert collector.rank_rows("mg-scaled-attach") == []

@@ -50,8 +50,10 @@ gradient) and a reduction that is not the mean (``calculate_per_token_loss``: a 
 Refused (one warning naming megatron-core's version and the mode, training unwatched): a version
 outside ``SUPPORTED`` or without the attributes read, fp16 models (``TransformerConfig.fp16``:
 Megatron's schedules backpropagate the loss times the optimizer's loss scale, so the buffers hold
-scaled gradients; bf16 with a ``loss_scale`` is the same, but only the zero-code launch, which
-finds the optimizer, sees it and refuses it), expert-parallel buffers (MoE experts
+scaled gradients); and, found at the model's first reduction (one heap walk, on the autograd
+thread, when the model's parameters have Megatron main parameters), a Megatron optimizer with a
+grad scaler stepping them (bf16 with ``loss_scale``): from then on nothing is reported (one
+warning naming the version, mode and optimizer), expert-parallel buffers (MoE experts
 reduce over another group), several distributed-optimizer instances, and bucket groups that
 reduce over different process groups.
 
@@ -60,6 +62,10 @@ Versions: read in megatron-core 0.19.2 (``_ParamAndGradBucketGroup.start_grad_sy
 ``buckets[i].params_list``, ``.grad_data``, ``.param_to_index``, ``.gradient_scaling_factor``,
 ``param.main_grad``).
 """
+
+import gc
+import sys
+import warnings
 
 import torch
 
@@ -181,7 +187,7 @@ def attach_megatron(model, attach_monitor, *, accumulate_local_grad=None, start_
     # Megatron reduces once a step: the step's norm is exact without a copy (keep=False: a
     # parameter reduced twice in a step is not reported, never mis-summed).
     monitor = attach_monitor(FrameworkModel(model, table, pg), start_step=start_step, **options)
-    grads = StepGradients(monitor, keep=bool(accumulate_local_grad))
+    grads = _MegatronGradients(monitor, bool(accumulate_local_grad), model, mode)
     monitor.local_grads = grads
     monitor.framework = f"megatron-core {version} ddp"
     monitor.framework_mode = f"Megatron DDP {mode}"
@@ -255,6 +261,74 @@ def _wrap_finish(bucket_group, monitor, spec_by_param: dict) -> None:
     wrap_retargetable(bucket_group, "finish_grad_sync", (monitor, layouts), make)
 
 
+class _MegatronGradients(StepGradients):
+    """StepGradients that stop for good (one warning; no step reported) when, at the model's
+    first reduction, a Megatron optimizer with a grad scaler steps the model's main parameters:
+    the buffers then hold the loss-scaled gradient, which is not the local gradient."""
+
+    def __init__(self, monitor, keep: bool, model, mode: str):
+        super().__init__(monitor, keep=keep)
+        self._model = model
+        self._mode = mode
+        self._checked = False
+        self.unwatched = ""
+
+    def check_loss_scale(self) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        try:
+            name = loss_scaling_optimizer(self._model)
+        except Exception as e:  # monitoring must never break training
+            self._monitor._hook_failed(e)
+            return
+        if name:
+            self.unwatched = (
+                f"rankscope: {WHAT} (megatron-core {_version()}) in mode {self._mode} with "
+                f"{name} and a loss scale (a grad scaler) is not watched: Megatron's gradient "
+                "buffers hold the local gradient times the loss scale. Training goes on unwatched."
+            )
+            warnings.warn(self.unwatched, RuntimeWarning, stacklevel=2)
+            # Off from this step on (before anything of it was added); a control that switches
+            # the monitor on again finds add() a no-op and reports nothing.
+            self._monitor._enabled = False
+            self._monitor._active = False
+
+    def add(self, specs, grads) -> None:
+        if not self.unwatched:
+            super().add(specs, grads)
+
+    def close_step(self, sketcher):
+        if self.unwatched:
+            return False, None
+        return super().close_step(sketcher)
+
+
+def loss_scaling_optimizer(model) -> str:
+    """The class name of the Megatron optimizer with a grad scaler whose torch.optim optimizer
+    holds Megatron's main parameter (``param.main_param``) of one of ``model``'s parameters, or
+    "". One heap walk when the model has main parameters (a mixed-precision optimizer was built),
+    none otherwise."""
+    module = getattr(model, "module", model)
+    ids = {
+        id(p.main_param) for p in module.parameters() if getattr(p, "main_param", None) is not None
+    }
+    base = getattr(sys.modules.get("megatron.core.optimizer.optimizer"), "MegatronOptimizer", None)
+    if not ids or base is None:
+        return ""
+    for o in gc.get_objects():
+        t = type(o)
+        if not (isinstance(t, type) and issubclass(t, base)):
+            continue
+        state = getattr(o, "__dict__", {})
+        inner = state.get("optimizer")
+        if inner is None or state.get("grad_scaler") is None:
+            continue
+        if any(id(p) in ids for g in inner.param_groups for p in g["params"]):
+            return t.__name__
+    return ""
+
+
 def _wrap(bucket_group, grads: StepGradients, spec_by_param: dict) -> None:
     """Wraps the bucket group's start_grad_sync once; a later attach retargets it."""
 
@@ -264,6 +338,8 @@ def _wrap(bucket_group, grads: StepGradients, spec_by_param: dict) -> None:
             # Megatron's own no-op case (the collective of the first batch was already issued).
             no_op = bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None
             if step_grads._monitor._active and not no_op:
+                step_grads.check_loss_scale()
+            if step_grads._monitor._active and not no_op and not step_grads.unwatched:
                 try:
                     params = [p for b in bucket_group.buckets for p in b.params_list]
                     local = [specs[id(p)] for p in params]
