@@ -125,17 +125,23 @@ class StepGradients:
 
     def reset(self) -> None:
         self._seen = set()
-        self._sums = {}  # offset -> float32 running sum (kept mode)
+        self._sums = {}  # offset -> float32 running sum, flat (kept mode)
         self._repeated = False
         self._unseen = False  # a repeat came before the sum was kept
 
     def add(self, specs, grads) -> None:
         """Sketches one reduction's local gradients (``specs[i]`` holds ``grads[i]``, in the
-        parameter's shape) and, in kept mode, adds them to the step's running sums."""
+        parameter's shape) and, in kept mode, adds them to the step's running sums. A few torch
+        calls a reduction whatever its number of parameters: the sums of the parameters first
+        seen this step are views of one new float32 buffer a device, filled by one
+        ``_foreach_copy_``; the others take one ``_foreach_add_``. The buffers live until the
+        step's ``reset`` (as many bytes as the sums, allocated when the gradients are)."""
         monitor = self._monitor
         if not monitor._active:
             return
         try:
+            firsts = {}  # device -> ([offset], [flat gradient])
+            sums, more = [], []
             for spec, g in zip(specs, grads):
                 off = spec.offset
                 if off in self._seen:
@@ -144,11 +150,21 @@ class StepGradients:
                     if acc is None:
                         self._unseen = True
                     else:
-                        acc.add_(g.detach().reshape(spec.shape))
+                        sums.append(acc)
+                        more.append(g.detach().reshape(-1))
                 else:
                     self._seen.add(off)
                     if self._keep:
-                        self._sums[off] = g.detach().reshape(spec.shape).to(torch.float32).clone()
+                        offs, flats = firsts.setdefault(g.device, ([], []))
+                        offs.append(off)
+                        flats.append(g.detach().reshape(-1))
+            for device, (offs, flats) in firsts.items():
+                numels = [f.numel() for f in flats]
+                views = torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels)
+                torch._foreach_copy_(views, flats)  # casts to float32
+                self._sums.update(zip(offs, views))
+            if sums:
+                torch._foreach_add_(sums, more)
             self._reductions += 1
             monitor._add_bucket(_Bucket(self._reductions, list(specs), list(grads)))
         except Exception as e:  # monitoring must never break training
@@ -179,15 +195,25 @@ class StepGradients:
                 "micro-batches)",
             )
             return False, None
-        sums = list(self._sums.values())
-        device = sums[0].device if sums else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for acc in sums:
-            a = acc.double()
-            total += torch.dot(a.reshape(-1), a.reshape(-1))
-        if device.type == "cpu":
-            return True, float(total)
-        return True, total
+        total = _sum_of_squares(list(self._sums.values()))
+        return True, (float(total) if total.device.type == "cpu" else total)
+
+
+def _sum_of_squares(tensors):
+    """sum_i ||t_i||^2 of float32 tensors, accumulated in float64 (a 0-d float64 tensor on their
+    device; CPU when there are none): one ``_foreach_norm`` computed in float64 where torch takes
+    its ``dtype`` (2.3 and later), a float64 dot a tensor before."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    try:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    except TypeError:  # torch 2.2: no dtype
+        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+        for t in tensors:
+            a = t.double().reshape(-1)
+            total += torch.dot(a, a)
+        return total
+    return torch.stack(norms).square().sum()
 
 
 class Unwatched:
