@@ -50,12 +50,13 @@ gradient) and a reduction that is not the mean (``calculate_per_token_loss``: a 
 Refused (one warning naming megatron-core's version and the mode, training unwatched): a version
 outside ``SUPPORTED`` or without the attributes read, fp16 models (``TransformerConfig.fp16``:
 Megatron's schedules backpropagate the loss times the optimizer's loss scale, so the buffers hold
-scaled gradients); and, found at the model's first reduction (one heap walk, on the autograd
-thread, when the model's parameters have Megatron main parameters), a Megatron optimizer with a
-grad scaler stepping them (bf16 with ``loss_scale``): from then on nothing is reported (one
-warning naming the version, mode and optimizer), expert-parallel buffers (MoE experts
-reduce over another group), several distributed-optimizer instances, and bucket groups that
-reduce over different process groups.
+scaled gradients), expert-parallel buffers (MoE experts reduce over another group), several
+distributed-optimizer instances, and bucket groups that reduce over different process groups.
+Stopped at the model's first reduction (one warning naming the version, mode and optimizer;
+nothing reported from then on): a Megatron optimizer with a grad scaler (bf16 with
+``loss_scale``) stepping the model's main parameters, which the model alone does not show; found
+by one heap walk on the autograd thread, only when the model's parameters have Megatron main
+parameters (a mixed-precision optimizer was built before that reduction).
 
 Versions: read in megatron-core 0.19.2 (``_ParamAndGradBucketGroup.start_grad_sync``,
 ``finish_grad_sync``, ``is_first_batch``, ``grad_reduce_handle``, ``grad_reduce_finished``,
@@ -217,7 +218,8 @@ def _integrity_unsupported(model, distopt: bool, pg) -> str:
             if not hasattr(b, "grad_data") or not hasattr(b, "param_to_index"):
                 return "this megatron-core has no _ParamAndGradBucket.grad_data/param_to_index"
             factor = float(getattr(b, "gradient_scaling_factor", 0.0))
-            if (average and factor != 1.0) or (not average and factor * world != 1.0):
+            scaled = factor if average else factor * world  # 1 when the result is the mean
+            if abs(scaled - 1.0) > 1e-9:
                 return f"the reduction is not the mean (gradient_scaling_factor {factor})"
     return ""
 
