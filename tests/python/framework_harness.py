@@ -549,12 +549,15 @@ def check_ddp_replicas(fps, steps) -> None:
     assert len(first) == 1 and None not in first, fps
 
 
-def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None):
+def trainer_arguments(
+    output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None, optim="sgd"
+):
     """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU (or
     accelerate's FSDP2, ``fsdp``: one fully_shard of the whole model, see fsdp_on_cpu), plain SGD
     at a constant rate, no clipping, nothing logged or saved (so the reference replica's steps
     are the Trainer's own). ``deepspeed``: accelerate's DeepSpeed backend with that config
-    (accelerate enables it only without ``use_cpu``)."""
+    (accelerate enables it only without ``use_cpu``). ``optim``: the Trainer's optimizer name
+    (``adamw_torch`` for an optimizer that counts its steps)."""
     import transformers
 
     extra = {"use_cpu": True}
@@ -571,7 +574,7 @@ def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False
         gradient_accumulation_steps=accum,
         max_steps=max_steps,
         learning_rate=0.05,
-        optim="sgd",
+        optim=optim,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
         report_to=[],

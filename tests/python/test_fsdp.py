@@ -172,15 +172,16 @@ def test_collector_statistics_equal_exact_local_values(exact_runs, job):
         # Shards: nothing two ranks hold is the same, so no fingerprint is sent.
         assert all(v is None for v in fps.values()), fps
     # The aggregation check: where a rank holds the whole reduced gradient after the hook (DDP
-    # under torch.compile, FSDP1 NO_SHARD) every step is checked and clean; the other modes send
-    # no reduced sketch (docs/shim.md's Integrity notes).
+    # under torch.compile, FSDP1 NO_SHARD) or at the end of the backward (FSDP2 replicate) every
+    # step is checked and clean; the other modes send no reduced sketch (docs/shim.md's
+    # Integrity notes).
     checks = collector.query(
         "SELECT step, integrity_error_ratio, integrity_fault FROM step_stats WHERE job = ? "
         "ORDER BY step",
         (job,),
     )
     assert [c[0] for c in checks] == list(reported), checks
-    if scenario["framework"] == "compile" or scenario["mode"] == "NO_SHARD":
+    if scenario["framework"] == "compile" or scenario["mode"] in ("NO_SHARD", "replicate"):
         assert all(r is not None and r <= 1.0 and f == "" for _, r, f in checks), checks
     else:
         assert all(r is None for _, r, _ in checks), checks

@@ -352,6 +352,11 @@ class AttachedFsdp2(Attachment):
                 loss, _ = self._attacher.capture.take()
                 self.monitor.step(loss)
                 return
+            # Until the first reported step: learn whether the framework reduces a parameter
+            # more than once a step (FSDP2 under accumulation), so that step keeps the sums.
+            grads = getattr(self.monitor, "local_grads", None)
+            if grads is not None:
+                grads.dormant_step_ended()
             number = self._start.at_boundary(
                 int(self._clock()), lambda: optimizer_step_count(self._optimizer)
             )

@@ -15,7 +15,10 @@ asked or once a step reduced a parameter twice, a running float32 sum of each pa
 gradient for the step (memory: one unsharded copy of the model's gradients per rank), and the
 step's norm is that sum's exact norm. A step that reduced a parameter twice before the sum was kept
 is not reported (counted as ``shim_accumulation_unseen``, warned once): nothing is reported that is
-not the local gradient it claims to be.
+not the local gradient it claims to be. A model attached from outside the script
+(rankscope._fsdp2_attach) learns it before its first reported step instead: while the ranks agree
+on that step, the attachment marks each optimizer step's end (``dormant_step_ended``) and
+``add`` notes which parameters each step reduced, so that first step already keeps the sums.
 
 Thread safety: ``add`` runs where the framework's hook runs (the autograd thread, or FSDP1's
 post-backward stream context on the same thread) while backward runs; ``reset`` and ``close_step``
@@ -120,8 +123,23 @@ class StepGradients:
         self._auto = keep is None
         self._keep = bool(keep)
         self._reductions = 0
+        self._dormant_seen = None  # parameters reduced in the dormant step (dormant_step_ended)
         monitor._sketcher.restart_on_repeat = False
         self.reset()
+
+    def dormant_step_ended(self) -> None:
+        """(rankscope._fsdp2_attach) An optimizer step ended while the monitor is not active yet
+        (a live attach agreeing on its first step): from now on, until the monitor is active,
+        ``add`` only notes which parameters each step reduced, and in the default mode a
+        parameter reduced twice in one such step keeps the running sums from the first reported
+        step on, so that step is reported too (``learning``)."""
+        if self._auto and not self._keep:
+            self._dormant_seen = set()
+
+    @property
+    def learning(self) -> bool:
+        """Whether ``add`` wants the reductions while the monitor is not active."""
+        return self._dormant_seen is not None and not self._keep
 
     def reset(self) -> None:
         self._seen = set()
@@ -138,7 +156,16 @@ class StepGradients:
         step's ``reset`` (as many bytes as the sums, allocated when the gradients are)."""
         monitor = self._monitor
         if not monitor._active:
+            if self.learning:
+                offsets = {spec.offset for spec in specs}
+                if offsets & self._dormant_seen:
+                    self._keep = True  # reduces every micro-batch: keep the sums from the start
+                self._dormant_seen |= offsets
             return
+        self._dormant_seen = None  # reporting began: the steps tell from now on
+        # Counted first: a reduction that fails below still changed the reduced gradient (the
+        # FSDP2 aggregation check re-reads it when this count moved).
+        self._reductions += 1
         try:
             firsts = {}  # device -> ([offset], [flat gradient])
             sums, more = [], []
@@ -165,7 +192,6 @@ class StepGradients:
                 self._sums.update(zip(offs, views))
             if sums:
                 torch._foreach_add_(sums, more)
-            self._reductions += 1
             monitor._add_bucket(_Bucket(self._reductions, list(specs), list(grads)))
         except Exception as e:  # monitoring must never break training
             monitor._hook_failed(e)
