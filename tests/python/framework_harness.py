@@ -632,6 +632,9 @@ MEGATRON_AUTO_SCENARIOS = {
     "auto-bf16": (False, None),  # Float16OptimizerWithFloat16Params
     "auto-bf16-distopt": (True, None),  # DistributedOptimizer: shards of the main parameters
     "auto-bf16-scaled": (False, 1024.0),  # a constant loss scale: refused
+    # float32 parameters: DistributedOptimizer steps shard views of them (no main parameters):
+    # not found, refused.
+    "auto-fp32-distopt": (True, None),
 }
 
 
@@ -798,15 +801,16 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name)
 
 
-def _megatron_bf16(distopt: bool, loss_scale):
-    """(TinyLM in bf16, its Megatron DDP model, Megatron's optimizer of it: Adam, bf16)."""
+def _megatron_bf16(distopt: bool, loss_scale, bf16: bool = True):
+    """(TinyLM in bf16, its Megatron DDP model, Megatron's optimizer of it: Adam, bf16), or all
+    in float32 when not ``bf16``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(7)
-    lm = TinyLM().to(torch.bfloat16)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
+    lm = TinyLM().to(torch.bfloat16 if bf16 else torch.float32)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=bf16)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False, use_distributed_optimizer=distopt
     )
@@ -815,7 +819,7 @@ def _megatron_bf16(distopt: bool, loss_scale):
         OptimizerConfig(
             optimizer="adam",
             lr=0.01,
-            bf16=True,
+            bf16=bf16,
             loss_scale=loss_scale,
             use_distributed_optimizer=distopt,
         ),
@@ -883,7 +887,7 @@ def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, st
     attacher = rankscope.auto.install(job, dormant=False, options=options)
     attacher.job = job  # install is once a process: later scenarios rename the job
     accumulation = 2
-    lm, model, opt = _megatron_bf16(distopt, loss_scale)
+    lm, model, opt = _megatron_bf16(distopt, loss_scale, bf16=not name.startswith("auto-fp32"))
     ref = copy.deepcopy(lm)
     expected = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -905,6 +909,7 @@ def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, st
     (attachment,) = [m for m in attacher.models if m._model() is model]
     info = {
         "state": attachment.state,
+        "error": attachment.error,
         "group": attachment.group,
         "step_boundary": getattr(attachment, "step_boundary", None),
         "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],

@@ -146,6 +146,20 @@ def test_zero_code_launch_refuses_a_megatron_optimizer_with_a_loss_scale(run):
     assert collector.rank_rows("mg-auto-bf16-scaled") == []
 
 
+def test_zero_code_launch_refuses_a_distributed_optimizer_of_fp32_parameters(run):
+    """DistributedOptimizer of float32 parameters steps shard views of them, no main parameters:
+    no optimizer is found for the step boundary; the attachment fails naming megatron-core's
+    version, nothing is reported, training went on."""
+    collector, out = run
+    for rank in range(WORLD):
+        info = framework_harness.load(out / f"auto-fp32-distopt.rank{rank}.json")
+        assert info["state"] == "failed", info
+        assert f"megatron-core {package_info.__version__}: no torch.optim" in info["error"], info
+        assert "main parameters" in info["error"], info
+    group = framework_harness.load(out / "auto-fp32-distopt.rank0.json")["group"]
+    assert collector.rank_rows("mg-auto-fp32-distopt" + (f"/{group}" if group else "")) == []
+
+
 def test_attach_stops_watching_at_a_megatron_optimizer_with_a_loss_scale(run):
     """rst.attach(model) cannot see the optimizer's loss scale at attach: at the model's first
     reduction it finds the Megatron optimizer stepping its main parameters with a grad scaler,
