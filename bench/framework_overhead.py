@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What rankscope costs a framework's step on the CPU, side by side with the same training without
-it: DeepSpeed ZeRO 1-3, FSDP2, the Hugging Face Trainer (DDP backend) and Lightning (DDP).
+it: DeepSpeed ZeRO 1-3, FSDP2, FSDP1, torch.compile on DDP, the Hugging Face Trainer (DDP backend),
+Lightning (DDP) and Megatron-core's DDP.
 
     PYTHONPATH=build/python:tests/python .venv/bin/python bench/framework_overhead.py \
-        [--frameworks deepspeed fsdp2 hf lightning]
+        [--frameworks deepspeed fsdp2 fsdp1 compile hf lightning megatron]
 
 Two ranks (gloo, DeepSpeed's CPU accelerator, one torch thread each) each hold, for every ZeRO
 stage asked for, two engines of the same model (tests/python/shim_harness.py's TinyLM, or a
@@ -19,7 +20,9 @@ buffers and drops on its own thread, so the training thread's cost is what is me
 FSDP2 (``fully_shard`` of the whole TinyLM, 2 ranks): the same three variants, interleaved a
 step at a time as for DeepSpeed; a step is ``--accum`` micro-batches (FSDP2 reduces each: the
 rankscope variant keeps the float32 sum, ``accumulate_local_grad=True``), ``opt.step()``,
-``mon.step(loss)``.
+``mon.step(loss)``. FSDP1 (FULL_SHARD of the whole TinyLM), torch.compile (backend aot_eager of a
+DDP TinyLM) and Megatron-core's DDP (all-reduce mode, as tests/python/test_frameworks_megatron.py
+runs it on the CPU) the same way.
 
 The Hugging Face Trainer and Lightning own their loops, so their variants cannot be interleaved a
 step at a time: each variant is a fresh Trainer (same seed) training ``--steps`` steps, and the
@@ -99,7 +102,7 @@ def interleaved(rank, args, units):
 
 def fsdp2_rows(rank, world, args):
     import rankscope.torch as rst
-    from shim_harness import TinyLM, batch, lm_loss
+    from shim_harness import TinyLM
     from torch.distributed.fsdp import fully_shard
 
     units = {}
@@ -117,22 +120,131 @@ def fsdp2_rows(rank, world, args):
                 accumulate_local_grad=args.accum > 1,
             )
 
-        def step(i, model=model, opt=opt, mon=mon):
-            losses = []
-            for micro in range(args.accum):
-                x, y = batch(rank, i, micro, bsz=8)
-                loss = lm_loss(model, x, y)
-                (loss / args.accum).backward()
-                losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if mon is not None:
-                mon.step(torch.stack(losses).mean())
-
-        units[variant] = step
+        units[variant] = _micro_steps(rank, args, model, opt, mon)
     times = interleaved(rank, args, units)
     params = _tiny_params(args)
     return [summary("fsdp2", "FSDP", params, args, *(times[v] for v in units))]
+
+
+def _micro_steps(rank, args, model, opt, mon, *, before=None, after=None):
+    """A step of ``--accum`` micro-batches, each ``(loss / accum).backward()``, then ``after()``
+    (the framework's end of the reduction, if any), ``opt.step()`` and ``mon.step``."""
+    from shim_harness import batch, lm_loss
+
+    def step(i):
+        if before is not None:
+            before()
+        losses = []
+        for micro in range(args.accum):
+            x, y = batch(rank, i, micro, bsz=8)
+            loss = lm_loss(model, x, y)
+            (loss / args.accum).backward()
+            losses.append(loss.detach())
+        if after is not None:
+            after()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mon is not None:
+            mon.step(torch.stack(losses).mean())
+
+    return step
+
+
+def fsdp1_rows(rank, world, args):
+    """FSDP1 FULL_SHARD of the whole TinyLM (each micro-batch reduced: the rankscope variant keeps
+    the float32 sum), the three variants interleaved a step at a time."""
+    import rankscope.torch as rst
+    from shim_harness import TinyLM
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = {}
+    for variant in ("plain", "plain-2", "rankscope"):
+        torch.manual_seed(7)
+        model = FSDP(TinyLM(d=args.d_model, ff=4 * args.d_model), device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = None
+        if variant == "rankscope":
+            mon = rst.attach(
+                model,
+                collector=args.collector,
+                job="bench-fsdp1",
+                warn_after=1e9,
+                accumulate_local_grad=args.accum > 1,
+            )
+        units[variant] = _micro_steps(rank, args, model, opt, mon)
+    times = interleaved(rank, args, units)
+    return [summary("fsdp1", "FULL_SHARD", _tiny_params(args), args, *(times[v] for v in units))]
+
+
+def compile_rows(rank, world, args):
+    """torch.compile (backend aot_eager: the graph capture and DDPOptimizer's bucket split without
+    inductor's C++ compile) of a DDP TinyLM; DDP's C++ reducer and its comm hook stay."""
+    import rankscope.torch as rst
+    from shim_harness import TinyLM
+
+    units = {}
+    for variant in ("plain", "plain-2", "rankscope"):
+        torch.manual_seed(7)
+        ddp = torch.nn.parallel.DistributedDataParallel(TinyLM(d=args.d_model, ff=4 * args.d_model))
+        model = torch.compile(ddp, backend="aot_eager")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        mon = None
+        if variant == "rankscope":
+            mon = rst.attach(ddp, collector=args.collector, job="bench-compile", warn_after=1e9)
+        units[variant] = _micro_steps(rank, args, model, opt, mon)
+    times = interleaved(rank, args, units)
+    mode = "DDP, aot_eager"
+    return [summary("compile", mode, _tiny_params(args), args, *(times[v] for v in units))]
+
+
+def megatron_rows(rank, world, args):
+    """Megatron-core DistributedDataParallel (all-reduce mode, fp32 main grads, no overlap) around
+    TinyLM, on the CPU as its test runs it (framework_harness.megatron_on_cpu: last, since it
+    points torch.cuda's current device and stream at the CPU for the rest of the process)."""
+    import framework_harness
+
+    framework_harness.megatron_on_cpu()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    import rankscope.torch as rst
+    from shim_harness import TinyLM
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    units = {}
+    for variant in ("plain", "plain-2", "rankscope"):
+        torch.manual_seed(7)
+        lm = TinyLM(d=args.d_model, ff=4 * args.d_model)
+        model = DistributedDataParallel(
+            TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1),
+            DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=True),
+            lm,
+        )
+        opt = torch.optim.SGD(lm.parameters(), lr=0.01)
+        mon = None
+        if variant == "rankscope":
+            mon = rst.attach(model, collector=args.collector, job="bench-megatron", warn_after=1e9)
+
+        def to_optimizer(model=model, lm=lm):
+            finalize_model_grads([model])
+            for p in lm.parameters():
+                p.grad = p.main_grad  # the reduced gradient, as Megatron's optimizers read it
+
+        def reset(model=model, lm=lm):
+            for p in lm.parameters():
+                p.grad = None  # Megatron's backward hook adds .grad into main_grad
+            model.zero_grad_buffer()
+
+        units[variant] = _micro_steps(rank, args, model, opt, mon, before=reset, after=to_optimizer)
+    times = interleaved(rank, args, units)
+    mode = "DDP, all-reduce"
+    return [summary("megatron", mode, _tiny_params(args), args, *(times[v] for v in units))]
 
 
 def _trainer_env(rank, world):
@@ -319,8 +431,9 @@ def main():
     ap.add_argument(
         "--frameworks",
         nargs="+",
-        default=["deepspeed", "fsdp2", "hf", "lightning"],
-        choices=["deepspeed", "fsdp2", "hf", "lightning"],
+        default=["deepspeed", "fsdp2", "fsdp1", "compile", "hf", "lightning", "megatron"],
+        choices=["deepspeed", "fsdp2", "fsdp1", "compile", "hf", "lightning", "megatron"],
+        help="in this order: megatron is best last (it repoints torch.cuda for the process)",
     )
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument(

@@ -30,6 +30,7 @@ bool ReportRing::Push(const StepReport& report, int64_t recorded_unix_nanos) {
   slot.bucket_norms.assign(report.bucket_norms.begin(), report.bucket_norms.end());
   slot.reduced_grad_fingerprint = report.reduced_grad_fingerprint;
   slot.param_fingerprint = report.param_fingerprint;
+  slot.replica_set = report.replica_set;
   slot.reduced_grad_norm = report.reduced_grad_norm;
   slot.step_time_seconds = report.step_time_seconds;
   slot.local_batch_size = report.local_batch_size;

@@ -27,6 +27,7 @@ struct QueuedReport {
   std::vector<float> bucket_norms;
   std::optional<uint64_t> reduced_grad_fingerprint;
   std::optional<uint64_t> param_fingerprint;
+  std::optional<uint32_t> replica_set;
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;

@@ -61,6 +61,7 @@ MessagePtr ReportMessage(const QueuedReport& q, uint64_t seq, uint64_t dropped_t
   r->set_dropped_total(dropped_total);
   if (q.reduced_grad_fingerprint) r->set_reduced_grad_fingerprint(*q.reduced_grad_fingerprint);
   if (q.param_fingerprint) r->set_param_fingerprint(*q.param_fingerprint);
+  if (q.replica_set) r->set_replica_set(*q.replica_set);
   if (q.reduced_grad_norm) r->set_reduced_grad_norm(*q.reduced_grad_norm);
   if (q.step_time_seconds) r->set_step_time_seconds(*q.step_time_seconds);
   r->set_local_batch_size(q.local_batch_size);

@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "collector/analysis/replica_sets.h"
 #include "collector/analysis/replica_tolerance.h"
 #include "collector/model/rank_ranges.h"
 
@@ -64,9 +65,9 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
   StepDiagnostics d;
   const size_t n = step.reports.size();
   std::vector<RankSignals> signals;
-  std::vector<RankFingerprint> grads, params;
-  std::vector<RankReplicaSummary> grad_summaries, param_summaries;
+  std::vector<RankReplica> grads, params;
   uint32_t grad_precision = 53;
+  bool any_grad_summary = false;
   std::vector<double> local_norms, reduced_norms, times;
   signals.reserve(n);
   local_norms.reserve(n);
@@ -80,16 +81,16 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     signals.push_back({r.rank, r.loss, r.grad_norm, stats.per_rank[i].consensus_cosine,
                        r.loss_absent, echoes.contains(r.rank)});
     if (r.reduced_grad_fingerprint) {
-      grads.push_back({r.rank, *r.reduced_grad_fingerprint});
+      // The reduced gradient: one set, the whole group.
+      grads.push_back({r.rank, *r.reduced_grad_fingerprint, std::nullopt, r.reduced_grad_summary});
       if (r.reduced_grad_summary) {
-        grad_summaries.push_back({r.rank, *r.reduced_grad_fingerprint, *r.reduced_grad_summary});
+        any_grad_summary = true;
         grad_precision = std::min(grad_precision, r.reduced_grad_summary->precision);
       }
     }
     if (r.param_fingerprint) {
-      params.push_back({r.rank, *r.param_fingerprint});
-      if (r.param_summary)
-        param_summaries.push_back({r.rank, *r.param_fingerprint, *r.param_summary});
+      // The parameters: within each replica set (replica_sets.h).
+      params.push_back({r.rank, *r.param_fingerprint, r.replica_set, r.param_summary});
     }
     local_norms.push_back(r.grad_norm);
     if (r.reduced_grad_norm) reduced_norms.push_back(*r.reduced_grad_norm);
@@ -98,30 +99,27 @@ StepDiagnostics DiagnoseStep(const JoinedStep& step, const StepStatistics& stats
     batch = std::max(batch, r.local_batch_size);
   }
   d.outliers = ComputeOutlierScores(signals, scale_floor, &d.scales);
-  // Each with a tolerance when every rank that sent its fingerprint sent a summary (their
+  // Each within its replica sets (replica_sets.h; the reduced gradient's are one set), a set
+  // with a tolerance when every rank of it that sent its fingerprint sent a summary (their
   // replica check is "tolerance", replica_tolerance.h), else bit for bit.
-  auto check = [&d](const std::vector<RankFingerprint>& fingerprints,
-                    const std::vector<RankReplicaSummary>& summaries, double reduction) {
-    if (fingerprints.empty() || summaries.size() != fingerprints.size() || std::isnan(reduction)) {
-      return CheckReplicas(fingerprints);
-    }
-    ToleranceVerdict tolerance = CheckReplicasWithTolerance(summaries, reduction);
+  auto check = [&d](const std::vector<RankReplica>& ranks, double reduction) {
+    ReplicaSetsVerdict sets = CheckReplicaSets(ranks, reduction);
+    if (!sets.tolerance) return std::move(sets.verdict);
     d.replica_tolerance = true;
     std::vector<uint32_t> within;
     std::set_union(d.replica_within_tolerance.begin(), d.replica_within_tolerance.end(),
-                   tolerance.within_tolerance.begin(), tolerance.within_tolerance.end(),
+                   sets.within_tolerance.begin(), sets.within_tolerance.end(),
                    std::back_inserter(within));
     d.replica_within_tolerance = std::move(within);
     d.replica_tolerance_ratio = std::isnan(d.replica_tolerance_ratio)
-                                    ? tolerance.worst_ratio
-                                    : std::max(d.replica_tolerance_ratio, tolerance.worst_ratio);
-    return std::move(tolerance.verdict);
+                                    ? sets.worst_ratio
+                                    : std::max(d.replica_tolerance_ratio, sets.worst_ratio);
+    return std::move(sets.verdict);
   };
   const ReplicaVerdict grad_verdict = check(
-      grads, grad_summaries,
-      grad_summaries.empty() ? 0.0
-                             : ReductionRounding(local_norms, step.world_size, grad_precision));
-  const ReplicaVerdict param_verdict = check(params, param_summaries, 0.0);
+      grads,
+      any_grad_summary ? ReductionRounding(local_norms, step.world_size, grad_precision) : 0.0);
+  const ReplicaVerdict param_verdict = check(params, 0.0);
   d.replica_checked = grad_verdict.checked || param_verdict.checked;
   std::set_union(grad_verdict.divergent_ranks.begin(), grad_verdict.divergent_ranks.end(),
                  param_verdict.divergent_ranks.begin(), param_verdict.divergent_ranks.end(),

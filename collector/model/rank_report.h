@@ -45,6 +45,9 @@ struct RankReport {
   // With param_fingerprint, from a rank whose replica check is "tolerance": the parameters'
   // float summary (validated: kReplicaProjections finite values, a finite rounding >= 0).
   std::optional<ReplicaSummary> param_summary;
+  // With param_fingerprint: the replica set it belongs to (StepReport.replica_set; the collector
+  // compares the parameters within each set). Unset: the one set of the whole group.
+  std::optional<uint32_t> replica_set;
   // With reduced_grad_fingerprint, likewise (precision in [1, 53]).
   std::optional<ReplicaSummary> reduced_grad_summary;
   std::optional<double> reduced_grad_norm;

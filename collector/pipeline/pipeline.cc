@@ -64,6 +64,7 @@ RankReport ToRankReport(const v1::StepReport& r, SketchEncoding encoding, uint32
   if (r.has_reduced_grad_fingerprint()) out.reduced_grad_fingerprint = r.reduced_grad_fingerprint();
   if (r.has_param_fingerprint()) out.param_fingerprint = r.param_fingerprint();
   if (r.has_param_summary()) out.param_summary = SummaryOf(r.param_summary());
+  if (r.has_replica_set()) out.replica_set = r.replica_set();
   if (r.has_reduced_grad_summary()) out.reduced_grad_summary = SummaryOf(r.reduced_grad_summary());
   if (r.has_reduced_grad_norm()) out.reduced_grad_norm = r.reduced_grad_norm();
   if (r.has_step_time_seconds()) out.step_time_seconds = r.step_time_seconds();

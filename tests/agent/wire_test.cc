@@ -103,15 +103,19 @@ TEST(WireTest, ReportCarriesEveryFieldAndOnlyTheOptionalOnesGiven) {
   EXPECT_FALSE(r.has_step_time_seconds());
   EXPECT_FALSE(r.has_param_summary());
   EXPECT_FALSE(r.has_reduced_grad_summary());
+  EXPECT_FALSE(r.has_replica_set());  // absent: the one set of the whole group
 
   q.reduced_grad_fingerprint = 0xfedcba9876543210ull;
   q.param_fingerprint = 0;
+  q.replica_set = 0;  // set 0 is a set (HSDP's shard index 0), not "absent"
   q.reduced_grad_norm = 0.25;
   q.step_time_seconds = 0.125;
   MessagePtr full = ReportMessage(q, 10, 0);
   EXPECT_EQ(full->report().reduced_grad_fingerprint(), 0xfedcba9876543210ull);
   EXPECT_TRUE(full->report().has_param_fingerprint());
   EXPECT_EQ(full->report().param_fingerprint(), 0u);
+  EXPECT_TRUE(full->report().has_replica_set());
+  EXPECT_EQ(full->report().replica_set(), 0u);
   EXPECT_EQ(full->report().reduced_grad_norm(), 0.25);
   EXPECT_EQ(full->report().step_time_seconds(), 0.125);
   EXPECT_FALSE(full->report().has_param_summary());

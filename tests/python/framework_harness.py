@@ -7,6 +7,7 @@ the step from a reference replica (same weights, same micro-batches, no framewor
 to rank 0 (a collective the test pays).
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -548,12 +549,15 @@ def check_ddp_replicas(fps, steps) -> None:
     assert len(first) == 1 and None not in first, fps
 
 
-def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None):
+def trainer_arguments(
+    output_dir, accum: int, max_steps: int, fsdp: bool = False, deepspeed=None, optim="sgd"
+):
     """The Hugging Face TrainingArguments of the framework tests: gloo DDP on the CPU (or
     accelerate's FSDP2, ``fsdp``: one fully_shard of the whole model, see fsdp_on_cpu), plain SGD
     at a constant rate, no clipping, nothing logged or saved (so the reference replica's steps
     are the Trainer's own). ``deepspeed``: accelerate's DeepSpeed backend with that config
-    (accelerate enables it only without ``use_cpu``)."""
+    (accelerate enables it only without ``use_cpu``). ``optim``: the Trainer's optimizer name
+    (``adamw_torch`` for an optimizer that counts its steps)."""
     import transformers
 
     extra = {"use_cpu": True}
@@ -570,7 +574,7 @@ def trainer_arguments(output_dir, accum: int, max_steps: int, fsdp: bool = False
         gradient_accumulation_steps=accum,
         max_steps=max_steps,
         learning_rate=0.05,
-        optim="sgd",
+        optim=optim,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
         report_to=[],
@@ -600,26 +604,102 @@ def megatron_on_cpu() -> None:
     parameter and gradient buffers on ``torch.cuda.current_device()`` and ``start_grad_sync``
     reads ``torch.cuda.current_stream()`` unconditionally. Both are pointed at the CPU; every
     other line (buckets, main_grad views, scaling, the gloo collectives, finalize_model_grads) is
-    Megatron's own. Only for overlap_grad_reduce=False (the overlapped path uses CUDA streams)."""
+    Megatron's own, the overlapped path (overlap_grad_reduce: asynchronous gloo collectives from
+    the backward hooks, waited on in finish_grad_sync) included: it uses a CUDA stream only with
+    several distributed-optimizer instances, which rankscope refuses."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
 
 
-# name -> (micro-batches a step, refuse by version, use_distributed_optimizer)
+# name -> (micro-batches a step, refuse by version, use_distributed_optimizer, overlap_grad_reduce)
 MEGATRON_SCENARIOS = {
-    "allreduce-accum": (2, False, False),
+    "allreduce-accum": (2, False, False, False),
+    # Buckets of about 200 elements: several bucket groups, each reduced asynchronously from
+    # Megatron's backward hooks as it becomes ready on the last micro-batch (the first runs under
+    # model.no_sync()); finish_grad_sync waits.
+    "overlap-accum": (2, False, False, True),
     # Reduce-scatter into each rank's shard of the buffer. Megatron's DistributedOptimizer is not
     # built here: the parameters are not updated (the truth reloads them every step anyway).
-    "distopt-accum": (2, False, True),
-    "refused": (1, True, False),
+    "distopt-accum": (2, False, True, False),
+    "refused": (1, True, False, False),
+}
+
+# The zero-code launch (rankscope.auto.install) with Megatron's mixed-precision optimizers: bf16
+# parameters and gradient buffers, get_megatron_optimizer(bf16=True); name -> (its
+# use_distributed_optimizer, the optimizer's loss_scale). Run after the scenarios above, in the
+# same processes (every model built after install is attached).
+MEGATRON_AUTO_SCENARIOS = {
+    "auto-bf16": (False, None),  # Float16OptimizerWithFloat16Params
+    "auto-bf16-distopt": (True, None),  # DistributedOptimizer: shards of the main parameters
+    "auto-bf16-scaled": (False, 1024.0),  # a constant loss scale: refused
+    # float32 parameters: DistributedOptimizer steps shard views of them (no main parameters):
+    # not found, refused.
+    "auto-fp32-distopt": (True, None),
 }
 
 
+def megatron_optimizers_on_cpu() -> None:
+    """Lets megatron-core 0.19's Float16OptimizerWithFloat16Params and DistributedOptimizer be
+    built and step on the CPU in this (test rank) process: they accept only parameters whose
+    ``Tensor.type()`` is ``torch.cuda.{Half,BFloat16,Float}Tensor`` and make a few scalars with
+    ``torch.tensor(..., device="cuda")`` / ``torch.zeros(..., device="cuda")`` (the unit scale,
+    the grad norm's accumulator). ``type()`` without arguments names CPU tensors as CUDA ones and
+    those two factories put ``"cuda"`` tensors on the CPU; every other line (main parameters,
+    gradient copies, Adam, the shard all-gather) is Megatron's own."""
+    real_type, real_tensor, real_zeros = torch.Tensor.type, torch.tensor, torch.zeros
+
+    def type_(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        if args or kwargs or not name.startswith("torch.") or name.startswith("torch.cuda."):
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    def on_cpu(factory):
+        def make(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    torch.Tensor.type = type_
+    torch.tensor = on_cpu(real_tensor)
+    torch.zeros = on_cpu(real_zeros)
+
+
+# The aggregation check in all-reduce mode (rankscope.frameworks.megatron): in this scenario the
+# reduced gradient of this step is perturbed by this fraction of its norm on every rank, after
+# Megatron's all-reduce (the same wrong mean everywhere); the truth checks read the local
+# gradients only.
+MEGATRON_CORRUPT = ("allreduce-accum", 1, 2e-4)
+
+
+def corrupt_finish_grad_sync(model, current: dict, step: int, relative: float) -> None:
+    """Wraps each bucket group's ``finish_grad_sync`` (after it, the bucket's grad_data holds the
+    all-reduced gradient) to add noise of ``relative`` times each parameter's reduced gradient
+    norm, the same on every rank, when ``current["step"] == step``."""
+    for group in model.bucket_groups:
+        original = group.finish_grad_sync
+
+        def finish_grad_sync(*args, group=group, original=original, **kwargs):
+            out = original(*args, **kwargs)
+            if current["step"] == step:
+                for p in (p for b in group.buckets for p in b.params_list):
+                    g = torch.Generator().manual_seed(1000 * step + p.numel())
+                    noise = torch.randn(p.numel(), generator=g, dtype=torch.float64)
+                    scale = relative * p.main_grad.double().norm() / noise.norm()
+                    p.main_grad.add_((noise * scale).to(p.main_grad.dtype).view_as(p.main_grad))
+            return out
+
+        group.finish_grad_sync = finish_grad_sync
+
+
 def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
-    """Megatron-core DistributedDataParallel (all-reduce mode, grad_reduce_in_fp32; without
-    overlap_grad_reduce Megatron makes one bucket) training TinyLM, attached with rankscope.torch.attach(model); the
-    step's loss is the mean of its micro-batch losses, each backpropagated as loss / micro-batches
-    (Megatron's schedules' scaling), and finalize_model_grads ends the reduction."""
+    """Megatron-core DistributedDataParallel (MEGATRON_SCENARIOS: all-reduce or reduce-scatter,
+    overlapped or not; grad_reduce_in_fp32; without overlap_grad_reduce Megatron makes one
+    bucket) training TinyLM, attached with rankscope.torch.attach(model); the step's loss is the
+    mean of its micro-batch losses, each backpropagated as loss / micro-batches (Megatron's
+    schedules' scaling), and finalize_model_grads ends the reduction."""
     megatron_on_cpu()
     from megatron.core import package_info, parallel_state
     from megatron.core.distributed import (
@@ -633,18 +713,26 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
     from rankscope.frameworks._local_grads import Unwatched
 
     parallel_state.initialize_model_parallel()
-    for name in names:
-        accumulation, refused, distopt = MEGATRON_SCENARIOS[name]
+    for name in [n for n in names if n in MEGATRON_SCENARIOS]:
+        accumulation, refused, distopt, overlap = MEGATRON_SCENARIOS[name]
         torch.manual_seed(7)
         lm = TinyLM()
         ref = copy.deepcopy(lm)
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
         ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=False, grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+            overlap_grad_reduce=overlap,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=distopt,
+            bucket_size=200 if overlap else None,
         )
         model = DistributedDataParallel(config, ddp_config, lm)
+        if overlap:
+            assert len(model.bucket_groups) > 1, model.bucket_groups
         opt = torch.optim.SGD(lm.parameters(), lr=0.05)
         job = f"{job_prefix}-{name}"
+        current = {"step": -1}
+        if name == MEGATRON_CORRUPT[0]:
+            corrupt_finish_grad_sync(model, current, *MEGATRON_CORRUPT[1:])
         messages = []
         if refused:
             real = package_info.__version__
@@ -655,6 +743,17 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
             package_info.__version__ = real
             messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             assert isinstance(mon, Unwatched), mon
+            # fp16: Megatron's buffers hold loss-scaled gradients (never trained here).
+            fp16 = DistributedDataParallel(
+                TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, fp16=True),
+                DistributedDataParallelConfig(),
+                TinyLM(),
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                refused_fp16 = rst.attach(fp16, collector="127.0.0.1:1", job=f"{job}-fp16")
+            assert isinstance(refused_fp16, Unwatched), refused_fp16
+            messages += [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         else:
             mon = rst.attach(model, collector=collector, job=job, sketch_dim=sketch_dim)
             assert mon.framework == f"megatron-core {package_info.__version__} ddp", mon
@@ -662,13 +761,18 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         for step in range(steps):
             ref.load_state_dict(lm.state_dict())
             ref_loss, g = reference_step(ref, rank, step, accumulation)
+            current["step"] = step
             model.zero_grad_buffer()
             losses = []
             for micro in range(accumulation):
                 x, y = batch(rank, step, micro)
-                loss = lm_loss(model, x, y)
-                (loss / accumulation).backward()
+                last = micro == accumulation - 1
+                with contextlib.nullcontext() if last or not overlap else model.no_sync():
+                    loss = lm_loss(model, x, y)
+                    (loss / accumulation).backward()
                 losses.append(loss.detach())
+            if overlap and step > 0:  # issued from backward, one bucket group at a time
+                assert all(g.grad_reduce_handle is not None for g in model.bucket_groups)
             finalize_model_grads([model])
             if not distopt:
                 for p in lm.parameters():
@@ -683,8 +787,135 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
         info = {
             "stats": mon.close(timeout=30),
             "messages": messages,
+            "integrity_unsupported": getattr(mon, "integrity_unsupported", None),
         }
         write_json(Path(out_dir) / f"{name}.rank{rank}.json", info)
         if rank == 0:
             write_json(Path(out_dir) / f"{name}.expected.json", expected)
         dist.barrier()
+    auto = [n for n in names if n in MEGATRON_AUTO_SCENARIOS]
+    if auto:
+        megatron_optimizers_on_cpu()
+        _megatron_scaled_attach(rank, collector, job_prefix, out_dir)
+    for name in auto:
+        _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name)
+
+
+def _megatron_bf16(distopt: bool, loss_scale, bf16: bool = True):
+    """(TinyLM in bf16, its Megatron DDP model, Megatron's optimizer of it: Adam, bf16), or all
+    in float32 when not ``bf16``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(7)
+    lm = TinyLM().to(torch.bfloat16 if bf16 else torch.float32)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=bf16)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, use_distributed_optimizer=distopt
+    )
+    model = DistributedDataParallel(config, ddp_config, lm)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.01,
+            bf16=bf16,
+            loss_scale=loss_scale,
+            use_distributed_optimizer=distopt,
+        ),
+        [model],
+    )
+    return lm, model, opt
+
+
+def _megatron_scaled_attach(rank, collector, job_prefix, out_dir):
+    """rst.attach(model) on a bf16 model whose Megatron optimizer has a loss scale: refused at
+    its first reduction (one warning), two steps trained, nothing reported."""
+    from megatron.core.distributed import finalize_model_grads
+
+    import rankscope.torch as rst
+
+    _, model, opt = _megatron_bf16(False, 1024.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(model, collector=collector, job=f"{job_prefix}-scaled-attach")
+        for step in range(2):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            x, y = batch(rank, step, 0)
+            opt.scale_loss(lm_loss(model, x, y)).backward()  # Megatron's schedules' scaling
+            finalize_model_grads([model])
+            opt.step()
+            mon.step()
+    info = {
+        "stats": mon.close(timeout=30),
+        "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
+    write_json(Path(out_dir) / f"scaled-attach.rank{rank}.json", info)
+    dist.barrier()
+
+
+def _bf16_reference_step(ref, rank, step, accumulation):
+    """reference_step through torch.autograd.grad (the zero-code launch records every
+    ``.backward`` of the process as the step's loss): the micro-batches' gradients of loss /
+    accumulation added in the parameters' dtype in micro-batch order, as Megatron's buffer adds
+    each ``.grad`` into ``main_grad``."""
+    params = [p for p in ref.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    losses = []
+    for micro in range(accumulation):
+        x, y = batch(rank, step, micro)
+        loss = lm_loss(ref, x, y)
+        for t, g in zip(total, torch.autograd.grad(loss / accumulation, params)):
+            t.add_(g)
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), torch.cat([t.reshape(-1).double() for t in total])
+
+
+def _megatron_auto_scenario(rank, world_size, collector, job_prefix, out_dir, steps, name):
+    """One model of bf16 parameters under the zero-code launch, stepped by Megatron's
+    mixed-precision optimizer (MEGATRON_AUTO_SCENARIOS); the truth from a bf16 reference
+    replica, whose autograd accumulates the micro-batches' gradients in bf16 as Megatron's
+    buffers do. Writes the attachment's stats, state and step boundary."""
+    from megatron.core.distributed import finalize_model_grads
+
+    import rankscope.auto
+
+    distopt, loss_scale = MEGATRON_AUTO_SCENARIOS[name]
+    job = f"{job_prefix}-{name}"
+    options = {"collector": collector, "sketch_dim": 256}
+    attacher = rankscope.auto.install(job, dormant=False, options=options)
+    attacher.job = job  # install is once a process: later scenarios rename the job
+    accumulation = 2
+    lm, model, opt = _megatron_bf16(distopt, loss_scale, bf16=not name.startswith("auto-fp32"))
+    ref = copy.deepcopy(lm)
+    expected = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            ref.load_state_dict(lm.state_dict())
+            ref_loss, g = _bf16_reference_step(ref, rank, step, accumulation)
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            for micro in range(accumulation):
+                x, y = batch(rank, step, micro)
+                loss = lm_loss(model, x, y)
+                (loss / accumulation).backward()
+            finalize_model_grads([model])
+            opt.step()
+            e = gather_truth(rank, world_size, ref_loss, g, 256)
+            if rank == 0:
+                expected[step] = e
+    (attachment,) = [m for m in attacher.models if m._model() is model]
+    info = {
+        "state": attachment.state,
+        "error": attachment.error,
+        "group": attachment.group,
+        "step_boundary": getattr(attachment, "step_boundary", None),
+        "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "stats": attachment.monitor.close(timeout=30) if attachment.monitor else None,
+    }
+    write_json(Path(out_dir) / f"{name}.rank{rank}.json", info)
+    if rank == 0:
+        write_json(Path(out_dir) / f"{name}.expected.json", expected)
+    dist.barrier()

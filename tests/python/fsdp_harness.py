@@ -61,9 +61,12 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
     """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "backend": torch.compile's
     (default aot_eager), "accum": micro-batches
     per step (each reduced), "keep": attach's accumulate_local_grad, "unused": a branch without
-    gradients, "sync_last": only the last micro-batch reduces}. Writes JOB.expected.json
-    (rank 0) and JOB.rankR.json: the monitor's stats and the parameter fingerprint of the replicas
-    after step 0 (pure data-parallel modes), computed here with rankscope.fingerprint."""
+    gradients, "sync_last": only the last micro-batch reduces, "ff": TinyLM's feed-forward width
+    (odd: uneven shards), "param_check_every": attach's, "perturb": {"rank", "step"}: that rank
+    adds 1e-3 to one value of its local parameters after that step's optimizer step}. Writes
+    JOB.expected.json (rank 0) and JOB.rankR.json: the monitor's stats and the parameter
+    fingerprint of the replicas after step 0 (pure data-parallel modes and HSDP's local shards),
+    computed here with rankscope.fingerprint, with the shapes of what it covers."""
     from rankscope import DEFAULT_SKETCH_SEED
     from rankscope import fingerprint as fp
     import rankscope.torch as rst
@@ -71,7 +74,7 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
     torch.manual_seed(7)
     # "unused": a branch no forward takes, on every rank: its parameters never get a gradient,
     # so FSDP2 leaves them out of the reduction (the layout it reduces changes).
-    model = sh.TinyLM(extra_branch=bool(scenario.get("unused")))
+    model = sh.TinyLM(extra_branch=bool(scenario.get("unused")), ff=scenario.get("ff", 64))
     ref = copy.deepcopy(model)
     framework = scenario["framework"]
     if framework == "fsdp2":
@@ -84,15 +87,20 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
         model = ddp.module
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
     accum = scenario.get("accum", 1)
+    extra = {}
+    if "param_check_every" in scenario:
+        extra["param_check_every"] = scenario["param_check_every"]
+    perturb = scenario.get("perturb", {})
     mon = rst.attach(
         ddp if framework == "compile" else wrapped,
         collector=collector,
         job=job,
         sketch_dim=sketch_dim,
         accumulate_local_grad=scenario.get("keep"),
+        **extra,
     )
     expected = {}
-    param_fp = None
+    param_fp = shapes = None
     for step in range(steps):
         ref.load_state_dict(_full_state(wrapped, framework, model))
         ref.zero_grad(set_to_none=True)
@@ -114,14 +122,19 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
                 loss.backward()
             losses.append(loss.detach())
         opt.step()
+        if perturb.get("rank") == rank and perturb.get("step") == step:
+            with torch.no_grad():  # a replica that went its own way (a bit flip, a bad update)
+                local = next(t for t in mon._replica._params if t.numel() > 0)
+                local.view(-1)[0] += 1e-3
         mon.step(torch.stack(losses).mean())
-        if step == 0 and scenario.get("mode") in ("replicate", "NO_SHARD"):
+        if step == 0 and scenario.get("mode") in ("replicate", "NO_SHARD", "hsdp"):
             replicas = list(mon._replica._params)  # what the path fingerprints
-            if scenario["mode"] == "replicate":
+            if scenario["mode"] in ("replicate", "hsdp"):
                 assert [id(t) for t in replicas] == [
                     id(getattr(p, "_local_tensor", p)) for p in wrapped.parameters()
                 ]
             param_fp = fp.to_uint64(fp.fold_parameters(replicas))
+            shapes = [list(t.shape) for t in replicas]
 
         gathered = [torch.zeros_like(g) for _ in range(world_size)]
         dist.all_gather(gathered, g)
@@ -133,7 +146,10 @@ def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim,
             )
     stats = mon.close(timeout=30)
     out_dir = Path(out_dir)
-    sh.write_json(out_dir / f"{job}.rank{rank}.json", {"stats": stats, "param_fp": param_fp})
+    sh.write_json(
+        out_dir / f"{job}.rank{rank}.json",
+        {"stats": stats, "param_fp": param_fp, "shapes": shapes},
+    )
     if rank == 0:
         sh.write_json(out_dir / f"{job}.expected.json", expected)
     dist.barrier()

@@ -2,9 +2,11 @@
 rankscope, for `rankscope attach --pid` (tests/python/test_frameworks_huggingface_attach.py).
 One process per rank:
 
-    hf_attach_target.py --rank R --world W --port P --dir D [--accum A]
+    hf_attach_target.py --rank R --world W --port P --dir D [--accum A] [--fsdp2]
 
-Trains TinyLM through transformers.Trainer with A micro-batches a step. Next to each step it
+Trains TinyLM through transformers.Trainer with A micro-batches a step (``--fsdp2``: on
+accelerate's FSDP2 backend, fsdp_version 2, with AdamW, whose step count numbers a live
+attach's steps; framework_harness.fsdp_on_cpu lets accelerate build it on the CPU). Next to each step it
 computes the rank's exact local loss (the mean of its micro-batch losses) and local gradient (the
 sum of the gradients of loss / A) from a reference replica fed the same micro-batches, gathered
 to rank 0 (collectives the test pays), who rewrites D/expected.json after every step: per
@@ -24,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from framework_harness import LMForTrainer, TokenData, trainer_arguments  # noqa: E402  (no rankscope inside)
+from framework_harness import (  # noqa: E402  (no rankscope inside)
+    LMForTrainer,
+    TokenData,
+    fsdp_on_cpu,
+    trainer_arguments,
+    trainer_lm_state,
+)
 from shim_harness import flat_grad, lm_loss  # noqa: E402
 
 
@@ -37,6 +45,7 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--fsdp2", action="store_true")
     args = ap.parse_args()
     out = Path(args.dir)
     torch.set_num_threads(1)
@@ -58,15 +67,18 @@ def main():
     model = LMForTrainer()
     ref = copy.deepcopy(model.lm)
     accum = args.accum
-    targs = trainer_arguments(out / f"hf{args.rank}", accum, 10**6)
+    optim = "adamw_torch" if args.fsdp2 else "sgd"
+    targs = trainer_arguments(out / f"hf{args.rank}", accum, 10**6, fsdp=args.fsdp2, optim=optim)
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenData(n=4096))
+    if args.fsdp2:
+        fsdp_on_cpu(trainer)
     truth = {"losses": []}
     expected = {}
     original = trainer.training_step
 
     def training_step(model_, inputs, *a, **kw):
         if not truth["losses"]:  # the step's first micro-batch: the weights before its update
-            ref.load_state_dict(model_.module.lm.state_dict())
+            ref.load_state_dict(trainer_lm_state(model_))
             ref.zero_grad(set_to_none=True)
         loss = lm_loss(ref, inputs["input_ids"], inputs["labels"])
         # torch.autograd.grad, not backward: the job's only backward calls are the Trainer's.

@@ -34,9 +34,24 @@ TARGET = Path(__file__).resolve().parent / "hf_attach_target.py"
 WORLD = 2
 
 
-def test_attach_to_a_running_trainer_reports_every_step_exactly(module_collector, tmp_path):
+# backend -> (the target's flags, the path each rank's attach prints)
+BACKENDS = {
+    "ddp": ((), "path: comm hook"),
+    "fsdp2": (("--fsdp2",), "path: FSDP2 FSDP: reduce-scatter inputs"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_attach_to_a_running_trainer_reports_every_step_exactly(
+    module_collector, tmp_path, backend
+):
+    """``fsdp2``: accelerate's FSDP2 backend (fully_shard of the whole model, each micro-batch
+    reduced): its root is found on the heap, both ranks start at one step agreed on the
+    collectives of the model's mesh, numbered by AdamW's count (the Trainer's global step)."""
     if not CLI_BIN.exists():
         pytest.skip(f"{CLI_BIN} not built")
+    flags, path = BACKENDS[backend]
+    job = f"hf-live-{backend}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
     env["PYTHONPATH"] = str(TARGET.parent)
     port = free_port()
@@ -44,7 +59,7 @@ def test_attach_to_a_running_trainer_reports_every_step_exactly(module_collector
     for r in range(WORLD):
         log = open(tmp_path / f"rank{r}.log", "w")
         cmd = [sys.executable, str(TARGET), "--rank", str(r), "--world", str(WORLD)]
-        cmd += ["--port", str(port), "--dir", str(tmp_path)]
+        cmd += ["--port", str(port), "--dir", str(tmp_path), *flags]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
 
     def progress(step):
@@ -64,7 +79,7 @@ def test_attach_to_a_running_trainer_reports_every_step_exactly(module_collector
             [
                 str(CLI_BIN),
                 "attach",
-                "--job=hf-live",
+                f"--job={job}",
                 f"--collector={module_collector.address}",
                 *[str(p.pid) for p in procs],
             ],
@@ -75,7 +90,7 @@ def test_attach_to_a_running_trainer_reports_every_step_exactly(module_collector
         assert out.returncode == 0, out.stdout + out.stderr
         starts = [int(s) for s in re.findall(r"reporting from step (\d+)", out.stdout)]
         assert len(starts) == WORLD and len(set(starts)) == 1, out.stdout
-        assert out.stdout.count("path: comm hook") == WORLD, out.stdout
+        assert out.stdout.count(path) == WORLD, out.stdout
         first = starts[0]
         wait_until(lambda: progress(first + 4), 120, "four reported steps")
         (tmp_path / "stop").write_text("2")
@@ -91,11 +106,11 @@ def test_attach_to_a_running_trainer_reports_every_step_exactly(module_collector
         assert p.returncode == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
 
     expected = {int(k): v for k, v in json.loads((tmp_path / "expected.json").read_text()).items()}
-    rows = module_collector.step_rows("hf-live")
+    rows = module_collector.step_rows(job)
     last = max(expected)
     assert sorted(rows) == list(range(first, last + 1)), "every step from the first reported"
     ranks = {}
-    for step, rank, loss, gn, _ in module_collector.rank_rows("hf-live"):
+    for step, rank, loss, gn, _ in module_collector.rank_rows(job):
         ranks.setdefault(step, {})[rank] = (loss, gn)
     for step in range(first, last + 1):
         r, e = rows[step], expected[step]

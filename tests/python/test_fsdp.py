@@ -172,15 +172,16 @@ def test_collector_statistics_equal_exact_local_values(exact_runs, job):
         # Shards: nothing two ranks hold is the same, so no fingerprint is sent.
         assert all(v is None for v in fps.values()), fps
     # The aggregation check: where a rank holds the whole reduced gradient after the hook (DDP
-    # under torch.compile, FSDP1 NO_SHARD) every step is checked and clean; the other modes send
-    # no reduced sketch (docs/shim.md's Integrity notes).
+    # under torch.compile, FSDP1 NO_SHARD) or at the end of the backward (FSDP2 replicate) every
+    # step is checked and clean; the other modes send no reduced sketch (docs/shim.md's
+    # Integrity notes).
     checks = collector.query(
         "SELECT step, integrity_error_ratio, integrity_fault FROM step_stats WHERE job = ? "
         "ORDER BY step",
         (job,),
     )
     assert [c[0] for c in checks] == list(reported), checks
-    if scenario["framework"] == "compile" or scenario["mode"] == "NO_SHARD":
+    if scenario["framework"] == "compile" or scenario["mode"] in ("NO_SHARD", "replicate"):
         assert all(r is not None and r <= 1.0 and f == "" for _, r, f in checks), checks
     else:
         assert all(r is None for _, r, _ in checks), checks
@@ -190,6 +191,13 @@ def test_collector_statistics_equal_exact_local_values(exact_runs, job):
     not FSDP2, reason=f"torch {torch.__version__} has no FSDP2 path rankscope reads"
 )
 def test_fsdp2_hsdp_reports_exact_local_values_of_all_four_ranks(module_collector, tmp_path):
+    """HSDP on a 2 x 2 mesh (replicate x shard): rank r holds shard r % 2, so the replica sets
+    are {0, 2} and {1, 3}. An odd feed-forward width shards some parameters unevenly. Each rank
+    sends its local shards' fingerprint with its shard index; the collector compares the
+    replicas of each shard index, never shards against shards. At the last step rank 3 adds
+    1e-3 to one value of its shard after the optimizer step: its set has two replicas that
+    disagree and no majority, so both its ranks (1 and 3) are named, and never the other set."""
+    job = "fsdp2-hsdp"
     shim_harness.spawn(
         fsdp_harness.exact_worker,
         4,
@@ -197,10 +205,41 @@ def test_fsdp2_hsdp_reports_exact_local_values_of_all_four_ranks(module_collecto
         str(tmp_path),
         2,
         SKETCH_DIM,
-        {"fsdp2-hsdp": {"framework": "fsdp2", "mode": "hsdp"}},
+        {
+            job: {
+                "framework": "fsdp2",
+                "mode": "hsdp",
+                "ff": 63,
+                "param_check_every": 1,
+                "perturb": {"rank": 3, "step": 1},
+            }
+        },
         timeout=240,
     )
-    check(module_collector, tmp_path, "fsdp2-hsdp", 4, range(2))
+    results = check(module_collector, tmp_path, job, 4, range(2))
+    # What each rank fingerprints: its local shards, the same shapes on both replicas of a shard
+    # index; the two shard indices differ (uneven shards of the 63-wide layer).
+    shapes = [r["shapes"] for r in results]
+    assert shapes[0] == shapes[2] and shapes[1] == shapes[3]
+    assert shapes[0] != shapes[1], shapes
+    # After step 0 the replicas of a shard index hold the same bits, the shards do not.
+    fps = [r["param_fp"] for r in results]
+    assert fps[0] == fps[2] and fps[1] == fps[3] and fps[0] != fps[1], fps
+    rows = module_collector.query(
+        "SELECT step, rank, param_fingerprint, replica_ok FROM rank_steps WHERE job = ? "
+        "ORDER BY step, rank",
+        (job,),
+    )
+    assert [(s, r) for s, r, *_ in rows] == [(s, r) for s in range(2) for r in range(4)], rows
+    assert [pfp & (2**64 - 1) for s, _, pfp, _ in rows if s == 0] == fps
+    # Step 0 clean: every replica agrees; step 1: rank 3 (and its replica, rank 1) named.
+    assert [ok for *_, ok in rows] == [1, 1, 1, 1, 1, 0, 1, 0], rows
+    verdicts = module_collector.query(
+        "SELECT step, replica_checked, replica_divergent_ranks FROM step_stats WHERE job = ? "
+        "ORDER BY step",
+        (job,),
+    )
+    assert verdicts == [(0, 1, ""), (1, 1, "1,3")], verdicts
 
 
 @pytest.fixture(scope="module")

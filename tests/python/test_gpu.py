@@ -21,6 +21,12 @@ tools/gpu/run_checks.sh on a GPU machine).
   dim 1,000), through the 16-byte path and the element-by-element one (misaligned pointers,
   offsets within a hash block, partial tiles) and the piece-table kernel over a bucket's
   segments, launched strictly (no fallback hides a failure).
+* CUDA graphs: one NCCL rank whose DDP forward and backward are captured into a CUDA graph
+  (PyTorch's whole-network recipe: side stream, 11 eager warm-up steps) and replayed: the hook
+  chains the captured buckets without sketching (rankscope's kernels would replay into freed
+  buffers), the captured step and the replays are not reported, the eager steps before and after
+  are, and the parameters after the replays equal, bit for bit, those of the same run without
+  rankscope.
 """
 
 import copy
@@ -268,6 +274,81 @@ def nosync_worker(rank, world_size, collector, out_dir):
     H.write_json(Path(out_dir) / "nosync.json", out)
 
 
+GRAPH_WARMUP, GRAPH_REPLAYS, GRAPH_AFTER = 11, 4, 3
+
+
+def graph_worker(rank, world_size, collector, out_dir):
+    """The same training twice, without and with rankscope: eager warm-up steps on a side
+    stream, a CUDA graph of forward + backward captured, replayed (an eager SGD step after
+    each), then eager steps again. Writes the final parameters' equality and the shim's stats."""
+    import rankscope.torch as rst
+
+    dev = torch.device("cuda", 0)
+    _deterministic()
+    xs = [torch.randn(64, 32, generator=torch.Generator().manual_seed(s)) for s in range(40)]
+    batches = [(x.to(dev), x.sum(1, keepdim=True).to(dev)) for x in xs]
+
+    def train(with_rankscope):
+        torch.manual_seed(11)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # DDP built on a side stream, as the recipe asks
+            ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.01)
+        torch.cuda.current_stream().wait_stream(side)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        mon = None
+        if with_rankscope:
+            mon = rst.attach(ddp, collector=collector, job="gpu-graph", sketch_dim=1024)
+        loss_fn = nn.MSELoss()
+        step = 0
+
+        def eager(x, y):
+            nonlocal step
+            opt.zero_grad(set_to_none=False)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            if mon is not None:
+                mon.step(loss)
+            step += 1
+
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(GRAPH_WARMUP):
+                eager(*batches[step])
+        torch.cuda.current_stream().wait_stream(side)
+        static_x, static_y = (t.clone() for t in batches[step])
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph):
+            static_loss = loss_fn(ddp(static_x), static_y)
+            static_loss.backward()
+        if mon is not None:
+            mon.step(static_loss)  # the captured step: not reported
+        step += 1
+        for _ in range(GRAPH_REPLAYS):
+            static_x.copy_(batches[step][0])
+            static_y.copy_(batches[step][1])
+            graph.replay()
+            opt.step()
+            if mon is not None:
+                mon.step(static_loss)  # a replay: no hook ran, not reported
+            step += 1
+        for _ in range(GRAPH_AFTER):
+            eager(*batches[step])
+        torch.cuda.synchronize()
+        params = [p.detach().cpu() for p in model.parameters()]
+        return params, (mon.close(timeout=30) if mon is not None else None)
+
+    plain, _ = train(False)
+    watched, stats = train(True)
+    H.write_json(
+        Path(out_dir) / "graph.json",
+        {"equal": all(torch.equal(a, b) for a, b in zip(plain, watched)), "stats": stats},
+    )
+
+
 # ---- tests ---------------------------------------------------------------------------------------
 
 
@@ -439,3 +520,24 @@ def test_cuda_kernel_bins_equal_the_torch_ops(dtype, dim):
     diff = (got.bins - want.bins).abs()
     assert bool((diff <= bound).all()), (dtype, dim, "segments", float((diff - bound).max()))
     assert torch.allclose(got.sum_squares, want.sum_squares, rtol=1e-12, atol=0)
+
+
+def test_gpu_cuda_graph_capture_is_chained_not_sketched(module_collector, tmp_path, monkeypatch):
+    # PyTorch's DDP-under-graphs recipe: NCCL's async error handling off before the group exists.
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    H.spawn(graph_worker, 1, module_collector.address, str(tmp_path), timeout=240, backend="nccl")
+    out = _load(tmp_path / "graph.json")
+    assert out["equal"], "rankscope changed training under CUDA graph capture"
+    stats = out["stats"]
+    assert stats["shim_graph_captured_buckets"] > 0, stats
+    assert stats["shim_steps_in_graph_capture"] == 1, stats
+    assert stats["shim_steps_without_gradients"] == GRAPH_REPLAYS, stats
+    for k in ("shim_hook_errors", "shim_fingerprint_errors", "shim_step_errors"):
+        assert stats.get(k, 0) == 0, stats
+    rows = module_collector.query(
+        "SELECT DISTINCT step FROM rank_steps WHERE job = ? ORDER BY step", ("gpu-graph",)
+    )
+    eager = list(range(GRAPH_WARMUP)) + [
+        GRAPH_WARMUP + 1 + GRAPH_REPLAYS + i for i in range(GRAPH_AFTER)
+    ]
+    assert [r[0] for r in rows] == eager

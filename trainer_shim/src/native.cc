@@ -355,7 +355,8 @@ class PyAgent {
   // when given (rankscope.fingerprint); `reduced_sketch` (a Sketch or None) is the reduced
   // gradient's sketch on the steps this rank checks the aggregation (rankscope._integrity);
   // `param_*` and `reduced_grad_*` the float summaries under the tolerance replica check
-  // (rankscope.replica_summary; empty projections: the exact check).
+  // (rankscope.replica_summary; empty projections: the exact check); `replica_set` the replica
+  // set param_fingerprint belongs to (None: the whole group; HSDP: the shard index).
   std::string RecordSketch(uint64_t step, double loss, double grad_norm, PySketch& sketch,
                            std::optional<double> step_time_seconds, uint32_t local_batch_size,
                            std::optional<uint64_t> reduced_grad_fingerprint,
@@ -365,7 +366,8 @@ class PyAgent {
                            uint32_t reduced_grad_mantissa_bits,
                            const std::vector<double>& param_projections, double param_rounding,
                            const std::vector<double>& reduced_grad_projections,
-                           double reduced_grad_rounding, uint32_t reduced_grad_precision) {
+                           double reduced_grad_rounding, uint32_t reduced_grad_precision,
+                           std::optional<uint32_t> replica_set) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -381,6 +383,7 @@ class PyAgent {
     r.local_batch_size = local_batch_size;
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
     r.param_fingerprint = param_fingerprint;
+    r.replica_set = replica_set;
     r.reduced_grad_norm = reduced_grad_norm;
     r.param_projections = param_projections;
     r.param_rounding = param_rounding;
@@ -402,7 +405,8 @@ class PyAgent {
                         uint32_t reduced_grad_mantissa_bits, uintptr_t reduced_sketch_address,
                         const std::vector<double>& param_projections, double param_rounding,
                         const std::vector<double>& reduced_grad_projections,
-                        double reduced_grad_rounding, uint32_t reduced_grad_precision) {
+                        double reduced_grad_rounding, uint32_t reduced_grad_precision,
+                        std::optional<uint32_t> replica_set) {
     StepReport r;
     r.bucket_norms = bucket_norms;
     r.step = step;
@@ -422,6 +426,7 @@ class PyAgent {
     r.local_batch_size = local_batch_size;
     r.reduced_grad_fingerprint = reduced_grad_fingerprint;
     r.param_fingerprint = param_fingerprint;
+    r.replica_set = replica_set;
     r.reduced_grad_norm = reduced_grad_norm;
     r.param_projections = param_projections;
     r.param_rounding = param_rounding;
@@ -759,7 +764,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("reduced_sketch") = py::none(), py::arg("reduced_grad_mantissa_bits") = 0,
            py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
            py::arg("reduced_grad_projections") = std::vector<double>{},
-           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0,
+           py::arg("replica_set") = py::none())
       .def("record_raw", &PyAgent::RecordRaw, py::arg("step"), py::arg("loss"),
            py::arg("grad_norm"), py::arg("sketch_address"), py::arg("sketch_len"),
            py::arg("step_time_seconds") = py::none(), py::arg("local_batch_size") = 0,
@@ -770,7 +776,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("reduced_sketch_address") = 0,
            py::arg("param_projections") = std::vector<double>{}, py::arg("param_rounding") = 0.0,
            py::arg("reduced_grad_projections") = std::vector<double>{},
-           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0)
+           py::arg("reduced_grad_rounding") = 0.0, py::arg("reduced_grad_precision") = 0,
+           py::arg("replica_set") = py::none())
       .def("flush", &PyAgent::Flush, py::arg("timeout_seconds"))
       .def("close", &PyAgent::Close, py::arg("timeout_seconds"))
       .def("stats", &PyAgent::Stats)

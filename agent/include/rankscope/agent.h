@@ -115,6 +115,10 @@ struct StepReport {
   absl::Span<const float> sketch;
   std::optional<uint64_t> reduced_grad_fingerprint;
   std::optional<uint64_t> param_fingerprint;
+  // With param_fingerprint: the replica set it belongs to (StepReport.replica_set: ranks that
+  // send the same value hold replicas of the same values, e.g. HSDP's shard index). Unset: the
+  // one set of the whole group.
+  std::optional<uint32_t> replica_set;
   std::optional<double> reduced_grad_norm;
   std::optional<double> step_time_seconds;
   uint32_t local_batch_size = 0;

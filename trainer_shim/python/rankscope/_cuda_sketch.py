@@ -35,6 +35,8 @@ import threading
 
 import torch
 
+from rankscope.torch_sketch import flat_contiguous
+
 _FATBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sketch.fatbin")
 _THREADS = 256  # sketch.cu kWarps * 32
 _STAGE_VALUES = 8 * 1024  # sketch.cu kWarps * kTileValues
@@ -275,9 +277,7 @@ def sketch_add(
     """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the float32
     ``bins`` [dim] and the float64 ``ss`` [>= 1] (its first element), on torch's current stream of
     the values' device, in one launch. The caller has checked ``unusable`` (None)."""
-    flat = values.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(values)
     n = flat.numel()
     if n == 0:
         return

@@ -3,7 +3,13 @@ all-reduce, then handed to the default all-reduce (or the user's hook, chained);
 the all-reduce's future folds the reduced bucket into the step's replica fingerprint.
 
 Thread safety: the hook runs on the autograd thread while backward runs; the future's callback
-when the collective completes, possibly on a communication thread (it only appends to lists)."""
+when the collective completes, possibly on a communication thread (it only appends to lists).
+
+CUDA graphs: a bucket reduced while its stream is being captured (``torch.cuda.graph``,
+``make_graphed_callables``) is only chained, never sketched: a replay runs the captured kernels
+but no Python, so rankscope's kernels would replay into step buffers it has since freed, and
+nothing would read them. The monitor leaves such steps (and the replays, which reduce no bucket
+it sees) unreported (``_monitor.Monitor._bucket_in_capture``)."""
 
 import torch
 import torch.distributed as dist
@@ -37,9 +43,12 @@ def rankscope_comm_hook(
     layout = None
     replica = monitor._replica
     try:
-        monitor._add_bucket(bucket)
-        if replica.wants_reduced:
-            layout = replica.bucket_layout(bucket, monitor._sketcher)
+        if bucket.buffer().is_cuda and torch.cuda.is_current_stream_capturing():
+            monitor._bucket_in_capture()
+        else:
+            monitor._add_bucket(bucket)
+            if replica.wants_reduced:
+                layout = replica.bucket_layout(bucket, monitor._sketcher)
     except Exception as e:  # monitoring must never break training
         monitor._hook_failed(e)
     fut = state.chain(state.chain_state, bucket)

@@ -50,6 +50,7 @@ class _Pending:
         "dim",
         "reduced_bits",
         "reduced_cpu_bins",
+        "replica_set",
     )
 
     def __init__(
@@ -84,6 +85,7 @@ class _Pending:
         # checks: its bins ride in ``host`` after the local ones; 0 bits: none.
         self.reduced_bits = 0
         self.reduced_cpu_bins = None  # float64 bins of its CPU buckets (host), or None
+        self.replica_set = None  # the parameter fingerprint's replica set (None: the group)
 
 
 class DeferredReports:
@@ -116,6 +118,7 @@ class DeferredReports:
         after_record: Callable[[str], None],
         bucket_sq=None,
         reduced=None,
+        replica_set=None,
     ) -> None:
         """Starts copying one step's report from ``device``: ``sketch`` (the DeviceSketch on
         ``device``, or None), ``cpu_sketch`` (added when not empty: a model split across CPU and
@@ -123,7 +126,8 @@ class DeferredReports:
         read now), ``fingerprints()`` (ReplicaFingerprints.step_values on ``device``),
         ``bucket_sq`` (the squared norm per bucket on ``device``, or None) and ``reduced`` (the
         aggregation check's rankscope._integrity.Reduced, or None: its device bins travel in
-        the same payload, after the reduction on the device's stream order)."""
+        the same payload, after the reduction on the device's stream order); ``replica_set``
+        goes with the parameter fingerprint (ReplicaFingerprints.replica_set)."""
         # Long: one step's payload is laid out, filled and copied in one place, in the order the
         # reader (``_land``) takes it apart: sketch bins, loss, squared norm, the reduced bins; a
         # split would pass the layout between functions.
@@ -190,6 +194,7 @@ class DeferredReports:
         pending.loss_absent = loss is None  # mon.step() without a loss: a pipeline stage
         pending.buckets = buckets_host
         pending.dim = dim
+        pending.replica_set = replica_set
         if reduced is not None:
             pending.reduced_bits = reduced.bits
             pending.reduced_cpu_bins = reduced_cpu_bins
@@ -250,6 +255,7 @@ class DeferredReports:
                 p.batch,
                 reduced_grad_fingerprint=fps[0],
                 param_fingerprint=fps[1],
+                replica_set=None if fps[1] is None else p.replica_set,
                 reduced_grad_norm=fps[2],
                 loss_absent=p.loss_absent,
                 bucket_norms=[]

@@ -134,9 +134,7 @@ class DeviceSketch:
         """Adds the segments of ``buffer`` that ``layout`` (a fingerprint.SegmentLayout) describes,
         each at its global offset: with a Triton kernel one launch for the whole buffer (a DDP
         bucket), else the torch ops per segment."""
-        flat = buffer.detach().reshape(-1)
-        if not flat.is_contiguous():  # a DDP bucket's buffer always is
-            flat = flat.contiguous()
+        flat = _ts.flat_contiguous(buffer)  # a DDP bucket's buffer is already
 
         def compute(choice):
             if choice.backend == _backend.CUDA:

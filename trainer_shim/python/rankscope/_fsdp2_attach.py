@@ -311,12 +311,7 @@ class AttachedFsdp2(Attachment):
             raise RuntimeError(monitor.reason)
         self.monitor = monitor
         self.path = f"{monitor.framework_mode}: {self.PATH}"
-        self._optimizer = attacher.optimizer_for(model)
-        if self._optimizer is None:
-            raise RuntimeError(
-                f"no torch.optim optimizer holds the parameters of {self.KIND} (its step is "
-                "the step boundary such a model is watched by)"
-            )
+        self._optimizer = self._optimizer_for(model)
         self._hook_handles.append(
             self._optimizer.register_step_post_hook(lambda opt, args, kwargs: self._boundary())
         )
@@ -337,6 +332,17 @@ class AttachedFsdp2(Attachment):
 
     # ---- the step boundary: the optimizer's step post-hook ----------------------------------
 
+    def _optimizer_for(self, model):
+        """The torch.optim optimizer whose step post-hook is the model's step boundary; raises
+        RuntimeError (the attachment fails, warned) when there is none."""
+        optimizer = self._attacher.optimizer_for(model)
+        if optimizer is None:
+            raise RuntimeError(
+                f"no torch.optim optimizer holds the parameters of {self.KIND} (its step is "
+                "the step boundary such a model is watched by)"
+            )
+        return optimizer
+
     def _boundary(self) -> None:
         if self.state in ("failed", "closed"):
             return
@@ -346,6 +352,11 @@ class AttachedFsdp2(Attachment):
                 loss, _ = self._attacher.capture.take()
                 self.monitor.step(loss)
                 return
+            # Until the first reported step: learn whether the framework reduces a parameter
+            # more than once a step (FSDP2 under accumulation), so that step keeps the sums.
+            grads = getattr(self.monitor, "local_grads", None)
+            if grads is not None:
+                grads.dormant_step_ended()
             number = self._start.at_boundary(
                 int(self._clock()), lambda: optimizer_step_count(self._optimizer)
             )

@@ -21,7 +21,10 @@ step sends no reduced sketch.
 Frameworks that reduce outside DDP's comm hook hand their reduced gradient over themselves: FSDP1
 NO_SHARD's hook adds each unit's all-reduced flat gradient (``add`` with a key:
 rankscope.frameworks.fsdp1), DeepSpeed ZeRO-0 each parameter's reduced ``.grad`` before its
-optimizer step (``add_tensors``: rankscope.frameworks.deepspeed).
+optimizer step (``add_tensors``: rankscope.frameworks.deepspeed), FSDP2 with a shard group of one
+rank each parameter's accumulated reduced ``.grad`` at the end of every backward that reduced,
+the step's last such read replacing the earlier ones (``reset`` then ``add_tensors``:
+rankscope.frameworks.fsdp2).
 
 Thread safety: ``begin_step`` and ``take`` run on the training thread in ``mon.step``; ``add``
 in the all-reduce's future callbacks, possibly on several communication threads at once (a lock
@@ -273,6 +276,15 @@ class ReducedSketch:
         with self._lock:
             self._complete = False
         self._counters["integrity_errors"] += 1
+
+    def unread(self) -> None:
+        """The step's reduced gradient was not at a point the framework path can read it (FSDP2:
+        a backward that left its reductions to a later finalization): the step sends no reduced
+        sketch unless a later read of the same step replaces this one (``reset`` then adds);
+        counted as ``integrity_unread``."""
+        with self._lock:
+            self._complete = False
+        self._counters["integrity_unread"] += 1
 
     def _skipped(self) -> None:
         with self._lock:

@@ -13,10 +13,24 @@ released, never retargeted away from the script's monitor.
 
 The clock: optimizer steps since that forward (``CLOCK_STEPS``, FSDP2's zero-code clock, the same
 ``ClockStart`` agreement); the step boundary is the step post-hook of the ``torch.optim``
-optimizer that holds the model's parameters. Megatron's ``FP32Optimizer`` wraps one; its fp16/bf16
-and distributed optimizers step fp32 copies (main parameters): where no ``torch.optim`` optimizer
-holds any of the model's own parameters, the attachment fails with a warning saying so and the
-model is left unwatched (docs/shim.md "Limits").
+optimizer that steps the model (``_optimizer_for``):
+
+- Megatron's ``FP32Optimizer`` wraps a ``torch.optim`` optimizer of the model's own parameters.
+- ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer`` of bf16/fp16 parameters wrap
+  one of float32 main parameters: whole copies (``param.main_param``) or this rank's shards of
+  them (``param.main_param`` with ``main_param_sharded``). That optimizer is found by those
+  tensors; its ``step`` runs once a Megatron step (``step_with_ready_grads``) unless Megatron
+  skips the step, which it does only with a loss scaler (fp16, or bf16 with ``loss_scale``) on
+  an overflow. ``DistributedOptimizer`` of float32 parameters steps shard views into the
+  parameter buffer (no ``main_param``): not found, the attachment fails with a warning saying so
+  (docs/shim.md "Limits"). So does a rank whose shard is empty (Megatron's stub optimizer).
+- A Megatron optimizer with a grad scaler is refused (the attachment fails, warned, naming
+  megatron-core's version and the optimizer): the gradients its buffers hold are the loss
+  scale times the local gradient, and the steps it skips would not be boundaries. fp16 models are
+  refused earlier by the model path (rankscope.frameworks.megatron) for the same reason.
+
+The local gradient is read where ``rst.attach(model)`` reads it (each bucket group's
+``start_grad_sync``), in the gradient buffer's dtype (bf16 unless ``grad_reduce_in_fp32``).
 
 The loss: Megatron's schedules backpropagate each micro-batch's loss divided by the number of
 micro-batches, so the step's loss is the sum of the backward losses (the loss capture's
@@ -25,6 +39,9 @@ micro-batches, so the step's loss is the sum of the backward losses (the loss ca
 Contract: nothing here raises into the training script; failures are warned through the
 attacher. Thread safety: training thread only.
 """
+
+import gc
+import sys
 
 import torch
 
@@ -84,5 +101,72 @@ class AttachedMegatron(AttachedFsdp2):
         return super()._pre_forward(module, inputs)
 
     def _install(self, model) -> None:
+        self._wrapper = None
         super()._install(model)
+        if self._wrapper is not None:
+            self.step_boundary = f"{self._wrapper}: {self.step_boundary}"
         self._attacher.capture.sum_losses = True  # see the module docstring
+
+    def _optimizer_for(self, model):
+        """The torch.optim optimizer that steps the model's parameters or Megatron's main
+        parameters of them (see the module docstring); RuntimeError when none, or when
+        Megatron's optimizer scales the loss."""
+        optimizer = self._attacher.optimizer_for(model)
+        if optimizer is not None:
+            return optimizer
+        # The lookup above scanned the heap: the process's optimizers are known now.
+        optimizer = _optimizer_of_main_params(model, self._attacher.known_optimizers())
+        mode = f"megatron-core {megatron._version()}"
+        if optimizer is None:
+            raise RuntimeError(
+                f"{mode}: no torch.optim optimizer holds the parameters of {self.KIND} or "
+                "Megatron's main parameters of them (its step is the step boundary such a model "
+                "is watched by)"
+            )
+        wrapper = _megatron_optimizer_of(optimizer)
+        if wrapper is None:
+            raise RuntimeError(
+                f"{mode}: no Megatron optimizer wraps the {type(optimizer).__name__} that steps "
+                f"the main parameters of {self.KIND}"
+            )
+        name = type(wrapper).__name__
+        if getattr(wrapper, "grad_scaler", None) is not None:
+            raise RuntimeError(
+                f"{mode} {name} with a loss scale (a grad scaler: fp16, or bf16 with "
+                "loss_scale) is not watched: Megatron's gradient buffers hold the scaled "
+                "gradients and it skips the steps that overflow"
+            )
+        self._wrapper = name
+        return optimizer
+
+
+def _optimizer_of_main_params(model, optimizers):
+    """The first of ``optimizers`` that holds Megatron's float32 main parameter (whole, or this
+    rank's shard: ``param.main_param``, which does not require a gradient) of one of the
+    model's parameters, or None."""
+    module = getattr(model, "module", model)
+    ids = {
+        id(p.main_param)
+        for p in module.parameters()
+        if p.requires_grad and getattr(p, "main_param", None) is not None
+    }
+    for opt in optimizers if ids else ():
+        for group in opt.param_groups:
+            if any(id(p) in ids for p in group["params"]):
+                return opt
+    return None
+
+
+def _megatron_optimizer_of(optimizer):
+    """The Megatron optimizer (``MegatronOptimizer`` subclass, not the chain) whose ``optimizer``
+    is ``optimizer``, or None. One heap walk (at install, on the training thread)."""
+    module = sys.modules.get("megatron.core.optimizer.optimizer")
+    base = getattr(module, "MegatronOptimizer", None)
+    if base is None:
+        return None
+    for o in gc.get_objects():
+        t = type(o)
+        if isinstance(t, type) and issubclass(t, base):
+            if getattr(o, "__dict__", {}).get("optimizer") is optimizer:
+                return o
+    return None

@@ -99,6 +99,10 @@ class Monitor:
         # shape of a model moved or cast after DDP wrapped it (pytorch#104336), not a setup
         # without backward.
         self._reduced_before = False
+        # CUDA graphs (_ddp_hook): a bucket of this step was reduced inside a capture; since one
+        # was, a step without buckets is (almost surely) a replay, which runs no Python hook.
+        self._step_in_capture = False
+        self._capture_seen = False
         # The four parts behind the monitor: the hook's sketching and fingerprinting, the
         # reports waiting for device copies, and the ranks' agreement on control steps. They
         # share the counters and the warned keys, and hold no reference to the monitor.
@@ -197,11 +201,27 @@ class Monitor:
         if self._closed:
             return
         s = self._step if step is None else int(step)
+        if self._capture_seen and torch.cuda.is_current_stream_capturing():
+            # Called inside the captured region: nothing here may launch, copy or query a
+            # device (a replay would not run it anyway); the step is numbered and skipped.
+            self.counters["steps_in_graph_capture"] += 1
+            self._step_in_capture = False
+            self._step = s + 1
+            return
         now = time.monotonic()
         if self._active:
-            if not self._sketcher.got_grads:
+            if self._step_in_capture:
+                self.counters["steps_in_graph_capture"] += 1  # warned by _bucket_in_capture
+            elif not self._sketcher.got_grads:
                 self.counters["steps_without_gradients"] += 1
-                if self._reduced_before:
+                if self._capture_seen:
+                    self._warn_once(
+                        "nograd-graph-replay",
+                        f"rankscope: mon.step() was called but no gradient bucket was "
+                        f"all-reduced outside a CUDA graph since the previous step (step {s}): "
+                        f"a replayed graph runs no Python hook, so its steps are not reported",
+                    )
+                elif self._reduced_before:
                     # The hooks fired before and no longer do: every rank now trains alone.
                     self._warn_once(
                         "nograd-after-reducing",
@@ -235,6 +255,7 @@ class Monitor:
                 dt if self._step_time_ema is None else (0.9 * self._step_time_ema + 0.1 * dt)
             )
         self._t_step_end = now
+        self._step_in_capture = False
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
@@ -352,6 +373,21 @@ class Monitor:
         if self._sketcher.got_grads or self._sketcher.seen_params:
             self._reset_accumulators()
 
+    def _bucket_in_capture(self) -> None:
+        """The comm hook saw a bucket reduced while its CUDA stream is being captured into a
+        graph: the step is not reported (its other buckets' sketches would be partial) and the
+        hook only chained the reduction (see _ddp_hook)."""
+        self.counters["graph_captured_buckets"] += 1
+        self._step_in_capture = self._capture_seen = True
+        self._warn_once(
+            "graph-capture",
+            "rankscope: a gradient bucket was all-reduced inside a CUDA graph capture "
+            "(torch.cuda.graph / make_graphed_callables): rankscope does not sketch inside a "
+            "captured graph (a replay runs no Python, and its kernels would write into buffers "
+            "it has freed); the captured step and its replays are not reported, steps run "
+            "eagerly are. Training is unaffected.",
+        )
+
     def _hook_failed(self, e: Exception) -> None:
         self.counters["hook_errors"] += 1
         self._warn_once(
@@ -409,6 +445,7 @@ class Monitor:
                 batch,
                 reduced_grad_fingerprint=None if grad_fp is None else _fp.to_uint64(grad_fp),
                 param_fingerprint=None if param_fp is None else _fp.to_uint64(param_fp),
+                replica_set=None if param_fp is None else self._replica.replica_set,
                 reduced_grad_norm=None
                 if reduced_ss is None
                 else math.sqrt(max(float(reduced_ss), 0.0)),
@@ -471,6 +508,7 @@ class Monitor:
             self._after_record,
             bucket_sq=sketcher.bucket_sq(device),
             reduced=reduced,
+            replica_set=self._replica.replica_set,
         )
 
     def _after_record(self, err: str) -> None:

@@ -54,6 +54,11 @@ class ReplicaFingerprints:
                 f"replica_check must be one of {REPLICA_CHECKS}, got {replica_check!r}"
             )
         self.replica_check = replica_check
+        # Which replica set the parameter fingerprint belongs to (StepReport.replica_set): the
+        # ranks that send the same value hold replicas of the same values and are compared with
+        # each other only. None: the one set of the whole group (DDP). A framework path sets it
+        # (FSDP2 HSDP: the rank's shard index, rankscope.frameworks.fsdp2).
+        self.replica_set = None
         # The float summaries of the step being closed (tolerance mode, CPU tensors; None
         # otherwise): the parameters' (projections, rounding) at a parameter check, and the
         # reduced gradient's (projections, rounding, precision). What the step's report carries.

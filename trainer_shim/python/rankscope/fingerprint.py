@@ -34,6 +34,7 @@ import torch
 
 from rankscope import _backend
 from rankscope import triton_kernels as _tk
+from rankscope.torch_sketch import flat_contiguous
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,9 +77,7 @@ def _device_choice(t: torch.Tensor):
 
 def fold_cpu(values: torch.Tensor, offset: int):
     """(F as uint64 int, sum of squares as float) of a CPU tensor with the C++ kernel."""
-    flat = values.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(values)
     return _native.fingerprint_segments(
         flat.data_ptr(), _NATIVE_CODES[flat.dtype], [0], [flat.numel()], [offset]
     )
@@ -86,11 +85,9 @@ def fold_cpu(values: torch.Tensor, offset: int):
 
 def fold_segments_cpu(buffer: torch.Tensor, layout: "SegmentLayout"):
     """(F as uint64 int, sum of squares over the segments as float) with the C++ kernel."""
-    flat = buffer.detach().reshape(-1)
-    if flat.numel() != layout.numel:
-        raise ValueError(f"buffer has {flat.numel()} elements, layout {layout.numel}")
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    if buffer.numel() != layout.numel:
+        raise ValueError(f"buffer has {buffer.numel()} elements, layout {layout.numel}")
+    flat = flat_contiguous(buffer)
     return _native.fingerprint_segments(
         flat.data_ptr(),
         _NATIVE_CODES[flat.dtype],
@@ -139,9 +136,7 @@ def _terms(flat: torch.Tensor) -> torch.Tensor:
 def fold(values: torch.Tensor, offset: int) -> torch.Tensor:
     """F of ``values`` (flattened, contiguous or not) as global indices [offset, offset + n).
     A 0-d int64 tensor on the values' device."""
-    flat = values.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(values)
     n = flat.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)

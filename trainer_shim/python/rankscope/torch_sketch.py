@@ -38,6 +38,13 @@ _MASK64 = (1 << 64) - 1
 SKETCH_MIX_CONSTANTS = tuple(int(c) for c in _native.SKETCH_MIX_CONSTANTS)
 
 
+def flat_contiguous(values: torch.Tensor) -> torch.Tensor:
+    """``values`` detached and viewed as one flat contiguous tensor (a copy only when its memory
+    is not already one run, as a strided view's): what every kernel of the package reads."""
+    flat = values.detach().reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def _s64(x: int) -> int:
     """The int64 with the same 64-bit pattern as the uint64 ``x``."""
     x &= _MASK64

@@ -44,7 +44,7 @@ try:
 except ImportError:  # a torch without Triton (e.g. torch 2.2 on Python 3.12): the torch-op path
     triton = None
 
-from rankscope.torch_sketch import SKETCH_MIX_CONSTANTS
+from rankscope.torch_sketch import SKETCH_MIX_CONSTANTS, flat_contiguous
 
 # SketchMix's constants, the package's one Python definition (rankscope.torch_sketch, from
 # agent/include/rankscope/sketch.h), passed to the kernels as arguments: Triton types an argument
@@ -355,9 +355,7 @@ def sketch_add(
     """Adds the flat view of ``values`` as coordinates [offset, offset + numel) into the
     partial sums ``rows`` and ``ss`` (``sketch_partials``), on the values' device, in one
     launch of ``variant`` (rankscope._backend.sketch_variant). Requires dim >= 32."""
-    flat = values.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = flat_contiguous(values)
     n = flat.numel()
     if n == 0:
         return

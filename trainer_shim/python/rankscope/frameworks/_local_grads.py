@@ -15,7 +15,10 @@ asked or once a step reduced a parameter twice, a running float32 sum of each pa
 gradient for the step (memory: one unsharded copy of the model's gradients per rank), and the
 step's norm is that sum's exact norm. A step that reduced a parameter twice before the sum was kept
 is not reported (counted as ``shim_accumulation_unseen``, warned once): nothing is reported that is
-not the local gradient it claims to be.
+not the local gradient it claims to be. A model attached from outside the script
+(rankscope._fsdp2_attach) learns it before its first reported step instead: while the ranks agree
+on that step, the attachment marks each optimizer step's end (``dormant_step_ended``) and
+``add`` notes which parameters each step reduced, so that first step already keeps the sums.
 
 Thread safety: ``add`` runs where the framework's hook runs (the autograd thread, or FSDP1's
 post-backward stream context on the same thread) while backward runs; ``reset`` and ``close_step``
@@ -120,22 +123,52 @@ class StepGradients:
         self._auto = keep is None
         self._keep = bool(keep)
         self._reductions = 0
+        self._dormant_seen = None  # parameters reduced in the dormant step (dormant_step_ended)
         monitor._sketcher.restart_on_repeat = False
         self.reset()
 
+    def dormant_step_ended(self) -> None:
+        """(rankscope._fsdp2_attach) An optimizer step ended while the monitor is not active yet
+        (a live attach agreeing on its first step): from now on, until the monitor is active,
+        ``add`` only notes which parameters each step reduced, and in the default mode a
+        parameter reduced twice in one such step keeps the running sums from the first reported
+        step on, so that step is reported too (``learning``)."""
+        if self._auto and not self._keep:
+            self._dormant_seen = set()
+
+    @property
+    def learning(self) -> bool:
+        """Whether ``add`` wants the reductions while the monitor is not active."""
+        return self._dormant_seen is not None and not self._keep
+
     def reset(self) -> None:
         self._seen = set()
-        self._sums = {}  # offset -> float32 running sum (kept mode)
+        self._sums = {}  # offset -> float32 running sum, flat (kept mode)
         self._repeated = False
         self._unseen = False  # a repeat came before the sum was kept
 
     def add(self, specs, grads) -> None:
         """Sketches one reduction's local gradients (``specs[i]`` holds ``grads[i]``, in the
-        parameter's shape) and, in kept mode, adds them to the step's running sums."""
+        parameter's shape) and, in kept mode, adds them to the step's running sums. A few torch
+        calls a reduction whatever its number of parameters: the sums of the parameters first
+        seen this step are views of one new float32 buffer a device, filled by one
+        ``_foreach_copy_``; the others take one ``_foreach_add_``. The buffers live until the
+        step's ``reset`` (as many bytes as the sums, allocated when the gradients are)."""
         monitor = self._monitor
         if not monitor._active:
+            if self.learning:
+                offsets = {spec.offset for spec in specs}
+                if offsets & self._dormant_seen:
+                    self._keep = True  # reduces every micro-batch: keep the sums from the start
+                self._dormant_seen |= offsets
             return
+        self._dormant_seen = None  # reporting began: the steps tell from now on
+        # Counted first: a reduction that fails below still changed the reduced gradient (the
+        # FSDP2 aggregation check re-reads it when this count moved).
+        self._reductions += 1
         try:
+            firsts = {}  # device -> ([offset], [flat gradient])
+            sums, more = [], []
             for spec, g in zip(specs, grads):
                 off = spec.offset
                 if off in self._seen:
@@ -144,12 +177,21 @@ class StepGradients:
                     if acc is None:
                         self._unseen = True
                     else:
-                        acc.add_(g.detach().reshape(spec.shape))
+                        sums.append(acc)
+                        more.append(g.detach().reshape(-1))
                 else:
                     self._seen.add(off)
                     if self._keep:
-                        self._sums[off] = g.detach().reshape(spec.shape).to(torch.float32).clone()
-            self._reductions += 1
+                        offs, flats = firsts.setdefault(g.device, ([], []))
+                        offs.append(off)
+                        flats.append(g.detach().reshape(-1))
+            for device, (offs, flats) in firsts.items():
+                numels = [f.numel() for f in flats]
+                views = torch.empty(sum(numels), dtype=torch.float32, device=device).split(numels)
+                torch._foreach_copy_(views, flats)  # casts to float32
+                self._sums.update(zip(offs, views))
+            if sums:
+                torch._foreach_add_(sums, more)
             monitor._add_bucket(_Bucket(self._reductions, list(specs), list(grads)))
         except Exception as e:  # monitoring must never break training
             monitor._hook_failed(e)
@@ -179,15 +221,25 @@ class StepGradients:
                 "micro-batches)",
             )
             return False, None
-        sums = list(self._sums.values())
-        device = sums[0].device if sums else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for acc in sums:
-            a = acc.double()
-            total += torch.dot(a.reshape(-1), a.reshape(-1))
-        if device.type == "cpu":
-            return True, float(total)
-        return True, total
+        total = _sum_of_squares(list(self._sums.values()))
+        return True, (float(total) if total.device.type == "cpu" else total)
+
+
+def _sum_of_squares(tensors):
+    """sum_i ||t_i||^2 of float32 tensors, accumulated in float64 (a 0-d float64 tensor on their
+    device; CPU when there are none): one ``_foreach_norm`` computed in float64 where torch takes
+    its ``dtype`` (2.3 and later), a float64 dot a tensor before."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    try:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    except TypeError:  # torch 2.2: no dtype
+        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+        for t in tensors:
+            a = t.double().reshape(-1)
+            total += torch.dot(a, a)
+        return total
+    return torch.stack(norms).square().sum()
 
 
 class Unwatched:
