@@ -242,6 +242,9 @@ RANKSCOPE_TARGET_AVX2 inline __m256 Load8Avx2(const unsigned char* p) {
   }
 }
 
+// Long: one vector loop whose state (the partial squares, run's and call's) must stay in named
+// registers across the inlined block and run-end lambdas; split into functions, it would be
+// spilled to memory on every block (see the note on sq0 .. sq3).
 template <ScalarType kType, bool kPow2>
 RANKSCOPE_TARGET_AVX2 void BodyAvx2(const unsigned char* data, size_t blocks, uint64_t first,
                                     const KernelArgs& a) {
