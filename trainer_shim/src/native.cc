@@ -66,8 +66,9 @@ absl::StatusOr<ScalarType> ToScalarType(int dtype) {
 const void* AsPointer(uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
 // A bucket's kernels release the GIL from this many elements on (a few microseconds of work):
-// below it, handing the GIL to another thread and waiting to get it back (the comm hook's
-// autograd thread and the all-reduce callback's thread take turns) costs more than the kernel.
+// below it the kernel is shorter than the risk it buys, handing the GIL to another thread (the
+// comm hook's autograd thread and the all-reduce callback's thread take turns) and waiting to get
+// it back. (Not measured apart: docs/PERFORMANCE.md's runs show no difference from it alone.)
 constexpr size_t kReleaseGilElements = size_t{1} << 16;
 
 // Where one DDP gradient bucket's parameters lie in its flat buffer and in the global flat
