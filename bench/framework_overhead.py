@@ -100,30 +100,35 @@ def interleaved(rank, args, units):
     return times
 
 
-def fsdp2_rows(rank, world, args):
+def _sharded_rows(rank, args, framework, mode, wrap):
+    """FSDP2's and FSDP1's rows: ``wrap(TinyLM)`` three times, each micro-batch reduced (the
+    rankscope variant keeps the float32 sum), the variants interleaved a step at a time."""
     import rankscope.torch as rst
     from shim_harness import TinyLM
-    from torch.distributed.fsdp import fully_shard
 
     units = {}
     for variant in ("plain", "plain-2", "rankscope"):
         torch.manual_seed(7)
-        model = fully_shard(TinyLM(d=args.d_model, ff=4 * args.d_model))
+        model = wrap(TinyLM(d=args.d_model, ff=4 * args.d_model))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         mon = None
         if variant == "rankscope":
             mon = rst.attach(
                 model,
                 collector=args.collector,
-                job="bench-fsdp2",
+                job=f"bench-{framework}",
                 warn_after=1e9,
                 accumulate_local_grad=args.accum > 1,
             )
-
         units[variant] = _micro_steps(rank, args, model, opt, mon)
     times = interleaved(rank, args, units)
-    params = _tiny_params(args)
-    return [summary("fsdp2", "FSDP", params, args, *(times[v] for v in units))]
+    return [summary(framework, mode, _tiny_params(args), args, *(times[v] for v in units))]
+
+
+def fsdp2_rows(rank, world, args):
+    from torch.distributed.fsdp import fully_shard
+
+    return _sharded_rows(rank, args, "fsdp2", "FSDP", fully_shard)
 
 
 def _micro_steps(rank, args, model, opt, mon, *, before=None, after=None):
@@ -151,29 +156,12 @@ def _micro_steps(rank, args, model, opt, mon, *, before=None, after=None):
 
 
 def fsdp1_rows(rank, world, args):
-    """FSDP1 FULL_SHARD of the whole TinyLM (each micro-batch reduced: the rankscope variant keeps
-    the float32 sum), the three variants interleaved a step at a time."""
-    import rankscope.torch as rst
-    from shim_harness import TinyLM
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    units = {}
-    for variant in ("plain", "plain-2", "rankscope"):
-        torch.manual_seed(7)
-        model = FSDP(TinyLM(d=args.d_model, ff=4 * args.d_model), device_id=torch.device("cpu"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        mon = None
-        if variant == "rankscope":
-            mon = rst.attach(
-                model,
-                collector=args.collector,
-                job="bench-fsdp1",
-                warn_after=1e9,
-                accumulate_local_grad=args.accum > 1,
-            )
-        units[variant] = _micro_steps(rank, args, model, opt, mon)
-    times = interleaved(rank, args, units)
-    return [summary("fsdp1", "FULL_SHARD", _tiny_params(args), args, *(times[v] for v in units))]
+    def wrap(model):
+        return FSDP(model, device_id=torch.device("cpu"))
+
+    return _sharded_rows(rank, args, "fsdp1", "FULL_SHARD", wrap)
 
 
 def compile_rows(rank, world, args):

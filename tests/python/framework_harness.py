@@ -671,6 +671,21 @@ def megatron_optimizers_on_cpu() -> None:
 # reduced gradient of this step is perturbed by this fraction of its norm on every rank, after
 # Megatron's all-reduce (the same wrong mean everywhere); the truth checks read the local
 # gradients only.
+def check_corrupted_sum(rows, scenario, corrupt) -> None:
+    """The aggregation check's rows (step, ratio, relative error, fault, suspect) of a job whose
+    every step was checked: the step ``corrupt`` = (scenario, step, relative size) perturbed the
+    same on every rank after the reduction is flagged as a wrong sum, its size measured within
+    half, no rank named; every other step is clean."""
+    name, bad_step, relative = corrupt
+    for step, ratio, rel, fault, suspect in rows:
+        assert ratio is not None, f"step {step} not checked: {rows}"
+        if scenario == name and step == bad_step:
+            assert fault == "sum" and suspect is None, rows
+            assert ratio > 1.0 and abs(rel - relative) < 0.5 * relative, rows
+        else:
+            assert fault == "" and ratio <= 1.0, rows
+
+
 MEGATRON_CORRUPT = ("allreduce-accum", 1, 2e-4)
 
 
