@@ -709,6 +709,40 @@ def corrupt_finish_grad_sync(model, current: dict, step: int, relative: float) -
         group.finish_grad_sync = finish_grad_sync
 
 
+def _megatron_refusals(model, job):
+    """``rst.attach`` of ``model`` under a megatron-core version outside the tested ones, and of
+    an fp16 model (Megatron's buffers hold loss-scaled gradients; never trained here): each must
+    return the Unwatched stand-in. Returns (the first's stand-in, the RuntimeWarnings' texts)."""
+    from megatron.core import package_info
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    import rankscope.torch as rst
+    from rankscope.frameworks._local_grads import Unwatched
+
+    real = package_info.__version__
+    package_info.__version__ = "0.99.0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = rst.attach(model, collector="127.0.0.1:1", job=job)
+    package_info.__version__ = real
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert isinstance(mon, Unwatched), mon
+    fp16 = DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, fp16=True),
+        DistributedDataParallelConfig(),
+        TinyLM(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused_fp16 = rst.attach(fp16, collector="127.0.0.1:1", job=f"{job}-fp16")
+    assert isinstance(refused_fp16, Unwatched), refused_fp16
+    messages += [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return mon, messages
+
+
+# Long: one rank's run of every Megatron scenario against its reference replica, step by step;
+# the overlap, the corrupted reduction and the refusals act at their places in that loop.
 def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, sketch_dim, names):
     """Megatron-core DistributedDataParallel (MEGATRON_SCENARIOS: all-reduce or reduce-scatter,
     overlapped or not; grad_reduce_in_fp32; without overlap_grad_reduce Megatron makes one
@@ -725,7 +759,6 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
     from megatron.core.transformer import TransformerConfig
 
     import rankscope.torch as rst
-    from rankscope.frameworks._local_grads import Unwatched
 
     parallel_state.initialize_model_parallel()
     for name in [n for n in names if n in MEGATRON_SCENARIOS]:
@@ -750,25 +783,7 @@ def megatron_worker(rank, world_size, collector, job_prefix, out_dir, steps, ske
             corrupt_finish_grad_sync(model, current, *MEGATRON_CORRUPT[1:])
         messages = []
         if refused:
-            real = package_info.__version__
-            package_info.__version__ = "0.99.0"
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                mon = rst.attach(model, collector="127.0.0.1:1", job=job)
-            package_info.__version__ = real
-            messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-            assert isinstance(mon, Unwatched), mon
-            # fp16: Megatron's buffers hold loss-scaled gradients (never trained here).
-            fp16 = DistributedDataParallel(
-                TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, fp16=True),
-                DistributedDataParallelConfig(),
-                TinyLM(),
-            )
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                refused_fp16 = rst.attach(fp16, collector="127.0.0.1:1", job=f"{job}-fp16")
-            assert isinstance(refused_fp16, Unwatched), refused_fp16
-            messages += [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            mon, messages = _megatron_refusals(model, job)
         else:
             mon = rst.attach(model, collector=collector, job=job, sketch_dim=sketch_dim)
             assert mon.framework == f"megatron-core {package_info.__version__} ddp", mon

@@ -57,6 +57,9 @@ def exact_worker(rank, world_size, collector, out_dir, steps, sketch_dim, scenar
         exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario)
 
 
+# Long: one rank's run of one scenario against its reference replica, step by step; the
+# scenario's options (accumulation, unused branch, perturbation) act at their places in that
+# loop, which split into helpers would be handed its whole state.
 def exact_scenario(rank, world_size, collector, job, out_dir, steps, sketch_dim, scenario):
     """``scenario``: {"framework": "fsdp2"|"fsdp1"|"compile", "mode": ..., "backend": torch.compile's
     (default aot_eager), "accum": micro-batches
