@@ -48,6 +48,7 @@ import torch
 from rankscope import _backend, _native
 from rankscope import fingerprint as _fp
 from rankscope._buckets import DEFAULT_MAX_BUCKETS, group_parameters
+from rankscope._torch_compat import foreach_norms
 from rankscope._device_sketch import DeviceSketch
 from rankscope.fingerprint import SegmentLayout
 
@@ -283,7 +284,7 @@ class BucketSketcher:
             if not keep:
                 return
             chosen = [grads[k] for k in keep]
-            norms = torch._foreach_norm(chosen, 2, dtype=torch.float32)
+            norms = foreach_norms(chosen, torch.float32)
             acc = self._bucket_sq.get(chosen[0].device)
             if acc is None:
                 acc = self._bucket_sq[chosen[0].device] = torch.zeros(

@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from rankscope._adapters import SelfReduced
+from rankscope._torch_compat import foreach_norms
 
 
 class ParamSpec:
@@ -227,19 +228,10 @@ class StepGradients:
 
 def _sum_of_squares(tensors):
     """sum_i ||t_i||^2 of float32 tensors, accumulated in float64 (a 0-d float64 tensor on their
-    device; CPU when there are none): one ``_foreach_norm`` computed in float64 where torch takes
-    its ``dtype`` (2.3 and later), a float64 dot a tensor before."""
+    device; CPU when there are none), with one ``_foreach_norm`` computed in float64."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    try:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-    except TypeError:  # torch 2.2: no dtype
-        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
-        for t in tensors:
-            a = t.double().reshape(-1)
-            total += torch.dot(a, a)
-        return total
-    return torch.stack(norms).square().sum()
+    return torch.stack(foreach_norms(tensors, torch.float64)).square().sum()
 
 
 class Unwatched:
